@@ -1,0 +1,7 @@
+"""megatron_bridge: one Hydra recipe → a validated Megatron-core / DeepSpeed layout.
+
+Importing the package is cheap on purpose (no torch, no megatron): `mbr check` must answer
+for 16,384 ranks in well under a second on a laptop.
+"""
+
+__version__ = "0.1.0"

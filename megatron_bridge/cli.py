@@ -1,0 +1,54 @@
+"""`mbr`: one console script, one subcommand per tool.
+
+Subcommands are looked up lazily in `COMMANDS` (module path, function) so that `mbr check`
+imports neither torch nor megatron-core. Each command function takes the remaining argv
+(Hydra-style `key=value` overrides plus `--flags`) and returns an exit code; user errors
+are raised as `UserError` and printed by `run_cli` without a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Dict, Sequence, Tuple
+
+from megatron_bridge.errors import UserError, run_cli
+
+COMMANDS: Dict[str, Tuple[str, str, str]] = {
+    "check": ("megatron_bridge.commands.check", "main", "validate a recipe's layout and print its rank map"),
+}
+
+USAGE = """usage: mbr <command> [recipe=NAME] [key=value ...] [--flags]
+
+commands:
+{commands}
+
+Every key of every config group can be overridden: parallel.tp=4 parallel.pp=2 zero.stage=1
+model=llama3_70b cluster=dgx_h100 cluster.nodes=8. `--cfg job` prints the resolved config.
+"""
+
+
+def usage() -> str:
+    cmds = "\n".join(f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items())
+    return USAGE.format(commands=cmds)
+
+
+def dispatch(argv: Sequence[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], list(argv[1:])
+    if name not in COMMANDS:
+        raise UserError(f"unknown command {name!r}; commands are: {', '.join(COMMANDS)}. See `mbr --help`.")
+    module, func, _ = COMMANDS[name]
+    return getattr(importlib.import_module(module), func)(rest)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    code = run_cli(dispatch, list(sys.argv[1:] if argv is None else argv))
+    sys.exit(code) if argv is None else None
+    return code
+
+
+if __name__ == "__main__":
+    main()

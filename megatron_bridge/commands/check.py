@@ -1,0 +1,29 @@
+"""`mbr check`: compose a recipe, validate its layout, print the rank map.
+
+Exit 0 with the rank map, or exit 2 with every violated rule. Creates no process group
+and imports no torch: it answers for 16,384 ranks in well under a second.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from megatron_bridge.config.compose import compose, to_yaml
+from megatron_bridge.parallel.dims import validate
+from megatron_bridge.parallel.topology import Topology
+
+
+def main(argv: Sequence[str]) -> int:
+    cfg, args = compose(argv)
+    if args.cfg:
+        print(to_yaml(cfg), end="")
+        return 0
+    dims, notes = validate(cfg)
+    full = "--full" in args.flags
+    print(f"recipe {args.recipe}: model {cfg.model.name} on {dims.nodes} node(s) × {dims.gpus_per_node} "
+          f"({cfg.cluster.name})")
+    print(f"layout OK: {dims.describe()}")
+    for n in notes:
+        print(f"note: {n}")
+    print(Topology(dims).format_rank_map(max_nodes=dims.nodes if full else 4, moe=bool(cfg.model.num_moe_experts)))
+    return 0

@@ -1,0 +1,90 @@
+"""`model.hf_path=DIR`: fill the model group from a Hugging Face `config.json`.
+
+Only reads JSON (no transformers import): `mbr check` and `mbr plan` must stay fast. The
+key table below is the one place that knows HF's config names; family-specific defaults
+that HF leaves implicit (Qwen2's QKV bias, Qwen3's QK-norm) come from `FAMILY_DEFAULTS`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+from megatron_bridge.errors import UserError
+
+# ModelConfig field <- first HF key present.
+HF_KEYS: Dict[str, tuple] = {
+    "num_layers": ("num_hidden_layers", "n_layer"),
+    "hidden_size": ("hidden_size", "n_embd"),
+    "ffn_hidden_size": ("intermediate_size", "n_inner"),
+    "num_attention_heads": ("num_attention_heads", "n_head"),
+    "num_query_groups": ("num_key_value_heads",),
+    "kv_channels": ("head_dim",),
+    "vocab_size": ("vocab_size",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+    "tie_word_embeddings": ("tie_word_embeddings",),
+    "norm_epsilon": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
+    "rotary_base": ("rope_theta",),
+    "num_moe_experts": ("num_local_experts", "num_experts"),
+    "moe_router_topk": ("num_experts_per_tok",),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
+    "add_qkv_bias": ("attention_bias",),
+}
+
+# model_type -> (family, implicit settings HF does not write into config.json)
+FAMILY_DEFAULTS: Dict[str, tuple] = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {"add_qkv_bias": True}),
+    "qwen3": ("qwen3", {"qk_layernorm": True}),
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {"add_qkv_bias": True}),
+}
+
+
+def read_hf_config(path: str | Path) -> Dict[str, Any]:
+    p = Path(path)
+    cfg_file = p / "config.json" if p.is_dir() else p
+    if not cfg_file.is_file():
+        raise UserError(
+            f"model.hf_path={path}: no config.json there. Point model.hf_path at a Hugging "
+            "Face model directory (the one `save_pretrained` wrote)."
+        )
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_file} is not valid JSON ({e}); re-export the model config.") from e
+
+
+def hf_to_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
+    """Map an HF config dict to ModelConfig field values."""
+    model_type = hf.get("model_type", "")
+    if model_type not in FAMILY_DEFAULTS:
+        raise UserError(
+            f"unsupported model_type {model_type!r} in config.json: supported families are "
+            f"{', '.join(sorted(FAMILY_DEFAULTS))}. Add a family table to support it."
+        )
+    family, implicit = FAMILY_DEFAULTS[model_type]
+    out: Dict[str, Any] = {"family": family, "name": hf.get("_name_or_path") or model_type}
+    out.update(implicit)
+    for field_name, keys in HF_KEYS.items():
+        for k in keys:
+            if hf.get(k) is not None:
+                out[field_name] = hf[k]
+                break
+    rope = hf.get("rope_parameters") or {}
+    if "rotary_base" not in out and rope.get("rope_theta") is not None:
+        out["rotary_base"] = rope["rope_theta"]
+    if out.get("num_moe_experts") is not None and "moe_ffn_hidden_size" not in out:
+        out["moe_ffn_hidden_size"] = out.get("ffn_hidden_size")
+    out["rotary_base"] = float(out.get("rotary_base", 10000.0))
+    out["norm_epsilon"] = float(out.get("norm_epsilon", 1e-5))
+    return out
+
+
+def apply_hf_config(model_node: Any, path: str) -> None:
+    """Overwrite the model node's fields with the values read from `path`/config.json."""
+    for k, v in hf_to_model_fields(read_hf_config(path)).items():
+        setattr(model_node, k, v)

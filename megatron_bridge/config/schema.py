@@ -1,0 +1,166 @@
+"""Typed schema of every config group (OmegaConf structured configs).
+
+Each dataclass is the schema of one group under `conf/`. Composing a recipe merges the
+group YAMLs into these types, so an unknown key or a wrong type is an error at compose time
+instead of a silently ignored value. Field names are the CLI names (`parallel.tp=4`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass
+class ModelConfig:
+    """Architecture facts the layout, the planner and the bridge need.
+
+    Filled from a group YAML (`model=llama3_8b`) or, when `hf_path` is set, from that
+    directory's `config.json` (which then wins over the group's values).
+    """
+
+    name: str = "custom"
+    hf_path: Optional[str] = None
+    family: str = "llama"  # bridge family: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, gpt
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # KV heads; None = multi-head attention
+    kv_channels: Optional[int] = None  # head dim; None = hidden / heads
+    vocab_size: int = 1024
+    max_position_embeddings: int = 2048
+    make_vocab_size_divisible_by: int = 128
+    tie_word_embeddings: bool = False
+    gated_linear_unit: bool = True  # SwiGLU
+    normalization: str = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    rotary_base: float = 10000.0
+    num_moe_experts: Optional[int] = None  # None = dense
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. dp=-1 infers DP from the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallel; None = tp
+    dp: int = -1
+    vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved 1F1B)
+    sequence_parallel: bool = False
+    # Uneven pipeline split (megatron-core num_layers_in_{first,last}_pipeline_stage).
+    layers_first_stage: Optional[int] = None
+    layers_last_stage: Optional[int] = None
+    # TP/CP groups spanning nodes is almost always a mistake; this turns the error into a warning.
+    allow_cross_node_tp: bool = False
+
+
+@dataclass
+class ZeroConfig:
+    """ZeRO stage and the DeepSpeed `zero_optimization` knobs it maps to."""
+
+    stage: int = 0
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    offload_optimizer: str = "none"  # none | cpu
+    offload_param: str = "none"  # none | cpu (stage 3 only)
+    # Raw ds_config keys merged last (user override of the generated config).
+    ds_config: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ClusterConfig:
+    """The machines: how many, how big, how connected. Bandwidths are per GPU, GB/s."""
+
+    name: str = "custom"
+    nodes: int = 1
+    gpus_per_node: int = 1
+    gpu_memory_gb: float = 80.0
+    peak_tflops: float = 312.0  # dense bf16 per GPU
+    intra_node_bandwidth_gbps: float = 300.0  # NVLink, GB/s per GPU, one direction
+    inter_node_bandwidth_gbps: float = 25.0  # InfiniBand, GB/s per GPU, one direction
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
+    hostnames: List[str] = field(default_factory=list)
+    hostfile: Optional[str] = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    rdzv_backend: str = "c10d"
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 10
+    decay_style: str = "cosine"
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"  # synthetic | indexed
+    paths: List[str] = field(default_factory=list)  # indexed dataset prefixes (no .bin/.idx)
+    tokenizer: Optional[str] = None  # local HF tokenizer directory
+    split: str = "98,2,0"
+    num_workers: int = 0
+
+
+@dataclass
+class TrainConfig:
+    engine: str = "megatron"  # megatron | deepspeed
+    seq_length: int = 128
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    grad_accum: Optional[int] = None  # None = global / (micro * dp)
+    steps: int = 10
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    recompute: str = "none"  # none | selective | full
+    log_interval: int = 1
+    init_from: Optional[str] = None  # HF dir or `mbr convert` output
+    timeout_minutes: float = 10.0  # process-group timeout: a dead rank ends the job
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    save_interval: int = 0  # 0 = only at the end
+    resume: bool = False
+
+
+@dataclass
+class Config:
+    """The whole resolved recipe."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: bool = False
