@@ -60,11 +60,11 @@ class ParallelDims:
         parts = [f"tp{self.tp}", f"pp{self.pp}"]
         if self.vpp:
             parts.append(f"vpp{self.vpp}")
-        parts += [f"cp{self.cp}", f"ep{self.ep}", f"etp{self.etp}", f"dp{self.dp}"]
+        parts += [f"cp{self.cp}", f"ep{self.ep}", f"etp{self.etp}", f"dp{self.dp or '?'}"]
         sp = " sp" if self.sequence_parallel else ""
         return (
             f"{'·'.join(parts)}{sp} zero{self.zero_stage} world={self.world_size} "
-            f"mbs={self.micro_batch_size} gbs={self.global_batch_size} accum={self.grad_accum}"
+            f"mbs={self.micro_batch_size} gbs={self.global_batch_size} accum={self.grad_accum or '?'}"
         )
 
     # -- construction -------------------------------------------------------------------
