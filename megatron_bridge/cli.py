@@ -16,6 +16,7 @@ from megatron_bridge.errors import UserError, run_cli
 
 COMMANDS: Dict[str, Tuple[str, str, str]] = {
     "check": ("megatron_bridge.commands.check", "main", "validate a recipe's layout and print its rank map"),
+    "launch": ("megatron_bridge.commands.launch", "main", "launch a recipe with torchrun, deepspeed or Slurm (--dry-run prints)"),
 }
 
 USAGE = """usage: mbr <command> [recipe=NAME] [key=value ...] [--flags]

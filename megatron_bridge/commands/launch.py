@@ -1,0 +1,152 @@
+"""`mbr launch`: put a recipe on torchrun, the deepspeed launcher or Slurm.
+
+We generate the launchers' own command lines (torchrun's c10d rendezvous, a DeepSpeed
+hostfile, an sbatch script running one torchrun agent per node under srun) instead of
+managing processes ourselves. `--dry-run` prints them with the validated rank map; without
+it, a single-node launch execs the local command. Multi-node launches must be started on
+each node (or through Slurm): we print exactly what to run where.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+from megatron_bridge.config.compose import compose
+from megatron_bridge.config.schema import Config
+from megatron_bridge.errors import UserError
+from megatron_bridge.parallel.dims import validate
+from megatron_bridge.parallel.topology import Topology
+
+ENTRY = ["-m", "megatron_bridge.train"]
+LAUNCHERS = ("torchrun", "deepspeed", "slurm")
+
+
+@dataclasses.dataclass
+class LaunchConfig(Config):
+    launcher: str = "torchrun"
+    job_name: str = "mbr"
+    output: str = ""  # where to write the hostfile / sbatch script (default: print only)
+
+
+def hosts(cfg) -> List[str]:
+    """Node hostnames: cluster.hostnames, else cluster.hostfile, else master_addr for 1 node."""
+    c = cfg.cluster
+    if c.hostfile:
+        p = Path(c.hostfile)
+        if not p.is_file():
+            raise UserError(f"cluster.hostfile={c.hostfile} does not exist. Create it (one `host slots=N` line per "
+                            "node) or list the nodes in cluster.hostnames=[a,b].")
+        names = [ln.split()[0] for ln in p.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    else:
+        names = list(c.hostnames) or ([c.master_addr] if c.nodes == 1 else [])
+    if c.nodes > 1 and len(names) != c.nodes and cfg.launcher != "slurm":
+        raise UserError(f"cluster.nodes={c.nodes} but {len(names)} host(s) are known ({names}). Set "
+                        "cluster.hostnames=[host1,host2,...] or cluster.hostfile=FILE with one line per node.")
+    return names
+
+
+def job_args(argv_overrides: Sequence[str], recipe: str) -> List[str]:
+    keep = [o for o in argv_overrides if not o.split("=", 1)[0] in ("launcher", "job_name", "output")]
+    return [f"recipe={recipe}", *keep]
+
+
+def torchrun_commands(cfg, args: List[str]) -> Dict[str, str]:
+    c = cfg.cluster
+    master = hosts(cfg)[0] if c.nodes > 1 else c.master_addr
+    out = {}
+    for node in range(c.nodes):
+        cmd = ["torchrun", f"--nnodes={c.nodes}", f"--node-rank={node}", f"--nproc-per-node={c.gpus_per_node}",
+               f"--rdzv-backend={c.rdzv_backend}", f"--rdzv-endpoint={master}:{c.master_port}",
+               f"--rdzv-id={cfg.job_name}", *ENTRY, *args]
+        out[f"node {node}" + (f" ({hosts(cfg)[node]})" if c.nodes > 1 else "")] = shlex.join(cmd)
+    return out
+
+
+def deepspeed_files(cfg, args: List[str]) -> Dict[str, str]:
+    c = cfg.cluster
+    names = hosts(cfg)
+    hostfile = "".join(f"{h} slots={c.gpus_per_node}\n" for h in names)
+    cmd = ["deepspeed", f"--num_nodes={c.nodes}", f"--num_gpus={c.gpus_per_node}",
+           f"--master_addr={names[0]}", f"--master_port={c.master_port}"]
+    if c.nodes > 1:
+        cmd.insert(1, f"--hostfile={c.hostfile or (cfg.output or '.') + '/hostfile'}")
+    cmd += ["--module", "megatron_bridge.train", *args]
+    return {"hostfile": hostfile, "command (on the first node)": shlex.join(cmd)}
+
+
+def sbatch_script(cfg, args: List[str]) -> str:
+    c = cfg.cluster
+    backend = "gloo" if c.backend == "gloo" else "nccl"
+    env = ["export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}"]
+    if backend == "nccl":
+        env += ["export NCCL_ASYNC_ERROR_HANDLING=1", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+                "# export NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5   # set to your fabric"]
+    else:
+        env += ["# export GLOO_SOCKET_IFNAME=eth0   # set to the interface the nodes share"]
+    inner = ["torchrun", "--nnodes=$SLURM_NNODES", "--node-rank=$SLURM_NODEID",
+             f"--nproc-per-node={c.gpus_per_node}", f"--rdzv-backend={c.rdzv_backend}",
+             "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--rdzv-id=$SLURM_JOB_ID", *ENTRY, *args]
+    inner_s = " ".join(x if x.startswith("--") and "$" in x else shlex.quote(x) for x in inner)
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={cfg.job_name}",
+        f"#SBATCH --nodes={c.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={c.gpus_per_node}" if backend == "nccl" else "# (CPU cluster: no GPUs requested)",
+        f"#SBATCH --cpus-per-task={max(8, c.gpus_per_node * 8) if backend == 'nccl' else 8}",
+        "#SBATCH --exclusive",
+        "set -euo pipefail",
+        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"export MASTER_PORT={c.master_port}",
+        *env,
+        f"srun --kill-on-bad-exit=1 bash -c '{inner_s}'",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str]) -> int:
+    cfg, args = compose(argv, schema=LaunchConfig)
+    if cfg.launcher not in LAUNCHERS:
+        raise UserError(f"launcher={cfg.launcher!r} is not one of {LAUNCHERS}.")
+    dims, notes = validate(cfg)
+    jargs = job_args(args.overrides, args.recipe)
+    dry = "--dry-run" in args.flags
+    if cfg.launcher == "torchrun":
+        files = torchrun_commands(cfg, jargs)
+    elif cfg.launcher == "deepspeed":
+        files = deepspeed_files(cfg, jargs)
+    else:
+        files = {"sbatch script": sbatch_script(cfg, jargs)}
+    if dry or cfg.cluster.nodes > 1:
+        print(f"layout OK: {dims.describe()}")
+        for n in notes:
+            print(f"note: {n}")
+        spans = Topology(dims).span_summary(moe=bool(cfg.model.num_moe_experts))
+        print("group placement: " + ", ".join(f"{k} {v}" for k, v in spans.items()))
+        for name, text in files.items():
+            print(f"--- {name} ---\n{text.rstrip()}")
+        if cfg.output:
+            _write_outputs(cfg, files)
+        return 0
+    # Single node, not a dry run: run the local part (exec the launcher).
+    cmd = next(iter(files.values())) if cfg.launcher == "torchrun" else files.get("command (on the first node)")
+    if cfg.launcher == "slurm":
+        raise UserError("launcher=slurm needs `sbatch`: use --dry-run with output=DIR to write the script, then "
+                        "`sbatch DIR/job.sbatch`.")
+    argv_exec = shlex.split(cmd)
+    os.execvp(argv_exec[0], argv_exec)
+    return 0  # not reached
+
+
+def _write_outputs(cfg, files: Dict[str, str]) -> None:
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    if "hostfile" in files:
+        (out / "hostfile").write_text(files["hostfile"])
+    if "sbatch script" in files:
+        (out / "job.sbatch").write_text(files["sbatch script"])
+    print(f"wrote {out}")

@@ -1,0 +1,58 @@
+"""The DeepSpeed config, generated from the Hydra config — never hand-written JSON.
+
+Batch sizes come from the validated `ParallelDims` (so DeepSpeed's own batch assertion can
+never disagree with ours), `zero.*` maps to `zero_optimization`, `optimizer.*` to the
+optimizer block, and `zero.ds_config` (a dict) is merged last as the user's override.
+On CPU the optimizer is torch's Adam (`torch_adam: true`): DeepSpeed's fused CPU Adam would
+JIT-compile for ~75 s on first use.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict
+
+from megatron_bridge.parallel.dims import ParallelDims
+
+
+def _merge(base: Dict[str, Any], override: Dict[str, Any]) -> Dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def build_ds_config(cfg, dims: ParallelDims, *, bf16: bool, on_gpu: bool) -> Dict[str, Any]:
+    z, o = cfg.zero, cfg.optimizer
+    zero: Dict[str, Any] = {
+        "stage": z.stage,
+        "overlap_comm": z.overlap_comm,
+        "contiguous_gradients": z.contiguous_gradients,
+        "reduce_bucket_size": z.reduce_bucket_size,
+        "allgather_bucket_size": z.allgather_bucket_size,
+    }
+    if z.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": z.offload_optimizer}
+    if z.offload_param != "none":
+        zero["offload_param"] = {"device": z.offload_param}
+    ds: Dict[str, Any] = {
+        "train_batch_size": dims.global_batch_size,
+        "train_micro_batch_size_per_gpu": dims.micro_batch_size,
+        "gradient_accumulation_steps": dims.grad_accum,
+        "gradient_clipping": o.clip_grad,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW" if o.weight_decay else "Adam",
+            "params": {
+                "lr": o.lr,
+                "betas": [o.adam_beta1, o.adam_beta2],
+                "eps": o.adam_eps,
+                "weight_decay": o.weight_decay,
+                "torch_adam": not on_gpu,
+            },
+        },
+        "bf16": {"enabled": bool(bf16)},
+        "steps_per_print": 10**9,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    return _merge(ds, dict(z.ds_config or {}))

@@ -1,0 +1,81 @@
+"""Per-step metrics to the console, TensorBoard and wandb — from one rank only.
+
+Console: a rich progress bar on a TTY, one plain `step N | loss ...` line per log interval
+otherwise (CI logs stay readable and greppable). TensorBoard writes under the run dir.
+wandb runs offline unless the user set WANDB_MODE, so it never asks for a login.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int, *, enabled: bool, use_wandb: bool = True,
+                 use_tensorboard: bool = True, project: str = "megatron_bridge", config: Optional[dict] = None):
+        self.enabled = enabled
+        self.total = total_steps
+        self.run_dir = Path(run_dir)
+        self.tb = self.wandb = self.progress = None
+        self.history = []
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        if use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if use_wandb:
+            os.environ.setdefault("WANDB_MODE", "offline")
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            self.wandb = wandb.init(project=project, dir=str(self.run_dir), config=config or {},
+                                    reinit="finish_previous")
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self.task = self.progress.add_task("train", total=total_steps, info="")
+            self.progress.start()
+
+    def log(self, step: int, metrics: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        self.history.append({"step": step, **metrics})
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(f"train/{k}", v, step)
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
+        line = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
+        if self.progress:
+            self.progress.update(self.task, completed=step, info=line)
+        else:
+            print(f"step {step:>5}/{self.total} | {line}", flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.progress:
+            self.progress.stop()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+        self.jsonl.close()
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, int):
+        return str(v)
+    a = abs(v)
+    return f"{v:.3e}" if (a and (a < 1e-3 or a >= 1e5)) else f"{v:.4f}"
