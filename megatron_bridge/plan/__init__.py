@@ -1,0 +1,11 @@
+"""`mbr plan`: the seeds' parallelism decision framework as a tool.
+
+params.py   exact parameter counts (total, active, per rank) from the architecture
+memory.py   per-GPU memory: model states per ZeRO stage, activations, logits, margin
+comm.py     per-dimension communication per step at the link each group spans; bubble
+search.py   enumerate layouts, validate them with parallel.rules, rank by the framework
+explain.py  why each runner-up lost, why a layout does not fit, what would fit instead
+report.py   the JSON document (docs/plan.md) and the table
+
+Nothing here imports torch: planning 16,384 GPUs takes well under a second.
+"""

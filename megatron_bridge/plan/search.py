@@ -1,0 +1,355 @@
+"""The seeds' decision framework as a search: enumerate layouts, keep the valid ones that
+fit, rank them by the framework's own order, say why each runner-up lost.
+
+Validity is not re-derived here: every candidate becomes a `ParallelDims` and goes
+through `rules.check_all`, the same rules `mbr check` applies. What this module adds is
+memory (memory.py), communication and time (comm.py), and the ranking:
+
+  1. the replica fits by itself: its model states fit without ZeRO sharding over DP.
+     The seeds size model parallelism first ("once MP × PP can hold the model, use the
+     remaining GPUs for DP with ZeRO"); a layout that only fits because ZeRO shards its
+     states over DP ranks after every layout that stands on its own.
+  2. the least recompute: none < selective (re-runs attention, a few %) < full (+33%).
+     Parallelism that avoids recomputation is preferred to recomputation.
+  3. the fewest GPUs per replica (tp·pp·cp): TP just high enough that a layer fits, PP
+     just high enough that the model fits, CP only when the sequence's activations need
+     it; everything left is DP. EP is not part of the replica (megatron carves it out of
+     dp·cp), so more EP is how an MoE model avoids more PP.
+  4. more TP at the same replica size: TP stays on NVLink (rules keep it inside a node),
+     PP pays a bubble.
+  5. the estimated step time (bubble, exposed communication per link): picks vpp, ZeRO
+     stage, sequence parallelism, CP vs PP at equal size, EP degree.
+  6. a larger micro batch (better GEMM efficiency), then more memory headroom.
+
+explain.py turns the ranking into words (why each runner-up lost) and, when nothing fits,
+finds what would (a larger global batch, the smallest cluster).
+
+Pinned degrees: every `parallel.X=`, `zero.stage=`/`zero=`, `train.recompute=` and
+`train.micro_batch_size=` given on the command line fixes that value; recipe values are
+only defaults and are searched over.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
+from megatron_bridge.parallel.rules import check_all
+from megatron_bridge.plan import comm as C
+from megatron_bridge.plan import memory as M
+from megatron_bridge.plan import params as P
+
+MICRO_BATCHES = (1, 2, 4, 8)
+ZERO_STAGES = (0, 1, 2, 3)
+PINNABLE = {
+    "parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep", "parallel.etp": "etp",
+    "parallel.dp": "dp", "parallel.vpp": "vpp", "parallel.sequence_parallel": "sp",
+    "parallel.layers_first_stage": "split", "parallel.layers_last_stage": "split",
+    "zero.stage": "zero", "zero": "zero", "train.recompute": "recompute", "train.micro_batch_size": "mbs",
+}
+
+
+def pinned_from_overrides(overrides: Sequence[str]) -> List[str]:
+    """Which searchable knobs the user fixed on the command line (`parallel.tp=8`, ...)."""
+    out = []
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key in PINNABLE and PINNABLE[key] not in out:
+            out.append(PINNABLE[key])
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    vpp: Optional[int]
+    sp: bool
+    zero: int
+    recompute: str
+    mbs: int
+    num_micro: int
+    first: Optional[int] = None  # layers on the first / last stage (uneven split)
+    last: Optional[int] = None
+
+    @property
+    def replica(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def structure(self) -> Tuple[int, ...]:
+        return (self.tp, self.pp, self.cp, self.ep, self.etp)
+
+    def short(self) -> str:
+        s = f"tp{self.tp}·pp{self.pp}" + (f"·vpp{self.vpp}" if self.vpp else "") + f"·cp{self.cp}"
+        if self.ep > 1 or self.etp != self.tp:
+            s += f"·ep{self.ep}·etp{self.etp}"
+        return s + f"·dp{self.dp}"
+
+
+@dataclass
+class Evaluation:
+    layout: Layout
+    dims: ParallelDims
+    stages: List[M.StageMemory]
+    binding: M.StageMemory
+    alone_total: float  # the binding stage's total without ZeRO sharding
+    capacity: float
+    bubble: float = 0.0
+    comm: Dict[str, Dict] = field(default_factory=dict)
+    compute_s: float = 0.0
+    step_s: float = 0.0
+    spans: Dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.binding.total <= self.capacity
+
+    @property
+    def fits_alone(self) -> bool:
+        return self.alone_total <= self.capacity
+
+    @property
+    def headroom(self) -> float:
+        return self.capacity - self.binding.total
+
+    def key(self) -> tuple:
+        lo = self.layout
+        return (0 if self.fits_alone else 1, M.RECOMPUTE.index(lo.recompute), lo.replica, -lo.tp,
+                round(self.step_s, 6), -lo.mbs, -self.headroom)
+
+
+@dataclass
+class Context:
+    """Everything the search reads, resolved once from the composed config."""
+
+    cfg: object
+    model: object  # params.frozen(cfg.model)
+    count: P.ParamCount
+    world: int
+    gpn: int
+    capacity: float
+    engine: str
+    precision: str
+    seq: int
+    gbs: int
+    pinned: List[str]
+
+    @classmethod
+    def from_config(cls, cfg, pinned: Sequence[str] = (), world: Optional[int] = None,
+                    gbs: Optional[int] = None) -> "Context":
+        c, t = cfg.cluster, cfg.train
+        precision = t.precision if t.precision != "auto" else ("fp32" if c.backend == "gloo" else "bf16")
+        return cls(cfg=cfg, model=P.frozen(cfg.model), count=P.count(cfg.model),
+                   world=world or c.nodes * c.gpus_per_node, gpn=c.gpus_per_node,
+                   capacity=int(c.gpu_memory_gb * M.GIB), engine=t.engine, precision=precision,
+                   seq=t.seq_length, gbs=gbs or t.global_batch_size, pinned=list(pinned))
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def _splits(ctx: Context, pp: int) -> List[Tuple[Optional[int], Optional[int]]]:
+    p = ctx.cfg.parallel
+    if "split" in ctx.pinned:
+        return [(p.layers_first_stage, p.layers_last_stage)]
+    L = ctx.model.num_layers
+    if L % pp == 0:
+        return [(None, None)]
+    if pp < 3:
+        return []
+    # Megatron's uneven split (Llama 3 405B: 126 layers on 16 stages = 7 + 14·8 + 7): the
+    # first/last stages also hold the embedding/output layer, so they get fewer layers.
+    for x in range(L // pp, 0, -1):
+        if (L - 2 * x) % (pp - 2) == 0 and (L - 2 * x) // (pp - 2) >= x:
+            return [(x, x)]
+    return []
+
+
+def _options(ctx: Context, name: str, default: list) -> list:
+    if name not in ctx.pinned:
+        return default
+    p, t, z = ctx.cfg.parallel, ctx.cfg.train, ctx.cfg.zero
+    value = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "vpp": p.vpp,
+             "sp": p.sequence_parallel, "zero": z.stage, "recompute": t.recompute, "mbs": t.micro_batch_size}[name]
+    return [value]
+
+
+def _stage_plan(L: int, pp: int, first: Optional[int], last: Optional[int]) -> List[Tuple[int, int, bool, bool]]:
+    """(stage index, layers, is_first, is_last) for the stages that can bind: the first
+    (embedding, most microbatches in flight), the second (most in flight among the middle
+    ones) and the last (output layer, logits)."""
+    if pp == 1:
+        return [(0, L, True, True)]
+    mid = (L - (first or 0) - (last or 0)) // (pp - (first is not None) - (last is not None))
+    out = [(0, first if first is not None else mid, True, False)]
+    if pp > 2:
+        out.append((1, mid, False, False))
+    out.append((pp - 1, last if last is not None else mid, False, True))
+    return out
+
+
+def evaluate(ctx: Context, lo: Layout, dims: ParallelDims, *, with_comm: bool = True) -> Evaluation:
+    """Memory of every binding stage; with_comm adds bubble, communication and step time."""
+    m = ctx.model
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, lo.tp)
+    edp = dims.expert_dp
+    stages = [M.stage_memory(m, stage=idx, p=lo.pp, layers=layers, first=first, last=last, tp=lo.tp, cp=lo.cp,
+                             ep=lo.ep, etp=lo.etp, dp=lo.dp, edp=edp, zero=lo.zero, engine=ctx.engine,
+                             precision=ctx.precision, recompute=lo.recompute, sp=lo.sp, s=ctx.seq, b=lo.mbs,
+                             num_micro=lo.num_micro, vpp=lo.vpp or 1, vocab=vocab)
+              for idx, layers, first, last in _stage_plan(m.num_layers, lo.pp, lo.first, lo.last)]
+    binding = max(stages, key=lambda x: x.total)
+    ev = Evaluation(layout=lo, dims=dims, stages=stages, binding=binding, alone_total=max(x.alone for x in stages),
+                    capacity=ctx.capacity)
+    if with_comm and ev.fits:
+        add_time(ctx, ev)
+    return ev
+
+
+def add_time(ctx: Context, ev: Evaluation) -> None:
+    """Bubble, per-dimension communication and the step-time estimate of a layout."""
+    m, lo, stages, edp = ctx.model, ev.layout, ev.stages, ev.dims.expert_dp
+    c = ctx.cfg.cluster
+    ev.spans = C.group_spans(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=lo.etp, gpn=ctx.gpn)
+    ev.bubble = C.bubble_fraction(lo.pp, lo.vpp or 1, lo.num_micro)
+    first = stages[0]
+    rp = P.rank_params(m, tp=lo.tp, ep=lo.ep, etp=lo.etp, layers=first.layers, first=True, last=lo.pp == 1)
+    ab = 4 if ctx.precision == "fp32" else 2
+    ev.comm = C.step_comm(m, tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=lo.etp, edp=edp,
+                          vpp=lo.vpp or 1, sp=lo.sp, zero=lo.zero, recompute=lo.recompute, s=ctx.seq,
+                          b=lo.mbs, num_micro=lo.num_micro, layers=max(s.layers for s in stages),
+                          dense_params=rp["dense"], expert_params=rp["expert"], spans=ev.spans,
+                          intra_gbps=c.intra_node_bandwidth_gbps, inter_gbps=c.inter_node_bandwidth_gbps,
+                          act_bytes=ab, grad_bytes=ab, weight_bytes=ab)
+    flops = C.step_flops(m, ctx.count, s=ctx.seq, global_batch=ctx.gbs, recompute=lo.recompute)
+    ev.compute_s = C.compute_seconds(flops, ctx.world, c.peak_tflops)
+    ev.step_s = ev.compute_s * (1 + ev.bubble) + sum(x["time_s"] for x in ev.comm.values())
+
+
+@dataclass
+class SearchResult:
+    ranked: List[Evaluation]  # feasible, best first, one per structure (tp, pp, cp, ep, etp)
+    ruled_out: List[Evaluation]  # valid layouts that do not fit, least memory first, one per structure
+    candidates: int = 0
+    valid: int = 0
+    feasible: int = 0
+    seconds: float = 0.0
+    violations: Dict[str, int] = field(default_factory=dict)  # rule name -> candidates it refused
+    examples: Dict[str, str] = field(default_factory=dict)  # rule name -> its first message
+
+    @property
+    def best(self) -> Optional[Evaluation]:
+        return self.ranked[0] if self.ranked else None
+
+
+def _proxy(cfg, parallel: SimpleNamespace, train: SimpleNamespace, zero: SimpleNamespace) -> SimpleNamespace:
+    return SimpleNamespace(model=cfg.model, parallel=parallel, train=train, zero=zero, cluster=cfg.cluster,
+                           data=cfg.data)
+
+
+def search(ctx: Context, *, memory_only: bool = False) -> SearchResult:
+    """Enumerate, validate with the rules, evaluate, rank. `memory_only` skips the
+    micro-batch/vpp variants and step times (used to find the smallest cluster)."""
+    t0 = time.perf_counter()
+    cfg, m = ctx.cfg, ctx.model
+    world, gpn, L = ctx.world, ctx.gpn, m.num_layers
+    moe = bool(m.num_moe_experts)
+    cross = cfg.parallel.allow_cross_node_tp
+    train_d = {f: getattr(cfg.train, f) for f in cfg.train.__dataclass_fields__}
+    train_d["global_batch_size"] = ctx.gbs
+    zero_d = {f: getattr(cfg.zero, f) for f in cfg.zero.__dataclass_fields__}
+    pin_dp = cfg.parallel.dp if "dp" in ctx.pinned else -1
+    res = SearchResult(ranked=[], ruled_out=[])
+    best_fit: Dict[tuple, Evaluation] = {}
+    best_miss: Dict[tuple, Evaluation] = {}
+
+    tps = _options(ctx, "tp", [d for d in _divisors(world) if d <= gpn or cross])
+    zeros = _options(ctx, "zero", list(ZERO_STAGES))
+    recomputes = _options(ctx, "recompute", list(M.RECOMPUTE))
+    mbss = _options(ctx, "mbs", [1] if memory_only else list(MICRO_BATCHES))
+    # Pinned values go to the rules as given (an impossible pin gets the rule's message);
+    # searched values are bounded to divisors that could possibly be valid.
+    for tp in tps:
+        cps = _options(ctx, "cp", [d for d in _divisors(world // max(tp, 1))
+                                   if (tp * d <= gpn or cross) and 2 * d <= ctx.seq])
+        for cp in cps:
+            pps = _options(ctx, "pp", [d for d in _divisors(world // max(tp * cp, 1)) if d <= L])
+            for pp in pps:
+                if pin_dp != -1 and tp * cp * pp * pin_dp != world:
+                    continue
+                eps = _options(ctx, "ep", _divisors(m.num_moe_experts) if moe else [1])
+                etps = [e if e is not None else tp for e in _options(ctx, "etp", sorted({tp, 1}) if moe else [tp])]
+                sps = _options(ctx, "sp", [True, False] if tp > 1 else [False])
+                for first, last in _splits(ctx, pp):
+                    par = dict(tp=tp, pp=pp, cp=cp, dp=pin_dp, layers_first_stage=first, layers_last_stage=last,
+                               allow_cross_node_tp=cross)
+                    vpps = _options(ctx, "vpp", [None] + ([] if memory_only or first or last or pp < 2 else
+                                                          [v for v in _divisors(L // pp) if v > 1]))
+                    for ep in eps:
+                        for etp in etps:
+                            for sp in sps:
+                                if moe and tp > 1 and not sp:
+                                    continue  # megatron-core: MoE with TP requires sequence parallelism
+                                for zero in zeros:
+                                    _search_mbs(ctx, res, best_fit, best_miss, par, train_d, zero_d, ep, etp, sp,
+                                                zero, mbss, vpps, recomputes, memory_only)
+    key = Evaluation.key
+    res.ranked = sorted(best_fit.values(), key=key)
+    res.ruled_out = sorted((e for st, e in best_miss.items() if st not in best_fit),
+                           key=lambda e: (e.binding.total / e.capacity, -e.layout.replica))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _search_mbs(ctx, res, best_fit, best_miss, par, train_d, zero_d, ep, etp, sp, zero, mbss, vpps, recomputes,
+                memory_only) -> None:
+    cfg = ctx.cfg
+    tp, pp, cp = par["tp"], par["pp"], par["cp"]
+    for mbs in mbss:
+        any_fit = False
+        for vpp in vpps:
+            res.candidates += 1
+            parallel = SimpleNamespace(ep=ep, etp=etp, vpp=vpp, sequence_parallel=sp, **par)
+            train = SimpleNamespace(**{**train_d, "micro_batch_size": mbs})
+            zcfg = SimpleNamespace(**{**zero_d, "stage": zero})
+            proxy = _proxy(cfg, parallel, train, zcfg)
+            dims = ParallelDims.from_config(proxy, ctx.world)
+            violations, _ = check_all(dims, proxy)
+            if violations:
+                for v in violations:
+                    res.violations[v.rule] = res.violations.get(v.rule, 0) + 1
+                    res.examples.setdefault(v.rule, str(v))
+                continue
+            res.valid += 1
+            for rc in recomputes:
+                lo = Layout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dims.dp, vpp=vpp, sp=sp, zero=zero, recompute=rc,
+                            mbs=mbs, num_micro=dims.grad_accum, first=par["layers_first_stage"],
+                            last=par["layers_last_stage"])
+                ev = evaluate(ctx, lo, dims, with_comm=False)
+                st = lo.structure
+                if ev.fits:
+                    any_fit = True
+                    res.feasible += 1
+                    cur = best_fit.get(st)
+                    if cur is not None and ev.key()[:4] > cur.key()[:4]:
+                        continue  # loses before step time matters: skip pricing it
+                    if not memory_only:
+                        add_time(ctx, ev)
+                    if cur is None or ev.key() < cur.key():
+                        best_fit[st] = ev
+                    if ev.fits_alone:
+                        break  # more recompute only ranks lower
+                elif st not in best_miss or ev.binding.total < best_miss[st].binding.total:
+                    best_miss[st] = ev
+        if not any_fit:
+            break  # a larger micro batch only needs more memory
+
