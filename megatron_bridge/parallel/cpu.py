@@ -1,0 +1,390 @@
+"""Run megatron-core 0.16.1 on CPU with gloo: a small set of targeted patches.
+
+megatron-core assumes CUDA in a few dozen places (measured in
+/work/shared/notes/megatron-core-on-cpu.md). `install()` patches exactly those, only on a host
+without CUDA (on a GPU it is a no-op, and the same code runs on NCCL untouched), idempotently,
+before the first model/optimizer is built (`groups.initialize` calls it). What and why:
+
+1. `torch` as megatron-core's modules see it: every `megatron.core.*` module's global `torch`
+   becomes a proxy (all of torch, no lookup overhead) whose `cuda` maps `current_device()` to the
+   CPU, `synchronize`/`empty_cache`/`nvtx` to no-ops, `Stream`/`Event`/`current_stream`/`stream`
+   to inert stand-ins (DDP, MoE dispatchers, shared experts make side streams) and the CUDA RNG
+   calls to the CPU generator (on CPU the "CUDA RNG" is the CPU generator), and whose tensor
+   factories turn `device="cuda"`/a device index into the CPU and drop `pin_memory` (schedule
+   token counts, optimizer found_inf, clip_grads, grad scaler, masks, data broadcast, rerun
+   state machine, grad buffers, dist_checkpointing). Rebinding the module global, not
+   `torch.cuda`, leaves torch/DeepSpeed/transformers alone; a global TorchFunctionMode doing the
+   same made steps ~2x slower. An import hook covers modules imported later.
+2. RNG: `CudaRNGStatesTracker` -> `CpuRNGStatesTracker` (same tracker names, forks the CPU
+   generator), `_get/_set_cuda_rng_state` -> CPU generator: `model_parallel_cuda_manual_seed`
+   and activation recompute work (megatron asserts CUDA).
+3. During the few functions that call them, `Tensor.cuda()` returns the tensor (tied embeddings
+   with PP, broadcast_data, state loading, param-hash check) and `Tensor.type()` reports
+   `torch.cuda.*Tensor`, so the optimizers'/clip_grads' `param.type() == 'torch.cuda.FloatTensor'`
+   checks accept CPU parameters.
+4. `WrappedTorchNorm` (local spec without Apex/TE) asserts `not sequence_parallel`; with SP it
+   builds the same norm and marks its params `sequence_parallel`, so finalize_model_grads
+   all-reduces their grads over the TP group.
+5. MoE: `moe_utils.te_general_gemm` is undefined without TE (NameError, a megatron-core bug);
+   variable split sizes arrive as tensors/numpy (made int lists); gloo has no uneven all_gather
+   (pad to the max and trim).
+6. Pipeline p2p: gloo's `batch_isend_irecv` matches two messages to the same peer by order, so
+   at pp=2 (prev == next rank) interleaved 1F1B swaps them (wrong losses, exploding grads). Batched
+   p2p is routed to megatron's non-batched `_p2p_ops`; still, set `batch_p2p_comm=False` on CPU.
+Keep megatron's `*_fusion` flags off on CPU (their torch.compile kernels are untested here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import inspect
+import sys
+import types
+
+import torch
+
+_CPU = torch.device("cpu")
+_INSTALLED = False
+_MISSING = object()
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+    "randperm", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+    "linspace", "eye", "empty_strided",
+)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)  # a CUDA device index
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+class _Stream:
+    """Stand-in for `torch.cuda.Stream` and `torch.cuda.Event`: CPU work is synchronous, so
+    every wait returns at once and every event has completed."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    record = wait = synchronize = wait_stream = wait_event = _noop
+    query = lambda self: True  # noqa: E731
+    elapsed_time = lambda self, other: 0.0  # noqa: E731
+    record_event = lambda self, event=None: event or _Stream()  # noqa: E731
+
+
+_DEFAULT_STREAM = _Stream()
+
+
+class _CudaOnCpu(types.ModuleType):
+    """`torch.cuda` as megatron-core sees it on a CPU host; other attributes fall through."""
+
+    current_device = staticmethod(lambda: _CPU)
+    synchronize = staticmethod(_noop)
+    empty_cache = staticmethod(_noop)
+    Stream = ExternalStream = Event = _Stream
+    current_stream = staticmethod(lambda device=None: _DEFAULT_STREAM)
+    default_stream = staticmethod(lambda device=None: _DEFAULT_STREAM)
+    stream = staticmethod(lambda stream=None: contextlib.nullcontext())
+    set_stream = staticmethod(_noop)
+    get_rng_state = staticmethod(lambda device="cuda": torch.get_rng_state())
+    set_rng_state = staticmethod(lambda state, device="cuda": torch.set_rng_state(state))
+    manual_seed = staticmethod(lambda seed: torch.manual_seed(seed))
+    manual_seed_all = staticmethod(lambda seed: torch.manual_seed(seed))
+    memory_allocated = max_memory_allocated = memory_reserved = staticmethod(lambda *a, **k: 0)
+    memory_stats = staticmethod(lambda *a, **k: {})
+    nvtx = types.SimpleNamespace(
+        range_push=_noop, range_pop=_noop, range=lambda *a, **k: contextlib.nullcontext()
+    )
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """The `torch` global of megatron-core modules: real torch except `cuda` and factories."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.__dict__.update(vars(torch))
+        self.cuda = _CudaOnCpu("torch.cuda")
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):  # attributes torch creates lazily after the snapshot
+        return getattr(torch, name)
+
+
+_TORCH = None
+
+
+def _redirect(module) -> None:
+    if getattr(module, "torch", None) is torch:
+        module.torch = _TORCH
+
+
+class _RedirectFinder(importlib.abc.MetaPathFinder):
+    """Gives megatron.core modules imported after `install()` the CPU `torch` too."""
+
+    def find_spec(self, name, path, target=None):
+        if not name.startswith("megatron.core"):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is not None and hasattr(loader, "exec_module"):
+            exec_module = loader.exec_module
+
+            def exec_and_redirect(module):
+                exec_module(module)
+                _redirect(module)
+
+            loader.exec_module = exec_and_redirect
+        return spec
+
+
+def _replace_everywhere(old, new) -> None:
+    """Rebind a module-level function in every megatron module that imported it."""
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("megatron") and hasattr(mod, "__dict__"):
+            for key, val in list(vars(mod).items()):
+                if val is old:
+                    setattr(mod, key, new)
+
+
+def _wrap_method(owner, name, make) -> None:
+    raw = inspect.getattr_static(owner, name)
+    if isinstance(raw, (classmethod, staticmethod)):
+        setattr(owner, name, type(raw)(make(raw.__func__)))
+    else:
+        setattr(owner, name, make(raw))
+
+
+def _cuda_type(self, dtype=None, non_blocking=False, **kwargs):
+    name = torch._C.TensorBase.type(self, dtype, non_blocking, **kwargs)
+    if dtype is None and isinstance(name, str) and self.device.type == "cpu":
+        return name.replace("torch.", "torch.cuda.", 1)
+    return name
+
+
+@contextlib.contextmanager
+def _tensors_look_cuda():
+    saved = {k: torch.Tensor.__dict__.get(k, _MISSING) for k in ("cuda", "type")}
+    torch.Tensor.cuda, torch.Tensor.type = (lambda self, *a, **k: self), _cuda_type
+    try:
+        yield
+    finally:
+        for key, val in saved.items():
+            if val is _MISSING:
+                delattr(torch.Tensor, key)
+            else:
+                setattr(torch.Tensor, key, val)
+
+
+def _in_cuda_view(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _tensors_look_cuda():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _int_list(sizes):
+    if sizes is None or isinstance(sizes, list) and all(type(s) is int for s in sizes):
+        return sizes
+    return [int(s) for s in (sizes.tolist() if hasattr(sizes, "tolist") else sizes)]
+
+
+def _make_cpu_tracker_class(base):
+    class CpuRNGStatesTracker(base):
+        """`CudaRNGStatesTracker` for CPU: named CPU-generator states, forked around regions
+        (data-parallel-rng, model-parallel-rng, expert-parallel-rng). Subclasses megatron's
+        tracker so its isinstance checks still hold."""
+
+        def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
+            self.reset()
+            self.use_cudagraphable_rng = False
+            self.is_inference_rng_tracker = is_inference_rng_tracker
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig_state, orig_name = torch.get_rng_state(), self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    return CpuRNGStatesTracker
+
+
+CpuRNGStatesTracker = None  # the class, once install() has run on a CPU host
+
+
+def is_installed() -> bool:
+    """True once `install()` has patched megatron-core (CPU hosts only)."""
+    return _INSTALLED
+
+
+def install() -> bool:
+    """Patch megatron-core for CPU/gloo. Returns True when the shim is active, False on a
+    CUDA host (nothing is patched there). Safe to call any number of times."""
+    global _INSTALLED, _TORCH, CpuRNGStatesTracker
+    if torch.cuda.is_available():
+        return False
+    if _INSTALLED:
+        return True
+    import megatron.core  # noqa: F401  (imports the modules patched below)
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
+    from megatron.core.pipeline_parallel import p2p_communication
+    from megatron.core.tensor_parallel import data, mappings, random
+    from megatron.core.transformer import torch_norm
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core import utils as mcore_utils
+
+    # 1. torch.cuda / device="cuda" as seen by megatron.core
+    _TORCH = _TorchOnCpu()
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("megatron.core"):
+            _redirect(mod)
+    sys.meta_path.insert(0, _RedirectFinder())
+
+    # 2. RNG
+    CpuRNGStatesTracker = _make_cpu_tracker_class(random.CudaRNGStatesTracker)
+    random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    _replace_everywhere(random._get_cuda_rng_state, lambda *a, **k: torch.get_rng_state())
+    _replace_everywhere(random._set_cuda_rng_state, lambda s, *a, **k: torch.set_rng_state(s))
+    random.initialize_rng_tracker(force_reset=True)
+
+    # 3. Tensor.cuda() / Tensor.type() inside the functions that use them
+    for owner, name in (
+        (language_module.LanguageModule, "setup_embeddings_and_output_layer"),
+        (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
+        (optimizer.MegatronOptimizer, "restore_from_cpu"),
+        (distrib_optimizer.DistributedOptimizer, "__init__"),
+        (distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups"),
+        (distrib_optimizer.DistributedOptimizer, "get_parameter_state_dp_zero"),
+        (grad_scaler.DynamicGradScaler, "load_state_dict"),
+    ):
+        _wrap_method(owner, name, _in_cuda_view)
+    for fn in (
+        clip_grads.clip_grad_by_total_norm_fp32,
+        data.broadcast_data,
+        mcore_utils.check_param_hashes_across_dp_replicas,
+    ):
+        _replace_everywhere(fn, _in_cuda_view(fn))
+
+    # 4. torch norms with sequence parallelism
+    norm_new = torch_norm.WrappedTorchNorm.__new__
+
+    class _WithoutSP:
+        def __init__(self, config):
+            self._config = config
+
+        def __getattr__(self, name):
+            return False if name == "sequence_parallel" else getattr(self._config, name)
+
+    def wrapped_norm_new(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return norm_new(cls, config, *args, **kwargs)
+        norm = norm_new(cls, _WithoutSP(config), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(wrapped_norm_new)
+
+    # 5. MoE
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    all_to_all_forward = mappings._AllToAll.forward
+
+    def all_to_all_forward_int(ctx, group, input, output_split_sizes, input_split_sizes):
+        return all_to_all_forward(
+            ctx, group, input, _int_list(output_split_sizes), _int_list(input_split_sizes)
+        )
+
+    mappings._AllToAll.forward = staticmethod(all_to_all_forward_int)
+    gather_first, reduce_scatter_first = (
+        mappings._gather_along_first_dim,
+        mappings._reduce_scatter_along_first_dim,
+    )
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        sizes = _int_list(output_split_sizes)
+        if sizes is None or group.size() == 1:
+            return gather_first(input_, group, sizes, use_global_buffer)
+        padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        return reduce_scatter_first(input_, group, _int_list(input_split_sizes), use_global_buffer)
+
+    _replace_everywhere(gather_first, gather_along_first_dim)
+    _replace_everywhere(reduce_scatter_first, reduce_scatter_along_first_dim)
+
+    # 6. pipeline p2p on gloo: never batch_isend_irecv
+    p2p_ops = p2p_communication._p2p_ops
+    _replace_everywhere(
+        p2p_communication._batched_p2p_ops, lambda **kw: list(p2p_ops(**kw).values())
+    )
+
+    _INSTALLED = True
+    return True
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """`model_parallel_cuda_manual_seed` for either device: megatron's own on GPU; on CPU the
+    same seed offsets (data-parallel = seed, model-parallel = seed + 2718 + tp_rank,
+    expert-parallel = seed + 1024 + 100·ep_rank + etp_rank) on a fresh `CpuRNGStatesTracker`.
+    Call after `initialize_model_parallel`."""
+    from megatron.core.tensor_parallel import random
+
+    install()
+    torch.manual_seed(seed)
+    random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
