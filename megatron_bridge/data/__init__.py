@@ -1,0 +1,15 @@
+"""The data pipeline: text → HF tokenizer → megatron-core indexed dataset → GPTDataset → batches.
+
+- `corpus`: a local corpus from the Python standard library's sources, and `train_tokenizer`
+  (byte-level BPE with `tokenizers`, saved as a Hugging Face tokenizer directory);
+- `tokenizer`: load a local HF tokenizer with clear errors, `check_vocab` against a model;
+- `preprocess`: jsonl/txt → token ids (+eos per document) → `.bin`/`.idx` (atomic writes);
+- `loader`: megatron-core `BlendedMegatronDatasetBuilder` + `GPTDatasetConfig` (or a seeded
+  synthetic dataset), a DP-sharded, deterministic, resumable micro-batch iterator and
+  megatron's load-balanced context-parallel slicing;
+- `helpers`: megatron-core's C++ index helpers (prebuilt, or compiled once and cached);
+- `demo`: corpus + tokenizer + indexed dataset in one directory (`mbr data demo=true`).
+
+Submodules are imported on demand: `import megatron_bridge.data` imports neither torch nor
+megatron-core. `python -m megatron_bridge.data ...` is `mbr data ...`.
+"""
