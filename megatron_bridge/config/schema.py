@@ -126,6 +126,11 @@ class DataConfig:
     tokenizer: Optional[str] = None  # local HF tokenizer directory
     split: str = "98,2,0"
     num_workers: int = 0
+    cache_dir: Optional[str] = None  # megatron's sample-index cache (default: cache/ next to the data)
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    create_attention_mask: bool = False
 
 
 @dataclass
@@ -142,6 +147,7 @@ class TrainConfig:
     log_interval: int = 1
     init_from: Optional[str] = None  # HF dir or `mbr convert` output
     timeout_minutes: float = 10.0  # process-group timeout: a dead rank ends the job
+    exit_after: Optional[int] = None  # stop after this many steps of this run (schedule still spans `steps`)
 
 
 @dataclass

@@ -229,6 +229,20 @@ def zero(d, cfg):
 
 
 @rule
+def deepspeed_engine(d, cfg):
+    if cfg.train.engine != "deepspeed":
+        return []
+    bad = [f"{k}={v}" for k, v in (("pp", d.pp), ("cp", d.cp), ("ep", d.ep)) if v > 1]
+    if d.sequence_parallel:
+        bad.append("sequence_parallel=true")
+    if bad:
+        return _v("deepspeed-engine", f"train.engine=deepspeed runs ZeRO data parallelism (with TP) only; "
+                  f"{', '.join(bad)} needs megatron-core's schedules and gradient reductions",
+                  "use train.engine=megatron (zero.stage=1 = its distributed optimizer) for PP/CP/EP/SP")
+    return []
+
+
+@rule
 def node_placement(d, cfg):
     if d.gpus_per_node < 1 or not _degrees_ok(d) or cfg.parallel.allow_cross_node_tp:
         return []

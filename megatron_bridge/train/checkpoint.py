@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -49,8 +49,11 @@ def _dist():
     return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
 
 
-def save(root: str | Path, iteration: int, state: Dict[str, Any], meta: Dict[str, Any]) -> Path:
-    """Collective: every rank calls it with its own `state`. Returns the final directory."""
+def save(root: str | Path, iteration: int, state: Dict[str, Any], meta: Dict[str, Any],
+         extra: Optional[Callable[[Path], None]] = None) -> Path:
+    """Collective: every rank calls it with its own `state`. `extra(tmp_dir)`, when given, is
+    called on every rank to write engine-owned files (DeepSpeed's ZeRO partitions) into the
+    same not-yet-published directory; rank 0 checksums those too. Returns the final directory."""
     dist = _dist()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     root = Path(root)
@@ -68,12 +71,20 @@ def save(root: str | Path, iteration: int, state: Dict[str, Any], meta: Dict[str
     name = f"rank_{rank:05d}.pt"
     _atomic_write_bytes(tmp / name, data)
     entry = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    if extra is not None:
+        extra(tmp)
     entries = [None] * world
     if dist:
         dist.all_gather_object(entries, entry)
     else:
         entries = [entry]
     if rank == 0:
+        known = {e["file"] for e in entries} | {MANIFEST}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            rel = str(f.relative_to(tmp))
+            if rel not in known:
+                data_f = f.read_bytes()
+                entries.append({"file": rel, "sha256": hashlib.sha256(data_f).hexdigest(), "bytes": len(data_f)})
         manifest = {"iteration": iteration, "world_size": world, "files": entries, **meta}
         _atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         if final.exists():
@@ -136,4 +147,5 @@ def load(root: str | Path, meta_must_match: Dict[str, Any]) -> Tuple[int, Dict[s
     dist = _dist()
     rank = dist.get_rank() if dist else 0
     state = torch.load(d / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
+    state["_dir"] = str(d)
     return it, state

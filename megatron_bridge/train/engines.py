@@ -1,0 +1,215 @@
+"""Two engines, one interface: `step(make_iterators) -> (loss, grad_norm, lr)` + state.
+
+- `MegatronEngine`: megatron-core DDP + megatron optimizer (zero.stage=1 → its
+  DistributedOptimizer), pipeline through `get_forward_backward_func` (1F1B, interleaved
+  when vpp > 1), LR schedule from megatron-core's `OptimizerParamScheduler`.
+- `DeepSpeedEngine`: `deepspeed.initialize` with ZeRO 0–3 on the same megatron-core model
+  and groups (the `mpu` from parallel/groups.py), ds_config generated from the Hydra config.
+
+Both compute the same loss (mean token cross-entropy over the global batch) and are
+checkpointed through `state_dict()` / `load_state_dict()` (this rank's share only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from megatron_bridge.train.ds_config import build_ds_config
+
+
+def _batch_to(batch: Dict[str, Any], device) -> Dict[str, Any]:
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Per-token losses [b, s] -> (sum, tokens, report) — megatron-core's 3-tuple form: the
+    schedule divides by tokens and micro-batches; DDP averages over dp·cp."""
+    mask = loss_mask.float().view(-1)
+    total = (output.float().view(-1) * mask).sum()
+    n = mask.sum().to(torch.int)
+    return total, n, {"lm loss": torch.stack([total.detach().clone(), mask.sum().detach()])}
+
+
+def _forward_step(device):
+    def step(data_iterator, model):
+        b = _batch_to(next(data_iterator), device)
+        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        return out, lambda output: _loss_func(b["loss_mask"], output)
+
+    return step
+
+
+def make_scheduler(optimizer, cfg):
+    """Linear warmup then `optimizer.decay_style` decay to min_lr over train.steps (megatron-
+    core's scheduler; works on any optimizer's param_groups). Warmup is capped at steps − 1."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, steps = cfg.optimizer, max(cfg.train.steps, 2)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=min(o.min_lr, o.lr), lr_warmup_steps=min(o.warmup_steps, steps - 1),
+        lr_decay_steps=steps, lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=steps, wd_incr_style="constant")
+
+
+def _reduce_loss(reports: List[Dict[str, torch.Tensor]]) -> float:
+    """Mean token loss of the global batch, known to every rank afterwards."""
+    from megatron.core import parallel_state as ps
+
+    acc = torch.zeros(2, dtype=torch.float64)
+    for r in reports:
+        acc += r["lm loss"].detach().to(torch.float64).cpu()
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group(with_context_parallel=True))
+    else:
+        acc.zero_()
+    torch.distributed.all_reduce(acc, group=ps.get_pipeline_model_parallel_group())
+    return float(acc[0] / acc[1].clamp(min=1))
+
+
+class MegatronEngine:
+    def __init__(self, cfg, dims, chunks: Sequence[torch.nn.Module]):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg, self.dims = cfg, dims
+        tconf = chunks[0].config
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=dims.zero_stage == 1)
+        self.model = [DistributedDataParallel(config=tconf, ddp_config=ddp_cfg, module=c) for c in chunks]
+        for m in self.model:
+            m.config.finalize_model_grads_func = finalize_model_grads
+            m.config.no_sync_func = [x.no_sync for x in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        o = cfg.optimizer
+        ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                               adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                               clip_grad=o.clip_grad, bf16=tconf.bf16, params_dtype=tconf.params_dtype,
+                               use_distributed_optimizer=dims.zero_stage == 1)
+        self.optimizer = get_megatron_optimizer(ocfg, self.model)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.device = next(chunks[0].parameters()).device
+
+    def step(self, make_iterators: Callable[[int], List[Any]]) -> Tuple[float, float, float]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        d = self.dims
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        its = make_iterators(len(self.model))
+        reports = get_forward_backward_func()(
+            forward_step_func=_forward_step(self.device),
+            data_iterator=its if len(self.model) > 1 else its[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=d.grad_accum,
+            seq_length=self.cfg.train.seq_length // d.cp,
+            micro_batch_size=d.micro_batch_size,
+            forward_only=False,
+        )
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return _reduce_loss(reports), float(grad_norm or 0.0), float(lr)
+
+    # -- checkpoint state (this rank's share) -------------------------------------------
+    def _optimizers(self):
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def state_dict(self) -> Dict[str, Any]:
+        opts = []
+        for opt in self._optimizers():
+            if hasattr(opt, "gbuf_ranges"):  # DistributedOptimizer: its shard of main params + Adam
+                opts.append({"dist": [{k: v.detach().clone() for k, v in t.items()}
+                                      for t in _dist_opt_states(opt)]})
+            else:
+                opts.append({"plain": opt.state_dict()})
+        return {"model": [m.module.state_dict() for m in self.model], "optimizer": opts,
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for m, sd in zip(self.model, state["model"]):
+            m.module.load_state_dict(sd)
+        for opt, st in zip(self._optimizers(), state["optimizer"]):
+            if "dist" in st:
+                _load_dist_opt_states(opt, st["dist"])
+            else:
+                opt.load_state_dict(st["plain"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _dist_model_params(opt) -> List[torch.nn.Parameter]:
+    """Model params in the DistributedOptimizer's bucket order (stable for a layout)."""
+    out = []
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for bucket in per_bucket:
+                out += list(bucket["param_map"].keys())
+    return out
+
+
+def _dist_opt_states(opt):
+    return [opt._get_main_param_and_optimizer_states(p) for p in _dist_model_params(opt)]
+
+
+@torch.no_grad()
+def _load_dist_opt_states(opt, saved) -> None:
+    """Put back this rank's main-param shards and Adam states. Each state tensor is set as
+    its own clone: megatron's `load_state_dict` path shares one `step` tensor between all
+    params, which Adam then increments once per param (a resumed run would drift)."""
+    for model_param, tensors in zip(_dist_model_params(opt), saved):
+        gi, go = opt.model_param_group_index_map[model_param]
+        main = opt.optimizer.param_groups[gi]["params"][go]
+        main.copy_(tensors["param"])
+        opt.optimizer.state[main] = {k: v.clone() for k, v in tensors.items() if k != "param"}
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO 0–3 around the megatron-core model. Validation limits it to pp = cp = ep = 1
+    and no sequence parallelism: DeepSpeed reduces gradients over the DP group only, and knows
+    nothing of megatron's pipeline schedule, CP/SP gradient reductions or expert-DP groups."""
+
+    def __init__(self, cfg, dims, chunks: Sequence[torch.nn.Module], mpu, *, bf16: bool):
+        import deepspeed
+        self.cfg, self.dims = cfg, dims
+        self.module = chunks[0]
+        self.ds_config = build_ds_config(cfg, dims, bf16=bf16, on_gpu=torch.cuda.is_available())
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=self.module, model_parameters=[p for p in self.module.parameters() if p.requires_grad],
+            config=self.ds_config, mpu=mpu)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.scheduler.step(0)
+        self.device = next(self.module.parameters()).device
+
+    def step(self, make_iterators: Callable[[int], List[Any]]) -> Tuple[float, float, float]:
+        from megatron.core import parallel_state as ps
+
+        it = make_iterators(1)[0]
+        self.engine.train()
+        acc = torch.zeros(2, dtype=torch.float64)
+        for _ in range(self.dims.grad_accum):
+            b = _batch_to(next(it), self.device)
+            out = self.engine(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            total, n, rep = _loss_func(b["loss_mask"], out)
+            acc += rep["lm loss"].to(torch.float64).cpu()
+            self.engine.backward(total / n.clamp(min=1))
+            self.engine.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step(increment=1)
+        torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group())
+        gn = self.engine.get_global_grad_norm()
+        return float(acc[0] / acc[1].clamp(min=1)), float(gn if gn is not None else 0.0), float(lr)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def write_extra(self, directory) -> None:
+        """DeepSpeed's own per-rank model/optimizer files (ZeRO partitions included)."""
+        self.engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
+
+    def load_state_dict(self, state: Dict[str, Any], directory=None) -> None:
+        self.engine.load_checkpoint(str(directory), tag="deepspeed", load_optimizer_states=True,
+                                    load_lr_scheduler_states=False)
+        self.scheduler.load_state_dict(state["scheduler"])

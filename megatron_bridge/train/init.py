@@ -1,0 +1,31 @@
+"""`train.init_from=DIR`: start training from existing weights.
+
+An HF directory (config.json + safetensors) goes through the bridge's mapping tables, each
+rank reading only its shard. `mbr convert` outputs are read by the converter's loader
+(megatron_bridge.convert), which shares the same tables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from megatron_bridge.errors import UserError
+
+
+def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:
+    p = Path(path)
+    if (p / "config.json").is_file() and (any(p.glob("*.safetensors"))):
+        from megatron_bridge.bridge.loader import load_hf_weights
+
+        load_hf_weights(chunks, spec, p)
+        return
+    try:
+        from megatron_bridge.convert.load import load_converted  # issue: checkpoint conversion
+    except ImportError:
+        load_converted = None
+    if load_converted is not None and (p / "mbr_manifest.json").is_file():
+        load_converted(chunks, spec, p)
+        return
+    raise UserError(f"train.init_from={path} is neither a Hugging Face model directory (config.json + "
+                    "*.safetensors) nor a `mbr convert` output (mbr_manifest.json).")

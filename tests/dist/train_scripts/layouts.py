@@ -1,0 +1,32 @@
+"""Run `megatron_bridge.train` for several layouts inside one torchrun launch.
+
+argv: OUT_DIR then one argument per job: `name:override,override,...`. Each job trains in
+this same process group (startup dominates CPU test time); rank 0 reports each job's
+per-step losses read back from the run's metrics.jsonl.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from megatron_bridge.testing import report
+from megatron_bridge.train.runner import train
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    results = {}
+    for job in sys.argv[2:]:
+        name, overrides = job.split(":", 1)
+        run_dir = out / name
+        code = train([*overrides.split(","), f"run_dir={run_dir}"], finalize=False)
+        assert code == 0, (name, code)
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():
+            rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+            results[name] = {str(r["step"]): r["loss"] for r in rows}
+    report({"losses": results})
+
+
+if __name__ == "__main__":
+    main()
