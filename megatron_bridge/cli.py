@@ -16,6 +16,9 @@ from megatron_bridge.errors import UserError, run_cli
 
 COMMANDS: Dict[str, Tuple[str, str, str]] = {
     "check": ("megatron_bridge.commands.check", "main", "validate a recipe's layout and print its rank map"),
+    "verify": ("megatron_bridge.commands.verify", "main", "HF model vs its megatron build under layouts: logits parity, round trip (--list: families)"),
+    "plan": ("megatron_bridge.commands.plan", "main", "choose the layout for a model on a cluster, with memory/comm/bubble"),
+    "data": ("megatron_bridge.commands.data", "main", "tokenize text into a megatron-core indexed dataset (demo=true: from the stdlib)"),
     "launch": ("megatron_bridge.commands.launch", "main", "launch a recipe with torchrun, deepspeed or Slurm (--dry-run prints)"),
 }
 

@@ -1,0 +1,31 @@
+"""Hugging Face models ⇄ megatron-core parallel models (see docs/bridge.md).
+
+    spec = load_spec(hf_dir)                      # HF config.json -> BridgeSpec (refuses what it can't do)
+    chunks = build_model(spec, Layout(tp=2, pp=2))   # this rank's GPTModel chunk(s); groups initialized first
+    load_hf_weights(chunks, spec, hf_dir)         # each rank reads only its slices
+    export_hf_weights(chunks, spec, out_dir, source_dir=hf_dir)   # back to HF names/shapes
+
+The weight tables (`families/`) are pure tensor functions (`mapping.py`), shared by online
+loading, export and offline conversion (`loader.rank_shards`). Importing this package does
+not import megatron-core.
+"""
+
+from megatron_bridge.bridge.hf_config import (
+    BridgeSpec, gpt_model_kwargs, load_spec, spec_from_hf, spec_from_model_config, spec_to_hf_config,
+    transformer_config,
+)
+from megatron_bridge.bridge.layout import Layout, local_experts, problems, stage_layers, to_local_name
+from megatron_bridge.bridge.loader import (
+    Coords, HFCheckpoint, export_hf_weights, iter_hf_tensors, load_hf_weights, rank_shards, resolve_checkpoint,
+)
+from megatron_bridge.bridge.mapping import Mapping, Shapes, Shard, dist_ckpt_key
+from megatron_bridge.bridge.model import build_model
+from megatron_bridge.bridge.registry import FamilyBridge, describe, families, family_for, get_family, register
+
+__all__ = [
+    "BridgeSpec", "load_spec", "spec_from_hf", "spec_to_hf_config", "spec_from_model_config", "transformer_config",
+    "gpt_model_kwargs", "Layout", "problems", "stage_layers", "local_experts", "to_local_name", "Coords",
+    "HFCheckpoint", "rank_shards", "resolve_checkpoint", "load_hf_weights", "iter_hf_tensors", "export_hf_weights",
+    "Mapping", "Shapes", "Shard", "dist_ckpt_key", "build_model", "FamilyBridge", "register", "families",
+    "family_for", "get_family", "describe",
+]

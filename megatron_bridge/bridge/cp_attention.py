@@ -1,0 +1,176 @@
+"""Core attention for the local (no Transformer Engine) spec, with context parallelism.
+
+megatron-core 0.16's local `DotProductAttention` refuses cp > 1 ("only supported by
+TEDotProductAttention") and Transformer Engine needs CUDA. This module is a drop-in
+`core_attention` (same constructor and forward signature) that works for any cp:
+
+* K/V exchange by all-gather over the CP group, as in Llama 3's context parallelism: each
+  rank keeps its own queries and attends to the whole sequence's keys/values. The backward
+  of the all-gather is a reduce-scatter, so K/V gradients land back on their owners.
+* megatron's load-balanced chunking: the sequence is cut into 2·cp chunks and CP rank r
+  holds chunks r and 2·cp-1-r (`get_batch_on_this_cp_rank`). The gathered keys stay in
+  rank order; the causal (and sliding-window) mask is computed from the *global* positions
+  of each query and key, so no reordering is needed.
+* GQA/MQA through SDPA's grouped heads (query head h reads KV head h // (heads/groups),
+  megatron's and HF's convention), sliding window (`config.window_size = (W-1, 0)`, HF's
+  "q - k < W"), attention dropout under the model-parallel RNG tracker.
+
+Cost: one [sq_local, s] mask and one SDPA call per layer; the all-gather moves
+(cp-1)/cp of the K/V. That is the right trade for CPU tests and for GPUs without TE; on
+GPUs with TE, `model.py` uses TE's attention instead.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over `group`; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = torch.distributed.get_world_size(group)
+        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = torch.distributed.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // n,) + tuple(grad.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def cp_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global token positions of a CP rank's local sequence (chunks r and 2·cp-1-r)."""
+    if cp_size == 1:
+        return torch.arange(local_len, device=device)
+    chunk = local_len // 2
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
+                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+
+
+def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[tuple]) -> Optional[torch.Tensor]:
+    """Boolean [sq, sk] mask, True = may attend. None when nothing is masked."""
+    if not causal and window is None:
+        return None
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+    if window is not None:
+        left, right = window
+        if left is not None and left >= 0:
+            allowed = allowed & (diff <= left)
+        if right is not None and right >= 0:
+            allowed = allowed & (-diff <= right)
+    return allowed
+
+
+def split_for_cp(t: torch.Tensor, cp_size: int, cp_rank: int, seq_dim: int = 1) -> torch.Tensor:
+    """This CP rank's part of a full-sequence tensor (megatron's load-balanced chunks)."""
+    if cp_size == 1:
+        return t
+    chunks = t.chunk(2 * cp_size, dim=seq_dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=seq_dim)
+
+
+def merge_from_cp(parts, seq_dim: int = 1) -> torch.Tensor:
+    """Inverse of `split_for_cp`: the full sequence from every CP rank's part, in rank order."""
+    cp = len(parts)
+    if cp == 1:
+        return parts[0]
+    chunks = [None] * (2 * cp)
+    for r, p in enumerate(parts):
+        a, b = p.chunk(2, dim=seq_dim)
+        chunks[r], chunks[2 * cp - 1 - r] = a, b
+    return torch.cat(chunks, dim=seq_dim)
+
+
+def _make_class():
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    class ContextParallelAttention(MegatronModule):
+        """Pure-PyTorch core attention, any context-parallel size (see module docstring)."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+            super().__init__(config=config)
+            self.layer_number = max(1, layer_number)
+            self.attn_mask_type = attn_mask_type
+            cp = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else \
+                parallel_state.get_context_parallel_group()
+            self.cp_group = cp
+            self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+            if config.apply_query_key_layer_scaling:
+                raise ValueError("apply_query_key_layer_scaling is not supported by ContextParallelAttention")
+            if getattr(config, "softmax_type", "vanilla") != "vanilla":
+                raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by ContextParallelAttention")
+            use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+            self.window = config.window_size if use_window else None
+            self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+            self._causal_types = (AttnMaskType.causal,)
+
+        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn]."""
+            if packed_seq_params is not None or attention_bias is not None:
+                raise NotImplementedError("packed sequences / attention bias need TEDotProductAttention")
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            cp_size = torch.distributed.get_world_size(self.cp_group) if self.cp_group is not None else 1
+            cp_rank = torch.distributed.get_rank(self.cp_group) if cp_size > 1 else 0
+            sq = query.shape[0]
+            if cp_size > 1:
+                if attention_mask is not None:
+                    raise NotImplementedError("an explicit attention_mask with cp > 1 is not supported")
+                if sq % 2:
+                    raise ValueError(f"local sequence length {sq} must be even under cp={cp_size}")
+                key = _GatherSeq.apply(key, self.cp_group)
+                value = _GatherSeq.apply(value, self.cp_group)
+                local = key.shape[0] // cp_size
+                k_pos = torch.cat([cp_positions(local, cp_size, r, query.device) for r in range(cp_size)])
+            else:
+                k_pos = torch.arange(key.shape[0], device=query.device)
+            q_pos = cp_positions(sq, cp_size, cp_rank, query.device)
+            allowed = allowed_mask(q_pos, k_pos, mask_type in self._causal_types, self.window)
+            if attention_mask is not None:  # megatron convention: True = masked out
+                keep = ~attention_mask.bool()
+                allowed = keep if allowed is None else keep & allowed
+            q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+            k = key.permute(1, 2, 0, 3)
+            v = value.permute(1, 2, 0, 3)
+            gqa = q.shape[1] != k.shape[1]
+            dropout = self.dropout_p if self.training else 0.0
+            if dropout > 0:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
+                                                         scale=self.softmax_scale, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale,
+                                                     enable_gqa=gqa)
+            return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
+
+    return ContextParallelAttention
+
+
+_CLASS = None
+
+
+def context_parallel_attention_class():
+    """The megatron-module class (built lazily so importing this file needs no megatron)."""
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = _make_class()
+    return _CLASS
+
+
+__all__ = ["context_parallel_attention_class", "cp_positions", "allowed_mask", "split_for_cp", "merge_from_cp"]

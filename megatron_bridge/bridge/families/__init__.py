@@ -1,0 +1,1 @@
+"""One declarative table per HF family; importing a module registers its classes."""

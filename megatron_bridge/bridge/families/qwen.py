@@ -1,0 +1,47 @@
+"""Qwen2 (qkv bias), Qwen3 (qk-norm) and Qwen2-MoE (routed + gated shared expert)."""
+
+from megatron_bridge.bridge.families.common import ATTENTION, DENSE_MLP, EMBEDDINGS, H, L, QK_NORM, experts, swiglu
+from megatron_bridge.bridge.mapping import REPLICATED, Mapping
+from megatron_bridge.bridge.registry import FamilyBridge, register
+
+
+@register
+class Qwen2(FamilyBridge):
+    name = "qwen2"
+    model_types = ("qwen2",)
+    architectures = ("Qwen2ForCausalLM",)
+    implicit = {"add_qkv_bias": True}
+    table = EMBEDDINGS + ATTENTION + DENSE_MLP
+    window_key = "layer_types"
+    notes = "qkv bias"
+
+
+@register
+class Qwen3(FamilyBridge):
+    name = "qwen3"
+    model_types = ("qwen3",)
+    architectures = ("Qwen3ForCausalLM",)
+    implicit = {"qk_layernorm": True}
+    table = EMBEDDINGS + ATTENTION + QK_NORM + DENSE_MLP
+    window_key = "layer_types"
+    notes = "qk-norm (RMSNorm per head), explicit head_dim"
+
+
+@register
+class Qwen2Moe(FamilyBridge):
+    name = "qwen2_moe"
+    model_types = ("qwen2_moe",)
+    architectures = ("Qwen2MoeForCausalLM",)
+    implicit = {"add_qkv_bias": True, "moe_shared_expert_gate": True}
+    hf_names = {"num_moe_experts": "num_experts", "moe_ffn_hidden_size": "moe_intermediate_size",
+                "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size", "add_qkv_bias": "qkv_bias"}
+    window_key = "layer_types"
+    table = (
+        EMBEDDINGS
+        + ATTENTION
+        + DENSE_MLP  # layers listed in mlp_only_layers / off decoder_sparse_step
+        + experts("mlp.experts", "gate_proj", "up_proj", "down_proj", "mlp.gate.weight")
+        + swiglu(f"{L}.mlp.shared_experts", f"{H}.mlp.shared_expert")
+        + (Mapping(f"{L}.mlp.shared_experts.gate_weight", f"{H}.mlp.shared_expert_gate.weight", REPLICATED),)
+    )
+    notes = "MoE (softmax top-k) + sigmoid-gated shared expert, qkv bias, dense layers allowed"

@@ -1,0 +1,381 @@
+"""HF `config.json` ⇄ `BridgeSpec` ⇄ megatron-core `TransformerConfig` (+ GPTModel args).
+
+`BridgeSpec` is the architecture as the bridge understands it: every field either maps to a
+megatron-core setting or to a weight-table condition. Reading an HF config refuses, with
+every reason at once, the features the megatron local spec cannot reproduce (o_proj bias,
+yarn rope, mixed sliding/full layers, ...): a silently dropped feature would give a model
+that loads fine and computes something else.
+
+The common HF key names come from `config/hf_model.py` (one place knows them); the extra
+keys only the bridge needs (rope scaling, windows, router details) are read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping as TMapping, Optional, Tuple
+
+from megatron_bridge.bridge.mapping import Shapes
+from megatron_bridge.bridge.registry import family_for
+from megatron_bridge.config.hf_model import HF_KEYS, hf_to_model_fields, read_hf_config
+from megatron_bridge.errors import UserError
+from megatron_bridge.parallel.dims import padded_vocab_size
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class BridgeSpec:
+    family: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int = 2048
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    rope_type: str = "default"
+    rope_params: Tuple[Tuple[str, Any], ...] = ()  # factor, low/high_freq_factor, original_max_...
+    tie_word_embeddings: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    sliding_window: Optional[int] = None  # HF semantics: attend to keys with q - k < window
+    attention_dropout: float = 0.0
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
+    moe_router_pre_softmax: bool = False  # softmax over all experts, no top-k renormalisation
+    moe_layer_pattern: Tuple[int, ...] = ()  # 1 = MoE layer, 0 = dense; () = every layer alike
+    make_vocab_size_divisible_by: int = 128
+    initializer_range: float = 0.02
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    def padded_vocab_size(self, tp: int) -> int:
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
+
+    def shapes(self, tp: int) -> Shapes:
+        return Shapes(self.num_attention_heads, self.num_query_groups, self.head_dim, self.vocab_size, self.padded_vocab_size(tp))
+
+    def replace(self, **kw: Any) -> "BridgeSpec":
+        return dataclasses.replace(self, **kw)
+
+
+# ----------------------------------------------------------------------------------------
+# HF -> spec
+# ----------------------------------------------------------------------------------------
+
+
+def _rope(hf: TMapping[str, Any], problems: List[str]) -> Tuple[float, str, Tuple[Tuple[str, Any], ...]]:
+    """(theta, rope_type, params) from transformers-5 `rope_parameters` or v4 `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    params.update(hf.get("rope_scaling") or {})
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    rtype = params.get("rope_type") or params.get("type") or "default"
+    keep: Dict[str, Any] = {}
+    if rtype not in ROPE_TYPES:
+        problems.append(f"rope_type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    elif rtype == "linear":
+        keep["factor"] = params["factor"]
+    elif rtype == "llama3":
+        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if k not in params:
+                problems.append(f"llama3 rope scaling without {k!r}")
+            else:
+                keep[k] = params[k]
+    if float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        problems.append("partial_rotary_factor != 1 (partial rotary) is not supported")
+    return float(theta), rtype, tuple(sorted(keep.items()))
+
+
+def _window(hf: TMapping[str, Any], n_layers: int, problems: List[str]) -> Optional[int]:
+    """One window for all layers, or None. HF expresses it three ways across families."""
+    window = hf.get("sliding_window")
+    if hf.get("use_sliding_window") is False:
+        window = None
+    types = hf.get("layer_types")
+    if types:
+        kinds = set(types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            problems.append(
+                f"layer_types mixes {sorted(kinds)}: per-layer attention patterns (e.g. "
+                "max_window_layers < num_hidden_layers) are not supported"
+            )
+            return None
+    if window is None or int(window) <= 0:
+        return None
+    return int(window)
+
+
+def _moe_pattern(hf: TMapping[str, Any], n_layers: int) -> Tuple[int, ...]:
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    pattern = tuple(0 if (i in dense or (i + 1) % step) else 1 for i in range(n_layers))
+    return () if all(pattern) else pattern
+
+
+def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 128) -> BridgeSpec:
+    """Build (and validate) the spec of an HF config dict. Raises UserError listing every
+    unsupported feature."""
+    family = family_for(hf)
+    base = hf_to_model_fields(dict(hf))
+    problems: List[str] = []
+    f: Dict[str, Any] = {}
+    f["family"] = family.name
+    f["architecture"] = (hf.get("architectures") or family.architectures)[0]
+    missing = [k for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")
+               if base.get(k) is None]
+    if missing:
+        raise UserError(f"config.json lacks {', '.join(missing)} (HF names: {', '.join(HF_KEYS[k][0] for k in missing)})")
+    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+              "max_position_embeddings", "norm_epsilon"):
+        if base.get(k) is not None:
+            f[k] = base[k]
+    heads = base["num_attention_heads"]
+    f["num_query_groups"] = int(base.get("num_query_groups") or heads)
+    f["head_dim"] = int(base.get("kv_channels") or base["hidden_size"] // heads)
+    f["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
+    f["rotary_base"], f["rope_type"], f["rope_params"] = _rope(hf, problems)
+    f["attention_dropout"] = float(hf.get("attention_dropout") or 0.0)
+    f["initializer_range"] = float(hf.get("initializer_range") or 0.02)
+    f["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    f.update(family.implicit)
+    if "qkv_bias" in hf:
+        f["add_qkv_bias"] = bool(hf["qkv_bias"])
+
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        problems.append(f"hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")
+    if hf.get("attention_bias"):
+        problems.append("attention_bias=true adds an o_proj bias, which the megatron local spec cannot hold "
+                        "(it has qkv bias only)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true (MLP biases) is not supported")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key):
+            problems.append(f"{key} is not supported")
+    f["sliding_window"] = _window(hf, f["num_layers"], problems)
+
+    if base.get("num_moe_experts"):
+        f["num_moe_experts"] = int(base["num_moe_experts"])
+        f["moe_router_topk"] = int(base.get("moe_router_topk", 2))
+        f["moe_ffn_hidden_size"] = int(base.get("moe_ffn_hidden_size") or base["ffn_hidden_size"])
+        shared = base.get("moe_shared_expert_intermediate_size")
+        f["moe_shared_expert_intermediate_size"] = int(shared) if shared else None
+        if not shared:
+            f["moe_shared_expert_gate"] = False
+        # HF families either renormalise the top-k softmax probabilities (Mixtral,
+        # norm_topk_prob=true) or keep the full-softmax probabilities (Qwen2-MoE default).
+        f["moe_router_pre_softmax"] = not bool(hf.get("norm_topk_prob", True))
+        f["moe_layer_pattern"] = _moe_pattern(hf, f["num_layers"])
+        if f["moe_router_topk"] == 1 and not f["moe_router_pre_softmax"]:
+            problems.append("top-1 routing with renormalised probabilities (always 1.0) is not supported")
+        if float(hf.get("router_jitter_noise") or 0.0) > 0:
+            problems.append("router_jitter_noise > 0 (training-time router noise) is not supported; set it to 0")
+    if problems:
+        raise UserError(
+            f"{f['architecture']} config cannot be bridged faithfully:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    return BridgeSpec(**f)
+
+
+def load_spec(path: str | Path, *, make_vocab_size_divisible_by: int = 128) -> BridgeSpec:
+    return spec_from_hf(read_hf_config(path), make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+
+
+def spec_from_model_config(model_cfg: Any) -> BridgeSpec:
+    """The spec of `cfg.model` (a ModelConfig): from its hf_path when set, else its fields."""
+    if model_cfg.hf_path:
+        return load_spec(model_cfg.hf_path, make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by)
+    from megatron_bridge.bridge.registry import get_family
+
+    fam = get_family(model_cfg.family)
+    f = dict(
+        family=fam.name, architecture=fam.architectures[0], num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads, num_query_groups=model_cfg.kv_heads,
+        head_dim=model_cfg.head_dim, vocab_size=model_cfg.vocab_size,
+        max_position_embeddings=model_cfg.max_position_embeddings, norm_epsilon=model_cfg.norm_epsilon,
+        rotary_base=model_cfg.rotary_base, tie_word_embeddings=model_cfg.tie_word_embeddings,
+        add_qkv_bias=model_cfg.add_qkv_bias, qk_layernorm=model_cfg.qk_layernorm,
+        make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
+    )
+    f.update(fam.implicit)
+    if model_cfg.num_moe_experts:
+        f.update(num_moe_experts=model_cfg.num_moe_experts, moe_router_topk=model_cfg.moe_router_topk,
+                 moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
+                 moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size)
+        if not model_cfg.moe_shared_expert_intermediate_size:
+            f["moe_shared_expert_gate"] = False
+    return BridgeSpec(**f)
+
+
+def spec_to_hf_config(spec: BridgeSpec) -> Dict[str, Any]:
+    """A config.json for `spec` (export of a model that has no HF source directory).
+
+    `spec_from_hf(spec_to_hf_config(s)) == s` for every supported spec; the family's
+    `hf_names` / `window_key` say where its config spells things differently."""
+    from megatron_bridge.bridge.registry import get_family
+
+    fam = get_family(spec.family)
+    names = dict(fam.hf_names)
+    cfg: Dict[str, Any] = {
+        "architectures": [spec.architecture], "model_type": fam.model_types[0], "hidden_act": "silu",
+        "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size, "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_query_groups, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": spec.norm_epsilon,
+        "tie_word_embeddings": spec.tie_word_embeddings, "attention_dropout": spec.attention_dropout,
+        "initializer_range": spec.initializer_range,
+        "rope_parameters": {"rope_theta": spec.rotary_base, "rope_type": spec.rope_type, **dict(spec.rope_params)},
+    }
+    for f, value in (("add_qkv_bias", spec.add_qkv_bias),):
+        if f in names:
+            cfg[names[f]] = value
+    if fam.window_key == "layer_types":
+        kind = "sliding_attention" if spec.sliding_window else "full_attention"
+        cfg.update(use_sliding_window=bool(spec.sliding_window), layer_types=[kind] * spec.num_layers,
+                   sliding_window=spec.sliding_window)
+        if spec.sliding_window:
+            cfg["max_window_layers"] = 0
+    else:
+        cfg["sliding_window"] = spec.sliding_window
+    if spec.is_moe:
+        cfg[names.get("num_moe_experts", "num_experts")] = spec.num_moe_experts
+        cfg["num_experts_per_tok"] = spec.moe_router_topk
+        cfg[names.get("moe_ffn_hidden_size", "moe_intermediate_size")] = spec.moe_ffn_hidden_size
+        if spec.moe_shared_expert_intermediate_size:
+            cfg[names.get("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size")] = \
+                spec.moe_shared_expert_intermediate_size
+        cfg["norm_topk_prob"] = not spec.moe_router_pre_softmax
+        if spec.moe_layer_pattern:
+            cfg["mlp_only_layers"] = [i for i, moe in enumerate(spec.moe_layer_pattern) if not moe]
+            cfg["decoder_sparse_step"] = 1
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------
+# spec -> megatron-core
+# ----------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(spec: BridgeSpec):
+    """Rotary inverse frequencies exactly as transformers computes them for this rope type
+    (megatron's own llama3 scaling hard-codes low/high factors and 8192 original length)."""
+    import torch
+
+    d = spec.head_dim
+    inv = 1.0 / (spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    p = dict(spec.rope_params)
+    if spec.rope_type == "linear":
+        inv = inv / p["factor"]
+    elif spec.rope_type == "llama3":
+        factor, lo, hi, old = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+        low_wl, high_wl = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
+    """megatron-core TransformerConfig for `spec` under `layout` (a `Layout`).
+
+    CPU-friendly defaults (no fused kernels, cpu initialisation when there is no GPU);
+    `overrides` win (params_dtype, bf16, recompute, ...).
+    """
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    kw: Dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=spec.attention_dropout,
+        init_method_std=spec.initializer_range,
+        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window else None,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.pp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp_or_tp,
+        sequence_parallel=layout.sequence_parallel and layout.tp > 1,
+        num_layers_in_first_pipeline_stage=layout.layers_first_stage,
+        num_layers_in_last_pipeline_stage=layout.layers_last_stage,
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # gloo: batched p2p gives wrong results with interleaved schedules (notes).
+        batch_p2p_comm=on_gpu,
+    )
+    if spec.is_moe:
+        kw.update(
+            num_moe_experts=spec.num_moe_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate=spec.moe_shared_expert_gate,
+            moe_router_pre_softmax=spec.moe_router_pre_softmax,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_layer_freq=list(spec.moe_layer_pattern) if spec.moe_layer_pattern else 1,
+        )
+    kw.update(overrides)
+    if kw.get("bf16") and "params_dtype" not in overrides:
+        kw["params_dtype"] = torch.bfloat16
+    if "pipeline_dtype" not in kw:
+        kw["pipeline_dtype"] = kw.get("params_dtype", torch.float32)
+    return TransformerConfig(**kw)
+
+
+def gpt_model_kwargs(spec: BridgeSpec, layout: Any) -> Dict[str, Any]:
+    """GPTModel constructor arguments besides config/spec/pre/post_process/vp_stage."""
+    return dict(
+        vocab_size=spec.padded_vocab_size(layout.tp),
+        max_sequence_length=spec.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rotary_base,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        parallel_output=True,
+    )
+
+
+__all__ = ["BridgeSpec", "spec_from_hf", "spec_to_hf_config", "load_spec", "spec_from_model_config", "rope_inv_freq",
+           "transformer_config", "gpt_model_kwargs", "ROPE_TYPES"]

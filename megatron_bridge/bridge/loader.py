@@ -1,0 +1,320 @@
+"""Online load (HF safetensors -> this rank's megatron shards) and export (back to HF).
+
+Two layers, so an offline converter can use the first without a model or process group:
+
+* `rank_shards(spec, layout, ckpt, coords)` — pure: for one rank's coordinates, yield
+  (rank-local megatron name, tensor) for every parameter that rank holds, reading only
+  its slices from disk (`safe_open(...).get_slice`).
+* `load_hf_weights(chunks, spec, path)` — the live model: coordinates from megatron's
+  parallel_state, one `rank_shards` plan per virtual chunk, names checked both ways (a
+  parameter without a source, or a source without a parameter, is an error), copied in.
+* `export_hf_weights(chunks, spec, out_dir, source_dir=...)` — gathers each parameter's
+  TP (or expert-TP) shards onto one replica, merges them back to HF names and shapes with
+  the same table, and every writing rank saves its own safetensors file (no rank holds the
+  whole model); rank 0 writes the index, config.json and copies the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_bridge.bridge.hf_config import BridgeSpec
+from megatron_bridge.bridge.layout import Layout, local_experts, stage_layers, to_local_name
+from megatron_bridge.bridge.mapping import LazySlice, Resolved, Shard, renumber, resolve_hf, resolve_megatron
+from megatron_bridge.bridge.registry import get_family
+from megatron_bridge.errors import UserError
+
+# HF tensors that carry no weights (older checkpoints saved rotary buffers).
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+class HFCheckpoint:
+    """Lazy view of an HF model directory's safetensors (single file or sharded + index)."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise UserError(f"{self.path}: no *.safetensors weights (only safetensors checkpoints are supported)")
+        self._handles = {f: safe_open(str(self.path / f), framework="pt") for f in files}
+        if weight_map is None:
+            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+        self.weight_map: Dict[str, str] = weight_map
+
+    def keys(self) -> List[str]:
+        return [k for k in self.weight_map if not k.endswith(IGNORED_HF_SUFFIXES)]
+
+    def slice(self, name: str) -> LazySlice:
+        return LazySlice(self._handles[self.weight_map[name]].get_slice(name))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._handles[self.weight_map[name]].get_tensor(name)
+
+
+@dataclass(frozen=True)
+class Coords:
+    """One rank's place in the layout (and which virtual chunk)."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    ep_rank: int = 0
+    etp_rank: int = 0
+    vp_stage: Optional[int] = None
+
+    def pre_process(self, layout: Layout) -> bool:
+        return self.pp_rank == 0 and (self.vp_stage or 0) == 0
+
+    def post_process(self, layout: Layout) -> bool:
+        last_vp = (layout.vpp or 1) - 1 if layout.pp > 1 else 0
+        return self.pp_rank == layout.pp - 1 and (self.vp_stage or 0) == last_vp
+
+
+def table_for(spec: BridgeSpec):
+    return get_family(spec.family).mappings(spec)
+
+
+def resolve_checkpoint(spec: BridgeSpec, keys: Sequence[str]) -> List[Resolved]:
+    """Every table row the checkpoint fills; unknown HF tensors are an error, not ignored."""
+    rows, unused = resolve_hf(table_for(spec), keys)
+    if unused:
+        raise UserError(
+            f"{len(unused)} HF tensor(s) match no row of the {spec.family} table (the checkpoint has "
+            f"weights the bridge would drop): {', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}"
+        )
+    return rows
+
+
+def owned(row: Resolved, spec: BridgeSpec, layout: Layout, coords: Coords, layers: range) -> Optional[str]:
+    """The rank-local name of `row` on the chunk at `coords`, or None if it lives elsewhere.
+
+    megatron's structure, not a family's: the embedding sits in the first chunk, the final
+    norm and output layer in the last; a tied output layer exists only when those differ."""
+    name = row.megatron
+    pre, post = coords.pre_process(layout), coords.post_process(layout)
+    if name.startswith("embedding."):
+        return name if pre else None
+    if name.startswith(("output_layer.", "decoder.final_layernorm.")):
+        if not post or (name.startswith("output_layer.") and spec.tie_word_embeddings and pre):
+            return None
+        return name
+    experts = local_experts(spec.num_moe_experts, layout.ep, coords.ep_rank) if row.mapping.is_expert else None
+    return to_local_name(name, layers, experts)
+
+
+def chunk_plan(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], coords: Coords, tconfig: Any) -> Dict[str, Resolved]:
+    """{rank-local megatron name: row} for the chunk at `coords`."""
+    layers = stage_layers(tconfig, coords.pp_rank, coords.vp_stage)
+    plan = {}
+    for r in rows:
+        local = owned(r, spec, layout, coords, layers)
+        if local is not None:
+            plan[local] = r
+    return plan
+
+
+def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: Layout, coords: Coords) -> torch.Tensor:
+    s = Shard(coords.etp_rank, layout.etp_or_tp) if row.mapping.is_expert else Shard(coords.tp_rank, layout.tp)
+    return row.mapping.shard(tensors, s, spec.shapes(layout.tp))
+
+
+def rank_shards(spec: BridgeSpec, layout: Layout, ckpt: HFCheckpoint, coords: Coords, tconfig: Any = None
+                ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Pure: (local name, tensor) of every parameter of the chunk at `coords`, one at a time."""
+    if tconfig is None:
+        from megatron_bridge.bridge.hf_config import transformer_config
+
+        tconfig = transformer_config(spec, layout)
+    for local, row in chunk_plan(spec, layout, resolve_checkpoint(spec, ckpt.keys()), coords, tconfig).items():
+        yield local, shard_of(row, [ckpt.slice(n) for n in row.hf], spec, layout, coords)
+
+
+# ----------------------------------------------------------------------------------------
+# live model
+# ----------------------------------------------------------------------------------------
+
+
+def current_coords(vp_stage: Optional[int] = None) -> Coords:
+    from megatron.core import parallel_state as ps
+
+    return Coords(
+        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+        vp_stage=vp_stage,
+    )
+
+
+def layout_of(chunks: Sequence[Any]) -> Layout:
+    c = chunks[0].config
+    return Layout(
+        tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size, cp=c.context_parallel_size,
+        ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size,
+        vpp=c.virtual_pipeline_model_parallel_size, sequence_parallel=c.sequence_parallel,
+        layers_first_stage=c.num_layers_in_first_pipeline_stage, layers_last_stage=c.num_layers_in_last_pipeline_stage,
+    )
+
+
+def _vp(chunks: Sequence[Any], i: int) -> Optional[int]:
+    return i if chunks[0].config.virtual_pipeline_model_parallel_size else None
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoint) -> int:
+    """Copy HF weights into this rank's model chunks. Returns the number of tensors loaded."""
+    ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
+    layout = layout_of(chunks)
+    rows = resolve_checkpoint(spec, ckpt.keys())
+    n = 0
+    for i, chunk in enumerate(chunks):
+        coords = current_coords(_vp(chunks, i))
+        plan = chunk_plan(spec, layout, rows, coords, chunk.config)
+        params = dict(chunk.named_parameters())
+        missing = sorted(set(params) - set(plan))
+        extra = sorted(set(plan) - set(params))
+        if missing or extra:
+            raise UserError(
+                f"HF checkpoint {ckpt.path} does not match the {spec.family} model on this rank: "
+                f"parameters without an HF source {missing[:6]}, HF rows without a parameter {extra[:6]}"
+            )
+        for local, row in plan.items():
+            t = shard_of(row, [ckpt.slice(h) for h in row.hf], spec, layout, coords)
+            p = params[local]
+            if tuple(t.shape) != tuple(p.shape):
+                raise UserError(f"{local}: HF {row.hf} gives shape {tuple(t.shape)}, the model has {tuple(p.shape)}")
+            p.data.copy_(t.to(p.dtype))
+            n += 1
+    return n
+
+
+def _global_names(chunk: Any) -> Dict[str, str]:
+    """{local param name: global name} for one chunk (layer and expert offsets applied)."""
+    from megatron.core import parallel_state as ps
+
+    layers = chunk.decoder.layers
+    layer_off = layers[0].layer_number - 1 if len(layers) else 0
+    c = chunk.config
+    expert_off = ps.get_expert_model_parallel_rank() * (c.num_moe_experts // c.expert_model_parallel_size) if c.num_moe_experts else 0
+    return {name: renumber(name, layer_off, expert_off) for name, _ in chunk.named_parameters()}
+
+
+def iter_hf_tensors(chunks: Sequence[Any], spec: BridgeSpec, dtype: Optional[torch.dtype] = None,
+                    value: Optional[Any] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Collective over all ranks: gather every exported parameter's shards to one replica and
+    yield (HF name, full HF tensor) there. Every rank must iterate it to the end.
+    `value(param)` picks what is exported (default the weight; e.g. `lambda p: p.main_grad`)."""
+    from megatron.core import parallel_state as ps
+
+    table = table_for(spec)
+    layout = layout_of(chunks)
+    shapes = spec.shapes(layout.tp)
+    dense_writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_writer = ps.get_expert_data_parallel_rank() == 0 if spec.is_moe else False
+    for chunk in chunks:
+        names = _global_names(chunk)
+        for local, p in chunk.named_parameters():
+            row = resolve_megatron(table, names[local])
+            if row is None:
+                raise UserError(f"megatron parameter {names[local]} has no row in the {spec.family} table")
+            if not row.mapping.export:
+                continue
+            expert = row.mapping.is_expert
+            if not (expert_writer if expert else dense_writer):
+                continue
+            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+            shards = _gather((p if value is None else value(p)).detach(), group)
+            if shards is None:
+                continue
+            for name, t in zip(row.hf, row.mapping.merge(shards, shapes)):
+                yield name, (t if dtype is None else t.to(dtype)).contiguous()
+
+
+def _gather(t: torch.Tensor, group) -> Optional[List[torch.Tensor]]:
+    """All shards on the group's first rank (None elsewhere)."""
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return [t.clone()]
+    dst = torch.distributed.get_global_rank(group, 0)
+    me = torch.distributed.get_rank()
+    out = [torch.empty_like(t) for _ in range(size)] if me == dst else None
+    torch.distributed.gather(t.contiguous(), out, dst=dst, group=group)
+    return out
+
+
+def export_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, out_dir: str | Path, *,
+                      source_dir: Optional[str | Path] = None, hf_config: Optional[Dict[str, Any]] = None,
+                      dtype: Optional[torch.dtype] = None) -> Path:
+    """Write the model as an HF directory loadable by `AutoModelForCausalLM.from_pretrained`.
+
+    Collective (every rank calls it). Weights: one safetensors file per writing rank plus
+    `model.safetensors.index.json`. config.json: `hf_config` if given, else the source's,
+    else generated from the spec (`spec_to_hf_config`).
+    Every non-weight file of `source_dir` (tokenizer, generation config) is copied."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    mine = dict(iter_hf_tensors(chunks, spec, dtype))
+    listing = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(listing, sorted((k, v.numel() * v.element_size()) for k, v in mine.items()))
+    writers = [r for r, names in enumerate(listing) if names]
+    total = len(writers)
+    seen: Dict[str, int] = {}
+    for r in writers:
+        for k, _ in listing[r]:
+            if k in seen:
+                raise RuntimeError(f"{k} exported by ranks {seen[k]} and {r}")
+            seen[k] = r
+    torch.distributed.barrier()
+    if mine:
+        fname = f"model-{writers.index(rank) + 1:05d}-of-{total:05d}.safetensors"
+        save_file(mine, str(out / fname), metadata={"format": "pt"})
+    if rank == 0:
+        weight_map, size = {}, 0
+        for r in writers:
+            fname = f"model-{writers.index(r) + 1:05d}-of-{total:05d}.safetensors"
+            for k, nbytes in listing[r]:
+                weight_map[k] = fname
+                size += nbytes
+        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        _write_config_and_assets(out, spec, source_dir, hf_config, dtype)
+    torch.distributed.barrier()
+    return out
+
+
+def _write_config_and_assets(out: Path, spec: BridgeSpec, source_dir, hf_config, dtype) -> None:
+    if hf_config is None and source_dir is not None:
+        hf_config = json.loads((Path(source_dir) / "config.json").read_text())
+    if hf_config is None:
+        from megatron_bridge.bridge.hf_config import spec_to_hf_config
+
+        hf_config = spec_to_hf_config(spec)
+    cfg = dict(hf_config)
+    if dtype is not None:
+        cfg["dtype"] = str(dtype).replace("torch.", "")
+        cfg.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if source_dir is not None:
+        for f in sorted(Path(source_dir).iterdir()):
+            if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_FILE_SUFFIXES):
+                shutil.copy2(f, out / f.name)
+
+
+__all__ = ["HFCheckpoint", "Coords", "rank_shards", "chunk_plan", "resolve_checkpoint", "load_hf_weights",
+           "iter_hf_tensors", "export_hf_weights", "current_coords", "layout_of"]

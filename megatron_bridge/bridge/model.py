@@ -1,0 +1,117 @@
+"""Build the megatron-core GPTModel of a `BridgeSpec` for a `Layout` (this rank's part).
+
+The layer spec is megatron's local spec (`get_gpt_decoder_block_spec(use_transformer_engine
+=False)`: no TE, no Apex, so it runs on CPU) with one substitution: the core attention is
+Transformer Engine's where TE and CUDA are present, else `ContextParallelAttention`, which
+does context parallelism and sliding windows in plain PyTorch. Weight names are therefore
+the local spec's on every machine, which is what the mapping tables speak.
+
+`build_model` returns one GPTModel per virtual pipeline chunk (a list of one without VPP),
+each with pre_process/post_process set for its stage, rotary frequencies computed exactly as
+transformers does for the family's rope type.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megatron_bridge.bridge import cpu_patches
+from megatron_bridge.bridge.cp_attention import context_parallel_attention_class
+from megatron_bridge.bridge.hf_config import BridgeSpec, gpt_model_kwargs, rope_inv_freq, transformer_config
+from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.errors import UserError
+
+
+def core_attention_module():
+    """TE's DotProductAttention on a CUDA host with Transformer Engine, else ours."""
+    if torch.cuda.is_available():
+        try:
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+            return TEDotProductAttention
+        except ImportError:
+            pass
+    return context_parallel_attention_class()
+
+
+def decoder_block_spec(tconfig: Any, vp_stage: Optional[int], pp_rank: int):
+    """megatron's local block spec for this stage, core attention substituted."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(
+        tconfig, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
+    )
+    attn = core_attention_module()
+    copies: Dict[int, Any] = {}
+    layers = []
+    for layer in block.layer_specs:
+        if id(layer) not in copies:  # specs are shared module globals: never mutate them
+            c = copy.deepcopy(layer)
+            c.submodules.self_attention.submodules.core_attention = attn
+            copies[id(layer)] = c
+        layers.append(copies[id(layer)])
+    block.layer_specs = layers
+    return block
+
+
+def check_groups(layout: Layout) -> None:
+    """The initialized megatron groups must be the layout's (built by parallel.groups)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise UserError("megatron-core parallel groups are not initialized; call "
+                        "megatron_bridge.parallel.groups.initialize(dims) first")
+    have = dict(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                cp=ps.get_context_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
+                etp=ps.get_expert_tensor_parallel_world_size(), vpp=ps.get_virtual_pipeline_model_parallel_world_size())
+    want = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp_or_tp, vpp=layout.vpp)
+    if (want["vpp"] or 1) == 1 and (have["vpp"] or 1) == 1:
+        want["vpp"] = have["vpp"] = None
+    bad = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
+    if bad:
+        raise UserError("the initialized process groups do not match the layout: "
+                        + ", ".join(f"{k}={h} (layout {w})" for k, (h, w) in bad.items()))
+
+
+def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> List[Any]:
+    """This rank's GPTModel chunks for `spec` under `layout` (groups must be initialized).
+
+    `config_overrides` go to TransformerConfig (params_dtype, bf16, recompute_granularity,
+    ...). Weights are megatron's random init; load real ones with `loader.load_hf_weights`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    check_groups(layout)
+    cpu_patches.apply()
+    tconfig = transformer_config(spec, layout, **config_overrides)
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    vpp = tconfig.virtual_pipeline_model_parallel_size
+    inv_freq = rope_inv_freq(spec)
+    chunks = []
+    for vp in range(vpp) if vpp else [None]:
+        model = GPTModel(
+            config=tconfig,
+            transformer_layer_spec=decoder_block_spec(tconfig, vp, pp_rank),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            vp_stage=vp,
+            **gpt_model_kwargs(spec, layout),
+        )
+        rope = getattr(model, "rotary_pos_emb", None)
+        if rope is not None:
+            rope.inv_freq = inv_freq.to(rope.inv_freq.device)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def model_config(chunks: List[Any]):
+    return chunks[0].config
+
+
+__all__ = ["build_model", "decoder_block_spec", "core_attention_module", "check_groups", "model_config"]

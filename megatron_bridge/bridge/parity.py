@@ -1,0 +1,252 @@
+"""Parity checks between a bridged megatron model and its transformers oracle.
+
+Shared by `mbr verify` and the distributed tests, so what CI checks is what users run:
+
+* `hf_reference` — transformers in fp32 on CPU: logits, mean token cross-entropy and the
+  gradient of every HF tensor for a fixed batch (computed once, in one process).
+* `check_layout` — on every rank of a launch: initialize the layout's groups, build, load,
+  then any of: logits vs the reference (`logits`), gradients vs the reference (`grads`),
+  export and compare every tensor bit-exactly with the source (`roundtrip`), one SGD step
+  then export (`train`, compared by the caller with `source - lr·grad`).
+
+Gradient-based checks build the model with `make_vocab_size_divisible_by=1`: megatron's
+padded vocab rows take part in the softmax (zero logits), which changes the loss against
+HF's unpadded vocab; with no padding beyond a multiple of tp the two losses are identical.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_bridge.bridge.layout import Layout
+
+CHECKS = ("logits", "grads", "roundtrip", "train")
+
+
+def make_batch(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    return ids, labels
+
+
+def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+    """transformers' fp32 logits (and, with labels, loss and per-tensor grads).
+
+    Grads are keyed by *checkpoint* names: transformers 5 keeps MoE experts fused in memory
+    (`experts.gate_up_proj`) but saves them per expert, so the grads are written through
+    `save_pretrained` (its own name/layout conversion) and read back."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    out: Dict[str, Any] = {}
+    with torch.set_grad_enabled(labels is not None):
+        logits = model(input_ids).logits.float()
+        out["logits"] = logits.detach()
+        if labels is None:
+            return out
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+    out["loss"] = float(loss.detach())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        out["grads"] = load_dir(tmp)
+    return out
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> Dict[str, float]:
+    d = (a.float() - b.float()).abs()
+    return {"max_abs": float(d.max()) if d.numel() else 0.0, "mean_abs": float(d.mean()) if d.numel() else 0.0,
+            "ref_max": float(b.abs().max()) if b.numel() else 0.0}
+
+
+def dims_for(layout: Layout, world_size: int):
+    from megatron_bridge.parallel.dims import ParallelDims
+
+    mp = layout.tp * layout.pp * layout.cp
+    if world_size % mp:
+        raise ValueError(f"layout {layout.describe()} needs a multiple of {mp} processes, have {world_size}")
+    return ParallelDims(world_size=world_size, gpus_per_node=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                        ep=layout.ep, etp=layout.etp_or_tp, dp=world_size // mp, vpp=layout.vpp,
+                        sequence_parallel=layout.sequence_parallel)
+
+
+def ensure_groups(layout: Layout, world_size: int) -> None:
+    """Initialize the layout's process groups unless the current ones already match
+    (sequence parallelism needs no groups of its own)."""
+    from megatron_bridge.bridge.model import check_groups
+    from megatron_bridge.errors import UserError
+    from megatron_bridge.parallel import groups
+
+    try:
+        check_groups(layout)
+        return
+    except UserError:
+        groups.initialize(dims_for(layout, world_size))
+
+
+def _compare_dict(mine: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], exact: bool) -> Dict[str, Any]:
+    worst, name, bad = 0.0, None, []
+    for k, t in mine.items():
+        if k not in ref:
+            bad.append(f"{k}: not in reference")
+            continue
+        r = ref[k]
+        if tuple(t.shape) != tuple(r.shape) or t.dtype != r.dtype and exact:
+            bad.append(f"{k}: {tuple(t.shape)}/{t.dtype} vs {tuple(r.shape)}/{r.dtype}")
+            continue
+        if exact:
+            if not torch.equal(t, r):
+                bad.append(f"{k}: values differ")
+            continue
+        d = float((t.float() - r.float()).abs().max()) if t.numel() else 0.0
+        if d >= worst:
+            worst, name = d, k
+    return {"n": len(mine), "max_abs": worst, "worst": name, "bad": bad}
+
+
+def check_layout(hf_dir: str | Path, layout: Layout, checks: Sequence[str], *,
+                 ref: Optional[Dict[str, Any]] = None, input_ids: Optional[torch.Tensor] = None,
+                 labels: Optional[torch.Tensor] = None, export_dir: Optional[str | Path] = None,
+                 lr: float = 0.5, init_groups: bool = True, make_vocab_size_divisible_by: int = 8) -> Dict[str, Any]:
+    """Run `checks` for one (model, layout) on every rank of the launch; returns this rank's
+    findings (empty entries on ranks that hold nothing to compare)."""
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.loader import export_hf_weights, iter_hf_tensors, load_hf_weights
+    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.bridge.runtime import forward_backward, forward_logits, sgd_step, unwrap, wrap_ddp
+    unknown = set(checks) - set(CHECKS)
+    if unknown:
+        raise ValueError(f"unknown checks {sorted(unknown)}; choose from {CHECKS}")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if init_groups:
+        ensure_groups(layout, world)
+    rank = torch.distributed.get_rank()
+    out: Dict[str, Any] = {}
+    if "logits" in checks or "roundtrip" in checks:
+        spec = load_spec(hf_dir, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        chunks = build_model(spec, layout)
+        load_hf_weights(chunks, spec, hf_dir)
+        if "logits" in checks:
+            logits = forward_logits(chunks, input_ids)
+            if logits is not None:
+                out["logits"] = diff(logits[..., : spec.vocab_size], ref["logits"])
+                out["logits"]["padded_vocab"] = int(logits.shape[-1])
+        if "roundtrip" in checks:
+            dest = Path(export_dir) / "roundtrip"
+            export_hf_weights(chunks, spec, dest, source_dir=hf_dir)
+            if rank == 0:
+                out["roundtrip"] = compare_dirs(dest, hf_dir)
+        del chunks
+    if "grads" in checks or "train" in checks:
+        spec = load_spec(hf_dir, make_vocab_size_divisible_by=1)
+        glayout = training_layout(spec, layout)
+        if glayout != layout:
+            out["grad_layout"] = glayout.describe()
+        chunks = build_model(spec, glayout)
+        load_hf_weights(chunks, spec, hf_dir)
+        ddp = wrap_ddp(chunks)
+        loss = forward_backward(ddp, input_ids, labels, train="train" in checks)
+        if loss is not None:
+            out["loss"] = {"value": loss, "ref": ref.get("loss") if ref else None}
+        if "grads" in checks:
+            grads = dict(iter_hf_tensors(unwrap(ddp), spec, value=lambda p: p.main_grad))
+            out["grads"] = _compare_dict(grads, ref["grads"], exact=False)
+        if "train" in checks:
+            sgd_step(ddp, lr)
+            dest = Path(export_dir) / "trained"
+            export_hf_weights(unwrap(ddp), spec, dest, source_dir=hf_dir)
+            out["train_dir"] = str(dest)
+        del ddp, chunks
+    return out
+
+
+def training_layout(spec: Any, layout: Layout) -> Layout:
+    """megatron-core needs sequence parallelism to train MoE with TP (it refuses training
+    mode otherwise, and without SP the expert weight gradients come out wrong), so gradient
+    checks of MoE models at tp > 1 turn SP on."""
+    import dataclasses
+
+    if spec.is_moe and layout.tp > 1 and not layout.sequence_parallel:
+        return dataclasses.replace(layout, sequence_parallel=True)
+    return layout
+
+
+def load_dir(path: str | Path) -> Dict[str, torch.Tensor]:
+    from megatron_bridge.bridge.loader import HFCheckpoint
+
+    ck = HFCheckpoint(path)
+    return {k: ck.tensor(k) for k in ck.keys()}
+
+
+def compare_dirs(got: str | Path, want: str | Path) -> Dict[str, Any]:
+    """Bit-exact comparison of two HF directories' tensors (names, shapes, dtypes, values)."""
+    a, b = load_dir(got), load_dir(want)
+    res = _compare_dict(a, b, exact=True)
+    missing = sorted(set(b) - set(a))
+    res["bad"] += [f"{k}: missing from export" for k in missing]
+    res["ok"] = not res["bad"]
+    return res
+
+
+
+
+def summarize(per_rank: Sequence[Dict[str, Any]], key: str, checks: Sequence[str], ref: Dict[str, Any],
+              tol: float = 1e-4, grad_tol: float = 1e-5) -> Tuple[List[str], bool]:
+    """Fold every rank's findings for `key` (one model under one layout) into report lines
+    and a verdict. Logits come from the last pipeline stage, grads from the writing
+    replicas (their counts add up to the number of HF tensors), the round trip from rank 0."""
+    found = [r[key] for r in per_rank if key in r]
+    lines, ok = [], True
+    if not found:
+        return [f"{key}: no rank reported"], False
+    if "logits" in checks:
+        got = [f["logits"] for f in found if "logits" in f]
+        if got:
+            mx, mean = max(g["max_abs"] for g in got), max(g["mean_abs"] for g in got)
+            good = mx <= tol
+            lines.append(f"logits      max-abs {mx:.3e}  mean-abs {mean:.3e}  (tol {tol:g}, padded vocab "
+                         f"{got[0]['padded_vocab']})  {'OK' if good else 'FAIL'}")
+        else:
+            good = False
+            lines.append("logits      no rank produced logits  FAIL")
+        ok &= good
+    if "grads" in checks or "train" in checks:
+        losses = [f["loss"]["value"] for f in found if "loss" in f]
+        if "loss" in ref and losses:
+            d = max(abs(v - ref["loss"]) for v in losses)
+            good = d <= grad_tol
+            lines.append(f"loss        {losses[0]:.6f} vs transformers {ref['loss']:.6f} (|Δ| {d:.2e})  "
+                         f"{'OK' if good else 'FAIL'}")
+            ok &= good
+    if "grads" in checks:
+        g = [f["grads"] for f in found if f.get("grads", {}).get("n")]
+        n = sum(x["n"] for x in g)
+        worst = max((x["max_abs"] for x in g), default=float("inf"))
+        bad = [b for x in g for b in x["bad"]]
+        want = len(ref.get("grads", {}))
+        good = n == want and worst <= grad_tol and not bad
+        layout_note = next((f["grad_layout"] for f in found if "grad_layout" in f), None)
+        lines.append(f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g}"
+                     f"{', run as ' + layout_note if layout_note else ''})  {'OK' if good else 'FAIL'}"
+                     + (f"  {bad[:3]}" if bad else ""))
+        ok &= good
+    if "roundtrip" in checks:
+        rt = [f["roundtrip"] for f in found if "roundtrip" in f]
+        good = bool(rt) and rt[0]["ok"]
+        detail = f"{rt[0]['n']} tensors bit-exact" if good else (rt[0]["bad"][:3] if rt else "not run")
+        lines.append(f"round trip  {detail}  {'OK' if good else 'FAIL'}")
+        ok &= good
+    return lines, ok
+
+
+__all__ = ["CHECKS", "make_batch", "hf_reference", "diff", "dims_for", "check_layout", "compare_dirs", "load_dir", "training_layout", "summarize"]

@@ -1,0 +1,107 @@
+"""Family registry: HF `architectures` / `model_type` -> the family's bridge class.
+
+A family is a small declarative class (see `families/`): the HF names it answers to, the
+settings HF leaves implicit, and its weight table. Shared code never branches on a family
+name; it asks the registry for the class and reads those attributes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar, Dict, List, Mapping as TMapping, Tuple, Type
+
+from megatron_bridge.bridge.mapping import Mapping
+from megatron_bridge.errors import UserError
+
+_FAMILIES: Dict[str, Type["FamilyBridge"]] = {}
+_FAMILY_MODULES = ("llama", "qwen", "mixtral")  # modules under bridge/families that register classes
+
+
+class FamilyBridge:
+    """Base of a family table. Subclasses set the class attributes; no methods to write.
+
+    - `name`: registry key (also ModelConfig.family).
+    - `model_types`, `architectures`: the HF `config.json` values it accepts.
+    - `implicit`: BridgeSpec fields HF does not write into config.json (Qwen2's qkv bias).
+    - `table`: the weight rows (`Mapping`), conditional rows carry `when=`.
+    - `notes`: one line for `mbr verify --list`.
+    - `hf_names`: BridgeSpec field -> HF config key where the family's name differs from the
+      common one (Mixtral's `num_local_experts`), used when writing a config.json.
+    - `window_key`: how the family's config.json spells a sliding window: "sliding_window"
+      (Mistral, Mixtral) or "layer_types" (Qwen: use_sliding_window + per-layer types).
+    """
+
+    name: ClassVar[str] = ""
+    model_types: ClassVar[Tuple[str, ...]] = ()
+    architectures: ClassVar[Tuple[str, ...]] = ()
+    implicit: ClassVar[TMapping[str, Any]] = {}
+    table: ClassVar[Tuple[Mapping, ...]] = ()
+    notes: ClassVar[str] = ""
+    hf_names: ClassVar[TMapping[str, str]] = {}
+    window_key: ClassVar[str] = "sliding_window"
+
+    @classmethod
+    def mappings(cls, spec: Any) -> Tuple[Mapping, ...]:
+        """The rows that apply to this model (conditional rows filtered by the spec)."""
+        return tuple(m for m in cls.table if m.active(spec))
+
+
+def register(cls: Type[FamilyBridge]) -> Type[FamilyBridge]:
+    if not cls.name or not cls.architectures or not cls.table:
+        raise TypeError(f"{cls.__name__}: a family needs name, architectures and table")
+    _FAMILIES[cls.name] = cls
+    return cls
+
+
+def _load_all() -> None:
+    if len(_FAMILIES) == 0:
+        for mod in _FAMILY_MODULES:
+            importlib.import_module(f"megatron_bridge.bridge.families.{mod}")
+
+
+def families() -> List[Type[FamilyBridge]]:
+    _load_all()
+    return list(_FAMILIES.values())
+
+
+def get_family(name: str) -> Type[FamilyBridge]:
+    _load_all()
+    if name not in _FAMILIES:
+        raise UserError(f"no bridge family {name!r}; supported: {', '.join(sorted(_FAMILIES))}")
+    return _FAMILIES[name]
+
+
+def family_for(hf_config: TMapping[str, Any]) -> Type[FamilyBridge]:
+    """The family of an HF config dict: by `architectures` first, then `model_type`."""
+    _load_all()
+    archs = list(hf_config.get("architectures") or [])
+    model_type = hf_config.get("model_type", "")
+    for cls in _FAMILIES.values():
+        if any(a in cls.architectures for a in archs):
+            return cls
+    supported = ", ".join(sorted(a for c in _FAMILIES.values() for a in c.architectures))
+    if archs:
+        raise UserError(
+            f"unsupported architecture {', '.join(archs)} (model_type {model_type!r}): the bridge "
+            f"supports {supported}. Add a family table under megatron_bridge/bridge/families/ "
+            "(docs/bridge.md) to support it."
+        )
+    for cls in _FAMILIES.values():
+        if model_type in cls.model_types:
+            return cls
+    raise UserError(
+        f"unsupported model_type {model_type!r} and no `architectures` in config.json: the bridge "
+        f"supports {supported}."
+    )
+
+
+def describe() -> str:
+    """The table `mbr verify --list` prints."""
+    rows = [("family", "HF architectures", "model_type", "notes")]
+    for cls in families():
+        rows.append((cls.name, ", ".join(cls.architectures), ", ".join(cls.model_types), cls.notes))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}".rstrip() for r in rows)
+
+
+__all__ = ["FamilyBridge", "register", "families", "get_family", "family_for", "describe"]

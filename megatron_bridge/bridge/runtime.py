@@ -1,0 +1,164 @@
+"""Run a bridged model: full-sequence logits and one loss/backward, under any layout.
+
+What `mbr verify` and the parity tests need, built on megatron-core's own pipeline
+schedules (`get_forward_backward_func`, so PP and interleaved VPP run exactly as in
+training): each sample is one micro-batch; context parallelism splits the sequence into
+megatron's load-balanced chunks before the model and puts it back together after; logits
+are gathered over TP (vocab) and CP (sequence) on the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_bridge.bridge.cp_attention import merge_from_cp, split_for_cp
+
+
+def _cp():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+
+
+def _batches(input_ids: torch.Tensor, labels: Optional[torch.Tensor]):
+    """One micro-batch per sample, already cut to this CP rank's chunks."""
+    cp, rank = _cp()
+    b, s = input_ids.shape
+    if s % (2 * cp):
+        raise ValueError(f"sequence length {s} must be divisible by 2·cp = {2 * cp}")
+    pos = torch.arange(s).unsqueeze(0)
+    out = []
+    for i in range(b):
+        mb = {"input_ids": split_for_cp(input_ids[i : i + 1], cp, rank),
+              "position_ids": split_for_cp(pos, cp, rank)}
+        if labels is not None:
+            mb["labels"] = split_for_cp(labels[i : i + 1], cp, rank)
+        out.append(mb)
+    return out
+
+
+def _device(chunks) -> torch.device:
+    return next(chunks[0].parameters()).device
+
+
+def _run(chunks: Sequence[Any], input_ids: torch.Tensor, labels: Optional[torch.Tensor], forward_only: bool,
+         on_output: Callable[[torch.Tensor, Dict[str, torch.Tensor]], Any]) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b, s = input_ids.shape
+    pp = chunks[0].config.pipeline_model_parallel_size
+    if len(chunks) > 1 and b < pp:
+        raise ValueError(f"interleaved pipelining needs at least pp={pp} samples, got {b}")
+    dev = _device(chunks)
+    mbs = [{k: v.to(dev) for k, v in mb.items()} for mb in _batches(input_ids, labels)]
+    data = [iter(mbs) for _ in chunks]  # each virtual chunk walks the micro-batches itself
+
+    def step(it, model):
+        mb = next(it)
+        out = model(mb["input_ids"], mb["position_ids"], None, labels=mb.get("labels"))
+        return out, lambda output: on_output(output, mb)
+
+    get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=data if len(chunks) > 1 else data[0],
+        model=list(chunks) if len(chunks) > 1 else chunks[0],
+        num_microbatches=b,
+        seq_length=s,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+
+
+def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
+    n = torch.distributed.get_world_size(group)
+    if n == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(n)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+@torch.no_grad()
+def forward_logits(chunks: Sequence[Any], input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Logits [b, s, padded_vocab] (fp32, CPU) for `input_ids` [b, s]; on ranks of the last
+    pipeline stage, None elsewhere. Collective over the whole model-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    for c in chunks:
+        c.eval()
+    pieces: List[torch.Tensor] = []
+
+    def keep(output, mb):
+        pieces.append(output.detach().float())
+        return output.sum() * 0.0, {}
+
+    _run(chunks, input_ids, None, True, keep)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    cp_group = ps.get_context_parallel_group()
+    cp = torch.distributed.get_world_size(cp_group)
+    full = []
+    for logits in pieces:  # [1, s/cp, V/tp]
+        logits = _gather_last(logits, ps.get_tensor_model_parallel_group())
+        if cp > 1:
+            parts = [torch.empty_like(logits) for _ in range(cp)]
+            torch.distributed.all_gather(parts, logits.contiguous(), group=cp_group)
+            logits = merge_from_cp(parts, seq_dim=1)
+        full.append(logits.cpu())
+    return torch.cat(full, dim=0)
+
+
+def wrap_ddp(chunks: Sequence[Any]) -> List[Any]:
+    """megatron DDP around each chunk (grad buffers in fp32, reduced over dp·cp, embedding
+    grads shared across stages); gradients then live in `param.main_grad`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=False)
+    wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in chunks]
+    for w in wrapped:
+        w.config.finalize_model_grads_func = finalize_model_grads
+        w.config.no_sync_func = [x.no_sync for x in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    return wrapped
+
+
+def forward_backward(ddp_chunks: Sequence[Any], input_ids: torch.Tensor, labels: torch.Tensor,
+                     train: bool = True) -> Optional[float]:
+    """One forward/backward of the mean token cross-entropy; grads in `param.main_grad`
+    (zeroed first). Returns the loss on last-stage ranks. `train=False` runs the modules in
+    eval mode (same math without dropout; MoE with TP but no SP refuses training mode)."""
+    from megatron.core import parallel_state as ps
+
+    for c in ddp_chunks:
+        c.train(train)
+        c.zero_grad_buffer()
+    losses: List[torch.Tensor] = []
+
+    def loss_fn(output, mb):
+        total = output.float().sum()
+        n = torch.tensor(output.numel(), dtype=torch.int, device=output.device)
+        losses.append(total.detach().clone())  # the schedule rescales `total` in place
+        return total, n, {"loss": total.detach().clone()}
+
+    _run(ddp_chunks, input_ids, labels, False, loss_fn)
+    if not ps.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    total = torch.stack(losses).sum() if losses else torch.zeros(())
+    torch.distributed.all_reduce(total, group=ps.get_context_parallel_group())
+    return float(total) / labels.numel()
+
+
+@torch.no_grad()
+def sgd_step(ddp_chunks: Sequence[Any], lr: float) -> None:
+    for c in ddp_chunks:
+        for p in c.parameters():
+            p.data.add_(p.main_grad.to(p.dtype), alpha=-lr)
+
+
+def unwrap(chunks: Sequence[Any]) -> List[Any]:
+    return [getattr(c, "module", c) for c in chunks]
+
+
+__all__ = ["forward_logits", "wrap_ddp", "forward_backward", "sgd_step", "unwrap"]

@@ -1,0 +1,79 @@
+"""Tiny but complete HF models of every supported family, built offline from configs.
+
+Used by the tests and by `mbr verify --tiny FAMILY`: each config exercises what the family
+is about (GQA, llama3 rope scaling, sliding window shorter than the test sequence, qkv
+bias, qk-norm with head_dim != hidden/heads, tied embeddings, MoE with a dense layer and a
+gated shared expert) while staying small enough for a 2-core CPU. Weights are randomised
+(norms around 1, biases non-zero) so a swapped or dropped tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Tuple
+
+COMMON: Dict[str, Any] = dict(
+    vocab_size=250,  # not a multiple of 8·tp: exercises vocab padding
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,  # pp2·vpp2 needs 4
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+# family -> (transformers config class, overrides of COMMON)
+TINY: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32))),
+    "mistral": ("MistralConfig", dict(sliding_window=8, num_key_value_heads=1)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                      tie_word_embeddings=True)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                         norm_topk_prob=False)),
+}
+
+
+def tiny_config(family: str, **overrides: Any):
+    import transformers
+
+    cls_name, extra = TINY[family]
+    kw = {**COMMON, **extra, **overrides}
+    return getattr(transformers, cls_name)(**kw)
+
+
+def randomize_(model, seed: int = 0, scale: float = 0.08) -> None:
+    """Deterministic non-trivial weights: norms 1 ± 0.2, everything else N(0, scale)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(scale * noise)
+
+
+def make_tiny(family: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny randomised HF model of `family` to `out_dir`; returns the path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize_(model, seed)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+__all__ = ["TINY", "COMMON", "tiny_config", "randomize_", "make_tiny"]

@@ -1,0 +1,204 @@
+"""`mbr verify`: does the megatron model built by the bridge compute what transformers does?
+
+    mbr verify model.hf_path=DIR parallel.tp=2 parallel.pp=2
+    mbr verify model.hf_path=DIR 'verify.layouts=[tp1,tp2pp2,cp2tp2,ep2]' 'verify.checks=[logits,roundtrip,grads]'
+    mbr verify verify.tiny=mixtral 'verify.layouts=[ep2tp2]'      # a tiny random model of a family
+    mbr verify --list                                              # supported families
+
+Two phases. (1) transformers, one process, fp32 on CPU: logits (and, for `grads`, loss and
+every tensor's gradient) for a fixed random batch. (2) megatron under torchrun (gloo on CPU,
+NCCL on GPU) — started here with as many local processes as the layouts need, or the ranks
+of an enclosing `torchrun ... -m megatron_bridge.cli verify ...`: for each layout, build the
+model, load the HF weights (each rank reads its slices), run the forward through megatron's
+pipeline schedule and compare; `roundtrip` exports back to HF and compares every tensor
+bit-exactly; `grads` compares gradients. Prints max-abs / mean-abs per layout; exit 1 when
+any layout is over tolerance, 2 on a user error.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from math import lcm
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from megatron_bridge.config.compose import compose
+from megatron_bridge.config.schema import Config
+from megatron_bridge.errors import UserError
+
+
+@dataclass
+class VerifyOptions:
+    layouts: List[str] = field(default_factory=list)  # e.g. [tp1, tp2pp2vpp2, cp2tp2, ep2]; empty = parallel.*
+    checks: List[str] = field(default_factory=lambda: ["logits", "roundtrip"])  # + grads
+    tol: float = 1e-4  # max-abs logits difference allowed (fp32)
+    grad_tol: float = 1e-5  # max-abs gradient / loss difference allowed
+    batch_size: int = 2
+    seq_length: int = 32
+    seed: int = 0
+    tiny: Optional[str] = None  # build a tiny random model of this family instead of model.hf_path
+    nproc: Optional[int] = None  # local processes to start; default: what the layouts need
+    out: Optional[str] = None  # keep exports (and the reference) here; default: a temp dir
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class VerifyConfig(Config):
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
+
+
+def _layouts(cfg) -> List[Any]:
+    from megatron_bridge.bridge.layout import Layout
+
+    if cfg.verify.layouts:
+        try:
+            return [Layout.parse(x) for x in cfg.verify.layouts]
+        except ValueError as e:
+            raise UserError(str(e)) from e
+    return [Layout.from_parallel_config(cfg.parallel)]
+
+
+def _prepare(cfg, out: Path):
+    """(hf_dir, spec, layouts) after every check that needs no process."""
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.layout import problems
+    from megatron_bridge.bridge.parity import CHECKS
+
+    bad = sorted(set(cfg.verify.checks) - set(CHECKS) - {"train"}) or ([] if cfg.verify.checks else ["(none)"])
+    if bad:
+        raise UserError(f"verify.checks {bad} unknown; choose from logits, roundtrip, grads")
+    hf_dir = cfg.model.hf_path
+    if cfg.verify.tiny:
+        from megatron_bridge.bridge.tiny import TINY, make_tiny
+
+        if cfg.verify.tiny not in TINY:
+            raise UserError(f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for {', '.join(TINY)}")
+        hf_dir = str(out / "tiny" / cfg.verify.tiny)
+        if not (Path(hf_dir) / "config.json").is_file():
+            make_tiny(cfg.verify.tiny, hf_dir)
+    if not hf_dir:
+        raise UserError("mbr verify needs model.hf_path=DIR (an HF model directory) or verify.tiny=FAMILY")
+    spec = load_spec(hf_dir, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    layouts = _layouts(cfg)
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.verify.nproc
+    errs = [p for lay in layouts for p in problems(spec, lay, world, cfg.verify.seq_length)]
+    if errs:
+        raise UserError("cannot verify these layouts:\n" + "\n".join(f"  - {e}" for e in errs))
+    return hf_dir, spec, layouts
+
+
+def _reference(hf_dir: str, spec, cfg, path: Path) -> Dict[str, Any]:
+    import torch
+
+    from megatron_bridge.bridge.parity import hf_reference, make_batch
+
+    ids, labels = make_batch(spec.vocab_size, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
+    ref = dict(input_ids=ids, labels=labels,
+               **hf_reference(hf_dir, ids, labels if "grads" in cfg.verify.checks else None))
+    torch.save(ref, path)
+    return ref
+
+
+def _launched(cfg, worker: bool) -> int:
+    """Phase 2 on every rank of a torchrun launch (ours with --worker, or the user's)."""
+    import torch
+
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.parity import check_layout, dims_for
+    from megatron_bridge.parallel import groups
+
+    layouts = _layouts(cfg)
+    world = int(os.environ["WORLD_SIZE"])
+    out = Path(cfg.verify.out or Path(tempfile.gettempdir()) / f"mbr-verify-{os.environ.get('MASTER_PORT', '0')}")
+    groups.initialize(dims_for(layouts[0], world), timeout_minutes=cfg.train.timeout_minutes)
+    rank = torch.distributed.get_rank()
+    shared: List[Any] = [None, None]
+    if rank == 0:  # one rank builds the tiny model / the reference; the others wait for its verdict
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            hf_dir, spec, _ = _prepare(cfg, out)
+            if not (out / "reference.pt").is_file():
+                _reference(hf_dir, spec, cfg, out / "reference.pt")
+            shared = [None, hf_dir]
+        except UserError as e:
+            shared = [str(e), None]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    if shared[0]:
+        raise UserError(shared[0])
+    hf_dir = shared[1]
+    spec = load_spec(hf_dir, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    ref = torch.load(out / "reference.pt")
+    mine: Dict[str, Any] = {}
+    for lay in layouts:
+        t0 = time.perf_counter()
+        res = check_layout(hf_dir, lay, list(cfg.verify.checks), ref=ref, input_ids=ref["input_ids"],
+                           labels=ref["labels"], export_dir=out / lay.describe().replace("·", "").replace(" ", ""),
+                           make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        res["seconds"] = round(time.perf_counter() - t0, 2)
+        mine[lay.describe()] = res
+    if worker:
+        from megatron_bridge.testing import report
+
+        report({"findings": mine})
+        return 0
+    everyone: List[Any] = [None] * world
+    torch.distributed.all_gather_object(everyone, mine)
+    ok = _print_summary(everyone, layouts, cfg, ref, hf_dir, spec) if rank == 0 else True
+    torch.distributed.barrier()
+    return 0 if ok else 1
+
+
+def _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) -> bool:
+    from megatron_bridge.bridge.parity import summarize
+
+    print(f"verify {spec.architecture} ({spec.family}) from {hf_dir}: batch {cfg.verify.batch_size}×"
+          f"{cfg.verify.seq_length}, fp32, checks {', '.join(cfg.verify.checks)}")
+    all_ok = True
+    for lay in layouts:
+        lines, ok = summarize(per_rank, lay.describe(), cfg.verify.checks, ref, cfg.verify.tol, cfg.verify.grad_tol)
+        all_ok &= ok
+        secs = max((r.get(lay.describe(), {}).get("seconds", 0) for r in per_rank), default=0)
+        print(f"layout {lay.describe()}  ({secs:.1f} s)  {'OK' if ok else 'FAIL'}")
+        for line in lines:
+            print(f"  {line}")
+    print("all layouts OK" if all_ok else "FAILED: some layouts are over tolerance")
+    return all_ok
+
+
+def _needed_world(layouts) -> int:
+    n = 1
+    for lay in layouts:
+        n = lcm(n, lay.model_parallel, lay.etp_or_tp * lay.ep * lay.pp)
+    return n
+
+
+def main(argv: Sequence[str]) -> int:
+    if "--list" in argv:
+        from megatron_bridge.bridge.registry import describe
+
+        print(describe())
+        return 0
+    cfg, args = compose(argv, schema=VerifyConfig)
+    if "WORLD_SIZE" in os.environ:
+        return _launched(cfg, worker="--worker" in args.flags)
+    with tempfile.TemporaryDirectory(prefix="mbr-verify-") as tmp:
+        out = Path(cfg.verify.out or tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        hf_dir, spec, layouts = _prepare(cfg, out)
+        ref = _reference(hf_dir, spec, cfg, out / "reference.pt")
+        nproc = cfg.verify.nproc or _needed_world(layouts)
+        from megatron_bridge.testing import TorchrunError, run_torchrun
+
+        child = [a for a in argv if not a.startswith(("verify.out=", "verify.tiny=", "model.hf_path=", "verify.nproc="))]
+        child += [f"verify.out={out}", f"model.hf_path={hf_dir}", f"verify.nproc={nproc}", "--worker"]
+        print(f"running {len(layouts)} layout(s) on {nproc} local process(es) ...", flush=True)
+        try:
+            results = run_torchrun(["-m", "megatron_bridge.cli", "verify", *child], nproc=nproc,
+                                   timeout=cfg.verify.timeout_s)
+        except TorchrunError as e:
+            raise UserError(f"the megatron side failed:\n{e}") from e
+        per_rank = [r.get("findings", {}) for r in results]
+        return 0 if _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) else 1

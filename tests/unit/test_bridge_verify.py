@@ -1,0 +1,54 @@
+"""`mbr verify` without processes: --list, user errors before any launch, the verdict logic."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_bridge.bridge.parity import summarize
+from megatron_bridge.cli import main
+
+
+def test_list_prints_supported_families(capsys):
+    assert main(["verify", "--list"]) == 0
+    out = capsys.readouterr().out
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "MixtralForCausalLM", "Qwen2MoeForCausalLM"):
+        assert arch in out
+
+
+def test_needs_a_model(capsys):
+    assert main(["verify"]) == 2
+    assert "model.hf_path" in capsys.readouterr().err
+
+
+def test_bad_layout_is_refused_before_launching(capsys, tmp_path):
+    assert main(["verify", "verify.tiny=llama", f"verify.out={tmp_path}", "verify.layouts=[tp3,ep2]"]) == 2
+    err = capsys.readouterr().err
+    assert "attention heads do not split over tp=3" in err and "needs an MoE model" in err
+
+
+def test_unknown_check_and_unsupported_model(capsys, tmp_path):
+    assert main(["verify", "verify.tiny=llama", f"verify.out={tmp_path}", "verify.checks=[speed]"]) == 2
+    assert "speed" in capsys.readouterr().err
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", '
+                                                '"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, '
+                                                '"num_hidden_layers": 1, "vocab_size": 10, "hidden_act": "gelu"}')
+    assert main(["verify", f"model.hf_path={tmp_path / 'm'}"]) == 2
+    assert "SwiGLU" in capsys.readouterr().err
+
+
+def _rank(max_abs, ok_roundtrip=True, n=3):
+    return {"L": {"logits": {"max_abs": max_abs, "mean_abs": max_abs / 2, "ref_max": 1.0, "padded_vocab": 8},
+                  "roundtrip": {"ok": ok_roundtrip, "n": n, "bad": [] if ok_roundtrip else ["x: values differ"]},
+                  "grads": {"n": n, "max_abs": 1e-7, "bad": []}, "loss": {"value": 2.0}}}
+
+
+def test_summarize_verdicts():
+    ref = {"loss": 2.0, "grads": {"a": torch.zeros(1), "b": torch.zeros(1), "c": torch.zeros(1)}}
+    lines, ok = summarize([{}, _rank(1e-6)], "L", ["logits", "roundtrip", "grads"], ref, tol=1e-4)
+    assert ok and any("max-abs 1.000e-06" in x for x in lines)
+    assert not summarize([_rank(1e-3)], "L", ["logits"], ref, tol=1e-4)[1]
+    assert not summarize([_rank(0.0, ok_roundtrip=False)], "L", ["roundtrip"], ref)[1]
+    assert not summarize([_rank(0.0, n=2)], "L", ["grads"], ref)[1]  # a tensor without gradient check
+    assert not summarize([{}], "L", ["logits"], ref)[1]
