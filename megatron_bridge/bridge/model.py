@@ -18,7 +18,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from megatron_bridge.bridge import cpu_patches
 from megatron_bridge.bridge.cp_attention import context_parallel_attention_class
 from megatron_bridge.bridge.hf_config import BridgeSpec, gpt_model_kwargs, rope_inv_freq, transformer_config
 from megatron_bridge.bridge.layout import Layout
@@ -86,7 +85,6 @@ def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> Li
     from megatron.core.models.gpt import GPTModel
 
     check_groups(layout)
-    cpu_patches.apply()
     tconfig = transformer_config(spec, layout, **config_overrides)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     vpp = tconfig.virtual_pipeline_model_parallel_size

@@ -283,6 +283,7 @@ def install() -> bool:
     from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils
     from megatron.core import utils as mcore_utils
+    from megatron.core.models.common.embeddings import rope_utils
 
     # 1. torch.cuda / device="cuda" as seen by megatron.core
     _TORCH = _TorchOnCpu()
@@ -313,6 +314,7 @@ def install() -> bool:
         clip_grads.clip_grad_by_total_norm_fp32,
         data.broadcast_data,
         mcore_utils.check_param_hashes_across_dp_replicas,
+        rope_utils.get_pos_emb_on_this_cp_rank,  # CP: `.cuda()` on the chunk index
     ):
         _replace_everywhere(fn, _in_cuda_view(fn))
 

@@ -112,10 +112,10 @@ def attention_heads(d, cfg):
         out += _v("hidden-heads", f"hidden_size={m.hidden_size} is not divisible by num_attention_heads="
                   f"{m.num_attention_heads}", "set model.kv_channels (head dim) explicitly")
     kv = m.kv_heads
-    if d.tp >= 1 and kv % d.tp:
-        hint = (f"kv-heads < tp: megatron-core shards whole KV groups, so tp may be at most {kv} here"
-                if kv < d.tp else "choose tp dividing the KV head count")
-        out += _v("kv-heads-tp", f"num_query_groups (KV heads)={kv} is not divisible by tp={d.tp}", hint)
+    if d.tp >= 1 and kv % d.tp and d.tp % kv:
+        out += _v("kv-heads-tp", f"num_query_groups (KV heads)={kv} and tp={d.tp}: neither divides the other; "
+                  "megatron-core shards whole KV groups (kv % tp == 0) or, with fewer KV heads than TP ranks, "
+                  "splits each group evenly (tp % kv == 0)", f"choose tp dividing {kv} or a multiple of it")
     return out
 
 
@@ -166,6 +166,14 @@ def experts(d, cfg):
                   "set parallel.ep=1 for a dense model")
     if e and d.ep >= 1 and e % d.ep:
         return _v("experts-ep", f"num_moe_experts={e} is not divisible by ep={d.ep}", "choose ep dividing the expert count")
+    return []
+
+
+@rule
+def moe_tp_sp(d, cfg):
+    if cfg.model.num_moe_experts and d.tp > 1 and not d.sequence_parallel:
+        return _v("moe-tp-sp", f"MoE with tp={d.tp} needs sequence parallelism: megatron-core's MoE layer refuses "
+                  "to train with TP but without SP", "add parallel.sequence_parallel=true")
     return []
 
 
@@ -264,6 +272,9 @@ def notes(d: ParallelDims, cfg) -> List[str]:
     if padded != m.vocab_size:
         out.append(f"vocab {m.vocab_size} padded to {padded} (multiple of make_vocab_size_divisible_by·tp = "
                    f"{m.make_vocab_size_divisible_by}·{d.tp})")
+    if d.tp > m.kv_heads:
+        out.append(f"KV heads ({m.kv_heads}) < tp ({d.tp}): each TP rank holds part of one KV group; "
+                   "megatron-core gathers the K/V activations")
     if d.sequence_parallel and d.tp == 1:
         out.append("sequence_parallel has no effect at tp=1 (megatron disables it)")
     if cfg.parallel.allow_cross_node_tp and d.gpus_per_node % max(d.tp * d.cp, 1):

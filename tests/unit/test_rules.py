@@ -28,7 +28,10 @@ CASES = [  # (rule, breaking overrides, passing overrides, recipe)
                   "model.num_query_groups=4"],
      ["model.num_attention_heads=8", "model.hidden_size=96", "parallel.tp=4", "parallel.pp=1",
       "model.num_query_groups=4"], "tiny_llama"),
-    ("kv-heads-tp", ["parallel.tp=4", "parallel.pp=1"], ["parallel.tp=2", "parallel.pp=1"], "tiny_llama"),
+    ("kv-heads-tp", ["parallel.tp=4", "parallel.pp=1", "model.num_query_groups=6", "model.num_attention_heads=12",
+                     "model.hidden_size=96"],
+     ["parallel.tp=4", "parallel.pp=1", "model.num_query_groups=2"], "tiny_llama"),  # kv < tp, tp % kv == 0: fine
+    ("moe-tp-sp", ["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"], "tiny_mixtral"),
     ("hidden-heads", ["model.hidden_size=66"], ["model.hidden_size=68"], "tiny_llama"),
     ("layers-pp", ["model.num_layers=5"], ["model.num_layers=6"], "tiny_llama"),
     ("layers-pp", ["parallel.vpp=2", "model.num_layers=6"], ["parallel.vpp=2", "model.num_layers=8"], "tiny_llama"),
@@ -84,7 +87,7 @@ def test_all_violations_reported_at_once():
     got, msg = violations("parallel.tp=3", "zero.stage=2", "train.seq_length=63", "parallel.cp=2",
                           "parallel.sequence_parallel=true")
     assert {"world-size", "heads-tp", "kv-heads-tp", "seq-cp", "seq-sp", "zero-pp", "zero-engine",
-            "tp-in-node"} <= got
+            "tp-in-node"} <= got  # kv=2, tp=3: neither divides
     assert msg.count("Fix:") == len(got) >= 8
 
 
