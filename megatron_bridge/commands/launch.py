@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
+import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -138,6 +140,9 @@ def main(argv: Sequence[str]) -> int:
         raise UserError("launcher=slurm needs `sbatch`: use --dry-run with output=DIR to write the script, then "
                         "`sbatch DIR/job.sbatch`.")
     argv_exec = shlex.split(cmd)
+    if shutil.which(argv_exec[0]) is None:  # not on PATH (venv not activated): same tool via python -m
+        module = {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner"}[argv_exec[0]]
+        argv_exec = [sys.executable, "-m", module, *argv_exec[1:]]
     os.execvp(argv_exec[0], argv_exec)
     return 0  # not reached
 
