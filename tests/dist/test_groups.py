@@ -17,7 +17,7 @@ LAYOUTS = {
     "recipe=tiny_llama parallel.tp=2 parallel.pp=2": (2, 2, 1, 1, 2, 2),
     "recipe=tiny_llama parallel.tp=2 parallel.pp=1 parallel.cp=2": (2, 1, 2, 1, 2, 2),
     "recipe=tiny_mixtral parallel.pp=2 train.global_batch_size=16": (1, 2, 1, 2, 1, 4),  # ep2·dp4, edp2
-    "recipe=tiny_mixtral parallel.tp=2 parallel.etp=1": (2, 1, 1, 2, 1, 4),  # ep2·dp4 with tp2, edp4
+    "recipe=tiny_mixtral parallel.tp=2 parallel.etp=1 parallel.sequence_parallel=true": (2, 1, 1, 2, 1, 4),  # ep2·dp4 with tp2, edp4
 }
 MPU_KINDS = ("mp", "tp", "pp", "dp", "cp", "dp_cp", "ep")
 
