@@ -104,8 +104,35 @@ def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> Li
             rope.inv_freq = inv_freq.to(rope.inv_freq.device)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
+        if model.post_process:
+            mask_vocab_padding(model, spec.vocab_size)
         chunks.append(model)
     return chunks
+
+
+def mask_vocab_padding(model: Any, vocab_size: int) -> None:
+    """Give the padded vocabulary rows logit -inf on the rank that holds them.
+
+    Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by · tp; the
+    padding rows would otherwise take part in the softmax, so the loss would differ from the
+    Hugging Face model's and — because the padding depends on tp — between layouts. With the
+    mask the loss and its gradients equal the unpadded model's at every tp."""
+    from megatron.core import parallel_state as ps
+
+    layer = model.output_layer
+    per_rank = layer.output_size_per_partition
+    first_pad = vocab_size - ps.get_tensor_model_parallel_rank() * per_rank  # local column index
+    if first_pad >= per_rank:
+        return
+    first_pad = max(first_pad, 0)
+
+    def hook(_module, _inputs, output):
+        logits, bias = output
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        mask[first_pad:] = True
+        return logits.masked_fill(mask, float("-inf")), bias
+
+    layer.register_forward_hook(hook)
 
 
 def model_config(chunks: List[Any]):
