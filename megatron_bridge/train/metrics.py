@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -49,7 +50,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.history.append({"step": step, **metrics})
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
         self.jsonl.flush()
         if self.tb:
             for k, v in metrics.items():
