@@ -11,7 +11,11 @@ Every rank writes into `iter_N.tmp/` (file by file through `*.partial` + rename)
 barrier rank 0 writes the manifest with the gathered checksums, renames the directory to
 `iter_N`, then replaces the `latest` pointer. A job killed at any point leaves either the
 previous complete checkpoint as `latest` or the new one — never a torn one; leftover
-`.tmp` directories are ignored and removed by the next save. `verify()` re-hashes the files.
+`.tmp` directories are ignored and removed by the next save. `verify()` re-hashes the files
+(`mbr check-ckpt` runs it from the command line); `peek()` reads the pointer and the manifest
+without hashing (the trainer's preflight). Test-only fault injection (`MBR_FAULT`, see
+megatron_bridge/reliability.py) can SIGKILL a process at three points of `save`: after its
+file is written, after the manifest, after the rename — tests/reliability kills at each.
 """
 
 from __future__ import annotations
@@ -24,9 +28,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import torch
-
 from megatron_bridge.errors import UserError
+from megatron_bridge.reliability import fault
 
 LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -46,6 +49,8 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def _dist():
+    import torch  # imported here: verify/peek (mbr check-ckpt, the trainer's preflight) need no torch
+
     return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
 
 
@@ -54,6 +59,8 @@ def save(root: str | Path, iteration: int, state: Dict[str, Any], meta: Dict[str
     """Collective: every rank calls it with its own `state`. `extra(tmp_dir)`, when given, is
     called on every rank to write engine-owned files (DeepSpeed's ZeRO partitions) into the
     same not-yet-published directory; rank 0 checksums those too. Returns the final directory."""
+    import torch
+
     dist = _dist()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     root = Path(root)
@@ -73,6 +80,7 @@ def save(root: str | Path, iteration: int, state: Dict[str, Any], meta: Dict[str
     entry = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     if extra is not None:
         extra(tmp)
+    fault("ckpt_write", iteration)  # test-only fault injection (MBR_FAULT); a no-op otherwise
     entries = [None] * world
     if dist:
         dist.all_gather_object(entries, entry)
@@ -87,9 +95,11 @@ def save(root: str | Path, iteration: int, state: Dict[str, Any], meta: Dict[str
                 entries.append({"file": rel, "sha256": hashlib.sha256(data_f).hexdigest(), "bytes": len(data_f)})
         manifest = {"iteration": iteration, "world_size": world, "files": entries, **meta}
         _atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fault("ckpt_publish", iteration)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fault("ckpt_latest", iteration)
         _atomic_write_bytes(root / LATEST, f"{iteration}\n".encode())
     if dist:
         dist.barrier()
@@ -107,22 +117,72 @@ def latest_iteration(root: str | Path) -> Optional[int]:
     return int(text)
 
 
-def verify(directory: str | Path) -> Dict[str, Any]:
-    """Check a checkpoint directory against its manifest; raise UserError naming any bad file."""
+def read_manifest(directory: str | Path) -> Dict[str, Any]:
+    """The manifest of a checkpoint directory, checked for shape (not hashed); UserError if absent
+    or unreadable."""
     d = Path(directory)
     mf = d / MANIFEST
+    if not d.is_dir():
+        raise UserError(f"checkpoint directory {d} does not exist.")
     if not mf.is_file():
         raise UserError(f"{d} has no {MANIFEST}: it is not a complete checkpoint (an interrupted save?).")
     try:
         manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{mf} is corrupt ({e}).") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{mf} is corrupt ({e}). Resume from an earlier iteration (edit {LATEST}) "
+                        "or re-create the checkpoint.") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, list) or not all(isinstance(e, dict) and {"file", "sha256"} <= e.keys() for e in files):
+        raise UserError(f"{mf} is malformed (no list of files with sha256 checksums). Resume from an earlier "
+                        f"iteration (edit {LATEST}) or re-create the checkpoint.")
+    return manifest
+
+
+def peek(root: str | Path) -> Tuple[int, Dict[str, Any]] | Tuple[None, None]:
+    """(iteration, manifest) of the checkpoint `latest` names, without hashing its files, or
+    (None, None) when there is none yet. UserError when the pointer or the manifest is bad."""
+    it = latest_iteration(root)
+    if it is None:
+        return None, None
+    d = iter_dir(root, it)
+    if not d.is_dir():
+        raise UserError(f"{Path(root) / LATEST} names iteration {it}, but {d} does not exist. Point it at an "
+                        f"existing iter_* directory of {root}, or delete it to start from scratch.")
+    return it, read_manifest(d)
+
+
+def check_meta(directory: str | Path, manifest: Dict[str, Any], meta_must_match: Dict[str, Any]) -> None:
+    """UserError when the checkpoint was written with another setup (layout, engine)."""
+    diff = {k: (manifest.get(k), v) for k, v in meta_must_match.items() if manifest.get(k) != v}
+    if diff:
+        details = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
+        raise UserError(f"cannot resume {directory}: it was written with a different setup ({details}). Resume "
+                        "with the same layout, or convert the checkpoint (`mbr reshard`).")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def verify(directory: str | Path) -> Dict[str, Any]:
+    """Check a checkpoint directory against its manifest; raise UserError naming any bad file."""
+    d = Path(directory)
+    manifest = read_manifest(d)
     bad = []
     for e in manifest["files"]:
         f = d / e["file"]
         if not f.is_file():
             bad.append(f"{e['file']} (missing)")
-        elif hashlib.sha256(f.read_bytes()).hexdigest() != e["sha256"]:
+        elif "bytes" in e and f.stat().st_size != e["bytes"]:
+            bad.append(f"{e['file']} (size {f.stat().st_size} bytes, the manifest says {e['bytes']}: "
+                       "truncated or overwritten)")
+        elif sha256_file(f) != e["sha256"]:
             bad.append(f"{e['file']} (checksum mismatch)")
     if bad:
         raise UserError(f"checkpoint {d} is damaged: {', '.join(bad)}. Resume from an earlier iteration "
@@ -134,16 +194,14 @@ def load(root: str | Path, meta_must_match: Dict[str, Any]) -> Tuple[int, Dict[s
     """Load this rank's state from the latest complete checkpoint, or (None, None).
     `meta_must_match` (e.g. the layout) must equal the manifest's values: resuming a per-rank
     checkpoint under another layout would silently load the wrong shards."""
-    it = latest_iteration(root)
+    import torch
+
+    it, _ = peek(root)
     if it is None:
         return None, None
     d = iter_dir(root, it)
     manifest = verify(d)
-    diff = {k: (manifest.get(k), v) for k, v in meta_must_match.items() if manifest.get(k) != v}
-    if diff:
-        details = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
-        raise UserError(f"cannot resume {d}: it was written with a different setup ({details}). Resume with the "
-                        "same layout, or convert the checkpoint (`mbr reshard`).")
+    check_meta(d, manifest, meta_must_match)
     dist = _dist()
     rank = dist.get_rank() if dist else 0
     state = torch.load(d / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)

@@ -5,7 +5,12 @@ argument is dropped by `parse_args`). Order matters and is the product's promise
 and validate the whole config, then check data, tokenizer and checkpoint paths — all before
 any process group or model exists, so bad input costs a second, not a launch. Only rank 0
 writes the run directory (resolved config, metrics, TensorBoard, wandb); all ranks agree
-on it through a broadcast.
+on it through a broadcast. The layout is validated before torch is even imported.
+
+Failures end the job instead of hanging it (docs/reliability.md): a rank whose step or
+checkpoint save raises prints `rank R failed in step N: <error>` before its traceback; a step
+or save making no progress for `train.timeout_minutes` is ended by the watchdog
+(reliability.py), which says where the rank is stuck; torchrun then stops the other ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -20,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
+from megatron_bridge.reliability import Watchdog, failure_message, faulty_iterator, planned
 
 
 @dataclasses.dataclass
@@ -40,11 +47,26 @@ def preflight(cfg, dims) -> None:
 
         check_indexed_data(cfg.data, model_vocab_size=cfg.model.vocab_size)
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
-        raise UserError(f"train.init_from={cfg.train.init_from} does not exist.")
+        raise UserError(f"train.init_from={cfg.train.init_from} does not exist. Point it at a Hugging Face model "
+                        "directory or an `mbr convert` output, or drop train.init_from to start from scratch.")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise UserError("checkpoint.resume=true needs checkpoint.dir=DIR (the directory the first run saved to).")
+    if cfg.checkpoint.resume:
+        # The latest pointer, the manifest and the layout it was written with, before anything
+        # starts (the checksums are verified at load, by every rank).
+        from megatron_bridge.train import checkpoint as ckpt
+
+        it, manifest = ckpt.peek(cfg.checkpoint.dir)
+        if it is not None:
+            ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest,
+                            _ckpt_meta(cfg, dims))
     if cfg.export_to and Path(cfg.export_to).exists() and any(Path(cfg.export_to).iterdir()):
         raise UserError(f"export_to={cfg.export_to} exists and is not empty; choose a new directory.")
+
+
+def _ckpt_meta(cfg, dims) -> Dict[str, Any]:
+    """What a checkpoint must have been written with to be resumed (per-rank shards)."""
+    return {"layout": dims.describe(), "engine": cfg.train.engine}
 
 
 def _run_dir(cfg, recipe: str) -> Path:
@@ -90,13 +112,33 @@ def _set_rng_state(s: Dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(s["tracker"])
 
 
+def validate_for_launch(cfg):
+    """Every layout rule against the launcher's real world size (1 without a launcher), before
+    torch is even imported. A world-size violation also says how many processes to start."""
+    from megatron_bridge.errors import LayoutError
+    from megatron_bridge.parallel.dims import validate
+
+    launcher = os.environ.get("WORLD_SIZE")
+    world = int(launcher) if launcher else 1
+    try:
+        return validate(cfg, world)[0]
+    except LayoutError as e:
+        if any(v.rule == "world-size" for v in e.violations):
+            p = cfg.parallel
+            need = p.tp * p.pp * p.cp * (p.dp if p.dp > 0 else 1)
+            started = (f"the launcher started WORLD_SIZE={world} process(es)" if launcher
+                       else "it runs without a launcher, as 1 process")
+            e.args = (f"{e}\n  Launch: {started}; this layout needs {'a multiple of ' if p.dp < 1 else ''}{need}. "
+                      f"Start {need} processes (e.g. `torchrun --nproc-per-node {need} -m megatron_bridge.train ...` "
+                      "on one node, or `mbr launch` for several), or change the degrees.",)
+        raise
+
+
 def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     """Run one training job. `finalize=False` keeps the default process group alive (tests
     that run several layouts in one launch)."""
     cfg, args = compose(argv, schema=TrainRunConfig)
-    from megatron_bridge.parallel import groups
-
-    dims = groups.dims_from_env(cfg)  # every layout rule, before anything starts
+    dims = validate_for_launch(cfg)  # every layout rule, before anything starts
     preflight(cfg, dims)
 
     import torch
@@ -106,6 +148,7 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.model import build_model
     from megatron_bridge.data.loader import build_datasets, make_iterator
+    from megatron_bridge.parallel import groups
     from megatron_bridge.train import checkpoint as ckpt
     from megatron_bridge.train.engines import DeepSpeedEngine, MegatronEngine
     from megatron_bridge.train.metrics import MetricsLogger
@@ -140,7 +183,7 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     dp_rank = ps.get_data_parallel_rank()
     cp_rank = ps.get_context_parallel_rank()
     start = 0
-    meta = {"layout": dims.describe(), "engine": cfg.train.engine}
+    meta = _ckpt_meta(cfg, dims)
     if cfg.checkpoint.resume:
         it, state = ckpt.load(cfg.checkpoint.dir, meta)
         if it is not None:
@@ -160,11 +203,19 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
                            config={"layout": dims.describe(), "recipe": args.recipe})
     tokens_per_step = dims.global_batch_size * cfg.train.seq_length
     save_every = cfg.checkpoint.save_interval
+    timeout_s = cfg.train.timeout_minutes * 60
+    watchdog = Watchdog(timeout_s, rank, hint=f"train.timeout_minutes={cfg.train.timeout_minutes:g}")
+    phase = "training"
     try:
         stop = cfg.train.steps if cfg.train.exit_after is None else min(cfg.train.steps, start + cfg.train.exit_after)
         for step in range(start, stop):
+            phase = f"step {step + 1}"
+            watchdog.arm(phase)
             t0 = time.perf_counter()
-            loss, grad_norm, lr = engine.step(make_iterators(step))
+            iterators = make_iterators(step)
+            if planned("step", step + 1):  # test-only fault injection (MBR_FAULT), see reliability.py
+                iterators = _with_fault(iterators, step + 1, dims.grad_accum)
+            loss, grad_norm, lr = engine.step(iterators)
             dt = time.perf_counter() - t0
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt,
                        "tokens_per_s": tokens_per_step / dt}
@@ -173,10 +224,17 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
                 logger.log(step + 1, metrics)
             last = step + 1 == stop
             if cfg.checkpoint.dir and ((save_every and (step + 1) % save_every == 0) or last):
+                phase = f"checkpoint save at step {step + 1}"
+                watchdog.arm(phase)
                 state = {"engine": engine.state_dict(), "rng": _rng_state(), "step": step + 1}
                 ckpt.save(cfg.checkpoint.dir, step + 1, state, meta,
                           extra=getattr(engine, "write_extra", None))
+    except Exception as e:  # name the rank and the step before the launcher's summary
+        if not isinstance(e, UserError):
+            print(failure_message(rank, phase, e), file=sys.stderr, flush=True)
+        raise
     finally:
+        watchdog.close()
         logger.close()
     if cfg.export_to:
         from megatron_bridge.bridge.loader import export_hf_weights
@@ -192,6 +250,16 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
 
         parallel_state.destroy_model_parallel()
     return 0
+
+
+def _with_fault(make, step: int, micro_batches: int):
+    """`make_iterators` whose first iterator fires the MBR_FAULT `step` fault mid-step."""
+    def wrapped(n: int):
+        its = make(n)
+        its[0] = faulty_iterator(its[0], step, min(1, max(micro_batches - 1, 0)))
+        return its
+
+    return wrapped
 
 
 def _gpu_metrics(spec, cfg, dims, dt: float) -> Dict[str, float]:

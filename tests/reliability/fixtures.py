@@ -1,0 +1,111 @@
+"""Files the bad-input catalogue points at, built once and never written by a case.
+
+    python -m tests.reliability.fixtures DIR
+
+DIR/demo (a small indexed dataset + its 320-token tokenizer), DIR/big (a 600-token tokenizer,
+larger than the model's 512, and data made with it), fake training checkpoints — complete
+under another layout, and damaged in every way (corrupt/truncated/missing rank file, corrupt
+`latest` pointer, pointer to a missing iteration, corrupt manifest, only an interrupted save) —
+a non-empty directory, and Hugging Face model directories for `mbr convert`: a good tiny Llama
+and one per defect (truncated/corrupt/missing shard, no weights, shapes that disagree with
+config.json, unknown architecture).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+LAYOUT_1 = "tp1·pp1·cp1·ep1·etp1·dp1 zero0 world=1 mbs=1 gbs=8 accum=8"
+LAYOUT_4 = "tp2·pp2·cp1·ep1·etp2·dp1 zero0 world=4 mbs=1 gbs=8 accum=8"
+
+
+def fake_checkpoint(root: Path, iterations, *, layout: str = LAYOUT_1, world: int = 2) -> Path:
+    """A checkpoint root in the trainer's format (checkpoint.py) with small per-rank files."""
+    import torch
+
+    from megatron_bridge.train import checkpoint as ck
+
+    for it in iterations:
+        tmp = ck.iter_dir(root, it).with_suffix(".tmp")
+        tmp.mkdir(parents=True)
+        files = []
+        for r in range(world):
+            buf = io.BytesIO()
+            torch.save({"w": torch.full((64,), float(r + it))}, buf)
+            data = buf.getvalue()
+            (tmp / f"rank_{r:05d}.pt").write_bytes(data)
+            files.append({"file": f"rank_{r:05d}.pt", "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+        (tmp / ck.MANIFEST).write_text(json.dumps({"iteration": it, "world_size": world, "files": files,
+                                                  "layout": layout, "engine": "megatron"}))
+        tmp.rename(ck.iter_dir(root, it))
+        (Path(root) / ck.LATEST).write_text(f"{it}\n")
+    return Path(root)
+
+
+def build(fx: Path) -> None:
+    from megatron_bridge.data.corpus import train_tokenizer
+    from megatron_bridge.data.demo import build_demo
+    from megatron_bridge.data.preprocess import preprocess
+    from megatron_bridge.train import checkpoint as ck
+
+    fx.mkdir(parents=True, exist_ok=True)
+    demo = build_demo(fx / "demo", 320, 60000)
+    big = fx / "big"
+    big.mkdir()
+    train_tokenizer(demo.corpus, big / "tokenizer", 600, min_frequency=1)
+    preprocess(demo.corpus, big / "stdlib_text_document", big / "tokenizer")
+
+    fake_checkpoint(fx / "ck_tp2pp2", [2], layout=LAYOUT_4, world=4)
+    (fake_checkpoint(fx / "ck_bad_latest", [2]) / ck.LATEST).write_text("iter_2?\n")
+    (fake_checkpoint(fx / "ck_missing_iter", [2]) / ck.LATEST).write_text("8\n")
+    (fake_checkpoint(fx / "ck_bad_manifest", [2]) / "iter_0000002" / ck.MANIFEST).write_text('{"files": [')
+    f = fake_checkpoint(fx / "ck_corrupt", [2, 4]) / "iter_0000004" / "rank_00001.pt"
+    b = bytearray(f.read_bytes())
+    b[-20] ^= 0xFF  # same size, one byte flipped
+    f.write_bytes(bytes(b))
+    f = fake_checkpoint(fx / "ck_truncated", [2]) / "iter_0000002" / "rank_00000.pt"
+    f.write_bytes(f.read_bytes()[:100])
+    (fake_checkpoint(fx / "ck_missing_file", [2]) / "iter_0000002" / "rank_00001.pt").unlink()
+    torn = fx / "ck_torn" / "iter_0000004.tmp"
+    torn.mkdir(parents=True)
+    (torn / "rank_00000.pt.partial").write_bytes(b"half")
+    (fx / "nonempty").mkdir()
+    (fx / "nonempty" / "README").write_text("not a checkpoint")
+
+    from safetensors import safe_open
+
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    hf = Path(make_tiny("llama", fx / "hf"))
+
+    def variant(name: str) -> Path:
+        shutil.copytree(hf, fx / name)
+        return fx / name
+
+    f = variant("hf_truncated") / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    f = variant("hf_corrupt") / "model.safetensors"
+    b = bytearray(f.read_bytes())
+    b[8:40] = b"\xff" * 32  # the JSON header
+    f.write_bytes(bytes(b))
+    d = variant("hf_missing_shard")
+    with safe_open(str(d / "model.safetensors"), "pt") as h:
+        keys = list(h.keys())
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    wm = {k: "model-00001-of-00002.safetensors" for k in keys}
+    wm[keys[-1]] = "model-00002-of-00002.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    (variant("hf_no_weights") / "model.safetensors").unlink()
+    for name, change in (("hf_wrong_shape", {"intermediate_size": 96}),
+                         ("hf_unknown_arch", {"architectures": ["FooForCausalLM"], "model_type": "foo"})):
+        c = variant(name) / "config.json"
+        c.write_text(json.dumps({**json.loads(c.read_text()), **change}))
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]))

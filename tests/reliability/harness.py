@@ -1,0 +1,134 @@
+"""Launch training jobs under a real torchrun and watch them fail: exit status, output, how fast
+the whole job ended after a fault fired, and that no process of the launch survived.
+
+`launch(jobs, nproc, out)` runs tests/reliability/scripts/jobs.py (several training jobs in one
+launch, each with an optional `MBR_FAULT`). With `kill_when=N` the harness itself SIGKILLs the
+whole launch — torchrun agent and every worker — once N ranks have reached their injected
+`hang` fault: the "whole job killed -9" case (a node lost, a preempted allocation). Every
+launch is bounded by `timeout`: on expiry everything is killed and `LaunchTimeout` raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from megatron_bridge.testing import _kill_tree, _process_tree, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "tests/reliability/scripts/jobs.py"
+SURVIVOR_GRACE = 5.0
+
+
+class LaunchTimeout(AssertionError):
+    pass
+
+
+@dataclass
+class Launch:
+    rc: int
+    output: str
+    wall: float  # seconds from start to the launcher's exit
+    ended: float  # time.time() when the launcher exited
+    killed: bool  # the harness killed the whole launch (kill_when)
+    faults: Dict[int, float] = field(default_factory=dict)  # rank -> time.time() its fault fired
+    survivors: List[str] = field(default_factory=list)  # "pid cmdline" of processes alive after the exit
+    results: Dict[str, Dict[str, float]] = field(default_factory=dict)  # finished jobs' losses
+
+    @property
+    def exit_after_fault(self) -> Optional[float]:
+        """Seconds from the first fault firing to the whole launch having exited."""
+        return self.ended - min(self.faults.values()) if self.faults else None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300,
+           kill_when: Optional[int] = None) -> Launch:
+    out = Path(out)
+    faults = out / "faults"
+    if faults.exists():
+        for f in faults.iterdir():
+            f.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("MBR_FAULT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update({"MBR_FAULT_DIR": str(faults), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONWARNINGS": "ignore", "MBR_T0": str(time.time())})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", SCRIPT, str(out), *jobs]
+    log = out / f"launch-{int(time.time() * 1000)}.log"
+    t0 = time.monotonic()
+    seen: set = set()
+    killed = False
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                seen.update(_process_tree(proc.pid)[1:])
+                if kill_when is not None and faults.exists() and len(list(faults.iterdir())) >= kill_when:
+                    time.sleep(0.2)  # every rank is inside its fault: kill the job mid-step
+                    _kill_tree(proc)
+                    killed = True
+                    break
+                if time.monotonic() - t0 > timeout:
+                    _kill_tree(proc)
+                    raise LaunchTimeout(f"launch did not end within {timeout:.0f} s; everything was killed\n"
+                                        + log.read_text(errors="replace")[-8000:])
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                _kill_tree(proc)
+    rc = proc.wait()
+    ended = time.time()
+    wall = time.monotonic() - t0
+    # torchrun has stopped its workers; helpers they spawned (multiprocessing's resource tracker)
+    # notice their parent's exit a moment later. Anything left after SURVIVOR_GRACE s is a survivor.
+    deadline = time.monotonic() + SURVIVOR_GRACE
+    survivors = [pid for pid in sorted(seen) if _alive(pid)]
+    while survivors and time.monotonic() < deadline:
+        time.sleep(0.1)
+        survivors = [pid for pid in survivors if _alive(pid)]
+    survivors = [f"{pid} {_cmdline(pid)}" for pid in survivors]
+    fired = {}
+    if faults.exists():
+        for f in faults.iterdir():
+            fired[int(f.name.split("rank")[1])] = float(f.read_text().split()[0])
+    res_path = out / "results.json"
+    results = json.loads(res_path.read_text()) if res_path.exists() else {}
+    return Launch(rc, log.read_text(errors="replace"), wall, ended, killed, fired, survivors, results)
+
+
+def torchrun_failures(output: str) -> Dict[int, int]:
+    """{global rank: exit code} from torchrun's failure report (negative: killed by that signal)."""
+    found = re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)", output)
+    return {int(r): int(c) for r, c in found}
+
+
+def losses(run_dir: Path) -> Dict[str, float]:
+    """Per-step losses a (possibly crashed) job logged to its metrics.jsonl."""
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.exists():
+        return {}
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return {str(r["step"]): r["loss"] for r in rows}

@@ -1,0 +1,206 @@
+"""Crash and resume, no hangs: real torchrun launches of 4 CPU processes, killed on purpose.
+
+Each scenario injects one fault (`MBR_FAULT`, megatron_bridge/reliability.py) into a training
+run that checkpoints every 2 of its 8 steps: a rank SIGKILLed mid-step or mid-checkpoint-write,
+the whole job SIGKILLed mid-step (by this harness, torchrun agent included) or mid-checkpoint-
+write (every rank), a rank raising an exception, a rank hanging. For each one we check that
+
+  * the whole job ends (exit != 0) within its bound, no worker process survives it, and the
+    output names the failing rank and the reason;
+  * the checkpoint directory's `latest` names the last *complete* checkpoint (never a torn
+    one), which `mbr check-ckpt` verifies;
+  * `checkpoint.resume=true` picks it up and reproduces the uninterrupted run's losses bit for
+    bit (fp32 on CPU, fixed seeds), and the crashed run's own losses up to the crash equal them.
+
+Launches are chained to save startup time (imports dominate: ~4×8 s CPU per launch): launch k
+runs the resume of scenario k-1, then scenario k, which crashes it; the first launch also
+trains the uninterrupted references (one per layout). The figures are printed in pytest's
+terminal summary and recorded in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+
+from megatron_bridge.train import checkpoint as ckpt
+
+try:  # pytest's default (prepend) import mode puts this directory on sys.path
+    from harness import Launch, launch, losses, torchrun_failures
+except ImportError:  # pragma: no cover
+    from tests.reliability.harness import Launch, launch, losses, torchrun_failures
+
+pytestmark = pytest.mark.dist
+
+NPROC = 4
+STEPS = 8
+HANG_TIMEOUT_MIN = 0.15  # train.timeout_minutes of the hang scenario: the watchdog ends it after 9 s
+COMMON = ["recipe=default", f"train.steps={STEPS}", "train.seq_length=32", "train.micro_batch_size=1",
+          "train.global_batch_size=4", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "data=synthetic",
+          "checkpoint.save_interval=2"]
+LAYOUTS = {
+    "tp2pp2": ["parallel.tp=2", "parallel.pp=2"],
+    "pp2dp2z1": ["parallel.pp=2", "zero.stage=1"],  # DistributedOptimizer: optimizer state sharded over dp
+}
+
+
+@dataclass
+class Scenario:
+    name: str
+    layout: str
+    fault: str  # MBR_FAULT
+    what: str  # the crash point, in words
+    latest: int  # the iteration `latest` must name afterwards
+    torn: Optional[int] = None  # an iter_N.tmp the crash must leave behind (ignored on resume)
+    names: Tuple[str, ...] = ()  # what the output must say (the failing rank and the reason)
+    exits: Dict[int, int] = field(default_factory=dict)  # rank -> exit code in torchrun's failure report
+    bound: float = 30.0  # the whole job must have exited this many seconds after the fault fired
+    # The harness kills the whole launch once N ranks sit in their `hang` fault (the first pipeline
+    # stage's: the others are then blocked mid-step waiting on them).
+    kill_when: Optional[int] = None
+    extra: Tuple[str, ...] = ()
+
+
+SCENARIOS: List[Scenario] = [
+    Scenario("rank_sigkill_mid_step", "tp2pp2", "kill:step:1:5", "rank 1 of 4 SIGKILLed mid-step 5", 4,
+             exits={1: -9}, names=("Signal 9 (SIGKILL) received by PID",)),
+    Scenario("rank_sigkill_mid_ckpt_write", "pp2dp2z1", "kill:ckpt_write:2:4",
+             "rank 2 of 4 SIGKILLed mid-checkpoint-write (step 4: its file written, not published)", 2, torn=4,
+             exits={2: -9}),
+    Scenario("job_sigkill_mid_step", "tp2pp2", "hang:step:*:7",
+             "whole job SIGKILLed mid-step 7 (torchrun agent and all 4 ranks, from outside)", 6, kill_when=2),
+    Scenario("job_sigkill_mid_ckpt_write", "pp2dp2z1", "kill:ckpt_write:*:6",
+             "all 4 ranks SIGKILLed mid-checkpoint-write (step 6)", 4, torn=6, names=("Signal 9 (SIGKILL)",)),
+    Scenario("rank_raises", "tp2pp2", "raise:step:2:3", "rank 2 of 4 raises an exception mid-step 3", 2,
+             exits={2: 1}, names=("rank 2 failed in step 3: RuntimeError: injected fault raise:step:2:3",)),
+    Scenario("rank_hangs", "pp2dp2z1", "hang:step:1:5", "rank 1 of 4 hangs mid-step 5 (outside any collective)", 4,
+             names=("rank 1 failed in step 5: no progress for 9 s (train.timeout_minutes=0.15)",
+                    "outside any communication call: this rank itself is stuck"), exits={1: 1},
+             bound=HANG_TIMEOUT_MIN * 60 + 25,
+             extra=(f"train.timeout_minutes={HANG_TIMEOUT_MIN}",)),
+]
+
+
+def _job(name: str, layout: str, fault: str = "", *overrides: str) -> str:
+    return f"{name}|{fault}|" + ",".join([*COMMON, *LAYOUTS[layout], *overrides])
+
+
+@dataclass
+class Record:
+    scenario: Scenario
+    crash: Optional[Launch] = None
+    latest: Optional[int] = None
+    tmp_dirs: List[str] = field(default_factory=list)
+    check_ckpt_rc: Optional[int] = None
+    crashed_losses: Dict[str, float] = field(default_factory=dict)
+    resumed: Dict[str, float] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, request):
+    """Run every scenario: 1 + len(SCENARIOS) launches. Returns (references, records, launches)."""
+    from megatron_bridge.cli import main as mbr
+
+    root = tmp_path_factory.mktemp("crash")
+    records = [Record(s) for s in SCENARIOS]
+    launches: List[Tuple[str, Launch]] = []
+    refs: Dict[str, Dict[str, float]] = {}
+    for k in range(len(SCENARIOS) + 1):
+        jobs = []
+        if k == 0:
+            jobs += [_job(f"ref_{name}", name) for name in LAYOUTS]
+        else:
+            prev = SCENARIOS[k - 1]
+            jobs.append(_job(f"resume_{prev.name}", prev.layout, "", f"checkpoint.dir={root / prev.name}",
+                             "checkpoint.resume=true"))
+        if k < len(SCENARIOS):
+            s = SCENARIOS[k]
+            jobs.append(_job(s.name, s.layout, s.fault, f"checkpoint.dir={root / s.name}", *s.extra))
+        out = root / f"launch{k}"
+        run = launch(jobs, NPROC, out, timeout=240, kill_when=SCENARIOS[k].kill_when if k < len(SCENARIOS) else None)
+        launches.append((f"launch {k}", run))
+        if k == 0:
+            refs = {name: run.results.get(f"ref_{name}", {}) for name in LAYOUTS}
+        else:
+            records[k - 1].resumed = run.results.get(f"resume_{SCENARIOS[k - 1].name}", {})
+        if k < len(SCENARIOS):
+            rec, s = records[k], SCENARIOS[k]
+            rec.crash = run
+            d = root / s.name
+            rec.latest = ckpt.latest_iteration(d)
+            rec.tmp_dirs = sorted(p.name for p in d.glob("iter_*.tmp")) if d.exists() else []
+            rec.check_ckpt_rc = mbr(["check-ckpt", str(d)]) if rec.latest is not None else None
+            rec.crashed_losses = losses(out / "runs" / s.name)
+    request.config._mbr_crash = (refs, records, launches)
+    return refs, records, launches
+
+
+def test_references_trained(chain):
+    refs, _, launches = chain
+    for name, losses_ in refs.items():
+        assert sorted(map(int, losses_)) == list(range(1, STEPS + 1)), (name, launches[0][1].output[-5000:])
+
+
+@pytest.mark.parametrize("idx", range(len(SCENARIOS)), ids=[s.name for s in SCENARIOS])
+def test_job_ends_and_names_the_failing_rank(chain, idx):
+    _, records, _ = chain
+    rec = records[idx]
+    s, run = rec.scenario, rec.crash
+    tail = run.output[-6000:]
+    assert run.rc != 0, tail
+    assert not run.survivors, f"worker processes survived the job: {run.survivors}"
+    if s.kill_when:
+        assert run.killed and len(run.faults) >= s.kill_when, tail
+        return
+    assert run.faults, f"the fault {s.fault} never fired\n{tail}"
+    assert run.exit_after_fault is not None and run.exit_after_fault <= s.bound, (run.exit_after_fault, tail)
+    for needle in s.names:
+        assert needle in run.output, (needle, tail)
+    reported = torchrun_failures(run.output)
+    for rank, code in s.exits.items():
+        assert reported.get(rank) == code, (rank, code, reported, tail)
+
+
+@pytest.mark.parametrize("idx", range(len(SCENARIOS)), ids=[s.name for s in SCENARIOS])
+def test_latest_is_the_last_complete_checkpoint(chain, idx):
+    _, records, _ = chain
+    rec = records[idx]
+    s = rec.scenario
+    assert rec.latest == s.latest, (rec.latest, rec.crash.output[-4000:])
+    assert rec.check_ckpt_rc == 0  # `mbr check-ckpt` verifies every file of it
+    if s.torn is not None:
+        assert rec.tmp_dirs == [f"iter_{s.torn:07d}.tmp"], rec.tmp_dirs  # the torn save, never published
+
+
+@pytest.mark.parametrize("idx", range(len(SCENARIOS)), ids=[s.name for s in SCENARIOS])
+def test_resume_reproduces_the_uninterrupted_run(chain, idx):
+    refs, records, launches = chain
+    rec = records[idx]
+    s = rec.scenario
+    ref = refs[s.layout]
+    # the crashed run, up to its crash, is the uninterrupted run
+    assert rec.crashed_losses and all(rec.crashed_losses[k] == ref[k] for k in rec.crashed_losses)
+    # the resumed run starts right after `latest` and equals the uninterrupted run bit for bit
+    assert sorted(map(int, rec.resumed)) == list(range(s.latest + 1, STEPS + 1)), (
+        rec.resumed, launches[idx + 1][1].output[-4000:])
+    for step, loss in rec.resumed.items():
+        assert loss == ref[step], (step, ref[step], loss)
+
+
+def figures(refs, records, launches) -> str:
+    """The table printed in the terminal summary (and copied into docs/reliability.md)."""
+    lines = [f"{'scenario':30s} {'crash point':78s} {'job ended':>10s} {'latest':>6s} {'resumed':>8s}  exact"]
+    for r in records:
+        s, run = r.scenario, r.crash
+        if run is None:
+            continue
+        ended = "killed" if run.killed else (f"{run.exit_after_fault:.1f} s" if run.exit_after_fault else "?")
+        exact = bool(r.resumed) and all(r.resumed[k] == refs[s.layout].get(k) for k in r.resumed)
+        first = min(map(int, r.resumed)) - 1 if r.resumed else None
+        lines.append(f"{s.name:30s} {s.what[:78]:78s} {ended:>10s} {str(r.latest):>6s} "
+                     f"{'from ' + str(first) if first is not None else '-':>8s}  {'yes' if exact else 'NO'}")
+    lines.append("launch wall times: " + ", ".join(f"{n} {l.wall:.0f} s" for n, l in launches))
+    return "\n".join(lines)
+
