@@ -99,10 +99,12 @@ def _hydra_error(e: Exception, recipe: str) -> UserError:
     msg = msg.split("\n    full_key")[0].split("Config search path")[0]
     msg = re.sub(r"To append to your config use \S+: ", "", msg)
     msg = re.sub(r"\s+", " ", msg).strip().rstrip(".")
-    hint = (
-        "Check the spelling of the key against `mbr check recipe=%s --cfg job` "
-        "(unknown keys are errors, not ignored) and the option names in conf/<group>/." % recipe
-    )
+    if "could not be converted" in msg or "Value '" in msg and "is not a valid" in msg:
+        hint = ("Give the value the field's type (see the schema in `mbr check recipe=%s --cfg job`: integers, "
+                "floats, true/false, null)." % recipe)
+    else:
+        hint = ("Check the spelling of the key against `mbr check recipe=%s --cfg job` "
+                "(unknown keys are errors, not ignored) and the option names in conf/<group>/." % recipe)
     return UserError(f"invalid configuration: {msg}. {hint}")
 
 

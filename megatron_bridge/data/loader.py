@@ -136,7 +136,8 @@ def parse_split(split: str) -> List[float]:
         vals = []
     if not 1 <= len(vals) <= 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
         raise UserError(f"data.split={split!r}: expected up to three non-negative train,valid,test weights "
-                        "that are not all zero, e.g. data.split=98,2,0")
+                        "that are not all zero, e.g. data.split=98/2/0 (or, quoted for the shell, "
+                        "'data.split=\"98,2,0\"')")
     vals += [0.0] * (3 - len(vals))
     return [v / sum(vals) for v in vals]
 

@@ -143,7 +143,7 @@ CASES: List[Case] = [
     C("cfg-wrong-type-int", "config", "mbr check parallel.tp=two", "wrong type",
       "Value 'two' of type 'str' could not be converted to Integer", "--cfg job"),
     C("cfg-wrong-type-bool", "config", "mbr check parallel.sequence_parallel=maybe", "wrong type",
-      "'maybe' is not a valid bool", "Check the spelling"),
+      "'maybe' is not a valid bool", "Give the value the field's type"),
     C("cfg-missing-recipe", "config", "mbr check recipe=llama9", "unknown recipe",
       "unknown recipe 'llama9'", "Pick one with `recipe=NAME`"),
     C("cfg-missing-group-option", "config", "mbr check model=llama9", "unknown group option",
