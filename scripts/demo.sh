@@ -1,29 +1,32 @@
 #!/usr/bin/env bash
 # The main job, end to end on CPU with 4 local processes (gloo), nothing downloaded:
 #   1. corpus from the Python standard library + a BPE tokenizer + megatron indexed dataset
-#   2. a tiny Llama as a Hugging Face checkpoint (the "pretrained" starting point)
+#   2. a tiny Llama as a Hugging Face checkpoint (the "pretrained" starting point), converted
+#      with `mbr convert` to megatron-core's dist_checkpointing format for tp2·pp2
 #   3. `mbr check`: validate the tp2·pp2 layout and print its rank map
-#   4. train tp2·pp2 under torchrun from the HF weights (loaded through the bridge), with
-#      checkpoints, then export the result back to a Hugging Face model
+#   4. train tp2·pp2 under torchrun from the converted weights, with checkpoints, then
+#      export the result back to a Hugging Face model
 #   5. transformers loads the exported model and generates
 # Outputs under runs/demo/. Set STEPS=N to change the length (default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false PYTHONWARNINGS=ignore
 PY=.venv/bin/python
 OUT=runs/demo
 STEPS=${STEPS:-300}
-rm -rf "$OUT/train" "$OUT/hf_out" "$OUT/ckpt"
+rm -rf "$OUT/train" "$OUT/hf_out" "$OUT/ckpt" "$OUT/converted"
 mkdir -p "$OUT"
 
 echo "== 1. data: stdlib corpus -> tokenizer -> indexed dataset"
 [ -f "$OUT/data/corpus.jsonl" ] || .venv/bin/mbr data demo=true output_dir="$OUT/data" vocab_size=512
 
-echo "== 2. a tiny Llama as a Hugging Face checkpoint"
+echo "== 2. a tiny Llama as a Hugging Face checkpoint, converted to megatron dist_checkpointing (tp2·pp2)"
 [ -f "$OUT/hf_init/config.json" ] || $PY -m megatron_bridge.demo init "$OUT/hf_init" "$OUT/data/tokenizer"
 
-ARGS=(recipe=tiny_llama "model.hf_path=$OUT/hf_init" data=indexed "data.paths=[$OUT/data/stdlib_text_document]"
+.venv/bin/mbr convert "src=$OUT/hf_init" "dst=$OUT/converted" parallel.tp=2 parallel.pp=2 format=torch_dist
+
+ARGS=(recipe=tiny_llama "model.hf_path=$OUT/hf_init" "train.init_from=$OUT/converted" data=indexed "data.paths=[$OUT/data/stdlib_text_document]"
       "data.tokenizer=$OUT/data/tokenizer" train.seq_length=128 train.global_batch_size=16 train.micro_batch_size=2
       "train.steps=$STEPS" train.log_interval=20 optimizer.lr=3e-3 optimizer.min_lr=3e-4 optimizer.warmup_steps=20
       "checkpoint.dir=$OUT/ckpt" checkpoint.save_interval=100)

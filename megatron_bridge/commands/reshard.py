@@ -1,0 +1,31 @@
+"""`mbr reshard`: a converted checkpoint -> the same weights in another layout, without HF.
+
+    mbr reshard src=OUT dst=OUT2 parallel.tp=4 parallel.pp=1            # per-rank files at tp4
+    mbr reshard src=OUT dst=OUT2 format=torch_dist                      # per-rank -> torch_dist
+
+Reads either format, writes per-rank torch files for `parallel.*` (default) or torch_dist.
+Each parameter's shards are merged and re-split with the bridge's mapping, checked against
+the manifest's checksums on the way; A -> B -> A is bit-exact. See docs/convert.md.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from megatron_bridge.config.compose import compose, to_yaml
+
+
+def main(argv: Sequence[str]) -> int:
+    from megatron_bridge.convert import read_ahead_source, use_huge_pages
+
+    use_huge_pages()
+    read_ahead_source(argv)
+    from megatron_bridge.convert.options import ReshardConfig
+
+    cfg, args = compose(argv, schema=ReshardConfig, resolve_hf=False)
+    if args.cfg:
+        print(to_yaml(cfg), end="")
+        return 0
+    from megatron_bridge.convert.pipeline import reshard
+
+    return reshard(cfg)

@@ -1,0 +1,119 @@
+"""`mbr_manifest.json`: what a converted checkpoint holds, so it can be read back exactly.
+
+Written last into every `mbr convert` / `mbr reshard` output (its presence marks a complete
+checkpoint, and `train.init_from` recognises the directory by it). It records:
+
+* the source HF `config.json` (also copied next to it, so `model.hf_path=OUT` describes the
+  model) and the non-weight files copied along (tokenizer, generation config);
+* format (`torch_dist` or `torch`), layout (tp/pp/vpp/ep/etp), dtype and
+  `make_vocab_size_divisible_by` (the padded vocab of the stored embedding);
+* every HF tensor: name, shape, dtype, CRC-32 of its bytes. Export and reshard rebuild each
+  HF tensor and compare, so a round trip is checked bit for bit, and a corrupted or
+  tampered file is reported by tensor name;
+* every written file and its size: a truncated file is refused before reading it.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
+from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.convert.safetensors_io import ST_DTYPES, ST_NAMES, tensor_bytes
+from megatron_bridge.errors import UserError
+
+MANIFEST = "mbr_manifest.json"
+VERSION = 1
+FORMATS = ("torch_dist", "torch")
+
+
+def crc32(t: torch.Tensor) -> str:
+    return f"{zlib.crc32(tensor_bytes(t)) & 0xFFFFFFFF:08x}"
+
+
+def layout_dict(layout: Layout) -> Dict[str, Optional[int]]:
+    return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp_or_tp}
+
+
+@dataclass
+class Manifest:
+    format: str
+    hf_config: Dict[str, Any]
+    layout: Dict[str, Optional[int]]
+    dtype: str  # "bfloat16", "float32", ... or "mixed"
+    make_vocab_size_divisible_by: int
+    tensors: Dict[str, Dict[str, Any]]  # HF name -> {"shape": [...], "dtype": "BF16", "crc32": "..."}
+    files: Dict[str, int] = field(default_factory=dict)  # relative path -> bytes
+    assets: List[str] = field(default_factory=list)
+    source: str = ""
+    created_by: str = ""
+    version: int = VERSION
+
+    # -- views ------------------------------------------------------------------------
+    def layout_obj(self) -> Layout:
+        d = self.layout
+        return Layout(tp=d["tp"], pp=d["pp"], vpp=d.get("vpp"), ep=d.get("ep", 1), etp=d.get("etp"))
+
+    def spec(self) -> BridgeSpec:
+        return spec_from_hf(self.hf_config, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
+
+    def tensor_table(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(v["shape"]), ST_DTYPES[v["dtype"]]) for k, v in self.tensors.items()}
+
+    def padded_vocab_size(self) -> int:
+        return self.spec().padded_vocab_size(self.layout["tp"])
+
+    # -- io ---------------------------------------------------------------------------
+    def write(self, directory: Path) -> None:
+        (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise UserError(f"{directory} is not an `mbr convert` output (no {MANIFEST}); "
+                            "convert an HF model with `mbr convert src=HF_DIR dst=OUT` first")
+        try:
+            data = json.loads(path.read_text())
+            man = cls(**data)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"{path}: corrupt manifest ({e})") from None
+        if man.version != VERSION or man.format not in FORMATS:
+            raise UserError(f"{path}: manifest version {man.version} / format {man.format!r} is not one this "
+                            f"mbr reads (version {VERSION}, formats {', '.join(FORMATS)})")
+        return man
+
+    def check_files(self, directory: Path) -> None:
+        """Every recorded file is there with its recorded size (truncation, deletion)."""
+        bad = []
+        for rel, size in self.files.items():
+            p = directory / rel
+            if not p.is_file():
+                bad.append(f"{rel} is missing")
+            elif p.stat().st_size != size:
+                bad.append(f"{rel} has {p.stat().st_size} bytes, {size} were written (truncated or modified)")
+        if bad:
+            raise UserError(f"{directory}: the checkpoint is damaged:\n" + "\n".join(f"  - {b}" for b in bad[:8]))
+
+
+def tensor_entry(t: torch.Tensor, checksum: str) -> Dict[str, Any]:
+    return {"shape": list(t.shape), "dtype": ST_NAMES[t.dtype], "crc32": checksum}
+
+
+def dtype_name(dtypes) -> str:
+    names = {str(d).replace("torch.", "") for d in dtypes}
+    return names.pop() if len(names) == 1 else "mixed"
+
+
+def list_files(directory: Path) -> Dict[str, int]:
+    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
+
+
+__all__ = ["Manifest", "MANIFEST", "crc32", "tensor_entry", "layout_dict", "dtype_name", "list_files", "FORMATS"]

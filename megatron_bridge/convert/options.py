@@ -1,0 +1,111 @@
+"""The conversion commands' own config fields, and the layout check they share.
+
+Each command composes the usual recipe (`compose(argv, schema=...)`), so `parallel.*`,
+`model.make_vocab_size_divisible_by` and `recipe=` mean what they mean everywhere; the
+fields below are the command's own top-level keys (`src=... dst=... format=...`).
+
+`checked_layout` applies the layout rules that concern weights (the same rule functions
+`mbr check` runs, minus batch/schedule/engine/node rules, which a checkpoint does not
+depend on) to the model the checkpoint holds, then the bridge's own `problems()`, then
+splits every tensor over rank 0 on meta tensors — so a bad layout is refused with every
+reason before a byte is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import lcm
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from megatron_bridge.bridge.hf_config import BridgeSpec
+from megatron_bridge.bridge.layout import Layout, problems
+from megatron_bridge.bridge.mapping import Resolved
+from megatron_bridge.config.hf_model import hf_to_model_fields
+from megatron_bridge.config.schema import Config
+from megatron_bridge.convert.rows import check_layout_shards
+from megatron_bridge.errors import LayoutError, UserError
+
+FORMATS = ("torch_dist", "torch")
+# Rules of parallel/rules.py that constrain how weights split (the others are about batches,
+# schedules, engines and node placement, which a checkpoint does not depend on).
+LAYOUT_RULES = ("positive_degrees", "world_size", "attention_heads", "pipeline_layers", "experts", "expert_grid")
+
+
+@dataclass
+class ConvertConfig(Config):
+    src: Optional[str] = None  # HF model directory
+    dst: Optional[str] = None  # output directory (must not exist unless overwrite=true)
+    format: str = "torch_dist"  # torch_dist (reshardable on load) | torch (per-rank files for parallel.*)
+    dtype: str = "source"  # source | bf16 | fp32 | fp16
+    overwrite: bool = False
+    progress: str = "auto"  # auto (bar on a terminal, quiet in CI) | on | off
+
+
+@dataclass
+class ExportConfig(Config):
+    src: Optional[str] = None  # an `mbr convert` / `mbr reshard` output
+    dst: Optional[str] = None  # HF directory to create
+    dtype: str = "source"
+    max_shard_gb: float = 5.0  # size cap of each model-0000i-of-0000n.safetensors
+    overwrite: bool = False
+    progress: str = "auto"
+
+
+@dataclass
+class ReshardConfig(Config):
+    src: Optional[str] = None  # an `mbr convert` / `mbr reshard` output (either format)
+    dst: Optional[str] = None
+    format: str = "torch"  # torch (per-rank files for parallel.*) | torch_dist
+    dtype: str = "source"
+    overwrite: bool = False
+    progress: str = "auto"
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise UserError(f"format={fmt!r}: choose torch_dist (megatron-core dist_checkpointing, any layout on load) "
+                        "or torch (Megatron's per-rank files for exactly parallel.*)")
+    return fmt
+
+
+def checked_layout(cfg: Any, spec: BridgeSpec, hf_config: Dict[str, Any], rows: Sequence[Resolved],
+                   tensors: Dict[str, Any], fmt: str) -> Layout:
+    """The layout of `cfg.parallel`, validated for this checkpoint's model (see module doc)."""
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.parallel.rules import RULES, Violation
+
+    for k, v in hf_to_model_fields(dict(hf_config)).items():
+        setattr(cfg.model, k, v)
+    cfg.model.make_vocab_size_divisible_by = spec.make_vocab_size_divisible_by
+    p = cfg.parallel
+    etp = p.etp if p.etp is not None else p.tp
+    degrees = (p.tp, p.pp, p.cp, p.ep, etp)
+    world = lcm(p.tp * p.pp * p.cp, etp * p.ep * p.pp) if min(degrees) >= 1 else 1
+    dims = ParallelDims.from_config(cfg, world)
+    violations = [v for r in RULES if r.__name__ in LAYOUT_RULES for v in r(dims, cfg)]
+    if p.vpp is not None and p.vpp > 1 and p.pp == 1:
+        violations.append(Violation("vpp-pp", f"parallel.vpp={p.vpp} needs pp > 1", "set parallel.vpp=null or raise pp"))
+    if violations:
+        raise LayoutError(violations, header=f"cannot lay the checkpoint out as tp{p.tp}·pp{p.pp}·ep{p.ep}"
+                                             f"{f'·vpp{p.vpp}' if p.vpp else ''}:")
+    layout = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp,
+                    layers_first_stage=p.layers_first_stage, layers_last_stage=p.layers_last_stage)
+    bad = problems(spec, layout)
+    if bad:
+        raise UserError("cannot lay the checkpoint out this way:\n" + "\n".join(f"  - {b}" for b in bad))
+    if fmt == "torch" and layout.etp not in (None, layout.tp):
+        raise UserError(f"format=torch stores expert shards by tp rank, so it needs etp = tp (got etp={layout.etp}, "
+                        f"tp={layout.tp}); use format=torch_dist, which reshards on load")
+    check_layout_shards(spec, layout, rows, tensors)
+    return layout
+
+
+def describe(layout: Layout, dtype: Optional[torch.dtype]) -> str:
+    parts = [f"tp{layout.tp}", f"pp{layout.pp}"] + ([f"vpp{layout.vpp}"] if layout.vpp else [])
+    parts += [f"ep{layout.ep}"] if layout.ep > 1 else []
+    return "·".join(parts) + f", {str(dtype).replace('torch.', '') if dtype else 'source dtype'}"
+
+
+__all__ = ["ConvertConfig", "ExportConfig", "ReshardConfig", "checked_layout", "check_format", "describe", "FORMATS"]

@@ -1,0 +1,189 @@
+"""`convert`, `export`, `reshard`: source -> writer, into a directory that appears whole or not at all.
+
+Order is the promise: every check that can fail on bad input (paths, config, headers,
+index, shapes, layout) runs before the first byte is written. Output goes to a temporary
+sibling of `dst` (same filesystem) and is renamed into place only after the manifest — the
+last file — is written; on any failure (or Ctrl-C) the temporary directory is removed, so
+`dst` never holds half a checkpoint. With `overwrite=true` an existing `dst` is moved aside
+and deleted only once the new one is in place.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Optional
+
+
+from megatron_bridge.bridge.loader import WEIGHT_FILE_SUFFIXES, _write_config_and_assets
+from megatron_bridge.convert.manifest import MANIFEST, Manifest, dtype_name, layout_dict, list_files
+from megatron_bridge.convert.options import check_format, checked_layout, describe
+from megatron_bridge.convert.placement import RELEASE, TRACKER
+from megatron_bridge.convert.progress import Progress
+from megatron_bridge.convert.safetensors_io import ST_NAMES
+from megatron_bridge.convert.sources import HFSource, Source, open_checkpoint, parse_dtype
+from megatron_bridge.convert.writers import DistOut, HFOut, TorchOut
+from megatron_bridge.errors import UserError
+
+RESERVED = {MANIFEST, TRACKER, RELEASE, "config.json"}
+
+
+def check_paths(src: Optional[str], dst: Optional[str], overwrite: bool) -> tuple:
+    if not src or not dst:
+        raise UserError("both src=DIR and dst=DIR are required")
+    s, d = Path(src).absolute(), Path(dst).absolute()
+    if not s.is_dir():
+        raise UserError(f"src={src} does not exist or is not a directory")
+    if d.exists() and not overwrite:
+        raise UserError(f"dst={dst} already exists; choose a new directory or pass overwrite=true "
+                        "(the old one is removed only after the new one is complete)")
+    if d.exists() and not d.is_dir():
+        raise UserError(f"dst={dst} exists and is not a directory")
+    rs, rd = s.resolve(), d.resolve()
+    if rs == rd or rs in rd.parents or rd in rs.parents:
+        raise UserError(f"src={src} and dst={dst} overlap; write to a separate directory")
+    return s, d
+
+
+@contextmanager
+def atomic_output(dst: Path) -> Iterator[Path]:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    try:
+        yield tmp
+        if dst.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.rename(dst, old / "x")
+            try:
+                os.rename(tmp, dst)
+            except OSError:
+                os.rename(old / "x", dst)  # put the previous checkpoint back
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"{dst}: {e} (stopped; nothing was written)") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _assets(src: Path) -> List[str]:
+    """Non-weight files an HF directory ships next to the weights (tokenizer, generation config)."""
+    return [f.name for f in sorted(src.iterdir()) if f.is_file() and f.name not in RESERVED
+            and not f.name.endswith(WEIGHT_FILE_SUFFIXES)]
+
+
+def _copy(src: Path, dst: Path, names: List[str]) -> None:
+    for n in names:
+        shutil.copy2(src / n, dst / n)
+
+
+@contextmanager
+def _closing_on_error(source: Source) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        source.close()
+        raise
+
+
+def _run(source: Source, writer: Any, dst: Path, verb: str, mode: str, finish: Callable[[Path], None]) -> Progress:
+    try:
+        tensors, nbytes = writer.total(source)
+        with atomic_output(dst) as tmp:
+            with Progress(verb, tensors, nbytes, mode) as prog:
+                writer.write(tmp, source, prog.advance)
+            finish(tmp)
+    finally:
+        source.close()
+    return prog
+
+
+def _manifest(fmt: str, hf_config: dict, layout, source: Source, tmp: Path, assets: List[str], src: Path,
+              created_by: str) -> None:
+    missing = set(source.tensors) - set(source.checksums)
+    if missing:
+        raise RuntimeError(f"tensors never written: {sorted(missing)[:5]}")
+    tensors = {n: {"shape": list(source.tensors[n][0]), "dtype": ST_NAMES[source.out_dtype(n)],
+                   "crc32": source.checksums[n]} for n in source.tensors}
+    Manifest(format=fmt, hf_config=hf_config, layout=layout_dict(layout),
+             dtype=dtype_name(source.out_dtype(n) for n in source.tensors),
+             make_vocab_size_divisible_by=source.spec.make_vocab_size_divisible_by, tensors=tensors,
+             files=list_files(tmp), assets=assets, source=str(src), created_by=created_by).write(tmp)
+
+
+def convert(cfg: Any) -> int:
+    """HF directory -> torch_dist or per-rank torch checkpoint (see docs/convert.md)."""
+    src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
+    fmt, dtype = check_format(cfg.format), parse_dtype(cfg.dtype)
+    source = HFSource(src, dtype, cfg.model.make_vocab_size_divisible_by)
+    hf_config = source.hf_config
+    with _closing_on_error(source):
+        layout = checked_layout(cfg, source.spec, hf_config, source.rows, source.tensors, fmt)
+    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout)
+    assets = _assets(src)
+
+    def finish(tmp: Path) -> None:
+        shutil.copy2(src / "config.json", tmp / "config.json")
+        _copy(src, tmp, assets)
+        _manifest(fmt, hf_config, layout, source, tmp, assets, src, "mbr convert")
+
+    prog = _run(source, writer, dst, "converted", cfg.progress, finish)
+    print(prog.summary(str(dst), f"{fmt}, {describe(layout, dtype)}"), flush=True)
+    return 0
+
+
+def export(cfg: Any) -> int:
+    """Converted checkpoint -> HF directory (safetensors + index, config.json, tokenizer files)."""
+    src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
+    dtype = parse_dtype(cfg.dtype)
+    if not cfg.max_shard_gb > 0:
+        raise UserError(f"max_shard_gb={cfg.max_shard_gb} must be > 0")
+    source = open_checkpoint(src, dtype)
+    man: Manifest = source.man
+    out_dtypes = {source.out_dtype(n) for n in source.tensors}
+    declared = man.hf_config.get("dtype", man.hf_config.get("torch_dtype"))
+    retag = next(iter(out_dtypes)) if len(out_dtypes) == 1 else None
+    if retag is not None and str(retag).replace("torch.", "") == declared:
+        retag = None
+
+    def finish(tmp: Path) -> None:
+        _write_config_and_assets(tmp, source.spec, None, man.hf_config, retag)
+        _copy(src, tmp, man.assets)
+
+    prog = _run(source, HFOut(int(cfg.max_shard_gb * 1e9)), dst, "exported", cfg.progress, finish)
+    print(prog.summary(str(dst), f"HF safetensors, {dtype_name(out_dtypes)}, every tensor checked against "
+                                 f"the manifest"), flush=True)
+    return 0
+
+
+def reshard(cfg: Any) -> int:
+    """Converted checkpoint -> the same weights in another layout (or format), without HF."""
+    src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
+    fmt, dtype = check_format(cfg.format), parse_dtype(cfg.dtype)
+    source = open_checkpoint(src, dtype)
+    man: Manifest = source.man
+    with _closing_on_error(source):
+        layout = checked_layout(cfg, source.spec, man.hf_config, source.rows, source.tensors, fmt)
+    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout)
+
+    def finish(tmp: Path) -> None:
+        shutil.copy2(src / "config.json", tmp / "config.json")
+        _copy(src, tmp, man.assets)
+        _manifest(fmt, man.hf_config, layout, source, tmp, man.assets, Path(man.source or src), "mbr reshard")
+
+    prog = _run(source, writer, dst, "resharded", cfg.progress, finish)
+    old = man.layout_obj()
+    print(prog.summary(str(dst), f"{man.format} tp{old.tp}·pp{old.pp} -> {fmt}, {describe(layout, dtype)}"),
+          flush=True)
+    return 0
+
+
+__all__ = ["convert", "export", "reshard", "check_paths", "atomic_output"]

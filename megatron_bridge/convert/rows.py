@@ -1,0 +1,188 @@
+"""Which table rows a checkpoint fills, checked against its config before anything is written.
+
+A conversion works row by row: one row of the family's table (`bridge.mapping.Mapping`) is
+one megatron parameter and the HF tensor(s) it is made of. `resolve_rows` groups a
+checkpoint's tensor names into rows with the bridge's own `resolve_checkpoint` (unknown
+tensors are an error there) and then checks what only a whole-checkpoint view can:
+
+* completeness: every parameter the config implies is present (`expected_names`), and no
+  tensor lies beyond the config (a layer index >= num_hidden_layers, an expert >= E);
+* shapes: each row's HF shapes go through the row's own transform on the meta device
+  (so the transform's checks run: QKV head geometry, vocab rows, divisibility) and the
+  resulting megatron tensor must have the shape megatron-core builds for this config
+  (`megatron_shape`); all inputs of a row share one dtype (a mixed QKV would be upcast).
+
+`check_layout_shards` runs the same transforms for rank 0 of a layout, which catches sizes
+that do not split over tp (e.g. an FFN width not divisible by tp) with the tensor's name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, List, Mapping as TMapping, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_bridge.bridge.hf_config import BridgeSpec
+from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.bridge.loader import Coords, resolve_checkpoint, shard_of, table_for
+from megatron_bridge.bridge.mapping import Resolved, resolve_megatron
+from megatron_bridge.errors import UserError
+
+Shape = Tuple[int, ...]
+
+
+def _is_moe_row(template: str) -> bool:
+    """Rows of an MoE layer's MLP (router, experts, shared experts) vs a dense layer's MLP."""
+    return ".mlp." in template and ".mlp.linear_fc" not in template
+
+
+def layer_kinds(spec: BridgeSpec) -> Tuple[int, ...]:
+    """1 = MoE layer, 0 = dense, per layer (megatron's moe_layer_freq as the spec holds it)."""
+    if not spec.is_moe:
+        return (0,) * spec.num_layers
+    return tuple(spec.moe_layer_pattern) or (1,) * spec.num_layers
+
+
+def expected_names(spec: BridgeSpec) -> List[str]:
+    """Global megatron parameter names the config implies, in table order per layer."""
+    kinds = layer_kinds(spec)
+    out: List[str] = []
+    layered = []
+    for m in table_for(spec):
+        if "{layer}" not in m.megatron:
+            out.append(m.megatron)
+        else:
+            layered.append(m)
+    for layer in range(spec.num_layers):
+        for m in layered:
+            if ".mlp." in m.megatron and _is_moe_row(m.megatron) != bool(kinds[layer]):
+                continue
+            experts = range(spec.num_moe_experts) if "{expert}" in m.megatron else [None]
+            out += [m.megatron_name(layer=layer, expert=e) if e is not None else m.megatron_name(layer=layer)
+                    for e in experts]
+    return list(dict.fromkeys(out))
+
+
+# megatron-core's parameter shapes at tp=1 (local spec), by name suffix. `V` = padded vocab.
+_SHAPES: Sequence[Tuple[str, Callable[[BridgeSpec, int], Shape]]] = (
+    (r"(embedding\.word_embeddings|output_layer)\.weight$", lambda s, V: (V, s.hidden_size)),
+    (r"layernorm\.weight$", lambda s, V: (s.hidden_size,)),
+    (r"linear_qkv\.weight$", lambda s, V: ((s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim, s.hidden_size)),
+    (r"linear_qkv\.bias$", lambda s, V: ((s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim,)),
+    (r"linear_proj\.weight$", lambda s, V: (s.hidden_size, s.num_attention_heads * s.head_dim)),
+    (r"local_experts\.\d+\.linear_fc1\.weight$", lambda s, V: (2 * s.moe_ffn_hidden_size, s.hidden_size)),
+    (r"local_experts\.\d+\.linear_fc2\.weight$", lambda s, V: (s.hidden_size, s.moe_ffn_hidden_size)),
+    (r"shared_experts\.linear_fc1\.weight$", lambda s, V: (2 * s.moe_shared_expert_intermediate_size, s.hidden_size)),
+    (r"shared_experts\.linear_fc2\.weight$", lambda s, V: (s.hidden_size, s.moe_shared_expert_intermediate_size)),
+    (r"shared_experts\.gate_weight$", lambda s, V: (1, s.hidden_size)),
+    (r"mlp\.linear_fc1\.weight$", lambda s, V: (2 * s.ffn_hidden_size, s.hidden_size)),
+    (r"mlp\.linear_fc2\.weight$", lambda s, V: (s.hidden_size, s.ffn_hidden_size)),
+    (r"mlp\.router\.weight$", lambda s, V: (s.num_moe_experts, s.hidden_size)),
+)
+
+
+def megatron_shape(name: str, spec: BridgeSpec, padded_vocab: int) -> Optional[Shape]:
+    """The shape megatron-core gives global parameter `name` (None: not known here)."""
+    if re.search(r"\.(q|k)_layernorm\.weight$", name):
+        return (spec.head_dim,)
+    for pattern, fn in _SHAPES:
+        if re.search(pattern, name):
+            return tuple(fn(spec, padded_vocab))
+    return None
+
+
+def _meta(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+class _MetaShapes(torch.overrides.TorchFunctionMode):
+    """Meta device with a shape-only `torch.cat`: torch's Python meta kernel for cat imports
+    torch._dynamo on first use (1.2-1.7 s here, more than validating every row), while the
+    shape of a concatenation is plain arithmetic. Mismatched shapes raise as torch.cat does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.cat and all(t.is_meta for t in args[0]):
+            tensors, dim = list(args[0]), kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            first = tensors[0]
+            dim = dim % first.dim()
+            for t in tensors[1:]:
+                if t.dim() != first.dim() or any(a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != dim):
+                    raise RuntimeError(f"torch.cat: sizes {list(first.shape)} and {list(t.shape)} do not match "
+                                       f"except in dimension {dim}")
+            shape = list(first.shape)
+            shape[dim] = sum(t.shape[dim] for t in tensors)
+            return torch.empty(shape, dtype=first.dtype, device="meta")
+        with torch.device("meta"):
+            return func(*args, **kwargs)
+
+
+def resolve_rows(spec: BridgeSpec, tensors: TMapping[str, Tuple[Shape, torch.dtype]], tp: int = 1,
+                 where: str = "the checkpoint") -> List[Resolved]:
+    """Rows of `tensors` ({HF name: (shape, dtype)}), validated against the spec (see module doc)."""
+    try:
+        rows = resolve_checkpoint(spec, list(tensors))
+    except KeyError as e:
+        raise UserError(f"{where} is incomplete: {e.args[0]}") from None
+    want = expected_names(spec)
+    have = {r.megatron for r in rows}
+    table = table_for(spec)
+    missing = [n for n in want if n not in have]
+    if missing:
+        hf = [h for n in missing[:6] for h in (resolve_megatron(table, n).hf)]
+        raise UserError(f"{where} lacks {len(missing)} tensor(s) the {spec.architecture} config needs, e.g. "
+                        f"{', '.join(dict.fromkeys(hf))}{' ...' if len(missing) > 6 else ''}")
+    wanted = set(want)
+    beyond = [r for r in rows if r.megatron not in wanted]
+    if beyond:
+        raise UserError(f"{where} has tensors the config does not describe (num_hidden_layers={spec.num_layers}"
+                        f"{f', experts={spec.num_moe_experts}' if spec.is_moe else ''}): "
+                        f"{', '.join(h for r in beyond[:4] for h in r.hf)}{' ...' if len(beyond) > 4 else ''}")
+    shapes = spec.shapes(tp)
+    bad: List[str] = []
+    for r in rows:
+        dtypes = {tensors[h][1] for h in r.hf}
+        if len(dtypes) > 1:
+            bad.append(f"{', '.join(r.hf)} mix dtypes {sorted(map(str, dtypes))}")
+            continue
+        try:
+            with _MetaShapes():
+                g = r.mapping.to_global([_meta(*tensors[h]) for h in r.hf], shapes)
+        except (ValueError, RuntimeError) as e:
+            bad.append(f"{', '.join(r.hf)} {[list(tensors[h][0]) for h in r.hf]}: {e}")
+            continue
+        expected = megatron_shape(r.megatron, spec, shapes.padded_vocab_size)
+        if expected is not None and tuple(g.shape) != expected:
+            bad.append(f"{', '.join(r.hf)} {[list(tensors[h][0]) for h in r.hf]}: {r.megatron} would be "
+                       f"{list(g.shape)}, the config implies {list(expected)}")
+    if bad:
+        raise UserError(f"{where}: {len(bad)} tensor shape(s) disagree with config.json "
+                        f"(hidden_size={spec.hidden_size}, heads={spec.num_attention_heads}/{spec.num_query_groups}, "
+                        f"head_dim={spec.head_dim}, intermediate={spec.ffn_hidden_size}, vocab={spec.vocab_size}):\n"
+                        + "\n".join(f"  - {b}" for b in bad[:8]))
+    return rows
+
+
+def check_layout_shards(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved],
+                        tensors: TMapping[str, Tuple[Shape, torch.dtype]]) -> None:
+    """Every row must split over the layout (run on meta tensors: nothing is read)."""
+    bad = []
+    for r in rows:
+        try:
+            with _MetaShapes():
+                shard_of(r, [_meta(*tensors[h]) for h in r.hf], spec, layout, Coords())
+        except ValueError as e:
+            bad.append(f"{r.megatron}: {e}")
+    if bad:
+        raise UserError(f"the layout {layout.describe()} cannot split this model:\n"
+                        + "\n".join(f"  - {b}" for b in bad[:8]))
+
+
+def producers(rows: Sequence[Resolved]) -> Dict[Tuple[str, ...], Resolved]:
+    """HF names -> the exported row that stores them (the tied output layer reads the
+    embedding's HF tensor but is never stored itself)."""
+    return {r.hf: r for r in rows if r.mapping.export}
+
+
+__all__ = ["resolve_rows", "expected_names", "megatron_shape", "check_layout_shards", "producers", "layer_kinds"]

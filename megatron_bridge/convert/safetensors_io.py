@@ -1,0 +1,218 @@
+"""Streaming safetensors I/O without mmap: one tensor in memory at a time.
+
+Why not `safe_open`: it mmaps whole files, and every page a conversion touches stays mapped
+(and counted in the process RSS) until the handle closes, so converting a 5 GB shard costs
+5 GB of RSS. Here each tensor is read with positioned reads (`os.preadv`) into a fresh
+buffer; the kernel page cache, which is not the process's memory, does the caching.
+
+Headers are validated before any byte is converted (JSON, dtypes, sizes matching shapes,
+offsets inside the file), so a truncated or corrupt file, or an index naming a file or
+tensor that is not there, is refused before anything is written.
+
+The writer streams too: a file's tensor list (names, dtypes, shapes) is known up front, so
+the header goes first and tensors are appended in that order as they are produced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_bridge.bridge.loader import IGNORED_HF_SUFFIXES
+from megatron_bridge.bridge.mapping import _ST_DTYPES as ST_DTYPES
+from megatron_bridge.errors import UserError
+
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+MAX_HEADER = 100 * 2**20  # safetensors' own limit
+INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: file and absolute [start, end) byte range."""
+
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    file: Path
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def read_header(path: Path) -> Dict[str, TensorInfo]:
+    """Parse and validate one file's header. Raises UserError naming the file and the defect."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise UserError(f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
+        n = struct.unpack("<Q", head)[0]
+        if n > MAX_HEADER or 8 + n > size:
+            raise UserError(f"{path}: header length {n} does not fit the {size}-byte file: truncated or not safetensors")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"{path}: corrupt safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    base, data_len = 8 + n, size - 8 - n
+    out: Dict[str, TensorInfo] = {}
+    for name, e in header.items():
+        try:
+            dtype = ST_DTYPES[e["dtype"]]
+            shape = tuple(int(x) for x in e["shape"])
+            b, end = (int(x) for x in e["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: corrupt header entry for tensor {name!r} (unknown dtype or bad shape/offsets)") from None
+        if end - b != prod(shape) * dtype.itemsize or b < 0:
+            raise UserError(f"{path}: tensor {name} claims bytes [{b}, {end}) for shape {list(shape)} {e['dtype']}: corrupt header")
+        if end > data_len:
+            raise UserError(f"{path}: tensor {name} ends at byte {base + end} but the file has {size} bytes: "
+                            "the file is truncated (re-download or re-save it)")
+        out[name] = TensorInfo(name, dtype, shape, path, base + b, base + end)
+    return out
+
+
+def scan_dir(path: Path) -> Dict[str, TensorInfo]:
+    """Every weight tensor of an HF model directory (sharded with an index, or plain files), in
+    index / file order. Checks that files and tensors the index names exist."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{index}: corrupt index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise UserError(f"{index} names {len(missing)} file(s) that do not exist: {', '.join(missing)}")
+        headers = {f: read_header(path / f) for f in files}
+        absent = [f"{k} ({f})" for k, f in weight_map.items() if k not in headers[f]]
+        if absent:
+            raise UserError(f"{index} places tensors in files that do not contain them: {', '.join(absent[:6])}"
+                            f"{' ...' if len(absent) > 6 else ''}")
+        infos = {k: headers[f][k] for k, f in weight_map.items()}
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+            hint = f" (found {', '.join(other[:3])}: re-save with safe_serialization=True)" if other else ""
+            raise UserError(f"{path}: no *.safetensors weights; only safetensors checkpoints are supported{hint}")
+        infos = {}
+        for f in files:
+            for k, info in read_header(path / f).items():
+                if k in infos:
+                    raise UserError(f"{path}: tensor {k} is in both {infos[k].file.name} and {f} (and there is no index)")
+                infos[k] = info
+    return {k: v for k, v in infos.items() if not k.endswith(IGNORED_HF_SUFFIXES)}
+
+
+class PositionedReader:
+    """Reads byte ranges of files into fresh tensors (no mmap, file descriptors cached)."""
+
+    def __init__(self) -> None:
+        self._fds: Dict[Path, int] = {}
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def advise(self, path: Path, start: int, nbytes: int) -> None:
+        """Tell the kernel this range is read next: it is fetched into the page cache in the
+        background (no process memory), so the disk works while the current tensor converts."""
+        if nbytes and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd(path), start, nbytes, os.POSIX_FADV_WILLNEED)
+
+    def read_bytes(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes == 0:
+            return buf
+        fd = self._fd(path)
+        view, got = memoryview(buf.numpy()), 0
+        while got < nbytes:  # one read returns at most ~2 GiB on Linux
+            k = os.preadv(fd, [view[got:]], start + got)
+            if k == 0:
+                raise UserError(f"{path}: unexpected end of file at byte {start + got} (the file is truncated)")
+            got += k
+        return buf
+
+    def read(self, info: TensorInfo) -> torch.Tensor:
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.dtype)
+        return self.read_bytes(info.file, info.start, info.nbytes).view(info.dtype).reshape(info.shape)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor (any dtype, bf16 included), without a copy."""
+    t = t.contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
+class SafetensorsWriter:
+    """One safetensors file whose tensor list is known up front; tensors are written in order."""
+
+    def __init__(self, path: Path, entries: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
+                 metadata: Optional[Dict[str, str]] = None):
+        header: Dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        pos = 0
+        for name, dtype, shape in entries:
+            n = prod(shape) * dtype.itemsize
+            header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+            pos += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+        self.path, self._entries, self._next = path, list(entries), 0
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        want = self._entries[self._next]
+        if (name, t.dtype, tuple(t.shape)) != (want[0], want[1], tuple(want[2])):
+            raise RuntimeError(f"{self.path}: expected {want}, got {name} {t.dtype} {tuple(t.shape)}")
+        self._f.write(tensor_bytes(t))
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._entries):
+            raise RuntimeError(f"{self.path}: {len(self._entries) - self._next} tensor(s) never written")
+        self._f.close()
+
+
+def plan_shards(entries: Iterable[Tuple[str, torch.dtype, Sequence[int]]], max_bytes: int) -> List[List[Tuple]]:
+    """Split an ordered tensor list into files of at most `max_bytes` (a bigger tensor gets its own)."""
+    files: List[List[Tuple]] = [[]]
+    size = 0
+    for e in entries:
+        n = prod(e[2]) * e[1].itemsize
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += n
+    return files
+
+
+__all__ = ["TensorInfo", "read_header", "scan_dir", "PositionedReader", "SafetensorsWriter", "plan_shards",
+           "tensor_bytes", "ST_DTYPES", "ST_NAMES", "INDEX"]

@@ -1,0 +1,293 @@
+"""Where a conversion reads from: an HF directory, a torch_dist checkpoint, per-rank files.
+
+Every source answers one question, row by row: "the HF tensors of this table row" — the
+layout-free representation all writers start from. A per-rank checkpoint gathers the
+row's TP (or expert-TP) shards and merges them with the row's own transform; a torch_dist
+checkpoint reads the global tensor and merges it as a single shard; an HF directory just
+reads. So every path goes through the same `Mapping.merge` / `Mapping.shard` /
+`Mapping.to_global` the live loader uses, and nothing knows a layout twice.
+
+Tensors are read one row at a time (positioned reads, no mmap), cast to the requested
+dtype, and checked against the manifest's CRC-32 (checkpoint sources) or checksummed for
+the new manifest (every source), so exports and reshards verify what they produce.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
+from megatron_bridge.bridge.mapping import Replicated, Resolved
+from megatron_bridge.convert.dist_ckpt import DistReader, location
+from megatron_bridge.convert.manifest import Manifest, crc32
+from megatron_bridge.convert.placement import RELEASE, RankFile, Target, all_targets
+from megatron_bridge.convert.rows import producers, resolve_rows
+from megatron_bridge.convert.safetensors_io import PositionedReader, TensorInfo, scan_dir
+from megatron_bridge.convert.torch_zip import LazyTorchFile
+from megatron_bridge.errors import UserError
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, "source": None}
+TensorTable = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
+PREFETCH_BYTES = 256 * 2**20  # tensors read ahead of the row being written (process memory)
+READ_AHEAD_BYTES = 512 * 2**20  # file ranges announced to the kernel ahead of reading (page cache)
+
+
+def read_config(path: Path) -> dict:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise UserError(f"src={path}: no config.json; point src at a Hugging Face model directory "
+                        "(what save_pretrained writes)")
+    try:
+        data = json.loads(cfg.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise UserError(f"{cfg} is not valid JSON ({e})") from None
+    return data
+
+
+def parse_dtype(text: str) -> Optional[torch.dtype]:
+    if text not in DTYPES:
+        raise UserError(f"dtype={text!r}: choose one of {', '.join(DTYPES)} (source keeps each tensor's dtype)")
+    return DTYPES[text]
+
+
+class Source:
+    """Base: `rows`, `tensors` (stored shapes/dtypes), `hf_tensors(row)`, `checksums`."""
+
+    spec: BridgeSpec
+    rows: List[Resolved]  # in the order they are read
+    order: Dict[str, int]  # megatron name -> position in table order (layer, table row, expert)
+    tensors: TensorTable
+
+    def __init__(self, dtype: Optional[torch.dtype]):
+        self.dtype = dtype  # None = keep the stored dtype
+        self.io = PositionedReader()
+        self.checksums: Dict[str, str] = {}  # of the tensors as handed out (after the cast)
+
+    def out_dtype(self, name: str) -> torch.dtype:
+        return self.dtype or self.tensors[name][1]
+
+    def nbytes(self, row: Resolved) -> int:
+        return sum(torch.Size(self.tensors[h][0]).numel() * self.out_dtype(h).itemsize for h in row.hf)
+
+    def _finish(self, names: Sequence[str], tensors: Sequence[torch.Tensor], expected: Dict[str, str]) -> List[torch.Tensor]:
+        """Check shapes and stored checksums, cast, record output checksums."""
+        out = []
+        for name, t in zip(names, tensors):
+            shape, dtype = self.tensors[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise UserError(f"{self.where}: {name} comes back as {list(t.shape)} {t.dtype}, the manifest "
+                                f"says {list(shape)} {dtype} (damaged checkpoint)")
+            if name in expected and name not in self.checksums and crc32(t) != expected[name]:
+                raise UserError(f"{self.where}: tensor {name} does not match its checksum in the manifest: the "
+                                "checkpoint files are corrupted or were modified after conversion")
+            if self.dtype is not None and t.dtype != self.dtype:
+                t = t.to(self.dtype)
+            if name not in self.checksums:
+                self.checksums[name] = expected[name] if (name in expected and self.dtype in (None, dtype)) else crc32(t)
+            out.append(t)
+        return out
+
+    def hf_tensors(self, row: Resolved) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
+        """(file, start, length) byte ranges `hf_tensors(row)` will read (for read-ahead)."""
+        return []
+
+    def stream(self, rows: Sequence[Resolved], prepare: Optional[Callable[[Resolved, List[torch.Tensor]], Any]] = None,
+               budget: int = PREFETCH_BYTES) -> Iterator[Tuple[Resolved, Any]]:
+        """(row, prepare(row, HF tensors)) in order; a worker thread reads and prepares ahead
+        while the caller writes.
+
+        Reading, checksumming and the tensor work of `prepare` (the writer's layout transform)
+        release the GIL, so the disk, the transforms and the writes overlap on two cores. The
+        worker stays at most `budget` bytes ahead of the row the caller holds (a row bigger
+        than that waits until the caller has released the previous one), so read-ahead adds at
+        most `budget` to the peak memory, whatever the model size."""
+        cond, state = threading.Condition(), {"held": 0, "stop": False}
+        out: "queue.Queue" = queue.Queue()
+
+        def work() -> None:
+            advised, pending = 0, 0  # rows handed to the kernel's read-ahead, their bytes not yet read
+            try:
+                for i, r in enumerate(rows):
+                    while advised < len(rows) and (advised <= i or pending < READ_AHEAD_BYTES):
+                        for path, start, length in self.ranges(rows[advised]):
+                            self.io.advise(path, start, length)
+                            pending += length
+                        advised += 1
+                    pending -= sum(length for _, _, length in self.ranges(r))
+                    n = self.nbytes(r)
+                    with cond:
+                        cond.wait_for(lambda: state["stop"] or state["held"] == 0 or state["held"] + n <= budget)
+                        if state["stop"]:
+                            return
+                        state["held"] += n
+                    hf = self.hf_tensors(r)
+                    out.put((r, prepare(r, hf) if prepare is not None else hf, n))
+                    del hf
+                out.put(None)
+            except BaseException as e:  # re-raised in the caller's thread
+                out.put(e)
+
+        worker = threading.Thread(target=work, name="mbr-read-ahead", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = out.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                r, tensors, n = item
+                del item
+                yield r, tensors
+                del tensors
+                with cond:
+                    state["held"] -= n
+                    cond.notify_all()
+        finally:
+            with cond:
+                state["stop"] = True
+                cond.notify_all()
+            worker.join()
+
+    def close(self) -> None:
+        self.io.close()
+
+
+class HFSource(Source):
+    """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
+
+    def __init__(self, path: Path, dtype: Optional[torch.dtype], make_vocab_size_divisible_by: int):
+        super().__init__(dtype)
+        self.where = f"src={path}"
+        if (path / "mbr_manifest.json").is_file():
+            raise UserError(f"src={path} is already a converted checkpoint: use `mbr reshard` to change its layout "
+                            "or format, `mbr export` to get a Hugging Face directory back")
+        self.hf_config = read_config(path)
+        self.spec = spec_from_hf(self.hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        self.infos: Dict[str, TensorInfo] = scan_dir(path)
+        self.tensors = {k: (v.shape, v.dtype) for k, v in self.infos.items()}
+        bad = sorted({str(v.dtype) for v in self.infos.values() if not v.dtype.is_floating_point})
+        if bad:
+            raise UserError(f"{self.where}: non-floating-point weights ({', '.join(bad)}): quantized checkpoints "
+                            "are not supported")
+        rows = resolve_rows(self.spec, self.tensors, where=self.where)
+        self.order = {r.megatron: i for i, r in enumerate(rows)}
+        # Read in file order: sequential I/O, and what read_ahead_source fetched comes first.
+        files = {f: i for i, f in enumerate(sorted({v.file for v in self.infos.values()}))}
+        self.rows = sorted(rows, key=lambda r: min((files[self.infos[h].file], self.infos[h].start) for h in r.hf))
+
+    def hf_tensors(self, row: Resolved) -> List[torch.Tensor]:
+        return self._finish(row.hf, [self.io.read(self.infos[h]) for h in row.hf], {})
+
+    def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
+        return [(self.infos[h].file, self.infos[h].start, self.infos[h].nbytes) for h in row.hf]
+
+
+class _CheckpointSource(Source):
+    """Shared by the two checkpoint formats: manifest, rows, checksums."""
+
+    def __init__(self, path: Path, man: Manifest, dtype: Optional[torch.dtype]):
+        super().__init__(dtype)
+        self.where, self.man = f"src={path}", man
+        man.check_files(path)
+        self.spec = man.spec()
+        self.layout = man.layout_obj()
+        self.tensors = man.tensor_table()
+        self.rows = resolve_rows(self.spec, self.tensors, tp=self.layout.tp, where=self.where)
+        self.order = {r.megatron: i for i, r in enumerate(self.rows)}
+        self.producer = producers(self.rows)
+        self.shapes = self.spec.shapes(self.layout.tp)
+        self.expected = {k: v["crc32"] for k, v in man.tensors.items()}
+
+
+class DistSource(_CheckpointSource):
+    """A torch_dist checkpoint: each row is one global tensor, merged back to HF as one shard."""
+
+    def __init__(self, path: Path, man: Manifest, dtype: Optional[torch.dtype]):
+        super().__init__(path, man, dtype)
+        self.reader = DistReader(path / RELEASE, self.io)
+
+    def hf_tensors(self, row: Resolved) -> List[torch.Tensor]:
+        src = self.producer[row.hf]  # the tied output layer reads the embedding's tensor
+        g = self.reader.read(location(src.megatron, self.spec))
+        return self._finish(src.hf, src.mapping.merge([g], self.shapes), self.expected)
+
+    def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
+        return self.reader.ranges(location(self.producer[row.hf].megatron, self.spec))
+
+
+class TorchSource(_CheckpointSource):
+    """Per-rank files: a row's shards are gathered from the files that hold one replica
+    (EP rank 0 for dense rows, the owning EP rank for experts; every TP rank) and merged."""
+
+    MAX_OPEN = 64
+
+    def __init__(self, path: Path, man: Manifest, dtype: Optional[torch.dtype]):
+        super().__init__(path, man, dtype)
+        self.root = path
+        if self.layout.etp not in (None, self.layout.tp):
+            raise UserError(f"{self.where}: per-rank checkpoints with etp != tp are not supported")
+        self.targets = all_targets(self.spec, self.layout, [r for r in self.rows if r.mapping.export])
+        self._files: "OrderedDict[RankFile, LazyTorchFile]" = OrderedDict()
+
+    def _file(self, f: RankFile) -> LazyTorchFile:
+        if f in self._files:
+            self._files.move_to_end(f)
+        else:
+            self._files[f] = LazyTorchFile(self.root / f.relpath(self.layout), self.io)
+            if len(self._files) > self.MAX_OPEN:
+                self._files.popitem(last=False)
+        return self._files[f]
+
+    def _read(self, t: Target) -> torch.Tensor:
+        obj = self._file(t.file).obj
+        try:
+            ref = obj[t.chunk][t.local]
+        except (KeyError, TypeError):
+            raise UserError(f"{self.root / t.file.relpath(self.layout)} has no {t.chunk}/{t.local} "
+                            "(not the layout its manifest records, or damaged)") from None
+        return self._file(t.file).read(ref)
+
+    def _replica(self, row: Resolved) -> Tuple[Resolved, List[Target]]:
+        """The exported row behind `row` and the shards of one replica of it, in TP order."""
+        src = self.producer[row.hf]
+        targets = self.targets.get(src.megatron, [])
+        if src.mapping.is_expert:
+            replica = sorted(targets, key=lambda t: t.coords.etp_rank)
+        else:
+            replica = sorted((t for t in targets if t.coords.ep_rank == 0), key=lambda t: t.coords.tp_rank)
+        return src, replica[:1] if isinstance(src.mapping.transform, Replicated) else replica
+
+    def hf_tensors(self, row: Resolved) -> List[torch.Tensor]:
+        src, replica = self._replica(row)
+        shards = [self._read(t) for t in replica]
+        return self._finish(src.hf, src.mapping.merge(shards, self.shapes), self.expected)
+
+    def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
+        out = []
+        for t in self._replica(row)[1]:
+            f = self._file(t.file)
+            ref = f.obj.get(t.chunk, {}).get(t.local) if isinstance(f.obj, dict) else None
+            if ref is not None:
+                out.append(f.range(ref))
+        return out
+
+
+def open_checkpoint(path: Path, dtype: Optional[torch.dtype]) -> Source:
+    man = Manifest.read(path)
+    return (DistSource if man.format == "torch_dist" else TorchSource)(path, man, dtype)
+
+
+__all__ = ["Source", "HFSource", "DistSource", "TorchSource", "open_checkpoint", "parse_dtype", "read_config", "DTYPES"]

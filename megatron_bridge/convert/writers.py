@@ -1,0 +1,177 @@
+"""Where a conversion writes to: torch_dist, per-rank torch files, or an HF directory.
+
+Each writer pulls rows from a `Source` (HF tensors of one table row at a time) and turns
+them into its layout with the row's own transform — on the source's read-ahead thread
+(`Source.stream`), while this thread writes the previous row — so peak memory is one row's
+tensors plus what is derived from them (about twice the largest tensor) plus the bounded
+read-ahead:
+
+* `DistOut`: `Mapping.to_global` -> one chunk per layer/expert (`dist_ckpt`).
+* `TorchOut`: per pipeline stage, the stage's rank files are open together and each row is
+  read once and split with the bridge's `shard_of` into every rank that holds it (dense
+  rows are written to every EP rank's file, as Megatron does); Megatron's `args`,
+  `checkpoint_version` and the local spec's `_extra_state` entries complete each file.
+* `HFOut`: the HF tensors as they come, into size-capped safetensors files planned up front
+  (names, shapes and dtypes are known from the source before any data is read).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_bridge.bridge.hf_config import BridgeSpec
+from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.bridge.loader import Coords, shard_of
+from megatron_bridge.bridge.mapping import Resolved
+from megatron_bridge.convert.dist_ckpt import DistWriter, extra_state_location, location
+from megatron_bridge.convert.placement import (
+    RELEASE, TRACKER, RankFile, chunk_key, chunk_state_dict, common_state, megatron_args, stage_coords, stage_targets,
+)
+from megatron_bridge.convert.safetensors_io import INDEX, SafetensorsWriter, plan_shards
+from megatron_bridge.convert.sources import Source
+from megatron_bridge.convert.torch_zip import StreamingTorchSave
+
+Advance = Callable[[int, int], None]  # (tensors, bytes)
+
+
+def _main_dtype(source: Source) -> torch.dtype:
+    sizes: Dict[torch.dtype, int] = {}
+    for name, (shape, _) in source.tensors.items():
+        d = source.out_dtype(name)
+        sizes[d] = sizes.get(d, 0) + torch.Size(shape).numel() * d.itemsize
+    return max(sizes, key=sizes.get)
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and owning exactly its bytes (a file record stores the whole storage)."""
+    t = t.detach().contiguous()
+    return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+
+
+def _exported(source: Source) -> List[Resolved]:
+    return [r for r in source.rows if r.mapping.export]
+
+
+class DistOut:
+    format = "torch_dist"
+
+    def __init__(self, spec: BridgeSpec, layout: Layout):
+        self.spec, self.layout = spec, layout
+
+    def total(self, source: Source) -> Tuple[int, int]:
+        rows = _exported(source)
+        return sum(len(r.hf) for r in rows), sum(source.nbytes(r) for r in rows)
+
+    def write(self, root: Path, source: Source, advance: Advance) -> None:
+        w = DistWriter(root / RELEASE)
+        shapes = self.spec.shapes(self.layout.tp)
+
+        def to_global(row: Resolved, hf: List[torch.Tensor]) -> torch.Tensor:  # runs on the read-ahead thread
+            return compact(row.mapping.to_global(hf, shapes))
+
+        for row, g in source.stream(_exported(source), to_global):
+            w.add_tensor(location(row.megatron, self.spec), g)
+            extra = extra_state_location(row.megatron, self.spec)
+            if extra is not None:
+                w.add_object(extra)
+            advance(len(row.hf), source.nbytes(row))
+            del g
+        w.finish(common_state(megatron_args(self.spec, self.layout, _main_dtype(source), self.format)))
+        (root / TRACKER).write_text("release")
+
+
+class TorchOut:
+    format = "torch"
+
+    def __init__(self, spec: BridgeSpec, layout: Layout):
+        self.spec, self.layout = spec, layout
+        self._plan: Optional[List[Tuple[int, Dict]]] = None
+
+    def _stages(self, source: Source) -> List[Tuple[int, Dict]]:
+        if self._plan is None:
+            self._plan = [(pp, stage_targets(self.spec, self.layout, source.rows, pp)) for pp in range(self.layout.pp)]
+        return self._plan
+
+    def total(self, source: Source) -> Tuple[int, int]:
+        n = b = 0
+        for _, targets in self._stages(source):
+            rows = [r for r in source.rows if r.megatron in targets]
+            n += sum(len(r.hf) for r in rows)
+            b += sum(source.nbytes(r) for r in rows)
+        return n, b
+
+    def write(self, root: Path, source: Source, advance: Advance) -> None:
+        args = megatron_args(self.spec, self.layout, _main_dtype(source), self.format)
+        for pp, targets in self._stages(source):
+            files: Dict[RankFile, StreamingTorchSave] = {}
+            chunks: Dict[RankFile, Dict[str, Dict[str, Tuple[int, object]]]] = {}
+            for c in stage_coords(self.layout, pp):  # every file and chunk exists, even if empty
+                f = RankFile(c.tp_rank, pp, c.ep_rank)
+                if f not in files:
+                    files[f] = StreamingTorchSave(root / f.relpath(self.layout))
+                chunks.setdefault(f, {})[chunk_key(self.layout, c.vp_stage)] = {}
+
+            def split(row: Resolved, hf: List[torch.Tensor]) -> List[Tuple[object, torch.Tensor]]:
+                done: Dict[Tuple[bool, int], torch.Tensor] = {}  # dense rows: one shard per tp rank, all EP files
+                out = []
+                for t in targets[row.megatron]:
+                    key = (row.mapping.is_expert, t.coords.etp_rank if row.mapping.is_expert else t.coords.tp_rank)
+                    if key not in done:
+                        done[key] = compact(shard_of(row, hf, self.spec, self.layout, t.coords))
+                    out.append((t, done[key]))
+                return out
+
+            for row, shards in source.stream([r for r in source.rows if r.megatron in targets], split):
+                for t, shard in shards:
+                    chunks[t.file][t.chunk][t.local] = (source.order[row.megatron], files[t.file].add(shard))
+                advance(len(row.hf), source.nbytes(row))
+                del shards
+            for f, w in files.items():
+                obj: Dict[str, object] = dict(common_state(args))
+                for ck, entries in chunks[f].items():
+                    vp = None if ck == "model" else int(ck[len("model"):])
+                    obj[ck] = chunk_state_dict(entries, Coords(pp_rank=pp, vp_stage=vp).post_process(self.layout))
+                w.finish(obj)
+        (root / TRACKER).write_text("release")
+
+
+class HFOut:
+    format = "hf"
+
+    def __init__(self, max_shard_bytes: int):
+        self.max_shard_bytes = max_shard_bytes
+
+    def total(self, source: Source) -> Tuple[int, int]:
+        rows = _exported(source)
+        return sum(len(r.hf) for r in rows), sum(source.nbytes(r) for r in rows)
+
+    def write(self, root: Path, source: Source, advance: Advance) -> None:
+        entries = [(h, source.out_dtype(h), source.tensors[h][0]) for r in _exported(source) for h in r.hf]
+        files = plan_shards(entries, self.max_shard_bytes)
+        n = len(files)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        where = {e[0]: i for i, group in enumerate(files) for e in group}
+        current: Optional[SafetensorsWriter] = None
+        index = -1
+        for row, hf in source.stream(_exported(source)):
+            for name, t in zip(row.hf, hf):
+                if where[name] != index:
+                    if current is not None:
+                        current.close()
+                    index = where[name]
+                    current = SafetensorsWriter(root / names[index], files[index])
+                current.write(name, t)
+            advance(len(row.hf), source.nbytes(row))
+            del hf
+        if current is not None:
+            current.close()
+        total = sum(torch.Size(e[2]).numel() * e[1].itemsize for e in entries)
+        weight_map = {e[0]: names[where[e[0]]] for e in sorted(entries)}
+        (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+__all__ = ["DistOut", "TorchOut", "HFOut"]

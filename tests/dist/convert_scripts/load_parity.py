@@ -1,0 +1,89 @@
+"""One torchrun launch: `mbr convert` outputs load into megatron-core models and train.
+
+    torchrun --nproc-per-node 4 tests/dist/convert_scripts/load_parity.py --root DIR \
+        --cases llama:torch_dist:tp2pp2,llama:torch:tp2pp2,... --train llama --out OUT
+
+DIR/<family> is a tiny HF model, DIR/refs/<family>.pt its transformers logits for fixed
+input_ids, DIR/ckpt/<family>-<format>-<layout> its conversion (a format name is only a
+directory tag: `torch_dist_pad` is a torch_dist written with another vocab padding). For each case, on every
+rank: the layout's process groups, the model built by the bridge, the checkpoint loaded
+through `train.init_from`'s loader (`train.init.load_initial_weights`), then
+* `params_equal`: every parameter bitwise equal to the same model loaded from the HF
+  directory by the bridge's online loader (the one mapping, two paths);
+* `logits`: max |Δ| against transformers on the real vocabulary (last pipeline stage).
+`--train FAMILY` then runs 2 training steps at tp2·pp2 from the HF directory and from both
+conversions (`model.hf_path=CKPT train.init_from=CKPT`); rank 0 reports the losses.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--train", default="")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--vocab-divisor", type=int, default=64)  # the default recipe's, as training uses
+    a = ap.parse_args()
+
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.bridge.loader import load_hf_weights
+    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.bridge.parity import ensure_groups
+    from megatron_bridge.bridge.runtime import forward_logits
+    from megatron_bridge.testing import report
+    from megatron_bridge.train.init import load_initial_weights
+
+    root = Path(a.root)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 4
+    for case in a.cases.split(","):
+        family, fmt, text = case.split(":")
+        layout = Layout.parse(text)
+        ensure_groups(layout, world)
+        hf = root / family
+        ckpt = root / "ckpt" / f"{family}-{fmt}-{text}"
+        spec = load_spec(hf, make_vocab_size_divisible_by=a.vocab_divisor)
+        chunks = build_model(spec, layout)
+        load_initial_weights(chunks, spec, str(ckpt))
+        ref_chunks = build_model(spec, layout)
+        load_hf_weights(ref_chunks, spec, hf)
+        same = all(torch.equal(p, q) for c, r in zip(chunks, ref_chunks)
+                   for p, q in zip(c.state_dict().values(), r.state_dict().values()) if torch.is_tensor(p))
+        ref = torch.load(root / "refs" / f"{family}.pt")
+        logits = forward_logits(chunks, ref["input_ids"])
+        res = {"params_equal": same}
+        if logits is not None:
+            v = ref["logits"].shape[-1]
+            res["max_abs"] = float((logits[..., :v] - ref["logits"]).abs().max())
+        report({case: res})
+
+    if a.train:
+        from megatron_bridge.train.runner import train
+
+        hf = root / a.train
+        common = ["recipe=default", "parallel.tp=2", "parallel.pp=2", "train.steps=2", "train.seq_length=32",
+                  "train.micro_batch_size=1", "train.global_batch_size=4", "optimizer.warmup_steps=1", "data=synthetic"]
+        jobs = {"hf": [f"model.hf_path={hf}"]}
+        for fmt in ("torch_dist", "torch"):
+            ckpt = root / "ckpt" / f"{a.train}-{fmt}-tp2pp2"
+            jobs[fmt] = [f"model.hf_path={ckpt}", f"train.init_from={ckpt}"]
+        losses = {}
+        for name, extra in jobs.items():
+            run_dir = Path(a.out) / name
+            assert train([*common, *extra, f"run_dir={run_dir}"], finalize=False) == 0
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists():
+                losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        if losses:
+            report({"losses": losses})
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
