@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict
 
+from megatron_bridge.config.schema import ModelConfig
 from megatron_bridge.parallel.dims import padded_vocab_size
 
 
@@ -212,13 +213,9 @@ class _Frozen:
     moe_ffn_hidden_size: int
     moe_shared_expert_intermediate_size: int
 
-    @property
-    def kv_heads(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels or self.hidden_size // self.num_attention_heads
+    # Same derived sizes as the config it copies (one definition, in config/schema.py).
+    kv_heads = ModelConfig.kv_heads
+    head_dim = ModelConfig.head_dim
 
     @classmethod
     def of(cls, m) -> "_Frozen":
