@@ -17,17 +17,32 @@ check).
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
-STARTUP_READ_AHEAD = 2**30
+STARTUP_READ_AHEAD = 2**30  # at least this much, or a quarter of the available memory if more
 
 
-def read_ahead_source(argv: Sequence[str], budget: int = STARTUP_READ_AHEAD) -> None:
-    """Ask the kernel to start reading `src=`'s files (in name order, at most `budget` bytes)
-    into the page cache before Python imports torch: the disk works during the ~2 s of
-    interpreter start-up instead of idling. Page cache, not process memory; stdlib only;
-    anything unexpected (no src, unreadable files, no fadvise) is silently skipped — the
-    command itself reports real problems."""
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def read_ahead_source(argv: Sequence[str], budget: Optional[int] = None) -> None:
+    """Ask the kernel to start reading `src=`'s files (in name order, up to `budget` bytes:
+    by default a quarter of the available memory, at least 1 GiB) into the page cache
+    before Python imports torch: the disk works during the ~2 s of interpreter start-up
+    instead of idling, and for models that fit the budget the conversion then reads from
+    memory. Page cache, not process memory (the kernel drops it under pressure); stdlib
+    only; anything unexpected (no src, unreadable files, no fadvise) is silently skipped —
+    the command itself reports real problems."""
+    if budget is None:
+        budget = max(STARTUP_READ_AHEAD, _available_memory() // 4)
     src = next((a.split("=", 1)[1] for a in argv if a.startswith("src=")), None)
     if not src or not hasattr(os, "posix_fadvise") or not os.path.isdir(src):
         return

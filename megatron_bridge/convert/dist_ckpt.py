@@ -40,7 +40,7 @@ from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.mapping import dist_ckpt_key
 from megatron_bridge.convert.placement import LINEAR_MODULES
 from megatron_bridge.convert.safetensors_io import PositionedReader
-from megatron_bridge.convert.torch_zip import LazyTorchFile
+from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave
 from megatron_bridge.errors import UserError
 
 DATA_FILE = "__0_0.distcp"
@@ -109,7 +109,8 @@ class DistWriter:
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
-        self._f = open(directory / DATA_FILE, "wb")
+        self.path = directory / DATA_FILE
+        self._f = open(self.path, "wb")
         self._md: Dict[str, Any] = {}
         self._storage: Dict[Any, Any] = {}
 
@@ -126,17 +127,18 @@ class DistWriter:
             ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
         )
 
-        t = t.detach().contiguous()
-        if t.untyped_storage().nbytes() != t.nbytes:
-            t = t.clone()
-        data = t.reshape((1,) * len(loc.offsets) + tuple(t.shape))
+        data = t.detach().reshape((1,) * len(loc.offsets) + tuple(t.shape))
         size = torch.Size(loc.axes + tuple(t.shape))
         offsets = torch.Size(loc.offsets + (0,) * t.dim())
         md = self._md.setdefault(loc.key, TensorStorageMetadata(TensorProperties(dtype=t.dtype), size, []))
         if md.size != size or md.properties.dtype != t.dtype:
             raise RuntimeError(f"{loc.key}: chunk {tuple(size)} {t.dtype} != {tuple(md.size)} {md.properties.dtype}")
         md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=data.shape))
-        self._storage[MetadataIndex(loc.key, offsets, len(md.chunks) - 1)] = self._write(lambda f: torch.save(data, f))
+        def save(f) -> None:  # what torch.save(data, f) writes, without its per-call pickling overhead
+            item = StreamingTorchSave(f)
+            item.finish(item.add(data))
+
+        self._storage[MetadataIndex(loc.key, offsets, len(md.chunks) - 1)] = self._write(save)
 
     def add_object(self, loc: DistLocation, value: Any = None) -> None:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex

@@ -16,12 +16,12 @@ checkpoint, and `train.init_from` recognises the directory by it). It records:
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.layout import Layout
@@ -34,7 +34,9 @@ FORMATS = ("torch_dist", "torch")
 
 
 def crc32(t: torch.Tensor) -> str:
-    return f"{zlib.crc32(tensor_bytes(t)) & 0xFFFFFFFF:08x}"
+    """zlib's CRC-32 of the tensor's bytes, computed by zlib-ng (same value, ~6x faster:
+    every byte a conversion moves is checksummed)."""
+    return f"{zlib_ng.crc32(tensor_bytes(t)) & 0xFFFFFFFF:08x}"
 
 
 def layout_dict(layout: Layout) -> Dict[str, Optional[int]]:

@@ -24,7 +24,7 @@ import pickle
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, BinaryIO, Optional, Tuple, Union
 
 import torch
 
@@ -75,10 +75,14 @@ class StreamingTorchSave:
     rest of a conversion; torch.load does not check it, and mbr_manifest.json carries
     end-to-end checksums of every tensor instead."""
 
-    def __init__(self, path: Path, crc32: bool = False):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._w = torch._C.PyTorchFileWriter(str(path), crc32, 64)
+    def __init__(self, path: Union[Path, BinaryIO], crc32: bool = False):
+        if isinstance(path, Path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.path = path
+            self._w = torch._C.PyTorchFileWriter(str(path), crc32, 64)
+        else:  # an open file: the archive is appended at its position (a DCP item)
+            self.path = Path(path.name)
+            self._w = torch._C.PyTorchFileWriter(path, crc32, 64)
         self._n = 0
 
     def add(self, t: torch.Tensor) -> TensorRef:
