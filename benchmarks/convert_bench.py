@@ -5,7 +5,10 @@
 1. Writes a synthetic Llama-architecture HF checkpoint (random bf16 weights, hidden 2048,
    FFN 5632, 32 heads / 4 KV heads, vocab 32000, untied; ~1.7 GB at 16 layers) as several
    safetensors files + index, with safetensors directly (no transformers model in memory).
-2. Times, each as its own process, `--reps` times: `mbr convert` format=torch at tp2·pp2,
+2. Times, each as its own process, `--reps` times: a plain user-space copy of the source
+   (benchmarks/user_copy.py: read/write through one buffer — cp itself copies inside the
+   kernel with copy_file_range, so this is the floor for any converter that has to look at
+   the bytes), `mbr convert` format=torch at tp2·pp2,
    `mbr convert` format=torch_dist, `mbr export` of both outputs, `mbr reshard` tp2·pp2 ->
    tp1·pp4 — each right after a `cp -r` of the source (the disk limit), so every ratio
    compares two runs made under the same machine load (the box is shared). Before each run:
@@ -154,6 +157,7 @@ def main() -> None:
           f"torch {torch.__version__}")
     cp = ["cp", "-r", src, base / "cp"]
     jobs = [
+        ("user-space copy (reference)", [sys.executable, ROOT / "benchmarks" / "user_copy.py", src, base / "ucp"], src),
         ("convert torch tp2·pp2", MBR + ["convert", f"src={src}", f"dst={base / 't22'}", "format=torch",
                                          "parallel.tp=2", "parallel.pp=2"], src),
         ("convert torch_dist", MBR + ["convert", f"src={src}", f"dst={base / 'dist'}"], src),
