@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from pathlib import Path
 from typing import Dict, Iterable
@@ -23,6 +24,7 @@ KICK_BYTES = 64 * 2**20  # start write-out every this many bytes written
 _SYNC_FILE_RANGE_WRITE = 2
 
 
+@functools.lru_cache(maxsize=None)
 def _sync_file_range():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -36,7 +38,8 @@ def _sync_file_range():
 
 class Writeback:
     """`wrote(paths, nbytes)` after each write; every KICK_BYTES the files written since the
-    last kick get their write-out started. `close()` kicks once more and closes the fds."""
+    last kick get their write-out started. `close()` (or leaving a `with` block) kicks once
+    more and closes the fds."""
 
     def __init__(self, kick_bytes: int = KICK_BYTES):
         self._fn = _sync_file_range()
@@ -72,6 +75,12 @@ class Writeback:
         fd = self._fds.pop(path, None)
         if fd is not None:
             os.close(fd)
+
+    def __enter__(self) -> "Writeback":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._fn is not None and self._dirty:

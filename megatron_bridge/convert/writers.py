@@ -74,8 +74,7 @@ class DistOut:
         def to_global(row: Resolved, hf: List[torch.Tensor]) -> torch.Tensor:  # runs on the read-ahead thread
             return compact(row.mapping.to_global(hf, shapes))
 
-        wb = Writeback()
-        try:
+        with Writeback() as wb:
             for row, g in source.stream(_exported(source), to_global):
                 w.add_tensor(location(row.megatron, self.spec), g)
                 extra = extra_state_location(row.megatron, self.spec)
@@ -84,8 +83,6 @@ class DistOut:
                 advance(len(row.hf), source.nbytes(row))
                 wb.wrote((w.path,), g.nbytes)
                 del g
-        finally:
-            wb.close()
         w.finish(common_state(megatron_args(self.spec, self.layout, _main_dtype(source), self.format)))
         (root / TRACKER).write_text("release")
 
@@ -131,16 +128,13 @@ class TorchOut:
                     out.append((t, done[key]))
                 return out
 
-            wb = Writeback()
-            try:
+            with Writeback() as wb:
                 for row, shards in source.stream([r for r in source.rows if r.megatron in targets], split):
                     for t, shard in shards:
                         chunks[t.file][t.chunk][t.local] = (source.order[row.megatron], files[t.file].add(shard))
                     advance(len(row.hf), source.nbytes(row))
                     wb.wrote({files[t.file].path for t, _ in shards}, sum(x.nbytes for _, x in shards))
                     del shards
-            finally:
-                wb.close()
             for f, w in files.items():
                 obj: Dict[str, object] = dict(common_state(args))
                 for ck, entries in chunks[f].items():
@@ -168,8 +162,7 @@ class HFOut:
         where = {e[0]: i for i, group in enumerate(files) for e in group}
         current: Optional[SafetensorsWriter] = None
         index = -1
-        wb = Writeback()
-        try:
+        with Writeback() as wb:
             for row, hf in source.stream(_exported(source)):
                 for name, t in zip(row.hf, hf):
                     if where[name] != index:
@@ -184,8 +177,6 @@ class HFOut:
                 del hf
             if current is not None:
                 current.close()
-        finally:
-            wb.close()
         total = sum(torch.Size(e[2]).numel() * e[1].itemsize for e in entries)
         weight_map = {e[0]: names[where[e[0]]] for e in sorted(entries)}
         (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
