@@ -6,8 +6,9 @@
     export_hf_weights(chunks, spec, out_dir, source_dir=hf_dir)   # back to HF names/shapes
 
 The weight tables (`families/`) are pure tensor functions (`mapping.py`), shared by online
-loading, export and offline conversion (`loader.rank_shards`). Importing this package does
-not import megatron-core.
+loading, export and offline conversion (`loader.rank_shards`). Importing this package imports
+neither megatron-core nor torch (`mbr convert` never needs them); `build_model` loads both
+when first asked for.
 """
 
 from megatron_bridge.bridge.hf_config import (
@@ -19,7 +20,6 @@ from megatron_bridge.bridge.loader import (
     Coords, HFCheckpoint, export_hf_weights, iter_hf_tensors, load_hf_weights, rank_shards, resolve_checkpoint,
 )
 from megatron_bridge.bridge.mapping import Mapping, Shapes, Shard, dist_ckpt_key
-from megatron_bridge.bridge.model import build_model
 from megatron_bridge.bridge.registry import FamilyBridge, describe, families, family_for, get_family, register
 
 __all__ = [
@@ -29,3 +29,11 @@ __all__ = [
     "Mapping", "Shapes", "Shard", "dist_ckpt_key", "build_model", "FamilyBridge", "register", "families",
     "family_for", "get_family", "describe",
 ]
+
+
+def __getattr__(name: str):
+    if name == "build_model":  # torch + megatron-core: only when asked for
+        from megatron_bridge.bridge.model import build_model
+
+        return build_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,17 +2,17 @@
 
 Pure functions of (spec, layout, rank coordinates): which global layers a pipeline stage
 (and virtual chunk) holds, which experts an expert-parallel rank holds, and the rank-local
-name of a global megatron parameter. The layer split is megatron-core's own arithmetic
-(`get_transformer_layer_offset` / `get_num_layers_to_build`), evaluated for the given
-coordinates, so an offline converter places layers exactly where a live model has them.
+name (and dist_checkpointing key) of a global megatron parameter. The layer split is
+megatron-core's own arithmetic (`get_transformer_layer_offset` / `get_num_layers_to_build`),
+evaluated for the given coordinates, so an offline converter places layers exactly where a
+live model has them.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
-
-from megatron_bridge.bridge.mapping import renumber
+from typing import Any, Dict, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,6 @@ class Layout:
     @classmethod
     def parse(cls, text: str) -> "Layout":
         """'tp2pp2vpp2', 'tp2·cp2', 'ep2-tp2-sp' -> Layout (degrees default to 1)."""
-        import re
-
         s = text.strip().lower()
         sp = s.endswith("sp") and not s.endswith("vsp")
         s = s[:-2] if sp else s
@@ -101,11 +99,35 @@ def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
     return range(ep_rank * k, (ep_rank + 1) * k)
 
 
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def renumber(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """Shift the layer and local-expert indices in a megatron name by the given offsets
+    (local -> global with positive offsets, global -> local with negative ones)."""
+    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+    return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name)
+
+
+# The local spec stores its norms under fused names in dist_checkpointing (see the spec's
+# `sharded_state_dict_keys_map`); an offline writer needs the checkpoint key, not the
+# module attribute name.
+DIST_CKPT_KEY_MAP: Tuple[Tuple[str, str], ...] = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+
+
+def dist_ckpt_key(megatron_name: str) -> str:
+    for a, b in DIST_CKPT_KEY_MAP:
+        megatron_name = megatron_name.replace("." + a, "." + b)
+    return megatron_name
+
+
 def to_local_name(global_name: str, layers: range, experts: Optional[range] = None) -> Optional[str]:
     """Rank-local parameter name of a global one, or None if it lives elsewhere. Layer and
     expert holes are shifted; non-layer names (embedding, output) pass through."""
-    from megatron_bridge.bridge.mapping import _EXPERT, _LAYER
-
     m = _LAYER.match(global_name)
     if m and int(m.group(1)) not in layers:
         return None
@@ -113,8 +135,6 @@ def to_local_name(global_name: str, layers: range, experts: Optional[range] = No
     if e and experts is not None and int(e.group(1)) not in experts:
         return None
     return renumber(global_name, -layers.start if m else 0, -(experts.start if (e and experts) else 0))
-
-
 
 
 def problems(spec: Any, layout: Layout, world_size: Optional[int] = None, seq_length: Optional[int] = None) -> list:
@@ -145,4 +165,4 @@ def problems(spec: Any, layout: Layout, world_size: Optional[int] = None, seq_le
     return out
 
 
-__all__ = ["Layout", "stage_layers", "local_experts", "to_local_name", "problems"]
+__all__ = ["Layout", "stage_layers", "local_experts", "to_local_name", "renumber", "dist_ckpt_key", "problems"]

@@ -20,15 +20,16 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, local_experts, stage_layers, to_local_name
 from megatron_bridge.bridge.mapping import LazySlice, Resolved, Shard, renumber, resolve_hf, resolve_megatron
 from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: resolving rows and shards is torch-free
+    import torch
 
 # HF tensors that carry no weights (older checkpoints saved rotary buffers).
 IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -62,7 +63,7 @@ class HFCheckpoint:
     def slice(self, name: str) -> LazySlice:
         return LazySlice(self._handles[self.weight_map[name]].get_slice(name))
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str) -> "torch.Tensor":
         return self._handles[self.weight_map[name]].get_tensor(name)
 
 
@@ -127,13 +128,18 @@ def chunk_plan(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], coord
     return plan
 
 
-def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: Layout, coords: Coords) -> torch.Tensor:
-    s = Shard(coords.etp_rank, layout.etp_or_tp) if row.mapping.is_expert else Shard(coords.tp_rank, layout.tp)
-    return row.mapping.shard(tensors, s, spec.shapes(layout.tp))
+def shard_for(row: Resolved, layout: Layout, coords: Coords) -> Shard:
+    """Which piece of `row` the rank at `coords` holds: experts split over the expert-TP
+    group, everything else over TP (for `Transform.blocks`, or `shard_of` with tensors)."""
+    return Shard(coords.etp_rank, layout.etp_or_tp) if row.mapping.is_expert else Shard(coords.tp_rank, layout.tp)
+
+
+def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: Layout, coords: Coords) -> "torch.Tensor":
+    return row.mapping.shard(tensors, shard_for(row, layout, coords), spec.shapes(layout.tp))
 
 
 def rank_shards(spec: BridgeSpec, layout: Layout, ckpt: HFCheckpoint, coords: Coords, tconfig: Any = None
-                ) -> Iterator[Tuple[str, torch.Tensor]]:
+                ) -> Iterator[Tuple[str, "torch.Tensor"]]:
     """Pure: (local name, tensor) of every parameter of the chunk at `coords`, one at a time."""
     if tconfig is None:
         from megatron_bridge.bridge.hf_config import transformer_config
@@ -172,9 +178,15 @@ def _vp(chunks: Sequence[Any], i: int) -> Optional[int]:
     return i if chunks[0].config.virtual_pipeline_model_parallel_size else None
 
 
-@torch.no_grad()
 def load_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoint) -> int:
     """Copy HF weights into this rank's model chunks. Returns the number of tensors loaded."""
+    import torch
+
+    with torch.no_grad():
+        return _load(chunks, spec, path)
+
+
+def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoint) -> int:
     ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
     layout = layout_of(chunks)
     rows = resolve_checkpoint(spec, ckpt.keys())
@@ -211,8 +223,8 @@ def _global_names(chunk: Any) -> Dict[str, str]:
     return {name: renumber(name, layer_off, expert_off) for name, _ in chunk.named_parameters()}
 
 
-def iter_hf_tensors(chunks: Sequence[Any], spec: BridgeSpec, dtype: Optional[torch.dtype] = None,
-                    value: Optional[Any] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_hf_tensors(chunks: Sequence[Any], spec: BridgeSpec, dtype: Optional["torch.dtype"] = None,
+                    value: Optional[Any] = None) -> Iterator[Tuple[str, "torch.Tensor"]]:
     """Collective over all ranks: gather every exported parameter's shards to one replica and
     yield (HF name, full HF tensor) there. Every rank must iterate it to the end.
     `value(param)` picks what is exported (default the weight; e.g. `lambda p: p.main_grad`)."""
@@ -242,8 +254,10 @@ def iter_hf_tensors(chunks: Sequence[Any], spec: BridgeSpec, dtype: Optional[tor
                 yield name, (t if dtype is None else t.to(dtype)).contiguous()
 
 
-def _gather(t: torch.Tensor, group) -> Optional[List[torch.Tensor]]:
+def _gather(t: "torch.Tensor", group) -> Optional[List["torch.Tensor"]]:
     """All shards on the group's first rank (None elsewhere)."""
+    import torch
+
     size = torch.distributed.get_world_size(group)
     if size == 1:
         return [t.clone()]
@@ -256,13 +270,14 @@ def _gather(t: torch.Tensor, group) -> Optional[List[torch.Tensor]]:
 
 def export_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, out_dir: str | Path, *,
                       source_dir: Optional[str | Path] = None, hf_config: Optional[Dict[str, Any]] = None,
-                      dtype: Optional[torch.dtype] = None) -> Path:
+                      dtype: Optional["torch.dtype"] = None) -> Path:
     """Write the model as an HF directory loadable by `AutoModelForCausalLM.from_pretrained`.
 
     Collective (every rank calls it). Weights: one safetensors file per writing rank plus
     `model.safetensors.index.json`. config.json: `hf_config` if given, else the source's,
     else generated from the spec (`spec_to_hf_config`).
     Every non-weight file of `source_dir` (tokenizer, generation config) is copied."""
+    import torch
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -316,5 +331,5 @@ def _write_config_and_assets(out: Path, spec: BridgeSpec, source_dir, hf_config,
                 shutil.copy2(f, out / f.name)
 
 
-__all__ = ["HFCheckpoint", "Coords", "rank_shards", "chunk_plan", "resolve_checkpoint", "load_hf_weights",
-           "iter_hf_tensors", "export_hf_weights", "current_coords", "layout_of"]
+__all__ = ["HFCheckpoint", "Coords", "shard_for", "shard_of", "rank_shards", "chunk_plan", "resolve_checkpoint",
+           "load_hf_weights", "iter_hf_tensors", "export_hf_weights", "current_coords", "layout_of"]

@@ -1,30 +1,37 @@
-"""Weight-mapping primitives: pure tensor functions between HF tensors and megatron shards.
+"""Weight-mapping primitives: how HF tensors become megatron shards, and back.
 
 A family's table is a list of `Mapping`s. Each one names a megatron parameter (a template
 with `{layer}` / `{expert}` holes, global indices) and the HF tensor(s) it is made of, plus a
 `Transform` that knows how the tensor is laid out and split:
 
+    blocks(hf_shapes, Shard(rank, size), shapes) -> [Block, ...]   shapes only, no torch
     shard(hf_tensors, Shard(rank, size), shapes) -> the rank-local megatron tensor
     merge([shard_0, ..., shard_{n-1}], shapes)   -> the HF tensors again (bit-exact)
 
-Nothing here touches a model, a process group or a file, so the same table serves online
-loading (`loader.py`), the offline converter and export. The megatron *global* tensor (the
-dist_checkpointing layout, e.g. fused QKV per query group, SwiGLU fc1 = cat([gate, up]),
+`blocks` is the one description of the layout: a rank-local tensor is the concatenation
+along dim 0 of row ranges (at most one column range) of the HF tensors and of zero rows
+(vocab padding). `shard` assembles torch tensors from it (inputs may be `LazySlice`s, so a
+rank reads just its part of the file); the offline converter copies the same ranges from
+the safetensors bytes and validates a checkpoint on shapes alone. The megatron *global*
+tensor (dist_checkpointing layout: fused QKV per query group, SwiGLU fc1 = cat([gate, up]),
 padded vocab) is `shard(hf, Shard(0, 1))`, and `merge([global])` gives the HF tensors back.
-
-Inputs to `shard` may be lazy (`LazySlice`, wrapping safetensors' `get_slice`): transforms
-only index contiguous row/column ranges, so a rank reads just its part of the file.
+Nothing here touches a model, a process group or a file, so one table serves online loading
+(`loader.py`), the offline converter and export.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-import torch
+from megatron_bridge.bridge.layout import dist_ckpt_key, renumber  # noqa: F401 (re-exported; names live with the layout)
 
-Sliceable = Any  # torch.Tensor or LazySlice: has .shape and supports [a:b] / [:, a:b]
+if TYPE_CHECKING:
+    import torch
+
+Sliceable = Any  # torch.Tensor or LazySlice: has .shape and supports [a:b] / [a:b, c:d]
+Shape = Tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -49,34 +56,69 @@ class Shapes:
     padded_vocab_size: int  # rows in megatron's (TP-padded) vocab tables
 
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+@dataclass(frozen=True)
+class Block:
+    """One piece of a rank-local tensor: rows [r0, r1) (and columns [c0, c1) of a 2-D
+    tensor) of HF input `src`, or, with `src=None`, r1 - r0 rows of zeros."""
+
+    src: Optional[int]
+    rows: Tuple[int, int]
+    cols: Optional[Tuple[int, int]] = None
+
+    @property
+    def n(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
+def out_shape(blocks: Sequence[Block], hf_shapes: Sequence[Shape]) -> Shape:
+    """Shape of the tensor `blocks` describe (the transforms keep trailing shapes uniform)."""
+    b = next((b for b in blocks if b.src is not None), blocks[0])
+    trail = (b.cols[1] - b.cols[0],) if b.cols else tuple(hf_shapes[b.src or 0][1:])
+    return (sum(x.n for x in blocks),) + trail
+
+
+def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> "torch.Tensor":
+    """The torch tensor `blocks` describe. Each block is one slice of its input, so a
+    LazySlice reads only those bytes; a single block is returned as that slice (a view of
+    an in-memory tensor, or the input itself if it covers all of it), without a copy."""
+    import torch
+
+    def take(b: Block):
+        t = hf[b.src]
+        if b.cols is not None:
+            return t[b.rows[0]:b.rows[1], b.cols[0]:b.cols[1]]
+        if b.rows == (0, t.shape[0]):
+            return t if isinstance(t, torch.Tensor) else t[:]
+        return t[b.rows[0]:b.rows[1]]
+
+    if len(blocks) == 1 and blocks[0].src is not None:
+        return take(blocks[0])
+    pieces = [take(b) if b.src is not None else None for b in blocks]
+    real = [p for p in pieces if p is not None]
+    dtype = real[0].dtype if real else getattr(hf[0], "dtype", None) or torch.float32
+    trail = out_shape(blocks, [tuple(t.shape) for t in hf])[1:]
+    return torch.cat([p if p is not None else torch.zeros((b.n,) + trail, dtype=dtype)
+                      for b, p in zip(blocks, pieces)], dim=0)
 
 
 class LazySlice:
     """A tensor on disk: `.shape` plus row/column slicing that reads only that range."""
 
     def __init__(self, safe_slice):
+        import torch
+
+        from megatron_bridge.convert.dtypes import BY_ST
+
         self._s = safe_slice
         self.shape = torch.Size(safe_slice.get_shape())
-        self.dtype = _ST_DTYPES.get(safe_slice.get_dtype())
+        dt = BY_ST.get(safe_slice.get_dtype())
+        self.dtype = dt.torch if dt else None
 
     def __getitem__(self, idx):
         return self._s[idx]
 
-    def full(self) -> torch.Tensor:
+    def full(self) -> "torch.Tensor":
         return self._s[:]
-
-
-def _rows(t: Sliceable, a: int, b: int) -> torch.Tensor:
-    return t[a:b]
-
-
-def _cols(t: Sliceable, a: int, b: int) -> torch.Tensor:
-    return t[:, a:b]
 
 
 def _split(n: int, s: Shard, what: str) -> Tuple[int, int]:
@@ -84,6 +126,21 @@ def _split(n: int, s: Shard, what: str) -> Tuple[int, int]:
         raise ValueError(f"{what}: size {n} is not divisible by {s.size} shards")
     k = n // s.size
     return s.rank * k, (s.rank + 1) * k
+
+
+def _joined(blocks: Iterable[Block]) -> List[Block]:
+    """Drop empty blocks and merge each one into its predecessor when it continues it (same
+    source and columns, next rows), so every block is a maximal contiguous range."""
+    out: List[Block] = []
+    for b in blocks:
+        if b.n <= 0:
+            continue
+        p = out[-1] if out else None
+        if p is not None and p.src == b.src and p.cols == b.cols and p.rows[1] == b.rows[0]:
+            out[-1] = Block(b.src, (p.rows[0], b.rows[1]), b.cols)
+        else:
+            out.append(b)
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -96,10 +153,21 @@ class Transform:
 
     n_hf = 1  # how many HF tensors it consumes
 
-    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> torch.Tensor:
+    def blocks(self, hf_shapes: Sequence[Shape], s: Shard, shapes: Shapes) -> List[Block]:
+        """The rank-local tensor of shard `s` as blocks; raises ValueError when the shapes
+        do not fit the transform or do not split into `s.size` shards."""
+        hf_shapes = [tuple(x) for x in hf_shapes]
+        if any(len(x) == 0 for x in hf_shapes):
+            raise ValueError(f"{self!r} needs tensors with rows, got shapes {[list(x) for x in hf_shapes]}")
+        return self._blocks(hf_shapes, s, shapes)
+
+    def _blocks(self, hf_shapes: List[Shape], s: Shard, shapes: Shapes) -> List[Block]:
         raise NotImplementedError
 
-    def merge(self, shards: Sequence[torch.Tensor], shapes: Shapes) -> Tuple[torch.Tensor, ...]:
+    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> "torch.Tensor":
+        return assemble(self.blocks([t.shape for t in hf], s, shapes), hf)
+
+    def merge(self, shards: Sequence["torch.Tensor"], shapes: Shapes) -> Tuple["torch.Tensor", ...]:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -109,9 +177,8 @@ class Transform:
 class Replicated(Transform):
     """Same tensor on every rank (norms, router, biases of row-parallel layers)."""
 
-    def shard(self, hf, s, shapes):
-        t = hf[0]
-        return t if isinstance(t, torch.Tensor) else t[:]
+    def _blocks(self, hf_shapes, s, shapes):
+        return [Block(0, (0, hf_shapes[0][0]))]
 
     def merge(self, shards, shapes):
         return (shards[0],)
@@ -120,41 +187,45 @@ class Replicated(Transform):
 class Column(Transform):
     """Column-parallel: output features (dim 0) split across ranks."""
 
-    def shard(self, hf, s, shapes):
-        a, b = _split(hf[0].shape[0], s, "column-parallel rows")
-        return _rows(hf[0], a, b)
+    def _blocks(self, hf_shapes, s, shapes):
+        return [Block(0, _split(hf_shapes[0][0], s, "column-parallel rows"))]
 
     def merge(self, shards, shapes):
+        import torch
+
         return (torch.cat(list(shards), dim=0),)
 
 
 class Row(Transform):
-    """Row-parallel: input features (dim 1) split across ranks."""
+    """Row-parallel: input features (dim 1) split across ranks. Unsplit (one shard), the
+    block is plain rows: the whole tensor is one contiguous range."""
 
-    def shard(self, hf, s, shapes):
-        a, b = _split(hf[0].shape[1], s, "row-parallel columns")
-        return _cols(hf[0], a, b)
+    def _blocks(self, hf_shapes, s, shapes):
+        (sh,) = hf_shapes
+        if len(sh) != 2:
+            raise ValueError(f"row-parallel weight must be 2-D, got shape {list(sh)}")
+        a, b = _split(sh[1], s, "row-parallel columns")
+        return [Block(0, (0, sh[0]), None if (a, b) == (0, sh[1]) else (a, b))]
 
     def merge(self, shards, shapes):
+        import torch
+
         return (torch.cat(list(shards), dim=1),)
 
 
 class VocabParallel(Transform):
     """Vocab rows split across ranks after zero-padding to `padded_vocab_size` rows."""
 
-    def shard(self, hf, s, shapes):
-        t = hf[0]
-        if t.shape[0] != shapes.vocab_size:
-            raise ValueError(f"vocab table has {t.shape[0]} rows, config says {shapes.vocab_size}")
+    def _blocks(self, hf_shapes, s, shapes):
+        rows, v = hf_shapes[0][0], shapes.vocab_size
+        if rows != v:
+            raise ValueError(f"vocab table has {rows} rows, config says {v}")
         a, b = _split(shapes.padded_vocab_size, s, "padded vocab")
-        real = _rows(t, a, min(b, shapes.vocab_size)) if a < shapes.vocab_size else None
-        dtype = real.dtype if real is not None else getattr(t, "dtype", None) or torch.float32
-        out = torch.zeros((b - a,) + tuple(t.shape[1:]), dtype=dtype)
-        if real is not None:
-            out[: real.shape[0]] = real
-        return out
+        return _joined([Block(0, (a, min(b, v))), Block(None, (max(a, v), b))])
 
     def merge(self, shards, shapes):
+        import torch
+
         return (torch.cat(list(shards), dim=0)[: shapes.vocab_size].clone(),)
 
 
@@ -163,10 +234,9 @@ class FusedQKV(Transform):
 
     Megatron's linear_qkv stores, for each KV group g, that group's query heads, then its
     key head, then its value head, and TP splits those rows evenly. When TP divides the
-    group count a rank holds whole groups; when there are fewer KV groups than TP ranks
-    (megatron-core >= 0.16 gathers the activations and picks its heads) a rank holds a
-    fraction of one group. Either way a shard is a contiguous row range of the fused
-    layout, built from contiguous row ranges of q, k and v.
+    group count a rank holds whole groups (blocks q_g, k_g, v_g per group); when there are
+    fewer KV groups than TP ranks (megatron-core >= 0.16 gathers the activations and picks
+    its heads) a rank holds a fraction of one group, i.e. those pieces clipped to its rows.
     """
 
     n_hf = 3
@@ -175,28 +245,31 @@ class FusedQKV(Transform):
     def _geometry(q, k, v, shapes):
         g, d = shapes.num_query_groups, shapes.head_dim
         hpg = shapes.num_attention_heads // g
-        if q.shape[0] != g * hpg * d or k.shape[0] != g * d or v.shape[0] != g * d:
+        if q[0] != g * hpg * d or k[0] != g * d or v[0] != g * d:
             raise ValueError(
-                f"q/k/v rows {q.shape[0]}/{k.shape[0]}/{v.shape[0]} do not match heads="
+                f"q/k/v rows {q[0]}/{k[0]}/{v[0]} do not match heads="
                 f"{shapes.num_attention_heads}, kv groups={g}, head_dim={d}"
             )
+        if not q[1:] == k[1:] == v[1:]:
+            raise ValueError(f"q/k/v shapes {list(q)}/{list(k)}/{list(v)} differ past the first dimension")
         return g, d, hpg
 
-    def shard(self, hf, s, shapes):
-        q, k, v = hf
-        g, d, hpg = self._geometry(q, k, v, shapes)
+    def _blocks(self, hf_shapes, s, shapes):
+        g, d, hpg = self._geometry(*hf_shapes, shapes)
         blk = (hpg + 2) * d
         a, b = _split(g * blk, s, "fused QKV rows")
-        g0, g1 = a // blk, -(-b // blk)
-        n = g1 - g0
-        rest = tuple(q.shape[1:])
-        qs = _rows(q, g0 * hpg * d, g1 * hpg * d).reshape((n, hpg * d) + rest)
-        ks = _rows(k, g0 * d, g1 * d).reshape((n, d) + rest)
-        vs = _rows(v, g0 * d, g1 * d).reshape((n, d) + rest)
-        fused = torch.cat([qs, ks, vs], dim=1).reshape((n * blk,) + rest)
-        return fused[a - g0 * blk : b - g0 * blk]
+        pieces = []
+        for grp in range(a // blk, -(-b // blk)):
+            at = grp * blk  # fused row where the group starts; q, k, v follow each other
+            for src, start, n in ((0, grp * hpg * d, hpg * d), (1, grp * d, d), (2, grp * d, d)):
+                lo, hi = max(a, at), min(b, at + n)  # this piece's part of the rank's rows
+                pieces.append(Block(src, (start + lo - at, start + hi - at)))
+                at += n
+        return _joined(pieces)
 
     def merge(self, shards, shapes):
+        import torch
+
         full = torch.cat(list(shards), dim=0)
         g, d = shapes.num_query_groups, shapes.head_dim
         hpg = shapes.num_attention_heads // g
@@ -211,12 +284,16 @@ class FusedGateUp(Transform):
 
     n_hf = 2
 
-    def shard(self, hf, s, shapes):
-        gate, up = hf
-        a, b = _split(gate.shape[0], s, "gate/up rows")
-        return torch.cat([_rows(gate, a, b), _rows(up, a, b)], dim=0)
+    def _blocks(self, hf_shapes, s, shapes):
+        gate, up = hf_shapes
+        if gate != up:
+            raise ValueError(f"gate/up shapes {list(gate)}/{list(up)} differ")
+        rows = _split(gate[0], s, "gate/up rows")
+        return [Block(0, rows), Block(1, rows)]
 
     def merge(self, shards, shapes):
+        import torch
+
         gates, ups = zip(*(torch.chunk(x, 2, dim=0) for x in shards))
         return torch.cat(gates, dim=0), torch.cat(ups, dim=0)
 
@@ -364,38 +441,8 @@ def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> Tuple[List[R
     return resolved, [k for k in keys if k not in used]
 
 
-# --------------------------------------------------------------------------------------
-# Global <-> rank-local names (pipeline stage and expert-parallel offsets)
-# --------------------------------------------------------------------------------------
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
-
-
-def renumber(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
-    """Shift the layer and local-expert indices in a megatron name by the given offsets
-    (local -> global with positive offsets, global -> local with negative ones)."""
-    name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
-    return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + expert_offset}.", name)
-
-
-# The local spec stores its norms under fused names in dist_checkpointing (see the spec's
-# `sharded_state_dict_keys_map`); an offline writer needs the checkpoint key, not the
-# module attribute name.
-DIST_CKPT_KEY_MAP: Tuple[Tuple[str, str], ...] = (
-    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
-)
-
-
-def dist_ckpt_key(megatron_name: str) -> str:
-    for a, b in DIST_CKPT_KEY_MAP:
-        megatron_name = megatron_name.replace("." + a, "." + b)
-    return megatron_name
-
-
 __all__ = [
-    "Shard", "FULL", "Shapes", "LazySlice", "Transform", "Replicated", "Column", "Row",
+    "Shard", "FULL", "Shapes", "Block", "out_shape", "assemble", "LazySlice", "Transform", "Replicated", "Column", "Row",
     "VocabParallel", "FusedQKV", "FusedGateUp", "REPLICATED", "COLUMN", "ROW", "VOCAB", "QKV",
     "GATE_UP", "Mapping", "Resolved", "resolve_megatron", "resolve_hf", "renumber", "dist_ckpt_key",
 ]

@@ -23,7 +23,6 @@ group; writing the same files directly streams one chunk at a time. The data is 
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import re
@@ -31,18 +30,22 @@ import uuid
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
-
-import torch
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.mapping import dist_ckpt_key
+from megatron_bridge.convert.dtypes import DType, dtype_of
+from megatron_bridge.convert.pickling import Global, Instance, Reduce, TorchPickler, torch_size
 from megatron_bridge.convert.placement import LINEAR_MODULES
 from megatron_bridge.convert.safetensors_io import PositionedReader
 from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave
 from megatron_bridge.errors import UserError
 
 DATA_FILE = "__0_0.distcp"
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (a test holds them equal)
+_DCP = "torch.distributed.checkpoint.metadata"
+_STRIDED = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))  # how torch pickles a layout
+_CONTIGUOUS = Reduce(Global(_DCP, "_MEM_FORMAT_ENCODING"), (0,))  # TensorProperties' memory_format
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -90,59 +93,76 @@ def extra_state_location(name: str, spec: BridgeSpec) -> Optional[DistLocation]:
 
 
 class DistWriter:
-    """Streams chunks into one `.distcp` file; `finish` writes the metadata that indexes them."""
+    """Streams chunks into one `.distcp` file; `finish` writes the metadata that indexes them.
+
+    No torch: each chunk is a `StreamingTorchSave` archive, and `.metadata` is the pickle of
+    DCP's `Metadata` written from stand-ins (`pickling`) — the real classes live in
+    `torch.distributed.checkpoint`, whose import alone takes ~0.6 s on top of torch's."""
 
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
         self.path = directory / DATA_FILE
         self._f = open(self.path, "wb")
-        self._md: Dict[str, Any] = {}
-        self._storage: Dict[Any, Any] = {}
+        # key -> (dtype, global size, [(chunk offsets, chunk sizes)]), or None for an object
+        self._md: Dict[str, Optional[Tuple[DType, Tuple[int, ...], List[Tuple[Tuple[int, ...], ...]]]]] = {}
+        self._storage: List[Tuple[str, Optional[Tuple[int, ...]], Optional[int], int, int]] = []
 
-    def _write(self, save) -> Any:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-
+    def _write(self, key: str, offsets: Optional[Tuple[int, ...]], index: Optional[int],
+               fill: Callable[[StreamingTorchSave], Any]) -> None:
         start = self._f.tell()
-        save(self._f)
-        return _StorageInfo(DATA_FILE, start, self._f.tell() - start)
+        item = StreamingTorchSave(self._f)
+        item.finish(fill(item))
+        self._storage.append((key, offsets, index, start, self._f.tell() - start))
 
-    def add_tensor(self, loc: DistLocation, t: torch.Tensor) -> None:
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
-        )
-
-        data = t.detach().reshape((1,) * len(loc.offsets) + tuple(t.shape))
-        size = torch.Size(loc.axes + tuple(t.shape))
-        offsets = torch.Size(loc.offsets + (0,) * t.dim())
-        md = self._md.setdefault(loc.key, TensorStorageMetadata(TensorProperties(dtype=t.dtype), size, []))
-        if md.size != size or md.properties.dtype != t.dtype:
-            raise RuntimeError(f"{loc.key}: chunk {tuple(size)} {t.dtype} != {tuple(md.size)} {md.properties.dtype}")
-        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=data.shape))
-        def save(f) -> None:  # what torch.save(data, f) writes, without its per-call pickling overhead
-            item = StreamingTorchSave(f)
-            item.finish(item.add(data))
-
-        self._storage[MetadataIndex(loc.key, offsets, len(md.chunks) - 1)] = self._write(save)
+    def add(self, loc: DistLocation, dtype: Any, shape: Tuple[int, ...],
+            fill: Callable[[StreamingTorchSave, Tuple[int, ...]], Any]) -> None:
+        """One chunk: the tensor of `shape` at `loc`; `fill(item, stored_shape)` writes it into
+        the item (a record of `stored_shape` = unit axes for the layer/expert + `shape`)
+        and returns its TensorRef."""
+        dtype = dtype_of(dtype)
+        size = loc.axes + tuple(shape)
+        offsets = loc.offsets + (0,) * len(shape)
+        stored = (1,) * len(loc.offsets) + tuple(shape)
+        md = self._md.setdefault(loc.key, (dtype, size, []))
+        if md is None or md[1] != size or md[0] != dtype:
+            raise RuntimeError(f"{loc.key}: chunk {size} {dtype} does not match {md and md[1]} {md and md[0]}")
+        md[2].append((offsets, stored))
+        self._write(loc.key, offsets, len(md[2]) - 1, lambda item: fill(item, stored))
 
     def add_object(self, loc: DistLocation, value: Any = None) -> None:
-        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+        self._md[loc.object_key] = None
+        self._write(loc.object_key, None, None, lambda item: [value])  # megatron's torch.save([data])
 
-        buf = io.BytesIO()
-        torch.save([value], buf)  # megatron stores a ShardedObject as torch.save([data])
-        self._md[loc.object_key] = BytesStorageMetadata()
-        self._storage[MetadataIndex(loc.object_key)] = self._write(lambda f: f.write(buf.getvalue()))
+    def _metadata(self) -> Instance:
+        def chunk(offsets, sizes):
+            return Instance(_DCP, "ChunkStorageMetadata", {"offsets": torch_size(offsets), "sizes": torch_size(sizes)})
+
+        entries: Dict[str, Instance] = {}
+        for key, md in self._md.items():
+            if md is None:
+                entries[key] = Instance(_DCP, "BytesStorageMetadata", {})
+                continue
+            dtype, size, chunks = md
+            props = Instance(_DCP, "TensorProperties", (dtype, _STRIDED, False, _CONTIGUOUS, False))
+            entries[key] = Instance(_DCP, "TensorStorageMetadata", {
+                "properties": props, "size": torch_size(size), "chunks": [chunk(o, s) for o, s in chunks]})
+        storage = {}
+        for key, offsets, index, start, length in self._storage:
+            where = Instance(_DCP, "MetadataIndex", {"fqn": key, "offset": None if offsets is None else torch_size(offsets),
+                                                     "index": index})
+            storage[where] = Instance("torch.distributed.checkpoint.filesystem", "_StorageInfo",
+                                      {"relative_path": DATA_FILE, "offset": start, "length": length})
+        meta = Instance(_DCP, "StorageMeta", {"checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None,
+                                              "modules": []})
+        return Instance(_DCP, "Metadata", {"state_dict_metadata": entries, "planner_data": None,
+                                           "storage_data": storage, "storage_meta": meta, "version": DCP_VERSION})
 
     def finish(self, common: Dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
         self._f.close()
-        md = Metadata(state_dict_metadata=self._md, storage_data=self._storage,
-                      storage_meta=StorageMeta(save_id=str(uuid.uuid4())), version=CURRENT_DCP_VERSION)
         with open(self.dir / ".metadata", "wb") as f:
-            pickle.dump(md, f)
-        torch.save(common, self.dir / "common.pt")
+            TorchPickler(f).dump(self._metadata())
+        StreamingTorchSave(self.dir / "common.pt").finish(common)
         (self.dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
 
 
@@ -162,7 +182,7 @@ class DistReader:
         except (OSError, ValueError, pickle.UnpicklingError, EOFError, AttributeError) as e:
             raise UserError(f"{directory}: not a readable torch_dist checkpoint ({e})") from None
 
-    def _chunk(self, key: str, chunk) -> torch.Tensor:
+    def _chunk(self, key: str, chunk) -> "torch.Tensor":
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         info = self.md.storage_data[MetadataIndex(key, chunk.offsets)]
@@ -197,7 +217,9 @@ class DistReader:
         infos = [self.md.storage_data.get(MetadataIndex(loc.key, c.offsets)) for c, _, _ in hits]
         return [(self.dir / i.relative_path, i.offset, i.length) for i in infos if i is not None]
 
-    def read(self, loc: DistLocation) -> torch.Tensor:
+    def read(self, loc: DistLocation) -> "torch.Tensor":
+        import torch
+
         tmd, lo, hi, hits = self._covering(loc)
         inner = tuple(tmd.size[len(loc.offsets):])
         out, filled = None, 0

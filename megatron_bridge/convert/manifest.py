@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
 from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.convert.safetensors_io import ST_DTYPES, ST_NAMES, tensor_bytes
+from megatron_bridge.convert.dtypes import DType
+from megatron_bridge.convert.safetensors_io import ST_DTYPES, tensor_bytes
 from megatron_bridge.errors import UserError
 
 MANIFEST = "mbr_manifest.json"
@@ -33,10 +33,14 @@ VERSION = 1
 FORMATS = ("torch_dist", "torch")
 
 
-def crc32(t: torch.Tensor) -> str:
+def crc32(t: "torch.Tensor") -> str:
     """zlib's CRC-32 of the tensor's bytes, computed by zlib-ng (same value, ~6x faster:
     every byte a conversion moves is checksummed)."""
-    return f"{zlib_ng.crc32(tensor_bytes(t)) & 0xFFFFFFFF:08x}"
+    return crc_hex(zlib_ng.crc32(tensor_bytes(t)))
+
+
+def crc_hex(value: int) -> str:
+    return f"{value & 0xFFFFFFFF:08x}"
 
 
 def layout_dict(layout: Layout) -> Dict[str, Optional[int]]:
@@ -65,7 +69,7 @@ class Manifest:
     def spec(self) -> BridgeSpec:
         return spec_from_hf(self.hf_config, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
 
-    def tensor_table(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    def tensor_table(self) -> Dict[str, Tuple[Tuple[int, ...], DType]]:
         return {k: (tuple(v["shape"]), ST_DTYPES[v["dtype"]]) for k, v in self.tensors.items()}
 
     def padded_vocab_size(self) -> int:
@@ -104,10 +108,6 @@ class Manifest:
             raise UserError(f"{directory}: the checkpoint is damaged:\n" + "\n".join(f"  - {b}" for b in bad[:8]))
 
 
-def tensor_entry(t: torch.Tensor, checksum: str) -> Dict[str, Any]:
-    return {"shape": list(t.shape), "dtype": ST_NAMES[t.dtype], "crc32": checksum}
-
-
 def dtype_name(dtypes) -> str:
     names = {str(d).replace("torch.", "") for d in dtypes}
     return names.pop() if len(names) == 1 else "mixed"
@@ -118,4 +118,4 @@ def list_files(directory: Path) -> Dict[str, int]:
             if p.is_file() and p.name != MANIFEST}
 
 
-__all__ = ["Manifest", "MANIFEST", "crc32", "tensor_entry", "layout_dict", "dtype_name", "list_files", "FORMATS"]
+__all__ = ["Manifest", "MANIFEST", "crc32", "crc_hex", "layout_dict", "dtype_name", "list_files", "FORMATS"]

@@ -7,7 +7,7 @@ fields below are the command's own top-level keys (`src=... dst=... format=...`)
 `checked_layout` applies the layout rules that concern weights (the same rule functions
 `mbr check` runs, minus batch/schedule/engine/node rules, which a checkpoint does not
 depend on) to the model the checkpoint holds, then the bridge's own `problems()`, then
-splits every tensor over rank 0 on meta tensors — so a bad layout is refused with every
+splits every tensor's shape over rank 0 — so a bad layout is refused with every
 reason before a byte is written.
 """
 
@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import lcm
 from typing import Any, Dict, Optional, Sequence
-
-import torch
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, problems
@@ -102,7 +100,7 @@ def checked_layout(cfg: Any, spec: BridgeSpec, hf_config: Dict[str, Any], rows: 
     return layout
 
 
-def describe(layout: Layout, dtype: Optional[torch.dtype]) -> str:
+def describe(layout: Layout, dtype: Optional[Any]) -> str:
     parts = [f"tp{layout.tp}", f"pp{layout.pp}"] + ([f"vpp{layout.vpp}"] if layout.vpp else [])
     parts += [f"ep{layout.ep}"] if layout.ep > 1 else []
     return "·".join(parts) + f", {str(dtype).replace('torch.', '') if dtype else 'source dtype'}"

@@ -23,7 +23,7 @@ from megatron_bridge.convert.manifest import MANIFEST, Manifest, dtype_name, lay
 from megatron_bridge.convert.options import check_format, checked_layout, describe
 from megatron_bridge.convert.placement import RELEASE, TRACKER
 from megatron_bridge.convert.progress import Progress
-from megatron_bridge.convert.safetensors_io import ST_NAMES
+from megatron_bridge.convert.safetensors_io import st_name
 from megatron_bridge.convert.sources import HFSource, Source, open_checkpoint, parse_dtype
 from megatron_bridge.convert.writers import DistOut, HFOut, TorchOut
 from megatron_bridge.errors import UserError
@@ -111,7 +111,7 @@ def _manifest(fmt: str, hf_config: dict, layout, source: Source, tmp: Path, asse
     missing = set(source.tensors) - set(source.checksums)
     if missing:
         raise RuntimeError(f"tensors never written: {sorted(missing)[:5]}")
-    tensors = {n: {"shape": list(source.tensors[n][0]), "dtype": ST_NAMES[source.out_dtype(n)],
+    tensors = {n: {"shape": list(source.tensors[n][0]), "dtype": st_name(source.out_dtype(n)),
                    "crc32": source.checksums[n]} for n in source.tensors}
     Manifest(format=fmt, hf_config=hf_config, layout=layout_dict(layout),
              dtype=dtype_name(source.out_dtype(n) for n in source.tensors),

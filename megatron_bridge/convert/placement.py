@@ -24,12 +24,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-import torch
-
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, owned
 from megatron_bridge.bridge.mapping import Resolved
+from megatron_bridge.convert.dtypes import BFLOAT16, FLOAT16, DType
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -141,9 +140,10 @@ def chunk_state_dict(entries: Dict[str, Tuple[int, object]], post_process: bool)
     return out
 
 
-def megatron_args(spec: BridgeSpec, layout: Layout, dtype: torch.dtype, ckpt_format: str) -> argparse.Namespace:
+def megatron_args(spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: str) -> argparse.Namespace:
     """The `args` Megatron-LM stores with a checkpoint (it reads the model-parallel sizes
-    from a torch_dist checkpoint's args; other fields document the model)."""
+    from a torch_dist checkpoint's args; other fields document the model). `params_dtype` is a
+    DType, which the converter's pickler writes as the torch dtype of that name."""
     return argparse.Namespace(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
@@ -160,7 +160,7 @@ def megatron_args(spec: BridgeSpec, layout: Layout, dtype: torch.dtype, ckpt_for
         num_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, ckpt_format=ckpt_format,
+        params_dtype=dtype, bf16=dtype == BFLOAT16, fp16=dtype == FLOAT16, ckpt_format=ckpt_format,
         iteration=0, consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
     )
 

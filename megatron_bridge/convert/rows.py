@@ -7,29 +7,30 @@ tensors are an error there) and then checks what only a whole-checkpoint view ca
 
 * completeness: every parameter the config implies is present (`expected_names`), and no
   tensor lies beyond the config (a layer index >= num_hidden_layers, an expert >= E);
-* shapes: each row's HF shapes go through the row's own transform on the meta device
-  (so the transform's checks run: QKV head geometry, vocab rows, divisibility) and the
-  resulting megatron tensor must have the shape megatron-core builds for this config
-  (`megatron_shape`); all inputs of a row share one dtype (a mixed QKV would be upcast).
+* shapes: each row's HF shapes go through the row's own transform as blocks
+  (`Transform.blocks`: shapes only, so the transform's checks run — QKV head geometry,
+  vocab rows, divisibility — without torch) and the resulting megatron tensor must have the
+  shape megatron-core builds for this config (`megatron_shape`); all inputs of a row share
+  one dtype (a mixed QKV would be upcast).
 
-`check_layout_shards` runs the same transforms for rank 0 of a layout, which catches sizes
-that do not split over tp (e.g. an FFN width not divisible by tp) with the tensor's name.
+`check_layout_shards` asks the same transforms for rank 0's blocks under a layout, which
+catches sizes that do not split over tp (e.g. an FFN width not divisible by tp) with the
+tensor's name. Dtypes are only compared and printed: torch dtypes or `convert.dtypes.DType`s.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict, List, Mapping as TMapping, Optional, Sequence, Tuple
-
-import torch
+from typing import Any, Callable, Dict, List, Mapping as TMapping, Optional, Sequence, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.bridge.loader import Coords, resolve_checkpoint, shard_of, table_for
-from megatron_bridge.bridge.mapping import Resolved, resolve_megatron
+from megatron_bridge.bridge.loader import Coords, resolve_checkpoint, shard_for, table_for
+from megatron_bridge.bridge.mapping import FULL, Resolved, out_shape, resolve_megatron
 from megatron_bridge.errors import UserError
 
 Shape = Tuple[int, ...]
+Tensors = TMapping[str, Tuple[Shape, Any]]  # HF name -> (shape, dtype)
 
 
 def _is_moe_row(template: str) -> bool:
@@ -92,33 +93,7 @@ def megatron_shape(name: str, spec: BridgeSpec, padded_vocab: int) -> Optional[S
     return None
 
 
-def _meta(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(tuple(shape), dtype=dtype, device="meta")
-
-
-class _MetaShapes(torch.overrides.TorchFunctionMode):
-    """Meta device with a shape-only `torch.cat`: torch's Python meta kernel for cat imports
-    torch._dynamo on first use (1.2-1.7 s here, more than validating every row), while the
-    shape of a concatenation is plain arithmetic. Mismatched shapes raise as torch.cat does."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.cat and all(t.is_meta for t in args[0]):
-            tensors, dim = list(args[0]), kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            first = tensors[0]
-            dim = dim % first.dim()
-            for t in tensors[1:]:
-                if t.dim() != first.dim() or any(a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != dim):
-                    raise RuntimeError(f"torch.cat: sizes {list(first.shape)} and {list(t.shape)} do not match "
-                                       f"except in dimension {dim}")
-            shape = list(first.shape)
-            shape[dim] = sum(t.shape[dim] for t in tensors)
-            return torch.empty(shape, dtype=first.dtype, device="meta")
-        with torch.device("meta"):
-            return func(*args, **kwargs)
-
-
-def resolve_rows(spec: BridgeSpec, tensors: TMapping[str, Tuple[Shape, torch.dtype]], tp: int = 1,
+def resolve_rows(spec: BridgeSpec, tensors: Tensors, tp: int = 1,
                  where: str = "the checkpoint") -> List[Resolved]:
     """Rows of `tensors` ({HF name: (shape, dtype)}), validated against the spec (see module doc)."""
     try:
@@ -146,16 +121,16 @@ def resolve_rows(spec: BridgeSpec, tensors: TMapping[str, Tuple[Shape, torch.dty
         if len(dtypes) > 1:
             bad.append(f"{', '.join(r.hf)} mix dtypes {sorted(map(str, dtypes))}")
             continue
+        hf_shapes = [tuple(tensors[h][0]) for h in r.hf]
         try:
-            with _MetaShapes():
-                g = r.mapping.to_global([_meta(*tensors[h]) for h in r.hf], shapes)
-        except (ValueError, RuntimeError) as e:
-            bad.append(f"{', '.join(r.hf)} {[list(tensors[h][0]) for h in r.hf]}: {e}")
+            g = out_shape(r.mapping.transform.blocks(hf_shapes, FULL, shapes), hf_shapes)
+        except ValueError as e:
+            bad.append(f"{', '.join(r.hf)} {[list(x) for x in hf_shapes]}: {e}")
             continue
         expected = megatron_shape(r.megatron, spec, shapes.padded_vocab_size)
-        if expected is not None and tuple(g.shape) != expected:
-            bad.append(f"{', '.join(r.hf)} {[list(tensors[h][0]) for h in r.hf]}: {r.megatron} would be "
-                       f"{list(g.shape)}, the config implies {list(expected)}")
+        if expected is not None and g != expected:
+            bad.append(f"{', '.join(r.hf)} {[list(x) for x in hf_shapes]}: {r.megatron} would be "
+                       f"{list(g)}, the config implies {list(expected)}")
     if bad:
         raise UserError(f"{where}: {len(bad)} tensor shape(s) disagree with config.json "
                         f"(hidden_size={spec.hidden_size}, heads={spec.num_attention_heads}/{spec.num_query_groups}, "
@@ -164,14 +139,13 @@ def resolve_rows(spec: BridgeSpec, tensors: TMapping[str, Tuple[Shape, torch.dty
     return rows
 
 
-def check_layout_shards(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved],
-                        tensors: TMapping[str, Tuple[Shape, torch.dtype]]) -> None:
-    """Every row must split over the layout (run on meta tensors: nothing is read)."""
+def check_layout_shards(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], tensors: Tensors) -> None:
+    """Every row must split over the layout (rank 0's blocks, from shapes: nothing is read)."""
+    shapes = spec.shapes(layout.tp)
     bad = []
     for r in rows:
         try:
-            with _MetaShapes():
-                shard_of(r, [_meta(*tensors[h]) for h in r.hf], spec, layout, Coords())
+            r.mapping.transform.blocks([tensors[h][0] for h in r.hf], shard_for(r, layout, Coords()), shapes)
         except ValueError as e:
             bad.append(f"{r.megatron}: {e}")
     if bad:

@@ -26,13 +26,11 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
 from megatron_bridge.bridge.loader import IGNORED_HF_SUFFIXES
-from megatron_bridge.bridge.mapping import _ST_DTYPES as ST_DTYPES
+from megatron_bridge.convert.dtypes import BY_ST as ST_DTYPES, DType, dtype_of
 from megatron_bridge.errors import UserError
 
-ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 INDEX = "model.safetensors.index.json"
 
@@ -42,7 +40,7 @@ class TensorInfo:
     """Where one tensor's bytes are: file and absolute [start, end) byte range."""
 
     name: str
-    dtype: torch.dtype
+    dtype: DType
     shape: Tuple[int, ...]
     file: Path
     start: int
@@ -143,7 +141,9 @@ class BufferPool:
     def _free(self, i: int) -> bool:
         return sys.getrefcount(self._bufs[i]) == 2  # the pool's list and getrefcount's argument
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int) -> "torch.Tensor":
+        import torch
+
         if nbytes < self.MIN_BYTES or nbytes > self.cap:
             return torch.empty(nbytes, dtype=torch.uint8)
         with self._lock:
@@ -185,7 +185,7 @@ class PositionedReader:
         if nbytes and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd(path), start, nbytes, os.POSIX_FADV_WILLNEED)
 
-    def read_bytes(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
+    def read_bytes(self, path: Path, start: int, nbytes: int) -> "torch.Tensor":
         buf = self.pool.take(nbytes)
         if nbytes == 0:
             return buf
@@ -198,10 +198,12 @@ class PositionedReader:
             got += k
         return buf
 
-    def read(self, info: TensorInfo) -> torch.Tensor:
+    def read(self, info: TensorInfo) -> "torch.Tensor":
         if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=info.dtype)
-        return self.read_bytes(info.file, info.start, info.nbytes).view(info.dtype).reshape(info.shape)
+            import torch
+
+            return torch.empty(info.shape, dtype=info.dtype.torch)
+        return self.read_bytes(info.file, info.start, info.nbytes).view(info.dtype.torch).reshape(info.shape)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -209,8 +211,15 @@ class PositionedReader:
         self._fds.clear()
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
+def st_name(dtype) -> str:
+    """safetensors' code ("BF16") of a DType or torch.dtype."""
+    return dtype_of(dtype).st
+
+
+def tensor_bytes(t: "torch.Tensor") -> memoryview:
     """The raw bytes of a contiguous CPU tensor (any dtype, bf16 included), without a copy."""
+    import torch
+
     t = t.contiguous()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
@@ -218,13 +227,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 class SafetensorsWriter:
     """One safetensors file whose tensor list is known up front; tensors are written in order."""
 
-    def __init__(self, path: Path, entries: Sequence[Tuple[str, torch.dtype, Sequence[int]]],
+    def __init__(self, path: Path, entries: Sequence[Tuple[str, DType, Sequence[int]]],
                  metadata: Optional[Dict[str, str]] = None):
         header: Dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         pos = 0
         for name, dtype, shape in entries:
             n = prod(shape) * dtype.itemsize
-            header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+            header[name] = {"dtype": st_name(dtype), "shape": list(shape), "data_offsets": [pos, pos + n]}
             pos += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
@@ -232,7 +241,7 @@ class SafetensorsWriter:
         self._f = open(path, "wb")
         self._f.write(struct.pack("<Q", len(raw)) + raw)
 
-    def write(self, name: str, t: torch.Tensor) -> None:
+    def write(self, name: str, t: "torch.Tensor") -> None:
         want = self._entries[self._next]
         if (name, t.dtype, tuple(t.shape)) != (want[0], want[1], tuple(want[2])):
             raise RuntimeError(f"{self.path}: expected {want}, got {name} {t.dtype} {tuple(t.shape)}")
@@ -245,7 +254,7 @@ class SafetensorsWriter:
         self._f.close()
 
 
-def plan_shards(entries: Iterable[Tuple[str, torch.dtype, Sequence[int]]], max_bytes: int) -> List[List[Tuple]]:
+def plan_shards(entries: Iterable[Tuple[str, DType, Sequence[int]]], max_bytes: int) -> List[List[Tuple]]:
     """Split an ordered tensor list into files of at most `max_bytes` (a bigger tensor gets its own)."""
     files: List[List[Tuple]] = [[]]
     size = 0
@@ -260,4 +269,4 @@ def plan_shards(entries: Iterable[Tuple[str, torch.dtype, Sequence[int]]], max_b
 
 
 __all__ = ["TensorInfo", "read_header", "scan_dir", "PositionedReader", "SafetensorsWriter", "plan_shards",
-           "tensor_bytes", "BufferPool", "ST_DTYPES", "ST_NAMES", "INDEX"]
+           "tensor_bytes", "BufferPool", "ST_DTYPES", "st_name", "INDEX"]

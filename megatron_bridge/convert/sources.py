@@ -18,14 +18,14 @@ import json
 import queue
 import threading
 from collections import OrderedDict
+from math import prod
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import torch
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.mapping import Replicated, Resolved
 from megatron_bridge.convert.dist_ckpt import DistReader, location
+from megatron_bridge.convert.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.manifest import Manifest, crc32
 from megatron_bridge.convert.placement import RELEASE, RankFile, Target, all_targets
 from megatron_bridge.convert.rows import producers, resolve_rows
@@ -33,8 +33,8 @@ from megatron_bridge.convert.safetensors_io import PositionedReader, TensorInfo,
 from megatron_bridge.convert.torch_zip import LazyTorchFile
 from megatron_bridge.errors import UserError
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, "source": None}
-TensorTable = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
+DTYPES = {"bf16": BFLOAT16, "fp32": FLOAT32, "fp16": FLOAT16, "source": None}
+TensorTable = Dict[str, Tuple[Tuple[int, ...], DType]]
 PREFETCH_BYTES = 256 * 2**20  # tensors read ahead of the row being written (process memory)
 READ_AHEAD_BYTES = 512 * 2**20  # file ranges announced to the kernel ahead of reading (page cache)
 
@@ -53,7 +53,7 @@ def read_config(path: Path) -> dict:
     return data
 
 
-def parse_dtype(text: str) -> Optional[torch.dtype]:
+def parse_dtype(text: str) -> Optional[DType]:
     if text not in DTYPES:
         raise UserError(f"dtype={text!r}: choose one of {', '.join(DTYPES)} (source keeps each tensor's dtype)")
     return DTYPES[text]
@@ -67,18 +67,18 @@ class Source:
     order: Dict[str, int]  # megatron name -> position in table order (layer, table row, expert)
     tensors: TensorTable
 
-    def __init__(self, dtype: Optional[torch.dtype]):
+    def __init__(self, dtype: Optional[DType]):
         self.dtype = dtype  # None = keep the stored dtype
         self.io = PositionedReader()
         self.checksums: Dict[str, str] = {}  # of the tensors as handed out (after the cast)
 
-    def out_dtype(self, name: str) -> torch.dtype:
+    def out_dtype(self, name: str) -> DType:
         return self.dtype or self.tensors[name][1]
 
     def nbytes(self, row: Resolved) -> int:
-        return sum(torch.Size(self.tensors[h][0]).numel() * self.out_dtype(h).itemsize for h in row.hf)
+        return sum(prod(self.tensors[h][0]) * self.out_dtype(h).itemsize for h in row.hf)
 
-    def _finish(self, names: Sequence[str], tensors: Sequence[torch.Tensor], expected: Dict[str, str]) -> List[torch.Tensor]:
+    def _finish(self, names: Sequence[str], tensors: Sequence["torch.Tensor"], expected: Dict[str, str]) -> List["torch.Tensor"]:
         """Check shapes and stored checksums, cast, record output checksums."""
         out = []
         for name, t in zip(names, tensors):
@@ -90,20 +90,20 @@ class Source:
                 raise UserError(f"{self.where}: tensor {name} does not match its checksum in the manifest: the "
                                 "checkpoint files are corrupted or were modified after conversion")
             if self.dtype is not None and t.dtype != self.dtype:
-                t = t.to(self.dtype)
+                t = t.to(self.dtype.torch)
             if name not in self.checksums:
                 self.checksums[name] = expected[name] if (name in expected and self.dtype in (None, dtype)) else crc32(t)
             out.append(t)
         return out
 
-    def hf_tensors(self, row: Resolved) -> List[torch.Tensor]:
+    def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
         raise NotImplementedError
 
     def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
         """(file, start, length) byte ranges `hf_tensors(row)` will read (for read-ahead)."""
         return []
 
-    def stream(self, rows: Sequence[Resolved], prepare: Optional[Callable[[Resolved, List[torch.Tensor]], Any]] = None,
+    def stream(self, rows: Sequence[Resolved], prepare: Optional[Callable[[Resolved, List["torch.Tensor"]], Any]] = None,
                budget: int = PREFETCH_BYTES) -> Iterator[Tuple[Resolved, Any]]:
         """(row, prepare(row, HF tensors)) in order; a worker thread reads and prepares ahead
         while the caller writes.
@@ -168,7 +168,7 @@ class Source:
 class HFSource(Source):
     """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
 
-    def __init__(self, path: Path, dtype: Optional[torch.dtype], make_vocab_size_divisible_by: int):
+    def __init__(self, path: Path, dtype: Optional[DType], make_vocab_size_divisible_by: int):
         super().__init__(dtype)
         self.where = f"src={path}"
         if (path / "mbr_manifest.json").is_file():
@@ -188,7 +188,7 @@ class HFSource(Source):
         files = {f: i for i, f in enumerate(sorted({v.file for v in self.infos.values()}))}
         self.rows = sorted(rows, key=lambda r: min((files[self.infos[h].file], self.infos[h].start) for h in r.hf))
 
-    def hf_tensors(self, row: Resolved) -> List[torch.Tensor]:
+    def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
         return self._finish(row.hf, [self.io.read(self.infos[h]) for h in row.hf], {})
 
     def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
@@ -198,7 +198,7 @@ class HFSource(Source):
 class _CheckpointSource(Source):
     """Shared by the two checkpoint formats: manifest, rows, checksums."""
 
-    def __init__(self, path: Path, man: Manifest, dtype: Optional[torch.dtype]):
+    def __init__(self, path: Path, man: Manifest, dtype: Optional[DType]):
         super().__init__(dtype)
         self.where, self.man = f"src={path}", man
         man.check_files(path)
@@ -215,11 +215,11 @@ class _CheckpointSource(Source):
 class DistSource(_CheckpointSource):
     """A torch_dist checkpoint: each row is one global tensor, merged back to HF as one shard."""
 
-    def __init__(self, path: Path, man: Manifest, dtype: Optional[torch.dtype]):
+    def __init__(self, path: Path, man: Manifest, dtype: Optional[DType]):
         super().__init__(path, man, dtype)
         self.reader = DistReader(path / RELEASE, self.io)
 
-    def hf_tensors(self, row: Resolved) -> List[torch.Tensor]:
+    def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
         src = self.producer[row.hf]  # the tied output layer reads the embedding's tensor
         g = self.reader.read(location(src.megatron, self.spec))
         return self._finish(src.hf, src.mapping.merge([g], self.shapes), self.expected)
@@ -234,7 +234,7 @@ class TorchSource(_CheckpointSource):
 
     MAX_OPEN = 64
 
-    def __init__(self, path: Path, man: Manifest, dtype: Optional[torch.dtype]):
+    def __init__(self, path: Path, man: Manifest, dtype: Optional[DType]):
         super().__init__(path, man, dtype)
         self.root = path
         if self.layout.etp not in (None, self.layout.tp):
@@ -251,7 +251,7 @@ class TorchSource(_CheckpointSource):
                 self._files.popitem(last=False)
         return self._files[f]
 
-    def _read(self, t: Target) -> torch.Tensor:
+    def _read(self, t: Target) -> "torch.Tensor":
         obj = self._file(t.file).obj
         try:
             ref = obj[t.chunk][t.local]
@@ -270,7 +270,7 @@ class TorchSource(_CheckpointSource):
             replica = sorted((t for t in targets if t.coords.ep_rank == 0), key=lambda t: t.coords.tp_rank)
         return src, replica[:1] if isinstance(src.mapping.transform, Replicated) else replica
 
-    def hf_tensors(self, row: Resolved) -> List[torch.Tensor]:
+    def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
         src, replica = self._replica(row)
         shards = [self._read(t) for t in replica]
         return self._finish(src.hf, src.mapping.merge(shards, self.shapes), self.expected)
@@ -285,7 +285,7 @@ class TorchSource(_CheckpointSource):
         return out
 
 
-def open_checkpoint(path: Path, dtype: Optional[torch.dtype]) -> Source:
+def open_checkpoint(path: Path, dtype: Optional[DType]) -> Source:
     man = Manifest.read(path)
     return (DistSource if man.format == "torch_dist" else TorchSource)(path, man, dtype)
 

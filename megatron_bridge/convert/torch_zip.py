@@ -1,43 +1,83 @@
-"""`torch.save` files written and read one tensor at a time.
+"""`torch.save` files written and read one tensor at a time, the writer without torch.
 
-Megatron's classic checkpoints are one `torch.save` zip per rank (`model_optim_rng.pt`).
-`torch.save` needs the whole object in memory, and `torch.load` either reads it all or
-mmaps it (touched pages then count in the RSS until the file is closed). A rank file can
-hold a whole pipeline stage, so both would break the converter's memory bound.
+Megatron's classic checkpoints are one `torch.save` zip per rank (`model_optim_rng.pt`),
+and each chunk of a torch_dist `.distcp` file is a `torch.save` archive too. `torch.save`
+needs the whole object in memory, and `torch.load` either reads it all or mmaps it (touched
+pages then count in the RSS until the file is closed). A rank file can hold a whole
+pipeline stage, so both would break the converter's memory bound.
 
 The zip format makes streaming easy: each tensor's bytes are a separate record
 (`data/<key>`), and the pickle (`data.pkl`) only refers to records by key. The writer
-stores each tensor's record as soon as it arrives and keeps a small stub; the pickle that
-ties the stubs into the state dict is written last. The reader unpickles with stubs in
-place of storages (an allowlist of globals, as `weights_only` loading has) and reads one
-record with one positioned read when asked. Files are ordinary `torch.save` files:
-`torch.load(path, weights_only=True)` reads them (with `argparse.Namespace` allowlisted
-when they carry Megatron's `args`).
+stores each tensor's record as soon as it arrives (or reserves it, for a caller that fills
+it with `os.copy_file_range`) and keeps a small stub; the pickle that ties the stubs into
+the state dict is written last. The reader unpickles with stubs in place of storages (an
+allowlist of globals, as `weights_only` loading has) and reads one record with one
+positioned read when asked. Files are ordinary `torch.save` files: `torch.load(path,
+weights_only=True)` reads them (with `argparse.Namespace` allowlisted when they carry
+Megatron's `args`).
+
+The writer is plain Python (`import torch` costs ~1.3 s, a conversion is mostly byte
+moves). It writes what torch's own writer (`PyTorchFileWriter`, miniz, CRC-32 off) writes,
+byte for byte but for the serialization id, so every reader of torch files reads them:
+
+- records `<archive>/data/<key>` in `add` order, then `data.pkl`, `.format_version` ("1"),
+  `.storage_alignment` ("64"), `byteorder`, `version` ("3\\n"), `.data/serialization_id`;
+  `<archive>` is the file name up to its last dot, or "archive" for an open file;
+- all STORED, DOS time 0, flags 0x808 (UTF-8 names, data descriptor) or 0x800 when empty;
+  CRC-32 fields 0 (torch's compute_crc32=False; torch.load does not check them, and
+  mbr_manifest.json carries checksums of every tensor instead; Python's `zipfile` refuses
+  such members, as it refuses torch's);
+- each record's data starts 64-byte aligned (relative to the archive's start): the local
+  header's extra field "FB" is padding of 'Z's;
+- zip64 as miniz writes it: a zip64 extra field (local and central) for a record of
+  >= 0xFFFFFFFF bytes or at an offset >= 0xFFFFFFFF, with a 64-bit data descriptor, and
+  always the zip64 end-of-central-directory record and locator.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import fcntl
+import hashlib
 import io
+import os
 import pickle
+import struct
 import sys
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
-from typing import Any, BinaryIO, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, List, Optional, Sequence, Tuple, Union
 
-import torch
-
-from megatron_bridge.convert.safetensors_io import PositionedReader
+from megatron_bridge.convert.dtypes import BY_NAME, DType, dtype_of
+from megatron_bridge.convert.pickling import Global, TorchPickler
 from megatron_bridge.errors import UserError
 
-_STORAGE_DTYPE = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_bridge.convert.safetensors_io import PositionedReader
+
+ALIGN = 64  # what torch.save writes (`.storage_alignment`); mmap-loading needs it
+_STORAGE_TYPE = {"float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
+                 "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
+                 "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
+_STORAGE_DTYPE = {storage: BY_NAME[name] for name, storage in _STORAGE_TYPE.items()}
+_REBUILD_TENSOR = Global("torch._utils", "_rebuild_tensor_v2")
+
+_U32 = 0xFFFFFFFF
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # signature .. extra field length: 30 bytes
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_ZIP64_END = struct.Struct("<IQHHIIQQQQ")
+_ZIP64_LOCATOR = struct.Struct("<IIQI")
+_END = struct.Struct("<IHHHHIIH")
 
 
 @dataclass(frozen=True)
 class StorageRef:
     key: str
-    dtype: torch.dtype
+    dtype: DType
     numel: int
 
 
@@ -51,64 +91,169 @@ class TensorRef:
     stride: Tuple[int, ...]
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> DType:
         return self.storage.dtype
 
-    def __reduce_ex__(self, protocol):  # pickles exactly as torch pickles a CPU tensor
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, self.offset, self.shape, self.stride, False, collections.OrderedDict()))
+
+def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
+    """Strides of a contiguous tensor of `shape`, as torch computes them (0-sized dims count as 1)."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
 
 
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj):
-        if isinstance(obj, StorageRef):
-            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
-            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+class _Pickler(TorchPickler):
+    """Pickles `TensorRef`s exactly as `torch.save` pickles CPU tensors."""
+
+    dispatch = TorchPickler.dispatch.copy()
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is StorageRef:
+            return ("storage", Global("torch", _STORAGE_TYPE[obj.dtype.name]), obj.key, "cpu", obj.numel)
         return None
+
+    def save_tensor(self, t: TensorRef) -> None:
+        args = (t.storage, t.offset, tuple(t.shape), tuple(t.stride), False, collections.OrderedDict())
+        self.save_call(_REBUILD_TENSOR, args, t)
+
+    dispatch[TensorRef] = save_tensor
+
+
+def _pwrite_all(fd: int, bufs: List[Any], offset: int) -> None:
+    """`os.pwritev` until every byte is out (one call writes at most ~2 GiB on Linux)."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while views:
+        n = os.pwritev(fd, views, offset)
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][n:]
+
+
+def _zip64_extra(size: Optional[int], offset: Optional[int]) -> bytes:
+    """miniz's zip64 extended information field: (uncompressed, compressed) size, offset."""
+    body = struct.pack("<QQ", *size) if size is not None else b""
+    body += struct.pack("<Q", offset) if offset is not None else b""
+    return struct.pack("<HH", 1, len(body)) + body
 
 
 class StreamingTorchSave:
     """Write a `torch.save`-compatible file tensor by tensor; `finish(obj)` pickles `obj`, a
-    nested structure holding the `TensorRef`s that `add` returned.
+    nested structure holding the `TensorRef`s that `add` / `reserve` returned.
 
-    crc32=False: the zip's per-record CRC costs ~0.4 GB/s of one core (miniz), more than the
-    rest of a conversion; torch.load does not check it, and mbr_manifest.json carries
-    end-to-end checksums of every tensor instead."""
+    Given an open file, the archive is appended at its position (a DCP item): offsets
+    inside the zip count from there, as torch's writer does for a stream, and the file's
+    position is left at the archive's end by `finish`."""
 
-    def __init__(self, path: Union[Path, BinaryIO], crc32: bool = False):
-        if isinstance(path, Path):
+    def __init__(self, path: Union[Path, BinaryIO]):
+        if isinstance(path, (str, os.PathLike)):
+            path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.path = path
-            self._w = torch._C.PyTorchFileWriter(str(path), crc32, 64)
-        else:  # an open file: the archive is appended at its position (a DCP item)
-            self.path = Path(path.name)
-            self._w = torch._C.PyTorchFileWriter(path, crc32, 64)
+            self.path, self._file, self._own = path, open(path, "wb", buffering=0), True
+            stem = path.name[:path.name.rfind(".")] if "." in path.name else path.name
+            self._prefix = (stem or "archive") + "/"  # torch's basename()
+        else:
+            path.flush()
+            self.path, self._file, self._own = Path(path.name), path, False
+            self._prefix = "archive/"
+        self._fd = self._file.fileno()
+        if fcntl.fcntl(self._fd, fcntl.F_GETFL) & os.O_APPEND:
+            raise ValueError(f"{self.path}: opened for appending; positioned writes would land at its end")
+        self._base = self._file.tell()  # the archive's start in the OS file
+        self._pos = 0  # the next record's offset in the archive
+        self._central: List[bytes] = []
+        self._names: List[str] = []
         self._n = 0
 
-    def add(self, t: torch.Tensor) -> TensorRef:
-        t = t.detach().contiguous()
-        if t.untyped_storage().nbytes() != t.nbytes:  # a view of a bigger tensor: store only its bytes
-            t = t.clone()
+    def fileno(self) -> int:
+        return self._fd
+
+    def _record(self, name: str, size: int, data: Any = None) -> int:
+        """Write one record's local header (and `data`, if given) and data descriptor;
+        returns the absolute file offset of its data. Mirrors miniz's
+        mz_zip_writer_add_mem_ex_v2 with torch's alignment padding."""
+        full = (self._prefix + name).encode("utf-8")
+        ofs = self._pos
+        big_size, big_ofs = size >= _U32, ofs >= _U32
+        zip64 = big_size or big_ofs
+        local64 = _zip64_extra((size, 0) if big_size else None, ofs if big_ofs else None) if zip64 else b""
+        pad = -(ofs + _LOCAL.size + len(full) + len(local64) + 4) % ALIGN
+        extra = local64 + b"FB" + struct.pack("<H", pad) + b"Z" * pad
+        flags = 0x0808 if size else 0x0800  # UTF-8 name; a data descriptor follows non-empty data
+        header = _LOCAL.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0, len(full), len(extra)) + full + extra
+        descriptor = b""
+        if size:
+            descriptor = struct.pack("<II", 0x08074B50, 0) + struct.pack("<QQ" if zip64 else "<II", size, size)
+        start = self._base + ofs + len(header)
+        if data is None:  # reserved: the caller fills [start, start + size)
+            _pwrite_all(self._fd, [header], self._base + ofs)
+            _pwrite_all(self._fd, [descriptor], start + size)
+        else:
+            _pwrite_all(self._fd, [header, data, descriptor], self._base + ofs)
+        central64 = _zip64_extra((size, size) if big_size else None, ofs if big_ofs else None) if zip64 else b""
+        self._central.append(_CENTRAL.pack(0x02014B50, 0, 0, flags, 0, 0, 0, 0, min(size, _U32), min(size, _U32),
+                                           len(full), len(central64), 0, 0, 0, 0, min(ofs, _U32)) + full + central64)
+        self._names.append(name)
+        self._pos = ofs + len(header) + size + len(descriptor)
+        return start
+
+    def _ref(self, dtype: Any, shape: Sequence[int]) -> TensorRef:
         key = str(self._n)
         self._n += 1
-        self._w.write_record(f"data/{key}", t.untyped_storage(), t.nbytes)
-        stride = tuple(t.stride()) if t.dim() else ()
-        return TensorRef(StorageRef(key, t.dtype, t.numel()), 0, tuple(t.shape), stride)
+        shape = tuple(int(n) for n in shape)
+        return TensorRef(StorageRef(key, dtype_of(dtype), prod(shape)), 0, shape, contiguous_stride(shape))
+
+    def add(self, t: "torch.Tensor") -> TensorRef:
+        """Store `t`'s values (only its own bytes, even for a view of a bigger tensor)."""
+        import torch
+
+        t = t.detach().contiguous()
+        ref = self._ref(t.dtype, t.shape)
+        data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        self._record(f"data/{ref.storage.key}", t.nbytes, data)
+        return ref
+
+    def reserve(self, nbytes: int, dtype: Any, shape: Tuple[int, ...]) -> Tuple[TensorRef, int]:
+        """Make room for a contiguous tensor that the caller writes itself: returns its
+        `TensorRef` and the absolute offset in `fileno()` where exactly `nbytes` bytes go
+        (`os.pwrite`, `os.copy_file_range`). Until then the record reads as zeros."""
+        if nbytes != prod(shape) * dtype_of(dtype).itemsize:
+            raise ValueError(f"{nbytes} bytes do not hold a {dtype} tensor of shape {list(shape)}")
+        ref = self._ref(dtype, shape)
+        return ref, self._record(f"data/{ref.storage.key}", nbytes)
 
     def finish(self, obj: Any) -> None:
         buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(obj)
-        data = buf.getvalue()
-        self._w.write_record("data.pkl", data, len(data))
-        self._w.write_record(".format_version", "1", 1)
-        self._w.write_record(".storage_alignment", "64", 2)
-        self._w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        self._w.write_end_of_file()
-        del self._w
+        _Pickler(buf).dump(obj)
+        pkl = buf.getvalue()
+        self._record("data.pkl", len(pkl), pkl)
+        for name, value in ((".format_version", b"1"), (".storage_alignment", str(ALIGN).encode()),
+                            ("byteorder", sys.byteorder.encode()), ("version", b"3\n")):
+            self._record(name, len(value), value)
+        # torch hashes the record names and CRCs; without CRCs, the names and the pickle
+        # (which lists every record's size and dtype) give an id as deterministic as torch's
+        h = hashlib.blake2b("\n".join(self._names).encode() + pkl, digest_size=16)
+        self._record(".data/serialization_id", 40, f"{int.from_bytes(h.digest(), 'big'):040d}".encode())
+        central = b"".join(self._central)
+        at, n = self._pos, len(self._central)
+        end64 = _ZIP64_END.pack(0x06064B50, _ZIP64_END.size - 12, 0x031E, 0x002D, 0, 0, n, n, len(central), at)
+        locator = _ZIP64_LOCATOR.pack(0x07064B50, 0, at + len(central), 1)
+        end = _END.pack(0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF), min(len(central), _U32), min(at, _U32), 0)
+        _pwrite_all(self._fd, [central, end64, locator, end], self._base + at)
+        self._pos = at + len(central) + len(end64) + len(locator) + len(end)
+        if self._own:
+            self._file.close()
+        else:
+            self._file.seek(self._base + self._pos)
 
 
 class _StubUnpickler(pickle.Unpickler):
-    """Unpickles a torch.save pickle into TensorRefs; refuses any global outside the allowlist."""
+    """Unpickles a torch.save pickle into TensorRefs; refuses any global outside the allowlist.
+    dtypes come back as `DType`s."""
 
     SAFE = {("collections", "OrderedDict"): collections.OrderedDict, ("argparse", "Namespace"): argparse.Namespace,
             ("torch._utils", "_rebuild_tensor_v2"): lambda s, o, size, stride, *rest: TensorRef(s, o, tuple(size), tuple(stride))}
@@ -118,8 +263,16 @@ class _StubUnpickler(pickle.Unpickler):
             return self.SAFE[(module, name)]
         if module == "torch" and name in _STORAGE_DTYPE:
             return _STORAGE_DTYPE[name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if module == "torch" and name in BY_NAME:
+            return BY_NAME[name]
+        if module == "torch":  # a dtype outside DType's table (complex, quantized): torch's own
+            import torch
+
+            by_storage = {storage: d for d, storage in torch.storage._dtype_to_storage_type_map().items()}
+            if name in by_storage:
+                return by_storage[name]
+            if isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
         raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
 
     def persistent_load(self, pid):
@@ -165,7 +318,9 @@ class LazyTorchFile:
     """Random access to the tensors of a torch.save zip (a whole file, or the byte range
     [start, start + length) of one), one positioned read per tensor."""
 
-    def __init__(self, path: Path, reader: PositionedReader, start: int = 0, length: Optional[int] = None):
+    def __init__(self, path: Path, reader: "PositionedReader", start: int = 0, length: Optional[int] = None):
+        import torch
+
         self.path, self._io = path, reader
         region = _Region(path, start, length) if length is not None else None
         try:
@@ -184,13 +339,14 @@ class LazyTorchFile:
         """(file, start, length) of a tensor's record."""
         return self.path, self._offsets.get(ref.storage.key, 0), ref.storage.numel * ref.dtype.itemsize
 
-    def read(self, ref: TensorRef) -> torch.Tensor:
+    def read(self, ref: TensorRef) -> "torch.Tensor":
         if ref.storage.key not in self._offsets:
             raise UserError(f"{self.path}: record data/{ref.storage.key} is missing (corrupt checkpoint)")
         nbytes = ref.storage.numel * ref.dtype.itemsize
-        raw = self._io.read_bytes(self.path, self._offsets[ref.storage.key], nbytes).view(ref.dtype)
+        dtype = ref.dtype.torch if isinstance(ref.dtype, DType) else ref.dtype
+        raw = self._io.read_bytes(self.path, self._offsets[ref.storage.key], nbytes).view(dtype)
         t = raw.as_strided(ref.shape, ref.stride, ref.offset)
         return t if t.numel() == raw.numel() else t.clone()
 
 
-__all__ = ["StreamingTorchSave", "LazyTorchFile", "TensorRef", "StorageRef"]
+__all__ = ["StreamingTorchSave", "LazyTorchFile", "TensorRef", "StorageRef", "contiguous_stride", "ALIGN"]

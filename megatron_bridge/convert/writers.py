@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
-
-import torch
+from math import prod
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.bridge.loader import Coords, shard_of
-from megatron_bridge.bridge.mapping import Resolved
+from megatron_bridge.bridge.loader import Coords, shard_for, shard_of
+from megatron_bridge.bridge.mapping import FULL, Resolved
+from megatron_bridge.convert.dtypes import DType
+from megatron_bridge.convert.direct import DirectCopy
 from megatron_bridge.convert.dist_ckpt import DistWriter, extra_state_location, location
 from megatron_bridge.convert.placement import (
     RELEASE, TRACKER, RankFile, chunk_key, chunk_state_dict, common_state, megatron_args, stage_coords, stage_targets,
@@ -39,15 +40,16 @@ from megatron_bridge.convert.writeback import Writeback
 Advance = Callable[[int, int], None]  # (tensors, bytes)
 
 
-def _main_dtype(source: Source) -> torch.dtype:
-    sizes: Dict[torch.dtype, int] = {}
+def main_dtype(source: Source) -> DType:
+    """The dtype holding most bytes (Megatron's `params_dtype` in the stored args)."""
+    sizes: Dict[DType, int] = {}
     for name, (shape, _) in source.tensors.items():
         d = source.out_dtype(name)
-        sizes[d] = sizes.get(d, 0) + torch.Size(shape).numel() * d.itemsize
+        sizes[d] = sizes.get(d, 0) + prod(shape) * d.itemsize
     return max(sizes, key=sizes.get)
 
 
-def compact(t: torch.Tensor) -> torch.Tensor:
+def compact(t: "torch.Tensor") -> "torch.Tensor":
     """Contiguous and owning exactly its bytes (a file record stores the whole storage)."""
     t = t.detach().contiguous()
     return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
@@ -67,23 +69,35 @@ class DistOut:
         rows = _exported(source)
         return sum(len(r.hf) for r in rows), sum(source.nbytes(r) for r in rows)
 
-    def write(self, root: Path, source: Source, advance: Advance) -> None:
-        w = DistWriter(root / RELEASE)
+    def _tensors(self, source: Source, w: DistWriter) -> Iterator[Tuple[Resolved, int]]:
         shapes = self.spec.shapes(self.layout.tp)
 
-        def to_global(row: Resolved, hf: List[torch.Tensor]) -> torch.Tensor:  # runs on the read-ahead thread
+        def to_global(row: Resolved, hf: List["torch.Tensor"]) -> "torch.Tensor":  # runs on the read-ahead thread
             return compact(row.mapping.to_global(hf, shapes))
 
-        with Writeback() as wb:
-            for row, g in source.stream(_exported(source), to_global):
-                w.add_tensor(location(row.megatron, self.spec), g)
+        for row, g in source.stream(_exported(source), to_global):
+            w.add(location(row.megatron, self.spec), g.dtype, tuple(g.shape), lambda item, shape: item.add(g.reshape(shape)))
+            yield row, g.nbytes
+            del g
+
+    def _direct(self, direct: DirectCopy, w: DistWriter) -> Iterator[Tuple[Resolved, int]]:
+        shapes = self.spec.shapes(self.layout.tp)
+        for row in _exported(direct.source):
+            dtype, shape = direct.shard_info(row, FULL, shapes)
+            w.add(location(row.megatron, self.spec), dtype, shape,
+                  lambda item, shape: direct.write(row, FULL, shapes, item, shape)[0])
+            yield row, prod(shape) * dtype.itemsize
+
+    def write(self, root: Path, source: Source, advance: Advance) -> None:
+        w = DistWriter(root / RELEASE)
+        with DirectCopy.open(source) as direct, Writeback() as wb:
+            for row, nbytes in (self._direct(direct, w) if direct else self._tensors(source, w)):
                 extra = extra_state_location(row.megatron, self.spec)
                 if extra is not None:
                     w.add_object(extra)
                 advance(len(row.hf), source.nbytes(row))
-                wb.wrote((w.path,), g.nbytes)
-                del g
-        w.finish(common_state(megatron_args(self.spec, self.layout, _main_dtype(source), self.format)))
+                wb.wrote((w.path,), nbytes)
+        w.finish(common_state(megatron_args(self.spec, self.layout, main_dtype(source), self.format)))
         (root / TRACKER).write_text("release")
 
 
@@ -107,40 +121,55 @@ class TorchOut:
             b += sum(source.nbytes(r) for r in rows)
         return n, b
 
+    def _tensors(self, source: Source, rows: List[Resolved], targets: Dict, files: Dict) -> Iterator[Tuple]:
+        def split(row: Resolved, hf: List["torch.Tensor"]) -> List[Tuple[object, "torch.Tensor"]]:
+            done: Dict[Tuple[bool, int], "torch.Tensor"] = {}  # dense rows: one shard per tp rank, all EP files
+            out = []
+            for t in targets[row.megatron]:
+                key = (row.mapping.is_expert, t.coords.etp_rank if row.mapping.is_expert else t.coords.tp_rank)
+                if key not in done:
+                    done[key] = compact(shard_of(row, hf, self.spec, self.layout, t.coords))
+                out.append((t, done[key]))
+            return out
+
+        for row, shards in source.stream(rows, split):
+            yield row, [(t, files[t.file].add(x), x.nbytes) for t, x in shards]
+            del shards
+
+    def _direct(self, direct: DirectCopy, rows: List[Resolved], targets: Dict, files: Dict) -> Iterator[Tuple]:
+        shapes = self.spec.shapes(self.layout.tp)
+        for row in rows:
+            out = []
+            for t in targets[row.megatron]:
+                ref, nbytes = direct.write(row, shard_for(row, self.layout, t.coords), shapes, files[t.file])
+                out.append((t, ref, nbytes))
+            yield row, out
+
     def write(self, root: Path, source: Source, advance: Advance) -> None:
-        args = megatron_args(self.spec, self.layout, _main_dtype(source), self.format)
-        for pp, targets in self._stages(source):
-            files: Dict[RankFile, StreamingTorchSave] = {}
-            chunks: Dict[RankFile, Dict[str, Dict[str, Tuple[int, object]]]] = {}
-            for c in stage_coords(self.layout, pp):  # every file and chunk exists, even if empty
-                f = RankFile(c.tp_rank, pp, c.ep_rank)
-                if f not in files:
-                    files[f] = StreamingTorchSave(root / f.relpath(self.layout))
-                chunks.setdefault(f, {})[chunk_key(self.layout, c.vp_stage)] = {}
-
-            def split(row: Resolved, hf: List[torch.Tensor]) -> List[Tuple[object, torch.Tensor]]:
-                done: Dict[Tuple[bool, int], torch.Tensor] = {}  # dense rows: one shard per tp rank, all EP files
-                out = []
-                for t in targets[row.megatron]:
-                    key = (row.mapping.is_expert, t.coords.etp_rank if row.mapping.is_expert else t.coords.tp_rank)
-                    if key not in done:
-                        done[key] = compact(shard_of(row, hf, self.spec, self.layout, t.coords))
-                    out.append((t, done[key]))
-                return out
-
-            with Writeback() as wb:
-                for row, shards in source.stream([r for r in source.rows if r.megatron in targets], split):
-                    for t, shard in shards:
-                        chunks[t.file][t.chunk][t.local] = (source.order[row.megatron], files[t.file].add(shard))
-                    advance(len(row.hf), source.nbytes(row))
-                    wb.wrote({files[t.file].path for t, _ in shards}, sum(x.nbytes for _, x in shards))
-                    del shards
-            for f, w in files.items():
-                obj: Dict[str, object] = dict(common_state(args))
-                for ck, entries in chunks[f].items():
-                    vp = None if ck == "model" else int(ck[len("model"):])
-                    obj[ck] = chunk_state_dict(entries, Coords(pp_rank=pp, vp_stage=vp).post_process(self.layout))
-                w.finish(obj)
+        args = megatron_args(self.spec, self.layout, main_dtype(source), self.format)
+        with DirectCopy.open(source) as direct:
+            for pp, targets in self._stages(source):
+                files: Dict[RankFile, StreamingTorchSave] = {}
+                chunks: Dict[RankFile, Dict[str, Dict[str, Tuple[int, object]]]] = {}
+                for c in stage_coords(self.layout, pp):  # every file and chunk exists, even if empty
+                    f = RankFile(c.tp_rank, pp, c.ep_rank)
+                    if f not in files:
+                        files[f] = StreamingTorchSave(root / f.relpath(self.layout))
+                    chunks.setdefault(f, {})[chunk_key(self.layout, c.vp_stage)] = {}
+                rows = [r for r in source.rows if r.megatron in targets]
+                made = self._direct(direct, rows, targets, files) if direct else self._tensors(source, rows, targets, files)
+                with Writeback() as wb:
+                    for row, shards in made:
+                        for t, ref, _ in shards:
+                            chunks[t.file][t.chunk][t.local] = (source.order[row.megatron], ref)
+                        advance(len(row.hf), source.nbytes(row))
+                        wb.wrote({files[t.file].path for t, _, _ in shards}, sum(n for _, _, n in shards))
+                for f, w in files.items():
+                    obj: Dict[str, object] = dict(common_state(args))
+                    for ck, entries in chunks[f].items():
+                        vp = None if ck == "model" else int(ck[len("model"):])
+                        obj[ck] = chunk_state_dict(entries, Coords(pp_rank=pp, vp_stage=vp).post_process(self.layout))
+                    w.finish(obj)
         (root / TRACKER).write_text("release")
 
 
@@ -177,7 +206,7 @@ class HFOut:
                 del hf
             if current is not None:
                 current.close()
-        total = sum(torch.Size(e[2]).numel() * e[1].itemsize for e in entries)
+        total = sum(prod(e[2]) * e[1].itemsize for e in entries)
         weight_map = {e[0]: names[where[e[0]]] for e in sorted(entries)}
         (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 

@@ -145,17 +145,17 @@ def test_failure_mid_write_leaves_nothing(monkeypatch, capsys, tmp_path, llama):
     from megatron_bridge.convert import dist_ckpt
 
     calls = {"n": 0}
-    real = dist_ckpt.DistWriter.add_tensor
+    real = dist_ckpt.DistWriter.add
 
-    def flaky(self, loc, t):
+    def flaky(self, *args):
         calls["n"] += 1
         if calls["n"] == 10:
             raise OSError(28, "No space left on device")
-        return real(self, loc, t)
+        return real(self, *args)
 
-    monkeypatch.setattr(dist_ckpt.DistWriter, "add_tensor", flaky)
+    monkeypatch.setattr(dist_ckpt.DistWriter, "add", flaky)
     refused(capsys, "convert", f"src={llama}", f"dst={tmp_path / 'o'}", match="No space left on device")
-    monkeypatch.setattr(dist_ckpt.DistWriter, "add_tensor", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(dist_ckpt.DistWriter, "add", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     assert mbr(["convert", f"src={llama}", f"dst={tmp_path / 'o'}", "progress=off"]) == 130  # Ctrl-C
     assert not [p for p in tmp_path.iterdir() if p.name.startswith((".o.", "o"))]
 

@@ -1,0 +1,149 @@
+"""The byte-move conversion (`convert/direct.py`) against the tensor path it replaces.
+
+`mbr convert` from an HF directory without a dtype cast lays shards out straight from the
+safetensors bytes (copy_file_range, gathered writes, zero rows). The tensor path (read,
+`Mapping.shard`, `torch.save`-format records) still serves casts, export and reshard, and
+`MBR_CONVERT_DIRECT=0` forces it, so the two are compared file by file here: every output
+byte must be the same (only DCP's random `save_id` and the manifest's paths differ), for
+layouts that exercise each transform's blocks — fused QKV with whole and split KV groups,
+row-parallel bands, vocab padding rows, experts over EP, virtual pipeline chunks. The
+torch_dist metadata, pickled torch-free from stand-ins, must load into torch's own classes
+equal to what torch builds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bridge.cli import main as mbr
+from megatron_bridge.convert import direct
+
+CASES = [
+    ("llama", ["format=torch", "parallel.tp=2", "parallel.pp=2"]),
+    ("llama", ["format=torch", "parallel.tp=4"]),  # 2 KV groups over 4 ranks: half a group each
+    ("llama", ["format=torch", "parallel.pp=2", "parallel.vpp=2", "parallel.tp=2"]),
+    ("qwen2", ["format=torch", "parallel.tp=2"]),  # qkv biases: 1-D fused blocks
+    ("mixtral", ["format=torch", "parallel.ep=2", "parallel.tp=2"]),
+    ("llama", ["format=torch_dist"]),
+    ("qwen2_moe", ["format=torch_dist"]),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    base = tmp_path_factory.mktemp("hf")
+    return {f: make_tiny(f, base / f) for f in ("llama", "qwen2", "mixtral", "qwen2_moe")}
+
+
+def convert(src: Path, dst: Path, args, monkeypatch, direct_on: bool) -> None:
+    monkeypatch.setattr(direct, "ENABLED", direct_on)
+    assert mbr(["convert", f"src={src}", f"dst={dst}", "progress=off", *args]) == 0
+
+
+def dcp_metadata(path: Path):
+    md = pickle.loads(path.read_bytes())
+    md.storage_meta.save_id = None
+    return md
+
+
+def assert_same_output(a: Path, b: Path) -> None:
+    files_a = sorted(str(p.relative_to(a)) for p in a.rglob("*") if p.is_file())
+    assert files_a == sorted(str(p.relative_to(b)) for p in b.rglob("*") if p.is_file())
+    for rel in files_a:
+        if rel.endswith(".metadata"):
+            assert dcp_metadata(a / rel) == dcp_metadata(b / rel), rel
+        elif rel == "mbr_manifest.json":
+            ma, mb = (json.loads((d / rel).read_text()) for d in (a, b))
+            assert ma["tensors"] == mb["tensors"] and ma["files"] == mb["files"]
+        else:
+            assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize("family,args", CASES, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES])
+def test_direct_equals_tensor_path(tiny, tmp_path, monkeypatch, family, args):
+    convert(tiny[family], tmp_path / "direct", args, monkeypatch, True)
+    convert(tiny[family], tmp_path / "tensors", args, monkeypatch, False)
+    assert_same_output(tmp_path / "direct", tmp_path / "tensors")
+
+
+def test_user_space_fallback(tiny, tmp_path, monkeypatch):
+    """Where copy_file_range is refused (another filesystem, an old kernel), the same bytes
+    are copied through user space."""
+    import errno
+
+    def refuse(*_):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(direct.os, "copy_file_range", refuse)
+    args = ["format=torch", "parallel.tp=2", "parallel.pp=2"]
+    convert(tiny["llama"], tmp_path / "fallback", args, monkeypatch, True)
+    monkeypatch.undo()
+    convert(tiny["llama"], tmp_path / "tensors", args, monkeypatch, False)
+    assert_same_output(tmp_path / "fallback", tmp_path / "tensors")
+
+
+def test_pieces_of_blocks():
+    """Row ranges become one contiguous span, column bands a strided band, padding zeros."""
+    from megatron_bridge.bridge.mapping import COLUMN, ROW, VOCAB, Shapes, Shard
+    from megatron_bridge.convert.dtypes import BFLOAT16
+    from megatron_bridge.convert.safetensors_io import TensorInfo
+
+    w = TensorInfo("w", BFLOAT16, (8, 6), Path("f"), 100, 100 + 8 * 6 * 2)
+    shapes = Shapes(num_attention_heads=2, num_query_groups=1, head_dim=3, vocab_size=8, padded_vocab_size=12)
+    assert direct.pieces(COLUMN.blocks([w.shape], Shard(1, 2), shapes), [w]) == [direct.Span(Path("f"), 148, 48)]
+    assert direct.pieces(ROW.blocks([w.shape], Shard(1, 2), shapes), [w]) == [direct.Band(Path("f"), 100, 8, 12, 6, 12)]
+    assert direct.pieces(VOCAB.blocks([w.shape], Shard(1, 2), shapes), [w]) == [direct.Span(Path("f"), 172, 24),
+                                                                              direct.Zeros(48)]
+
+
+def test_dcp_metadata_is_torchs(tmp_path):
+    """`.metadata` written from stand-ins loads as torch's own Metadata, equal to the one
+    torch's classes build for the same chunks, and DCP_VERSION is torch's."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from megatron_bridge.convert.dist_ckpt import DCP_VERSION, DistLocation, DistWriter
+
+    assert DCP_VERSION == CURRENT_DCP_VERSION
+    w = DistWriter(tmp_path)
+    t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    for layer in range(2):
+        w.add(DistLocation("decoder.layers.w", (layer,), (2,)), t.dtype, (3, 4), lambda item, shape: item.add(t.reshape(shape)))
+    w.add_object(DistLocation("decoder.layers.x._extra_state", (0,), (2,)))
+    w.finish({"iteration": 0})
+    got = pickle.loads((tmp_path / ".metadata").read_bytes())  # (FileSystemReader would set a load_id)
+    infos = [got.storage_data[k] for k in sorted(got.storage_data, key=lambda k: got.storage_data[k].offset)]
+    chunks = [ChunkStorageMetadata(offsets=torch.Size([i, 0, 0]), sizes=torch.Size([1, 3, 4])) for i in range(2)]
+    want = Metadata(
+        state_dict_metadata={
+            "decoder.layers.w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([2, 3, 4]), chunks),
+            "decoder.layers.x._extra_state/shard_0_2": BytesStorageMetadata()},
+        storage_data={MetadataIndex("decoder.layers.w", torch.Size([0, 0, 0]), 0): _StorageInfo("__0_0.distcp", 0, infos[0].length),
+                      MetadataIndex("decoder.layers.w", torch.Size([1, 0, 0]), 1): _StorageInfo("__0_0.distcp", infos[1].offset, infos[1].length),
+                      MetadataIndex("decoder.layers.x._extra_state/shard_0_2"): _StorageInfo("__0_0.distcp", infos[2].offset, infos[2].length)},
+        storage_meta=StorageMeta(save_id=got.storage_meta.save_id), version=CURRENT_DCP_VERSION)
+    assert got == want
+    assert torch.load(tmp_path / "common.pt", weights_only=True) == {"iteration": 0}
+
+
+def test_convert_never_imports_torch(tiny, tmp_path):
+    """The point of the byte path: `mbr convert` from HF runs without importing torch."""
+    code = ("import sys; from megatron_bridge.cli import main; "
+            f"rc = main(['convert', 'src={tiny['llama']}', 'dst={tmp_path / 'o'}', 'format=torch', 'parallel.tp=2', "
+            "'progress=off']); assert rc == 0, rc; "
+            "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]")
+    env = {k: v for k, v in os.environ.items() if k != "MBR_CONVERT_DIRECT"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
