@@ -24,11 +24,12 @@ import errno
 import os
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from zlib_ng import zlib_ng
 
@@ -144,7 +145,7 @@ class Copier:
             n = min(64 * 2**20, p.nbytes - a)
             os.pwrite(fd, self._read(p.file, p.start + a, n), at + a)
 
-    def _band(self, p: Band, fd: int, at: int) -> None:
+    def band(self, p: Band, fd: int, at: int) -> None:
         region = self._read(p.file, p.start, p.rows * p.row_bytes)
         rows = [region[r * p.row_bytes + p.lo: r * p.row_bytes + p.hi] for r in range(p.rows)]
         for i in range(0, len(rows), IOV_MAX):
@@ -154,14 +155,16 @@ class Copier:
                 os.pwrite(fd, b"".join(batch)[k:], at + k)
             at += want
 
-    def write(self, ps: Sequence[Piece], fd: int, at: int) -> int:
-        """Write `ps` one after another from offset `at` of `fd`; returns the bytes written."""
+    def write(self, ps: Sequence[Piece], fd: int, at: int,
+              bands: Optional[Callable[[Band, int, int], None]] = None) -> int:
+        """Write `ps` one after another from offset `at` of `fd`; returns the bytes written.
+        `bands(piece, fd, offset)`, if given, takes the bands instead (another thread)."""
         start = at
         for p in ps:
             if isinstance(p, Span):
                 self._span(p, fd, at)
             elif isinstance(p, Band):
-                self._band(p, fd, at)
+                (bands or self.band)(p, fd, at)
             else:
                 for a in range(0, p.nbytes, len(self._zeros)):
                     os.pwrite(fd, memoryview(self._zeros)[:min(len(self._zeros), p.nbytes - a)], at + a)
@@ -232,6 +235,19 @@ class DirectCopy:
 
     def __init__(self, source: HFSource):
         self.source, self.copier, self.checksums = source, Copier(), Checksums()
+        # Column bands (row-parallel shards) go through user space: on a second thread,
+        # with its own copier and buffer, while this one copies spans in the kernel.
+        self._band_copier, self._bands = Copier(), ThreadPoolExecutor(1, thread_name_prefix="mbr-bands")
+        self._pending: List[Future] = []
+
+    def _band(self, p: Band, fd: int, at: int) -> None:
+        self._pending.append(self._bands.submit(self._band_copier.band, p, fd, at))
+
+    def drain(self) -> None:
+        """Wait for the queued bands (before their files are finished and closed)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
 
     @staticmethod
     def possible(source: object) -> bool:
@@ -252,7 +268,11 @@ class DirectCopy:
             yield d
             source.checksums.update(d.checksums.result())  # type: ignore[attr-defined]
         finally:
+            for f in d._pending:
+                f.cancel()
+            d._bands.shutdown(wait=True)
             d.copier.close()
+            d._band_copier.close()
             d.checksums.abandon()
 
     def shard_info(self, row: Resolved, s: Shard, shapes: Shapes) -> Tuple[DType, Tuple[int, ...]]:
@@ -270,7 +290,7 @@ class DirectCopy:
         shape = shape if shape is not None else out_shape(blocks, hf_shapes)
         nbytes = prod(shape) * infos[0].dtype.itemsize
         ref, at = out.reserve(nbytes, infos[0].dtype, shape)
-        written = self.copier.write(pieces(blocks, infos), out.fileno(), at)
+        written = self.copier.write(pieces(blocks, infos), out.fileno(), at, self._band)
         if written != nbytes:
             raise RuntimeError(f"{row.megatron}: {written} bytes laid out for a {nbytes}-byte shard")
         for i in infos:

@@ -90,13 +90,15 @@ class DistOut:
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
         w = DistWriter(root / RELEASE)
-        with DirectCopy.open(source) as direct, Writeback() as wb:
+        with DirectCopy.open(source) as direct, Writeback(enabled=direct is None) as wb:
             for row, nbytes in (self._direct(direct, w) if direct else self._tensors(source, w)):
                 extra = extra_state_location(row.megatron, self.spec)
                 if extra is not None:
                     w.add_object(extra)
                 advance(len(row.hf), source.nbytes(row))
                 wb.wrote((w.path,), nbytes)
+            if direct:
+                direct.drain()
         w.finish(common_state(megatron_args(self.spec, self.layout, main_dtype(source), self.format)))
         (root / TRACKER).write_text("release")
 
@@ -158,12 +160,14 @@ class TorchOut:
                     chunks.setdefault(f, {})[chunk_key(self.layout, c.vp_stage)] = {}
                 rows = [r for r in source.rows if r.megatron in targets]
                 made = self._direct(direct, rows, targets, files) if direct else self._tensors(source, rows, targets, files)
-                with Writeback() as wb:
+                with Writeback(enabled=direct is None) as wb:
                     for row, shards in made:
                         for t, ref, _ in shards:
                             chunks[t.file][t.chunk][t.local] = (source.order[row.megatron], ref)
                         advance(len(row.hf), source.nbytes(row))
                         wb.wrote({files[t.file].path for t, _, _ in shards}, sum(n for _, _, n in shards))
+                if direct:
+                    direct.drain()
                 for f, w in files.items():
                     obj: Dict[str, object] = dict(common_state(args))
                     for ck, entries in chunks[f].items():
