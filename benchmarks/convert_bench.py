@@ -17,7 +17,8 @@
    (data on disk): dirty-page writeback makes the first optimistic, the second is the disk's.
 3. Prints best and median seconds, GB/s (model bytes / seconds with sync), throughput
    relative to cp's; the same with start-up excluded (the command's own time from its
-   summary line, i.e. without the fixed ~2 s of Python/torch/Hydra start-up, plus the sync
+   summary line, i.e. without the interpreter start-up — ~0.4 s for convert, which never
+   imports torch, ~2 s with torch for export/reshard — plus the sync
    after its exit); CPU seconds, and the peak RSS (`/usr/bin/time`) against the bound
    2 × largest tensor + 1 GiB; then checks the exports are bit-exact against the source.
 """
@@ -198,8 +199,9 @@ def main() -> None:
           f"likewise; times include the final sync. GB/s = model bytes / best time. 'vs cp' = cp's best time / the "
           f"command's best time. cp -r itself: best {cp_best:.2f} s ({nbytes / 1e9 / cp_best:.2f} GB/s), median "
           f"{med(c[1] for c in cps):.2f} s, {med(c[4] for c in cps):.2f} CPU s. 'start-up excluded' = the command's own "
-          f"summary line (from its first read to its last write, without the fixed ~2 s of interpreter + torch + Hydra "
-          f"start-up) plus the sync after its exit; CPU s = user + system of the whole process.")
+          f"summary line (from its first read to its last write, without the start-up: ~0.4 s of interpreter + Hydra "
+          f"for convert, ~2 s with torch for export/reshard) plus the sync after its exit; CPU s = user + system of "
+          f"the whole process.")
     print()
     print("| operation | best s | median s | GB/s | vs cp -r | start-up excluded: s, GB/s, vs cp -r | CPU s | "
           "peak RSS GiB | ≤ bound |")

@@ -5,22 +5,23 @@
     load_hf_weights(chunks, spec, hf_dir)         # each rank reads only its slices
     export_hf_weights(chunks, spec, out_dir, source_dir=hf_dir)   # back to HF names/shapes
 
-The weight tables (`families/`) are pure tensor functions (`mapping.py`), shared by online
-loading, export and offline conversion (`loader.rank_shards`). Importing this package imports
-neither megatron-core nor torch (`mbr convert` never needs them); `build_model` loads both
-when first asked for.
+The weight tables (`families/`, rows of `table.Mapping`) are pure tensor functions (the
+transforms in `mapping.py`), shared by online loading, export and offline conversion
+(`loader.rank_shards`). Importing this package imports neither megatron-core nor torch
+(`mbr convert` never needs them); `build_model` loads both when first asked for.
 """
 
 from megatron_bridge.bridge.hf_config import (
     BridgeSpec, gpt_model_kwargs, load_spec, spec_from_hf, spec_from_model_config, spec_to_hf_config,
     transformer_config,
 )
-from megatron_bridge.bridge.layout import Layout, local_experts, problems, stage_layers, to_local_name
+from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, problems, stage_layers, to_local_name
 from megatron_bridge.bridge.loader import (
     Coords, HFCheckpoint, export_hf_weights, iter_hf_tensors, load_hf_weights, rank_shards, resolve_checkpoint,
 )
-from megatron_bridge.bridge.mapping import Mapping, Shapes, Shard, dist_ckpt_key
+from megatron_bridge.bridge.mapping import Shapes, Shard
 from megatron_bridge.bridge.registry import FamilyBridge, describe, families, family_for, get_family, register
+from megatron_bridge.bridge.table import Mapping
 
 __all__ = [
     "BridgeSpec", "load_spec", "spec_from_hf", "spec_to_hf_config", "spec_from_model_config", "transformer_config",

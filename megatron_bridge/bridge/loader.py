@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
-from megatron_bridge.bridge.layout import Layout, local_experts, stage_layers, to_local_name
-from megatron_bridge.bridge.mapping import LazySlice, Resolved, Shard, renumber, resolve_hf, resolve_megatron
+from megatron_bridge.bridge.layout import Layout, local_experts, renumber, stage_layers, to_local_name
+from megatron_bridge.bridge.mapping import LazySlice, Shard
 from megatron_bridge.bridge.registry import get_family
+from megatron_bridge.bridge.table import Resolved, resolve_hf, resolve_megatron
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: resolving rows and shards is torch-free

@@ -1,8 +1,6 @@
-"""Weight-mapping primitives: how HF tensors become megatron shards, and back.
+"""Layout primitives: how HF tensors become megatron shards, and back.
 
-A family's table is a list of `Mapping`s. Each one names a megatron parameter (a template
-with `{layer}` / `{expert}` holes, global indices) and the HF tensor(s) it is made of, plus a
-`Transform` that knows how the tensor is laid out and split:
+A `Transform` knows how one megatron tensor is laid out over its HF tensor(s) and split:
 
     blocks(hf_shapes, Shard(rank, size), shapes) -> [Block, ...]   shapes only, no torch
     shard(hf_tensors, Shard(rank, size), shapes) -> the rank-local megatron tensor
@@ -15,17 +13,14 @@ rank reads just its part of the file); the offline converter copies the same ran
 the safetensors bytes and validates a checkpoint on shapes alone. The megatron *global*
 tensor (dist_checkpointing layout: fused QKV per query group, SwiGLU fc1 = cat([gate, up]),
 padded vocab) is `shard(hf, Shard(0, 1))`, and `merge([global])` gives the HF tensors back.
-Nothing here touches a model, a process group or a file, so one table serves online loading
-(`loader.py`), the offline converter and export.
+Nothing here touches a model, a process group or a file. The family tables that name which
+tensors use which transform live in `table.py`.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
-
-from megatron_bridge.bridge.layout import dist_ckpt_key, renumber  # noqa: F401 (re-exported; names live with the layout)
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -302,147 +297,8 @@ REPLICATED, COLUMN, ROW, VOCAB = Replicated(), Column(), Row(), VocabParallel()
 QKV, GATE_UP = FusedQKV(), FusedGateUp()
 
 
-# --------------------------------------------------------------------------------------
-# Table entries
-# --------------------------------------------------------------------------------------
-
-_HOLE = re.compile(r"\{(layer|expert)\}")
-
-
-def _pattern(template: str) -> "re.Pattern[str]":
-    parts, pos = [], 0
-    for m in _HOLE.finditer(template):
-        parts.append(re.escape(template[pos : m.start()]))
-        parts.append(f"(?P<{m.group(1)}>\\d+)")
-        pos = m.end()
-    parts.append(re.escape(template[pos:]))
-    return re.compile("^" + "".join(parts) + "$")
-
-
-@dataclass(frozen=True)
-class Mapping:
-    """One table row: megatron parameter <- HF tensor(s) through a transform.
-
-    `when` names a boolean attribute of the bridge spec (prefix `!` negates) that must hold
-    for the row to apply (tied vs untied output layer, qkv bias, ...). `export=False` rows
-    feed megatron on load but are not written back (the tied output layer, whose HF tensor
-    is the embedding). A megatron name with `{expert}` is an expert weight: it is split over
-    expert-parallel ranks by expert index and over the expert-TP group by the transform.
-    """
-
-    megatron: str
-    hf: Tuple[str, ...]
-    transform: Transform = REPLICATED
-    when: Optional[str] = None
-    export: bool = True
-    _mpat: Any = field(default=None, compare=False, repr=False)
-    _hpats: Any = field(default=None, compare=False, repr=False)
-
-    def __post_init__(self):
-        hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
-        object.__setattr__(self, "hf", hf)
-        if len(hf) != self.transform.n_hf:
-            raise ValueError(f"{self.megatron}: {self.transform!r} takes {self.transform.n_hf} HF tensors, got {len(hf)}")
-        object.__setattr__(self, "_mpat", _pattern(self.megatron))
-        object.__setattr__(self, "_hpats", tuple(_pattern(h) for h in hf))
-
-    @property
-    def is_expert(self) -> bool:
-        return "{expert}" in self.megatron
-
-    def active(self, spec: Any) -> bool:
-        if self.when is None:
-            return True
-        neg = self.when.startswith("!")
-        value = bool(getattr(spec, self.when.lstrip("!")))
-        return value != neg
-
-    def match_megatron(self, name: str) -> Optional[Dict[str, int]]:
-        m = self._mpat.match(name)
-        return {k: int(v) for k, v in m.groupdict().items()} if m else None
-
-    def match_hf(self, name: str) -> Optional[Tuple[int, Dict[str, int]]]:
-        """(which HF input, holes) if `name` is one of this row's HF tensors."""
-        for i, p in enumerate(self._hpats):
-            m = p.match(name)
-            if m:
-                return i, {k: int(v) for k, v in m.groupdict().items()}
-        return None
-
-    def megatron_name(self, **holes: int) -> str:
-        return self.megatron.format(**holes)
-
-    def hf_names(self, **holes: int) -> Tuple[str, ...]:
-        return tuple(h.format(**holes) for h in self.hf)
-
-    # pure tensor API --------------------------------------------------------------------
-    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> torch.Tensor:
-        return self.transform.shard(hf, s, shapes)
-
-    def to_global(self, hf: Sequence[Sliceable], shapes: Shapes) -> torch.Tensor:
-        return self.transform.shard(hf, FULL, shapes)
-
-    def merge(self, shards: Sequence[torch.Tensor], shapes: Shapes) -> Tuple[torch.Tensor, ...]:
-        return self.transform.merge(shards, shapes)
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """A table row with its holes filled: one megatron tensor and its HF tensors."""
-
-    mapping: Mapping
-    megatron: str  # global name (global layer and expert indices)
-    hf: Tuple[str, ...]
-    holes: Tuple[Tuple[str, int], ...] = ()
-
-    @property
-    def layer(self) -> Optional[int]:
-        return dict(self.holes).get("layer")
-
-    @property
-    def expert(self) -> Optional[int]:
-        return dict(self.holes).get("expert")
-
-
-def resolve_megatron(table: Sequence[Mapping], name: str) -> Optional[Resolved]:
-    """The row producing global megatron parameter `name` (first match wins)."""
-    for m in table:
-        holes = m.match_megatron(name)
-        if holes is not None:
-            return Resolved(m, name, m.hf_names(**holes), tuple(sorted(holes.items())))
-    return None
-
-
-def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> Tuple[List[Resolved], List[str]]:
-    """Group a checkpoint's HF tensor names into table rows.
-
-    Returns (rows whose HF inputs are all present, HF names no row consumes). A row with
-    only some inputs present is an error: the checkpoint is inconsistent with the table.
-    """
-    keys = list(hf_keys)
-    present = set(keys)
-    out: Dict[Tuple[int, str], Resolved] = {}
-    used = set()
-    for key in keys:
-        for ti, m in enumerate(table):
-            hit = m.match_hf(key)
-            if hit is None:
-                continue
-            _, holes = hit
-            names = m.hf_names(**holes)
-            missing = [n for n in names if n not in present]
-            if missing:
-                raise KeyError(f"{key} maps to {m.megatron} which also needs {missing}, absent from the checkpoint")
-            used.add(key)
-            mname = m.megatron_name(**holes)
-            out.setdefault((ti, mname), Resolved(m, mname, names, tuple(sorted(holes.items()))))
-    order = {id(m): i for i, m in enumerate(table)}
-    resolved = sorted(out.values(), key=lambda r: (r.layer if r.layer is not None else -1, order[id(r.mapping)], r.expert or 0))
-    return resolved, [k for k in keys if k not in used]
-
-
 __all__ = [
     "Shard", "FULL", "Shapes", "Block", "out_shape", "assemble", "LazySlice", "Transform", "Replicated", "Column", "Row",
-    "VocabParallel", "FusedQKV", "FusedGateUp", "REPLICATED", "COLUMN", "ROW", "VOCAB", "QKV",
-    "GATE_UP", "Mapping", "Resolved", "resolve_megatron", "resolve_hf", "renumber", "dist_ckpt_key",
+    "VocabParallel", "FusedQKV", "FusedGateUp", "REPLICATED", "COLUMN", "ROW", "VOCAB", "QKV", "GATE_UP",
 ]
+

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, ClassVar, Dict, List, Mapping as TMapping, Tuple, Type
 
-from megatron_bridge.bridge.mapping import Mapping
+from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
 
 _FAMILIES: Dict[str, Type["FamilyBridge"]] = {}

@@ -33,10 +33,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 
 from zlib_ng import zlib_ng
 
-from megatron_bridge.bridge.mapping import Resolved, Shapes, Shard, out_shape
+from megatron_bridge.bridge.mapping import Shapes, Shard, out_shape
+from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.dtypes import DType
 from megatron_bridge.convert.manifest import crc_hex
-from megatron_bridge.convert.safetensors_io import TensorInfo
+from megatron_bridge.convert.safetensors_io import OpenFiles, TensorInfo, read_exactly
 from megatron_bridge.convert.sources import HFSource
 from megatron_bridge.convert.torch_zip import StreamingTorchSave, TensorRef
 from megatron_bridge.errors import UserError
@@ -101,29 +102,18 @@ class Copier:
     """Writes pieces into an open output file at a given offset."""
 
     def __init__(self) -> None:
-        self._fds: Dict[Path, int] = {}
+        self._fd = OpenFiles()
         self._in_kernel = hasattr(os, "copy_file_range")
         self._buf = bytearray()
         self._held: Optional[Tuple[Path, int, int]] = None  # which band region _buf holds
         self._zeros = bytes(2**20)
-
-    def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
 
     def _read(self, path: Path, start: int, nbytes: int) -> memoryview:
         key = (path, start, nbytes)
         if self._held != key:  # the tp ranks of a row-parallel tensor read the same rows
             if len(self._buf) < nbytes:
                 self._buf = bytearray(nbytes)
-            view, got = memoryview(self._buf), 0
-            while got < nbytes:
-                k = os.preadv(self._fd(path), [view[got:nbytes]], start + got)
-                if k == 0:
-                    raise UserError(f"{path}: unexpected end of file at byte {start + got} (the file is truncated)")
-                got += k
+            read_exactly(self._fd(path), memoryview(self._buf)[:nbytes], start, path)
             self._held = key
         return memoryview(self._buf)[:nbytes]
 
@@ -172,9 +162,7 @@ class Copier:
         return at - start
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._fd.close()
         self._buf = bytearray()
 
 
@@ -195,28 +183,21 @@ class Checksums:
             self._q.put(info)
 
     def _work(self) -> None:
-        buf = bytearray(CRC_CHUNK)
-        fds: Dict[Path, int] = {}
+        buf, files = bytearray(CRC_CHUNK), OpenFiles()
         try:
             while (info := self._q.get()) is not None:
-                fd = fds.get(info.file)
-                if fd is None:
-                    fd = fds[info.file] = os.open(info.file, os.O_RDONLY)
-                crc, pos = 0, info.start
-                while pos < info.end:
-                    n = os.preadv(fd, [memoryview(buf)[:min(CRC_CHUNK, info.end - pos)]], pos)
-                    if n == 0:
-                        raise UserError(f"{info.file}: unexpected end of file at byte {pos} (the file is truncated)")
-                    crc = zlib_ng.crc32(memoryview(buf)[:n], crc)
-                    pos += n
+                crc = 0
+                for pos in range(info.start, info.end, CRC_CHUNK):
+                    view = memoryview(buf)[:min(CRC_CHUNK, info.end - pos)]
+                    read_exactly(files(info.file), view, pos, info.file)
+                    crc = zlib_ng.crc32(view, crc)
                 self.values[info.name] = crc_hex(crc)
         except BaseException as e:  # re-raised by result()
             self._error = e
             while self._q.get() is not None:
                 pass
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            files.close()
 
     def result(self) -> Dict[str, str]:
         self._q.put(None)

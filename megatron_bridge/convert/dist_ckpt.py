@@ -12,7 +12,7 @@ shape, dtype, chunk list; per chunk: file, byte offset, length) and each chunk i
   several times slower); with MoE and dense layers mixed, keys keep the layer index
   (`decoder.layers.<i>.<name>`), as megatron does for non-homogeneous stacks;
 * experts add an expert axis: `...mlp.experts.experts.linear_fc1.weight` [L, E, ...];
-* norms use the local spec's fused names (`bridge.mapping.dist_ckpt_key`);
+* norms use the local spec's fused names (`bridge.layout.dist_ckpt_key`);
 * every linear layer in a layer has an `_extra_state` ShardedObject (value None), which a
   strict load expects.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
-from megatron_bridge.bridge.mapping import dist_ckpt_key
+from megatron_bridge.bridge.layout import dist_ckpt_key
 from megatron_bridge.convert.dtypes import DType, dtype_of
 from megatron_bridge.convert.pickling import Global, Instance, Reduce, TorchPickler, torch_size
 from megatron_bridge.convert.placement import LINEAR_MODULES

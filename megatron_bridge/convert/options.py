@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, problems
-from megatron_bridge.bridge.mapping import Resolved
+from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.config.hf_model import hf_to_model_fields
 from megatron_bridge.config.schema import Config
 from megatron_bridge.convert.rows import check_layout_shards

@@ -27,7 +27,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, owned
-from megatron_bridge.bridge.mapping import Resolved
+from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.dtypes import BFLOAT16, FLOAT16, DType
 
 RELEASE = "release"

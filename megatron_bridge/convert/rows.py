@@ -1,6 +1,6 @@
 """Which table rows a checkpoint fills, checked against its config before anything is written.
 
-A conversion works row by row: one row of the family's table (`bridge.mapping.Mapping`) is
+A conversion works row by row: one row of the family's table (`bridge.table.Mapping`) is
 one megatron parameter and the HF tensor(s) it is made of. `resolve_rows` groups a
 checkpoint's tensor names into rows with the bridge's own `resolve_checkpoint` (unknown
 tensors are an error there) and then checks what only a whole-checkpoint view can:
@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, List, Mapping as TMapping, Optional, Seq
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, resolve_checkpoint, shard_for, table_for
-from megatron_bridge.bridge.mapping import FULL, Resolved, out_shape, resolve_megatron
+from megatron_bridge.bridge.mapping import FULL, out_shape
+from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
 
 Shape = Tuple[int, ...]

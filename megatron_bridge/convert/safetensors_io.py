@@ -165,19 +165,42 @@ class BufferPool:
             return torch.from_numpy(buf[:nbytes])
 
 
+class OpenFiles:
+    """Read-only file descriptors by path, each opened once (`files(path)` -> fd)."""
+
+    def __init__(self) -> None:
+        self._fds: Dict[Path, int] = {}
+
+    def __call__(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def read_exactly(fd: int, view: memoryview, start: int, path: Path) -> None:
+    """Fill `view` from byte `start` of `fd` (one read returns at most ~2 GiB on Linux); a
+    file that ends first is reported as truncated."""
+    got = 0
+    while got < len(view):
+        k = os.preadv(fd, [view[got:]], start + got)
+        if k == 0:
+            raise UserError(f"{path}: unexpected end of file at byte {start + got} (the file is truncated)")
+        got += k
+
+
 class PositionedReader:
     """Reads byte ranges of files into tensors (no mmap, file descriptors cached, buffers
     recycled through a `BufferPool`)."""
 
     def __init__(self) -> None:
-        self._fds: Dict[Path, int] = {}
+        self._fd = OpenFiles()
         self.pool = BufferPool()
-
-    def _fd(self, path: Path) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
 
     def advise(self, path: Path, start: int, nbytes: int) -> None:
         """Tell the kernel this range is read next: it is fetched into the page cache in the
@@ -187,15 +210,8 @@ class PositionedReader:
 
     def read_bytes(self, path: Path, start: int, nbytes: int) -> "torch.Tensor":
         buf = self.pool.take(nbytes)
-        if nbytes == 0:
-            return buf
-        fd = self._fd(path)
-        view, got = memoryview(buf.numpy()), 0
-        while got < nbytes:  # one read returns at most ~2 GiB on Linux
-            k = os.preadv(fd, [view[got:]], start + got)
-            if k == 0:
-                raise UserError(f"{path}: unexpected end of file at byte {start + got} (the file is truncated)")
-            got += k
+        if nbytes:
+            read_exactly(self._fd(path), memoryview(buf.numpy()), start, path)
         return buf
 
     def read(self, info: TensorInfo) -> "torch.Tensor":
@@ -206,9 +222,7 @@ class PositionedReader:
         return self.read_bytes(info.file, info.start, info.nbytes).view(info.dtype.torch).reshape(info.shape)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._fd.close()
 
 
 def st_name(dtype) -> str:
@@ -269,4 +283,4 @@ def plan_shards(entries: Iterable[Tuple[str, DType, Sequence[int]]], max_bytes: 
 
 
 __all__ = ["TensorInfo", "read_header", "scan_dir", "PositionedReader", "SafetensorsWriter", "plan_shards",
-           "tensor_bytes", "BufferPool", "ST_DTYPES", "st_name", "INDEX"]
+           "tensor_bytes", "BufferPool", "OpenFiles", "read_exactly", "ST_DTYPES", "st_name", "INDEX"]

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
-from megatron_bridge.bridge.mapping import Replicated, Resolved
+from megatron_bridge.bridge.mapping import Replicated
+from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.dist_ckpt import DistReader, location
 from megatron_bridge.convert.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.manifest import Manifest, crc32

@@ -25,7 +25,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, shard_for, shard_of
-from megatron_bridge.bridge.mapping import FULL, Resolved
+from megatron_bridge.bridge.mapping import FULL
+from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.dtypes import DType
 from megatron_bridge.convert.direct import DirectCopy
 from megatron_bridge.convert.dist_ckpt import DistWriter, extra_state_location, location

@@ -15,9 +15,9 @@ from megatron_bridge.bridge import registry
 from megatron_bridge.bridge.hf_config import (
     load_spec, rope_inv_freq, spec_from_hf, spec_to_hf_config, transformer_config,
 )
-from megatron_bridge.bridge.layout import Layout, problems, stage_layers
+from megatron_bridge.bridge.layout import Layout, problems, renumber, stage_layers
 from megatron_bridge.bridge.loader import Coords, HFCheckpoint, rank_shards, resolve_checkpoint
-from megatron_bridge.bridge.mapping import Shard, renumber
+from megatron_bridge.bridge.mapping import Shard
 from megatron_bridge.bridge.tiny import TINY, make_tiny
 from megatron_bridge.errors import UserError
 

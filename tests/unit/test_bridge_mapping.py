@@ -9,11 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.bridge.mapping import (
-    COLUMN, FULL, GATE_UP, QKV, REPLICATED, ROW, VOCAB, LazySlice, Mapping, Shapes, Shard, dist_ckpt_key,
-    renumber, resolve_hf, resolve_megatron,
-)
-from megatron_bridge.bridge.layout import Layout, local_experts, to_local_name
+from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, renumber, to_local_name
+from megatron_bridge.bridge.mapping import COLUMN, FULL, GATE_UP, QKV, REPLICATED, ROW, VOCAB, LazySlice, Shapes, Shard
+from megatron_bridge.bridge.table import Mapping, resolve_hf, resolve_megatron
 
 
 def _shards(m, hf, tp, shapes):

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from megatron_bridge.bridge.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Mapping
+from megatron_bridge.bridge.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB
+from megatron_bridge.bridge.table import Mapping
 
 L = "decoder.layers.{layer}"
 H = "model.layers.{layer}"

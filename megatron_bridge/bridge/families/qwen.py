@@ -1,7 +1,8 @@
 """Qwen2 (qkv bias), Qwen3 (qk-norm) and Qwen2-MoE (routed + gated shared expert)."""
 
 from megatron_bridge.bridge.families.common import ATTENTION, DENSE_MLP, EMBEDDINGS, H, L, QK_NORM, experts, swiglu
-from megatron_bridge.bridge.mapping import REPLICATED, Mapping
+from megatron_bridge.bridge.mapping import REPLICATED
+from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.bridge.registry import FamilyBridge, register
 
 

@@ -1,0 +1,156 @@
+"""Weight tables: which megatron parameter is made of which HF tensors, by which transform.
+
+A family's table (`families/`) is a list of `Mapping`s. Each names a megatron parameter (a
+template with `{layer}` / `{expert}` holes, global indices), the HF tensor(s) it is made of
+and the `mapping.Transform` that lays them out. `resolve_megatron` / `resolve_hf` fill the
+holes for concrete names, so one table serves online loading (`loader.py`), export and the
+offline converter; the transforms themselves (shapes and tensors only) stay in `mapping.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from megatron_bridge.bridge.mapping import FULL, REPLICATED, Shapes, Shard, Sliceable, Transform
+
+if TYPE_CHECKING:
+    import torch
+
+_HOLE = re.compile(r"\{(layer|expert)\}")
+
+
+def _pattern(template: str) -> "re.Pattern[str]":
+    parts, pos = [], 0
+    for m in _HOLE.finditer(template):
+        parts.append(re.escape(template[pos : m.start()]))
+        parts.append(f"(?P<{m.group(1)}>\\d+)")
+        pos = m.end()
+    parts.append(re.escape(template[pos:]))
+    return re.compile("^" + "".join(parts) + "$")
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One table row: megatron parameter <- HF tensor(s) through a transform.
+
+    `when` names a boolean attribute of the bridge spec (prefix `!` negates) that must hold
+    for the row to apply (tied vs untied output layer, qkv bias, ...). `export=False` rows
+    feed megatron on load but are not written back (the tied output layer, whose HF tensor
+    is the embedding). A megatron name with `{expert}` is an expert weight: it is split over
+    expert-parallel ranks by expert index and over the expert-TP group by the transform.
+    """
+
+    megatron: str
+    hf: Tuple[str, ...]
+    transform: Transform = REPLICATED
+    when: Optional[str] = None
+    export: bool = True
+    _mpat: Any = field(default=None, compare=False, repr=False)
+    _hpats: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
+        object.__setattr__(self, "hf", hf)
+        if len(hf) != self.transform.n_hf:
+            raise ValueError(f"{self.megatron}: {self.transform!r} takes {self.transform.n_hf} HF tensors, got {len(hf)}")
+        object.__setattr__(self, "_mpat", _pattern(self.megatron))
+        object.__setattr__(self, "_hpats", tuple(_pattern(h) for h in hf))
+
+    @property
+    def is_expert(self) -> bool:
+        return "{expert}" in self.megatron
+
+    def active(self, spec: Any) -> bool:
+        if self.when is None:
+            return True
+        neg = self.when.startswith("!")
+        value = bool(getattr(spec, self.when.lstrip("!")))
+        return value != neg
+
+    def match_megatron(self, name: str) -> Optional[Dict[str, int]]:
+        m = self._mpat.match(name)
+        return {k: int(v) for k, v in m.groupdict().items()} if m else None
+
+    def match_hf(self, name: str) -> Optional[Tuple[int, Dict[str, int]]]:
+        """(which HF input, holes) if `name` is one of this row's HF tensors."""
+        for i, p in enumerate(self._hpats):
+            m = p.match(name)
+            if m:
+                return i, {k: int(v) for k, v in m.groupdict().items()}
+        return None
+
+    def megatron_name(self, **holes: int) -> str:
+        return self.megatron.format(**holes)
+
+    def hf_names(self, **holes: int) -> Tuple[str, ...]:
+        return tuple(h.format(**holes) for h in self.hf)
+
+    # pure tensor API --------------------------------------------------------------------
+    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> torch.Tensor:
+        return self.transform.shard(hf, s, shapes)
+
+    def to_global(self, hf: Sequence[Sliceable], shapes: Shapes) -> torch.Tensor:
+        return self.transform.shard(hf, FULL, shapes)
+
+    def merge(self, shards: Sequence[torch.Tensor], shapes: Shapes) -> Tuple[torch.Tensor, ...]:
+        return self.transform.merge(shards, shapes)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A table row with its holes filled: one megatron tensor and its HF tensors."""
+
+    mapping: Mapping
+    megatron: str  # global name (global layer and expert indices)
+    hf: Tuple[str, ...]
+    holes: Tuple[Tuple[str, int], ...] = ()
+
+    @property
+    def layer(self) -> Optional[int]:
+        return dict(self.holes).get("layer")
+
+    @property
+    def expert(self) -> Optional[int]:
+        return dict(self.holes).get("expert")
+
+
+def resolve_megatron(table: Sequence[Mapping], name: str) -> Optional[Resolved]:
+    """The row producing global megatron parameter `name` (first match wins)."""
+    for m in table:
+        holes = m.match_megatron(name)
+        if holes is not None:
+            return Resolved(m, name, m.hf_names(**holes), tuple(sorted(holes.items())))
+    return None
+
+
+def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> Tuple[List[Resolved], List[str]]:
+    """Group a checkpoint's HF tensor names into table rows.
+
+    Returns (rows whose HF inputs are all present, HF names no row consumes). A row with
+    only some inputs present is an error: the checkpoint is inconsistent with the table.
+    """
+    keys = list(hf_keys)
+    present = set(keys)
+    out: Dict[Tuple[int, str], Resolved] = {}
+    used = set()
+    for key in keys:
+        for ti, m in enumerate(table):
+            hit = m.match_hf(key)
+            if hit is None:
+                continue
+            _, holes = hit
+            names = m.hf_names(**holes)
+            missing = [n for n in names if n not in present]
+            if missing:
+                raise KeyError(f"{key} maps to {m.megatron} which also needs {missing}, absent from the checkpoint")
+            used.add(key)
+            mname = m.megatron_name(**holes)
+            out.setdefault((ti, mname), Resolved(m, mname, names, tuple(sorted(holes.items()))))
+    order = {id(m): i for i, m in enumerate(table)}
+    resolved = sorted(out.values(), key=lambda r: (r.layer if r.layer is not None else -1, order[id(r.mapping)], r.expert or 0))
+    return resolved, [k for k in keys if k not in used]
+
+
+__all__ = ["Mapping", "Resolved", "resolve_megatron", "resolve_hf"]
