@@ -30,7 +30,9 @@ HF_KEYS: Dict[str, tuple] = {
     "moe_router_topk": ("num_experts_per_tok",),
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
     "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
-    "add_qkv_bias": ("attention_bias",),
+    # Qwen2-MoE writes qkv_bias; Qwen2 has it implicitly (below). HF's attention_bias also
+    # means an o_proj bias, which the bridge refuses, so it is not read as a qkv bias here.
+    "add_qkv_bias": ("qkv_bias",),
 }
 
 # model_type -> (family, implicit settings HF does not write into config.json)

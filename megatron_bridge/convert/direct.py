@@ -249,9 +249,7 @@ class DirectCopy:
             yield d
             source.checksums.update(d.checksums.result())  # type: ignore[attr-defined]
         finally:
-            for f in d._pending:
-                f.cancel()
-            d._bands.shutdown(wait=True)
+            d._bands.shutdown(wait=True, cancel_futures=True)  # on failure: the file objects are still open
             d.copier.close()
             d._band_copier.close()
             d.checksums.abandon()

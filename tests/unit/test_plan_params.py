@@ -197,3 +197,12 @@ def test_largest_layer_is_the_vocab_shard_for_llama():
     cfg, _ = compose(["model=llama3_8b"])
     assert P.largest_layer(P.frozen(cfg.model), tp=1) == 128256 * 4096
     assert P.largest_layer(P.frozen(cfg.model), tp=8) == 129024 * 4096 / 8  # vocab padded to 128·8
+
+
+def test_qkv_bias_fields_follow_the_bridge():
+    """HF's attention_bias (q/k/v *and* o_proj biases, refused by the bridge) is not a qkv
+    bias; Qwen2 has one implicitly, Qwen2-MoE says so with qkv_bias — as the bridge reads them."""
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100}
+    assert not hf_to_model_fields({**base, "model_type": "llama", "attention_bias": True}).get("add_qkv_bias")
+    assert hf_to_model_fields({**base, "model_type": "qwen2"})["add_qkv_bias"]
+    assert not hf_to_model_fields({**base, "model_type": "qwen2_moe", "qkv_bias": False})["add_qkv_bias"]
