@@ -4,9 +4,13 @@
   (byte-level BPE with `tokenizers`, saved as a Hugging Face tokenizer directory);
 - `tokenizer`: load a local HF tokenizer with clear errors, `check_vocab` against a model;
 - `preprocess`: jsonl/txt → token ids (+eos per document) → `.bin`/`.idx` (atomic writes);
-- `loader`: megatron-core `BlendedMegatronDatasetBuilder` + `GPTDatasetConfig` (or a seeded
-  synthetic dataset), a DP-sharded, deterministic, resumable micro-batch iterator and
-  megatron's load-balanced context-parallel slicing;
+- `loader`: the entry points `build_datasets` (megatron-core `BlendedMegatronDatasetBuilder` +
+  `GPTDatasetConfig`, or a seeded synthetic dataset), `make_iterator`, `build_data_iterators`;
+- `indexed`: `data.paths`/`data.split` parsing and `check_indexed_data` (data vs tokenizer vs
+  model, non-empty splits), run before megatron-core is imported;
+- `synthetic`: `SyntheticGPTDataset`, seeded random tokens in GPTDataset's sample layout;
+- `batching`: a DP-sharded, deterministic, resumable micro-batch iterator (`DataIterator`,
+  `PretrainingSampler`, `collate`) and megatron's load-balanced context-parallel slicing;
 - `helpers`: megatron-core's C++ index helpers (prebuilt, or compiled once and cached);
 - `demo`: corpus + tokenizer + indexed dataset in one directory (`mbr data demo=true`).
 

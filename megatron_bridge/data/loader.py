@@ -1,21 +1,11 @@
-"""Datasets and batches for training: megatron-core GPTDataset (or seeded synthetic tokens),
-a DP-sharded, deterministic, resumable micro-batch iterator, and context-parallel slicing.
+"""The data entry points for training: `build_datasets` (megatron-core GPTDataset, or seeded
+synthetic tokens), `make_iterator` (one rank's micro-batches) and `build_data_iterators`
+(both, from a composed `Config`).
 
-Sampling is Megatron's: the train dataset is a fixed, seeded permutation of samples
-(`GPTDataset`'s shuffle index, built from `train.seed`); the global sample index of the
-next sample is `consumed_samples`. Each micro-step takes the next `micro_batch_size · dp`
-samples and DP rank r keeps the slice `[r·mbs, (r+1)·mbs)`, so the `grad_accum` micro-steps of
-one optimizer step cover exactly the `global_batch_size` samples `[step·gbs, (step+1)·gbs)`,
-disjointly across DP ranks. Resuming is starting the iterator at the checkpoint's
-`consumed_samples` (= steps done · global batch): the batches that follow are the ones an
-uninterrupted run would have seen. Context parallelism slices every micro-batch along the
-sequence into 2·cp chunks, CP rank r keeping chunks r and 2·cp−1−r (megatron-core's
-`get_batch_on_this_cp_rank`, which needs an initialized process group; `slice_for_cp` is
-the same operation with explicit sizes).
-
-Batches are dicts with megatron's keys: tokens, labels, loss_mask, position_ids ([mbs, seq]
-each) and attention_mask (None: causal masking is left to the attention kernel, unless
-`create_attention_mask`).
+This is the module the trainer and docs/data.md import; the parts live beside it:
+`indexed` checks indexed data before megatron-core is imported, `synthetic` holds the
+synthetic dataset, `batching` the DP-sharded, resumable sampler, collation and CP slicing
+(its docstring states the sampling contract), `helpers` megatron-core's C++ index helpers.
 """
 
 from __future__ import annotations
@@ -23,17 +13,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence
 
+from megatron_bridge.data.batching import DataIterator
+from megatron_bridge.data.indexed import check_indexed_data, idx_lengths, parse_split
 from megatron_bridge.data.preprocess import output_paths, read_meta
-from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer, validate_tokenizer_dir
+from megatron_bridge.data.synthetic import SyntheticGPTDataset
+from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer
 from megatron_bridge.errors import UserError
-
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-SPLITS = ("train", "valid", "test")
-_SPLIT_SALT = {"train": 0, "valid": 1, "test": 2}
 
 
 # -- what GPTDatasetConfig needs from a tokenizer -------------------------------------------------
@@ -55,35 +43,16 @@ class DatasetTokenizer:
         return f"DatasetTokenizer({self.unique_identifiers})"
 
 
-# -- the synthetic dataset --------------------------------------------------------------------
-class SyntheticGPTDataset:
-    """Seeded random tokens with GPTDataset's sample layout. Sample i depends only on (seed,
-    split, i): any order of access, any worker, any resume point gives the same sample."""
-
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split: str = "train",
-                 create_attention_mask: bool = False):
-        if vocab_size < 1 or seq_length < 1 or num_samples < 0:
-            raise ValueError(f"bad synthetic dataset sizes: samples={num_samples} seq={seq_length} vocab={vocab_size}")
-        self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
-        self.seed, self.split, self.create_attention_mask = seed, split, create_attention_mask
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, idx: int) -> Dict[str, Any]:
-        import numpy as np
-        import torch
-
-        if not 0 <= idx < self.num_samples:
-            raise IndexError(idx)
-        rng = np.random.default_rng([self.seed, _SPLIT_SALT[self.split], int(idx)])
-        text = torch.from_numpy(rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64))
-        s = self.seq_length
-        out = {"tokens": text[:-1].contiguous(), "labels": text[1:].contiguous(),
-               "loss_mask": torch.ones(s, dtype=torch.float), "position_ids": torch.arange(s, dtype=torch.long)}
-        if self.create_attention_mask:
-            out["attention_mask"] = ~torch.tril(torch.ones(s, s, dtype=torch.bool)).unsqueeze(0)
-        return out
+def _fingerprint(prefixes: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for p in prefixes:
+        meta = read_meta(p)
+        if meta and meta.get("build_id"):
+            h.update(f"{p}|{meta['build_id']}".encode())
+        else:
+            paths = output_paths(p)
+            h.update(f"{p}|{os.path.getsize(paths['bin'])}|{os.path.getsize(paths['idx'])}".encode())
+    return h.hexdigest()[:16]
 
 
 # -- building the datasets ----------------------------------------------------------------------
@@ -99,143 +68,6 @@ class Datasets:
 
     def split(self, name: str) -> Any:
         return {"train": self.train, "valid": self.valid, "test": self.test}[name]
-
-
-def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
-    """`data.paths`: prefixes [p1, p2, ...] or weighted [w1, p1, w2, p2, ...] (megatron's
-    --data-path syntax). Returns (prefixes, weights or None)."""
-    paths = [str(p).strip() for p in paths]
-    if not paths:
-        raise UserError("data.kind=indexed needs data.paths: the prefix(es) of datasets made by `mbr data` "
-                        "(e.g. data.paths=[/data/stdlib_text_document]), optionally weighted: [0.3,A,0.7,B]")
-
-    def num(s: str) -> Optional[float]:
-        try:
-            return float(s)
-        except ValueError:
-            return None
-
-    if len(paths) % 2 == 0 and all(num(w) is not None for w in paths[0::2]):
-        weights = [num(w) for w in paths[0::2]]
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise UserError(f"data.paths weights {weights} must be >= 0 and not all 0")
-        return paths[1::2], weights
-    bad = [p for p in paths if num(p) is not None]
-    if bad:
-        raise UserError(f"data.paths={paths} mixes weights and prefixes; use [w1,prefix1,w2,prefix2,...] "
-                        "with a weight before every prefix, or only prefixes")
-    return paths, None
-
-
-def parse_split(split: str) -> List[float]:
-    """'98,2,0' → normalized [0.98, 0.02, 0.0]; UserError for anything else."""
-    parts = [s.strip() for s in str(split).replace("/", ",").split(",")]
-    try:
-        vals = [float(s) for s in parts if s != ""]
-    except ValueError:
-        vals = []
-    if not 1 <= len(vals) <= 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
-        raise UserError(f"data.split={split!r}: expected up to three non-negative train,valid,test weights "
-                        "that are not all zero, e.g. data.split=98/2/0 (or, quoted for the shell, "
-                        "'data.split=\"98,2,0\"')")
-    vals += [0.0] * (3 - len(vals))
-    return [v / sum(vals) for v in vals]
-
-
-def _idx_lengths(prefix: str):
-    """The per-document token counts of an indexed dataset, read from its .idx (memmap)."""
-    import numpy as np
-
-    path = output_paths(prefix)["idx"]
-    try:
-        with open(path, "rb") as f:
-            head = f.read(34)
-        if len(head) < 34 or head[:9] != b"MMIDIDX\x00\x00":
-            raise UserError(f"{path} is not a megatron-core index file (bad header)")
-        n_seq = struct.unpack("<Q", head[18:26])[0]
-        return np.memmap(path, dtype=np.int32, mode="r", offset=34, shape=(n_seq,)) if n_seq else np.zeros(0, np.int32)
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e}") from e
-
-
-def _fingerprint(prefixes: Sequence[str]) -> str:
-    h = hashlib.sha256()
-    for p in prefixes:
-        meta = read_meta(p)
-        if meta and meta.get("build_id"):
-            h.update(f"{p}|{meta['build_id']}".encode())
-        else:
-            paths = output_paths(p)
-            h.update(f"{p}|{os.path.getsize(paths['bin'])}|{os.path.getsize(paths['idx'])}".encode())
-    return h.hexdigest()[:16]
-
-
-def check_indexed_data(data, model_vocab_size: Optional[int] = None
-                       ) -> Tuple[List[str], Optional[List[float]], Optional[int], Optional[int]]:
-    """Validate `data` (a DataConfig with kind=indexed) without building anything: every prefix
-    exists, the data's token ids fit the tokenizer and the model, the tokenizer matches the
-    one the data was made with, every split with a weight has documents. Returns
-    (prefixes, weights, vocab_size, eod)."""
-    prefixes, weights = parse_blend(data.paths)
-    missing = [p for p in prefixes for f in ("bin", "idx") if not os.path.isfile(output_paths(p)[f])]
-    if missing:
-        raise UserError(
-            "data.paths: indexed dataset(s) not found: "
-            + ", ".join(sorted({p for p in missing}))
-            + " (each prefix P needs P.bin and P.idx; make them with `mbr data input=... output=P tokenizer=DIR`)"
-        )
-    split = parse_split(data.split)
-    metas = {p: read_meta(p) for p in prefixes}
-
-    # Tokenizer facts: from data.tokenizer if given, else from the datasets' metadata.
-    vocab = eod = None
-    tok_desc = None
-    if data.tokenizer:
-        tok = load_tokenizer(validate_tokenizer_dir(data.tokenizer, "data.tokenizer"))
-        vocab, eod, tok_desc = len(tok), int(tok.eos_token_id), f"data.tokenizer={data.tokenizer}"
-    for p, m in metas.items():
-        if not m:
-            continue
-        if vocab is None:
-            vocab, eod, tok_desc = int(m["vocab_size"]), int(m["eos_id"]), f"the tokenizer {m.get('tokenizer')} ({p}{'.meta.json'})"
-            continue
-        if int(m["max_token_id"]) >= vocab or int(m["eos_id"]) != eod or int(m["vocab_size"]) != vocab:
-            raise UserError(
-                f"{p} was tokenized with {m.get('tokenizer')} (vocab {m['vocab_size']}, eos {m['eos_id']}, largest id "
-                f"{m['max_token_id']}) but {tok_desc} has vocab {vocab}, eos {eod}: the data and the tokenizer do "
-                "not match. Re-run `mbr data` with this tokenizer, or point data.tokenizer at the one used."
-            )
-    if vocab is None:
-        raise UserError(
-            f"cannot tell which tokenizer made {', '.join(prefixes)} (no .meta.json next to it): set "
-            "data.tokenizer=DIR to the tokenizer directory it was made with"
-        )
-    if model_vocab_size is not None:
-        check_vocab(vocab, model_vocab_size)
-        for p, m in metas.items():
-            if m and int(m["max_token_id"]) >= model_vocab_size:
-                raise UserError(f"{p} holds token id {m['max_token_id']} ≥ model.vocab_size={model_vocab_size}")
-
-    # Every split with a weight needs tokens: megatron-core builds it (even when no samples are
-    # requested from it) and loops forever on an empty one.
-    bounds, acc = [], 0.0
-    for w in split:
-        bounds.append((acc, acc + w) if w > 0 else None)
-        acc += w
-    for p in prefixes:
-        lengths = _idx_lengths(p)
-        n = lengths.shape[0]
-        for name, b in zip(SPLITS, bounds):
-            if b is None:  # megatron-core builds every split with weight > 0, wanted or not
-                continue
-            beg, end = int(round(b[0] * n)), int(round(b[1] * n))
-            if end <= beg or int(lengths[beg:end].sum()) == 0:
-                raise UserError(
-                    f"{p} has {n} documents, and data.split={data.split!r} leaves its {name} split "
-                    f"{end - beg} of them{' (no tokens)' if end > beg else ''}. Use more data, or change data.split "
-                    f"(e.g. data.split=90/10/0), or drop the {name} split (weight 0)."
-                )
-    return prefixes, weights, vocab, eod
 
 
 def _default_cache_dir(prefixes: Sequence[str]) -> str:
@@ -289,7 +121,7 @@ def build_datasets(data, dims, *, seq_length: int, seed: int, train_steps: int,
     sizes = [train_samples] + [None if n == 0 else n for n in (valid_samples, test_samples)]
     if weights is not None and None in sizes:
         # megatron-core needs a size per split for a weighted blend: take about one epoch's worth.
-        tokens = sum(int(_idx_lengths(p).sum()) for p in prefixes)
+        tokens = sum(int(idx_lengths(p).sum()) for p in prefixes)
         per_epoch = [max(1, int(tokens * w) // seq_length) for w in parse_split(data.split)]
         sizes = [n if n is not None else per_epoch[i] for i, n in enumerate(sizes)]
     if (eod_mask_loss or reset_position_ids or reset_attention_mask) and eod is None:
@@ -341,134 +173,6 @@ def _rank0_without_process_group():
         yield
 
 
-# -- sampling and batching ------------------------------------------------------------------
-class PretrainingSampler:
-    """Megatron-LM's `MegatronPretrainingSampler`: from global sample `consumed_samples`,
-    every `micro_batch_size · dp_size` consecutive indices form one micro-step; DP rank r gets
-    the slice [r·mbs, (r+1)·mbs). Yields lists of dataset indices (a torch batch sampler)."""
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, drop_last: bool = True):
-        if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"bad sampler sizes: mbs={micro_batch_size} dp_rank={dp_rank} dp_size={dp_size}")
-        step = micro_batch_size * dp_size
-        if consumed_samples < 0 or consumed_samples % step:
-            raise UserError(
-                f"cannot resume at consumed_samples={consumed_samples}: it must be a multiple of "
-                f"micro_batch_size·dp = {step} (a checkpoint saved with another global batch size?)")
-        if consumed_samples > total_samples:
-            raise UserError(f"consumed_samples={consumed_samples} is past the end of the dataset "
-                            f"({total_samples} samples)")
-        self.total_samples, self.consumed_samples = total_samples, consumed_samples
-        self.micro_batch_size, self.dp_rank, self.dp_size, self.drop_last = micro_batch_size, dp_rank, dp_size, drop_last
-
-    def __len__(self) -> int:
-        step = self.micro_batch_size * self.dp_size
-        left = self.total_samples - self.consumed_samples
-        rem = left % step
-        return left // step + (1 if rem > self.dp_rank * self.micro_batch_size and not self.drop_last else 0)
-
-    def __iter__(self) -> Iterator[List[int]]:
-        step = self.micro_batch_size * self.dp_size
-        beg = self.dp_rank * self.micro_batch_size
-        first = self.consumed_samples
-        while first + step <= self.total_samples:
-            yield list(range(first + beg, first + beg + self.micro_batch_size))
-            first += step
-        if not self.drop_last:  # the short last micro-step: each rank its part of what is left
-            idx = list(range(first, self.total_samples))[beg:beg + self.micro_batch_size]
-            if idx:
-                yield idx
-
-
-def collate(samples: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Stack samples into a micro-batch with megatron's keys (attention_mask None if absent)."""
-    import torch
-
-    out: Dict[str, Any] = {}
-    for key in BATCH_KEYS:
-        vals = [s.get(key) for s in samples]
-        out[key] = None if any(v is None for v in vals) else torch.stack(vals)
-    return out
-
-
-def slice_for_cp(batch: Dict[str, Any], cp_size: int, cp_rank: int) -> Dict[str, Any]:
-    """Megatron's load-balanced context-parallel split (`megatron.core.utils.
-    get_batch_on_this_cp_rank`) with explicit sizes: the sequence dimension (dim 1; dim 2 for a
-    [b, 1, s, s] attention_mask) is cut into 2·cp equal chunks and CP rank r keeps chunks r and
-    2·cp−1−r, concatenated. Returns a new dict; None values stay None."""
-    if cp_size <= 1:
-        return dict(batch)
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} not in [0, {cp_size})")
-    import torch
-
-    out = {}
-    for key, val in batch.items():
-        if val is None:
-            out[key] = None
-            continue
-        dim = 2 if key == "attention_mask" else 1
-        s = val.shape[dim]
-        if s % (2 * cp_size):
-            raise UserError(f"{key}: sequence length {s} is not divisible by 2·cp = {2 * cp_size}")
-        v = val.view(*val.shape[:dim], 2 * cp_size, s // (2 * cp_size), *val.shape[dim + 1:])
-        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], dtype=torch.int64, device=val.device)
-        v = v.index_select(dim, index)
-        out[key] = v.reshape(*v.shape[:dim], -1, *v.shape[dim + 2:])
-    return out
-
-
-class DataIterator:
-    """Micro-batches for one DP rank (and CP rank), from global sample `consumed_samples` on.
-
-    `consumed_samples` advances by `micro_batch_size · dp_size` per micro-batch (the same on
-    every rank); save it with a checkpoint (`state_dict()`) and pass it back to resume.
-    Deterministic: the batches depend only on the dataset (its seed), the sizes and the
-    starting point, not on num_workers or on how many times the iterator was rebuilt."""
-
-    def __init__(self, dataset, *, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 consumed_samples: int = 0, cp_size: int = 1, cp_rank: int = 0, num_workers: int = 0,
-                 drop_last: bool = True):
-        self.dataset = dataset
-        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
-        self.cp_size, self.cp_rank, self.num_workers = cp_size, cp_rank, num_workers
-        self.sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size,
-                                          drop_last)
-        self.consumed_samples = consumed_samples
-        self._it: Optional[Iterator] = None
-
-    def __len__(self) -> int:
-        """Micro-batches left from the starting point."""
-        return len(self.sampler)
-
-    def __iter__(self) -> "DataIterator":
-        return self
-
-    def _loader(self) -> Iterator:
-        if self.num_workers == 0:  # no DataLoader machinery: plain, deterministic, cheap
-            return (collate([self.dataset[i] for i in idx]) for idx in self.sampler)
-        import torch
-
-        return iter(torch.utils.data.DataLoader(self.dataset, batch_sampler=self.sampler,
-                                                num_workers=self.num_workers, collate_fn=collate,
-                                                persistent_workers=False))
-
-    def __next__(self) -> Dict[str, Any]:
-        if self._it is None:
-            self._it = self._loader()
-        batch = next(self._it)
-        self.consumed_samples += self.micro_batch_size * self.dp_size
-        return slice_for_cp(batch, self.cp_size, self.cp_rank) if self.cp_size > 1 else batch
-
-    def global_batch(self, num_microbatches: int) -> List[Dict[str, Any]]:
-        """The next `num_microbatches` micro-batches: this rank's share of one optimizer step."""
-        return [next(self) for _ in range(num_microbatches)]
-
-    def state_dict(self) -> Dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
-
-
 def make_iterator(dataset, dims, *, dp_rank: int = 0, cp_rank: int = 0, consumed_samples: int = 0,
                   num_workers: int = 0) -> DataIterator:
     """A `DataIterator` with mbs, dp and cp from `dims` (a `ParallelDims`)."""
@@ -495,8 +199,4 @@ def build_data_iterators(cfg, dims, *, dp_rank: int = 0, cp_rank: int = 0, consu
     return ds, train, valid
 
 
-__all__ = [
-    "BATCH_KEYS", "DataIterator", "Datasets", "DatasetTokenizer", "PretrainingSampler", "SyntheticGPTDataset",
-    "build_data_iterators", "build_datasets", "check_indexed_data", "collate", "make_iterator", "parse_blend",
-    "parse_split", "slice_for_cp",
-]
+__all__ = ["Datasets", "DatasetTokenizer", "build_data_iterators", "build_datasets", "make_iterator"]

@@ -9,8 +9,9 @@ import torch
 
 from megatron_bridge.config.schema import DataConfig
 from megatron_bridge.data.demo import build_demo
-from megatron_bridge.data.loader import (BATCH_KEYS, DataIterator, PretrainingSampler, SyntheticGPTDataset,
-                                         build_data_iterators, build_datasets, make_iterator, slice_for_cp)
+from megatron_bridge.data.batching import BATCH_KEYS, DataIterator, PretrainingSampler, slice_for_cp
+from megatron_bridge.data.loader import build_data_iterators, build_datasets, make_iterator
+from megatron_bridge.data.synthetic import SyntheticGPTDataset
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import ParallelDims
 
