@@ -77,7 +77,20 @@ class Zeros:
     nbytes: int
 
 
-Piece = Union[Span, Band, Zeros]
+@dataclass(frozen=True)
+class Interleave:
+    """`rows` rows, row r being row r of every part in turn; a part is `(file, start, width)`:
+    `rows` contiguous rows of `width` bytes. (Export: a row-parallel weight from its shards.)"""
+
+    rows: int
+    parts: Tuple[Tuple[Path, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * sum(w for _, _, w in self.parts)
+
+
+Piece = Union[Span, Band, Zeros, Interleave]
 
 
 def pieces(blocks: Sequence, infos: Sequence[TensorInfo]) -> List[Piece]:
@@ -96,6 +109,16 @@ def pieces(blocks: Sequence, infos: Sequence[TensorInfo]) -> List[Piece]:
             c0, c1 = b.cols
             out.append(Band(info.file, info.start + r0 * row_bytes, r1 - r0, row_bytes, c0 * size, c1 * size))
     return [p for p in out if p.nbytes]
+
+
+def _gather_write(fd: int, views: List[memoryview], at: int) -> None:
+    """`views` one after another from offset `at`, IOV_MAX per pwritev."""
+    for i in range(0, len(views), IOV_MAX):
+        batch = views[i:i + IOV_MAX]
+        want, k = sum(len(v) for v in batch), os.pwritev(fd, batch, at)
+        if k != want:  # a short write: finish it piece by piece
+            os.pwrite(fd, b"".join(batch)[k:], at + k)
+        at += want
 
 
 class Copier:
@@ -137,13 +160,15 @@ class Copier:
 
     def band(self, p: Band, fd: int, at: int) -> None:
         region = self._read(p.file, p.start, p.rows * p.row_bytes)
-        rows = [region[r * p.row_bytes + p.lo: r * p.row_bytes + p.hi] for r in range(p.rows)]
-        for i in range(0, len(rows), IOV_MAX):
-            batch = rows[i:i + IOV_MAX]
-            want, k = sum(len(v) for v in batch), os.pwritev(fd, batch, at)
-            if k != want:  # a short write: finish it piece by piece
-                os.pwrite(fd, b"".join(batch)[k:], at + k)
-            at += want
+        _gather_write(fd, [region[r * p.row_bytes + p.lo: r * p.row_bytes + p.hi] for r in range(p.rows)], at)
+
+    def interleave(self, p: Interleave, fd: int, at: int) -> None:
+        bufs = []
+        for path, start, width in p.parts:
+            buf = memoryview(bytearray(p.rows * width))
+            read_exactly(self._fd(path), buf, start, path)
+            bufs.append((buf, width))
+        _gather_write(fd, [b[r * w:(r + 1) * w] for r in range(p.rows) for b, w in bufs], at)
 
     def write(self, ps: Sequence[Piece], fd: int, at: int,
               bands: Optional[Callable[[Band, int, int], None]] = None) -> int:
@@ -155,6 +180,8 @@ class Copier:
                 self._span(p, fd, at)
             elif isinstance(p, Band):
                 (bands or self.band)(p, fd, at)
+            elif isinstance(p, Interleave):
+                self.interleave(p, fd, at)
             else:
                 for a in range(0, p.nbytes, len(self._zeros)):
                     os.pwrite(fd, memoryview(self._zeros)[:min(len(self._zeros), p.nbytes - a)], at + a)
@@ -277,4 +304,4 @@ class DirectCopy:
         return ref, nbytes
 
 
-__all__ = ["Span", "Band", "Zeros", "Piece", "pieces", "Copier", "Checksums", "DirectCopy", "ENABLED"]
+__all__ = ["Span", "Band", "Zeros", "Interleave", "Piece", "pieces", "Copier", "Checksums", "DirectCopy", "ENABLED"]

@@ -19,6 +19,10 @@ shape, dtype, chunk list; per chunk: file, byte offset, length) and each chunk i
 megatron's own `dist_checkpointing.save` needs every tensor in memory at once and a process
 group; writing the same files directly streams one chunk at a time. The data is global
 (full tensors, world size 1), so megatron-core reshards it on load to any TP/PP/EP.
+
+Neither side imports torch for the metadata: `.metadata` is written from `pickling`'s
+stand-ins and read back into the `Record`s below, so export can find a chunk's bytes and
+move them without torch (~1.3 s) or `torch.distributed.checkpoint` (~0.6 s more).
 """
 
 from __future__ import annotations
@@ -27,15 +31,16 @@ import json
 import pickle
 import re
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from math import prod
-from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import dist_ckpt_key
-from megatron_bridge.convert.dtypes import DType, dtype_of
-from megatron_bridge.convert.pickling import Global, Instance, Reduce, TorchPickler, torch_size
+from megatron_bridge.convert.dtypes import BY_NAME, DType, dtype_of
+from megatron_bridge.convert.pickling import Global, Instance, Record, Reduce, TorchPickler, torch_size
 from megatron_bridge.convert.placement import LINEAR_MODULES
 from megatron_bridge.convert.safetensors_io import PositionedReader
 from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave
@@ -44,6 +49,7 @@ from megatron_bridge.errors import UserError
 DATA_FILE = "__0_0.distcp"
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (a test holds them equal)
 _DCP = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
 _STRIDED = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))  # how torch pickles a layout
 _CONTIGUOUS = Reduce(Global(_DCP, "_MEM_FORMAT_ENCODING"), (0,))  # TensorProperties' memory_format
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -166,35 +172,124 @@ class DistWriter:
         (self.dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
 
 
+class _Metadata(Record):
+    """DCP's `Metadata`: `state_dict_metadata` (key -> tensor or bytes entry) and
+    `storage_data` (MetadataIndex -> _StorageInfo)."""
+
+    state_dict_metadata = planner_data = storage_data = storage_meta = version = None
+
+
+class _TensorEntry(Record):
+    """`TensorStorageMetadata`: `properties`, the global `size`, `chunks`."""
+
+
+class _Chunk(Record):
+    """`ChunkStorageMetadata`: `offsets` and `sizes` (tuples: torch.Size loads as one)."""
+
+
+class _Properties(Record):
+    """`TensorProperties`, whose `__getstate__` pickles a tuple (with the memory format as an
+    enum, torch.memory_format being unpicklable) instead of a `__dict__`."""
+
+    def __setstate__(self, state: Tuple[Any, ...]) -> None:
+        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+
+class _Index(Record):
+    """`MetadataIndex`: `fqn`, the chunk's `offset` (None for an object), `index` (a hint)."""
+
+    offset = index = None
+
+
+class _StorageInfo(Record):
+    """`_StorageInfo`: `relative_path`, `offset`, `length`. Its `__getstate__` leaves out
+    None fields, so `transform_descriptors` is often absent."""
+
+    transform_descriptors = None
+
+
+# Every global a DCP `.metadata` names (besides dtypes), and the stand-in each loads as.
+_ALLOWED: Dict[Tuple[str, str], Any] = {
+    (_DCP, "Metadata"): _Metadata, (_DCP, "TensorStorageMetadata"): _TensorEntry,
+    (_DCP, "ChunkStorageMetadata"): _Chunk, (_DCP, "TensorProperties"): _Properties, (_DCP, "MetadataIndex"): _Index,
+    (_DCP, "BytesStorageMetadata"): Record, (_DCP, "StorageMeta"): Record,
+    (_DCP, "_MEM_FORMAT_ENCODING"): int,  # an Enum pickles as cls(value)
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): tuple, ("torch.serialization", "_get_layout"): str, ("collections", "OrderedDict"): OrderedDict,
+    ("pathlib", "PosixPath"): PurePosixPath,  # StorageMeta.checkpoint_id as torch's FileSystemWriter sets it
+    # megatron-core's save keeps the gathered save plans (`Metadata.all_local_plans`) to reuse them
+    (_PLANNER, "SavePlan"): Record, (_PLANNER, "WriteItem"): Record, (_PLANNER, "WriteItemType"): int,
+    (_PLANNER, "TensorWriteData"): Record, (_PLANNER, "BytesIOWriteData"): Record,
+}
+_TORCH_DTYPE = re.compile(r"(b?float|complex|q?u?int|bits)\d\w*")  # float8_e4m3fn, quint4x2, uint16, ...
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Loads `.metadata` into the stand-ins above, dtypes as `DType`s. Any other global is
+    refused before it is called: unpickling calls whatever a pickle names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in BY_NAME:
+            return BY_NAME[name]
+        if module == "torch" and _TORCH_DTYPE.fullmatch(name):
+            raise pickle.UnpicklingError(f"unsupported dtype torch.{name}")
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+        return _ALLOWED[(module, name)]
+
+
+class ChunkRegion(NamedTuple):
+    """A chunk's torch.save item inside a `.distcp` file, and the tensor stored in it."""
+
+    path: Path
+    offset: int
+    length: int
+    shape: Tuple[int, ...]  # as stored: unit layer/expert axes first
+    dtype: DType
+
+
 class DistReader:
     """Reads any region of a key back, assembling it from whichever chunks cover it (our own
-    checkpoints have one chunk per layer; megatron-written ones may be split by TP)."""
+    checkpoints have one chunk per layer; megatron-written ones may be split by TP).
+
+    Finding chunks needs no torch (the metadata loads into stand-ins); only `read`, which
+    builds tensors, imports it."""
 
     def __init__(self, directory: Path, reader: PositionedReader):
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.dir, self._io = directory, reader
         try:
             meta = json.loads((directory / "metadata.json").read_text())
             if meta.get("sharded_backend") != "torch_dist":
                 raise ValueError(f"sharded_backend {meta.get('sharded_backend')!r}")
-            self.md = FileSystemReader(str(directory)).read_metadata()
-        except (OSError, ValueError, pickle.UnpicklingError, EOFError, AttributeError) as e:
+            with open(directory / ".metadata", "rb") as f:
+                self.md = _MetadataUnpickler(f).load()
+            if not (isinstance(self.md, _Metadata) and isinstance(self.md.state_dict_metadata, dict)
+                    and isinstance(self.md.storage_data, dict)):
+                raise ValueError(".metadata does not hold DCP's Metadata")
+            # what MetadataIndex's hash and equality look at: the key and the chunk's offsets
+            self._storage = {(i.fqn, tuple(i.offset or ())): info for i, info in self.md.storage_data.items()}
+        # a damaged pickle can fail with any of these
+        except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError, EOFError,
+                pickle.UnpicklingError) as e:
             raise UserError(f"{directory}: not a readable torch_dist checkpoint ({e})") from None
 
-    def _chunk(self, key: str, chunk) -> "torch.Tensor":
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        info = self.md.storage_data[MetadataIndex(key, chunk.offsets)]
+    def _item(self, key: str, chunk: _Chunk) -> _StorageInfo:
+        info = self._storage.get((key, tuple(chunk.offsets)))
+        if info is None:
+            raise UserError(f"{self.dir}: no storage entry for the chunk of {key} at {tuple(chunk.offsets)} (damaged)")
         if info.transform_descriptors:
             raise UserError(f"{self.dir}: {key} is stored with transforms {info.transform_descriptors} (unsupported)")
+        return info
+
+    def _chunk(self, key: str, chunk: _Chunk) -> "torch.Tensor":
+        info = self._item(key, chunk)
         item = LazyTorchFile(self.dir / info.relative_path, self._io, info.offset, info.length)
         return item.read(item.obj)
 
     def _covering(self, loc: DistLocation):
         """(metadata, region lo, region hi, [(chunk, overlap lo, overlap hi)]) for `loc`."""
         tmd = self.md.state_dict_metadata.get(loc.key)
-        if tmd is None or not hasattr(tmd, "chunks"):
+        if not isinstance(tmd, _TensorEntry):
             raise UserError(f"{self.dir}: the checkpoint has no tensor {loc.key}")
         n = len(loc.offsets)
         lo = loc.offsets + (0,) * (len(tmd.size) - n)
@@ -208,14 +303,24 @@ class DistReader:
         return tmd, lo, hi, hits
 
     def ranges(self, loc: DistLocation) -> List[Tuple[Path, int, int]]:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
         try:
             hits = self._covering(loc)[3]
         except UserError:
             return []
-        infos = [self.md.storage_data.get(MetadataIndex(loc.key, c.offsets)) for c, _, _ in hits]
+        infos = [self._storage.get((loc.key, tuple(c.offsets))) for c, _, _ in hits]
         return [(self.dir / i.relative_path, i.offset, i.length) for i in infos if i is not None]
+
+    def single_chunk(self, loc: DistLocation) -> Optional[ChunkRegion]:
+        """The item holding exactly the region of `loc`, when one chunk is that region (always
+        so in our own checkpoints), for moving its bytes; None when the region takes several
+        chunks or a part of one (megatron's TP-split or stacked chunks): `read` assembles those."""
+        tmd, lo, hi, hits = self._covering(loc)
+        c = hits[0][0] if len(hits) == 1 else None
+        if c is None or (tuple(c.offsets), tuple(o + s for o, s in zip(c.offsets, c.sizes))) != (lo, hi):
+            return None
+        info = self._item(loc.key, c)
+        return ChunkRegion(self.dir / info.relative_path, info.offset, info.length, tuple(c.sizes),
+                           tmd.properties.dtype)
 
     def read(self, loc: DistLocation) -> "torch.Tensor":
         import torch
@@ -238,4 +343,4 @@ class DistReader:
         return out.reshape(inner)
 
 
-__all__ = ["DistLocation", "location", "extra_state_location", "DistWriter", "DistReader", "DATA_FILE"]
+__all__ = ["DistLocation", "location", "extra_state_location", "DistWriter", "DistReader", "ChunkRegion", "DATA_FILE"]

@@ -10,6 +10,9 @@ The stand-ins below say what to write; `TorchPickler` (the pure-Python pickler w
 for them in its dispatch table) writes the same opcodes pickle writes for the real objects,
 so `pickle.loads` of the result gives the real objects, and for the shapes used here the
 bytes are those `torch.save` writes (tests/unit/test_torch_zip.py compares them).
+
+Loading is the same in reverse: an `Unpickler` whose `find_class` returns stand-ins for the
+names (`Record`s for the classes) reads such a pickle without the modules that define them.
 """
 
 from __future__ import annotations
@@ -103,9 +106,20 @@ class TorchPickler(pickle._Pickler):
     dispatch[DType] = save_dtype
 
 
+class Record:
+    """What a loading `find_class` returns in place of a class that pickle rebuilds with
+    NEWOBJ + BUILD (the `Instance` case: a dataclass, whose state is its `__dict__`): a bag of
+    the pickled attributes. Loading DCP's `.metadata` this way needs neither torch nor
+    `torch.distributed.checkpoint` (~2 s of imports together). Class attributes are the
+    defaults of fields a pickled state may leave out."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+
 def torch_size(dims: Tuple[int, ...]) -> Reduce:
     """`torch.Size(dims)` as pickle writes it."""
     return Reduce(Global("torch", "Size"), (tuple(dims),))
 
 
-__all__ = ["Global", "Reduce", "Instance", "TorchPickler", "torch_size"]
+__all__ = ["Global", "Reduce", "Instance", "TorchPickler", "Record", "torch_size"]

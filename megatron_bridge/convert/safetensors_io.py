@@ -262,6 +262,17 @@ class SafetensorsWriter:
         self._f.write(tensor_bytes(t))
         self._next += 1
 
+    def reserve(self, name: str) -> Tuple[int, int]:
+        """Skip the next tensor's bytes, to be written by the caller: returns (fd, offset)."""
+        want = self._entries[self._next]
+        if name != want[0]:
+            raise RuntimeError(f"{self.path}: expected {want[0]}, got {name}")
+        self._f.flush()
+        at = self._f.tell()
+        self._f.seek(prod(want[2]) * want[1].itemsize, os.SEEK_CUR)
+        self._next += 1
+        return self._f.fileno(), at
+
     def close(self) -> None:
         if self._next != len(self._entries):
             raise RuntimeError(f"{self.path}: {len(self._entries) - self._next} tensor(s) never written")

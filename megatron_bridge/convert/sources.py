@@ -31,7 +31,7 @@ from megatron_bridge.convert.manifest import Manifest, crc32
 from megatron_bridge.convert.placement import RELEASE, RankFile, Target, all_targets
 from megatron_bridge.convert.rows import producers, resolve_rows
 from megatron_bridge.convert.safetensors_io import PositionedReader, TensorInfo, scan_dir
-from megatron_bridge.convert.torch_zip import LazyTorchFile
+from megatron_bridge.convert.torch_zip import LazyTorchFile, TensorRef
 from megatron_bridge.errors import UserError
 
 DTYPES = {"bf16": BFLOAT16, "fp32": FLOAT32, "fp16": FLOAT16, "source": None}
@@ -243,7 +243,7 @@ class TorchSource(_CheckpointSource):
         self.targets = all_targets(self.spec, self.layout, [r for r in self.rows if r.mapping.export])
         self._files: "OrderedDict[RankFile, LazyTorchFile]" = OrderedDict()
 
-    def _file(self, f: RankFile) -> LazyTorchFile:
+    def file(self, f: RankFile) -> LazyTorchFile:
         if f in self._files:
             self._files.move_to_end(f)
         else:
@@ -252,16 +252,20 @@ class TorchSource(_CheckpointSource):
                 self._files.popitem(last=False)
         return self._files[f]
 
-    def _read(self, t: Target) -> "torch.Tensor":
-        obj = self._file(t.file).obj
+    def ref(self, t: Target) -> Tuple[LazyTorchFile, TensorRef]:
+        """The rank file holding `t` and its record of it."""
+        f = self.file(t.file)
         try:
-            ref = obj[t.chunk][t.local]
+            return f, f.obj[t.chunk][t.local]
         except (KeyError, TypeError):
             raise UserError(f"{self.root / t.file.relpath(self.layout)} has no {t.chunk}/{t.local} "
                             "(not the layout its manifest records, or damaged)") from None
-        return self._file(t.file).read(ref)
 
-    def _replica(self, row: Resolved) -> Tuple[Resolved, List[Target]]:
+    def _read(self, t: Target) -> "torch.Tensor":
+        f, ref = self.ref(t)
+        return f.read(ref)
+
+    def replica(self, row: Resolved) -> Tuple[Resolved, List[Target]]:
         """The exported row behind `row` and the shards of one replica of it, in TP order."""
         src = self.producer[row.hf]
         targets = self.targets.get(src.megatron, [])
@@ -272,14 +276,14 @@ class TorchSource(_CheckpointSource):
         return src, replica[:1] if isinstance(src.mapping.transform, Replicated) else replica
 
     def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
-        src, replica = self._replica(row)
+        src, replica = self.replica(row)
         shards = [self._read(t) for t in replica]
         return self._finish(src.hf, src.mapping.merge(shards, self.shapes), self.expected)
 
     def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
         out = []
-        for t in self._replica(row)[1]:
-            f = self._file(t.file)
+        for t in self.replica(row)[1]:
+            f = self.file(t.file)
             ref = f.obj.get(t.chunk, {}).get(t.local) if isinstance(f.obj, dict) else None
             if ref is not None:
                 out.append(f.range(ref))

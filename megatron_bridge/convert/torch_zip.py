@@ -1,4 +1,4 @@
-"""`torch.save` files written and read one tensor at a time, the writer without torch.
+"""`torch.save` files written and read one tensor at a time; torch is imported only to build tensors.
 
 Megatron's classic checkpoints are one `torch.save` zip per rank (`model_optim_rng.pt`),
 and each chunk of a torch_dist `.distcp` file is a `torch.save` archive too. `torch.save`
@@ -11,14 +11,16 @@ The zip format makes streaming easy: each tensor's bytes are a separate record
 stores each tensor's record as soon as it arrives (or reserves it, for a caller that fills
 it with `os.copy_file_range`) and keeps a small stub; the pickle that ties the stubs into
 the state dict is written last. The reader unpickles with stubs in place of storages (an
-allowlist of globals, as `weights_only` loading has) and reads one record with one
-positioned read when asked. Files are ordinary `torch.save` files: `torch.load(path,
-weights_only=True)` reads them (with `argparse.Namespace` allowlisted when they carry
-Megatron's `args`).
+allowlist of globals, as `weights_only` loading has), finds the records with its own zip
+reader (central directory, then each record's local header for its data offset) and reads
+one record with one positioned read when asked. Files are ordinary `torch.save` files:
+`torch.load(path, weights_only=True)` reads them (with `argparse.Namespace` allowlisted
+when they carry Megatron's `args`).
 
-The writer is plain Python (`import torch` costs ~1.3 s, a conversion is mostly byte
-moves). It writes what torch's own writer (`PyTorchFileWriter`, miniz, CRC-32 off) writes,
-byte for byte but for the serialization id, so every reader of torch files reads them:
+Both are plain Python, but for the reader building tensors (`import torch` costs ~1.3 s;
+`mbr convert` and `mbr export` are mostly byte moves). The writer writes what torch's own
+writer (`PyTorchFileWriter`, miniz, CRC-32 off) writes, byte for byte but for the
+serialization id, so every reader of torch files reads them:
 
 - records `<archive>/data/<key>` in `add` order, then `data.pkl`, `.format_version` ("1"),
   `.storage_alignment` ("64"), `byteorder`, `version` ("3\\n"), `.data/serialization_id`;
@@ -48,7 +50,7 @@ import sys
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
 
 from megatron_bridge.convert.dtypes import BY_NAME, DType, dtype_of
 from megatron_bridge.convert.pickling import Global, TorchPickler
@@ -282,56 +284,95 @@ class _StubUnpickler(pickle.Unpickler):
         return StorageRef(str(key), dtype, int(numel))
 
 
-class _Region(io.RawIOBase):
-    """A byte range of a file as a seekable stream (a torch.save item inside a DCP file)."""
+def _pread(fd: int, n: int, at: int) -> bytes:
+    """`n` bytes at `at`; a file that ends first is truncated (no zip field may point past it)."""
+    got = os.pread(fd, n, at)
+    if len(got) != n:
+        raise ValueError(f"truncated: {n} bytes wanted at byte {at}, the file ends first")
+    return got
 
-    def __init__(self, path: Path, start: int, length: int):
-        super().__init__()
-        self._f, self._start, self._len, self._pos = open(path, "rb"), start, length, 0
 
-    def readable(self) -> bool:
-        return True
+def _zip64(extra: bytes, fields: List[int]) -> List[int]:
+    """`fields` (size, size, local header offset) with each one that reads 0xFFFFFFFF
+    replaced by the next value of the zip64 extended information field (tag 1)."""
+    i = 0
+    while i + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, i)
+        if tag == 1:
+            values = list(struct.unpack_from(f"<{n // 8}Q", extra, i + 4))
+            if fields.count(_U32) > len(values):
+                raise ValueError("zip64 extra field too short")
+            return [values.pop(0) if v == _U32 else v for v in fields]
+        i += 4 + n
+    return fields
 
-    def seekable(self) -> bool:
-        return True
 
-    def seek(self, off: int, whence: int = 0) -> int:
-        self._pos = off if whence == 0 else self._pos + off if whence == 1 else self._len + off
-        return self._pos
+def _zip_records(fd: int, start: int, length: int) -> Dict[str, Tuple[int, int]]:
+    """{name: (absolute data offset, size)} of the records of the zip at [start, start +
+    length) of `fd`, names without the archive's folder: what `torch._C.PyTorchFileReader`
+    lists (`get_all_records`, `get_record_offset`), without importing torch.
 
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        self._f.seek(self._start + self._pos)
-        got = self._f.readinto(memoryview(b)[:n]) or 0
-        self._pos += got
-        return got
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
+    Offsets inside the zip count from `start`, as torch writes a DCP item. A record's data
+    follows its local header, whose extra field is not the central directory's (torch pads
+    it to align the data), so each local header is read."""
+    tail_len = min(length, _END.size + 0xFFFF)  # the end record and the longest comment it can have
+    tail = _pread(fd, tail_len, start + length - tail_len)
+    at = tail.rfind(b"PK\x05\x06", 0, tail_len - _END.size + 4)
+    if at < 0:
+        raise ValueError("no zip end-of-central-directory record: not a zip file, or truncated")
+    end_at = length - tail_len + at
+    _, _, _, _, n, size, ofs, _ = _END.unpack_from(tail, at)
+    if end_at >= _ZIP64_LOCATOR.size:  # torch always writes the zip64 locator and end record
+        locator = _pread(fd, _ZIP64_LOCATOR.size, start + end_at - _ZIP64_LOCATOR.size)
+        sig, _, end64_at, _ = _ZIP64_LOCATOR.unpack(locator)
+        if sig == 0x07064B50:
+            end64 = _ZIP64_END.unpack(_pread(fd, _ZIP64_END.size, start + end64_at))
+            if end64[0] != 0x06064B50:
+                raise ValueError("corrupt zip64 end-of-central-directory record")
+            n, size, ofs = end64[7:]
+    if ofs + size > end_at:
+        raise ValueError("the central directory runs past its end record: truncated or corrupt")
+    central, pos, out, folder = _pread(fd, size, start + ofs), 0, {}, None
+    for _ in range(n):
+        (sig, _, _, _, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _,
+         local) = _CENTRAL.unpack_from(central, pos)
+        name_at, pos = pos + _CENTRAL.size, pos + _CENTRAL.size + name_len + extra_len + comment_len
+        if sig != 0x02014B50 or pos > size:
+            raise ValueError("corrupt zip central directory")
+        name = central[name_at:name_at + name_len].decode("utf-8")
+        usize, csize, local = _zip64(central[name_at + name_len:name_at + name_len + extra_len], [usize, csize, local])
+        if method != 0 or csize != usize:
+            raise ValueError(f"record {name} is compressed (method {method}); torch.save stores records as they are")
+        folder = folder or name[:name.find("/") + 1]
+        if not folder or not name.startswith(folder):
+            raise ValueError(f"record {name} is not in the archive's folder {folder or '(none)'}")
+        head = _LOCAL.unpack(_pread(fd, _LOCAL.size, start + local))
+        data = local + _LOCAL.size + head[-2] + head[-1]
+        if head[0] != 0x04034B50 or data + usize > ofs:
+            raise ValueError(f"record {name}: corrupt local header or data past the central directory")
+        out[name[len(folder):]] = (start + data, usize)
+    return out
 
 
 class LazyTorchFile:
     """Random access to the tensors of a torch.save zip (a whole file, or the byte range
-    [start, start + length) of one), one positioned read per tensor."""
+    [start, start + length) of one), one positioned read per tensor. Only `read` imports
+    torch: listing the records and unpickling the stubs is plain Python."""
 
     def __init__(self, path: Path, reader: "PositionedReader", start: int = 0, length: Optional[int] = None):
-        import torch
-
         self.path, self._io = path, reader
-        region = _Region(path, start, length) if length is not None else None
         try:
-            zf = torch._C.PyTorchFileReader(region if region is not None else str(path))
-            self.obj = _StubUnpickler(io.BytesIO(zf.get_record("data.pkl"))).load()
-            self._offsets = {r[len("data/"):]: start + zf.get_record_offset(r)
-                             for r in zf.get_all_records() if r.startswith("data/")}
-            del zf
-            if region is not None:
-                region.close()
-        except (RuntimeError, pickle.UnpicklingError, ValueError, EOFError, OSError) as e:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                records = _zip_records(fd, start, os.fstat(fd).st_size - start if length is None else length)
+                if "data.pkl" not in records:
+                    raise ValueError("no data.pkl record")
+                at, size = records["data.pkl"]
+                self.obj = _StubUnpickler(io.BytesIO(_pread(fd, size, at))).load()
+            finally:
+                os.close(fd)
+            self._offsets = {r[len("data/"):]: at for r, (at, _) in records.items() if r.startswith("data/")}
+        except (struct.error, pickle.UnpicklingError, ValueError, EOFError, OSError) as e:
             where = f"{path}" if length is None else f"{path} bytes {start}..{start + length}"
             raise UserError(f"{where}: not a readable torch checkpoint ({str(e).splitlines()[0]})") from None
 

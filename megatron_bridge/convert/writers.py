@@ -29,6 +29,7 @@ from megatron_bridge.bridge.mapping import FULL
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.dtypes import DType
 from megatron_bridge.convert.direct import DirectCopy
+from megatron_bridge.convert.direct_export import DirectExport
 from megatron_bridge.convert.dist_ckpt import DistWriter, extra_state_location, location
 from megatron_bridge.convert.placement import (
     RELEASE, TRACKER, RankFile, chunk_key, chunk_state_dict, common_state, megatron_args, stage_coords, stage_targets,
@@ -178,6 +179,27 @@ class TorchOut:
         (root / TRACKER).write_text("release")
 
 
+class _ShardFiles:
+    """The planned safetensors files of an export, opened in turn as their tensors come."""
+
+    def __init__(self, root: Path, names: List[str], files: List[List[Tuple]], where: Dict[str, int], wb: Writeback):
+        self.root, self.names, self.files, self.where, self.wb = root, names, files, where, wb
+        self.index, self.current = -1, None
+
+    def writer(self, name: str) -> SafetensorsWriter:
+        if self.where[name] != self.index:
+            self.close()
+            self.index = self.where[name]
+            self.current = SafetensorsWriter(self.root / self.names[self.index], self.files[self.index])
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.wb.forget(self.current.path)
+            self.current = None
+
+
 class HFOut:
     format = "hf"
 
@@ -194,23 +216,23 @@ class HFOut:
         n = len(files)
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         where = {e[0]: i for i, group in enumerate(files) for e in group}
-        current: Optional[SafetensorsWriter] = None
-        index = -1
-        with Writeback() as wb:
-            for row, hf in source.stream(_exported(source)):
-                for name, t in zip(row.hf, hf):
-                    if where[name] != index:
-                        if current is not None:
-                            current.close()
-                            wb.forget(current.path)
-                        index = where[name]
-                        current = SafetensorsWriter(root / names[index], files[index])
-                    current.write(name, t)
-                    wb.wrote((current.path,), t.nbytes)
-                advance(len(row.hf), source.nbytes(row))
-                del hf
-            if current is not None:
-                current.close()
+        with DirectExport.open(source) as direct, Writeback(enabled=direct is None) as wb:
+            out = _ShardFiles(root, names, files, where, wb)
+            if direct is not None:
+                for row in _exported(source):
+                    for name in row.hf:
+                        w = out.writer(name)
+                        direct.write(name, *w.reserve(name), w.path)
+                    advance(len(row.hf), source.nbytes(row))
+            else:
+                for row, hf in source.stream(_exported(source)):
+                    for name, t in zip(row.hf, hf):
+                        w = out.writer(name)
+                        w.write(name, t)
+                        wb.wrote((w.path,), t.nbytes)
+                    advance(len(row.hf), source.nbytes(row))
+                    del hf
+            out.close()
         total = sum(prod(e[2]) * e[1].itemsize for e in entries)
         weight_map = {e[0]: names[where[e[0]]] for e in sorted(entries)}
         (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")

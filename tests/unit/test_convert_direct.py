@@ -147,3 +147,27 @@ def test_convert_never_imports_torch(tiny, tmp_path):
             "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]")
     env = {k: v for k, v in os.environ.items() if k != "MBR_CONVERT_DIRECT"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize("family,args", CASES, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES])
+def test_direct_export_equals_tensor_path(tiny, tmp_path, monkeypatch, family, args):
+    """Export reads HF tensors back out of the records as byte ranges (row-parallel weights
+    interleaved from their TP shards): the same files as the tensor path, byte for byte."""
+    convert(tiny[family], tmp_path / "ckpt", args, monkeypatch, True)
+    for name, on in (("direct", True), ("tensors", False)):
+        monkeypatch.setattr(direct, "ENABLED", on)
+        assert mbr(["export", f"src={tmp_path / 'ckpt'}", f"dst={tmp_path / name}", "progress=off"]) == 0
+    assert_same_output(tmp_path / "direct", tmp_path / "tensors")
+
+
+def test_export_never_imports_torch(tiny, tmp_path):
+    """Export of either format runs without importing torch, as convert does."""
+    for fmt in ("torch", "torch_dist"):
+        assert mbr(["convert", f"src={tiny['llama']}", f"dst={tmp_path / fmt}", f"format={fmt}", "parallel.tp=2",
+                    "progress=off"]) == 0
+        code = ("import sys; from megatron_bridge.cli import main; "
+                f"rc = main(['export', 'src={tmp_path / fmt}', 'dst={tmp_path / (fmt + '-hf')}', 'progress=off']); "
+                "assert rc == 0, rc; "
+                "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]")
+        env = {k: v for k, v in os.environ.items() if k != "MBR_CONVERT_DIRECT"}
+        subprocess.run([sys.executable, "-c", code], check=True, env=env)

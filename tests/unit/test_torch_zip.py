@@ -6,7 +6,9 @@ again, in the same order, with `torch._C.PyTorchFileWriter` (crc32 off, alignmen
 torch.save uses) and the two files are compared. The same is done for an archive appended
 to an open file (a DCP item) and for a sparse >4 GiB file that needs zip64. On top of that,
 torch.load and `LazyTorchFile` must read back what went in, and `data.pkl` must be the
-bytes torch.save pickles for the same object made of real tensors.
+bytes torch.save pickles for the same object made of real tensors. `LazyTorchFile`'s own zip
+reader must list what torch's reader lists (records, data offsets, the unpickled stubs) for
+files of torch.save and of the writer, whole or as a region of a bigger file.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from megatron_bridge.convert.dtypes import BFLOAT16, BY_NAME, FLOAT32
 from megatron_bridge.convert.pickling import Global, Instance, Reduce, TorchPickler, torch_size
 from megatron_bridge.convert.safetensors_io import PositionedReader
 from megatron_bridge.convert.torch_zip import (
-    _STORAGE_TYPE, ALIGN, LazyTorchFile, StreamingTorchSave, TensorRef, contiguous_stride,
+    _STORAGE_TYPE, ALIGN, LazyTorchFile, StorageRef, StreamingTorchSave, TensorRef, _StubUnpickler, _zip_records, contiguous_stride,
 )
+from megatron_bridge.errors import UserError
 
 Record = Tuple[str, int, int]  # name inside the archive, data offset in the file, size
 
@@ -126,6 +129,26 @@ def assert_equal(a, b) -> None:
         assert a == b
 
 
+def assert_lists_what_torch_lists(path: Path, start: int = 0, length: int = 0) -> LazyTorchFile:
+    """Our zip reader against `torch._C.PyTorchFileReader` (what LazyTorchFile used before):
+    the same records at the same data offsets, sizes as zipfile reads them, the same stubs."""
+    theirs = torch._C.PyTorchFileReader(io.BytesIO(read_at(path, start, length)) if length else str(path))
+    with open(path, "rb") as f:
+        ours = _zip_records(f.fileno(), start, length or path.stat().st_size)
+    assert {n: at for n, (at, _) in ours.items()} == {r: start + theirs.get_record_offset(r)
+                                                      for r in theirs.get_all_records()}
+    assert sorted((at, size) for at, size in ours.values()) == [r[1:] for r in records(path, start, length)]
+    lazy = LazyTorchFile(path, PositionedReader(), start, length or None)
+    assert lazy.obj == _StubUnpickler(io.BytesIO(theirs.get_record("data.pkl"))).load()
+    return lazy
+
+
+def assert_reads_bit_exact(lazy: LazyTorchFile, refs: dict, values: dict) -> None:
+    for k, v in values.items():
+        got = lazy.read(refs[k])
+        assert got.dtype == v.dtype and got.shape == v.shape and raw(got) == raw(v), k
+
+
 def write_with_add(path, values: dict) -> dict:
     w = StreamingTorchSave(path)
     refs = {k: w.add(v) for k, v in values.items()}
@@ -203,7 +226,7 @@ def test_archive_appended_to_an_open_file(tmp_path):
         f.write(b"tail")
     assert read_at(path, items[1][1] + items[1][2], 10) == b"tail"
     for t, start, length in items:
-        lazy = LazyTorchFile(path, PositionedReader(), start, length)
+        lazy = assert_lists_what_torch_lists(path, start, length)
         assert_equal(lazy.read(lazy.obj), t)
         assert_equal(load(io.BytesIO(read_at(path, start, length))), t)
     t, start, length = items[1]
@@ -214,6 +237,59 @@ def test_archive_appended_to_an_open_file(tmp_path):
         replay(path, recs, f)
     assert (tmp_path / "torch.distcp").stat().st_size == start + length
     assert_same_bytes(path, tmp_path / "torch.distcp", recs, start, start + length)
+
+
+def test_zip_reader_on_torch_save_files(tmp_path):
+    """torch.save's own files: a view (its whole storage is stored), 0-d, empty, args."""
+    values = tensors()
+    torch.save(megatron_like(values), tmp_path / "saved.pt")
+    lazy = assert_lists_what_torch_lists(tmp_path / "saved.pt")
+    assert_reads_bit_exact(lazy, lazy.obj["model"]["decoder"], values)
+    assert lazy.obj["model"]["decoder"]["view"].offset == 5 and vars(lazy.obj["args"])["tp"] == 2
+
+
+def test_zip_reader_on_our_files(tmp_path):
+    values = tensors()
+    write_with_add(tmp_path / "m.pt", values)
+    lazy = assert_lists_what_torch_lists(tmp_path / "m.pt")
+    assert_reads_bit_exact(lazy, lazy.obj["model"]["decoder"], values)
+
+
+def test_zip_reader_on_a_region(tmp_path):
+    """torch.save into a buffer, the buffer appended to a file between other bytes (a DCP item)."""
+    values, buf = tensors(), io.BytesIO()
+    torch.save(values, buf)
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(b"x" * 1000 + buf.getvalue() + b"PK\x05\x06 tail")
+    lazy = assert_lists_what_torch_lists(path, 1000, len(buf.getvalue()))
+    assert_reads_bit_exact(lazy, lazy.obj, values)
+    path.write_bytes(b"x" * 1000 + buf.getvalue()[:-1])
+    with pytest.raises(UserError, match=rf"{path} bytes 1000\.\.\d+: not a readable torch checkpoint \(truncated"):
+        LazyTorchFile(path, PositionedReader(), 1000, len(buf.getvalue()))
+
+
+def test_unreadable_files_are_user_errors(tmp_path):
+    values = tensors()
+    torch.save(values, tmp_path / "ok.pt")
+    data = (tmp_path / "ok.pt").read_bytes()
+    for cut in range(0, len(data), 23):
+        (tmp_path / "cut.pt").write_bytes(data[:cut])
+        with pytest.raises(UserError, match=r"cut.pt: not a readable torch checkpoint \("):
+            LazyTorchFile(tmp_path / "cut.pt", PositionedReader())
+    (tmp_path / "text.pt").write_text("not a zip\n" * 50)
+    with pytest.raises(UserError, match=r"text.pt: not a readable torch checkpoint \(no zip end-of-central"):
+        LazyTorchFile(tmp_path / "text.pt", PositionedReader())
+    with zipfile.ZipFile(tmp_path / "deflated.pt", "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("deflated/data.pkl", pickle.dumps({"a": 1}))
+    with pytest.raises(UserError, match=r"\(record deflated/data.pkl is compressed \(method 8\)"):
+        LazyTorchFile(tmp_path / "deflated.pt", PositionedReader())
+    with pytest.raises(UserError, match=r"missing.pt: not a readable torch checkpoint \("):
+        LazyTorchFile(tmp_path / "missing.pt", PositionedReader())
+    w = StreamingTorchSave(tmp_path / "lost.pt")
+    w.finish(TensorRef(StorageRef("7", FLOAT32, 1), 0, (1,), (1,)))  # a stub whose record is not there
+    lazy = LazyTorchFile(tmp_path / "lost.pt", PositionedReader())
+    with pytest.raises(UserError, match=r"lost.pt: record data/7 is missing \(corrupt checkpoint\)"):
+        lazy.read(lazy.obj)
 
 
 def test_appending_mode_is_refused(tmp_path):
@@ -236,7 +312,7 @@ def test_zip64_record_and_offsets_past_4gib(tmp_path):
     (tmp_path / "t").mkdir()
     replay(tmp_path / "big.pt", recs, tmp_path / "t" / "big.pt")
     assert_same_bytes(tmp_path / "big.pt", tmp_path / "t" / "big.pt", recs)
-    lazy = LazyTorchFile(tmp_path / "big.pt", PositionedReader())
+    lazy = assert_lists_what_torch_lists(tmp_path / "big.pt")
     assert lazy.range(lazy.obj["huge"]) == (tmp_path / "big.pt", at, big)
     assert_equal(lazy.read(lazy.obj["tail"]), small)
     assert lazy.read(lazy.obj["empty"]).shape == (0,)
@@ -244,15 +320,24 @@ def test_zip64_record_and_offsets_past_4gib(tmp_path):
     assert reader.get_record_offset("data/1") == recs[1][1] and reader.get_record("data/1") == small.numpy().tobytes()
 
 
-def test_module_and_writer_need_no_torch(tmp_path):
-    code = ("import os, sys; from megatron_bridge.convert.torch_zip import StreamingTorchSave; "
+def test_module_writer_and_reader_need_no_torch(tmp_path):
+    torch.save(megatron_like(tensors()), tmp_path / "saved.pt")
+    code = ("import os, sys; from pathlib import Path; "
+            "from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave; "
+            "from megatron_bridge.convert.safetensors_io import PositionedReader; "
             "from megatron_bridge.convert.dtypes import BFLOAT16; "
             f"w = StreamingTorchSave({str(tmp_path / 'n.pt')!r}); r, at = w.reserve(4, BFLOAT16, (2,)); "
             "os.pwrite(w.fileno(), bytes([0x80, 0x3f, 0, 0x40]), at); w.finish({'w': r, 'dtype': BFLOAT16}); "
+            f"n = LazyTorchFile(Path({str(tmp_path / 'n.pt')!r}), PositionedReader()); "
+            f"s = LazyTorchFile(Path({str(tmp_path / 'saved.pt')!r}), PositionedReader()); "
+            "print(n.range(n.obj['w'])[1:] + s.range(s.obj['model']['decoder']['fp32'])[1:]); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
-    out = load(tmp_path / "n.pt")
-    assert out["dtype"] is torch.bfloat16 and out["w"].tolist() == [1.0, 2.0]
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2],
+                         capture_output=True, text=True).stdout
+    n, saved = (LazyTorchFile(tmp_path / f, PositionedReader()) for f in ("n.pt", "saved.pt"))
+    assert out.strip() == str(n.range(n.obj["w"])[1:] + saved.range(saved.obj["model"]["decoder"]["fp32"])[1:])
+    loaded = load(tmp_path / "n.pt")
+    assert loaded["dtype"] is torch.bfloat16 and loaded["w"].tolist() == [1.0, 2.0]
 
 
 def pickled(obj) -> bytes:

@@ -1,0 +1,157 @@
+"""`mbr export` as byte moves: HF tensors copied out of the checkpoint's records.
+
+The inverse of `direct.py`. A shard's blocks (`Transform.blocks`) say which rows (and, for a
+row-parallel shard, which columns) of which HF tensor each stretch of the shard's record
+holds, so an HF tensor is, read backwards:
+
+* for every transform that splits rows (QKV, gate/up, column-parallel, vocab, replicated):
+  row ranges of the records, each one contiguous byte range — `copy_file_range`;
+* for a row-parallel weight split over TP: row r is row r of every shard in turn — the
+  shards are read once and written with gathered writes (`Interleave`).
+
+Possible when no dtype cast is asked for, every record is a plain contiguous tensor, and
+for torch_dist every parameter is one chunk (what `mbr convert` writes; a checkpoint that
+megatron-core saved split by TP goes through tensors). The CRC-32 of every written HF tensor
+is computed from the output (page cache) on a second thread and checked against the
+manifest: a damaged checkpoint still fails the export, after the copy instead of before.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from math import prod
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from megatron_bridge.bridge.loader import shard_for
+from megatron_bridge.bridge.mapping import FULL, Shard, out_shape
+from megatron_bridge.bridge.table import Resolved
+from megatron_bridge.convert.direct import ENABLED, Checksums, Copier, Interleave, Piece, Span
+from megatron_bridge.convert.dist_ckpt import location
+from megatron_bridge.convert.safetensors_io import TensorInfo
+from megatron_bridge.convert.sources import DistSource, Source, TorchSource
+from megatron_bridge.convert.torch_zip import LazyTorchFile, TensorRef, contiguous_stride
+from megatron_bridge.errors import UserError
+
+Record = Tuple[object, int, Tuple[int, ...]]  # (file, data offset, shape without leading unit axes)
+
+
+def _record(f: LazyTorchFile, ref: TensorRef, dtype, where: str, lead: int = 0) -> Optional[Record]:
+    """Where a stored tensor's bytes are, if it is a whole contiguous record of `dtype`
+    (`lead`: unit axes in front, a torch_dist chunk's layer/expert position)."""
+    if ref.offset or tuple(ref.stride) != contiguous_stride(ref.shape) or ref.storage.numel != prod(ref.shape):
+        return None
+    if ref.dtype != dtype:
+        raise UserError(f"{where} is stored as {ref.dtype}, the manifest says {dtype} (damaged checkpoint)")
+    path, start, _ = f.range(ref)
+    return path, start, tuple(ref.shape)[lead:]
+
+
+def _shards(source: Source, row: Resolved, dtype) -> Optional[List[Tuple[Shard, Record]]]:
+    """The records of one replica of `row`, with the shard each holds."""
+    if isinstance(source, DistSource):
+        loc = location(row.megatron, source.spec)
+        region = source.reader.single_chunk(loc)
+        if region is None:
+            return None
+        item = LazyTorchFile(region.path, source.io, region.offset, region.length)
+        rec = (_record(item, item.obj, dtype, f"{region.path} ({row.megatron})", len(loc.offsets))
+               if isinstance(item.obj, TensorRef) else None)
+        return None if rec is None else [(FULL, rec)]
+    out = []
+    for t in source.replica(row)[1]:
+        f, ref = source.ref(t)
+        rec = _record(f, ref, dtype, f"{f.path} {t.chunk}/{t.local}")
+        if rec is None:
+            return None
+        out.append((shard_for(row, source.layout, t.coords), rec))
+    return out
+
+
+def _pieces(row: Resolved, i: int, hf_shapes, shards: List[Tuple[Shard, Record]], itemsize: int, shapes
+            ) -> Optional[List[Piece]]:
+    """HF tensor `i` of `row` as pieces of the shard records (None: a layout this can't copy)."""
+    spans, bands = [], []
+    for s, (path, start, shape) in shards:
+        blocks = row.mapping.transform.blocks(hf_shapes, s, shapes)
+        if tuple(shape) != out_shape(blocks, hf_shapes):
+            raise UserError(f"{path}: {row.megatron} is stored as {list(shape)}, the manifest implies "
+                            f"{list(out_shape(blocks, hf_shapes))} (damaged checkpoint)")
+        rec_row = prod(shape[1:]) * itemsize
+        pos = 0
+        for b in blocks:
+            if b.src == i:
+                (spans if b.cols is None else bands).append((b, path, start + pos * rec_row, rec_row))
+            pos += b.n
+    rows = hf_shapes[i][0]
+    if spans and not bands:
+        spans.sort(key=lambda x: x[0].rows[0])
+        ends = [0] + [b.rows[1] for b, *_ in spans]
+        if any(b.rows[0] != ends[k] for k, (b, *_) in enumerate(spans)) or ends[-1] != rows:
+            return None  # the shards do not tile the tensor's rows exactly once
+        return [Span(path, at, b.n * rec_row) for b, path, at, rec_row in spans]
+    if bands and not spans:
+        bands.sort(key=lambda x: x[0].cols[0])
+        if any(b.rows != (0, rows) for b, *_ in bands):
+            return None
+        return [Interleave(rows, tuple((path, at, rec_row) for _, path, at, rec_row in bands))]
+    return None
+
+
+class DirectExport:
+    """HF tensors of a checkpoint source written straight from its records."""
+
+    def __init__(self, source: Source, plan: Dict[str, List[Piece]]):
+        self.source, self.plan = source, plan
+        self.copier, self.checksums = Copier(), Checksums()
+
+    @staticmethod
+    def make_plan(source: Source) -> Optional[Dict[str, List[Piece]]]:
+        if not ENABLED or not isinstance(source, (DistSource, TorchSource)):
+            return None
+        shapes = source.shapes
+        plan: Dict[str, List[Piece]] = {}
+        for row in (r for r in source.rows if r.mapping.export):
+            dtypes = {source.tensors[h][1] for h in row.hf}
+            if len(dtypes) != 1 or any(source.out_dtype(h) != source.tensors[h][1] for h in row.hf):
+                return None
+            dtype = dtypes.pop()
+            shards = _shards(source, row, dtype)
+            if shards is None:
+                return None
+            hf_shapes = [tuple(source.tensors[h][0]) for h in row.hf]
+            for i, name in enumerate(row.hf):
+                ps = _pieces(row, i, hf_shapes, shards, dtype.itemsize, shapes)
+                if ps is None:
+                    return None
+                plan[name] = ps
+        return plan
+
+    @classmethod
+    @contextmanager
+    def open(cls, source: Source) -> Iterator[Optional["DirectExport"]]:
+        """A DirectExport if the source can be copied from (see module doc), else None. On
+        success every written tensor's CRC-32 has been checked against the manifest."""
+        plan = cls.make_plan(source)
+        if plan is None:
+            yield None
+            return
+        d = cls(source, plan)
+        try:
+            yield d
+            bad = sorted(n for n, crc in d.checksums.result().items() if crc != source.expected[n])
+            if bad:
+                raise UserError(f"{source.where}: tensor {bad[0]} does not match its checksum in the manifest: the "
+                                "checkpoint files are corrupted or were modified after conversion")
+        finally:
+            d.copier.close()
+            d.checksums.abandon()
+
+    def write(self, name: str, fd: int, at: int, out_path) -> int:
+        """HF tensor `name` at offset `at` of `fd` (the file `out_path`); returns its bytes."""
+        n = self.copier.write(self.plan[name], fd, at)
+        shape, dtype = self.source.tensors[name]
+        self.checksums.add(TensorInfo(name, dtype, tuple(shape), out_path, at, at + n))
+        return n
+
+
+__all__ = ["DirectExport"]

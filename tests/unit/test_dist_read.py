@@ -1,0 +1,183 @@
+"""`DistReader` reads DCP's `.metadata` without torch, into stand-ins (`dist_ckpt`).
+
+Export moves a chunk's bytes by the metadata alone, so loading it must not import torch or
+`torch.distributed.checkpoint`. The stand-ins must see what torch's own `FileSystemReader`
+sees, for the checkpoints `mbr convert` writes and for ones torch's DCP writes (a key in
+two chunks, dtypes besides bf16, a bytes object, megatron-core's extra `all_local_plans`),
+and a `.metadata` naming anything else must be refused before it is called.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bridge.cli import main as mbr
+from megatron_bridge.convert.dist_ckpt import MEGATRON_METADATA, DistLocation, DistReader
+from megatron_bridge.convert.safetensors_io import PositionedReader
+from megatron_bridge.convert.torch_zip import LazyTorchFile
+from megatron_bridge.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """The torch_dist directory of `mbr convert` of the tiny llama."""
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    base = tmp_path_factory.mktemp("dist")
+    hf = make_tiny("llama", base / "hf")
+    assert mbr(["convert", f"src={hf}", f"dst={base / 'out'}", "progress=off"]) == 0
+    return base / "out" / "release"
+
+
+@pytest.fixture(scope="module")
+def dcp_saved(tmp_path_factory) -> Path:
+    """A checkpoint written by torch's DCP on one process: "w" as two column chunks (the
+    container megatron-core uses for several shards of a key on one rank), float32, int64,
+    a bytes object; then the save plans added to `.metadata` as megatron-core's save does."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.checkpointable import (
+        CheckpointableShardedTensor, LocalShardsContainer,
+    )
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    path = tmp_path_factory.mktemp("dcp")
+    w = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
+    halves = [ShardedTensor.from_rank_offsets("w", w[:, 3 * i:3 * i + 3].clone(), (1, i, 2)) for i in range(2)]
+    sd = {"w": LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(h) for h in halves]),
+          "f": torch.linspace(0, 1, 5), "i": torch.arange(7), "blob": io.BytesIO(b"abc")}
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(sd, is_coordinator=True)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    md.all_local_plans = [planner.create_local_plan()]  # megatron: global_metadata.all_local_plans = ...
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    (path / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+    return path
+
+
+def plain(md):
+    """What a reader takes from a Metadata (torch's or the stand-ins) as plain values."""
+    entries = {k: (str(e.properties.dtype), tuple(e.size), [(tuple(c.offsets), tuple(c.sizes)) for c in e.chunks])
+               if hasattr(e, "chunks") else "bytes" for k, e in md.state_dict_metadata.items()}
+    storage = {(i.fqn, None if i.offset is None else tuple(i.offset), i.index):
+               (s.relative_path, s.offset, s.length, s.transform_descriptors) for i, s in md.storage_data.items()}
+    return entries, storage, md.version, md.storage_meta.save_id, str(md.storage_meta.checkpoint_id)
+
+
+def locations(reader: DistReader):
+    """Every tensor location: a layer of a stacked key, or a whole key."""
+    for key, e in reader.md.state_dict_metadata.items():
+        if hasattr(e, "chunks"):
+            if key.startswith("decoder.layers."):
+                yield from (DistLocation(key, (layer,), (e.size[0],)) for layer in range(e.size[0]))
+            else:
+                yield DistLocation(key)
+
+
+def reference(path: Path):
+    """Every tensor key as torch's DCP loads it (whole global tensors)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    md = dcp.FileSystemReader(path).read_metadata()
+    sd = {k: torch.zeros(tuple(e.size), dtype=e.properties.dtype) for k, e in md.state_dict_metadata.items()
+          if hasattr(e, "chunks")}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return md, sd
+
+
+@pytest.mark.parametrize("which", ["converted", "dcp_saved"])
+def test_metadata_reads_and_regions_match_torch(request, which):
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = request.getfixturevalue(which)
+    md, full = reference(path)
+    reader = DistReader(path, PositionedReader())
+    assert plain(reader.md) == plain(md)
+    singles = 0
+    for loc in locations(reader):
+        want = full[loc.key][loc.offsets] if loc.offsets else full[loc.key]
+        assert torch.equal(reader.read(loc), want), loc
+        region = reader.single_chunk(loc)
+        entry = md.state_dict_metadata[loc.key]
+        chunks = [c for c in entry.chunks if tuple(c.offsets[:len(loc.offsets)]) == loc.offsets]
+        if len(chunks) > 1:
+            assert region is None, loc
+            continue
+        singles += 1
+        info = md.storage_data[MetadataIndex(loc.key, chunks[0].offsets)]
+        assert region == (path / info.relative_path, info.offset, info.length, tuple(chunks[0].sizes),
+                          entry.properties.dtype)
+        assert reader.ranges(loc) == [region[:3]]
+        item = LazyTorchFile(region.path, PositionedReader(), region.offset, region.length)
+        assert (tuple(item.obj.shape), item.obj.dtype) == (region.shape, region.dtype)
+        assert torch.equal(item.read(item.obj).reshape(want.shape), want)
+    assert singles == (len(full) - 1 if which == "dcp_saved" else len(list(locations(reader))))
+
+
+def test_part_of_a_stacked_chunk_is_not_single(dcp_saved):
+    """A location inside one chunk but not the whole of it (megatron's stacked layers) is
+    read by slicing, not moved as bytes."""
+    reader = DistReader(dcp_saved, PositionedReader())
+    loc = DistLocation("i", (2,), (7,))
+    assert reader.single_chunk(loc) is None and reader.read(loc).item() == 2
+
+
+def damaged(tmp_path: Path, src: Path, data: bytes) -> Path:
+    out = tmp_path / "bad"
+    out.mkdir()
+    (out / "metadata.json").write_text((src / "metadata.json").read_text())
+    (out / ".metadata").write_bytes(data)
+    return out
+
+
+class _Exploit:
+    def __reduce__(self):
+        return os.system, ("touch pwned",)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d[:len(d) // 2], "not a readable torch_dist checkpoint"),
+    (lambda d: b"not a pickle at all", "not a readable torch_dist checkpoint"),
+    (lambda d: pickle.dumps({"a": 1}), "does not hold DCP's Metadata"),
+    (lambda d: d.replace(b"torch\nfloat32\n", b"torch\nfloat8_e4m3fn\n"), "unsupported dtype torch.float8_e4m3fn"),
+    (lambda d: pickle.dumps([_Exploit()]), "unexpected object posix.system"),
+    (lambda d: d.replace(b"\n_StorageInfo\n", b"\nFileSystemReader\n"),
+     "unexpected object torch.distributed.checkpoint.filesystem.FileSystemReader"),
+], ids=["truncated", "garbage", "other-object", "unknown-dtype", "os-system", "foreign-class"])
+def test_damaged_or_foreign_metadata_is_refused(tmp_path, monkeypatch, converted, edit, match):
+    monkeypatch.chdir(tmp_path)
+    path = damaged(tmp_path, converted, edit((converted / ".metadata").read_bytes()))
+    with pytest.raises(UserError, match="not a readable torch_dist checkpoint") as e:
+        DistReader(path, PositionedReader())
+    assert match in str(e.value) and str(path) in str(e.value)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_finding_chunk_bytes_never_imports_torch(converted):
+    """What export's byte path does: metadata, a chunk's item, the tensor record in it."""
+    code = ("import sys; from pathlib import Path; "
+            "from megatron_bridge.convert.dist_ckpt import DistLocation, DistReader; "
+            "from megatron_bridge.convert.safetensors_io import PositionedReader; "
+            "from megatron_bridge.convert.torch_zip import LazyTorchFile; "
+            f"pr = PositionedReader(); r = DistReader(Path({str(converted)!r}), pr); "
+            "L = r.md.state_dict_metadata['decoder.layers.mlp.linear_fc2.weight'].size[0]; "
+            "locs = [DistLocation('embedding.word_embeddings.weight')] + "
+            "[DistLocation('decoder.layers.mlp.linear_fc2.weight', (i,), (L,)) for i in range(L)]; "
+            "regions = [r.single_chunk(loc) for loc in locs]; "
+            "assert all(len(r.ranges(loc)) == 1 for loc in locs); "
+            "items = [LazyTorchFile(g.path, pr, g.offset, g.length) for g in regions]; "
+            "assert all(f.range(f.obj)[2] == f.obj.storage.numel * g.dtype.itemsize for f, g in zip(items, regions)); "
+            "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]")
+    subprocess.run([sys.executable, "-c", code], check=True)
