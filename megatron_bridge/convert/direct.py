@@ -129,6 +129,7 @@ class Copier:
         self._in_kernel = hasattr(os, "copy_file_range")
         self._buf = bytearray()
         self._held: Optional[Tuple[Path, int, int]] = None  # which band region _buf holds
+        self._parts: List[bytearray] = []  # interleave buffers
         self._zeros = bytes(2**20)
 
     def _read(self, path: Path, start: int, nbytes: int) -> memoryview:
@@ -163,9 +164,13 @@ class Copier:
         _gather_write(fd, [region[r * p.row_bytes + p.lo: r * p.row_bytes + p.hi] for r in range(p.rows)], at)
 
     def interleave(self, p: Interleave, fd: int, at: int) -> None:
+        while len(self._parts) < len(p.parts):  # one reused buffer per part (fresh pages are slow)
+            self._parts.append(bytearray())
         bufs = []
-        for path, start, width in p.parts:
-            buf = memoryview(bytearray(p.rows * width))
+        for k, (path, start, width) in enumerate(p.parts):
+            if len(self._parts[k]) < p.rows * width:
+                self._parts[k] = bytearray(p.rows * width)
+            buf = memoryview(self._parts[k])[:p.rows * width]
             read_exactly(self._fd(path), buf, start, path)
             bufs.append((buf, width))
         _gather_write(fd, [b[r * w:(r + 1) * w] for r in range(p.rows) for b, w in bufs], at)
@@ -190,7 +195,7 @@ class Copier:
 
     def close(self) -> None:
         self._fd.close()
-        self._buf = bytearray()
+        self._buf, self._parts = bytearray(), []
 
 
 class Checksums:

@@ -18,6 +18,7 @@ manifest: a damaged checkpoint still fails the export, after the copy instead of
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from math import prod
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -103,6 +104,16 @@ class DirectExport:
     def __init__(self, source: Source, plan: Dict[str, List[Piece]]):
         self.source, self.plan = source, plan
         self.copier, self.checksums = Copier(), Checksums()
+        # interleaved weights go through user space: on a second thread, with its own
+        # copier and buffers, while this one copies row ranges in the kernel
+        self._user_copier, self._pool = Copier(), ThreadPoolExecutor(1, thread_name_prefix="mbr-interleave")
+        self._pending: List[Future] = []
+
+    def drain(self) -> None:
+        """Wait for queued interleaved writes (before their file is closed)."""
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.result()
 
     @staticmethod
     def make_plan(source: Source) -> Optional[Dict[str, List[Piece]]]:
@@ -138,20 +149,32 @@ class DirectExport:
         d = cls(source, plan)
         try:
             yield d
+            d.drain()
             bad = sorted(n for n, crc in d.checksums.result().items() if crc != source.expected[n])
             if bad:
                 raise UserError(f"{source.where}: tensor {bad[0]} does not match its checksum in the manifest: the "
                                 "checkpoint files are corrupted or were modified after conversion")
         finally:
+            d._pool.shutdown(wait=True, cancel_futures=True)  # on failure: the files are still open
             d.copier.close()
+            d._user_copier.close()
             d.checksums.abandon()
 
-    def write(self, name: str, fd: int, at: int, out_path) -> int:
-        """HF tensor `name` at offset `at` of `fd` (the file `out_path`); returns its bytes."""
-        n = self.copier.write(self.plan[name], fd, at)
+    def write(self, name: str, fd: int, at: int, out_path) -> None:
+        """HF tensor `name` at offset `at` of `fd` (the file `out_path`), then its checksum
+        from there (after the bytes are written, whichever thread writes them)."""
+        ps = self.plan[name]
         shape, dtype = self.source.tensors[name]
-        self.checksums.add(TensorInfo(name, dtype, tuple(shape), out_path, at, at + n))
-        return n
+        info = TensorInfo(name, dtype, tuple(shape), out_path, at, at + sum(p.nbytes for p in ps))
+
+        def run(copier: Copier) -> None:
+            copier.write(ps, fd, at)
+            self.checksums.add(info)
+
+        if any(isinstance(p, Interleave) for p in ps):
+            self._pending.append(self._pool.submit(run, self._user_copier))
+        else:
+            run(self.copier)
 
 
 __all__ = ["DirectExport"]

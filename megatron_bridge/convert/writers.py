@@ -182,8 +182,10 @@ class TorchOut:
 class _ShardFiles:
     """The planned safetensors files of an export, opened in turn as their tensors come."""
 
-    def __init__(self, root: Path, names: List[str], files: List[List[Tuple]], where: Dict[str, int], wb: Writeback):
+    def __init__(self, root: Path, names: List[str], files: List[List[Tuple]], where: Dict[str, int], wb: Writeback,
+                 before_close: Callable[[], None] = lambda: None):
         self.root, self.names, self.files, self.where, self.wb = root, names, files, where, wb
+        self.before_close = before_close  # lets queued writes into the current file finish
         self.index, self.current = -1, None
 
     def writer(self, name: str) -> SafetensorsWriter:
@@ -195,6 +197,7 @@ class _ShardFiles:
 
     def close(self) -> None:
         if self.current is not None:
+            self.before_close()
             self.current.close()
             self.wb.forget(self.current.path)
             self.current = None
@@ -217,7 +220,7 @@ class HFOut:
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         where = {e[0]: i for i, group in enumerate(files) for e in group}
         with DirectExport.open(source) as direct, Writeback(enabled=direct is None) as wb:
-            out = _ShardFiles(root, names, files, where, wb)
+            out = _ShardFiles(root, names, files, where, wb, direct.drain if direct else lambda: None)
             if direct is not None:
                 for row in _exported(source):
                     for name in row.hf:
