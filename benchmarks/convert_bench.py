@@ -17,8 +17,8 @@
    (data on disk): dirty-page writeback makes the first optimistic, the second is the disk's.
 3. Prints best and median seconds, GB/s (model bytes / seconds with sync), throughput
    relative to cp's; the same with start-up excluded (the command's own time from its
-   summary line, i.e. without the interpreter start-up — ~0.4 s for convert, which never
-   imports torch, ~2 s with torch for export/reshard — plus the sync
+   summary line, i.e. without the interpreter start-up — ~0.4 s for convert and export,
+   which never import torch, ~2 s with torch for reshard — plus the sync
    after its exit); CPU seconds, and the peak RSS (`/usr/bin/time`) against the bound
    2 × largest tensor + 1 GiB; then checks the exports are bit-exact against the source.
 """
@@ -200,7 +200,7 @@ def main() -> None:
           f"command's best time. cp -r itself: best {cp_best:.2f} s ({nbytes / 1e9 / cp_best:.2f} GB/s), median "
           f"{med(c[1] for c in cps):.2f} s, {med(c[4] for c in cps):.2f} CPU s. 'start-up excluded' = the command's own "
           f"summary line (from its first read to its last write, without the start-up: ~0.4 s of interpreter + Hydra "
-          f"for convert, ~2 s with torch for export/reshard) plus the sync after its exit; CPU s = user + system of "
+          f"for convert and export, ~2 s with torch for reshard) plus the sync after its exit; CPU s = user + system of "
           f"the whole process.")
     print()
     print("| operation | best s | median s | GB/s | vs cp -r | start-up excluded: s, GB/s, vs cp -r | CPU s | "
