@@ -26,7 +26,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from megatron_bridge.bridge.loader import shard_for
 from megatron_bridge.bridge.mapping import FULL, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.direct import ENABLED, Checksums, Copier, Interleave, Piece, Span
+from megatron_bridge.convert import direct
+from megatron_bridge.convert.direct import Checksums, Copier, Interleave, Piece, Span
 from megatron_bridge.convert.dist_ckpt import location
 from megatron_bridge.convert.safetensors_io import TensorInfo
 from megatron_bridge.convert.sources import DistSource, Source, TorchSource
@@ -117,7 +118,7 @@ class DirectExport:
 
     @staticmethod
     def make_plan(source: Source) -> Optional[Dict[str, List[Piece]]]:
-        if not ENABLED or not isinstance(source, (DistSource, TorchSource)):
+        if not direct.ENABLED or not isinstance(source, (DistSource, TorchSource)):
             return None
         shapes = source.shapes
         plan: Dict[str, List[Piece]] = {}

@@ -24,6 +24,8 @@ import pytest
 
 from megatron_bridge.cli import main as mbr
 from megatron_bridge.convert import direct
+from megatron_bridge.convert.direct_export import DirectExport
+from megatron_bridge.convert.sources import open_checkpoint
 
 CASES = [
     ("llama", ["format=torch", "parallel.tp=2", "parallel.pp=2"]),
@@ -139,14 +141,18 @@ def test_dcp_metadata_is_torchs(tmp_path):
     assert torch.load(tmp_path / "common.pt", weights_only=True) == {"iteration": 0}
 
 
-def test_convert_never_imports_torch(tiny, tmp_path):
-    """The point of the byte path: `mbr convert` from HF runs without importing torch."""
+def run_without_torch(args) -> None:
+    """`mbr ARGS` in a fresh interpreter, which must succeed and never import torch."""
     code = ("import sys; from megatron_bridge.cli import main; "
-            f"rc = main(['convert', 'src={tiny['llama']}', 'dst={tmp_path / 'o'}', 'format=torch', 'parallel.tp=2', "
-            "'progress=off']); assert rc == 0, rc; "
+            f"rc = main({list(args) + ['progress=off']!r}); assert rc == 0, rc; "
             "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]")
     env = {k: v for k, v in os.environ.items() if k != "MBR_CONVERT_DIRECT"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_convert_never_imports_torch(tiny, tmp_path):
+    """The point of the byte path: `mbr convert` from HF runs without importing torch."""
+    run_without_torch(["convert", f"src={tiny['llama']}", f"dst={tmp_path / 'o'}", "format=torch", "parallel.tp=2"])
 
 
 @pytest.mark.parametrize("family,args", CASES, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES])
@@ -156,6 +162,9 @@ def test_direct_export_equals_tensor_path(tiny, tmp_path, monkeypatch, family, a
     convert(tiny[family], tmp_path / "ckpt", args, monkeypatch, True)
     for name, on in (("direct", True), ("tensors", False)):
         monkeypatch.setattr(direct, "ENABLED", on)
+        src = open_checkpoint(tmp_path / "ckpt", None)
+        assert (DirectExport.make_plan(src) is not None) == on  # each export takes the path it is meant to
+        src.close()
         assert mbr(["export", f"src={tmp_path / 'ckpt'}", f"dst={tmp_path / name}", "progress=off"]) == 0
     assert_same_output(tmp_path / "direct", tmp_path / "tensors")
 
@@ -165,9 +174,4 @@ def test_export_never_imports_torch(tiny, tmp_path):
     for fmt in ("torch", "torch_dist"):
         assert mbr(["convert", f"src={tiny['llama']}", f"dst={tmp_path / fmt}", f"format={fmt}", "parallel.tp=2",
                     "progress=off"]) == 0
-        code = ("import sys; from megatron_bridge.cli import main; "
-                f"rc = main(['export', 'src={tmp_path / fmt}', 'dst={tmp_path / (fmt + '-hf')}', 'progress=off']); "
-                "assert rc == 0, rc; "
-                "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]")
-        env = {k: v for k, v in os.environ.items() if k != "MBR_CONVERT_DIRECT"}
-        subprocess.run([sys.executable, "-c", code], check=True, env=env)
+        run_without_torch(["export", f"src={tmp_path / fmt}", f"dst={tmp_path / (fmt + '-hf')}"])
