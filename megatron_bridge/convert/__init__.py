@@ -8,8 +8,9 @@
 One process, CPU, no process group, no megatron-core import: sources (`sources.py`: HF
 directory, torch_dist, per-rank files) hand out the HF tensors of one bridge table row at a
 time, writers (`writers.py`) lay them out with the same row's transform, so conversion and
-the live loader share one mapping. From HF without a cast the writers take the row's blocks
-as byte ranges instead (`direct.py`: copy_file_range, no tensors, no torch import). Files:
+the live loader share one mapping. Without a cast, convert and export take the rows' blocks
+as byte ranges instead (`direct.py`, `direct_export.py`: copy_file_range, no tensors, no
+torch import). Files:
 `safetensors_io` (positioned reads, streaming writes), `torch_zip` (torch.save files record
 by record, no torch), `pickling` and `dtypes` (torch's pickles and dtypes without torch),
 `dist_ckpt` (DCP + megatron metadata), `placement` (Megatron's per-rank layout), `rows`
