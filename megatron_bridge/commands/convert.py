@@ -15,20 +15,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_bridge.config.compose import compose, to_yaml
-
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.convert import read_ahead_source, use_huge_pages
+    from megatron_bridge.convert import run_command
 
-    use_huge_pages()
-    read_ahead_source(argv)
-    from megatron_bridge.convert.options import ConvertConfig
-
-    cfg, args = compose(argv, schema=ConvertConfig, resolve_hf=False)
-    if args.cfg:
-        print(to_yaml(cfg), end="")
-        return 0
-    from megatron_bridge.convert.pipeline import convert
-
-    return convert(cfg)
+    return run_command(argv, "ConvertConfig", "convert")

@@ -12,20 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_bridge.config.compose import compose, to_yaml
-
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.convert import read_ahead_source, use_huge_pages
+    from megatron_bridge.convert import run_command
 
-    use_huge_pages()
-    read_ahead_source(argv)
-    from megatron_bridge.convert.options import ReshardConfig
-
-    cfg, args = compose(argv, schema=ReshardConfig, resolve_hf=False)
-    if args.cfg:
-        print(to_yaml(cfg), end="")
-        return 0
-    from megatron_bridge.convert.pipeline import reshard
-
-    return reshard(cfg)
+    return run_command(argv, "ReshardConfig", "reshard")

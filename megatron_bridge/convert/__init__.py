@@ -77,3 +77,21 @@ def use_huge_pages() -> None:
 
     if "torch" not in sys.modules:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def run_command(argv: Sequence[str], schema: str, command: str) -> int:
+    """The body of `mbr convert` / `export` / `reshard`: huge pages and the source's
+    read-ahead first (before anything heavy is imported), then compose `options.<schema>`
+    (`--cfg job` prints it) and run `pipeline.<command>`."""
+    use_huge_pages()
+    read_ahead_source(argv)
+    from megatron_bridge.config.compose import compose, to_yaml
+    from megatron_bridge.convert import options
+
+    cfg, args = compose(argv, schema=getattr(options, schema), resolve_hf=False)
+    if args.cfg:
+        print(to_yaml(cfg), end="")
+        return 0
+    from megatron_bridge.convert import pipeline
+
+    return getattr(pipeline, command)(cfg)
