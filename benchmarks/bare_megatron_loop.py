@@ -7,7 +7,6 @@ the `python -m megatron_bridge.train` run it is compared with. Prints one JSON l
 """
 
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -18,8 +17,7 @@ import torch.nn.functional as F
 
 def main():
     tp, steps, hidden, layers, seq, gbs = map(int, sys.argv[1:7])
-    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                         timeout=timedelta(minutes=10))
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -35,31 +33,59 @@ def main():
         cpu.install()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     cpu.model_parallel_manual_seed(1234)
-    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=8,
-                            num_query_groups=4, normalization="RMSNorm", gated_linear_unit=True,
-                            activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-                            tensor_model_parallel_size=tp, use_cpu_initialization=not cuda,
-                            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-                            apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-                            bf16=cuda, params_dtype=torch.bfloat16 if cuda else torch.float32,
-                            pipeline_dtype=torch.bfloat16 if cuda else torch.float32)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=512,
-                     max_sequence_length=seq, position_embedding_type="rope", pre_process=True, post_process=True)
+    cfg = TransformerConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        ffn_hidden_size=4 * hidden,
+        num_attention_heads=8,
+        num_query_groups=4,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=not cuda,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        bf16=cuda,
+        params_dtype=torch.bfloat16 if cuda else torch.float32,
+        pipeline_dtype=torch.bfloat16 if cuda else torch.float32,
+    )
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=512,
+        max_sequence_length=seq,
+        position_embedding_type="rope",
+        pre_process=True,
+        post_process=True,
+    )
     if cuda:
         model.cuda()
-    ddp = DistributedDataParallel(config=cfg, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                  module=model)
+    ddp = DistributedDataParallel(
+        config=cfg, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+    )
     cfg.finalize_model_grads_func = finalize_model_grads
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-4, clip_grad=1.0, bf16=cuda,
-                                                 params_dtype=cfg.params_dtype), [ddp])
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-4, clip_grad=1.0, bf16=cuda, params_dtype=cfg.params_dtype), [ddp]
+    )
     dev = torch.device("cuda") if cuda else torch.device("cpu")
     g = torch.Generator().manual_seed(0)
 
     def batches():
         while True:
             t = torch.randint(0, 512, (1, seq + 1), generator=g)
-            yield {"tokens": t[:, :-1].to(dev), "labels": t[:, 1:].to(dev),
-                   "position_ids": torch.arange(seq, device=dev).unsqueeze(0)}
+            yield {
+                "tokens": t[:, :-1].to(dev),
+                "labels": t[:, 1:].to(dev),
+                "position_ids": torch.arange(seq, device=dev).unsqueeze(0),
+            }
 
     def step_fn(it, m):
         b = next(it)
@@ -71,8 +97,15 @@ def main():
         t0 = time.perf_counter()
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        get_forward_backward_func()(forward_step_func=step_fn, data_iterator=data, model=ddp,
-                                    num_microbatches=gbs, seq_length=seq, micro_batch_size=1, forward_only=False)
+        get_forward_backward_func()(
+            forward_step_func=step_fn,
+            data_iterator=data,
+            model=ddp,
+            num_microbatches=gbs,
+            seq_length=seq,
+            micro_batch_size=1,
+            forward_only=False,
+        )
         opt.step()
         if cuda:
             torch.cuda.synchronize()

@@ -51,15 +51,22 @@ def make_checkpoint(out: Path, layers: int, files: int = 4) -> int:
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
-            p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
-            p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h), p + "mlp.down_proj.weight": (h, ffn),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (heads * d, h),
+                p + "self_attn.k_proj.weight": (kv * d, h),
+                p + "self_attn.v_proj.weight": (kv * d, h),
+                p + "self_attn.o_proj.weight": (h, heads * d),
+                p + "mlp.gate_proj.weight": (ffn, h),
+                p + "mlp.up_proj.weight": (ffn, h),
+                p + "mlp.down_proj.weight": (h, ffn),
+            }
+        )
     names = list(shapes)
     per = -(-len(names) // files)
-    groups = [names[i:i + per] for i in range(0, len(names), per)]
+    groups = [names[i : i + per] for i in range(0, len(names), per)]
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     weight_map, total = {}, 0
@@ -71,13 +78,25 @@ def make_checkpoint(out: Path, layers: int, files: int = 4) -> int:
             weight_map[n] = fname
             total += t.nbytes
         del tensors
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                  "weight_map": weight_map}, indent=2))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
-              "intermediate_size": ffn, "num_hidden_layers": layers, "num_attention_heads": heads,
-              "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": 4096,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-              "dtype": "bfloat16"}
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "dtype": "bfloat16",
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "tokenizer_config.json").write_text('{"model_max_length": 4096}\n')
     (out / "bench.json").write_text(json.dumps({"layers": layers, "bytes": total}))
@@ -90,8 +109,14 @@ def timed(cmd, rss_file: Path, cwd=ROOT):
     from this (large) Python process would inherit its high-water mark in ru_maxrss."""
     subprocess.run(["sync"], check=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(["/usr/bin/time", "-o", str(rss_file), "-f", "%M %U %S", *map(str, cmd)], cwd=cwd,
-                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "CI": "1"})
+    proc = subprocess.run(
+        ["/usr/bin/time", "-o", str(rss_file), "-f", "%M %U %S", *map(str, cmd)],
+        cwd=cwd,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "CI": "1"},
+    )
     t_exit = time.perf_counter() - t0
     subprocess.run(["sync"], check=True)
     t_sync = time.perf_counter() - t0
@@ -151,23 +176,39 @@ def main() -> None:
     nbytes = json.loads(meta.read_text())["bytes"]
     largest = 32000 * 2048 * 2
     bound = 2 * largest + 2**30
-    print(f"model: {a.layers} layers, {nbytes / 1e9:.3f} GB of bf16 weights in "
-          f"{len(list(src.glob('*.safetensors')))} files; largest tensor {largest / 1e6:.0f} MB -> "
-          f"RSS bound {bound / 2**30:.2f} GiB; inputs {'in the page cache' if a.warm else 'read from disk'}")
-    print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]}, "
-          f"torch {torch.__version__}")
+    print(
+        f"model: {a.layers} layers, {nbytes / 1e9:.3f} GB of bf16 weights in "
+        f"{len(list(src.glob('*.safetensors')))} files; largest tensor {largest / 1e6:.0f} MB -> "
+        f"RSS bound {bound / 2**30:.2f} GiB; inputs {'in the page cache' if a.warm else 'read from disk'}"
+    )
+    print(
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; python {sys.version.split()[0]}, "
+        f"torch {torch.__version__}"
+    )
     cp = ["cp", "-r", src, base / "cp"]
     jobs = [
         ("user-space copy (reference)", [sys.executable, ROOT / "benchmarks" / "user_copy.py", src, base / "ucp"], src),
-        ("convert torch tp2·pp2", MBR + ["convert", f"src={src}", f"dst={base / 't22'}", "format=torch",
-                                         "parallel.tp=2", "parallel.pp=2"], src),
+        (
+            "convert torch tp2·pp2",
+            MBR + ["convert", f"src={src}", f"dst={base / 't22'}", "format=torch", "parallel.tp=2", "parallel.pp=2"],
+            src,
+        ),
         ("convert torch_dist", MBR + ["convert", f"src={src}", f"dst={base / 'dist'}"], src),
-        ("export (from torch_dist)", MBR + ["export", f"src={base / 'dist'}", f"dst={base / 'exp_dist'}",
-                                            "max_shard_gb=0.5"], base / "dist"),
-        ("export (from torch tp2·pp2)", MBR + ["export", f"src={base / 't22'}", f"dst={base / 'exp_t22'}",
-                                              "max_shard_gb=0.5"], base / "t22"),
-        ("reshard tp2·pp2 -> tp1·pp4", MBR + ["reshard", f"src={base / 't22'}", f"dst={base / 't14'}",
-                                             "parallel.tp=1", "parallel.pp=4"], base / "t22"),
+        (
+            "export (from torch_dist)",
+            MBR + ["export", f"src={base / 'dist'}", f"dst={base / 'exp_dist'}", "max_shard_gb=0.5"],
+            base / "dist",
+        ),
+        (
+            "export (from torch tp2·pp2)",
+            MBR + ["export", f"src={base / 't22'}", f"dst={base / 'exp_t22'}", "max_shard_gb=0.5"],
+            base / "t22",
+        ),
+        (
+            "reshard tp2·pp2 -> tp1·pp4",
+            MBR + ["reshard", f"src={base / 't22'}", f"dst={base / 't14'}", "parallel.tp=1", "parallel.pp=4"],
+            base / "t22",
+        ),
     ]
 
     def measure(cmd, inp):
@@ -190,21 +231,28 @@ def main() -> None:
             r = measure(cmd, inp)
             cps.append(c)
             results[name].append(r + (c[1] / r[1],))
-            print(f"  run {rep + 1} {name}: {r[0]:.2f} s ({r[1]:.2f} s with sync), peak RSS {r[3] / 2**30:.2f} GiB; "
-                  f"cp just before: {c[1]:.2f} s with sync", flush=True)
+            print(
+                f"  run {rep + 1} {name}: {r[0]:.2f} s ({r[1]:.2f} s with sync), peak RSS {r[3] / 2**30:.2f} GiB; "
+                f"cp just before: {c[1]:.2f} s with sync",
+                flush=True,
+            )
     med = statistics.median
     cp_best = min(c[1] for c in cps)
     print()
-    print(f"{a.reps} runs each. 'best' = fastest run (least disturbed by other load on the shared box), 'median' "
-          f"likewise; times include the final sync. GB/s = model bytes / best time. 'vs cp' = cp's best time / the "
-          f"command's best time. cp -r itself: best {cp_best:.2f} s ({nbytes / 1e9 / cp_best:.2f} GB/s), median "
-          f"{med(c[1] for c in cps):.2f} s, {med(c[4] for c in cps):.2f} CPU s. 'start-up excluded' = the command's own "
-          f"summary line (from its first read to its last write, without the start-up: ~0.4 s of interpreter + Hydra "
-          f"for convert and export, ~2 s with torch for reshard) plus the sync after its exit; CPU s = user + system of "
-          f"the whole process.")
+    print(
+        f"{a.reps} runs each. 'best' = fastest run (least disturbed by other load on the shared box), 'median' "
+        f"likewise; times include the final sync. GB/s = model bytes / best time. 'vs cp' = cp's best time / the "
+        f"command's best time. cp -r itself: best {cp_best:.2f} s ({nbytes / 1e9 / cp_best:.2f} GB/s), median "
+        f"{med(c[1] for c in cps):.2f} s, {med(c[4] for c in cps):.2f} CPU s. 'start-up excluded' = the command's own "
+        f"summary line (from its first read to its last write, without the start-up: ~0.4 s of interpreter + Hydra "
+        f"for convert and export, ~2 s with torch for reshard) plus the sync after its exit; CPU s = user + system of "
+        f"the whole process."
+    )
     print()
-    print("| operation | best s | median s | GB/s | vs cp -r | start-up excluded: s, GB/s, vs cp -r | CPU s | "
-          "peak RSS GiB | ≤ bound |")
+    print(
+        "| operation | best s | median s | GB/s | vs cp -r | start-up excluded: s, GB/s, vs cp -r | CPU s | "
+        "peak RSS GiB | ≤ bound |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, rs in results.items():
         best, median = min(r[1] for r in rs), med(r[1] for r in rs)
@@ -212,8 +260,10 @@ def main() -> None:
         own = [r[2] + (r[1] - r[0]) for r in rs if r[2] is not None]
         rss = max(r[3] for r in rs)
         inside = f"{min(own):.2f}, {nbytes / 1e9 / min(own):.2f}, {cp_best / min(own):.2f}×" if own else "-"
-        print(f"| {name} | {best:.2f} | {median:.2f} | {nbytes / 1e9 / best:.2f} | {cp_best / best:.2f}× | {inside} | "
-              f"{min(r[4] for r in rs):.1f} | {rss / 2**30:.2f} | {'yes' if rss <= bound else 'NO'} |")
+        print(
+            f"| {name} | {best:.2f} | {median:.2f} | {nbytes / 1e9 / best:.2f} | {cp_best / best:.2f}× | {inside} | "
+            f"{min(r[4] for r in rs):.1f} | {rss / 2**30:.2f} | {'yes' if rss <= bound else 'NO'} |"
+        )
     for name in ("exp_dist", "exp_t22"):
         print(f"{name}: {check_exact(src, base / name)} vs the source")
     if not a.keep:

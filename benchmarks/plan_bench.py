@@ -25,14 +25,34 @@ from megatron_bridge.plan import report  # noqa: E402
 from megatron_bridge.plan.search import Context, pinned_from_overrides, search  # noqa: E402
 
 CASES = {
-    "llama3_405b @ 16,384 H100": ["model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=2048",
-                                   "train.seq_length=8192", "train.global_batch_size=2048"],
-    "gpt_1t @ 4,096 A100-40GB": ["model=gpt_1t", "cluster=dgx_a100_40g", "cluster.nodes=512",
-                                  "train.seq_length=2048", "train.global_batch_size=3072"],
-    "gpt3_175b @ 1,024 A100-80GB": ["model=gpt3_175b", "cluster=dgx_a100_80g", "cluster.nodes=128",
-                                     "train.seq_length=2048", "train.global_batch_size=1536"],
-    "mixtral_8x7b @ 4,096 H100": ["model=mixtral_8x7b", "cluster=dgx_h100", "cluster.nodes=512",
-                                   "train.seq_length=4096", "train.global_batch_size=1024"],
+    "llama3_405b @ 16,384 H100": [
+        "model=llama3_405b",
+        "cluster=dgx_h100",
+        "cluster.nodes=2048",
+        "train.seq_length=8192",
+        "train.global_batch_size=2048",
+    ],
+    "gpt_1t @ 4,096 A100-40GB": [
+        "model=gpt_1t",
+        "cluster=dgx_a100_40g",
+        "cluster.nodes=512",
+        "train.seq_length=2048",
+        "train.global_batch_size=3072",
+    ],
+    "gpt3_175b @ 1,024 A100-80GB": [
+        "model=gpt3_175b",
+        "cluster=dgx_a100_80g",
+        "cluster.nodes=128",
+        "train.seq_length=2048",
+        "train.global_batch_size=1536",
+    ],
+    "mixtral_8x7b @ 4,096 H100": [
+        "model=mixtral_8x7b",
+        "cluster=dgx_h100",
+        "cluster.nodes=512",
+        "train.seq_length=4096",
+        "train.global_batch_size=1024",
+    ],
 }
 
 
@@ -60,8 +80,11 @@ def main() -> int:
         times = {k: [r[0][k] for r in runs] for k in runs[0][0]}
         _, res, doc = runs[-1]
         lo = doc["choice"]["layout"] if doc["choice"] else None
-        chosen = (f"tp{lo['tp']} pp{lo['pp']} cp{lo['cp']} ep{lo['ep']} dp{lo['dp']} zero{lo['zero_stage']} "
-                  f"{lo['recompute']}" if lo else "infeasible")
+        chosen = (
+            f"tp{lo['tp']} pp{lo['pp']} cp{lo['cp']} ep{lo['ep']} dp{lo['dp']} zero{lo['zero_stage']} {lo['recompute']}"
+            if lo
+            else "infeasible"
+        )
         print(f"\n{name}: {res.candidates:,} candidates, {res.valid:,} valid, chosen {chosen}")
         for k, v in times.items():
             print(f"  {k:<8} {min(v):7.3f} / {statistics.median(v):7.3f}")
@@ -72,8 +95,10 @@ def main() -> int:
                 t0 = time.perf_counter()
                 subprocess.run(cmd, check=True, capture_output=True)
                 walls.append(time.perf_counter() - t0)
-            print(f"  mbr plan end to end (process start, imports, compose, search, table): "
-                  f"{min(walls):.3f} / {statistics.median(walls):.3f}")
+            print(
+                f"  mbr plan end to end (process start, imports, compose, search, table): "
+                f"{min(walls):.3f} / {statistics.median(walls):.3f}"
+            )
             target = min(times["plan"])
             print(f"  target < 2 s for the full search: {'PASS' if target < 2.0 else 'FAIL'} ({target:.3f} s)")
         first = False

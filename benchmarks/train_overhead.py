@@ -22,18 +22,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(args, nproc):
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore",
-           "WANDB_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONWARNINGS": "ignore",
+        "WANDB_MODE": "disabled",
+    }
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *args],
-                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=1200,
+    )
     if out.returncode:
         sys.exit(f"launch failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return t0, out.stdout
 
 
 def rows_from(text):
-    return [json.loads(l) for l in text.splitlines() if l.startswith("{")]
+    return [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
 
 
 def summary(name, t0, rows, skip):
@@ -51,24 +61,53 @@ def main():
     ap.add_argument("--gbs", type=int, default=8)
     a = ap.parse_args()
     skip = min(5, a.steps // 3)
-    t0, out = launch(["benchmarks/bare_megatron_loop.py", str(a.tp), str(a.steps), str(a.hidden), str(a.layers),
-                      str(a.seq), str(a.gbs)], a.tp)
+    t0, out = launch(
+        [
+            "benchmarks/bare_megatron_loop.py",
+            str(a.tp),
+            str(a.steps),
+            str(a.hidden),
+            str(a.layers),
+            str(a.seq),
+            str(a.gbs),
+        ],
+        a.tp,
+    )
     bare = summary("bare megatron-core loop", t0, rows_from(out), skip)
     with tempfile.TemporaryDirectory() as run_dir:
-        ovr = ["recipe=default", f"parallel.tp={a.tp}", f"cluster.gpus_per_node={a.tp}", "model.num_layers=%d" % a.layers,
-               f"model.hidden_size={a.hidden}", f"model.ffn_hidden_size={4 * a.hidden}", "model.num_attention_heads=8",
-               "model.num_query_groups=4", "model.vocab_size=512", f"model.max_position_embeddings={a.seq}",
-               f"train.seq_length={a.seq}", "train.micro_batch_size=1", f"train.global_batch_size={a.gbs}",
-               f"train.steps={a.steps}", "optimizer.weight_decay=0.0", f"run_dir={run_dir}"]
+        ovr = [
+            "recipe=default",
+            f"parallel.tp={a.tp}",
+            f"cluster.gpus_per_node={a.tp}",
+            f"model.num_layers={a.layers}",
+            f"model.hidden_size={a.hidden}",
+            f"model.ffn_hidden_size={4 * a.hidden}",
+            "model.num_attention_heads=8",
+            "model.num_query_groups=4",
+            "model.vocab_size=512",
+            f"model.max_position_embeddings={a.seq}",
+            f"train.seq_length={a.seq}",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={a.gbs}",
+            f"train.steps={a.steps}",
+            "optimizer.weight_decay=0.0",
+            f"run_dir={run_dir}",
+        ]
         t0, _ = launch(["-m", "megatron_bridge.train", *ovr], a.tp)
-        rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     ours = summary("megatron_bridge.train", t0, rows, skip)
-    print(f"model h={a.hidden} L={a.layers} seq={a.seq} gbs={a.gbs} tp={a.tp}, {a.steps} steps (median of steps > {skip})")
+    print(
+        f"model h={a.hidden} L={a.layers} seq={a.seq} gbs={a.gbs} tp={a.tp}, {a.steps} steps (median of steps > {skip})"
+    )
     for r in (bare, ours):
-        print(f"  {r['name']:<26} median step {r['median_step_s'] * 1e3:8.1f} ms   first step done "
-              f"{r['first_step_after_launch_s']:6.1f} s after launch")
+        print(
+            f"  {r['name']:<26} median step {r['median_step_s'] * 1e3:8.1f} ms   first step done "
+            f"{r['first_step_after_launch_s']:6.1f} s after launch"
+        )
     print(f"  step time ratio (ours / bare): {ours['median_step_s'] / bare['median_step_s']:.3f}  (goal <= 1.03)")
-    print(f"  startup ratio   (ours / bare): {ours['first_step_after_launch_s'] / bare['first_step_after_launch_s']:.2f}")
+    print(
+        f"  startup ratio   (ours / bare): {ours['first_step_after_launch_s'] / bare['first_step_after_launch_s']:.2f}"
+    )
 
 
 if __name__ == "__main__":

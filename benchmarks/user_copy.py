@@ -28,7 +28,7 @@ def copy_tree(src: Path, dst: Path, chunk: int = 8 * 2**20) -> int:
             while n := os.readv(fi, [buf]):
                 view = buf[:n]
                 while view:
-                    view = view[os.write(fo, view):]
+                    view = view[os.write(fo, view) :]
                 total += n
         finally:
             os.close(fi)

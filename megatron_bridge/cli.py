@@ -10,20 +10,52 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Dict, Sequence, Tuple
+from collections.abc import Sequence
 
 from megatron_bridge.errors import UserError, run_cli
 
-COMMANDS: Dict[str, Tuple[str, str, str]] = {
+COMMANDS: dict[str, tuple[str, str, str]] = {
     "check": ("megatron_bridge.commands.check", "main", "validate a recipe's layout and print its rank map"),
-    "verify": ("megatron_bridge.commands.verify", "main", "HF model vs its megatron build under layouts: logits parity, round trip (--list: families)"),
-    "plan": ("megatron_bridge.commands.plan", "main", "choose the layout for a model on a cluster, with memory/comm/bubble"),
-    "data": ("megatron_bridge.commands.data", "main", "tokenize text into a megatron-core indexed dataset (demo=true: from the stdlib)"),
-    "launch": ("megatron_bridge.commands.launch", "main", "launch a recipe with torchrun, deepspeed or Slurm (--dry-run prints)"),
-    "check-ckpt": ("megatron_bridge.commands.check_ckpt", "main", "verify a training checkpoint against its manifest (sha256), naming any bad file"),
-    "convert": ("megatron_bridge.commands.convert", "main", "HF safetensors -> megatron checkpoint (torch_dist, or per-rank torch for parallel.*)"),
-    "export": ("megatron_bridge.commands.export", "main", "converted checkpoint -> HF safetensors + config + tokenizer (bit-exact)"),
-    "reshard": ("megatron_bridge.commands.reshard", "main", "converted checkpoint -> another TP/PP/EP layout or format, without HF"),
+    "verify": (
+        "megatron_bridge.commands.verify",
+        "main",
+        "HF model vs its megatron build under layouts: logits parity, round trip (--list: families)",
+    ),
+    "plan": (
+        "megatron_bridge.commands.plan",
+        "main",
+        "choose the layout for a model on a cluster, with memory/comm/bubble",
+    ),
+    "data": (
+        "megatron_bridge.commands.data",
+        "main",
+        "tokenize text into a megatron-core indexed dataset (demo=true: from the stdlib)",
+    ),
+    "launch": (
+        "megatron_bridge.commands.launch",
+        "main",
+        "launch a recipe with torchrun, deepspeed or Slurm (--dry-run prints)",
+    ),
+    "check-ckpt": (
+        "megatron_bridge.commands.check_ckpt",
+        "main",
+        "verify a training checkpoint against its manifest (sha256), naming any bad file",
+    ),
+    "convert": (
+        "megatron_bridge.commands.convert",
+        "main",
+        "HF safetensors -> megatron checkpoint (torch_dist, or per-rank torch for parallel.*)",
+    ),
+    "export": (
+        "megatron_bridge.commands.export",
+        "main",
+        "converted checkpoint -> HF safetensors + config + tokenizer (bit-exact)",
+    ),
+    "reshard": (
+        "megatron_bridge.commands.reshard",
+        "main",
+        "converted checkpoint -> another TP/PP/EP layout or format, without HF",
+    ),
 }
 
 USAGE = """usage: mbr <command> [recipe=NAME] [key=value ...] [--flags]

@@ -19,10 +19,20 @@ def init_model(out: str, tokenizer_dir: str, seed: int = 0) -> None:
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out)
     for f in Path(tokenizer_dir).iterdir():
@@ -40,7 +50,7 @@ def generate(hf_dir: str, prompt: str, new_tokens: int = 24) -> None:
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
-    print(f"prompt:     {prompt!r}\ngenerated:  {tok.decode(out[0][ids.shape[1]:])!r}")
+    print(f"prompt:     {prompt!r}\ngenerated:  {tok.decode(out[0][ids.shape[1] :])!r}")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
 
 FAULT_ENV = "MBR_FAULT"
 FAULT_DIR_ENV = "MBR_FAULT_DIR"
@@ -50,18 +50,20 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _parse(spec: str) -> List[Tuple[str, str, str, int]]:
+def _parse(spec: str) -> list[tuple[str, str, str, int]]:
     out = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         parts = entry.split(":")
         if len(parts) != 4 or parts[0] not in ACTIONS or parts[1] not in POINTS or not parts[3].isdigit():
-            raise ValueError(f"{FAULT_ENV}={spec!r}: entries are ACTION:POINT:RANKS:STEP with ACTION in {ACTIONS} "
-                             f"and POINT in {POINTS}, e.g. kill:step:1:5")
+            raise ValueError(
+                f"{FAULT_ENV}={spec!r}: entries are ACTION:POINT:RANKS:STEP with ACTION in {ACTIONS} "
+                f"and POINT in {POINTS}, e.g. kill:step:1:5"
+            )
         out.append((parts[0], parts[1], parts[2], int(parts[3])))
     return out
 
 
-def planned(point: str, step: int) -> Optional[str]:
+def planned(point: str, step: int) -> str | None:
     """The action `MBR_FAULT` plans for this rank at (point, step), or None."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
@@ -104,10 +106,23 @@ def faulty_iterator(it: Iterator, step: int, draw: int) -> Iterator:
 
 
 # -- failure reporting ------------------------------------------------------------------------
-COMMUNICATION = ("torch/distributed/", "p2p_communication", "megatron/core/distributed/",
-                 "megatron/core/tensor_parallel/mappings", "deepspeed/comm")
-PEER_HINTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "timed out", "Timeout",
-              "ECONNRESET", "EPIPE", "NCCL communicator was aborted")
+COMMUNICATION = (
+    "torch/distributed/",
+    "p2p_communication",
+    "megatron/core/distributed/",
+    "megatron/core/tensor_parallel/mappings",
+    "deepspeed/comm",
+)
+PEER_HINTS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "timed out",
+    "Timeout",
+    "ECONNRESET",
+    "EPIPE",
+    "NCCL communicator was aborted",
+)
 
 
 def failure_message(rank: int, what: str, exc: BaseException) -> str:
@@ -117,8 +132,10 @@ def failure_message(rank: int, what: str, exc: BaseException) -> str:
         text = text[:600] + " ..."
     msg = f"rank {rank} failed in {what}: {type(exc).__name__}: {text}"
     if any(h in str(exc) for h in PEER_HINTS):
-        msg += (" (a collective broke: another rank died or hangs; the first failing rank is the cause, "
-                "see the launcher's 'Root Cause')")
+        msg += (
+            " (a collective broke: another rank died or hangs; the first failing rank is the cause, "
+            "see the launcher's 'Root Cause')"
+        )
     return msg
 
 
@@ -132,7 +149,7 @@ class Watchdog:
         self.rank = rank
         self.hint = hint
         self._lock = threading.Lock()
-        self._deadline: Optional[float] = None
+        self._deadline: float | None = None
         self._what = ""
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
@@ -153,7 +170,7 @@ class Watchdog:
         self._stop.set()
         self.disarm()
 
-    def _where(self) -> Tuple[str, bool]:
+    def _where(self) -> tuple[str, bool]:
         """Where the main thread is stuck, and whether it is waiting on peers (a collective or a
         point-to-point transfer) rather than stuck by itself."""
         frame = sys._current_frames().get(self._main)
@@ -176,9 +193,13 @@ class Watchdog:
                 what = self._what
             if late:
                 where, waiting = self._where()
-                print(f"rank {self.rank} failed in {what}: no progress for {self.timeout_s:.0f} s "
-                      f"({self.hint or 'the watchdog timeout'}); stuck at {where}. Exiting so that the "
-                      "whole job ends instead of hanging.", file=sys.stderr, flush=True)
+                print(
+                    f"rank {self.rank} failed in {what}: no progress for {self.timeout_s:.0f} s "
+                    f"({self.hint or 'the watchdog timeout'}); stuck at {where}. Exiting so that the "
+                    "whole job ends instead of hanging.",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if waiting:
                     # Let the rank that is stuck by itself exit first: the launcher's report then
                     # names it as the first failure (it stops everyone else at once).

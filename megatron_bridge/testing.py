@@ -19,8 +19,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
 
 RESULT_DIR_ENV = "MBR_TEST_RESULT_DIR"
 DEFAULT_TIMEOUT = 300.0
@@ -30,7 +30,7 @@ class TorchrunError(AssertionError):
     """A torchrun launch failed (non-zero exit, timeout, or a rank that reported nothing).
     `output` holds everything the launcher and the ranks printed."""
 
-    def __init__(self, message: str, output: str = "", returncode: Optional[int] = None):
+    def __init__(self, message: str, output: str = "", returncode: int | None = None):
         self.output = output
         self.returncode = returncode
         tail = output[-20000:]
@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def report(data: Mapping, *, rank: Optional[int] = None) -> None:
+def report(data: Mapping, *, rank: int | None = None) -> None:
     """Called inside a rank: store this rank's result for the harness (merged with earlier
     reports of the same rank). Outside the harness it prints the data instead."""
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
@@ -64,10 +64,10 @@ def run_torchrun(
     nproc: int,
     *,
     timeout: float = DEFAULT_TIMEOUT,
-    env: Optional[Mapping[str, str]] = None,
-    cwd: Optional[str] = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
     expect_results: bool = True,
-) -> List[Dict]:
+) -> list[dict]:
     """Launch `torchrun --nproc-per-node nproc <script_or_module_args>` and return the per-rank
     dicts reported with `report()`, ordered by rank. Raises `TorchrunError` (with the output) on
     a non-zero exit, on timeout (after killing every process of the launch), or when a rank
@@ -113,17 +113,27 @@ def run_torchrun(
 
 def _launch(args, nproc, out_dir, run_env, cwd, timeout):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port()),
-        "--max-restarts", "0",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--max-restarts",
+        "0",
         *args,
     ]
     log_path = Path(out_dir) / "output.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=run_env, cwd=cwd,
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=run_env,
+            cwd=cwd,
             start_new_session=True,  # never in pytest's group: our kills stay ours
         )
         try:
@@ -145,11 +155,11 @@ def _port_clash(output: str) -> bool:
     return "EADDRINUSE" in output or "address already in use" in output.lower()
 
 
-def _process_tree(root: int) -> List[int]:
+def _process_tree(root: int) -> list[int]:
     """`root` and all its descendants (Linux /proc; psutil elsewhere). torchrun starts every
     worker in a new session, so killing the launcher's process group alone would orphan them."""
     try:
-        children: Dict[int, List[int]] = {}
+        children: dict[int, list[int]] = {}
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 try:

@@ -12,23 +12,59 @@ transforms in `mapping.py`), shared by online loading, export and offline conver
 """
 
 from megatron_bridge.bridge.hf_config import (
-    BridgeSpec, gpt_model_kwargs, load_spec, spec_from_hf, spec_from_model_config, spec_to_hf_config,
+    BridgeSpec,
+    gpt_model_kwargs,
+    load_spec,
+    spec_from_hf,
+    spec_from_model_config,
+    spec_to_hf_config,
     transformer_config,
 )
 from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, problems, stage_layers, to_local_name
 from megatron_bridge.bridge.loader import (
-    Coords, HFCheckpoint, export_hf_weights, iter_hf_tensors, load_hf_weights, rank_shards, resolve_checkpoint,
+    Coords,
+    HFCheckpoint,
+    export_hf_weights,
+    iter_hf_tensors,
+    load_hf_weights,
+    rank_shards,
+    resolve_checkpoint,
 )
 from megatron_bridge.bridge.mapping import Shapes, Shard
 from megatron_bridge.bridge.registry import FamilyBridge, describe, families, family_for, get_family, register
 from megatron_bridge.bridge.table import Mapping
 
 __all__ = [
-    "BridgeSpec", "load_spec", "spec_from_hf", "spec_to_hf_config", "spec_from_model_config", "transformer_config",
-    "gpt_model_kwargs", "Layout", "problems", "stage_layers", "local_experts", "to_local_name", "Coords",
-    "HFCheckpoint", "rank_shards", "resolve_checkpoint", "load_hf_weights", "iter_hf_tensors", "export_hf_weights",
-    "Mapping", "Shapes", "Shard", "dist_ckpt_key", "build_model", "FamilyBridge", "register", "families",
-    "family_for", "get_family", "describe",
+    "BridgeSpec",
+    "load_spec",
+    "spec_from_hf",
+    "spec_to_hf_config",
+    "spec_from_model_config",
+    "transformer_config",
+    "gpt_model_kwargs",
+    "Layout",
+    "problems",
+    "stage_layers",
+    "local_experts",
+    "to_local_name",
+    "Coords",
+    "HFCheckpoint",
+    "rank_shards",
+    "resolve_checkpoint",
+    "load_hf_weights",
+    "iter_hf_tensors",
+    "export_hf_weights",
+    "Mapping",
+    "Shapes",
+    "Shard",
+    "dist_ckpt_key",
+    "build_model",
+    "FamilyBridge",
+    "register",
+    "families",
+    "family_for",
+    "get_family",
+    "describe",
 ]
 
 

@@ -23,7 +23,6 @@ GPUs with TE, `model.py` uses TE's attention instead.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,11 +53,15 @@ def cp_positions(local_len: int, cp_size: int, cp_rank: int, device=None) -> tor
         return torch.arange(local_len, device=device)
     chunk = local_len // 2
     first, second = cp_rank, 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
-                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+    return torch.cat(
+        [
+            torch.arange(first * chunk, (first + 1) * chunk, device=device),
+            torch.arange(second * chunk, (second + 1) * chunk, device=device),
+        ]
+    )
 
 
-def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[tuple]) -> Optional[torch.Tensor]:
+def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: tuple | None) -> torch.Tensor | None:
     """Boolean [sq, sk] mask, True = may attend. None when nothing is masked."""
     if not causal and window is None:
         return None
@@ -102,13 +105,25 @@ def _make_class():
     class ContextParallelAttention(MegatronModule):
         """Pure-PyTorch core attention, any context-parallel size (see module docstring)."""
 
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=None,
+            softmax_scale=None,
+            cp_comm_type=None,
+            pg_collection=None,
+        ):
             super().__init__(config=config)
             self.layer_number = max(1, layer_number)
             self.attn_mask_type = attn_mask_type
-            cp = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") else \
-                parallel_state.get_context_parallel_group()
+            cp = (
+                pg_collection.cp
+                if pg_collection is not None and hasattr(pg_collection, "cp")
+                else parallel_state.get_context_parallel_group()
+            )
             self.cp_group = cp
             self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
             if config.apply_query_key_layer_scaling:
@@ -120,8 +135,16 @@ def _make_class():
             self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
             self._causal_types = (AttnMaskType.causal,)
 
-        def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask=None,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+        ):
             """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn]."""
             if packed_seq_params is not None or attention_bias is not None:
                 raise NotImplementedError("packed sequences / attention bias need TEDotProductAttention")
@@ -152,11 +175,13 @@ def _make_class():
             dropout = self.dropout_p if self.training else 0.0
             if dropout > 0:
                 with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
-                                                         scale=self.softmax_scale, enable_gqa=gqa)
+                    out = F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa
+                    )
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale,
-                                                     enable_gqa=gqa)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=gqa
+                )
             return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
 
     return ContextParallelAttention

@@ -13,11 +13,11 @@ keys only the bridge needs (rope scaling, windows, router details) are read here
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+from collections.abc import Mapping as TMapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping as TMapping, Optional, Tuple
+from typing import Any
 
 from megatron_bridge.bridge.mapping import Shapes
 from megatron_bridge.bridge.registry import family_for
@@ -43,19 +43,19 @@ class BridgeSpec:
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
     rope_type: str = "default"
-    rope_params: Tuple[Tuple[str, Any], ...] = ()  # factor, low/high_freq_factor, original_max_...
+    rope_params: tuple[tuple[str, Any], ...] = ()  # factor, low/high_freq_factor, original_max_...
     tie_word_embeddings: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
-    sliding_window: Optional[int] = None  # HF semantics: attend to keys with q - k < window
+    sliding_window: int | None = None  # HF semantics: attend to keys with q - k < window
     attention_dropout: float = 0.0
-    num_moe_experts: Optional[int] = None
+    num_moe_experts: int | None = None
     moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
     moe_router_pre_softmax: bool = False  # softmax over all experts, no top-k renormalisation
-    moe_layer_pattern: Tuple[int, ...] = ()  # 1 = MoE layer, 0 = dense; () = every layer alike
+    moe_layer_pattern: tuple[int, ...] = ()  # 1 = MoE layer, 0 = dense; () = every layer alike
     make_vocab_size_divisible_by: int = 128
     initializer_range: float = 0.02
 
@@ -67,9 +67,11 @@ class BridgeSpec:
         return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     def shapes(self, tp: int) -> Shapes:
-        return Shapes(self.num_attention_heads, self.num_query_groups, self.head_dim, self.vocab_size, self.padded_vocab_size(tp))
+        return Shapes(
+            self.num_attention_heads, self.num_query_groups, self.head_dim, self.vocab_size, self.padded_vocab_size(tp)
+        )
 
-    def replace(self, **kw: Any) -> "BridgeSpec":
+    def replace(self, **kw: Any) -> BridgeSpec:
         return dataclasses.replace(self, **kw)
 
 
@@ -78,13 +80,13 @@ class BridgeSpec:
 # ----------------------------------------------------------------------------------------
 
 
-def _rope(hf: TMapping[str, Any], problems: List[str]) -> Tuple[float, str, Tuple[Tuple[str, Any], ...]]:
+def _rope(hf: TMapping[str, Any], problems: list[str]) -> tuple[float, str, tuple[tuple[str, Any], ...]]:
     """(theta, rope_type, params) from transformers-5 `rope_parameters` or v4 `rope_scaling`."""
     params = dict(hf.get("rope_parameters") or {})
     params.update(hf.get("rope_scaling") or {})
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     rtype = params.get("rope_type") or params.get("type") or "default"
-    keep: Dict[str, Any] = {}
+    keep: dict[str, Any] = {}
     if rtype not in ROPE_TYPES:
         problems.append(f"rope_type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     elif rtype == "linear":
@@ -100,7 +102,7 @@ def _rope(hf: TMapping[str, Any], problems: List[str]) -> Tuple[float, str, Tupl
     return float(theta), rtype, tuple(sorted(keep.items()))
 
 
-def _window(hf: TMapping[str, Any], n_layers: int, problems: List[str]) -> Optional[int]:
+def _window(hf: TMapping[str, Any], n_layers: int, problems: list[str]) -> int | None:
     """One window for all layers, or None. HF expresses it three ways across families."""
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window") is False:
@@ -121,7 +123,7 @@ def _window(hf: TMapping[str, Any], n_layers: int, problems: List[str]) -> Optio
     return int(window)
 
 
-def _moe_pattern(hf: TMapping[str, Any], n_layers: int) -> Tuple[int, ...]:
+def _moe_pattern(hf: TMapping[str, Any], n_layers: int) -> tuple[int, ...]:
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = set(hf.get("mlp_only_layers") or ())
     pattern = tuple(0 if (i in dense or (i + 1) % step) else 1 for i in range(n_layers))
@@ -133,16 +135,28 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     unsupported feature."""
     family = family_for(hf)
     base = hf_to_model_fields(dict(hf))
-    problems: List[str] = []
-    f: Dict[str, Any] = {}
+    problems: list[str] = []
+    f: dict[str, Any] = {}
     f["family"] = family.name
     f["architecture"] = (hf.get("architectures") or family.architectures)[0]
-    missing = [k for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")
-               if base.get(k) is None]
+    missing = [
+        k
+        for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size")
+        if base.get(k) is None
+    ]
     if missing:
-        raise UserError(f"config.json lacks {', '.join(missing)} (HF names: {', '.join(HF_KEYS[k][0] for k in missing)})")
-    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
-              "max_position_embeddings", "norm_epsilon"):
+        raise UserError(
+            f"config.json lacks {', '.join(missing)} (HF names: {', '.join(HF_KEYS[k][0] for k in missing)})"
+        )
+    for k in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "norm_epsilon",
+    ):
         if base.get(k) is not None:
             f[k] = base[k]
     heads = base["num_attention_heads"]
@@ -161,8 +175,9 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")
     if hf.get("attention_bias"):
-        problems.append("attention_bias=true adds an o_proj bias, which the megatron local spec cannot hold "
-                        "(it has qkv bias only)")
+        problems.append(
+            "attention_bias=true adds an o_proj bias, which the megatron local spec cannot hold (it has qkv bias only)"
+        )
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true (MLP biases) is not supported")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -205,26 +220,37 @@ def spec_from_model_config(model_cfg: Any) -> BridgeSpec:
 
     fam = get_family(model_cfg.family)
     f = dict(
-        family=fam.name, architecture=fam.architectures[0], num_layers=model_cfg.num_layers,
-        hidden_size=model_cfg.hidden_size, ffn_hidden_size=model_cfg.ffn_hidden_size,
-        num_attention_heads=model_cfg.num_attention_heads, num_query_groups=model_cfg.kv_heads,
-        head_dim=model_cfg.head_dim, vocab_size=model_cfg.vocab_size,
-        max_position_embeddings=model_cfg.max_position_embeddings, norm_epsilon=model_cfg.norm_epsilon,
-        rotary_base=model_cfg.rotary_base, tie_word_embeddings=model_cfg.tie_word_embeddings,
-        add_qkv_bias=model_cfg.add_qkv_bias, qk_layernorm=model_cfg.qk_layernorm,
+        family=fam.name,
+        architecture=fam.architectures[0],
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.kv_heads,
+        head_dim=model_cfg.head_dim,
+        vocab_size=model_cfg.vocab_size,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        norm_epsilon=model_cfg.norm_epsilon,
+        rotary_base=model_cfg.rotary_base,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
+        add_qkv_bias=model_cfg.add_qkv_bias,
+        qk_layernorm=model_cfg.qk_layernorm,
         make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
     )
     f.update(fam.implicit)
     if model_cfg.num_moe_experts:
-        f.update(num_moe_experts=model_cfg.num_moe_experts, moe_router_topk=model_cfg.moe_router_topk,
-                 moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
-                 moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size)
+        f.update(
+            num_moe_experts=model_cfg.num_moe_experts,
+            moe_router_topk=model_cfg.moe_router_topk,
+            moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
+        )
         if not model_cfg.moe_shared_expert_intermediate_size:
             f["moe_shared_expert_gate"] = False
     return BridgeSpec(**f)
 
 
-def spec_to_hf_config(spec: BridgeSpec) -> Dict[str, Any]:
+def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
     """A config.json for `spec` (export of a model that has no HF source directory).
 
     `spec_from_hf(spec_to_hf_config(s)) == s` for every supported spec; the family's
@@ -233,13 +259,21 @@ def spec_to_hf_config(spec: BridgeSpec) -> Dict[str, Any]:
 
     fam = get_family(spec.family)
     names = dict(fam.hf_names)
-    cfg: Dict[str, Any] = {
-        "architectures": [spec.architecture], "model_type": fam.model_types[0], "hidden_act": "silu",
-        "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.ffn_hidden_size, "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_query_groups, "head_dim": spec.head_dim, "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_position_embeddings, "rms_norm_eps": spec.norm_epsilon,
-        "tie_word_embeddings": spec.tie_word_embeddings, "attention_dropout": spec.attention_dropout,
+    cfg: dict[str, Any] = {
+        "architectures": [spec.architecture],
+        "model_type": fam.model_types[0],
+        "hidden_act": "silu",
+        "num_hidden_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_query_groups,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.norm_epsilon,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_dropout": spec.attention_dropout,
         "initializer_range": spec.initializer_range,
         "rope_parameters": {"rope_theta": spec.rotary_base, "rope_type": spec.rope_type, **dict(spec.rope_params)},
     }
@@ -248,8 +282,11 @@ def spec_to_hf_config(spec: BridgeSpec) -> Dict[str, Any]:
             cfg[names[f]] = value
     if fam.window_key == "layer_types":
         kind = "sliding_attention" if spec.sliding_window else "full_attention"
-        cfg.update(use_sliding_window=bool(spec.sliding_window), layer_types=[kind] * spec.num_layers,
-                   sliding_window=spec.sliding_window)
+        cfg.update(
+            use_sliding_window=bool(spec.sliding_window),
+            layer_types=[kind] * spec.num_layers,
+            sliding_window=spec.sliding_window,
+        )
         if spec.sliding_window:
             cfg["max_window_layers"] = 0
     else:
@@ -259,8 +296,9 @@ def spec_to_hf_config(spec: BridgeSpec) -> Dict[str, Any]:
         cfg["num_experts_per_tok"] = spec.moe_router_topk
         cfg[names.get("moe_ffn_hidden_size", "moe_intermediate_size")] = spec.moe_ffn_hidden_size
         if spec.moe_shared_expert_intermediate_size:
-            cfg[names.get("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size")] = \
+            cfg[names.get("moe_shared_expert_intermediate_size", "shared_expert_intermediate_size")] = (
                 spec.moe_shared_expert_intermediate_size
+            )
         cfg["norm_topk_prob"] = not spec.moe_router_pre_softmax
         if spec.moe_layer_pattern:
             cfg["mlp_only_layers"] = [i for i, moe in enumerate(spec.moe_layer_pattern) if not moe]
@@ -284,7 +322,12 @@ def rope_inv_freq(spec: BridgeSpec):
     if spec.rope_type == "linear":
         inv = inv / p["factor"]
     elif spec.rope_type == "llama3":
-        factor, lo, hi, old = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+        factor, lo, hi, old = (
+            p["factor"],
+            p["low_freq_factor"],
+            p["high_freq_factor"],
+            p["original_max_position_embeddings"],
+        )
         low_wl, high_wl = old / lo, old / hi
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > low_wl, inv / factor, inv)
@@ -306,7 +349,7 @@ def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
-    kw: Dict[str, Any] = dict(
+    kw: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -365,7 +408,7 @@ def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
     return TransformerConfig(**kw)
 
 
-def gpt_model_kwargs(spec: BridgeSpec, layout: Any) -> Dict[str, Any]:
+def gpt_model_kwargs(spec: BridgeSpec, layout: Any) -> dict[str, Any]:
     """GPTModel constructor arguments besides config/spec/pre/post_process/vp_stage."""
     return dict(
         vocab_size=spec.padded_vocab_size(layout.tp),
@@ -377,5 +420,14 @@ def gpt_model_kwargs(spec: BridgeSpec, layout: Any) -> Dict[str, Any]:
     )
 
 
-__all__ = ["BridgeSpec", "spec_from_hf", "spec_to_hf_config", "load_spec", "spec_from_model_config", "rope_inv_freq",
-           "transformer_config", "gpt_model_kwargs", "ROPE_TYPES"]
+__all__ = [
+    "BridgeSpec",
+    "spec_from_hf",
+    "spec_to_hf_config",
+    "load_spec",
+    "spec_from_model_config",
+    "rope_inv_freq",
+    "transformer_config",
+    "gpt_model_kwargs",
+    "ROPE_TYPES",
+]

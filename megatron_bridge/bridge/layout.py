@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -21,11 +21,11 @@ class Layout:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    etp: Optional[int] = None  # expert tensor parallel; None = tp
-    vpp: Optional[int] = None
+    etp: int | None = None  # expert tensor parallel; None = tp
+    vpp: int | None = None
     sequence_parallel: bool = False
-    layers_first_stage: Optional[int] = None
-    layers_last_stage: Optional[int] = None
+    layers_first_stage: int | None = None
+    layers_last_stage: int | None = None
 
     def __post_init__(self):
         if self.pp == 1 or self.vpp == 1:  # interleaving needs pipeline stages; vpp=1 is none
@@ -53,12 +53,12 @@ class Layout:
         return "·".join(parts) + (" sp" if self.sequence_parallel else "")
 
     @classmethod
-    def parse(cls, text: str) -> "Layout":
+    def parse(cls, text: str) -> Layout:
         """'tp2pp2vpp2', 'tp2·cp2', 'ep2-tp2-sp' -> Layout (degrees default to 1)."""
         s = text.strip().lower()
         sp = s.endswith("sp") and not s.endswith("vsp")
         s = s[:-2] if sp else s
-        kw: Dict[str, int] = {}
+        kw: dict[str, int] = {}
         for key, val in re.findall(r"(vpp|etp|tp|pp|cp|ep)(\d+)", s):
             kw[key] = int(val)
         rest = re.sub(r"(vpp|etp|tp|pp|cp|ep)\d+|[·.\-_ ]", "", s)
@@ -67,17 +67,22 @@ class Layout:
         return cls(sequence_parallel=sp, **kw)
 
     @classmethod
-    def from_parallel_config(cls, p: Any) -> "Layout":
+    def from_parallel_config(cls, p: Any) -> Layout:
         """From `cfg.parallel` (ParallelConfig) or a ParallelDims."""
         return cls(
-            tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=getattr(p, "etp", None),
-            vpp=p.vpp, sequence_parallel=p.sequence_parallel,
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            ep=p.ep,
+            etp=getattr(p, "etp", None),
+            vpp=p.vpp,
+            sequence_parallel=p.sequence_parallel,
             layers_first_stage=getattr(p, "layers_first_stage", None),
             layers_last_stage=getattr(p, "layers_last_stage", None),
         )
 
 
-def stage_layers(tconfig: Any, pp_rank: int, vp_stage: Optional[int] = None) -> range:
+def stage_layers(tconfig: Any, pp_rank: int, vp_stage: int | None = None) -> range:
     """Global layer indices built on pipeline rank `pp_rank`, virtual chunk `vp_stage`."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -113,7 +118,7 @@ def renumber(name: str, layer_offset: int = 0, expert_offset: int = 0) -> str:
 # The local spec stores its norms under fused names in dist_checkpointing (see the spec's
 # `sharded_state_dict_keys_map`); an offline writer needs the checkpoint key, not the
 # module attribute name.
-DIST_CKPT_KEY_MAP: Tuple[Tuple[str, str], ...] = (
+DIST_CKPT_KEY_MAP: tuple[tuple[str, str], ...] = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
 )
@@ -125,7 +130,7 @@ def dist_ckpt_key(megatron_name: str) -> str:
     return megatron_name
 
 
-def to_local_name(global_name: str, layers: range, experts: Optional[range] = None) -> Optional[str]:
+def to_local_name(global_name: str, layers: range, experts: range | None = None) -> str | None:
     """Rank-local parameter name of a global one, or None if it lives elsewhere. Layer and
     expert holes are shifted; non-layer names (embedding, output) pass through."""
     m = _LAYER.match(global_name)
@@ -137,7 +142,7 @@ def to_local_name(global_name: str, layers: range, experts: Optional[range] = No
     return renumber(global_name, -layers.start if m else 0, -(experts.start if (e and experts) else 0))
 
 
-def problems(spec: Any, layout: Layout, world_size: Optional[int] = None, seq_length: Optional[int] = None) -> list:
+def problems(spec: Any, layout: Layout, world_size: int | None = None, seq_length: int | None = None) -> list:
     """Why `spec` cannot run under `layout` (empty if it can): the divisibility megatron-core
     asserts deep inside model construction, said up front with the numbers."""
     out = []

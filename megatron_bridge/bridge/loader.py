@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, local_experts, renumber, stage_layers, to_local_name
@@ -56,15 +57,15 @@ class HFCheckpoint:
         self._handles = {f: safe_open(str(self.path / f), framework="pt") for f in files}
         if weight_map is None:
             weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
-        self.weight_map: Dict[str, str] = weight_map
+        self.weight_map: dict[str, str] = weight_map
 
-    def keys(self) -> List[str]:
+    def keys(self) -> list[str]:
         return [k for k in self.weight_map if not k.endswith(IGNORED_HF_SUFFIXES)]
 
     def slice(self, name: str) -> LazySlice:
         return LazySlice(self._handles[self.weight_map[name]].get_slice(name))
 
-    def tensor(self, name: str) -> "torch.Tensor":
+    def tensor(self, name: str) -> torch.Tensor:
         return self._handles[self.weight_map[name]].get_tensor(name)
 
 
@@ -76,7 +77,7 @@ class Coords:
     pp_rank: int = 0
     ep_rank: int = 0
     etp_rank: int = 0
-    vp_stage: Optional[int] = None
+    vp_stage: int | None = None
 
     def pre_process(self, layout: Layout) -> bool:
         return self.pp_rank == 0 and (self.vp_stage or 0) == 0
@@ -90,7 +91,7 @@ def table_for(spec: BridgeSpec):
     return get_family(spec.family).mappings(spec)
 
 
-def resolve_checkpoint(spec: BridgeSpec, keys: Sequence[str]) -> List[Resolved]:
+def resolve_checkpoint(spec: BridgeSpec, keys: Sequence[str]) -> list[Resolved]:
     """Every table row the checkpoint fills; unknown HF tensors are an error, not ignored."""
     rows, unused = resolve_hf(table_for(spec), keys)
     if unused:
@@ -101,7 +102,7 @@ def resolve_checkpoint(spec: BridgeSpec, keys: Sequence[str]) -> List[Resolved]:
     return rows
 
 
-def owned(row: Resolved, spec: BridgeSpec, layout: Layout, coords: Coords, layers: range) -> Optional[str]:
+def owned(row: Resolved, spec: BridgeSpec, layout: Layout, coords: Coords, layers: range) -> str | None:
     """The rank-local name of `row` on the chunk at `coords`, or None if it lives elsewhere.
 
     megatron's structure, not a family's: the embedding sits in the first chunk, the final
@@ -118,7 +119,9 @@ def owned(row: Resolved, spec: BridgeSpec, layout: Layout, coords: Coords, layer
     return to_local_name(name, layers, experts)
 
 
-def chunk_plan(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], coords: Coords, tconfig: Any) -> Dict[str, Resolved]:
+def chunk_plan(
+    spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], coords: Coords, tconfig: Any
+) -> dict[str, Resolved]:
     """{rank-local megatron name: row} for the chunk at `coords`."""
     layers = stage_layers(tconfig, coords.pp_rank, coords.vp_stage)
     plan = {}
@@ -135,12 +138,13 @@ def shard_for(row: Resolved, layout: Layout, coords: Coords) -> Shard:
     return Shard(coords.etp_rank, layout.etp_or_tp) if row.mapping.is_expert else Shard(coords.tp_rank, layout.tp)
 
 
-def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: Layout, coords: Coords) -> "torch.Tensor":
+def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: Layout, coords: Coords) -> torch.Tensor:
     return row.mapping.shard(tensors, shard_for(row, layout, coords), spec.shapes(layout.tp))
 
 
-def rank_shards(spec: BridgeSpec, layout: Layout, ckpt: HFCheckpoint, coords: Coords, tconfig: Any = None
-                ) -> Iterator[Tuple[str, "torch.Tensor"]]:
+def rank_shards(
+    spec: BridgeSpec, layout: Layout, ckpt: HFCheckpoint, coords: Coords, tconfig: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Pure: (local name, tensor) of every parameter of the chunk at `coords`, one at a time."""
     if tconfig is None:
         from megatron_bridge.bridge.hf_config import transformer_config
@@ -155,12 +159,14 @@ def rank_shards(spec: BridgeSpec, layout: Layout, ckpt: HFCheckpoint, coords: Co
 # ----------------------------------------------------------------------------------------
 
 
-def current_coords(vp_stage: Optional[int] = None) -> Coords:
+def current_coords(vp_stage: int | None = None) -> Coords:
     from megatron.core import parallel_state as ps
 
     return Coords(
-        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-        ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
         vp_stage=vp_stage,
     )
 
@@ -168,14 +174,19 @@ def current_coords(vp_stage: Optional[int] = None) -> Coords:
 def layout_of(chunks: Sequence[Any]) -> Layout:
     c = chunks[0].config
     return Layout(
-        tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size, cp=c.context_parallel_size,
-        ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size,
-        vpp=c.virtual_pipeline_model_parallel_size, sequence_parallel=c.sequence_parallel,
-        layers_first_stage=c.num_layers_in_first_pipeline_stage, layers_last_stage=c.num_layers_in_last_pipeline_stage,
+        tp=c.tensor_model_parallel_size,
+        pp=c.pipeline_model_parallel_size,
+        cp=c.context_parallel_size,
+        ep=c.expert_model_parallel_size,
+        etp=c.expert_tensor_parallel_size,
+        vpp=c.virtual_pipeline_model_parallel_size,
+        sequence_parallel=c.sequence_parallel,
+        layers_first_stage=c.num_layers_in_first_pipeline_stage,
+        layers_last_stage=c.num_layers_in_last_pipeline_stage,
     )
 
 
-def _vp(chunks: Sequence[Any], i: int) -> Optional[int]:
+def _vp(chunks: Sequence[Any], i: int) -> int | None:
     return i if chunks[0].config.virtual_pipeline_model_parallel_size else None
 
 
@@ -213,19 +224,24 @@ def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoi
     return n
 
 
-def _global_names(chunk: Any) -> Dict[str, str]:
+def _global_names(chunk: Any) -> dict[str, str]:
     """{local param name: global name} for one chunk (layer and expert offsets applied)."""
     from megatron.core import parallel_state as ps
 
     layers = chunk.decoder.layers
     layer_off = layers[0].layer_number - 1 if len(layers) else 0
     c = chunk.config
-    expert_off = ps.get_expert_model_parallel_rank() * (c.num_moe_experts // c.expert_model_parallel_size) if c.num_moe_experts else 0
+    expert_off = (
+        ps.get_expert_model_parallel_rank() * (c.num_moe_experts // c.expert_model_parallel_size)
+        if c.num_moe_experts
+        else 0
+    )
     return {name: renumber(name, layer_off, expert_off) for name, _ in chunk.named_parameters()}
 
 
-def iter_hf_tensors(chunks: Sequence[Any], spec: BridgeSpec, dtype: Optional["torch.dtype"] = None,
-                    value: Optional[Any] = None) -> Iterator[Tuple[str, "torch.Tensor"]]:
+def iter_hf_tensors(
+    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None = None, value: Any | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over all ranks: gather every exported parameter's shards to one replica and
     yield (HF name, full HF tensor) there. Every rank must iterate it to the end.
     `value(param)` picks what is exported (default the weight; e.g. `lambda p: p.main_grad`)."""
@@ -255,7 +271,7 @@ def iter_hf_tensors(chunks: Sequence[Any], spec: BridgeSpec, dtype: Optional["to
                 yield name, (t if dtype is None else t.to(dtype)).contiguous()
 
 
-def _gather(t: "torch.Tensor", group) -> Optional[List["torch.Tensor"]]:
+def _gather(t: torch.Tensor, group) -> list[torch.Tensor] | None:
     """All shards on the group's first rank (None elsewhere)."""
     import torch
 
@@ -269,9 +285,15 @@ def _gather(t: "torch.Tensor", group) -> Optional[List["torch.Tensor"]]:
     return out
 
 
-def export_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, out_dir: str | Path, *,
-                      source_dir: Optional[str | Path] = None, hf_config: Optional[Dict[str, Any]] = None,
-                      dtype: Optional["torch.dtype"] = None) -> Path:
+def export_hf_weights(
+    chunks: Sequence[Any],
+    spec: BridgeSpec,
+    out_dir: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+    hf_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write the model as an HF directory loadable by `AutoModelForCausalLM.from_pretrained`.
 
     Collective (every rank calls it). Weights: one safetensors file per writing rank plus
@@ -290,7 +312,7 @@ def export_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, out_dir: str | Pa
     torch.distributed.all_gather_object(listing, sorted((k, v.numel() * v.element_size()) for k, v in mine.items()))
     writers = [r for r, names in enumerate(listing) if names]
     total = len(writers)
-    seen: Dict[str, int] = {}
+    seen: dict[str, int] = {}
     for r in writers:
         for k, _ in listing[r]:
             if k in seen:
@@ -332,5 +354,17 @@ def _write_config_and_assets(out: Path, spec: BridgeSpec, source_dir, hf_config,
                 shutil.copy2(f, out / f.name)
 
 
-__all__ = ["HFCheckpoint", "Coords", "shard_for", "shard_of", "rank_shards", "chunk_plan", "resolve_checkpoint",
-           "load_hf_weights", "iter_hf_tensors", "export_hf_weights", "current_coords", "layout_of"]
+__all__ = [
+    "HFCheckpoint",
+    "Coords",
+    "shard_for",
+    "shard_of",
+    "rank_shards",
+    "chunk_plan",
+    "resolve_checkpoint",
+    "load_hf_weights",
+    "iter_hf_tensors",
+    "export_hf_weights",
+    "current_coords",
+    "layout_of",
+]

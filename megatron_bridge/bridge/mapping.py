@@ -19,14 +19,15 @@ tensors use which transform live in `table.py`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 Sliceable = Any  # torch.Tensor or LazySlice: has .shape and supports [a:b] / [a:b, c:d]
-Shape = Tuple[int, ...]
+Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,9 @@ class Block:
     """One piece of a rank-local tensor: rows [r0, r1) (and columns [c0, c1) of a 2-D
     tensor) of HF input `src`, or, with `src=None`, r1 - r0 rows of zeros."""
 
-    src: Optional[int]
-    rows: Tuple[int, int]
-    cols: Optional[Tuple[int, int]] = None
+    src: int | None
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None = None
 
     @property
     def n(self) -> int:
@@ -72,7 +73,7 @@ def out_shape(blocks: Sequence[Block], hf_shapes: Sequence[Shape]) -> Shape:
     return (sum(x.n for x in blocks),) + trail
 
 
-def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> "torch.Tensor":
+def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> torch.Tensor:
     """The torch tensor `blocks` describe. Each block is one slice of its input, so a
     LazySlice reads only those bytes; a single block is returned as that slice (a view of
     an in-memory tensor, or the input itself if it covers all of it), without a copy."""
@@ -81,10 +82,10 @@ def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> "torch.Tensor"
     def take(b: Block):
         t = hf[b.src]
         if b.cols is not None:
-            return t[b.rows[0]:b.rows[1], b.cols[0]:b.cols[1]]
+            return t[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]
         if b.rows == (0, t.shape[0]):
             return t if isinstance(t, torch.Tensor) else t[:]
-        return t[b.rows[0]:b.rows[1]]
+        return t[b.rows[0] : b.rows[1]]
 
     if len(blocks) == 1 and blocks[0].src is not None:
         return take(blocks[0])
@@ -92,8 +93,9 @@ def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> "torch.Tensor"
     real = [p for p in pieces if p is not None]
     dtype = real[0].dtype if real else getattr(hf[0], "dtype", None) or torch.float32
     trail = out_shape(blocks, [tuple(t.shape) for t in hf])[1:]
-    return torch.cat([p if p is not None else torch.zeros((b.n,) + trail, dtype=dtype)
-                      for b, p in zip(blocks, pieces)], dim=0)
+    return torch.cat(
+        [p if p is not None else torch.zeros((b.n,) + trail, dtype=dtype) for b, p in zip(blocks, pieces)], dim=0
+    )
 
 
 class LazySlice:
@@ -112,21 +114,21 @@ class LazySlice:
     def __getitem__(self, idx):
         return self._s[idx]
 
-    def full(self) -> "torch.Tensor":
+    def full(self) -> torch.Tensor:
         return self._s[:]
 
 
-def _split(n: int, s: Shard, what: str) -> Tuple[int, int]:
+def _split(n: int, s: Shard, what: str) -> tuple[int, int]:
     if n % s.size:
         raise ValueError(f"{what}: size {n} is not divisible by {s.size} shards")
     k = n // s.size
     return s.rank * k, (s.rank + 1) * k
 
 
-def _joined(blocks: Iterable[Block]) -> List[Block]:
+def _joined(blocks: Iterable[Block]) -> list[Block]:
     """Drop empty blocks and merge each one into its predecessor when it continues it (same
     source and columns, next rows), so every block is a maximal contiguous range."""
-    out: List[Block] = []
+    out: list[Block] = []
     for b in blocks:
         if b.n <= 0:
             continue
@@ -148,7 +150,7 @@ class Transform:
 
     n_hf = 1  # how many HF tensors it consumes
 
-    def blocks(self, hf_shapes: Sequence[Shape], s: Shard, shapes: Shapes) -> List[Block]:
+    def blocks(self, hf_shapes: Sequence[Shape], s: Shard, shapes: Shapes) -> list[Block]:
         """The rank-local tensor of shard `s` as blocks; raises ValueError when the shapes
         do not fit the transform or do not split into `s.size` shards."""
         hf_shapes = [tuple(x) for x in hf_shapes]
@@ -156,13 +158,13 @@ class Transform:
             raise ValueError(f"{self!r} needs tensors with rows, got shapes {[list(x) for x in hf_shapes]}")
         return self._blocks(hf_shapes, s, shapes)
 
-    def _blocks(self, hf_shapes: List[Shape], s: Shard, shapes: Shapes) -> List[Block]:
+    def _blocks(self, hf_shapes: list[Shape], s: Shard, shapes: Shapes) -> list[Block]:
         raise NotImplementedError
 
-    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> "torch.Tensor":
+    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> torch.Tensor:
         return assemble(self.blocks([t.shape for t in hf], s, shapes), hf)
 
-    def merge(self, shards: Sequence["torch.Tensor"], shapes: Shapes) -> Tuple["torch.Tensor", ...]:
+    def merge(self, shards: Sequence[torch.Tensor], shapes: Shapes) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -298,7 +300,24 @@ QKV, GATE_UP = FusedQKV(), FusedGateUp()
 
 
 __all__ = [
-    "Shard", "FULL", "Shapes", "Block", "out_shape", "assemble", "LazySlice", "Transform", "Replicated", "Column", "Row",
-    "VocabParallel", "FusedQKV", "FusedGateUp", "REPLICATED", "COLUMN", "ROW", "VOCAB", "QKV", "GATE_UP",
+    "Shard",
+    "FULL",
+    "Shapes",
+    "Block",
+    "out_shape",
+    "assemble",
+    "LazySlice",
+    "Transform",
+    "Replicated",
+    "Column",
+    "Row",
+    "VocabParallel",
+    "FusedQKV",
+    "FusedGateUp",
+    "REPLICATED",
+    "COLUMN",
+    "ROW",
+    "VOCAB",
+    "QKV",
+    "GATE_UP",
 ]
-

@@ -14,7 +14,7 @@ transformers does for the family's rope type.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -36,7 +36,7 @@ def core_attention_module():
     return context_parallel_attention_class()
 
 
-def decoder_block_spec(tconfig: Any, vp_stage: Optional[int], pp_rank: int):
+def decoder_block_spec(tconfig: Any, vp_stage: int | None, pp_rank: int):
     """megatron's local block spec for this stage, core attention substituted."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -44,7 +44,7 @@ def decoder_block_spec(tconfig: Any, vp_stage: Optional[int], pp_rank: int):
         tconfig, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
     )
     attn = core_attention_module()
-    copies: Dict[int, Any] = {}
+    copies: dict[int, Any] = {}
     layers = []
     for layer in block.layer_specs:
         if id(layer) not in copies:  # specs are shared module globals: never mutate them
@@ -61,21 +61,30 @@ def check_groups(layout: Layout) -> None:
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        raise UserError("megatron-core parallel groups are not initialized; call "
-                        "megatron_bridge.parallel.groups.initialize(dims) first")
-    have = dict(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-                cp=ps.get_context_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
-                etp=ps.get_expert_tensor_parallel_world_size(), vpp=ps.get_virtual_pipeline_model_parallel_world_size())
+        raise UserError(
+            "megatron-core parallel groups are not initialized; call "
+            "megatron_bridge.parallel.groups.initialize(dims) first"
+        )
+    have = dict(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+    )
     want = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp_or_tp, vpp=layout.vpp)
     if (want["vpp"] or 1) == 1 and (have["vpp"] or 1) == 1:
         want["vpp"] = have["vpp"] = None
     bad = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
     if bad:
-        raise UserError("the initialized process groups do not match the layout: "
-                        + ", ".join(f"{k}={h} (layout {w})" for k, (h, w) in bad.items()))
+        raise UserError(
+            "the initialized process groups do not match the layout: "
+            + ", ".join(f"{k}={h} (layout {w})" for k, (h, w) in bad.items())
+        )
 
 
-def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> List[Any]:
+def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> list[Any]:
     """This rank's GPTModel chunks for `spec` under `layout` (groups must be initialized).
 
     `config_overrides` go to TransformerConfig (params_dtype, bf16, recompute_granularity,
@@ -135,7 +144,7 @@ def mask_vocab_padding(model: Any, vocab_size: int) -> None:
     layer.register_forward_hook(hook)
 
 
-def model_config(chunks: List[Any]):
+def model_config(chunks: list[Any]):
     return chunks[0].config
 
 

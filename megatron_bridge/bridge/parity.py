@@ -17,8 +17,9 @@ HF's unpadded vocab; with no padding beyond a multiple of tp the two losses are 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
@@ -27,14 +28,14 @@ from megatron_bridge.bridge.layout import Layout
 CHECKS = ("logits", "grads", "roundtrip", "train")
 
 
-def make_batch(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+def make_batch(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
     labels = torch.randint(0, vocab_size, (batch, seq), generator=g)
     return ids, labels
 
 
-def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> Dict[str, Any]:
+def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
     """transformers' fp32 logits (and, with labels, loss and per-tensor grads).
 
     Grads are keyed by *checkpoint* names: transformers 5 keeps MoE experts fused in memory
@@ -45,7 +46,7 @@ def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: Optional[t
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     with torch.set_grad_enabled(labels is not None):
         logits = model(input_ids).logits.float()
         out["logits"] = logits.detach()
@@ -63,10 +64,13 @@ def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: Optional[t
     return out
 
 
-def diff(a: torch.Tensor, b: torch.Tensor) -> Dict[str, float]:
+def diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     d = (a.float() - b.float()).abs()
-    return {"max_abs": float(d.max()) if d.numel() else 0.0, "mean_abs": float(d.mean()) if d.numel() else 0.0,
-            "ref_max": float(b.abs().max()) if b.numel() else 0.0}
+    return {
+        "max_abs": float(d.max()) if d.numel() else 0.0,
+        "mean_abs": float(d.mean()) if d.numel() else 0.0,
+        "ref_max": float(b.abs().max()) if b.numel() else 0.0,
+    }
 
 
 def dims_for(layout: Layout, world_size: int):
@@ -75,9 +79,18 @@ def dims_for(layout: Layout, world_size: int):
     mp = layout.tp * layout.pp * layout.cp
     if world_size % mp:
         raise ValueError(f"layout {layout.describe()} needs a multiple of {mp} processes, have {world_size}")
-    return ParallelDims(world_size=world_size, gpus_per_node=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                        ep=layout.ep, etp=layout.etp_or_tp, dp=world_size // mp, vpp=layout.vpp,
-                        sequence_parallel=layout.sequence_parallel)
+    return ParallelDims(
+        world_size=world_size,
+        gpus_per_node=world_size,
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        ep=layout.ep,
+        etp=layout.etp_or_tp,
+        dp=world_size // mp,
+        vpp=layout.vpp,
+        sequence_parallel=layout.sequence_parallel,
+    )
 
 
 def ensure_groups(layout: Layout, world_size: int) -> None:
@@ -94,7 +107,7 @@ def ensure_groups(layout: Layout, world_size: int) -> None:
         groups.initialize(dims_for(layout, world_size))
 
 
-def _compare_dict(mine: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], exact: bool) -> Dict[str, Any]:
+def _compare_dict(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], exact: bool) -> dict[str, Any]:
     worst, name, bad = 0.0, None, []
     for k, t in mine.items():
         if k not in ref:
@@ -114,24 +127,38 @@ def _compare_dict(mine: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], e
     return {"n": len(mine), "max_abs": worst, "worst": name, "bad": bad}
 
 
-def check_layout(hf_dir: str | Path, layout: Layout, checks: Sequence[str], *,
-                 ref: Optional[Dict[str, Any]] = None, input_ids: Optional[torch.Tensor] = None,
-                 labels: Optional[torch.Tensor] = None, export_dir: Optional[str | Path] = None,
-                 lr: float = 0.5, init_groups: bool = True, make_vocab_size_divisible_by: int = 8) -> Dict[str, Any]:
+def check_layout(
+    hf_dir: str | Path,
+    layout: Layout,
+    checks: Sequence[str],
+    *,
+    ref: dict[str, Any] | None = None,
+    input_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    export_dir: str | Path | None = None,
+    lr: float = 0.5,
+    init_groups: bool = True,
+    make_vocab_size_divisible_by: int = 8,
+) -> dict[str, Any]:
     """Run `checks` for one (model, layout) on every rank of the launch; returns this rank's
     findings (empty entries on ranks that hold nothing to compare)."""
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.loader import export_hf_weights, iter_hf_tensors, load_hf_weights
     from megatron_bridge.bridge.model import build_model
     from megatron_bridge.bridge.runtime import forward_backward, forward_logits, sgd_step, unwrap, wrap_ddp
+
     unknown = set(checks) - set(CHECKS)
     if unknown:
         raise ValueError(f"unknown checks {sorted(unknown)}; choose from {CHECKS}")
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = (
+        torch.distributed.get_world_size()
+        if torch.distributed.is_initialized()
+        else int(os.environ.get("WORLD_SIZE", "1"))
+    )
     if init_groups:
         ensure_groups(layout, world)
     rank = torch.distributed.get_rank()
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     if "logits" in checks or "roundtrip" in checks:
         spec = load_spec(hf_dir, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         chunks = build_model(spec, layout)
@@ -181,14 +208,14 @@ def training_layout(spec: Any, layout: Layout) -> Layout:
     return layout
 
 
-def load_dir(path: str | Path) -> Dict[str, torch.Tensor]:
+def load_dir(path: str | Path) -> dict[str, torch.Tensor]:
     from megatron_bridge.bridge.loader import HFCheckpoint
 
     ck = HFCheckpoint(path)
     return {k: ck.tensor(k) for k in ck.keys()}
 
 
-def compare_dirs(got: str | Path, want: str | Path) -> Dict[str, Any]:
+def compare_dirs(got: str | Path, want: str | Path) -> dict[str, Any]:
     """Bit-exact comparison of two HF directories' tensors (names, shapes, dtypes, values)."""
     a, b = load_dir(got), load_dir(want)
     res = _compare_dict(a, b, exact=True)
@@ -198,10 +225,14 @@ def compare_dirs(got: str | Path, want: str | Path) -> Dict[str, Any]:
     return res
 
 
-
-
-def summarize(per_rank: Sequence[Dict[str, Any]], key: str, checks: Sequence[str], ref: Dict[str, Any],
-              tol: float = 1e-4, grad_tol: float = 1e-5) -> Tuple[List[str], bool]:
+def summarize(
+    per_rank: Sequence[dict[str, Any]],
+    key: str,
+    checks: Sequence[str],
+    ref: dict[str, Any],
+    tol: float = 1e-4,
+    grad_tol: float = 1e-5,
+) -> tuple[list[str], bool]:
     """Fold every rank's findings for `key` (one model under one layout) into report lines
     and a verdict. Logits come from the last pipeline stage, grads from the writing
     replicas (their counts add up to the number of HF tensors), the round trip from rank 0."""
@@ -214,8 +245,10 @@ def summarize(per_rank: Sequence[Dict[str, Any]], key: str, checks: Sequence[str
         if got:
             mx, mean = max(g["max_abs"] for g in got), max(g["mean_abs"] for g in got)
             good = mx <= tol
-            lines.append(f"logits      max-abs {mx:.3e}  mean-abs {mean:.3e}  (tol {tol:g}, padded vocab "
-                         f"{got[0]['padded_vocab']})  {'OK' if good else 'FAIL'}")
+            lines.append(
+                f"logits      max-abs {mx:.3e}  mean-abs {mean:.3e}  (tol {tol:g}, padded vocab "
+                f"{got[0]['padded_vocab']})  {'OK' if good else 'FAIL'}"
+            )
         else:
             good = False
             lines.append("logits      no rank produced logits  FAIL")
@@ -225,8 +258,10 @@ def summarize(per_rank: Sequence[Dict[str, Any]], key: str, checks: Sequence[str
         if "loss" in ref and losses:
             d = max(abs(v - ref["loss"]) for v in losses)
             good = d <= grad_tol
-            lines.append(f"loss        {losses[0]:.6f} vs transformers {ref['loss']:.6f} (|Δ| {d:.2e})  "
-                         f"{'OK' if good else 'FAIL'}")
+            lines.append(
+                f"loss        {losses[0]:.6f} vs transformers {ref['loss']:.6f} (|Δ| {d:.2e})  "
+                f"{'OK' if good else 'FAIL'}"
+            )
             ok &= good
     if "grads" in checks:
         g = [f["grads"] for f in found if f.get("grads", {}).get("n")]
@@ -236,9 +271,11 @@ def summarize(per_rank: Sequence[Dict[str, Any]], key: str, checks: Sequence[str
         want = len(ref.get("grads", {}))
         good = n == want and worst <= grad_tol and not bad
         layout_note = next((f["grad_layout"] for f in found if "grad_layout" in f), None)
-        lines.append(f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g}"
-                     f"{', run as ' + layout_note if layout_note else ''})  {'OK' if good else 'FAIL'}"
-                     + (f"  {bad[:3]}" if bad else ""))
+        lines.append(
+            f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g}"
+            f"{', run as ' + layout_note if layout_note else ''})  {'OK' if good else 'FAIL'}"
+            + (f"  {bad[:3]}" if bad else "")
+        )
         ok &= good
     if "roundtrip" in checks:
         rt = [f["roundtrip"] for f in found if "roundtrip" in f]
@@ -249,4 +286,15 @@ def summarize(per_rank: Sequence[Dict[str, Any]], key: str, checks: Sequence[str
     return lines, ok
 
 
-__all__ = ["CHECKS", "make_batch", "hf_reference", "diff", "dims_for", "check_layout", "compare_dirs", "load_dir", "training_layout", "summarize"]
+__all__ = [
+    "CHECKS",
+    "make_batch",
+    "hf_reference",
+    "diff",
+    "dims_for",
+    "check_layout",
+    "compare_dirs",
+    "load_dir",
+    "training_layout",
+    "summarize",
+]

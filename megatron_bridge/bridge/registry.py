@@ -8,12 +8,13 @@ name; it asks the registry for the class and reads those attributes.
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar, Dict, List, Mapping as TMapping, Tuple, Type
+from collections.abc import Mapping as TMapping
+from typing import Any, ClassVar
 
 from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
 
-_FAMILIES: Dict[str, Type["FamilyBridge"]] = {}
+_FAMILIES: dict[str, type[FamilyBridge]] = {}
 _FAMILY_MODULES = ("llama", "qwen", "mixtral")  # modules under bridge/families that register classes
 
 
@@ -32,21 +33,21 @@ class FamilyBridge:
     """
 
     name: ClassVar[str] = ""
-    model_types: ClassVar[Tuple[str, ...]] = ()
-    architectures: ClassVar[Tuple[str, ...]] = ()
+    model_types: ClassVar[tuple[str, ...]] = ()
+    architectures: ClassVar[tuple[str, ...]] = ()
     implicit: ClassVar[TMapping[str, Any]] = {}
-    table: ClassVar[Tuple[Mapping, ...]] = ()
+    table: ClassVar[tuple[Mapping, ...]] = ()
     notes: ClassVar[str] = ""
     hf_names: ClassVar[TMapping[str, str]] = {}
     window_key: ClassVar[str] = "sliding_window"
 
     @classmethod
-    def mappings(cls, spec: Any) -> Tuple[Mapping, ...]:
+    def mappings(cls, spec: Any) -> tuple[Mapping, ...]:
         """The rows that apply to this model (conditional rows filtered by the spec)."""
         return tuple(m for m in cls.table if m.active(spec))
 
 
-def register(cls: Type[FamilyBridge]) -> Type[FamilyBridge]:
+def register(cls: type[FamilyBridge]) -> type[FamilyBridge]:
     if not cls.name or not cls.architectures or not cls.table:
         raise TypeError(f"{cls.__name__}: a family needs name, architectures and table")
     _FAMILIES[cls.name] = cls
@@ -59,19 +60,19 @@ def _load_all() -> None:
             importlib.import_module(f"megatron_bridge.bridge.families.{mod}")
 
 
-def families() -> List[Type[FamilyBridge]]:
+def families() -> list[type[FamilyBridge]]:
     _load_all()
     return list(_FAMILIES.values())
 
 
-def get_family(name: str) -> Type[FamilyBridge]:
+def get_family(name: str) -> type[FamilyBridge]:
     _load_all()
     if name not in _FAMILIES:
         raise UserError(f"no bridge family {name!r}; supported: {', '.join(sorted(_FAMILIES))}")
     return _FAMILIES[name]
 
 
-def family_for(hf_config: TMapping[str, Any]) -> Type[FamilyBridge]:
+def family_for(hf_config: TMapping[str, Any]) -> type[FamilyBridge]:
     """The family of an HF config dict: by `architectures` first, then `model_type`."""
     _load_all()
     archs = list(hf_config.get("architectures") or [])
@@ -90,8 +91,7 @@ def family_for(hf_config: TMapping[str, Any]) -> Type[FamilyBridge]:
         if model_type in cls.model_types:
             return cls
     raise UserError(
-        f"unsupported model_type {model_type!r} and no `architectures` in config.json: the bridge "
-        f"supports {supported}."
+        f"unsupported model_type {model_type!r} and no `architectures` in config.json: the bridge supports {supported}."
     )
 
 

@@ -9,7 +9,8 @@ are gathered over TP (vocab) and CP (sequence) on the last pipeline stage.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ def _cp():
     return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
 
 
-def _batches(input_ids: torch.Tensor, labels: Optional[torch.Tensor]):
+def _batches(input_ids: torch.Tensor, labels: torch.Tensor | None):
     """One micro-batch per sample, already cut to this CP rank's chunks."""
     cp, rank = _cp()
     b, s = input_ids.shape
@@ -31,8 +32,7 @@ def _batches(input_ids: torch.Tensor, labels: Optional[torch.Tensor]):
     pos = torch.arange(s).unsqueeze(0)
     out = []
     for i in range(b):
-        mb = {"input_ids": split_for_cp(input_ids[i : i + 1], cp, rank),
-              "position_ids": split_for_cp(pos, cp, rank)}
+        mb = {"input_ids": split_for_cp(input_ids[i : i + 1], cp, rank), "position_ids": split_for_cp(pos, cp, rank)}
         if labels is not None:
             mb["labels"] = split_for_cp(labels[i : i + 1], cp, rank)
         out.append(mb)
@@ -43,8 +43,13 @@ def _device(chunks) -> torch.device:
     return next(chunks[0].parameters()).device
 
 
-def _run(chunks: Sequence[Any], input_ids: torch.Tensor, labels: Optional[torch.Tensor], forward_only: bool,
-         on_output: Callable[[torch.Tensor, Dict[str, torch.Tensor]], Any]) -> None:
+def _run(
+    chunks: Sequence[Any],
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    forward_only: bool,
+    on_output: Callable[[torch.Tensor, dict[str, torch.Tensor]], Any],
+) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b, s = input_ids.shape
@@ -81,14 +86,14 @@ def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_logits(chunks: Sequence[Any], input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+def forward_logits(chunks: Sequence[Any], input_ids: torch.Tensor) -> torch.Tensor | None:
     """Logits [b, s, padded_vocab] (fp32, CPU) for `input_ids` [b, s]; on ranks of the last
     pipeline stage, None elsewhere. Collective over the whole model-parallel group."""
     from megatron.core import parallel_state as ps
 
     for c in chunks:
         c.eval()
-    pieces: List[torch.Tensor] = []
+    pieces: list[torch.Tensor] = []
 
     def keep(output, mb):
         pieces.append(output.detach().float())
@@ -110,13 +115,14 @@ def forward_logits(chunks: Sequence[Any], input_ids: torch.Tensor) -> Optional[t
     return torch.cat(full, dim=0)
 
 
-def wrap_ddp(chunks: Sequence[Any]) -> List[Any]:
+def wrap_ddp(chunks: Sequence[Any]) -> list[Any]:
     """megatron DDP around each chunk (grad buffers in fp32, reduced over dp·cp, embedding
     grads shared across stages); gradients then live in `param.main_grad`."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False)
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+    )
     wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in chunks]
     for w in wrapped:
         w.config.finalize_model_grads_func = finalize_model_grads
@@ -124,8 +130,9 @@ def wrap_ddp(chunks: Sequence[Any]) -> List[Any]:
     return wrapped
 
 
-def forward_backward(ddp_chunks: Sequence[Any], input_ids: torch.Tensor, labels: torch.Tensor,
-                     train: bool = True) -> Optional[float]:
+def forward_backward(
+    ddp_chunks: Sequence[Any], input_ids: torch.Tensor, labels: torch.Tensor, train: bool = True
+) -> float | None:
     """One forward/backward of the mean token cross-entropy; grads in `param.main_grad`
     (zeroed first). Returns the loss on last-stage ranks. `train=False` runs the modules in
     eval mode (same math without dropout; MoE with TP but no SP refuses training mode)."""
@@ -134,7 +141,7 @@ def forward_backward(ddp_chunks: Sequence[Any], input_ids: torch.Tensor, labels:
     for c in ddp_chunks:
         c.train(train)
         c.zero_grad_buffer()
-    losses: List[torch.Tensor] = []
+    losses: list[torch.Tensor] = []
 
     def loss_fn(output, mb):
         total = output.float().sum()
@@ -157,7 +164,7 @@ def sgd_step(ddp_chunks: Sequence[Any], lr: float) -> None:
             p.data.add_(p.main_grad.to(p.dtype), alpha=-lr)
 
 
-def unwrap(chunks: Sequence[Any]) -> List[Any]:
+def unwrap(chunks: Sequence[Any]) -> list[Any]:
     return [getattr(c, "module", c) for c in chunks]
 
 

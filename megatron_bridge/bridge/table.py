@@ -10,8 +10,9 @@ offline converter; the transforms themselves (shapes and tensors only) stay in `
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.bridge.mapping import FULL, REPLICATED, Shapes, Shard, Sliceable, Transform
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 _HOLE = re.compile(r"\{(layer|expert)\}")
 
 
-def _pattern(template: str) -> "re.Pattern[str]":
+def _pattern(template: str) -> re.Pattern[str]:
     parts, pos = [], 0
     for m in _HOLE.finditer(template):
         parts.append(re.escape(template[pos : m.start()]))
@@ -43,9 +44,9 @@ class Mapping:
     """
 
     megatron: str
-    hf: Tuple[str, ...]
+    hf: tuple[str, ...]
     transform: Transform = REPLICATED
-    when: Optional[str] = None
+    when: str | None = None
     export: bool = True
     _mpat: Any = field(default=None, compare=False, repr=False)
     _hpats: Any = field(default=None, compare=False, repr=False)
@@ -54,7 +55,9 @@ class Mapping:
         hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
         object.__setattr__(self, "hf", hf)
         if len(hf) != self.transform.n_hf:
-            raise ValueError(f"{self.megatron}: {self.transform!r} takes {self.transform.n_hf} HF tensors, got {len(hf)}")
+            raise ValueError(
+                f"{self.megatron}: {self.transform!r} takes {self.transform.n_hf} HF tensors, got {len(hf)}"
+            )
         object.__setattr__(self, "_mpat", _pattern(self.megatron))
         object.__setattr__(self, "_hpats", tuple(_pattern(h) for h in hf))
 
@@ -69,11 +72,11 @@ class Mapping:
         value = bool(getattr(spec, self.when.lstrip("!")))
         return value != neg
 
-    def match_megatron(self, name: str) -> Optional[Dict[str, int]]:
+    def match_megatron(self, name: str) -> dict[str, int] | None:
         m = self._mpat.match(name)
         return {k: int(v) for k, v in m.groupdict().items()} if m else None
 
-    def match_hf(self, name: str) -> Optional[Tuple[int, Dict[str, int]]]:
+    def match_hf(self, name: str) -> tuple[int, dict[str, int]] | None:
         """(which HF input, holes) if `name` is one of this row's HF tensors."""
         for i, p in enumerate(self._hpats):
             m = p.match(name)
@@ -84,7 +87,7 @@ class Mapping:
     def megatron_name(self, **holes: int) -> str:
         return self.megatron.format(**holes)
 
-    def hf_names(self, **holes: int) -> Tuple[str, ...]:
+    def hf_names(self, **holes: int) -> tuple[str, ...]:
         return tuple(h.format(**holes) for h in self.hf)
 
     # pure tensor API --------------------------------------------------------------------
@@ -94,7 +97,7 @@ class Mapping:
     def to_global(self, hf: Sequence[Sliceable], shapes: Shapes) -> torch.Tensor:
         return self.transform.shard(hf, FULL, shapes)
 
-    def merge(self, shards: Sequence[torch.Tensor], shapes: Shapes) -> Tuple[torch.Tensor, ...]:
+    def merge(self, shards: Sequence[torch.Tensor], shapes: Shapes) -> tuple[torch.Tensor, ...]:
         return self.transform.merge(shards, shapes)
 
 
@@ -104,19 +107,19 @@ class Resolved:
 
     mapping: Mapping
     megatron: str  # global name (global layer and expert indices)
-    hf: Tuple[str, ...]
-    holes: Tuple[Tuple[str, int], ...] = ()
+    hf: tuple[str, ...]
+    holes: tuple[tuple[str, int], ...] = ()
 
     @property
-    def layer(self) -> Optional[int]:
+    def layer(self) -> int | None:
         return dict(self.holes).get("layer")
 
     @property
-    def expert(self) -> Optional[int]:
+    def expert(self) -> int | None:
         return dict(self.holes).get("expert")
 
 
-def resolve_megatron(table: Sequence[Mapping], name: str) -> Optional[Resolved]:
+def resolve_megatron(table: Sequence[Mapping], name: str) -> Resolved | None:
     """The row producing global megatron parameter `name` (first match wins)."""
     for m in table:
         holes = m.match_megatron(name)
@@ -125,7 +128,7 @@ def resolve_megatron(table: Sequence[Mapping], name: str) -> Optional[Resolved]:
     return None
 
 
-def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> Tuple[List[Resolved], List[str]]:
+def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> tuple[list[Resolved], list[str]]:
     """Group a checkpoint's HF tensor names into table rows.
 
     Returns (rows whose HF inputs are all present, HF names no row consumes). A row with
@@ -133,7 +136,7 @@ def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> Tuple[List[R
     """
     keys = list(hf_keys)
     present = set(keys)
-    out: Dict[Tuple[int, str], Resolved] = {}
+    out: dict[tuple[int, str], Resolved] = {}
     used = set()
     for key in keys:
         for ti, m in enumerate(table):
@@ -149,7 +152,9 @@ def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> Tuple[List[R
             mname = m.megatron_name(**holes)
             out.setdefault((ti, mname), Resolved(m, mname, names, tuple(sorted(holes.items()))))
     order = {id(m): i for i, m in enumerate(table)}
-    resolved = sorted(out.values(), key=lambda r: (r.layer if r.layer is not None else -1, order[id(r.mapping)], r.expert or 0))
+    resolved = sorted(
+        out.values(), key=lambda r: (r.layer if r.layer is not None else -1, order[id(r.mapping)], r.expert or 0)
+    )
     return resolved, [k for k in keys if k not in used]
 
 

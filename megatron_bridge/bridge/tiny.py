@@ -10,9 +10,9 @@ gated shared expert) while staying small enough for a 2-core CPU. Weights are ra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any
 
-COMMON: Dict[str, Any] = dict(
+COMMON: dict[str, Any] = dict(
     vocab_size=250,  # not a multiple of 8·tp: exercises vocab padding
     hidden_size=32,
     intermediate_size=64,
@@ -25,18 +25,38 @@ COMMON: Dict[str, Any] = dict(
 )
 
 # family -> (transformers config class, overrides of COMMON)
-TINY: Dict[str, Tuple[str, Dict[str, Any]]] = {
-    "llama": ("LlamaConfig", dict(rope_parameters=dict(
-        rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=32))),
+TINY: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            )
+        ),
+    ),
     "mistral": ("MistralConfig", dict(sliding_window=8, num_key_value_heads=1)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=16)),
-    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
-                                      tie_word_embeddings=True)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                         shared_expert_intermediate_size=48, mlp_only_layers=[1],
-                                         norm_topk_prob=False)),
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=True),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+    ),
 }
 
 

@@ -6,7 +6,7 @@ and imports no torch: it answers for 16,384 ranks in well under a second.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.parallel.dims import validate
@@ -20,8 +20,10 @@ def main(argv: Sequence[str]) -> int:
         return 0
     dims, notes = validate(cfg)
     full = "--full" in args.flags
-    print(f"recipe {args.recipe}: model {cfg.model.name} on {dims.nodes} node(s) × {dims.gpus_per_node} "
-          f"({cfg.cluster.name})")
+    print(
+        f"recipe {args.recipe}: model {cfg.model.name} on {dims.nodes} node(s) × {dims.gpus_per_node} "
+        f"({cfg.cluster.name})"
+    )
     print(f"layout OK: {dims.describe()}")
     for n in notes:
         print(f"note: {n}")

@@ -12,8 +12,8 @@ Imports no torch.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Sequence
 
 from megatron_bridge.errors import UserError
 
@@ -35,8 +35,10 @@ def _verify_one(d: Path) -> str:
     m = verify(d)
     size = sum(int(e.get("bytes", 0)) for e in m["files"])
     extra = "".join(f", {k} {m[k]}" for k in ("layout", "engine") if k in m)
-    return (f"OK {d}: {len(m['files'])} file(s), {_human(size)}, sha256 verified "
-            f"(iteration {m.get('iteration', '?')}, world size {m.get('world_size', '?')}{extra})")
+    return (
+        f"OK {d}: {len(m['files'])} file(s), {_human(size)}, sha256 verified "
+        f"(iteration {m.get('iteration', '?')}, world size {m.get('world_size', '?')}{extra})"
+    )
 
 
 def main(argv: Sequence[str]) -> int:
@@ -60,8 +62,10 @@ def main(argv: Sequence[str]) -> int:
 
     if (root / MANIFEST).is_file() or _ITER.match(root.name) or root.name.endswith(".tmp"):
         if root.name.endswith(".tmp"):
-            raise UserError(f"{root} is an interrupted save (a .tmp directory is never published): it is not a "
-                            "checkpoint. Resume from the iteration latest_checkpointed_iteration.txt names.")
+            raise UserError(
+                f"{root} is an interrupted save (a .tmp directory is never published): it is not a "
+                "checkpoint. Resume from the iteration latest_checkpointed_iteration.txt names."
+            )
         print(_verify_one(root))
         return 0
 
@@ -70,28 +74,35 @@ def main(argv: Sequence[str]) -> int:
     latest = latest_iteration(root)
     if latest is None:
         if iters:
-            raise UserError(f"{root} has {len(iters)} iter_* director(ies) but no {LATEST}: no checkpoint was "
-                            f"published. Check one directly (mbr check-ckpt {iters[-1][1]}) and, if it is OK, "
-                            f"write its iteration into {root / LATEST}.")
+            raise UserError(
+                f"{root} has {len(iters)} iter_* director(ies) but no {LATEST}: no checkpoint was "
+                f"published. Check one directly (mbr check-ckpt {iters[-1][1]}) and, if it is OK, "
+                f"write its iteration into {root / LATEST}."
+            )
         hint = f" (only interrupted saves: {', '.join(torn)})" if torn else ""
-        raise UserError(f"{root} holds no checkpoint: no {LATEST} and no iter_* directory{hint}. Pass the "
-                        "directory given as checkpoint.dir=, or one iter_N directory.")
+        raise UserError(
+            f"{root} holds no checkpoint: no {LATEST} and no iter_* directory{hint}. Pass the "
+            "directory given as checkpoint.dir=, or one iter_N directory."
+        )
     d = iter_dir(root, latest)
     if not d.is_dir():
-        raise UserError(f"{root / LATEST} names iteration {latest}, but {d} does not exist. Point it at an existing "
-                        f"iter_* directory ({', '.join(p.name for _, p in iters) or 'none'}), or delete it to "
-                        "start from scratch.")
-    notes: List[str] = []
+        raise UserError(
+            f"{root / LATEST} names iteration {latest}, but {d} does not exist. Point it at an existing "
+            f"iter_* directory ({', '.join(p.name for _, p in iters) or 'none'}), or delete it to "
+            "start from scratch."
+        )
+    notes: list[str] = []
     if torn:
         notes.append(f"note: interrupted save(s) {', '.join(torn)} (ignored on resume, removed by the next save)")
     newer = [p.name for i, p in iters if i > latest]
     if newer:
-        notes.append(f"note: {', '.join(newer)} newer than latest (iteration {latest}) but never published: "
-                     "resume ignores them")
+        notes.append(
+            f"note: {', '.join(newer)} newer than latest (iteration {latest}) but never published: resume ignores them"
+        )
     targets = [p for _, p in iters if (p / MANIFEST).is_file()] if "--all" in flags else [d]
     if d not in targets:
         targets.append(d)
-    bad: List[str] = []
+    bad: list[str] = []
     for t in targets:
         try:
             print(_verify_one(t) + (" [latest]" if t == d else ""))

@@ -13,7 +13,7 @@ nothing written. See docs/convert.md.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:

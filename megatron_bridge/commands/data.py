@@ -16,8 +16,8 @@ any heavy work, and nothing is left half-written.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config
@@ -32,16 +32,16 @@ DEMO_MAX_VOCAB = 32768
 class DataCommandConfig(Config):
     """`mbr data`'s own keys on top of the recipe (top-level overrides: `input=... output=...`)."""
 
-    input: Optional[str] = None  # .jsonl/.txt file or directory of them
-    output: Optional[str] = None  # output prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json
-    tokenizer: Optional[str] = None  # local HF tokenizer dir (default: data.tokenizer)
+    input: str | None = None  # .jsonl/.txt file or directory of them
+    output: str | None = None  # output prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json
+    tokenizer: str | None = None  # local HF tokenizer dir (default: data.tokenizer)
     text_key: str = "text"  # jsonl key holding the document text
     txt_mode: str = "file"  # .txt: one document per file | line
     append_eos: bool = True
     overwrite: bool = False
     demo: bool = False
-    output_dir: Optional[str] = None  # demo output directory
-    vocab_size: Optional[int] = None  # demo tokenizer size (default: model.vocab_size, at most 32768)
+    output_dir: str | None = None  # demo output directory
+    vocab_size: int | None = None  # demo tokenizer size (default: model.vocab_size, at most 32768)
     max_bytes: int = 4_000_000  # demo corpus budget
 
 
@@ -53,13 +53,25 @@ def run_preprocess(cfg: DataCommandConfig) -> int:
     from megatron_bridge.data.preprocess import preprocess
 
     if cfg.output_dir is not None or cfg.vocab_size is not None:
-        raise UserError("output_dir= and vocab_size= belong to demo=true; preprocessing takes input=, output=, tokenizer=")
+        raise UserError(
+            "output_dir= and vocab_size= belong to demo=true; preprocessing takes input=, output=, tokenizer="
+        )
     if not cfg.input:
-        raise UserError("no input given: pass input=FILE_OR_DIR (.jsonl with a 'text' key per line, .txt, or a "
-                        "directory of them), or demo=true output_dir=DIR to build a demo dataset from the stdlib")
+        raise UserError(
+            "no input given: pass input=FILE_OR_DIR (.jsonl with a 'text' key per line, .txt, or a "
+            "directory of them), or demo=true output_dir=DIR to build a demo dataset from the stdlib"
+        )
     tokenizer = cfg.tokenizer or cfg.data.tokenizer
-    stats = preprocess(cfg.input, cfg.output, tokenizer, text_key=cfg.text_key, txt_mode=cfg.txt_mode,
-                       append_eos=cfg.append_eos, overwrite=cfg.overwrite, log=print)
+    stats = preprocess(
+        cfg.input,
+        cfg.output,
+        tokenizer,
+        text_key=cfg.text_key,
+        txt_mode=cfg.txt_mode,
+        append_eos=cfg.append_eos,
+        overwrite=cfg.overwrite,
+        log=print,
+    )
     print(stats.describe())
     print(_train_hint(os.path.abspath(stats.prefix), os.path.abspath(str(tokenizer))))
     return 0
@@ -69,17 +81,23 @@ def run_demo(cfg: DataCommandConfig) -> int:
     from megatron_bridge.data.demo import build_demo
 
     if cfg.input or cfg.output or cfg.tokenizer:
-        raise UserError("demo=true builds its own corpus and tokenizer: drop input=/output=/tokenizer= "
-                        "(or drop demo=true to preprocess your own text)")
+        raise UserError(
+            "demo=true builds its own corpus and tokenizer: drop input=/output=/tokenizer= "
+            "(or drop demo=true to preprocess your own text)"
+        )
     if not cfg.output_dir:
-        raise UserError("demo=true needs output_dir=DIR (it writes DIR/corpus.jsonl, DIR/tokenizer/ and "
-                        f"DIR/{DEMO_PREFIX}.bin/.idx)")
+        raise UserError(
+            "demo=true needs output_dir=DIR (it writes DIR/corpus.jsonl, DIR/tokenizer/ and "
+            f"DIR/{DEMO_PREFIX}.bin/.idx)"
+        )
     model_vocab = cfg.model.vocab_size
     vocab = cfg.vocab_size if cfg.vocab_size is not None else min(model_vocab, DEMO_MAX_VOCAB)
     if vocab > model_vocab:
-        raise UserError(f"vocab_size={vocab} is larger than the recipe's model.vocab_size={model_vocab}: the model "
-                        f"could not embed its ids. Use vocab_size<={model_vocab}, or a recipe/model with a larger "
-                        f"vocabulary (e.g. model.vocab_size={vocab}).")
+        raise UserError(
+            f"vocab_size={vocab} is larger than the recipe's model.vocab_size={model_vocab}: the model "
+            f"could not embed its ids. Use vocab_size<={model_vocab}, or a recipe/model with a larger "
+            f"vocabulary (e.g. model.vocab_size={vocab})."
+        )
     demo = build_demo(cfg.output_dir, vocab, cfg.max_bytes, overwrite=cfg.overwrite, log=print)
     print(_train_hint(str(demo.prefix), str(demo.tokenizer)))
     return 0

@@ -11,7 +11,7 @@ HF -> convert -> export is bit-exact or fails loudly. See docs/convert.md.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:

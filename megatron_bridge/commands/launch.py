@@ -14,8 +14,8 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Sequence
 
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import Config
@@ -34,64 +34,92 @@ class LaunchConfig(Config):
     output: str = ""  # where to write the hostfile / sbatch script (default: print only)
 
 
-def hosts(cfg) -> List[str]:
+def hosts(cfg) -> list[str]:
     """Node hostnames: cluster.hostnames, else cluster.hostfile, else master_addr for 1 node."""
     c = cfg.cluster
     if c.hostfile:
         p = Path(c.hostfile)
         if not p.is_file():
-            raise UserError(f"cluster.hostfile={c.hostfile} does not exist. Create it (one `host slots=N` line per "
-                            "node) or list the nodes in cluster.hostnames=[a,b].")
+            raise UserError(
+                f"cluster.hostfile={c.hostfile} does not exist. Create it (one `host slots=N` line per "
+                "node) or list the nodes in cluster.hostnames=[a,b]."
+            )
         names = [ln.split()[0] for ln in p.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     else:
         names = list(c.hostnames) or ([c.master_addr] if c.nodes == 1 else [])
     if c.nodes > 1 and len(names) != c.nodes and cfg.launcher != "slurm":
-        raise UserError(f"cluster.nodes={c.nodes} but {len(names)} host(s) are known ({names}). Set "
-                        "cluster.hostnames=[host1,host2,...] or cluster.hostfile=FILE with one line per node.")
+        raise UserError(
+            f"cluster.nodes={c.nodes} but {len(names)} host(s) are known ({names}). Set "
+            "cluster.hostnames=[host1,host2,...] or cluster.hostfile=FILE with one line per node."
+        )
     return names
 
 
-def job_args(argv_overrides: Sequence[str], recipe: str) -> List[str]:
-    keep = [o for o in argv_overrides if not o.split("=", 1)[0] in ("launcher", "job_name", "output")]
+def job_args(argv_overrides: Sequence[str], recipe: str) -> list[str]:
+    keep = [o for o in argv_overrides if o.split("=", 1)[0] not in ("launcher", "job_name", "output")]
     return [f"recipe={recipe}", *keep]
 
 
-def torchrun_commands(cfg, args: List[str]) -> Dict[str, str]:
+def torchrun_commands(cfg, args: list[str]) -> dict[str, str]:
     c = cfg.cluster
     master = hosts(cfg)[0] if c.nodes > 1 else c.master_addr
     out = {}
     for node in range(c.nodes):
-        cmd = ["torchrun", f"--nnodes={c.nodes}", f"--node-rank={node}", f"--nproc-per-node={c.gpus_per_node}",
-               f"--rdzv-backend={c.rdzv_backend}", f"--rdzv-endpoint={master}:{c.master_port}",
-               f"--rdzv-id={cfg.job_name}", *ENTRY, *args]
+        cmd = [
+            "torchrun",
+            f"--nnodes={c.nodes}",
+            f"--node-rank={node}",
+            f"--nproc-per-node={c.gpus_per_node}",
+            f"--rdzv-backend={c.rdzv_backend}",
+            f"--rdzv-endpoint={master}:{c.master_port}",
+            f"--rdzv-id={cfg.job_name}",
+            *ENTRY,
+            *args,
+        ]
         out[f"node {node}" + (f" ({hosts(cfg)[node]})" if c.nodes > 1 else "")] = shlex.join(cmd)
     return out
 
 
-def deepspeed_files(cfg, args: List[str]) -> Dict[str, str]:
+def deepspeed_files(cfg, args: list[str]) -> dict[str, str]:
     c = cfg.cluster
     names = hosts(cfg)
     hostfile = "".join(f"{h} slots={c.gpus_per_node}\n" for h in names)
-    cmd = ["deepspeed", f"--num_nodes={c.nodes}", f"--num_gpus={c.gpus_per_node}",
-           f"--master_addr={names[0]}", f"--master_port={c.master_port}"]
+    cmd = [
+        "deepspeed",
+        f"--num_nodes={c.nodes}",
+        f"--num_gpus={c.gpus_per_node}",
+        f"--master_addr={names[0]}",
+        f"--master_port={c.master_port}",
+    ]
     if c.nodes > 1:
         cmd.insert(1, f"--hostfile={c.hostfile or (cfg.output or '.') + '/hostfile'}")
     cmd += ["--module", "megatron_bridge.train", *args]
     return {"hostfile": hostfile, "command (on the first node)": shlex.join(cmd)}
 
 
-def sbatch_script(cfg, args: List[str]) -> str:
+def sbatch_script(cfg, args: list[str]) -> str:
     c = cfg.cluster
     backend = "gloo" if c.backend == "gloo" else "nccl"
     env = ["export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}"]
     if backend == "nccl":
-        env += ["export NCCL_ASYNC_ERROR_HANDLING=1", "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
-                "# export NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5   # set to your fabric"]
+        env += [
+            "export NCCL_ASYNC_ERROR_HANDLING=1",
+            "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+            "# export NCCL_SOCKET_IFNAME=ib0 NCCL_IB_HCA=mlx5   # set to your fabric",
+        ]
     else:
         env += ["# export GLOO_SOCKET_IFNAME=eth0   # set to the interface the nodes share"]
-    inner = ["torchrun", "--nnodes=$SLURM_NNODES", "--node-rank=$SLURM_NODEID",
-             f"--nproc-per-node={c.gpus_per_node}", f"--rdzv-backend={c.rdzv_backend}",
-             "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--rdzv-id=$SLURM_JOB_ID", *ENTRY, *args]
+    inner = [
+        "torchrun",
+        "--nnodes=$SLURM_NNODES",
+        "--node-rank=$SLURM_NODEID",
+        f"--nproc-per-node={c.gpus_per_node}",
+        f"--rdzv-backend={c.rdzv_backend}",
+        "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT",
+        "--rdzv-id=$SLURM_JOB_ID",
+        *ENTRY,
+        *args,
+    ]
     inner_s = " ".join(x if x.startswith("--") and "$" in x else shlex.quote(x) for x in inner)
     lines = [
         "#!/bin/bash",
@@ -137,8 +165,10 @@ def main(argv: Sequence[str]) -> int:
     # Single node, not a dry run: run the local part (exec the launcher).
     cmd = next(iter(files.values())) if cfg.launcher == "torchrun" else files.get("command (on the first node)")
     if cfg.launcher == "slurm":
-        raise UserError("launcher=slurm needs `sbatch`: use --dry-run with output=DIR to write the script, then "
-                        "`sbatch DIR/job.sbatch`.")
+        raise UserError(
+            "launcher=slurm needs `sbatch`: use --dry-run with output=DIR to write the script, then "
+            "`sbatch DIR/job.sbatch`."
+        )
     argv_exec = shlex.split(cmd)
     if shutil.which(argv_exec[0]) is None:  # not on PATH (venv not activated): same tool via python -m
         module = {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner"}[argv_exec[0]]
@@ -147,7 +177,7 @@ def main(argv: Sequence[str]) -> int:
     return 0  # not reached
 
 
-def _write_outputs(cfg, files: Dict[str, str]) -> None:
+def _write_outputs(cfg, files: dict[str, str]) -> None:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     if "hostfile" in files:

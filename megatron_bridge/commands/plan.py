@@ -13,8 +13,8 @@ including pinned degrees that break a layout rule.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config

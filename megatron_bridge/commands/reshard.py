@@ -10,7 +10,7 @@ the manifest's checksums on the way; A -> B -> A is bit-exact. See docs/convert.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import lcm
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import Config
@@ -32,16 +33,16 @@ from megatron_bridge.errors import UserError
 
 @dataclass
 class VerifyOptions:
-    layouts: List[str] = field(default_factory=list)  # e.g. [tp1, tp2pp2vpp2, cp2tp2, ep2]; empty = parallel.*
-    checks: List[str] = field(default_factory=lambda: ["logits", "roundtrip"])  # + grads
+    layouts: list[str] = field(default_factory=list)  # e.g. [tp1, tp2pp2vpp2, cp2tp2, ep2]; empty = parallel.*
+    checks: list[str] = field(default_factory=lambda: ["logits", "roundtrip"])  # + grads
     tol: float = 1e-4  # max-abs logits difference allowed (fp32)
     grad_tol: float = 1e-5  # max-abs gradient / loss difference allowed
     batch_size: int = 2
     seq_length: int = 32
     seed: int = 0
-    tiny: Optional[str] = None  # build a tiny random model of this family instead of model.hf_path
-    nproc: Optional[int] = None  # local processes to start; default: what the layouts need
-    out: Optional[str] = None  # keep exports (and the reference) here; default: a temp dir
+    tiny: str | None = None  # build a tiny random model of this family instead of model.hf_path
+    nproc: int | None = None  # local processes to start; default: what the layouts need
+    out: str | None = None  # keep exports (and the reference) here; default: a temp dir
     timeout_s: float = 1800.0
 
 
@@ -50,7 +51,7 @@ class VerifyConfig(Config):
     verify: VerifyOptions = field(default_factory=VerifyOptions)
 
 
-def _layouts(cfg) -> List[Any]:
+def _layouts(cfg) -> list[Any]:
     from megatron_bridge.bridge.layout import Layout
 
     if cfg.verify.layouts:
@@ -90,14 +91,15 @@ def _prepare(cfg, out: Path):
     return hf_dir, spec, layouts
 
 
-def _reference(hf_dir: str, spec, cfg, path: Path) -> Dict[str, Any]:
+def _reference(hf_dir: str, spec, cfg, path: Path) -> dict[str, Any]:
     import torch
 
     from megatron_bridge.bridge.parity import hf_reference, make_batch
 
     ids, labels = make_batch(spec.vocab_size, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
-    ref = dict(input_ids=ids, labels=labels,
-               **hf_reference(hf_dir, ids, labels if "grads" in cfg.verify.checks else None))
+    ref = dict(
+        input_ids=ids, labels=labels, **hf_reference(hf_dir, ids, labels if "grads" in cfg.verify.checks else None)
+    )
     torch.save(ref, path)
     return ref
 
@@ -115,7 +117,7 @@ def _launched(cfg, worker: bool) -> int:
     out = Path(cfg.verify.out or Path(tempfile.gettempdir()) / f"mbr-verify-{os.environ.get('MASTER_PORT', '0')}")
     groups.initialize(dims_for(layouts[0], world), timeout_minutes=cfg.train.timeout_minutes)
     rank = torch.distributed.get_rank()
-    shared: List[Any] = [None, None]
+    shared: list[Any] = [None, None]
     if rank == 0:  # one rank builds the tiny model / the reference; the others wait for its verdict
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -131,12 +133,19 @@ def _launched(cfg, worker: bool) -> int:
     hf_dir = shared[1]
     spec = load_spec(hf_dir, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     ref = torch.load(out / "reference.pt")
-    mine: Dict[str, Any] = {}
+    mine: dict[str, Any] = {}
     for lay in layouts:
         t0 = time.perf_counter()
-        res = check_layout(hf_dir, lay, list(cfg.verify.checks), ref=ref, input_ids=ref["input_ids"],
-                           labels=ref["labels"], export_dir=out / lay.describe().replace("·", "").replace(" ", ""),
-                           make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        res = check_layout(
+            hf_dir,
+            lay,
+            list(cfg.verify.checks),
+            ref=ref,
+            input_ids=ref["input_ids"],
+            labels=ref["labels"],
+            export_dir=out / lay.describe().replace("·", "").replace(" ", ""),
+            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        )
         res["seconds"] = round(time.perf_counter() - t0, 2)
         mine[lay.describe()] = res
     if worker:
@@ -144,7 +153,7 @@ def _launched(cfg, worker: bool) -> int:
 
         report({"findings": mine})
         return 0
-    everyone: List[Any] = [None] * world
+    everyone: list[Any] = [None] * world
     torch.distributed.all_gather_object(everyone, mine)
     ok = _print_summary(everyone, layouts, cfg, ref, hf_dir, spec) if rank == 0 else True
     torch.distributed.barrier()
@@ -154,8 +163,10 @@ def _launched(cfg, worker: bool) -> int:
 def _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) -> bool:
     from megatron_bridge.bridge.parity import summarize
 
-    print(f"verify {spec.architecture} ({spec.family}) from {hf_dir}: batch {cfg.verify.batch_size}×"
-          f"{cfg.verify.seq_length}, fp32, checks {', '.join(cfg.verify.checks)}")
+    print(
+        f"verify {spec.architecture} ({spec.family}) from {hf_dir}: batch {cfg.verify.batch_size}×"
+        f"{cfg.verify.seq_length}, fp32, checks {', '.join(cfg.verify.checks)}"
+    )
     all_ok = True
     for lay in layouts:
         lines, ok = summarize(per_rank, lay.describe(), cfg.verify.checks, ref, cfg.verify.tol, cfg.verify.grad_tol)
@@ -192,12 +203,15 @@ def main(argv: Sequence[str]) -> int:
         nproc = cfg.verify.nproc or _needed_world(layouts)
         from megatron_bridge.testing import TorchrunError, run_torchrun
 
-        child = [a for a in argv if not a.startswith(("verify.out=", "verify.tiny=", "model.hf_path=", "verify.nproc="))]
+        child = [
+            a for a in argv if not a.startswith(("verify.out=", "verify.tiny=", "model.hf_path=", "verify.nproc="))
+        ]
         child += [f"verify.out={out}", f"model.hf_path={hf_dir}", f"verify.nproc={nproc}", "--worker"]
         print(f"running {len(layouts)} layout(s) on {nproc} local process(es) ...", flush=True)
         try:
-            results = run_torchrun(["-m", "megatron_bridge.cli", "verify", *child], nproc=nproc,
-                                   timeout=cfg.verify.timeout_s)
+            results = run_torchrun(
+                ["-m", "megatron_bridge.cli", "verify", *child], nproc=nproc, timeout=cfg.verify.timeout_s
+            )
         except TorchrunError as e:
             raise UserError(f"the megatron side failed:\n{e}") from e
         per_rank = [r.get("findings", {}) for r in results]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, Type
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -45,11 +45,11 @@ def recipes_dir() -> Path:
     return repo_root() / "recipes"
 
 
-def list_recipes() -> List[str]:
+def list_recipes() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
-def list_group(group: str) -> List[str]:
+def list_group(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
@@ -58,9 +58,9 @@ class Args:
     """The command line split into what Hydra sees and what it must not."""
 
     recipe: str = DEFAULT_RECIPE
-    overrides: List[str] = dataclasses.field(default_factory=list)
-    flags: List[str] = dataclasses.field(default_factory=list)  # --dry-run, --list, ...
-    cfg: Optional[str] = None  # `--cfg job` prints the resolved config
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    flags: list[str] = dataclasses.field(default_factory=list)  # --dry-run, --list, ...
+    cfg: str | None = None  # `--cfg job` prints the resolved config
 
 
 def parse_args(argv: Sequence[str]) -> Args:
@@ -100,17 +100,19 @@ def _hydra_error(e: Exception, recipe: str) -> UserError:
     msg = re.sub(r"To append to your config use \S+: ", "", msg)
     msg = re.sub(r"\s+", " ", msg).strip().rstrip(".")
     if "could not be converted" in msg or "Value '" in msg and "is not a valid" in msg:
-        hint = ("Give the value the field's type (see the schema in `mbr check recipe=%s --cfg job`: integers, "
-                "floats, true/false, null)." % recipe)
+        hint = (
+            f"Give the value the field's type (see the schema in `mbr check recipe={recipe} --cfg job`: integers, "
+            "floats, true/false, null)."
+        )
     else:
-        hint = ("Check the spelling of the key against `mbr check recipe=%s --cfg job` "
-                "(unknown keys are errors, not ignored) and the option names in conf/<group>/." % recipe)
+        hint = (
+            f"Check the spelling of the key against `mbr check recipe={recipe} --cfg job` "
+            "(unknown keys are errors, not ignored) and the option names in conf/<group>/."
+        )
     return UserError(f"invalid configuration: {msg}. {hint}")
 
 
-def compose(
-    argv: Sequence[str] | Args, schema: Type = Config, *, resolve_hf: bool = True
-) -> Tuple[object, Args]:
+def compose(argv: Sequence[str] | Args, schema: type = Config, *, resolve_hf: bool = True) -> tuple[object, Args]:
     """Compose recipe + overrides into an instance of `schema` (a `Config` dataclass or a
     subclass with a command's own fields). Returns (typed config, parsed args)."""
     from hydra import compose as hydra_compose

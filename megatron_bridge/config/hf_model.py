@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 from megatron_bridge.errors import UserError
 
 # ModelConfig field <- first HF key present.
-HF_KEYS: Dict[str, tuple] = {
+HF_KEYS: dict[str, tuple] = {
     "num_layers": ("num_hidden_layers", "n_layer"),
     "hidden_size": ("hidden_size", "n_embd"),
     "ffn_hidden_size": ("intermediate_size", "n_inner"),
@@ -36,7 +36,7 @@ HF_KEYS: Dict[str, tuple] = {
 }
 
 # model_type -> (family, implicit settings HF does not write into config.json)
-FAMILY_DEFAULTS: Dict[str, tuple] = {
+FAMILY_DEFAULTS: dict[str, tuple] = {
     "llama": ("llama", {}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {"add_qkv_bias": True}),
@@ -46,7 +46,7 @@ FAMILY_DEFAULTS: Dict[str, tuple] = {
 }
 
 
-def read_hf_config(path: str | Path) -> Dict[str, Any]:
+def read_hf_config(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     cfg_file = p / "config.json" if p.is_dir() else p
     if not cfg_file.is_file():
@@ -60,7 +60,7 @@ def read_hf_config(path: str | Path) -> Dict[str, Any]:
         raise UserError(f"{cfg_file} is not valid JSON ({e}); re-export the model config.") from e
 
 
-def hf_to_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
+def hf_to_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Map an HF config dict to ModelConfig field values."""
     model_type = hf.get("model_type", "")
     if model_type not in FAMILY_DEFAULTS:
@@ -69,7 +69,7 @@ def hf_to_model_fields(hf: Dict[str, Any]) -> Dict[str, Any]:
             f"{', '.join(sorted(FAMILY_DEFAULTS))}. Add a family table to support it."
         )
     family, implicit = FAMILY_DEFAULTS[model_type]
-    out: Dict[str, Any] = {"family": family, "name": hf.get("_name_or_path") or model_type}
+    out: dict[str, Any] = {"family": family, "name": hf.get("_name_or_path") or model_type}
     out.update(implicit)
     for field_name, keys in HF_KEYS.items():
         for k in keys:

@@ -8,7 +8,7 @@ instead of a silently ignored value. Field names are the CLI names (`parallel.tp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 
 @dataclass
@@ -20,14 +20,14 @@ class ModelConfig:
     """
 
     name: str = "custom"
-    hf_path: Optional[str] = None
+    hf_path: str | None = None
     family: str = "llama"  # bridge family: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, gpt
     num_layers: int = 2
     hidden_size: int = 64
     ffn_hidden_size: int = 256
     num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # KV heads; None = multi-head attention
-    kv_channels: Optional[int] = None  # head dim; None = hidden / heads
+    num_query_groups: int | None = None  # KV heads; None = multi-head attention
+    kv_channels: int | None = None  # head dim; None = hidden / heads
     vocab_size: int = 1024
     max_position_embeddings: int = 2048
     make_vocab_size_divisible_by: int = 128
@@ -38,10 +38,10 @@ class ModelConfig:
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
     rotary_base: float = 10000.0
-    num_moe_experts: Optional[int] = None  # None = dense
+    num_moe_experts: int | None = None  # None = dense
     moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -60,13 +60,13 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    etp: Optional[int] = None  # expert tensor parallel; None = tp
+    etp: int | None = None  # expert tensor parallel; None = tp
     dp: int = -1
-    vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved 1F1B)
+    vpp: int | None = None  # virtual pipeline stages per rank (interleaved 1F1B)
     sequence_parallel: bool = False
     # Uneven pipeline split (megatron-core num_layers_in_{first,last}_pipeline_stage).
-    layers_first_stage: Optional[int] = None
-    layers_last_stage: Optional[int] = None
+    layers_first_stage: int | None = None
+    layers_last_stage: int | None = None
     # TP/CP groups spanning nodes is almost always a mistake; this turns the error into a warning.
     allow_cross_node_tp: bool = False
 
@@ -83,7 +83,7 @@ class ZeroConfig:
     offload_optimizer: str = "none"  # none | cpu
     offload_param: str = "none"  # none | cpu (stage 3 only)
     # Raw ds_config keys merged last (user override of the generated config).
-    ds_config: Dict[str, Any] = field(default_factory=dict)
+    ds_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,8 +98,8 @@ class ClusterConfig:
     intra_node_bandwidth_gbps: float = 300.0  # NVLink, GB/s per GPU, one direction
     inter_node_bandwidth_gbps: float = 25.0  # InfiniBand, GB/s per GPU, one direction
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
-    hostnames: List[str] = field(default_factory=list)
-    hostfile: Optional[str] = None
+    hostnames: list[str] = field(default_factory=list)
+    hostfile: str | None = None
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     rdzv_backend: str = "c10d"
@@ -122,11 +122,11 @@ class OptimizerConfig:
 @dataclass
 class DataConfig:
     kind: str = "synthetic"  # synthetic | indexed
-    paths: List[str] = field(default_factory=list)  # indexed dataset prefixes (no .bin/.idx)
-    tokenizer: Optional[str] = None  # local HF tokenizer directory
+    paths: list[str] = field(default_factory=list)  # indexed dataset prefixes (no .bin/.idx)
+    tokenizer: str | None = None  # local HF tokenizer directory
     split: str = "98,2,0"
     num_workers: int = 0
-    cache_dir: Optional[str] = None  # megatron's sample-index cache (default: cache/ next to the data)
+    cache_dir: str | None = None  # megatron's sample-index cache (default: cache/ next to the data)
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
@@ -139,20 +139,20 @@ class TrainConfig:
     seq_length: int = 128
     micro_batch_size: int = 1
     global_batch_size: int = 8
-    grad_accum: Optional[int] = None  # None = global / (micro * dp)
+    grad_accum: int | None = None  # None = global / (micro * dp)
     steps: int = 10
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     recompute: str = "none"  # none | selective | full
     log_interval: int = 1
-    init_from: Optional[str] = None  # HF dir or `mbr convert` output
+    init_from: str | None = None  # HF dir or `mbr convert` output
     timeout_minutes: float = 10.0  # process-group timeout: a dead rank ends the job
-    exit_after: Optional[int] = None  # stop after this many steps of this run (schedule still spans `steps`)
+    exit_after: int | None = None  # stop after this many steps of this run (schedule still spans `steps`)
 
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None
+    dir: str | None = None
     save_interval: int = 0  # 0 = only at the end
     resume: bool = False
 

@@ -19,8 +19,8 @@ by record, no torch), `pickling` and `dtypes` (torch's pickles and dtypes withou
 """
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 STARTUP_READ_AHEAD = 2**30  # at least this much, or a quarter of the available memory if more
 
@@ -36,7 +36,7 @@ def _available_memory() -> int:
     return 0
 
 
-def read_ahead_source(argv: Sequence[str], budget: Optional[int] = None) -> None:
+def read_ahead_source(argv: Sequence[str], budget: int | None = None) -> None:
     """Ask the kernel to start reading `src=`'s files (in name order, up to `budget` bytes:
     by default a quarter of the available memory, at least 1 GiB) into the page cache
     before anything else: the disk works during start-up (~0.4 s for `mbr convert`, ~2 s

@@ -24,12 +24,12 @@ import errno
 import os
 import queue
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from zlib_ng import zlib_ng
 
@@ -83,19 +83,19 @@ class Interleave:
     `rows` contiguous rows of `width` bytes. (Export: a row-parallel weight from its shards.)"""
 
     rows: int
-    parts: Tuple[Tuple[Path, int, int], ...]
+    parts: tuple[tuple[Path, int, int], ...]
 
     @property
     def nbytes(self) -> int:
         return self.rows * sum(w for _, _, w in self.parts)
 
 
-Piece = Union[Span, Band, Zeros, Interleave]
+Piece = Span | Band | Zeros | Interleave
 
 
-def pieces(blocks: Sequence, infos: Sequence[TensorInfo]) -> List[Piece]:
+def pieces(blocks: Sequence, infos: Sequence[TensorInfo]) -> list[Piece]:
     """Byte pieces of a shard given as `Block`s over the HF tensors `infos` (see module doc)."""
-    out: List[Piece] = []
+    out: list[Piece] = []
     for b in blocks:
         info = infos[0 if b.src is None else b.src]
         size = info.dtype.itemsize
@@ -111,10 +111,10 @@ def pieces(blocks: Sequence, infos: Sequence[TensorInfo]) -> List[Piece]:
     return [p for p in out if p.nbytes]
 
 
-def _gather_write(fd: int, views: List[memoryview], at: int) -> None:
+def _gather_write(fd: int, views: list[memoryview], at: int) -> None:
     """`views` one after another from offset `at`, IOV_MAX per pwritev."""
     for i in range(0, len(views), IOV_MAX):
-        batch = views[i:i + IOV_MAX]
+        batch = views[i : i + IOV_MAX]
         want, k = sum(len(v) for v in batch), os.pwritev(fd, batch, at)
         if k != want:  # a short write: finish it piece by piece
             os.pwrite(fd, b"".join(batch)[k:], at + k)
@@ -128,9 +128,9 @@ class Copier:
         self._fd = OpenFiles()
         self._in_kernel = hasattr(os, "copy_file_range")
         self._buf = bytearray()
-        self._held: Optional[Tuple[Path, int, int]] = None  # which band region _buf holds
-        self._parts: List[bytearray] = []  # interleave buffers
-        self.on_read: Optional[Callable[[Path, int, memoryview], None]] = None  # sees each region read
+        self._held: tuple[Path, int, int] | None = None  # which band region _buf holds
+        self._parts: list[bytearray] = []  # interleave buffers
+        self.on_read: Callable[[Path, int, memoryview], None] | None = None  # sees each region read
         self._zeros = bytes(2**20)
 
     def _read(self, path: Path, start: int, nbytes: int) -> memoryview:
@@ -164,7 +164,7 @@ class Copier:
 
     def band(self, p: Band, fd: int, at: int) -> None:
         region = self._read(p.file, p.start, p.rows * p.row_bytes)
-        _gather_write(fd, [region[r * p.row_bytes + p.lo: r * p.row_bytes + p.hi] for r in range(p.rows)], at)
+        _gather_write(fd, [region[r * p.row_bytes + p.lo : r * p.row_bytes + p.hi] for r in range(p.rows)], at)
 
     def interleave(self, p: Interleave, fd: int, at: int) -> None:
         while len(self._parts) < len(p.parts):  # one reused buffer per part (fresh pages are slow)
@@ -173,13 +173,14 @@ class Copier:
         for k, (path, start, width) in enumerate(p.parts):
             if len(self._parts[k]) < p.rows * width:
                 self._parts[k] = bytearray(p.rows * width)
-            buf = memoryview(self._parts[k])[:p.rows * width]
+            buf = memoryview(self._parts[k])[: p.rows * width]
             read_exactly(self._fd(path), buf, start, path)
             bufs.append((buf, width))
-        _gather_write(fd, [b[r * w:(r + 1) * w] for r in range(p.rows) for b, w in bufs], at)
+        _gather_write(fd, [b[r * w : (r + 1) * w] for r in range(p.rows) for b, w in bufs], at)
 
-    def write(self, ps: Sequence[Piece], fd: int, at: int,
-              bands: Optional[Callable[[Band, int, int], None]] = None) -> int:
+    def write(
+        self, ps: Sequence[Piece], fd: int, at: int, bands: Callable[[Band, int, int], None] | None = None
+    ) -> int:
         """Write `ps` one after another from offset `at` of `fd`; returns the bytes written.
         `bands(piece, fd, offset)`, if given, takes the bands instead (another thread)."""
         start = at
@@ -192,7 +193,7 @@ class Copier:
                 self.interleave(p, fd, at)
             else:
                 for a in range(0, p.nbytes, len(self._zeros)):
-                    os.pwrite(fd, memoryview(self._zeros)[:min(len(self._zeros), p.nbytes - a)], at + a)
+                    os.pwrite(fd, memoryview(self._zeros)[: min(len(self._zeros), p.nbytes - a)], at + a)
             at += p.nbytes
         return at - start
 
@@ -206,9 +207,9 @@ class Checksums:
     their copies: from the page cache, on the other core). `result()` waits for all."""
 
     def __init__(self) -> None:
-        self.values: Dict[str, str] = {}
-        self._q: "queue.Queue[Optional[TensorInfo]]" = queue.Queue()
-        self._error: Optional[BaseException] = None
+        self.values: dict[str, str] = {}
+        self._q: queue.Queue[TensorInfo | None] = queue.Queue()
+        self._error: BaseException | None = None
         self._t = threading.Thread(target=self._work, name="mbr-crc", daemon=True)
         self._t.start()
 
@@ -223,7 +224,7 @@ class Checksums:
             while (info := self._q.get()) is not None:
                 crc = 0
                 for pos in range(info.start, info.end, CRC_CHUNK):
-                    view = memoryview(buf)[:min(CRC_CHUNK, info.end - pos)]
+                    view = memoryview(buf)[: min(CRC_CHUNK, info.end - pos)]
                     read_exactly(files(info.file), view, pos, info.file)
                     crc = zlib_ng.crc32(view, crc)
                 self.values[info.name] = crc_hex(crc)
@@ -234,7 +235,7 @@ class Checksums:
         finally:
             files.close()
 
-    def result(self) -> Dict[str, str]:
+    def result(self) -> dict[str, str]:
         self._q.put(None)
         self._t.join()
         if self._error is not None:
@@ -254,7 +255,7 @@ class DirectCopy:
         # Column bands (row-parallel shards) go through user space: on a second thread,
         # with its own copier and buffer, while this one copies spans in the kernel.
         self._band_copier, self._bands = Copier(), ThreadPoolExecutor(1, thread_name_prefix="mbr-bands")
-        self._pending: List[Future] = []
+        self._pending: list[Future] = []
         # a band reads its whole source tensor into memory anyway: its CRC is taken there
         self._whole = {(i.file, i.start, i.nbytes): i.name for i in source.infos.values()}
         self._band_copier.on_read = self._checksum_region
@@ -276,12 +277,15 @@ class DirectCopy:
     @staticmethod
     def possible(source: object) -> bool:
         """An HF directory read without a cast (a cast needs the values, not just the bytes)."""
-        return (ENABLED and isinstance(source, HFSource)
-                and all(source.out_dtype(n) == info.dtype for n, info in source.infos.items()))
+        return (
+            ENABLED
+            and isinstance(source, HFSource)
+            and all(source.out_dtype(n) == info.dtype for n, info in source.infos.items())
+        )
 
     @classmethod
     @contextmanager
-    def open(cls, source: object) -> Iterator[Optional["DirectCopy"]]:
+    def open(cls, source: object) -> Iterator[DirectCopy | None]:
         """A DirectCopy if `possible(source)`, else None; on success the source's checksums
         are filled in (as its own reads would have)."""
         if not cls.possible(source):
@@ -297,13 +301,15 @@ class DirectCopy:
             d._band_copier.close()
             d.checksums.abandon()
 
-    def shard_info(self, row: Resolved, s: Shard, shapes: Shapes) -> Tuple[DType, Tuple[int, ...]]:
+    def shard_info(self, row: Resolved, s: Shard, shapes: Shapes) -> tuple[DType, tuple[int, ...]]:
         infos = [self.source.infos[h] for h in row.hf]
-        return infos[0].dtype, out_shape(row.mapping.transform.blocks([i.shape for i in infos], s, shapes),
-                                         [i.shape for i in infos])
+        return infos[0].dtype, out_shape(
+            row.mapping.transform.blocks([i.shape for i in infos], s, shapes), [i.shape for i in infos]
+        )
 
-    def write(self, row: Resolved, s: Shard, shapes: Shapes, out: StreamingTorchSave,
-              shape: Optional[Tuple[int, ...]] = None) -> Tuple[TensorRef, int]:
+    def write(
+        self, row: Resolved, s: Shard, shapes: Shapes, out: StreamingTorchSave, shape: tuple[int, ...] | None = None
+    ) -> tuple[TensorRef, int]:
         """Shard `s` of `row` as one record of `out` (stored as `shape` if given, e.g. with
         leading unit axes); returns its reference and byte count."""
         infos = [self.source.infos[h] for h in row.hf]

@@ -18,10 +18,10 @@ manifest: a damaged checkpoint still fails the export, after the copy instead of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from math import prod
-from typing import Dict, Iterator, List, Optional, Tuple
 
 from megatron_bridge.bridge.loader import shard_for
 from megatron_bridge.bridge.mapping import FULL, Shard, out_shape
@@ -34,10 +34,10 @@ from megatron_bridge.convert.sources import DistSource, Source, TorchSource
 from megatron_bridge.convert.torch_zip import LazyTorchFile, TensorRef, contiguous_stride
 from megatron_bridge.errors import UserError
 
-Record = Tuple[object, int, Tuple[int, ...]]  # (file, data offset, shape without leading unit axes)
+Record = tuple[object, int, tuple[int, ...]]  # (file, data offset, shape without leading unit axes)
 
 
-def _record(f: LazyTorchFile, ref: TensorRef, dtype, where: str, lead: int = 0) -> Optional[Record]:
+def _record(f: LazyTorchFile, ref: TensorRef, dtype, where: str, lead: int = 0) -> Record | None:
     """Where a stored tensor's bytes are, if it is a whole contiguous record of `dtype`
     (`lead`: unit axes in front, a torch_dist chunk's layer/expert position)."""
     if ref.offset or tuple(ref.stride) != contiguous_stride(ref.shape) or ref.storage.numel != prod(ref.shape):
@@ -48,7 +48,7 @@ def _record(f: LazyTorchFile, ref: TensorRef, dtype, where: str, lead: int = 0) 
     return path, start, tuple(ref.shape)[lead:]
 
 
-def _shards(source: Source, row: Resolved, dtype) -> Optional[List[Tuple[Shard, Record]]]:
+def _shards(source: Source, row: Resolved, dtype) -> list[tuple[Shard, Record]] | None:
     """The records of one replica of `row`, with the shard each holds."""
     if isinstance(source, DistSource):
         loc = location(row.megatron, source.spec)
@@ -56,8 +56,11 @@ def _shards(source: Source, row: Resolved, dtype) -> Optional[List[Tuple[Shard, 
         if region is None:
             return None
         item = LazyTorchFile(region.path, source.io, region.offset, region.length)
-        rec = (_record(item, item.obj, dtype, f"{region.path} ({row.megatron})", len(loc.offsets))
-               if isinstance(item.obj, TensorRef) else None)
+        rec = (
+            _record(item, item.obj, dtype, f"{region.path} ({row.megatron})", len(loc.offsets))
+            if isinstance(item.obj, TensorRef)
+            else None
+        )
         return None if rec is None else [(FULL, rec)]
     out = []
     for t in source.replica(row)[1]:
@@ -69,15 +72,18 @@ def _shards(source: Source, row: Resolved, dtype) -> Optional[List[Tuple[Shard, 
     return out
 
 
-def _pieces(row: Resolved, i: int, hf_shapes, shards: List[Tuple[Shard, Record]], itemsize: int, shapes
-            ) -> Optional[List[Piece]]:
+def _pieces(
+    row: Resolved, i: int, hf_shapes, shards: list[tuple[Shard, Record]], itemsize: int, shapes
+) -> list[Piece] | None:
     """HF tensor `i` of `row` as pieces of the shard records (None: a layout this can't copy)."""
     spans, bands = [], []
     for s, (path, start, shape) in shards:
         blocks = row.mapping.transform.blocks(hf_shapes, s, shapes)
         if tuple(shape) != out_shape(blocks, hf_shapes):
-            raise UserError(f"{path}: {row.megatron} is stored as {list(shape)}, the manifest implies "
-                            f"{list(out_shape(blocks, hf_shapes))} (damaged checkpoint)")
+            raise UserError(
+                f"{path}: {row.megatron} is stored as {list(shape)}, the manifest implies "
+                f"{list(out_shape(blocks, hf_shapes))} (damaged checkpoint)"
+            )
         rec_row = prod(shape[1:]) * itemsize
         pos = 0
         for b in blocks:
@@ -102,13 +108,13 @@ def _pieces(row: Resolved, i: int, hf_shapes, shards: List[Tuple[Shard, Record]]
 class DirectExport:
     """HF tensors of a checkpoint source written straight from its records."""
 
-    def __init__(self, source: Source, plan: Dict[str, List[Piece]]):
+    def __init__(self, source: Source, plan: dict[str, list[Piece]]):
         self.source, self.plan = source, plan
         self.copier, self.checksums = Copier(), Checksums()
         # interleaved weights go through user space: on a second thread, with its own
         # copier and buffers, while this one copies row ranges in the kernel
         self._user_copier, self._pool = Copier(), ThreadPoolExecutor(1, thread_name_prefix="mbr-interleave")
-        self._pending: List[Future] = []
+        self._pending: list[Future] = []
 
     def drain(self) -> None:
         """Wait for queued interleaved writes (before their file is closed)."""
@@ -117,11 +123,11 @@ class DirectExport:
             f.result()
 
     @staticmethod
-    def make_plan(source: Source) -> Optional[Dict[str, List[Piece]]]:
+    def make_plan(source: Source) -> dict[str, list[Piece]] | None:
         if not direct.ENABLED or not isinstance(source, (DistSource, TorchSource)):
             return None
         shapes = source.shapes
-        plan: Dict[str, List[Piece]] = {}
+        plan: dict[str, list[Piece]] = {}
         for row in (r for r in source.rows if r.mapping.export):
             dtypes = {source.tensors[h][1] for h in row.hf}
             if len(dtypes) != 1 or any(source.out_dtype(h) != source.tensors[h][1] for h in row.hf):
@@ -140,7 +146,7 @@ class DirectExport:
 
     @classmethod
     @contextmanager
-    def open(cls, source: Source) -> Iterator[Optional["DirectExport"]]:
+    def open(cls, source: Source) -> Iterator[DirectExport | None]:
         """A DirectExport if the source can be copied from (see module doc), else None. On
         success every written tensor's CRC-32 has been checked against the manifest."""
         plan = cls.make_plan(source)
@@ -153,8 +159,10 @@ class DirectExport:
             d.drain()
             bad = sorted(n for n, crc in d.checksums.result().items() if crc != source.expected[n])
             if bad:
-                raise UserError(f"{source.where}: tensor {bad[0]} does not match its checksum in the manifest: the "
-                                "checkpoint files are corrupted or were modified after conversion")
+                raise UserError(
+                    f"{source.where}: tensor {bad[0]} does not match its checksum in the manifest: the "
+                    "checkpoint files are corrupted or were modified after conversion"
+                )
         finally:
             d._pool.shutdown(wait=True, cancel_futures=True)  # on failure: the files are still open
             d.copier.close()

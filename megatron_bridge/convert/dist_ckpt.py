@@ -32,10 +32,11 @@ import pickle
 import re
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import dist_ckpt_key
@@ -46,14 +47,21 @@ from megatron_bridge.convert.safetensors_io import PositionedReader
 from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave
 from megatron_bridge.errors import UserError
 
+if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+    import torch
+
 DATA_FILE = "__0_0.distcp"
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION (a test holds them equal)
 _DCP = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
 _STRIDED = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))  # how torch pickles a layout
 _CONTIGUOUS = Reduce(Global(_DCP, "_MEM_FORMAT_ENCODING"), (0,))  # TensorProperties' memory_format
-MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                     "common_backend": "torch", "common_backend_version": 1}
+MEGATRON_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(.*\.experts)\.local_experts\.(\d+)\.(.*)$")
 
@@ -63,8 +71,8 @@ class DistLocation:
     """Key of a parameter in the checkpoint, and its position on the prepended axes."""
 
     key: str
-    offsets: Tuple[int, ...] = ()  # (layer[, expert]) index
-    axes: Tuple[int, ...] = ()  # (L[, E]) sizes
+    offsets: tuple[int, ...] = ()  # (layer[, expert]) index
+    axes: tuple[int, ...] = ()  # (L[, E]) sizes
 
     @property
     def object_key(self) -> str:
@@ -90,7 +98,7 @@ def location(name: str, spec: BridgeSpec) -> DistLocation:
     return DistLocation(key + rest, offsets, axes)
 
 
-def extra_state_location(name: str, spec: BridgeSpec) -> Optional[DistLocation]:
+def extra_state_location(name: str, spec: BridgeSpec) -> DistLocation | None:
     """The `_extra_state` object that goes with a linear layer's weight (inside the layers)."""
     module, _, leaf = name.rpartition(".")
     if leaf != "weight" or module.rsplit(".", 1)[-1] not in LINEAR_MODULES or not _LAYER.match(name):
@@ -111,18 +119,24 @@ class DistWriter:
         self.path = directory / DATA_FILE
         self._f = open(self.path, "wb")
         # key -> (dtype, global size, [(chunk offsets, chunk sizes)]), or None for an object
-        self._md: Dict[str, Optional[Tuple[DType, Tuple[int, ...], List[Tuple[Tuple[int, ...], ...]]]]] = {}
-        self._storage: List[Tuple[str, Optional[Tuple[int, ...]], Optional[int], int, int]] = []
+        self._md: dict[str, tuple[DType, tuple[int, ...], list[tuple[tuple[int, ...], ...]]] | None] = {}
+        self._storage: list[tuple[str, tuple[int, ...] | None, int | None, int, int]] = []
 
-    def _write(self, key: str, offsets: Optional[Tuple[int, ...]], index: Optional[int],
-               fill: Callable[[StreamingTorchSave], Any]) -> None:
+    def _write(
+        self, key: str, offsets: tuple[int, ...] | None, index: int | None, fill: Callable[[StreamingTorchSave], Any]
+    ) -> None:
         start = self._f.tell()
         item = StreamingTorchSave(self._f)
         item.finish(fill(item))
         self._storage.append((key, offsets, index, start, self._f.tell() - start))
 
-    def add(self, loc: DistLocation, dtype: Any, shape: Tuple[int, ...],
-            fill: Callable[[StreamingTorchSave, Tuple[int, ...]], Any]) -> None:
+    def add(
+        self,
+        loc: DistLocation,
+        dtype: Any,
+        shape: tuple[int, ...],
+        fill: Callable[[StreamingTorchSave, tuple[int, ...]], Any],
+    ) -> None:
         """One chunk: the tensor of `shape` at `loc`; `fill(item, stored_shape)` writes it into
         the item (a record of `stored_shape` = unit axes for the layer/expert + `shape`)
         and returns its TensorRef."""
@@ -144,27 +158,46 @@ class DistWriter:
         def chunk(offsets, sizes):
             return Instance(_DCP, "ChunkStorageMetadata", {"offsets": torch_size(offsets), "sizes": torch_size(sizes)})
 
-        entries: Dict[str, Instance] = {}
+        entries: dict[str, Instance] = {}
         for key, md in self._md.items():
             if md is None:
                 entries[key] = Instance(_DCP, "BytesStorageMetadata", {})
                 continue
             dtype, size, chunks = md
             props = Instance(_DCP, "TensorProperties", (dtype, _STRIDED, False, _CONTIGUOUS, False))
-            entries[key] = Instance(_DCP, "TensorStorageMetadata", {
-                "properties": props, "size": torch_size(size), "chunks": [chunk(o, s) for o, s in chunks]})
+            entries[key] = Instance(
+                _DCP,
+                "TensorStorageMetadata",
+                {"properties": props, "size": torch_size(size), "chunks": [chunk(o, s) for o, s in chunks]},
+            )
         storage = {}
         for key, offsets, index, start, length in self._storage:
-            where = Instance(_DCP, "MetadataIndex", {"fqn": key, "offset": None if offsets is None else torch_size(offsets),
-                                                     "index": index})
-            storage[where] = Instance("torch.distributed.checkpoint.filesystem", "_StorageInfo",
-                                      {"relative_path": DATA_FILE, "offset": start, "length": length})
-        meta = Instance(_DCP, "StorageMeta", {"checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None,
-                                              "modules": []})
-        return Instance(_DCP, "Metadata", {"state_dict_metadata": entries, "planner_data": None,
-                                           "storage_data": storage, "storage_meta": meta, "version": DCP_VERSION})
+            where = Instance(
+                _DCP,
+                "MetadataIndex",
+                {"fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": index},
+            )
+            storage[where] = Instance(
+                "torch.distributed.checkpoint.filesystem",
+                "_StorageInfo",
+                {"relative_path": DATA_FILE, "offset": start, "length": length},
+            )
+        meta = Instance(
+            _DCP, "StorageMeta", {"checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None, "modules": []}
+        )
+        return Instance(
+            _DCP,
+            "Metadata",
+            {
+                "state_dict_metadata": entries,
+                "planner_data": None,
+                "storage_data": storage,
+                "storage_meta": meta,
+                "version": DCP_VERSION,
+            },
+        )
 
-    def finish(self, common: Dict[str, Any]) -> None:
+    def finish(self, common: dict[str, Any]) -> None:
         self._f.close()
         with open(self.dir / ".metadata", "wb") as f:
             TorchPickler(f).dump(self._metadata())
@@ -191,7 +224,7 @@ class _Properties(Record):
     """`TensorProperties`, whose `__getstate__` pickles a tuple (with the memory format as an
     enum, torch.memory_format being unpicklable) instead of a `__dict__`."""
 
-    def __setstate__(self, state: Tuple[Any, ...]) -> None:
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
 
 
@@ -209,17 +242,26 @@ class _StorageInfo(Record):
 
 
 # Every global a DCP `.metadata` names (besides dtypes), and the stand-in each loads as.
-_ALLOWED: Dict[Tuple[str, str], Any] = {
-    (_DCP, "Metadata"): _Metadata, (_DCP, "TensorStorageMetadata"): _TensorEntry,
-    (_DCP, "ChunkStorageMetadata"): _Chunk, (_DCP, "TensorProperties"): _Properties, (_DCP, "MetadataIndex"): _Index,
-    (_DCP, "BytesStorageMetadata"): Record, (_DCP, "StorageMeta"): Record,
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (_DCP, "Metadata"): _Metadata,
+    (_DCP, "TensorStorageMetadata"): _TensorEntry,
+    (_DCP, "ChunkStorageMetadata"): _Chunk,
+    (_DCP, "TensorProperties"): _Properties,
+    (_DCP, "MetadataIndex"): _Index,
+    (_DCP, "BytesStorageMetadata"): Record,
+    (_DCP, "StorageMeta"): Record,
     (_DCP, "_MEM_FORMAT_ENCODING"): int,  # an Enum pickles as cls(value)
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): tuple, ("torch.serialization", "_get_layout"): str, ("collections", "OrderedDict"): OrderedDict,
+    ("torch", "Size"): tuple,
+    ("torch.serialization", "_get_layout"): str,
+    ("collections", "OrderedDict"): OrderedDict,
     ("pathlib", "PosixPath"): PurePosixPath,  # StorageMeta.checkpoint_id as torch's FileSystemWriter sets it
     # megatron-core's save keeps the gathered save plans (`Metadata.all_local_plans`) to reuse them
-    (_PLANNER, "SavePlan"): Record, (_PLANNER, "WriteItem"): Record, (_PLANNER, "WriteItemType"): int,
-    (_PLANNER, "TensorWriteData"): Record, (_PLANNER, "BytesIOWriteData"): Record,
+    (_PLANNER, "SavePlan"): Record,
+    (_PLANNER, "WriteItem"): Record,
+    (_PLANNER, "WriteItemType"): int,
+    (_PLANNER, "TensorWriteData"): Record,
+    (_PLANNER, "BytesIOWriteData"): Record,
 }
 _TORCH_DTYPE = re.compile(r"(b?float|complex|q?u?int|bits)\d\w*")  # float8_e4m3fn, quint4x2, uint16, ...
 
@@ -244,7 +286,7 @@ class ChunkRegion(NamedTuple):
     path: Path
     offset: int
     length: int
-    shape: Tuple[int, ...]  # as stored: unit layer/expert axes first
+    shape: tuple[int, ...]  # as stored: unit layer/expert axes first
     dtype: DType
 
 
@@ -263,14 +305,25 @@ class DistReader:
                 raise ValueError(f"sharded_backend {meta.get('sharded_backend')!r}")
             with open(directory / ".metadata", "rb") as f:
                 self.md = _MetadataUnpickler(f).load()
-            if not (isinstance(self.md, _Metadata) and isinstance(self.md.state_dict_metadata, dict)
-                    and isinstance(self.md.storage_data, dict)):
+            if not (
+                isinstance(self.md, _Metadata)
+                and isinstance(self.md.state_dict_metadata, dict)
+                and isinstance(self.md.storage_data, dict)
+            ):
                 raise ValueError(".metadata does not hold DCP's Metadata")
             # what MetadataIndex's hash and equality look at: the key and the chunk's offsets
             self._storage = {(i.fqn, tuple(i.offset or ())): info for i, info in self.md.storage_data.items()}
         # a damaged pickle can fail with any of these
-        except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError, EOFError,
-                pickle.UnpicklingError) as e:
+        except (
+            OSError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            KeyError,
+            IndexError,
+            EOFError,
+            pickle.UnpicklingError,
+        ) as e:
             raise UserError(f"{directory}: not a readable torch_dist checkpoint ({e})") from None
 
     def _item(self, key: str, chunk: _Chunk) -> _StorageInfo:
@@ -281,7 +334,7 @@ class DistReader:
             raise UserError(f"{self.dir}: {key} is stored with transforms {info.transform_descriptors} (unsupported)")
         return info
 
-    def _chunk(self, key: str, chunk: _Chunk) -> "torch.Tensor":
+    def _chunk(self, key: str, chunk: _Chunk) -> torch.Tensor:
         info = self._item(key, chunk)
         item = LazyTorchFile(self.dir / info.relative_path, self._io, info.offset, info.length)
         return item.read(item.obj)
@@ -302,7 +355,7 @@ class DistReader:
                 hits.append((c, a, b))
         return tmd, lo, hi, hits
 
-    def ranges(self, loc: DistLocation) -> List[Tuple[Path, int, int]]:
+    def ranges(self, loc: DistLocation) -> list[tuple[Path, int, int]]:
         try:
             hits = self._covering(loc)[3]
         except UserError:
@@ -310,7 +363,7 @@ class DistReader:
         infos = [self._storage.get((loc.key, tuple(c.offsets))) for c, _, _ in hits]
         return [(self.dir / i.relative_path, i.offset, i.length) for i in infos if i is not None]
 
-    def single_chunk(self, loc: DistLocation) -> Optional[ChunkRegion]:
+    def single_chunk(self, loc: DistLocation) -> ChunkRegion | None:
         """The item holding exactly the region of `loc`, when one chunk is that region (always
         so in our own checkpoints), for moving its bytes; None when the region takes several
         chunks or a part of one (megatron's TP-split or stacked chunks): `read` assembles those."""
@@ -319,14 +372,15 @@ class DistReader:
         if c is None or (tuple(c.offsets), tuple(o + s for o, s in zip(c.offsets, c.sizes))) != (lo, hi):
             return None
         info = self._item(loc.key, c)
-        return ChunkRegion(self.dir / info.relative_path, info.offset, info.length, tuple(c.sizes),
-                           tmd.properties.dtype)
+        return ChunkRegion(
+            self.dir / info.relative_path, info.offset, info.length, tuple(c.sizes), tmd.properties.dtype
+        )
 
-    def read(self, loc: DistLocation) -> "torch.Tensor":
+    def read(self, loc: DistLocation) -> torch.Tensor:
         import torch
 
         tmd, lo, hi, hits = self._covering(loc)
-        inner = tuple(tmd.size[len(loc.offsets):])
+        inner = tuple(tmd.size[len(loc.offsets) :])
         out, filled = None, 0
         for c, a, b in hits:
             data = self._chunk(loc.key, c)

@@ -13,7 +13,7 @@ like one (`torch.bfloat16`), and has the attributes the converter reads (`itemsi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,13 +44,19 @@ class DType:
 
 
 _ALL = [
-    DType("float64", "F64", 8, True), DType("float32", "F32", 4, True), DType("float16", "F16", 2, True),
-    DType("bfloat16", "BF16", 2, True), DType("int64", "I64", 8, False), DType("int32", "I32", 4, False),
-    DType("int16", "I16", 2, False), DType("int8", "I8", 1, False), DType("uint8", "U8", 1, False),
+    DType("float64", "F64", 8, True),
+    DType("float32", "F32", 4, True),
+    DType("float16", "F16", 2, True),
+    DType("bfloat16", "BF16", 2, True),
+    DType("int64", "I64", 8, False),
+    DType("int32", "I32", 4, False),
+    DType("int16", "I16", 2, False),
+    DType("int8", "I8", 1, False),
+    DType("uint8", "U8", 1, False),
     DType("bool", "BOOL", 1, False),
 ]
-BY_ST: Dict[str, DType] = {d.st: d for d in _ALL}
-BY_NAME: Dict[str, DType] = {d.name: d for d in _ALL}
+BY_ST: dict[str, DType] = {d.st: d for d in _ALL}
+BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}
 BFLOAT16, FLOAT32, FLOAT16 = BY_NAME["bfloat16"], BY_NAME["float32"], BY_NAME["float16"]
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -33,12 +34,17 @@ def _check_model(spec: Any, man: Manifest, path: Path) -> None:
     from megatron_bridge.bridge.hf_config import spec_from_hf
 
     mine = spec_from_hf(man.hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by)
-    diff = [f"{f.name}={getattr(spec, f.name)!r} (checkpoint: {getattr(mine, f.name)!r})"
-            for f in dataclasses.fields(spec) if f.name not in _IGNORED and getattr(spec, f.name) != getattr(mine, f.name)]
+    diff = [
+        f"{f.name}={getattr(spec, f.name)!r} (checkpoint: {getattr(mine, f.name)!r})"
+        for f in dataclasses.fields(spec)
+        if f.name not in _IGNORED and getattr(spec, f.name) != getattr(mine, f.name)
+    ]
     if diff:
-        raise UserError(f"train.init_from={path} holds a different model than the run builds: "
-                        f"{'; '.join(diff[:6])}. Build the checkpoint's model with model.hf_path={path} "
-                        "(the converted directory carries its config.json).")
+        raise UserError(
+            f"train.init_from={path} holds a different model than the run builds: "
+            f"{'; '.join(diff[:6])}. Build the checkpoint's model with model.hf_path={path} "
+            "(the converted directory carries its config.json)."
+        )
 
 
 def load_converted(chunks: Sequence[Any], spec: Any, path: str | Path) -> None:
@@ -70,15 +76,19 @@ def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path
     have = (ckpt.tp, ckpt.pp, ckpt.vpp, ckpt.ep, ckpt.etp_or_tp)
     want = (run.tp, run.pp, run.vpp, run.ep, run.etp_or_tp)
     if have != want:
-        raise UserError(f"train.init_from={path} is a per-rank (format=torch) checkpoint for tp{ckpt.tp}·pp{ckpt.pp}"
-                        f"·vpp{ckpt.vpp}·ep{ckpt.ep}, the run is tp{run.tp}·pp{run.pp}·vpp{run.vpp}·ep{run.ep}. "
-                        f"Make one for this layout: mbr reshard src={path} dst=NEW parallel.tp={run.tp} "
-                        f"parallel.pp={run.pp} ... (or convert with format=torch_dist, which loads at any layout)")
+        raise UserError(
+            f"train.init_from={path} is a per-rank (format=torch) checkpoint for tp{ckpt.tp}·pp{ckpt.pp}"
+            f"·vpp{ckpt.vpp}·ep{ckpt.ep}, the run is tp{run.tp}·pp{run.pp}·vpp{run.vpp}·ep{run.ep}. "
+            f"Make one for this layout: mbr reshard src={path} dst=NEW parallel.tp={run.tp} "
+            f"parallel.pp={run.pp} ... (or convert with format=torch_dist, which loads at any layout)"
+        )
     if spec.padded_vocab_size(run.tp) != man.padded_vocab_size():
-        raise UserError(f"train.init_from={path} pads the vocabulary to {man.padded_vocab_size()} rows "
-                        f"(make_vocab_size_divisible_by={man.make_vocab_size_divisible_by}), the run to "
-                        f"{spec.padded_vocab_size(run.tp)}: set model.make_vocab_size_divisible_by="
-                        f"{man.make_vocab_size_divisible_by}")
+        raise UserError(
+            f"train.init_from={path} pads the vocabulary to {man.padded_vocab_size()} rows "
+            f"(make_vocab_size_divisible_by={man.make_vocab_size_divisible_by}), the run to "
+            f"{spec.padded_vocab_size(run.tp)}: set model.make_vocab_size_divisible_by="
+            f"{man.make_vocab_size_divisible_by}"
+        )
     c = current_coords()
     f = path / RankFile(c.tp_rank, c.pp_rank, c.ep_rank).relpath(ckpt)
     with torch.serialization.safe_globals([argparse.Namespace]):
@@ -88,7 +98,9 @@ def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path
         try:
             chunk.load_state_dict(state[key], strict=True)
         except (KeyError, RuntimeError) as e:
-            raise UserError(f"{f}: does not fit this rank's model chunk {key}: {str(e).splitlines()[0][:400]}") from None
+            raise UserError(
+                f"{f}: does not fit this rank's model chunk {key}: {str(e).splitlines()[0][:400]}"
+            ) from None
 
 
 __all__ = ["load_converted"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 from zlib_ng import zlib_ng
 
@@ -28,12 +28,15 @@ from megatron_bridge.convert.dtypes import DType
 from megatron_bridge.convert.safetensors_io import ST_DTYPES, tensor_bytes
 from megatron_bridge.errors import UserError
 
+if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+    import torch
+
 MANIFEST = "mbr_manifest.json"
 VERSION = 1
 FORMATS = ("torch_dist", "torch")
 
 
-def crc32(t: "torch.Tensor") -> str:
+def crc32(t: torch.Tensor) -> str:
     """zlib's CRC-32 of the tensor's bytes, computed by zlib-ng (same value, ~6x faster:
     every byte a conversion moves is checksummed)."""
     return crc_hex(zlib_ng.crc32(tensor_bytes(t)))
@@ -43,20 +46,20 @@ def crc_hex(value: int) -> str:
     return f"{value & 0xFFFFFFFF:08x}"
 
 
-def layout_dict(layout: Layout) -> Dict[str, Optional[int]]:
+def layout_dict(layout: Layout) -> dict[str, int | None]:
     return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp_or_tp}
 
 
 @dataclass
 class Manifest:
     format: str
-    hf_config: Dict[str, Any]
-    layout: Dict[str, Optional[int]]
+    hf_config: dict[str, Any]
+    layout: dict[str, int | None]
     dtype: str  # "bfloat16", "float32", ... or "mixed"
     make_vocab_size_divisible_by: int
-    tensors: Dict[str, Dict[str, Any]]  # HF name -> {"shape": [...], "dtype": "BF16", "crc32": "..."}
-    files: Dict[str, int] = field(default_factory=dict)  # relative path -> bytes
-    assets: List[str] = field(default_factory=list)
+    tensors: dict[str, dict[str, Any]]  # HF name -> {"shape": [...], "dtype": "BF16", "crc32": "..."}
+    files: dict[str, int] = field(default_factory=dict)  # relative path -> bytes
+    assets: list[str] = field(default_factory=list)
     source: str = ""
     created_by: str = ""
     version: int = VERSION
@@ -69,7 +72,7 @@ class Manifest:
     def spec(self) -> BridgeSpec:
         return spec_from_hf(self.hf_config, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
 
-    def tensor_table(self) -> Dict[str, Tuple[Tuple[int, ...], DType]]:
+    def tensor_table(self) -> dict[str, tuple[tuple[int, ...], DType]]:
         return {k: (tuple(v["shape"]), ST_DTYPES[v["dtype"]]) for k, v in self.tensors.items()}
 
     def padded_vocab_size(self) -> int:
@@ -80,19 +83,23 @@ class Manifest:
         (directory / MANIFEST).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
-    def read(cls, directory: Path) -> "Manifest":
+    def read(cls, directory: Path) -> Manifest:
         path = directory / MANIFEST
         if not path.is_file():
-            raise UserError(f"{directory} is not an `mbr convert` output (no {MANIFEST}); "
-                            "convert an HF model with `mbr convert src=HF_DIR dst=OUT` first")
+            raise UserError(
+                f"{directory} is not an `mbr convert` output (no {MANIFEST}); "
+                "convert an HF model with `mbr convert src=HF_DIR dst=OUT` first"
+            )
         try:
             data = json.loads(path.read_text())
             man = cls(**data)
         except (ValueError, TypeError) as e:
             raise UserError(f"{path}: corrupt manifest ({e})") from None
         if man.version != VERSION or man.format not in FORMATS:
-            raise UserError(f"{path}: manifest version {man.version} / format {man.format!r} is not one this "
-                            f"mbr reads (version {VERSION}, formats {', '.join(FORMATS)})")
+            raise UserError(
+                f"{path}: manifest version {man.version} / format {man.format!r} is not one this "
+                f"mbr reads (version {VERSION}, formats {', '.join(FORMATS)})"
+            )
         return man
 
     def check_files(self, directory: Path) -> None:
@@ -113,9 +120,12 @@ def dtype_name(dtypes) -> str:
     return names.pop() if len(names) == 1 else "mixed"
 
 
-def list_files(directory: Path) -> Dict[str, int]:
-    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != MANIFEST}
+def list_files(directory: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
 
 
 __all__ = ["Manifest", "MANIFEST", "crc32", "crc_hex", "layout_dict", "dtype_name", "list_files", "FORMATS"]

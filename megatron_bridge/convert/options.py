@@ -13,9 +13,10 @@ reason before a byte is written.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import lcm
-from typing import Any, Dict, Optional, Sequence
+from typing import Any
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, problems
@@ -33,8 +34,8 @@ LAYOUT_RULES = ("positive_degrees", "world_size", "attention_heads", "pipeline_l
 
 @dataclass
 class ConvertConfig(Config):
-    src: Optional[str] = None  # HF model directory
-    dst: Optional[str] = None  # output directory (must not exist unless overwrite=true)
+    src: str | None = None  # HF model directory
+    dst: str | None = None  # output directory (must not exist unless overwrite=true)
     format: str = "torch_dist"  # torch_dist (reshardable on load) | torch (per-rank files for parallel.*)
     dtype: str = "source"  # source | bf16 | fp32 | fp16
     overwrite: bool = False
@@ -43,8 +44,8 @@ class ConvertConfig(Config):
 
 @dataclass
 class ExportConfig(Config):
-    src: Optional[str] = None  # an `mbr convert` / `mbr reshard` output
-    dst: Optional[str] = None  # HF directory to create
+    src: str | None = None  # an `mbr convert` / `mbr reshard` output
+    dst: str | None = None  # HF directory to create
     dtype: str = "source"
     max_shard_gb: float = 5.0  # size cap of each model-0000i-of-0000n.safetensors
     overwrite: bool = False
@@ -53,8 +54,8 @@ class ExportConfig(Config):
 
 @dataclass
 class ReshardConfig(Config):
-    src: Optional[str] = None  # an `mbr convert` / `mbr reshard` output (either format)
-    dst: Optional[str] = None
+    src: str | None = None  # an `mbr convert` / `mbr reshard` output (either format)
+    dst: str | None = None
     format: str = "torch"  # torch (per-rank files for parallel.*) | torch_dist
     dtype: str = "source"
     overwrite: bool = False
@@ -63,13 +64,16 @@ class ReshardConfig(Config):
 
 def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
-        raise UserError(f"format={fmt!r}: choose torch_dist (megatron-core dist_checkpointing, any layout on load) "
-                        "or torch (Megatron's per-rank files for exactly parallel.*)")
+        raise UserError(
+            f"format={fmt!r}: choose torch_dist (megatron-core dist_checkpointing, any layout on load) "
+            "or torch (Megatron's per-rank files for exactly parallel.*)"
+        )
     return fmt
 
 
-def checked_layout(cfg: Any, spec: BridgeSpec, hf_config: Dict[str, Any], rows: Sequence[Resolved],
-                   tensors: Dict[str, Any], fmt: str) -> Layout:
+def checked_layout(
+    cfg: Any, spec: BridgeSpec, hf_config: dict[str, Any], rows: Sequence[Resolved], tensors: dict[str, Any], fmt: str
+) -> Layout:
     """The layout of `cfg.parallel`, validated for this checkpoint's model (see module doc)."""
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.parallel.rules import RULES, Violation
@@ -84,23 +88,36 @@ def checked_layout(cfg: Any, spec: BridgeSpec, hf_config: Dict[str, Any], rows: 
     dims = ParallelDims.from_config(cfg, world)
     violations = [v for r in RULES if r.__name__ in LAYOUT_RULES for v in r(dims, cfg)]
     if p.vpp is not None and p.vpp > 1 and p.pp == 1:
-        violations.append(Violation("vpp-pp", f"parallel.vpp={p.vpp} needs pp > 1", "set parallel.vpp=null or raise pp"))
+        violations.append(
+            Violation("vpp-pp", f"parallel.vpp={p.vpp} needs pp > 1", "set parallel.vpp=null or raise pp")
+        )
     if violations:
-        raise LayoutError(violations, header=f"cannot lay the checkpoint out as tp{p.tp}·pp{p.pp}·ep{p.ep}"
-                                             f"{f'·vpp{p.vpp}' if p.vpp else ''}:")
-    layout = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp,
-                    layers_first_stage=p.layers_first_stage, layers_last_stage=p.layers_last_stage)
+        raise LayoutError(
+            violations,
+            header=f"cannot lay the checkpoint out as tp{p.tp}·pp{p.pp}·ep{p.ep}{f'·vpp{p.vpp}' if p.vpp else ''}:",
+        )
+    layout = Layout(
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        ep=p.ep,
+        etp=p.etp,
+        layers_first_stage=p.layers_first_stage,
+        layers_last_stage=p.layers_last_stage,
+    )
     bad = problems(spec, layout)
     if bad:
         raise UserError("cannot lay the checkpoint out this way:\n" + "\n".join(f"  - {b}" for b in bad))
     if fmt == "torch" and layout.etp not in (None, layout.tp):
-        raise UserError(f"format=torch stores expert shards by tp rank, so it needs etp = tp (got etp={layout.etp}, "
-                        f"tp={layout.tp}); use format=torch_dist, which reshards on load")
+        raise UserError(
+            f"format=torch stores expert shards by tp rank, so it needs etp = tp (got etp={layout.etp}, "
+            f"tp={layout.tp}); use format=torch_dist, which reshards on load"
+        )
     check_layout_shards(spec, layout, rows, tensors)
     return layout
 
 
-def describe(layout: Layout, dtype: Optional[Any]) -> str:
+def describe(layout: Layout, dtype: Any | None) -> str:
     parts = [f"tp{layout.tp}", f"pp{layout.pp}"] + ([f"vpp{layout.vpp}"] if layout.vpp else [])
     parts += [f"ep{layout.ep}"] if layout.ep > 1 else []
     return "·".join(parts) + f", {str(dtype).replace('torch.', '') if dtype else 'source dtype'}"

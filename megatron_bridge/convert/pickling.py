@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Dict, Tuple
+from typing import Any, BinaryIO
 
 from megatron_bridge.convert.dtypes import DType
 
@@ -39,7 +39,7 @@ class Reduce:
     `(func, args)` becomes (`torch.Size([1, 4])` is `Reduce(Global("torch", "Size"), ((1, 4),))`)."""
 
     func: Global
-    args: Tuple[Any, ...]
+    args: tuple[Any, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,7 +51,7 @@ class Instance:
     module: str
     name: str
     state: Any
-    args: Tuple[Any, ...] = ()
+    args: tuple[Any, ...] = ()
 
 
 class TorchPickler(pickle._Pickler):
@@ -65,7 +65,7 @@ class TorchPickler(pickle._Pickler):
 
     def __init__(self, file: BinaryIO):
         super().__init__(file, protocol=2)  # torch.save's protocol
-        self._globals: Dict[Tuple[str, str], int] = {}  # memo index of each name written
+        self._globals: dict[tuple[str, str], int] = {}  # memo index of each name written
 
     def save_global_ref(self, g: Global) -> None:
         # pickle memoizes a global by the object's id; stand-ins of one name are distinct
@@ -78,7 +78,7 @@ class TorchPickler(pickle._Pickler):
         self.memoize(g)
         self._globals[(g.module, g.name)] = self.memo[id(g)][0]
 
-    def save_call(self, func: Global, args: Tuple[Any, ...], obj: Any) -> None:
+    def save_call(self, func: Global, args: tuple[Any, ...], obj: Any) -> None:
         """Write `func(*args)` standing for `obj` (memoized as `obj`, so a second reference to
         it refers back, as pickle does for any reduced object)."""
         self.save(func)
@@ -117,7 +117,7 @@ class Record:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
 
-def torch_size(dims: Tuple[int, ...]) -> Reduce:
+def torch_size(dims: tuple[int, ...]) -> Reduce:
     """`torch.Size(dims)` as pickle writes it."""
     return Reduce(Global("torch", "Size"), (tuple(dims),))
 

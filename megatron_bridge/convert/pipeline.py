@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional
-
+from typing import Any
 
 from megatron_bridge.bridge.loader import WEIGHT_FILE_SUFFIXES, _write_config_and_assets
 from megatron_bridge.convert.manifest import MANIFEST, Manifest, dtype_name, layout_dict, list_files
@@ -31,15 +31,17 @@ from megatron_bridge.errors import UserError
 RESERVED = {MANIFEST, TRACKER, RELEASE, "config.json"}
 
 
-def check_paths(src: Optional[str], dst: Optional[str], overwrite: bool) -> tuple:
+def check_paths(src: str | None, dst: str | None, overwrite: bool) -> tuple:
     if not src or not dst:
         raise UserError("both src=DIR and dst=DIR are required")
     s, d = Path(src).absolute(), Path(dst).absolute()
     if not s.is_dir():
         raise UserError(f"src={src} does not exist or is not a directory")
     if d.exists() and not overwrite:
-        raise UserError(f"dst={dst} already exists; choose a new directory or pass overwrite=true "
-                        "(the old one is removed only after the new one is complete)")
+        raise UserError(
+            f"dst={dst} already exists; choose a new directory or pass overwrite=true "
+            "(the old one is removed only after the new one is complete)"
+        )
     if d.exists() and not d.is_dir():
         raise UserError(f"dst={dst} exists and is not a directory")
     rs, rd = s.resolve(), d.resolve()
@@ -74,13 +76,16 @@ def atomic_output(dst: Path) -> Iterator[Path]:
         raise
 
 
-def _assets(src: Path) -> List[str]:
+def _assets(src: Path) -> list[str]:
     """Non-weight files an HF directory ships next to the weights (tokenizer, generation config)."""
-    return [f.name for f in sorted(src.iterdir()) if f.is_file() and f.name not in RESERVED
-            and not f.name.endswith(WEIGHT_FILE_SUFFIXES)]
+    return [
+        f.name
+        for f in sorted(src.iterdir())
+        if f.is_file() and f.name not in RESERVED and not f.name.endswith(WEIGHT_FILE_SUFFIXES)
+    ]
 
 
-def _copy(src: Path, dst: Path, names: List[str]) -> None:
+def _copy(src: Path, dst: Path, names: list[str]) -> None:
     for n in names:
         shutil.copy2(src / n, dst / n)
 
@@ -106,17 +111,28 @@ def _run(source: Source, writer: Any, dst: Path, verb: str, mode: str, finish: C
     return prog
 
 
-def _manifest(fmt: str, hf_config: dict, layout, source: Source, tmp: Path, assets: List[str], src: Path,
-              created_by: str) -> None:
+def _manifest(
+    fmt: str, hf_config: dict, layout, source: Source, tmp: Path, assets: list[str], src: Path, created_by: str
+) -> None:
     missing = set(source.tensors) - set(source.checksums)
     if missing:
         raise RuntimeError(f"tensors never written: {sorted(missing)[:5]}")
-    tensors = {n: {"shape": list(source.tensors[n][0]), "dtype": st_name(source.out_dtype(n)),
-                   "crc32": source.checksums[n]} for n in source.tensors}
-    Manifest(format=fmt, hf_config=hf_config, layout=layout_dict(layout),
-             dtype=dtype_name(source.out_dtype(n) for n in source.tensors),
-             make_vocab_size_divisible_by=source.spec.make_vocab_size_divisible_by, tensors=tensors,
-             files=list_files(tmp), assets=assets, source=str(src), created_by=created_by).write(tmp)
+    tensors = {
+        n: {"shape": list(source.tensors[n][0]), "dtype": st_name(source.out_dtype(n)), "crc32": source.checksums[n]}
+        for n in source.tensors
+    }
+    Manifest(
+        format=fmt,
+        hf_config=hf_config,
+        layout=layout_dict(layout),
+        dtype=dtype_name(source.out_dtype(n) for n in source.tensors),
+        make_vocab_size_divisible_by=source.spec.make_vocab_size_divisible_by,
+        tensors=tensors,
+        files=list_files(tmp),
+        assets=assets,
+        source=str(src),
+        created_by=created_by,
+    ).write(tmp)
 
 
 def convert(cfg: Any) -> int:
@@ -159,8 +175,10 @@ def export(cfg: Any) -> int:
         _copy(src, tmp, man.assets)
 
     prog = _run(source, HFOut(int(cfg.max_shard_gb * 1e9)), dst, "exported", cfg.progress, finish)
-    print(prog.summary(str(dst), f"HF safetensors, {dtype_name(out_dtypes)}, every tensor checked against "
-                                 f"the manifest"), flush=True)
+    print(
+        prog.summary(str(dst), f"HF safetensors, {dtype_name(out_dtypes)}, every tensor checked against the manifest"),
+        flush=True,
+    )
     return 0
 
 
@@ -181,8 +199,7 @@ def reshard(cfg: Any) -> int:
 
     prog = _run(source, writer, dst, "resharded", cfg.progress, finish)
     old = man.layout_obj()
-    print(prog.summary(str(dst), f"{man.format} tp{old.tp}·pp{old.pp} -> {fmt}, {describe(layout, dtype)}"),
-          flush=True)
+    print(prog.summary(str(dst), f"{man.format} tp{old.tp}·pp{old.pp} -> {fmt}, {describe(layout, dtype)}"), flush=True)
     return 0
 
 

@@ -21,8 +21,8 @@ megatron's for a grid of layouts.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
@@ -36,7 +36,7 @@ CHECKPOINT_VERSION = 3.0
 LINEAR_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
-def stage_layers(num_layers: int, layout: Layout, pp_rank: int, vp_stage: Optional[int] = None) -> range:
+def stage_layers(num_layers: int, layout: Layout, pp_rank: int, vp_stage: int | None = None) -> range:
     """Global layer indices of chunk (pp_rank, vp_stage): chunks are filled in schedule order
     (virtual stage major, then pipeline rank), each stage's layers split evenly over its
     virtual chunks; `layers_first_stage` / `layers_last_stage` fix the end stages."""
@@ -74,7 +74,7 @@ class RankFile:
         return f"{RELEASE}/{name}/model_optim_rng.pt"
 
 
-def chunk_key(layout: Layout, vp_stage: Optional[int]) -> str:
+def chunk_key(layout: Layout, vp_stage: int | None) -> str:
     return "model" if vp_stage is None else f"model{vp_stage}"
 
 
@@ -90,15 +90,15 @@ class Target:
 
 def stage_coords(layout: Layout, pp_rank: int) -> Iterator[Coords]:
     """Coordinates of every chunk stored in pipeline stage `pp_rank`'s files (etp = tp)."""
-    for vp in (range(layout.vpp) if layout.vpp else [None]):
+    for vp in range(layout.vpp) if layout.vpp else [None]:
         for ep in range(layout.ep):
             for tp in range(layout.tp):
                 yield Coords(tp_rank=tp, pp_rank=pp_rank, ep_rank=ep, etp_rank=tp, vp_stage=vp)
 
 
-def stage_targets(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], pp_rank: int) -> Dict[str, List[Target]]:
+def stage_targets(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], pp_rank: int) -> dict[str, list[Target]]:
     """{global megatron name: its copies in stage `pp_rank`'s rank files}, in row order."""
-    out: Dict[str, List[Target]] = {}
+    out: dict[str, list[Target]] = {}
     for coords in stage_coords(layout, pp_rank):
         layers = stage_layers(spec.num_layers, layout, pp_rank, coords.vp_stage)
         f = RankFile(coords.tp_rank, pp_rank, coords.ep_rank)
@@ -109,8 +109,8 @@ def stage_targets(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], pp
     return {r.megatron: out[r.megatron] for r in rows if r.megatron in out}
 
 
-def all_targets(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved]) -> Dict[str, List[Target]]:
-    out: Dict[str, List[Target]] = {}
+def all_targets(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved]) -> dict[str, list[Target]]:
+    out: dict[str, list[Target]] = {}
     for pp in range(layout.pp):
         for name, targets in stage_targets(spec, layout, rows, pp).items():
             out.setdefault(name, []).extend(targets)
@@ -125,11 +125,11 @@ def _order(name: str, position: int):
     return (2 if name.startswith("decoder.") else 3, 0, position)
 
 
-def chunk_state_dict(entries: Dict[str, Tuple[int, object]], post_process: bool) -> Dict[str, object]:
+def chunk_state_dict(entries: dict[str, tuple[int, object]], post_process: bool) -> dict[str, object]:
     """A chunk's state dict in module order (entries: local name -> (position of its row in
     table order, value)), with the `_extra_state` entries (value None) that megatron's
     local-spec linear layers put into `state_dict()` (strict loading expects them)."""
-    out: Dict[str, object] = {}
+    out: dict[str, object] = {}
     for name in sorted(entries, key=lambda n: _order(n, entries[n][0])):
         out[name] = entries[name][1]
         module, _, leaf = name.rpartition(".")
@@ -145,29 +145,64 @@ def megatron_args(spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: s
     from a torch_dist checkpoint's args; other fields document the model). `params_dtype` is a
     DType, which the converter's pickler writes as the torch dtype of that name."""
     return argparse.Namespace(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp_or_tp, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-        ffn_hidden_size=spec.ffn_hidden_size, num_attention_heads=spec.num_attention_heads,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp_or_tp,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
         group_query_attention=spec.num_query_groups != spec.num_attention_heads,
-        num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings, vocab_size=spec.vocab_size,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        vocab_size=spec.vocab_size,
         padded_vocab_size=spec.padded_vocab_size(layout.tp),
-        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, position_embedding_type="rope",
-        add_position_embedding=False, rotary_base=spec.rotary_base, normalization="RMSNorm",
-        norm_epsilon=spec.norm_epsilon, swiglu=True, add_bias_linear=False, add_qkv_bias=spec.add_qkv_bias,
-        qk_layernorm=spec.qk_layernorm, untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
-        num_experts=spec.num_moe_experts, moe_router_topk=spec.moe_router_topk,
+        make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+        position_embedding_type="rope",
+        add_position_embedding=False,
+        rotary_base=spec.rotary_base,
+        normalization="RMSNorm",
+        norm_epsilon=spec.norm_epsilon,
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        untie_embeddings_and_output_weights=not spec.tie_word_embeddings,
+        num_experts=spec.num_moe_experts,
+        moe_router_topk=spec.moe_router_topk,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
-        params_dtype=dtype, bf16=dtype == BFLOAT16, fp16=dtype == FLOAT16, ckpt_format=ckpt_format,
-        iteration=0, consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
+        params_dtype=dtype,
+        bf16=dtype == BFLOAT16,
+        fp16=dtype == FLOAT16,
+        ckpt_format=ckpt_format,
+        iteration=0,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        no_save_optim=True,
+        no_save_rng=True,
     )
 
 
-def common_state(args: argparse.Namespace) -> Dict[str, object]:
+def common_state(args: argparse.Namespace) -> dict[str, object]:
     return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
 
 
-__all__ = ["stage_layers", "RankFile", "Target", "stage_coords", "stage_targets", "all_targets", "chunk_key",
-           "chunk_state_dict", "megatron_args", "common_state", "RELEASE", "TRACKER", "LINEAR_MODULES"]
+__all__ = [
+    "stage_layers",
+    "RankFile",
+    "Target",
+    "stage_coords",
+    "stage_targets",
+    "all_targets",
+    "chunk_key",
+    "chunk_state_dict",
+    "megatron_args",
+    "common_state",
+    "RELEASE",
+    "TRACKER",
+    "LINEAR_MODULES",
+]

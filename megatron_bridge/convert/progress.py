@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Optional
 
 from megatron_bridge.errors import UserError
 
@@ -24,22 +23,34 @@ class Progress:
         self.enabled = mode == "on" or (mode == "auto" and sys.stderr.isatty() and not os.environ.get("CI"))
         self.tensors = self.bytes = 0
         self._bar = None
-        self._task: Optional[int] = None
+        self._task: int | None = None
         self.start = time.perf_counter()
         self.seconds = 0.0
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         self.start = time.perf_counter()
         if self.enabled:
             from rich.console import Console
             from rich.progress import (
-                BarColumn, DownloadColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn,
+                BarColumn,
+                DownloadColumn,
+                TextColumn,
+                TimeRemainingColumn,
                 TransferSpeedColumn,
             )
+            from rich.progress import (
+                Progress as RichProgress,
+            )
 
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                                     TransferSpeedColumn(), TimeRemainingColumn(),
-                                     console=Console(stderr=True), transient=True)
+            self._bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self._bar.__enter__()
             self._task = self._bar.add_task(self._label(), total=self.total_bytes)
         return self
@@ -60,8 +71,10 @@ class Progress:
 
     def summary(self, dst: str, what: str = "") -> str:
         secs = max(self.seconds, 1e-9)
-        return (f"{self.verb} {self.tensors} tensors, {self.bytes / 1e9:.3f} GB in {secs:.2f} s "
-                f"({self.bytes / 1e9 / secs:.2f} GB/s) -> {dst}{f' ({what})' if what else ''}")
+        return (
+            f"{self.verb} {self.tensors} tensors, {self.bytes / 1e9:.3f} GB in {secs:.2f} s "
+            f"({self.bytes / 1e9 / secs:.2f} GB/s) -> {dst}{f' ({what})' if what else ''}"
+        )
 
 
 __all__ = ["Progress", "MODES"]

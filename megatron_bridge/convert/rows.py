@@ -21,7 +21,9 @@ tensor's name. Dtypes are only compared and printed: torch dtypes or `convert.dt
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Dict, List, Mapping as TMapping, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from collections.abc import Mapping as TMapping
+from typing import Any
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
@@ -30,8 +32,8 @@ from megatron_bridge.bridge.mapping import FULL, out_shape
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
 
-Shape = Tuple[int, ...]
-Tensors = TMapping[str, Tuple[Shape, Any]]  # HF name -> (shape, dtype)
+Shape = tuple[int, ...]
+Tensors = TMapping[str, tuple[Shape, Any]]  # HF name -> (shape, dtype)
 
 
 def _is_moe_row(template: str) -> bool:
@@ -39,17 +41,17 @@ def _is_moe_row(template: str) -> bool:
     return ".mlp." in template and ".mlp.linear_fc" not in template
 
 
-def layer_kinds(spec: BridgeSpec) -> Tuple[int, ...]:
+def layer_kinds(spec: BridgeSpec) -> tuple[int, ...]:
     """1 = MoE layer, 0 = dense, per layer (megatron's moe_layer_freq as the spec holds it)."""
     if not spec.is_moe:
         return (0,) * spec.num_layers
     return tuple(spec.moe_layer_pattern) or (1,) * spec.num_layers
 
 
-def expected_names(spec: BridgeSpec) -> List[str]:
+def expected_names(spec: BridgeSpec) -> list[str]:
     """Global megatron parameter names the config implies, in table order per layer."""
     kinds = layer_kinds(spec)
-    out: List[str] = []
+    out: list[str] = []
     layered = []
     for m in table_for(spec):
         if "{layer}" not in m.megatron:
@@ -61,16 +63,21 @@ def expected_names(spec: BridgeSpec) -> List[str]:
             if ".mlp." in m.megatron and _is_moe_row(m.megatron) != bool(kinds[layer]):
                 continue
             experts = range(spec.num_moe_experts) if "{expert}" in m.megatron else [None]
-            out += [m.megatron_name(layer=layer, expert=e) if e is not None else m.megatron_name(layer=layer)
-                    for e in experts]
+            out += [
+                m.megatron_name(layer=layer, expert=e) if e is not None else m.megatron_name(layer=layer)
+                for e in experts
+            ]
     return list(dict.fromkeys(out))
 
 
 # megatron-core's parameter shapes at tp=1 (local spec), by name suffix. `V` = padded vocab.
-_SHAPES: Sequence[Tuple[str, Callable[[BridgeSpec, int], Shape]]] = (
+_SHAPES: Sequence[tuple[str, Callable[[BridgeSpec, int], Shape]]] = (
     (r"(embedding\.word_embeddings|output_layer)\.weight$", lambda s, V: (V, s.hidden_size)),
     (r"layernorm\.weight$", lambda s, V: (s.hidden_size,)),
-    (r"linear_qkv\.weight$", lambda s, V: ((s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim, s.hidden_size)),
+    (
+        r"linear_qkv\.weight$",
+        lambda s, V: ((s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim, s.hidden_size),
+    ),
     (r"linear_qkv\.bias$", lambda s, V: ((s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim,)),
     (r"linear_proj\.weight$", lambda s, V: (s.hidden_size, s.num_attention_heads * s.head_dim)),
     (r"local_experts\.\d+\.linear_fc1\.weight$", lambda s, V: (2 * s.moe_ffn_hidden_size, s.hidden_size)),
@@ -84,7 +91,7 @@ _SHAPES: Sequence[Tuple[str, Callable[[BridgeSpec, int], Shape]]] = (
 )
 
 
-def megatron_shape(name: str, spec: BridgeSpec, padded_vocab: int) -> Optional[Shape]:
+def megatron_shape(name: str, spec: BridgeSpec, padded_vocab: int) -> Shape | None:
     """The shape megatron-core gives global parameter `name` (None: not known here)."""
     if re.search(r"\.(q|k)_layernorm\.weight$", name):
         return (spec.head_dim,)
@@ -94,8 +101,7 @@ def megatron_shape(name: str, spec: BridgeSpec, padded_vocab: int) -> Optional[S
     return None
 
 
-def resolve_rows(spec: BridgeSpec, tensors: Tensors, tp: int = 1,
-                 where: str = "the checkpoint") -> List[Resolved]:
+def resolve_rows(spec: BridgeSpec, tensors: Tensors, tp: int = 1, where: str = "the checkpoint") -> list[Resolved]:
     """Rows of `tensors` ({HF name: (shape, dtype)}), validated against the spec (see module doc)."""
     try:
         rows = resolve_checkpoint(spec, list(tensors))
@@ -107,16 +113,20 @@ def resolve_rows(spec: BridgeSpec, tensors: Tensors, tp: int = 1,
     missing = [n for n in want if n not in have]
     if missing:
         hf = [h for n in missing[:6] for h in (resolve_megatron(table, n).hf)]
-        raise UserError(f"{where} lacks {len(missing)} tensor(s) the {spec.architecture} config needs, e.g. "
-                        f"{', '.join(dict.fromkeys(hf))}{' ...' if len(missing) > 6 else ''}")
+        raise UserError(
+            f"{where} lacks {len(missing)} tensor(s) the {spec.architecture} config needs, e.g. "
+            f"{', '.join(dict.fromkeys(hf))}{' ...' if len(missing) > 6 else ''}"
+        )
     wanted = set(want)
     beyond = [r for r in rows if r.megatron not in wanted]
     if beyond:
-        raise UserError(f"{where} has tensors the config does not describe (num_hidden_layers={spec.num_layers}"
-                        f"{f', experts={spec.num_moe_experts}' if spec.is_moe else ''}): "
-                        f"{', '.join(h for r in beyond[:4] for h in r.hf)}{' ...' if len(beyond) > 4 else ''}")
+        raise UserError(
+            f"{where} has tensors the config does not describe (num_hidden_layers={spec.num_layers}"
+            f"{f', experts={spec.num_moe_experts}' if spec.is_moe else ''}): "
+            f"{', '.join(h for r in beyond[:4] for h in r.hf)}{' ...' if len(beyond) > 4 else ''}"
+        )
     shapes = spec.shapes(tp)
-    bad: List[str] = []
+    bad: list[str] = []
     for r in rows:
         dtypes = {tensors[h][1] for h in r.hf}
         if len(dtypes) > 1:
@@ -130,13 +140,17 @@ def resolve_rows(spec: BridgeSpec, tensors: Tensors, tp: int = 1,
             continue
         expected = megatron_shape(r.megatron, spec, shapes.padded_vocab_size)
         if expected is not None and g != expected:
-            bad.append(f"{', '.join(r.hf)} {[list(x) for x in hf_shapes]}: {r.megatron} would be "
-                       f"{list(g)}, the config implies {list(expected)}")
+            bad.append(
+                f"{', '.join(r.hf)} {[list(x) for x in hf_shapes]}: {r.megatron} would be "
+                f"{list(g)}, the config implies {list(expected)}"
+            )
     if bad:
-        raise UserError(f"{where}: {len(bad)} tensor shape(s) disagree with config.json "
-                        f"(hidden_size={spec.hidden_size}, heads={spec.num_attention_heads}/{spec.num_query_groups}, "
-                        f"head_dim={spec.head_dim}, intermediate={spec.ffn_hidden_size}, vocab={spec.vocab_size}):\n"
-                        + "\n".join(f"  - {b}" for b in bad[:8]))
+        raise UserError(
+            f"{where}: {len(bad)} tensor shape(s) disagree with config.json "
+            f"(hidden_size={spec.hidden_size}, heads={spec.num_attention_heads}/{spec.num_query_groups}, "
+            f"head_dim={spec.head_dim}, intermediate={spec.ffn_hidden_size}, vocab={spec.vocab_size}):\n"
+            + "\n".join(f"  - {b}" for b in bad[:8])
+        )
     return rows
 
 
@@ -150,11 +164,12 @@ def check_layout_shards(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolve
         except ValueError as e:
             bad.append(f"{r.megatron}: {e}")
     if bad:
-        raise UserError(f"the layout {layout.describe()} cannot split this model:\n"
-                        + "\n".join(f"  - {b}" for b in bad[:8]))
+        raise UserError(
+            f"the layout {layout.describe()} cannot split this model:\n" + "\n".join(f"  - {b}" for b in bad[:8])
+        )
 
 
-def producers(rows: Sequence[Resolved]) -> Dict[Tuple[str, ...], Resolved]:
+def producers(rows: Sequence[Resolved]) -> dict[tuple[str, ...], Resolved]:
     """HF names -> the exported row that stores them (the tied output layer reads the
     embedding's HF tensor but is never stored itself)."""
     return {r.hf: r for r in rows if r.mapping.export}

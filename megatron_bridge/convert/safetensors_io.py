@@ -20,16 +20,21 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron_bridge.bridge.loader import IGNORED_HF_SUFFIXES
-from megatron_bridge.convert.dtypes import BY_ST as ST_DTYPES, DType, dtype_of
+from megatron_bridge.convert.dtypes import BY_ST as ST_DTYPES
+from megatron_bridge.convert.dtypes import DType, dtype_of
 from megatron_bridge.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+    import torch
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 INDEX = "model.safetensors.index.json"
@@ -41,7 +46,7 @@ class TensorInfo:
 
     name: str
     dtype: DType
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     file: Path
     start: int
     end: int
@@ -51,7 +56,7 @@ class TensorInfo:
         return self.end - self.start
 
 
-def read_header(path: Path) -> Dict[str, TensorInfo]:
+def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one file's header. Raises UserError naming the file and the defect."""
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -60,7 +65,9 @@ def read_header(path: Path) -> Dict[str, TensorInfo]:
             raise UserError(f"{path}: not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
         n = struct.unpack("<Q", head)[0]
         if n > MAX_HEADER or 8 + n > size:
-            raise UserError(f"{path}: header length {n} does not fit the {size}-byte file: truncated or not safetensors")
+            raise UserError(
+                f"{path}: header length {n} does not fit the {size}-byte file: truncated or not safetensors"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -70,24 +77,30 @@ def read_header(path: Path) -> Dict[str, TensorInfo]:
         raise UserError(f"{path}: corrupt safetensors header ({e})") from None
     header.pop("__metadata__", None)
     base, data_len = 8 + n, size - 8 - n
-    out: Dict[str, TensorInfo] = {}
+    out: dict[str, TensorInfo] = {}
     for name, e in header.items():
         try:
             dtype = ST_DTYPES[e["dtype"]]
             shape = tuple(int(x) for x in e["shape"])
             b, end = (int(x) for x in e["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise UserError(f"{path}: corrupt header entry for tensor {name!r} (unknown dtype or bad shape/offsets)") from None
+            raise UserError(
+                f"{path}: corrupt header entry for tensor {name!r} (unknown dtype or bad shape/offsets)"
+            ) from None
         if end - b != prod(shape) * dtype.itemsize or b < 0:
-            raise UserError(f"{path}: tensor {name} claims bytes [{b}, {end}) for shape {list(shape)} {e['dtype']}: corrupt header")
+            raise UserError(
+                f"{path}: tensor {name} claims bytes [{b}, {end}) for shape {list(shape)} {e['dtype']}: corrupt header"
+            )
         if end > data_len:
-            raise UserError(f"{path}: tensor {name} ends at byte {base + end} but the file has {size} bytes: "
-                            "the file is truncated (re-download or re-save it)")
+            raise UserError(
+                f"{path}: tensor {name} ends at byte {base + end} but the file has {size} bytes: "
+                "the file is truncated (re-download or re-save it)"
+            )
         out[name] = TensorInfo(name, dtype, shape, path, base + b, base + end)
     return out
 
 
-def scan_dir(path: Path) -> Dict[str, TensorInfo]:
+def scan_dir(path: Path) -> dict[str, TensorInfo]:
     """Every weight tensor of an HF model directory (sharded with an index, or plain files), in
     index / file order. Checks that files and tensors the index names exist."""
     index = path / INDEX
@@ -105,8 +118,10 @@ def scan_dir(path: Path) -> Dict[str, TensorInfo]:
         headers = {f: read_header(path / f) for f in files}
         absent = [f"{k} ({f})" for k, f in weight_map.items() if k not in headers[f]]
         if absent:
-            raise UserError(f"{index} places tensors in files that do not contain them: {', '.join(absent[:6])}"
-                            f"{' ...' if len(absent) > 6 else ''}")
+            raise UserError(
+                f"{index} places tensors in files that do not contain them: {', '.join(absent[:6])}"
+                f"{' ...' if len(absent) > 6 else ''}"
+            )
         infos = {k: headers[f][k] for k, f in weight_map.items()}
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
@@ -118,7 +133,9 @@ def scan_dir(path: Path) -> Dict[str, TensorInfo]:
         for f in files:
             for k, info in read_header(path / f).items():
                 if k in infos:
-                    raise UserError(f"{path}: tensor {k} is in both {infos[k].file.name} and {f} (and there is no index)")
+                    raise UserError(
+                        f"{path}: tensor {k} is in both {infos[k].file.name} and {f} (and there is no index)"
+                    )
                 infos[k] = info
     return {k: v for k, v in infos.items() if not k.endswith(IGNORED_HF_SUFFIXES)}
 
@@ -141,7 +158,7 @@ class BufferPool:
     def _free(self, i: int) -> bool:
         return sys.getrefcount(self._bufs[i]) == 2  # the pool's list and getrefcount's argument
 
-    def take(self, nbytes: int) -> "torch.Tensor":
+    def take(self, nbytes: int) -> torch.Tensor:
         import torch
 
         if nbytes < self.MIN_BYTES or nbytes > self.cap:
@@ -169,7 +186,7 @@ class OpenFiles:
     """Read-only file descriptors by path, each opened once (`files(path)` -> fd)."""
 
     def __init__(self) -> None:
-        self._fds: Dict[Path, int] = {}
+        self._fds: dict[Path, int] = {}
 
     def __call__(self, path: Path) -> int:
         fd = self._fds.get(path)
@@ -208,13 +225,13 @@ class PositionedReader:
         if nbytes and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd(path), start, nbytes, os.POSIX_FADV_WILLNEED)
 
-    def read_bytes(self, path: Path, start: int, nbytes: int) -> "torch.Tensor":
+    def read_bytes(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
         buf = self.pool.take(nbytes)
         if nbytes:
             read_exactly(self._fd(path), memoryview(buf.numpy()), start, path)
         return buf
 
-    def read(self, info: TensorInfo) -> "torch.Tensor":
+    def read(self, info: TensorInfo) -> torch.Tensor:
         if info.nbytes == 0:
             import torch
 
@@ -230,7 +247,7 @@ def st_name(dtype) -> str:
     return dtype_of(dtype).st
 
 
-def tensor_bytes(t: "torch.Tensor") -> memoryview:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor (any dtype, bf16 included), without a copy."""
     import torch
 
@@ -241,9 +258,10 @@ def tensor_bytes(t: "torch.Tensor") -> memoryview:
 class SafetensorsWriter:
     """One safetensors file whose tensor list is known up front; tensors are written in order."""
 
-    def __init__(self, path: Path, entries: Sequence[Tuple[str, DType, Sequence[int]]],
-                 metadata: Optional[Dict[str, str]] = None):
-        header: Dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    def __init__(
+        self, path: Path, entries: Sequence[tuple[str, DType, Sequence[int]]], metadata: dict[str, str] | None = None
+    ):
+        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         pos = 0
         for name, dtype, shape in entries:
             n = prod(shape) * dtype.itemsize
@@ -255,14 +273,14 @@ class SafetensorsWriter:
         self._f = open(path, "wb")
         self._f.write(struct.pack("<Q", len(raw)) + raw)
 
-    def write(self, name: str, t: "torch.Tensor") -> None:
+    def write(self, name: str, t: torch.Tensor) -> None:
         want = self._entries[self._next]
         if (name, t.dtype, tuple(t.shape)) != (want[0], want[1], tuple(want[2])):
             raise RuntimeError(f"{self.path}: expected {want}, got {name} {t.dtype} {tuple(t.shape)}")
         self._f.write(tensor_bytes(t))
         self._next += 1
 
-    def reserve(self, name: str) -> Tuple[int, int]:
+    def reserve(self, name: str) -> tuple[int, int]:
         """Skip the next tensor's bytes, to be written by the caller: returns (fd, offset)."""
         want = self._entries[self._next]
         if name != want[0]:
@@ -279,9 +297,9 @@ class SafetensorsWriter:
         self._f.close()
 
 
-def plan_shards(entries: Iterable[Tuple[str, DType, Sequence[int]]], max_bytes: int) -> List[List[Tuple]]:
+def plan_shards(entries: Iterable[tuple[str, DType, Sequence[int]]], max_bytes: int) -> list[list[tuple]]:
     """Split an ordered tensor list into files of at most `max_bytes` (a bigger tensor gets its own)."""
-    files: List[List[Tuple]] = [[]]
+    files: list[list[tuple]] = [[]]
     size = 0
     for e in entries:
         n = prod(e[2]) * e[1].itemsize
@@ -293,5 +311,18 @@ def plan_shards(entries: Iterable[Tuple[str, DType, Sequence[int]]], max_bytes: 
     return files
 
 
-__all__ = ["TensorInfo", "read_header", "scan_dir", "PositionedReader", "SafetensorsWriter", "plan_shards",
-           "tensor_bytes", "BufferPool", "OpenFiles", "read_exactly", "ST_DTYPES", "st_name", "INDEX"]
+__all__ = [
+    "TensorInfo",
+    "read_header",
+    "scan_dir",
+    "PositionedReader",
+    "SafetensorsWriter",
+    "plan_shards",
+    "tensor_bytes",
+    "BufferPool",
+    "OpenFiles",
+    "read_exactly",
+    "ST_DTYPES",
+    "st_name",
+    "INDEX",
+]

@@ -18,9 +18,10 @@ import json
 import queue
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from math import prod
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.mapping import Replicated
@@ -34,8 +35,11 @@ from megatron_bridge.convert.safetensors_io import PositionedReader, TensorInfo,
 from megatron_bridge.convert.torch_zip import LazyTorchFile, TensorRef
 from megatron_bridge.errors import UserError
 
+if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+    import torch
+
 DTYPES = {"bf16": BFLOAT16, "fp32": FLOAT32, "fp16": FLOAT16, "source": None}
-TensorTable = Dict[str, Tuple[Tuple[int, ...], DType]]
+TensorTable = dict[str, tuple[tuple[int, ...], DType]]
 PREFETCH_BYTES = 256 * 2**20  # tensors read ahead of the row being written (process memory)
 READ_AHEAD_BYTES = 512 * 2**20  # file ranges announced to the kernel ahead of reading (page cache)
 
@@ -43,8 +47,9 @@ READ_AHEAD_BYTES = 512 * 2**20  # file ranges announced to the kernel ahead of r
 def read_config(path: Path) -> dict:
     cfg = path / "config.json"
     if not cfg.is_file():
-        raise UserError(f"src={path}: no config.json; point src at a Hugging Face model directory "
-                        "(what save_pretrained writes)")
+        raise UserError(
+            f"src={path}: no config.json; point src at a Hugging Face model directory (what save_pretrained writes)"
+        )
     try:
         data = json.loads(cfg.read_text())
         if not isinstance(data, dict):
@@ -54,7 +59,7 @@ def read_config(path: Path) -> dict:
     return data
 
 
-def parse_dtype(text: str) -> Optional[DType]:
+def parse_dtype(text: str) -> DType | None:
     if text not in DTYPES:
         raise UserError(f"dtype={text!r}: choose one of {', '.join(DTYPES)} (source keeps each tensor's dtype)")
     return DTYPES[text]
@@ -64,14 +69,14 @@ class Source:
     """Base: `rows`, `tensors` (stored shapes/dtypes), `hf_tensors(row)`, `checksums`."""
 
     spec: BridgeSpec
-    rows: List[Resolved]  # in the order they are read
-    order: Dict[str, int]  # megatron name -> position in table order (layer, table row, expert)
+    rows: list[Resolved]  # in the order they are read
+    order: dict[str, int]  # megatron name -> position in table order (layer, table row, expert)
     tensors: TensorTable
 
-    def __init__(self, dtype: Optional[DType]):
+    def __init__(self, dtype: DType | None):
         self.dtype = dtype  # None = keep the stored dtype
         self.io = PositionedReader()
-        self.checksums: Dict[str, str] = {}  # of the tensors as handed out (after the cast)
+        self.checksums: dict[str, str] = {}  # of the tensors as handed out (after the cast)
 
     def out_dtype(self, name: str) -> DType:
         return self.dtype or self.tensors[name][1]
@@ -79,33 +84,45 @@ class Source:
     def nbytes(self, row: Resolved) -> int:
         return sum(prod(self.tensors[h][0]) * self.out_dtype(h).itemsize for h in row.hf)
 
-    def _finish(self, names: Sequence[str], tensors: Sequence["torch.Tensor"], expected: Dict[str, str]) -> List["torch.Tensor"]:
+    def _finish(
+        self, names: Sequence[str], tensors: Sequence[torch.Tensor], expected: dict[str, str]
+    ) -> list[torch.Tensor]:
         """Check shapes and stored checksums, cast, record output checksums."""
         out = []
         for name, t in zip(names, tensors):
             shape, dtype = self.tensors[name]
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise UserError(f"{self.where}: {name} comes back as {list(t.shape)} {t.dtype}, the manifest "
-                                f"says {list(shape)} {dtype} (damaged checkpoint)")
+                raise UserError(
+                    f"{self.where}: {name} comes back as {list(t.shape)} {t.dtype}, the manifest "
+                    f"says {list(shape)} {dtype} (damaged checkpoint)"
+                )
             if name in expected and name not in self.checksums and crc32(t) != expected[name]:
-                raise UserError(f"{self.where}: tensor {name} does not match its checksum in the manifest: the "
-                                "checkpoint files are corrupted or were modified after conversion")
+                raise UserError(
+                    f"{self.where}: tensor {name} does not match its checksum in the manifest: the "
+                    "checkpoint files are corrupted or were modified after conversion"
+                )
             if self.dtype is not None and t.dtype != self.dtype:
                 t = t.to(self.dtype.torch)
             if name not in self.checksums:
-                self.checksums[name] = expected[name] if (name in expected and self.dtype in (None, dtype)) else crc32(t)
+                self.checksums[name] = (
+                    expected[name] if (name in expected and self.dtype in (None, dtype)) else crc32(t)
+                )
             out.append(t)
         return out
 
-    def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
+    def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
+    def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
         """(file, start, length) byte ranges `hf_tensors(row)` will read (for read-ahead)."""
         return []
 
-    def stream(self, rows: Sequence[Resolved], prepare: Optional[Callable[[Resolved, List["torch.Tensor"]], Any]] = None,
-               budget: int = PREFETCH_BYTES) -> Iterator[Tuple[Resolved, Any]]:
+    def stream(
+        self,
+        rows: Sequence[Resolved],
+        prepare: Callable[[Resolved, list[torch.Tensor]], Any] | None = None,
+        budget: int = PREFETCH_BYTES,
+    ) -> Iterator[tuple[Resolved, Any]]:
         """(row, prepare(row, HF tensors)) in order; a worker thread reads and prepares ahead
         while the caller writes.
 
@@ -115,7 +132,7 @@ class Source:
         than that waits until the caller has released the previous one), so read-ahead adds at
         most `budget` to the peak memory, whatever the model size."""
         cond, state = threading.Condition(), {"held": 0, "stop": False}
-        out: "queue.Queue" = queue.Queue()
+        out: queue.Queue = queue.Queue()
 
         def work() -> None:
             advised, pending = 0, 0  # rows handed to the kernel's read-ahead, their bytes not yet read
@@ -129,7 +146,7 @@ class Source:
                     pending -= sum(length for _, _, length in self.ranges(r))
                     n = self.nbytes(r)
                     with cond:
-                        cond.wait_for(lambda: state["stop"] or state["held"] == 0 or state["held"] + n <= budget)
+                        cond.wait_for(lambda n=n: state["stop"] or state["held"] == 0 or state["held"] + n <= budget)
                         if state["stop"]:
                             return
                         state["held"] += n
@@ -169,37 +186,40 @@ class Source:
 class HFSource(Source):
     """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
 
-    def __init__(self, path: Path, dtype: Optional[DType], make_vocab_size_divisible_by: int):
+    def __init__(self, path: Path, dtype: DType | None, make_vocab_size_divisible_by: int):
         super().__init__(dtype)
         self.where = f"src={path}"
         if (path / "mbr_manifest.json").is_file():
-            raise UserError(f"src={path} is already a converted checkpoint: use `mbr reshard` to change its layout "
-                            "or format, `mbr export` to get a Hugging Face directory back")
+            raise UserError(
+                f"src={path} is already a converted checkpoint: use `mbr reshard` to change its layout "
+                "or format, `mbr export` to get a Hugging Face directory back"
+            )
         self.hf_config = read_config(path)
         self.spec = spec_from_hf(self.hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-        self.infos: Dict[str, TensorInfo] = scan_dir(path)
+        self.infos: dict[str, TensorInfo] = scan_dir(path)
         self.tensors = {k: (v.shape, v.dtype) for k, v in self.infos.items()}
         bad = sorted({str(v.dtype) for v in self.infos.values() if not v.dtype.is_floating_point})
         if bad:
-            raise UserError(f"{self.where}: non-floating-point weights ({', '.join(bad)}): quantized checkpoints "
-                            "are not supported")
+            raise UserError(
+                f"{self.where}: non-floating-point weights ({', '.join(bad)}): quantized checkpoints are not supported"
+            )
         rows = resolve_rows(self.spec, self.tensors, where=self.where)
         self.order = {r.megatron: i for i, r in enumerate(rows)}
         # Read in file order: sequential I/O, and what read_ahead_source fetched comes first.
         files = {f: i for i, f in enumerate(sorted({v.file for v in self.infos.values()}))}
         self.rows = sorted(rows, key=lambda r: min((files[self.infos[h].file], self.infos[h].start) for h in r.hf))
 
-    def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
+    def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
         return self._finish(row.hf, [self.io.read(self.infos[h]) for h in row.hf], {})
 
-    def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
+    def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
         return [(self.infos[h].file, self.infos[h].start, self.infos[h].nbytes) for h in row.hf]
 
 
 class _CheckpointSource(Source):
     """Shared by the two checkpoint formats: manifest, rows, checksums."""
 
-    def __init__(self, path: Path, man: Manifest, dtype: Optional[DType]):
+    def __init__(self, path: Path, man: Manifest, dtype: DType | None):
         super().__init__(dtype)
         self.where, self.man = f"src={path}", man
         man.check_files(path)
@@ -216,16 +236,16 @@ class _CheckpointSource(Source):
 class DistSource(_CheckpointSource):
     """A torch_dist checkpoint: each row is one global tensor, merged back to HF as one shard."""
 
-    def __init__(self, path: Path, man: Manifest, dtype: Optional[DType]):
+    def __init__(self, path: Path, man: Manifest, dtype: DType | None):
         super().__init__(path, man, dtype)
         self.reader = DistReader(path / RELEASE, self.io)
 
-    def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
+    def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
         src = self.producer[row.hf]  # the tied output layer reads the embedding's tensor
         g = self.reader.read(location(src.megatron, self.spec))
         return self._finish(src.hf, src.mapping.merge([g], self.shapes), self.expected)
 
-    def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
+    def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
         return self.reader.ranges(location(self.producer[row.hf].megatron, self.spec))
 
 
@@ -235,13 +255,13 @@ class TorchSource(_CheckpointSource):
 
     MAX_OPEN = 64
 
-    def __init__(self, path: Path, man: Manifest, dtype: Optional[DType]):
+    def __init__(self, path: Path, man: Manifest, dtype: DType | None):
         super().__init__(path, man, dtype)
         self.root = path
         if self.layout.etp not in (None, self.layout.tp):
             raise UserError(f"{self.where}: per-rank checkpoints with etp != tp are not supported")
         self.targets = all_targets(self.spec, self.layout, [r for r in self.rows if r.mapping.export])
-        self._files: "OrderedDict[RankFile, LazyTorchFile]" = OrderedDict()
+        self._files: OrderedDict[RankFile, LazyTorchFile] = OrderedDict()
 
     def file(self, f: RankFile) -> LazyTorchFile:
         if f in self._files:
@@ -252,20 +272,22 @@ class TorchSource(_CheckpointSource):
                 self._files.popitem(last=False)
         return self._files[f]
 
-    def ref(self, t: Target) -> Tuple[LazyTorchFile, TensorRef]:
+    def ref(self, t: Target) -> tuple[LazyTorchFile, TensorRef]:
         """The rank file holding `t` and its record of it."""
         f = self.file(t.file)
         try:
             return f, f.obj[t.chunk][t.local]
         except (KeyError, TypeError):
-            raise UserError(f"{self.root / t.file.relpath(self.layout)} has no {t.chunk}/{t.local} "
-                            "(not the layout its manifest records, or damaged)") from None
+            raise UserError(
+                f"{self.root / t.file.relpath(self.layout)} has no {t.chunk}/{t.local} "
+                "(not the layout its manifest records, or damaged)"
+            ) from None
 
-    def _read(self, t: Target) -> "torch.Tensor":
+    def _read(self, t: Target) -> torch.Tensor:
         f, ref = self.ref(t)
         return f.read(ref)
 
-    def replica(self, row: Resolved) -> Tuple[Resolved, List[Target]]:
+    def replica(self, row: Resolved) -> tuple[Resolved, list[Target]]:
         """The exported row behind `row` and the shards of one replica of it, in TP order."""
         src = self.producer[row.hf]
         targets = self.targets.get(src.megatron, [])
@@ -275,12 +297,12 @@ class TorchSource(_CheckpointSource):
             replica = sorted((t for t in targets if t.coords.ep_rank == 0), key=lambda t: t.coords.tp_rank)
         return src, replica[:1] if isinstance(src.mapping.transform, Replicated) else replica
 
-    def hf_tensors(self, row: Resolved) -> List["torch.Tensor"]:
+    def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
         src, replica = self.replica(row)
         shards = [self._read(t) for t in replica]
         return self._finish(src.hf, src.mapping.merge(shards, self.shapes), self.expected)
 
-    def ranges(self, row: Resolved) -> List[Tuple[Path, int, int]]:
+    def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
         out = []
         for t in self.replica(row)[1]:
             f = self.file(t.file)
@@ -290,7 +312,7 @@ class TorchSource(_CheckpointSource):
         return out
 
 
-def open_checkpoint(path: Path, dtype: Optional[DType]) -> Source:
+def open_checkpoint(path: Path, dtype: DType | None) -> Source:
     man = Manifest.read(path)
     return (DistSource if man.format == "torch_dist" else TorchSource)(path, man, dtype)
 

@@ -47,10 +47,11 @@ import os
 import pickle
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from megatron_bridge.convert.dtypes import BY_NAME, DType, dtype_of
 from megatron_bridge.convert.pickling import Global, TorchPickler
@@ -62,9 +63,18 @@ if TYPE_CHECKING:
     from megatron_bridge.convert.safetensors_io import PositionedReader
 
 ALIGN = 64  # what torch.save writes (`.storage_alignment`); mmap-loading needs it
-_STORAGE_TYPE = {"float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
-                 "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
-                 "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
+_STORAGE_TYPE = {
+    "float64": "DoubleStorage",
+    "float32": "FloatStorage",
+    "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage",
+    "int32": "IntStorage",
+    "int16": "ShortStorage",
+    "int8": "CharStorage",
+    "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+}
 _STORAGE_DTYPE = {storage: BY_NAME[name] for name, storage in _STORAGE_TYPE.items()}
 _REBUILD_TENSOR = Global("torch._utils", "_rebuild_tensor_v2")
 
@@ -89,15 +99,15 @@ class TensorRef:
 
     storage: StorageRef
     offset: int
-    shape: Tuple[int, ...]
-    stride: Tuple[int, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
 
     @property
     def dtype(self) -> DType:
         return self.storage.dtype
 
 
-def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     """Strides of a contiguous tensor of `shape`, as torch computes them (0-sized dims count as 1)."""
     out, step = [], 1
     for n in reversed(shape):
@@ -123,7 +133,7 @@ class _Pickler(TorchPickler):
     dispatch[TensorRef] = save_tensor
 
 
-def _pwrite_all(fd: int, bufs: List[Any], offset: int) -> None:
+def _pwrite_all(fd: int, bufs: list[Any], offset: int) -> None:
     """`os.pwritev` until every byte is out (one call writes at most ~2 GiB on Linux)."""
     views = [memoryview(b).cast("B") for b in bufs if len(b)]
     while views:
@@ -136,7 +146,7 @@ def _pwrite_all(fd: int, bufs: List[Any], offset: int) -> None:
             views[0] = views[0][n:]
 
 
-def _zip64_extra(size: Optional[int], offset: Optional[int]) -> bytes:
+def _zip64_extra(size: int | None, offset: int | None) -> bytes:
     """miniz's zip64 extended information field: (uncompressed, compressed) size, offset."""
     body = struct.pack("<QQ", *size) if size is not None else b""
     body += struct.pack("<Q", offset) if offset is not None else b""
@@ -151,12 +161,12 @@ class StreamingTorchSave:
     inside the zip count from there, as torch's writer does for a stream, and the file's
     position is left at the archive's end by `finish`."""
 
-    def __init__(self, path: Union[Path, BinaryIO]):
+    def __init__(self, path: Path | BinaryIO):
         if isinstance(path, (str, os.PathLike)):
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             self.path, self._file, self._own = path, open(path, "wb", buffering=0), True
-            stem = path.name[:path.name.rfind(".")] if "." in path.name else path.name
+            stem = path.name[: path.name.rfind(".")] if "." in path.name else path.name
             self._prefix = (stem or "archive") + "/"  # torch's basename()
         else:
             path.flush()
@@ -167,8 +177,8 @@ class StreamingTorchSave:
             raise ValueError(f"{self.path}: opened for appending; positioned writes would land at its end")
         self._base = self._file.tell()  # the archive's start in the OS file
         self._pos = 0  # the next record's offset in the archive
-        self._central: List[bytes] = []
-        self._names: List[str] = []
+        self._central: list[bytes] = []
+        self._names: list[str] = []
         self._n = 0
 
     def fileno(self) -> int:
@@ -197,8 +207,29 @@ class StreamingTorchSave:
         else:
             _pwrite_all(self._fd, [header, data, descriptor], self._base + ofs)
         central64 = _zip64_extra((size, size) if big_size else None, ofs if big_ofs else None) if zip64 else b""
-        self._central.append(_CENTRAL.pack(0x02014B50, 0, 0, flags, 0, 0, 0, 0, min(size, _U32), min(size, _U32),
-                                           len(full), len(central64), 0, 0, 0, 0, min(ofs, _U32)) + full + central64)
+        self._central.append(
+            _CENTRAL.pack(
+                0x02014B50,
+                0,
+                0,
+                flags,
+                0,
+                0,
+                0,
+                0,
+                min(size, _U32),
+                min(size, _U32),
+                len(full),
+                len(central64),
+                0,
+                0,
+                0,
+                0,
+                min(ofs, _U32),
+            )
+            + full
+            + central64
+        )
         self._names.append(name)
         self._pos = ofs + len(header) + size + len(descriptor)
         return start
@@ -209,7 +240,7 @@ class StreamingTorchSave:
         shape = tuple(int(n) for n in shape)
         return TensorRef(StorageRef(key, dtype_of(dtype), prod(shape)), 0, shape, contiguous_stride(shape))
 
-    def add(self, t: "torch.Tensor") -> TensorRef:
+    def add(self, t: torch.Tensor) -> TensorRef:
         """Store `t`'s values (only its own bytes, even for a view of a bigger tensor)."""
         import torch
 
@@ -219,7 +250,7 @@ class StreamingTorchSave:
         self._record(f"data/{ref.storage.key}", t.nbytes, data)
         return ref
 
-    def reserve(self, nbytes: int, dtype: Any, shape: Tuple[int, ...]) -> Tuple[TensorRef, int]:
+    def reserve(self, nbytes: int, dtype: Any, shape: tuple[int, ...]) -> tuple[TensorRef, int]:
         """Make room for a contiguous tensor that the caller writes itself: returns its
         `TensorRef` and the absolute offset in `fileno()` where exactly `nbytes` bytes go
         (`os.pwrite`, `os.copy_file_range`). Until then the record reads as zeros."""
@@ -233,8 +264,12 @@ class StreamingTorchSave:
         _Pickler(buf).dump(obj)
         pkl = buf.getvalue()
         self._record("data.pkl", len(pkl), pkl)
-        for name, value in ((".format_version", b"1"), (".storage_alignment", str(ALIGN).encode()),
-                            ("byteorder", sys.byteorder.encode()), ("version", b"3\n")):
+        for name, value in (
+            (".format_version", b"1"),
+            (".storage_alignment", str(ALIGN).encode()),
+            ("byteorder", sys.byteorder.encode()),
+            ("version", b"3\n"),
+        ):
             self._record(name, len(value), value)
         # torch hashes the record names and CRCs; without CRCs, the names and the pickle
         # (which lists every record's size and dtype) give an id as deterministic as torch's
@@ -257,8 +292,13 @@ class _StubUnpickler(pickle.Unpickler):
     """Unpickles a torch.save pickle into TensorRefs; refuses any global outside the allowlist.
     dtypes come back as `DType`s."""
 
-    SAFE = {("collections", "OrderedDict"): collections.OrderedDict, ("argparse", "Namespace"): argparse.Namespace,
-            ("torch._utils", "_rebuild_tensor_v2"): lambda s, o, size, stride, *rest: TensorRef(s, o, tuple(size), tuple(stride))}
+    SAFE = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("argparse", "Namespace"): argparse.Namespace,
+        ("torch._utils", "_rebuild_tensor_v2"): lambda s, o, size, stride, *rest: TensorRef(
+            s, o, tuple(size), tuple(stride)
+        ),
+    }
 
     def find_class(self, module, name):
         if (module, name) in self.SAFE:
@@ -292,7 +332,7 @@ def _pread(fd: int, n: int, at: int) -> bytes:
     return got
 
 
-def _zip64(extra: bytes, fields: List[int]) -> List[int]:
+def _zip64(extra: bytes, fields: list[int]) -> list[int]:
     """`fields` (size, size, local header offset) with each one that reads 0xFFFFFFFF
     replaced by the next value of the zip64 extended information field (tag 1)."""
     i = 0
@@ -307,7 +347,7 @@ def _zip64(extra: bytes, fields: List[int]) -> List[int]:
     return fields
 
 
-def _zip_records(fd: int, start: int, length: int) -> Dict[str, Tuple[int, int]]:
+def _zip_records(fd: int, start: int, length: int) -> dict[str, tuple[int, int]]:
     """{name: (absolute data offset, size)} of the records of the zip at [start, start +
     length) of `fd`, names without the archive's folder: what `torch._C.PyTorchFileReader`
     lists (`get_all_records`, `get_record_offset`), without importing torch.
@@ -334,23 +374,26 @@ def _zip_records(fd: int, start: int, length: int) -> Dict[str, Tuple[int, int]]
         raise ValueError("the central directory runs past its end record: truncated or corrupt")
     central, pos, out, folder = _pread(fd, size, start + ofs), 0, {}, None
     for _ in range(n):
-        (sig, _, _, _, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _,
-         local) = _CENTRAL.unpack_from(central, pos)
+        (sig, _, _, _, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _, local) = (
+            _CENTRAL.unpack_from(central, pos)
+        )
         name_at, pos = pos + _CENTRAL.size, pos + _CENTRAL.size + name_len + extra_len + comment_len
         if sig != 0x02014B50 or pos > size:
             raise ValueError("corrupt zip central directory")
-        name = central[name_at:name_at + name_len].decode("utf-8")
-        usize, csize, local = _zip64(central[name_at + name_len:name_at + name_len + extra_len], [usize, csize, local])
+        name = central[name_at : name_at + name_len].decode("utf-8")
+        usize, csize, local = _zip64(
+            central[name_at + name_len : name_at + name_len + extra_len], [usize, csize, local]
+        )
         if method != 0 or csize != usize:
             raise ValueError(f"record {name} is compressed (method {method}); torch.save stores records as they are")
-        folder = folder or name[:name.find("/") + 1]
+        folder = folder or name[: name.find("/") + 1]
         if not folder or not name.startswith(folder):
             raise ValueError(f"record {name} is not in the archive's folder {folder or '(none)'}")
         head = _LOCAL.unpack(_pread(fd, _LOCAL.size, start + local))
         data = local + _LOCAL.size + head[-2] + head[-1]
         if head[0] != 0x04034B50 or data + usize > ofs:
             raise ValueError(f"record {name}: corrupt local header or data past the central directory")
-        out[name[len(folder):]] = (start + data, usize)
+        out[name[len(folder) :]] = (start + data, usize)
     return out
 
 
@@ -359,7 +402,7 @@ class LazyTorchFile:
     [start, start + length) of one), one positioned read per tensor. Only `read` imports
     torch: listing the records and unpickling the stubs is plain Python."""
 
-    def __init__(self, path: Path, reader: "PositionedReader", start: int = 0, length: Optional[int] = None):
+    def __init__(self, path: Path, reader: PositionedReader, start: int = 0, length: int | None = None):
         self.path, self._io = path, reader
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -371,16 +414,16 @@ class LazyTorchFile:
                 self.obj = _StubUnpickler(io.BytesIO(_pread(fd, size, at))).load()
             finally:
                 os.close(fd)
-            self._offsets = {r[len("data/"):]: at for r, (at, _) in records.items() if r.startswith("data/")}
+            self._offsets = {r[len("data/") :]: at for r, (at, _) in records.items() if r.startswith("data/")}
         except (struct.error, pickle.UnpicklingError, ValueError, EOFError, OSError) as e:
             where = f"{path}" if length is None else f"{path} bytes {start}..{start + length}"
             raise UserError(f"{where}: not a readable torch checkpoint ({str(e).splitlines()[0]})") from None
 
-    def range(self, ref: TensorRef) -> Tuple[Path, int, int]:
+    def range(self, ref: TensorRef) -> tuple[Path, int, int]:
         """(file, start, length) of a tensor's record."""
         return self.path, self._offsets.get(ref.storage.key, 0), ref.storage.numel * ref.dtype.itemsize
 
-    def read(self, ref: TensorRef) -> "torch.Tensor":
+    def read(self, ref: TensorRef) -> torch.Tensor:
         if ref.storage.key not in self._offsets:
             raise UserError(f"{self.path}: record data/{ref.storage.key} is missing (corrupt checkpoint)")
         nbytes = ref.storage.numel * ref.dtype.itemsize

@@ -22,14 +22,14 @@ import ctypes
 import ctypes.util
 import functools
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Dict, Iterable
 
 KICK_BYTES = 64 * 2**20  # start write-out every this many bytes written
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sync_file_range():
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -49,7 +49,7 @@ class Writeback:
     def __init__(self, kick_bytes: int = KICK_BYTES, enabled: bool = True):
         self._fn = _sync_file_range() if enabled else None
         self._kick, self._pending = kick_bytes, 0
-        self._fds: Dict[Path, int] = {}
+        self._fds: dict[Path, int] = {}
         self._dirty: set = set()
 
     def wrote(self, paths: Iterable[Path], nbytes: int) -> None:
@@ -81,7 +81,7 @@ class Writeback:
         if fd is not None:
             os.close(fd)
 
-    def __enter__(self) -> "Writeback":
+    def __enter__(self) -> Writeback:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,46 +18,58 @@ read-ahead:
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from math import prod
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, shard_for, shard_of
 from megatron_bridge.bridge.mapping import FULL
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.dtypes import DType
 from megatron_bridge.convert.direct import DirectCopy
 from megatron_bridge.convert.direct_export import DirectExport
 from megatron_bridge.convert.dist_ckpt import DistWriter, extra_state_location, location
+from megatron_bridge.convert.dtypes import DType
 from megatron_bridge.convert.placement import (
-    RELEASE, TRACKER, RankFile, chunk_key, chunk_state_dict, common_state, megatron_args, stage_coords, stage_targets,
+    RELEASE,
+    TRACKER,
+    RankFile,
+    chunk_key,
+    chunk_state_dict,
+    common_state,
+    megatron_args,
+    stage_coords,
+    stage_targets,
 )
 from megatron_bridge.convert.safetensors_io import INDEX, SafetensorsWriter, plan_shards
 from megatron_bridge.convert.sources import Source
 from megatron_bridge.convert.torch_zip import StreamingTorchSave
 from megatron_bridge.convert.writeback import Writeback
 
+if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+    import torch
+
 Advance = Callable[[int, int], None]  # (tensors, bytes)
 
 
 def main_dtype(source: Source) -> DType:
     """The dtype holding most bytes (Megatron's `params_dtype` in the stored args)."""
-    sizes: Dict[DType, int] = {}
+    sizes: dict[DType, int] = {}
     for name, (shape, _) in source.tensors.items():
         d = source.out_dtype(name)
         sizes[d] = sizes.get(d, 0) + prod(shape) * d.itemsize
     return max(sizes, key=sizes.get)
 
 
-def compact(t: "torch.Tensor") -> "torch.Tensor":
+def compact(t: torch.Tensor) -> torch.Tensor:
     """Contiguous and owning exactly its bytes (a file record stores the whole storage)."""
     t = t.detach().contiguous()
     return t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
 
 
-def _exported(source: Source) -> List[Resolved]:
+def _exported(source: Source) -> list[Resolved]:
     return [r for r in source.rows if r.mapping.export]
 
 
@@ -67,33 +79,42 @@ class DistOut:
     def __init__(self, spec: BridgeSpec, layout: Layout):
         self.spec, self.layout = spec, layout
 
-    def total(self, source: Source) -> Tuple[int, int]:
+    def total(self, source: Source) -> tuple[int, int]:
         rows = _exported(source)
         return sum(len(r.hf) for r in rows), sum(source.nbytes(r) for r in rows)
 
-    def _tensors(self, source: Source, w: DistWriter) -> Iterator[Tuple[Resolved, int]]:
+    def _tensors(self, source: Source, w: DistWriter) -> Iterator[tuple[Resolved, int]]:
         shapes = self.spec.shapes(self.layout.tp)
 
-        def to_global(row: Resolved, hf: List["torch.Tensor"]) -> "torch.Tensor":  # runs on the read-ahead thread
+        def to_global(row: Resolved, hf: list[torch.Tensor]) -> torch.Tensor:  # runs on the read-ahead thread
             return compact(row.mapping.to_global(hf, shapes))
 
         for row, g in source.stream(_exported(source), to_global):
-            w.add(location(row.megatron, self.spec), g.dtype, tuple(g.shape), lambda item, shape: item.add(g.reshape(shape)))
+            w.add(
+                location(row.megatron, self.spec),
+                g.dtype,
+                tuple(g.shape),
+                lambda item, shape, g=g: item.add(g.reshape(shape)),
+            )
             yield row, g.nbytes
             del g
 
-    def _direct(self, direct: DirectCopy, w: DistWriter) -> Iterator[Tuple[Resolved, int]]:
+    def _direct(self, direct: DirectCopy, w: DistWriter) -> Iterator[tuple[Resolved, int]]:
         shapes = self.spec.shapes(self.layout.tp)
         for row in _exported(direct.source):
             dtype, shape = direct.shard_info(row, FULL, shapes)
-            w.add(location(row.megatron, self.spec), dtype, shape,
-                  lambda item, shape: direct.write(row, FULL, shapes, item, shape)[0])
+            w.add(
+                location(row.megatron, self.spec),
+                dtype,
+                shape,
+                lambda item, shape, row=row: direct.write(row, FULL, shapes, item, shape)[0],
+            )
             yield row, prod(shape) * dtype.itemsize
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
         w = DistWriter(root / RELEASE)
         with DirectCopy.open(source) as direct, Writeback(enabled=direct is None) as wb:
-            for row, nbytes in (self._direct(direct, w) if direct else self._tensors(source, w)):
+            for row, nbytes in self._direct(direct, w) if direct else self._tensors(source, w):
                 extra = extra_state_location(row.megatron, self.spec)
                 if extra is not None:
                     w.add_object(extra)
@@ -110,14 +131,14 @@ class TorchOut:
 
     def __init__(self, spec: BridgeSpec, layout: Layout):
         self.spec, self.layout = spec, layout
-        self._plan: Optional[List[Tuple[int, Dict]]] = None
+        self._plan: list[tuple[int, dict]] | None = None
 
-    def _stages(self, source: Source) -> List[Tuple[int, Dict]]:
+    def _stages(self, source: Source) -> list[tuple[int, dict]]:
         if self._plan is None:
             self._plan = [(pp, stage_targets(self.spec, self.layout, source.rows, pp)) for pp in range(self.layout.pp)]
         return self._plan
 
-    def total(self, source: Source) -> Tuple[int, int]:
+    def total(self, source: Source) -> tuple[int, int]:
         n = b = 0
         for _, targets in self._stages(source):
             rows = [r for r in source.rows if r.megatron in targets]
@@ -125,9 +146,9 @@ class TorchOut:
             b += sum(source.nbytes(r) for r in rows)
         return n, b
 
-    def _tensors(self, source: Source, rows: List[Resolved], targets: Dict, files: Dict) -> Iterator[Tuple]:
-        def split(row: Resolved, hf: List["torch.Tensor"]) -> List[Tuple[object, "torch.Tensor"]]:
-            done: Dict[Tuple[bool, int], "torch.Tensor"] = {}  # dense rows: one shard per tp rank, all EP files
+    def _tensors(self, source: Source, rows: list[Resolved], targets: dict, files: dict) -> Iterator[tuple]:
+        def split(row: Resolved, hf: list[torch.Tensor]) -> list[tuple[object, torch.Tensor]]:
+            done: dict[tuple[bool, int], torch.Tensor] = {}  # dense rows: one shard per tp rank, all EP files
             out = []
             for t in targets[row.megatron]:
                 key = (row.mapping.is_expert, t.coords.etp_rank if row.mapping.is_expert else t.coords.tp_rank)
@@ -140,7 +161,7 @@ class TorchOut:
             yield row, [(t, files[t.file].add(x), x.nbytes) for t, x in shards]
             del shards
 
-    def _direct(self, direct: DirectCopy, rows: List[Resolved], targets: Dict, files: Dict) -> Iterator[Tuple]:
+    def _direct(self, direct: DirectCopy, rows: list[Resolved], targets: dict, files: dict) -> Iterator[tuple]:
         shapes = self.spec.shapes(self.layout.tp)
         for row in rows:
             out = []
@@ -153,15 +174,19 @@ class TorchOut:
         args = megatron_args(self.spec, self.layout, main_dtype(source), self.format)
         with DirectCopy.open(source) as direct:
             for pp, targets in self._stages(source):
-                files: Dict[RankFile, StreamingTorchSave] = {}
-                chunks: Dict[RankFile, Dict[str, Dict[str, Tuple[int, object]]]] = {}
+                files: dict[RankFile, StreamingTorchSave] = {}
+                chunks: dict[RankFile, dict[str, dict[str, tuple[int, object]]]] = {}
                 for c in stage_coords(self.layout, pp):  # every file and chunk exists, even if empty
                     f = RankFile(c.tp_rank, pp, c.ep_rank)
                     if f not in files:
                         files[f] = StreamingTorchSave(root / f.relpath(self.layout))
                     chunks.setdefault(f, {})[chunk_key(self.layout, c.vp_stage)] = {}
                 rows = [r for r in source.rows if r.megatron in targets]
-                made = self._direct(direct, rows, targets, files) if direct else self._tensors(source, rows, targets, files)
+                made = (
+                    self._direct(direct, rows, targets, files)
+                    if direct
+                    else self._tensors(source, rows, targets, files)
+                )
                 with Writeback(enabled=direct is None) as wb:
                     for row, shards in made:
                         for t, ref, _ in shards:
@@ -171,9 +196,9 @@ class TorchOut:
                 if direct:
                     direct.drain()
                 for f, w in files.items():
-                    obj: Dict[str, object] = dict(common_state(args))
+                    obj: dict[str, object] = dict(common_state(args))
                     for ck, entries in chunks[f].items():
-                        vp = None if ck == "model" else int(ck[len("model"):])
+                        vp = None if ck == "model" else int(ck[len("model") :])
                         obj[ck] = chunk_state_dict(entries, Coords(pp_rank=pp, vp_stage=vp).post_process(self.layout))
                     w.finish(obj)
         (root / TRACKER).write_text("release")
@@ -182,8 +207,15 @@ class TorchOut:
 class _ShardFiles:
     """The planned safetensors files of an export, opened in turn as their tensors come."""
 
-    def __init__(self, root: Path, names: List[str], files: List[List[Tuple]], where: Dict[str, int], wb: Writeback,
-                 before_close: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        root: Path,
+        names: list[str],
+        files: list[list[tuple]],
+        where: dict[str, int],
+        wb: Writeback,
+        before_close: Callable[[], None] = lambda: None,
+    ):
         self.root, self.names, self.files, self.where, self.wb = root, names, files, where, wb
         self.before_close = before_close  # lets queued writes into the current file finish
         self.index, self.current = -1, None
@@ -209,7 +241,7 @@ class HFOut:
     def __init__(self, max_shard_bytes: int):
         self.max_shard_bytes = max_shard_bytes
 
-    def total(self, source: Source) -> Tuple[int, int]:
+    def total(self, source: Source) -> tuple[int, int]:
         rows = _exported(source)
         return sum(len(r.hf) for r in rows), sum(source.nbytes(r) for r in rows)
 
@@ -238,7 +270,9 @@ class HFOut:
             out.close()
         total = sum(prod(e[2]) * e[1].itemsize for e in entries)
         weight_map = {e[0]: names[where[e[0]]] for e in sorted(entries)}
-        (root / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        (root / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+        )
 
 
 __all__ = ["DistOut", "TorchOut", "HFOut"]

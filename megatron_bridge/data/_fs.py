@@ -11,12 +11,12 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Union
 
 from megatron_bridge.errors import UserError
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def _umask() -> int:
@@ -51,13 +51,12 @@ def ensure_parent(path: PathLike) -> Path:
     return parent
 
 
-def refuse_existing(paths: List[PathLike], overwrite: bool, what: str) -> None:
+def refuse_existing(paths: list[PathLike], overwrite: bool, what: str) -> None:
     """UserError when any of `paths` exists and `overwrite` is false."""
     existing = [str(p) for p in paths if os.path.lexists(p) and not _empty_dir(p)]
     if existing and not overwrite:
         raise UserError(
-            f"{what} already exists: {', '.join(existing)}. Pick another output or pass "
-            "overwrite=true to replace it."
+            f"{what} already exists: {', '.join(existing)}. Pick another output or pass overwrite=true to replace it."
         )
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
 
 from megatron_bridge.data._fs import atomic_dir, refuse_existing
 from megatron_bridge.errors import UserError
@@ -30,8 +30,14 @@ class DemoData:
         return f"data=indexed data.paths=[{self.prefix}] data.tokenizer={self.tokenizer}"
 
 
-def build_demo(out_dir: Union[str, os.PathLike], vocab_size: int = 512, max_bytes: int = 4_000_000, *,
-               overwrite: bool = False, log: Optional[Callable[[str], None]] = None) -> DemoData:
+def build_demo(
+    out_dir: str | os.PathLike,
+    vocab_size: int = 512,
+    max_bytes: int = 4_000_000,
+    *,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> DemoData:
     """Build DIR/{corpus.jsonl, tokenizer/, stdlib_text_document.*} atomically (the directory
     appears complete or not at all; an existing one is replaced only with overwrite)."""
     from megatron_bridge.data.corpus import build_stdlib_corpus, train_tokenizer
@@ -47,13 +53,21 @@ def build_demo(out_dir: Union[str, os.PathLike], vocab_size: int = 512, max_byte
     t0 = time.time()
     with atomic_dir(out, overwrite=overwrite) as tmp:
         corpus = build_stdlib_corpus(tmp / "corpus.jsonl", max_bytes=max_bytes)
-        log(f"corpus: {corpus.documents} files of the Python standard library ({corpus.root}), "
-            f"{corpus.bytes / 1e6:.2f} MB")
+        log(
+            f"corpus: {corpus.documents} files of the Python standard library ({corpus.root}), "
+            f"{corpus.bytes / 1e6:.2f} MB"
+        )
         train_tokenizer(corpus.path, tmp / "tokenizer", vocab_size)
         log(f"tokenizer: byte-level BPE, {vocab_size} tokens ({time.time() - t0:.1f}s)")
-        stats = preprocess(corpus.path, tmp / DEMO_PREFIX, tmp / "tokenizer", append_eos=True,
-                           meta_extra={"tokenizer": str(out / "tokenizer"), "files": [str(out / "corpus.jsonl")]})
+        stats = preprocess(
+            corpus.path,
+            tmp / DEMO_PREFIX,
+            tmp / "tokenizer",
+            append_eos=True,
+            meta_extra={"tokenizer": str(out / "tokenizer"), "files": [str(out / "corpus.jsonl")]},
+        )
         log(f"dataset: {stats.documents} documents, {stats.tokens} tokens ({stats.dtype})")
     log(f"wrote {out} in {time.time() - t0:.1f}s")
-    return DemoData(out, out / "corpus.jsonl", out / "tokenizer", out / DEMO_PREFIX, stats.documents,
-                    stats.tokens, stats.vocab_size)
+    return DemoData(
+        out, out / "corpus.jsonl", out / "tokenizer", out / DEMO_PREFIX, stats.documents, stats.tokens, stats.vocab_size
+    )

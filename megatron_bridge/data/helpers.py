@@ -27,15 +27,14 @@ import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional
 
 from megatron_bridge.errors import UserError
 
 HELPERS_MODULE = "megatron.core.datasets.helpers_cpp"
-_STATUS: Optional[str] = None
+_STATUS: str | None = None
 
 
-def _package_dir(name: str) -> Optional[Path]:
+def _package_dir(name: str) -> Path | None:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -55,7 +54,7 @@ def cache_dir() -> Path:
     return Path(root) / "helpers"
 
 
-def pybind11_includes() -> List[str]:
+def pybind11_includes() -> list[str]:
     """Include dirs holding pybind11/pybind11.h: the pybind11 package, else torch's copy."""
     try:
         import pybind11  # type: ignore
@@ -66,8 +65,9 @@ def pybind11_includes() -> List[str]:
     torch_dir = _package_dir("torch")
     if torch_dir and (torch_dir / "include" / "pybind11" / "pybind11.h").is_file():
         return [str(torch_dir / "include")]
-    raise UserError("cannot compile megatron-core's dataset helpers: pybind11's headers were not found "
-                    "(pip install pybind11)")
+    raise UserError(
+        "cannot compile megatron-core's dataset helpers: pybind11's headers were not found (pip install pybind11)"
+    )
 
 
 def _compiler() -> str:
@@ -81,14 +81,14 @@ def _compiler() -> str:
     return cxx
 
 
-def compiled_path(root: Optional[Path] = None) -> Path:
+def compiled_path(root: Path | None = None) -> Path:
     src = helpers_source()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     key = hashlib.sha256(src.read_bytes() + f"|{sys.version}|{suffix}".encode()).hexdigest()[:16]
     return (root or cache_dir()) / key / f"helpers_cpp{suffix}"
 
 
-def compile_helpers(root: Optional[Path] = None) -> Path:
+def compile_helpers(root: Path | None = None) -> Path:
     """Compile helpers.cpp into the cache (once; later calls return the cached file)."""
     out = compiled_path(root)
     if out.is_file():
@@ -100,14 +100,25 @@ def compile_helpers(root: Optional[Path] = None) -> Path:
         if out.is_file():  # another process compiled it while we waited
             return out
         tmp = out.parent / f".tmp-{os.getpid()}-{out.name}"
-        cmd = [_compiler(), "-O3", "-Wall", "-shared", "-std=c++17", "-fPIC",
-               f"-I{sysconfig.get_paths()['include']}", *[f"-I{d}" for d in pybind11_includes()],
-               str(helpers_source()), "-o", str(tmp)]
+        cmd = [
+            _compiler(),
+            "-O3",
+            "-Wall",
+            "-shared",
+            "-std=c++17",
+            "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}",
+            *[f"-I{d}" for d in pybind11_includes()],
+            str(helpers_source()),
+            "-o",
+            str(tmp),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             tmp.unlink(missing_ok=True)
-            raise UserError(f"compiling megatron-core's dataset helpers failed ({' '.join(cmd)}):\n"
-                            f"{r.stderr.strip()[-2000:]}")
+            raise UserError(
+                f"compiling megatron-core's dataset helpers failed ({' '.join(cmd)}):\n{r.stderr.strip()[-2000:]}"
+            )
         os.replace(tmp, out)
     return out
 

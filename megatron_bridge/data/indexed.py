@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from megatron_bridge.data.preprocess import output_paths, read_meta
 from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer, validate_tokenizer_dir
@@ -21,15 +21,17 @@ from megatron_bridge.errors import UserError
 SPLITS = ("train", "valid", "test")
 
 
-def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+def parse_blend(paths: Sequence[str]) -> tuple[list[str], list[float] | None]:
     """`data.paths`: prefixes [p1, p2, ...] or weighted [w1, p1, w2, p2, ...] (megatron's
     --data-path syntax). Returns (prefixes, weights or None)."""
     paths = [str(p).strip() for p in paths]
     if not paths:
-        raise UserError("data.kind=indexed needs data.paths: the prefix(es) of datasets made by `mbr data` "
-                        "(e.g. data.paths=[/data/stdlib_text_document]), optionally weighted: [0.3,A,0.7,B]")
+        raise UserError(
+            "data.kind=indexed needs data.paths: the prefix(es) of datasets made by `mbr data` "
+            "(e.g. data.paths=[/data/stdlib_text_document]), optionally weighted: [0.3,A,0.7,B]"
+        )
 
-    def num(s: str) -> Optional[float]:
+    def num(s: str) -> float | None:
         try:
             return float(s)
         except ValueError:
@@ -42,12 +44,14 @@ def parse_blend(paths: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]
         return paths[1::2], weights
     bad = [p for p in paths if num(p) is not None]
     if bad:
-        raise UserError(f"data.paths={paths} mixes weights and prefixes; use [w1,prefix1,w2,prefix2,...] "
-                        "with a weight before every prefix, or only prefixes")
+        raise UserError(
+            f"data.paths={paths} mixes weights and prefixes; use [w1,prefix1,w2,prefix2,...] "
+            "with a weight before every prefix, or only prefixes"
+        )
     return paths, None
 
 
-def parse_split(split: str) -> List[float]:
+def parse_split(split: str) -> list[float]:
     """'98,2,0' → normalized [0.98, 0.02, 0.0]; UserError for anything else."""
     parts = [s.strip() for s in str(split).replace("/", ",").split(",")]
     try:
@@ -55,9 +59,11 @@ def parse_split(split: str) -> List[float]:
     except ValueError:
         vals = []
     if not 1 <= len(vals) <= 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
-        raise UserError(f"data.split={split!r}: expected up to three non-negative train,valid,test weights "
-                        "that are not all zero, e.g. data.split=98/2/0 (or, quoted for the shell, "
-                        "'data.split=\"98,2,0\"')")
+        raise UserError(
+            f"data.split={split!r}: expected up to three non-negative train,valid,test weights "
+            "that are not all zero, e.g. data.split=98/2/0 (or, quoted for the shell, "
+            "'data.split=\"98,2,0\"')"
+        )
     vals += [0.0] * (3 - len(vals))
     return [v / sum(vals) for v in vals]
 
@@ -78,9 +84,9 @@ def idx_lengths(prefix: str):
         raise UserError(f"cannot read {path}: {e}") from e
 
 
-
-def check_indexed_data(data, model_vocab_size: Optional[int] = None
-                       ) -> Tuple[List[str], Optional[List[float]], Optional[int], Optional[int]]:
+def check_indexed_data(
+    data, model_vocab_size: int | None = None
+) -> tuple[list[str], list[float] | None, int | None, int | None]:
     """Validate `data` (a DataConfig with kind=indexed) without building anything: every prefix
     exists, the data's token ids fit the tokenizer and the model, the tokenizer matches the
     one the data was made with, every split with a weight has documents. Returns
@@ -106,7 +112,11 @@ def check_indexed_data(data, model_vocab_size: Optional[int] = None
         if not m:
             continue
         if vocab is None:
-            vocab, eod, tok_desc = int(m["vocab_size"]), int(m["eos_id"]), f"the tokenizer {m.get('tokenizer')} ({p}{'.meta.json'})"
+            vocab, eod, tok_desc = (
+                int(m["vocab_size"]),
+                int(m["eos_id"]),
+                f"the tokenizer {m.get('tokenizer')} ({p}{'.meta.json'})",
+            )
             continue
         if int(m["max_token_id"]) >= vocab or int(m["eos_id"]) != eod or int(m["vocab_size"]) != vocab:
             raise UserError(

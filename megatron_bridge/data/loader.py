@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from megatron_bridge.data.batching import DataIterator
 from megatron_bridge.data.indexed import check_indexed_data, idx_lengths, parse_split
@@ -31,13 +32,18 @@ class DatasetTokenizer:
     fingerprint of the data files, so re-preprocessing a prefix never reuses stale indices.
     `pad` is -1 (megatron's "no pad id"): no real token is ever masked as padding."""
 
-    def __init__(self, vocab_size: Optional[int], eod: Optional[int], name: str = "", fingerprint: str = ""):
+    def __init__(self, vocab_size: int | None, eod: int | None, name: str = "", fingerprint: str = ""):
         self.vocab_size = vocab_size
         self.eod = eod if eod is not None else -1
         self.eos = self.eod
         self.pad = -1
-        self.unique_identifiers = {"class": "DatasetTokenizer", "name": name, "vocab_size": vocab_size,
-                                   "eod": self.eod, "data": fingerprint}
+        self.unique_identifiers = {
+            "class": "DatasetTokenizer",
+            "name": name,
+            "vocab_size": vocab_size,
+            "eod": self.eod,
+            "data": fingerprint,
+        }
 
     def __repr__(self) -> str:
         return f"DatasetTokenizer({self.unique_identifiers})"
@@ -62,8 +68,8 @@ class Datasets:
     valid: Any
     test: Any
     kind: str
-    vocab_size: Optional[int]  # the data's token-id range (tokenizer size)
-    eod: Optional[int]
+    vocab_size: int | None  # the data's token-id range (tokenizer size)
+    eod: int | None
     helpers: str = ""  # how megatron-core's C++ helpers were provided ("" for synthetic)
 
     def split(self, name: str) -> Any:
@@ -74,12 +80,23 @@ def _default_cache_dir(prefixes: Sequence[str]) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
 
 
-def build_datasets(data, dims, *, seq_length: int, seed: int, train_steps: int,
-                   valid_samples: Optional[int] = None, test_samples: Optional[int] = None,
-                   model_vocab_size: Optional[int] = None, cache_dir: Optional[str] = None,
-                   create_attention_mask: bool = False, eod_mask_loss: bool = False,
-                   reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                   is_built_on_rank: Optional[Callable[[], bool]] = None) -> Datasets:
+def build_datasets(
+    data,
+    dims,
+    *,
+    seq_length: int,
+    seed: int,
+    train_steps: int,
+    valid_samples: int | None = None,
+    test_samples: int | None = None,
+    model_vocab_size: int | None = None,
+    cache_dir: str | None = None,
+    create_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    is_built_on_rank: Callable[[], bool] | None = None,
+) -> Datasets:
     """Build the train/valid/test datasets for `data` (a `DataConfig`).
 
     The train split holds at least `train_steps · dims.global_batch_size` samples; valid and
@@ -93,8 +110,10 @@ def build_datasets(data, dims, *, seq_length: int, seed: int, train_steps: int,
     if seq_length < 1:
         raise UserError(f"train.seq_length={seq_length} must be >= 1")
     if dims.cp > 1 and seq_length % (2 * dims.cp):
-        raise UserError(f"train.seq_length={seq_length} is not divisible by 2·cp = {2 * dims.cp} (context "
-                        "parallelism cuts each sequence into 2·cp chunks)")
+        raise UserError(
+            f"train.seq_length={seq_length} is not divisible by 2·cp = {2 * dims.cp} (context "
+            "parallelism cuts each sequence into 2·cp chunks)"
+        )
     if dims.global_batch_size < 1 or train_steps < 0:
         raise UserError(f"bad sizes: train steps {train_steps}, global batch {dims.global_batch_size}")
     train_samples = train_steps * dims.global_batch_size
@@ -103,18 +122,33 @@ def build_datasets(data, dims, *, seq_length: int, seed: int, train_steps: int,
     if kind == "synthetic":
         vocab = model_vocab_size
         if data.tokenizer:
-            vocab = check_vocab(data.tokenizer, model_vocab_size) if model_vocab_size else len(load_tokenizer(data.tokenizer))
+            vocab = (
+                check_vocab(data.tokenizer, model_vocab_size)
+                if model_vocab_size
+                else len(load_tokenizer(data.tokenizer))
+            )
         if vocab is None:
             raise UserError("data.kind=synthetic needs a vocab size: pass the model's vocab_size")
         n_valid = valid_samples if valid_samples is not None else 4 * dims.global_batch_size
         n_test = test_samples if test_samples is not None else 0
-        mk = lambda n, split: SyntheticGPTDataset(n, seq_length, vocab, seed, split, create_attention_mask)
-        return Datasets(mk(train_samples, "train"), mk(n_valid, "valid") if n_valid else None,
-                        mk(n_test, "test") if n_test else None, kind, vocab, None)
+
+        def mk(n, split):
+            return SyntheticGPTDataset(n, seq_length, vocab, seed, split, create_attention_mask)
+
+        return Datasets(
+            mk(train_samples, "train"),
+            mk(n_valid, "valid") if n_valid else None,
+            mk(n_test, "test") if n_test else None,
+            kind,
+            vocab,
+            None,
+        )
 
     if kind != "indexed":
-        raise UserError(f"data.kind={kind!r}: expected 'indexed' (megatron-core .bin/.idx made by `mbr data`) or "
-                        "'synthetic' (seeded random tokens)")
+        raise UserError(
+            f"data.kind={kind!r}: expected 'indexed' (megatron-core .bin/.idx made by `mbr data`) or "
+            "'synthetic' (seeded random tokens)"
+        )
 
     prefixes, weights, vocab, eod = check_indexed_data(data, model_vocab_size)
     # A size of 0 ("not wanted") is built as one epoch (megatron builds the split anyway).
@@ -130,8 +164,9 @@ def build_datasets(data, dims, *, seq_length: int, seed: int, train_steps: int,
     try:
         os.makedirs(cache, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot create the dataset index cache {cache}: {e.strerror or e}; pass a writable "
-                        "cache directory") from e
+        raise UserError(
+            f"cannot create the dataset index cache {cache}: {e.strerror or e}; pass a writable cache directory"
+        ) from e
     if not os.access(cache, os.W_OK):
         raise UserError(f"the dataset index cache {cache} is not writable; pass a writable cache directory")
 
@@ -143,14 +178,22 @@ def build_datasets(data, dims, *, seq_length: int, seed: int, train_steps: int,
 
     tokenizer = DatasetTokenizer(vocab, eod, name=str(data.tokenizer or ""), fingerprint=_fingerprint(prefixes))
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=data.split,
-        path_to_cache=cache, tokenizer=tokenizer, mmap_bin_files=True,
-        reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
-        eod_mask_loss=eod_mask_loss, create_attention_mask=create_attention_mask,
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=data.split,
+        path_to_cache=cache,
+        tokenizer=tokenizer,
+        mmap_bin_files=True,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
     )
     with _rank0_without_process_group():
         train, valid, test = BlendedMegatronDatasetBuilder(
-            GPTDataset, sizes, is_built_on_rank or (lambda: True), config).build()
+            GPTDataset, sizes, is_built_on_rank or (lambda: True), config
+        ).build()
     valid = None if valid_samples == 0 else valid  # built by megatron anyway; not wanted
     test = None if test_samples == 0 else test
     return Datasets(train, valid, test, kind, vocab, eod, how)
@@ -173,26 +216,53 @@ def _rank0_without_process_group():
         yield
 
 
-def make_iterator(dataset, dims, *, dp_rank: int = 0, cp_rank: int = 0, consumed_samples: int = 0,
-                  num_workers: int = 0) -> DataIterator:
+def make_iterator(
+    dataset, dims, *, dp_rank: int = 0, cp_rank: int = 0, consumed_samples: int = 0, num_workers: int = 0
+) -> DataIterator:
     """A `DataIterator` with mbs, dp and cp from `dims` (a `ParallelDims`)."""
-    return DataIterator(dataset, micro_batch_size=dims.micro_batch_size, dp_rank=dp_rank, dp_size=max(dims.dp, 1),
-                        consumed_samples=consumed_samples, cp_size=dims.cp, cp_rank=cp_rank, num_workers=num_workers)
+    return DataIterator(
+        dataset,
+        micro_batch_size=dims.micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=max(dims.dp, 1),
+        consumed_samples=consumed_samples,
+        cp_size=dims.cp,
+        cp_rank=cp_rank,
+        num_workers=num_workers,
+    )
 
 
-def build_data_iterators(cfg, dims, *, dp_rank: int = 0, cp_rank: int = 0, consumed_samples: int = 0,
-                         valid_samples: Optional[int] = None, cache_dir: Optional[str] = None,
-                         is_built_on_rank: Optional[Callable[[], bool]] = None):
+def build_data_iterators(
+    cfg,
+    dims,
+    *,
+    dp_rank: int = 0,
+    cp_rank: int = 0,
+    consumed_samples: int = 0,
+    valid_samples: int | None = None,
+    cache_dir: str | None = None,
+    is_built_on_rank: Callable[[], bool] | None = None,
+):
     """From a composed `Config`: (datasets, train iterator from `consumed_samples`, valid
     iterator or None). Seeds, sizes and vocab come from cfg.train / cfg.model / cfg.data."""
     data = cfg.data
     # Optional DataConfig fields (read when the schema has them; defaults otherwise).
-    flags = {k: bool(getattr(data, k, False)) for k in
-             ("create_attention_mask", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")}
-    ds = build_datasets(data, dims, seq_length=cfg.train.seq_length, seed=cfg.train.seed,
-                        train_steps=cfg.train.steps, valid_samples=valid_samples,
-                        model_vocab_size=cfg.model.vocab_size, cache_dir=cache_dir or getattr(data, "cache_dir", None),
-                        is_built_on_rank=is_built_on_rank, **flags)
+    flags = {
+        k: bool(getattr(data, k, False))
+        for k in ("create_attention_mask", "eod_mask_loss", "reset_position_ids", "reset_attention_mask")
+    }
+    ds = build_datasets(
+        data,
+        dims,
+        seq_length=cfg.train.seq_length,
+        seed=cfg.train.seed,
+        train_steps=cfg.train.steps,
+        valid_samples=valid_samples,
+        model_vocab_size=cfg.model.vocab_size,
+        cache_dir=cache_dir or getattr(data, "cache_dir", None),
+        is_built_on_rank=is_built_on_rank,
+        **flags,
+    )
     kw = dict(dp_rank=dp_rank, cp_rank=cp_rank, num_workers=cfg.data.num_workers)
     train = make_iterator(ds.train, dims, consumed_samples=consumed_samples, **kw)
     valid = make_iterator(ds.valid, dims, **kw) if ds.valid is not None and len(ds.valid) else None

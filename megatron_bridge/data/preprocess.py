@@ -19,16 +19,17 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any
 
 from megatron_bridge.data._fs import ensure_parent, refuse_existing, remove, temp_path_for
 from megatron_bridge.data.corpus import input_files, iter_documents
 from megatron_bridge.data.tokenizer import load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 META_SUFFIX = ".meta.json"
 META_FORMAT = "megatron_bridge.indexed/1"
 
@@ -44,22 +45,24 @@ class PreprocessStats:
     eos_id: int
     max_token_id: int
     seconds: float
-    files: List[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         rate = self.tokens / self.seconds if self.seconds > 0 else float("inf")
         skipped = f", {self.skipped_empty} empty skipped" if self.skipped_empty else ""
-        return (f"{self.prefix}.{{bin,idx}}: {self.documents} documents{skipped}, {self.tokens} tokens "
-                f"({self.dtype}, vocab {self.vocab_size}, eos {self.eos_id}) in {self.seconds:.1f}s "
-                f"({rate:,.0f} tokens/s)")
+        return (
+            f"{self.prefix}.{{bin,idx}}: {self.documents} documents{skipped}, {self.tokens} tokens "
+            f"({self.dtype}, vocab {self.vocab_size}, eos {self.eos_id}) in {self.seconds:.1f}s "
+            f"({rate:,.0f} tokens/s)"
+        )
 
 
-def output_paths(prefix: PathLike) -> Dict[str, str]:
+def output_paths(prefix: PathLike) -> dict[str, str]:
     p = str(prefix)
     return {"bin": p + ".bin", "idx": p + ".idx", "meta": p + META_SUFFIX}
 
 
-def read_meta(prefix: PathLike) -> Optional[Dict[str, Any]]:
+def read_meta(prefix: PathLike) -> dict[str, Any] | None:
     """The `PREFIX.meta.json` written by `preprocess`, or None (e.g. data made by Megatron-LM's
     own preprocessing tool)."""
     path = output_paths(prefix)["meta"]
@@ -80,18 +83,30 @@ def check_output_prefix(prefix: PathLike, overwrite: bool) -> Path:
         raise UserError("no output given: pass output=PREFIX (writes PREFIX.bin and PREFIX.idx)")
     p = Path(prefix).expanduser()
     if p.suffix in (".bin", ".idx"):
-        raise UserError(f"output={p} should be a prefix without the extension: output={p.with_suffix('')} "
-                        f"writes {p.with_suffix('')}.bin and {p.with_suffix('')}.idx")
+        raise UserError(
+            f"output={p} should be a prefix without the extension: output={p.with_suffix('')} "
+            f"writes {p.with_suffix('')}.bin and {p.with_suffix('')}.idx"
+        )
     if p.is_dir() or str(prefix).endswith(os.sep):
         raise UserError(f"output={p} is a directory; pass a file prefix inside it, e.g. output={p / 'text_document'}")
     refuse_existing(list(output_paths(p).values()), overwrite, "indexed dataset")
     return p
 
 
-def preprocess(inputs: Union[PathLike, Sequence[PathLike]], output_prefix: PathLike, tokenizer: PathLike, *,
-               text_key: str = "text", txt_mode: str = "file", append_eos: bool = True,
-               overwrite: bool = False, batch_size: int = 256, parse_special_tokens: bool = False,
-               meta_extra: Optional[Dict[str, Any]] = None, log: Optional[Callable[[str], None]] = None) -> PreprocessStats:
+def preprocess(
+    inputs: PathLike | Sequence[PathLike],
+    output_prefix: PathLike,
+    tokenizer: PathLike,
+    *,
+    text_key: str = "text",
+    txt_mode: str = "file",
+    append_eos: bool = True,
+    overwrite: bool = False,
+    batch_size: int = 256,
+    parse_special_tokens: bool = False,
+    meta_extra: dict[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> PreprocessStats:
     """Tokenize `inputs` (jsonl/txt files or directories) with the HF tokenizer directory
     `tokenizer` into the megatron-core indexed dataset `output_prefix`.{bin,idx}. One
     document per jsonl line / txt file (txt_mode=line: per non-empty line); empty documents
@@ -131,7 +146,7 @@ def preprocess(inputs: Union[PathLike, Sequence[PathLike]], output_prefix: PathL
     try:
         builder = IndexedDatasetBuilder(tmp["bin"], dtype=dtype)
 
-        def flush(batch: List[str]) -> None:
+        def flush(batch: list[str]) -> None:
             nonlocal n_docs, n_tokens, max_id
             for ids in encode(batch):
                 if append_eos:
@@ -144,7 +159,7 @@ def preprocess(inputs: Union[PathLike, Sequence[PathLike]], output_prefix: PathL
                 n_docs += 1
                 n_tokens += arr.size
 
-        batch: List[str] = []
+        batch: list[str] = []
         for text in iter_documents(files, text_key=text_key, txt_mode=txt_mode):
             if not text.strip():
                 n_empty += 1
@@ -158,18 +173,34 @@ def preprocess(inputs: Union[PathLike, Sequence[PathLike]], output_prefix: PathL
         if batch:
             flush(batch)
         if n_docs == 0:
-            raise UserError(f"no documents in {', '.join(map(str, files))} (all empty"
-                            f"{'' if txt_mode == 'line' else f' or without a {text_key!r} text'})")
+            raise UserError(
+                f"no documents in {', '.join(map(str, files))} (all empty"
+                f"{'' if txt_mode == 'line' else f' or without a {text_key!r} text'})"
+            )
         if max_id >= vocab:
             raise UserError(f"the tokenizer in {tok_dir} produced id {max_id} ≥ its own size {vocab}")
         builder.finalize(tmp["idx"])
         stats = PreprocessStats(
-            prefix=str(prefix), documents=n_docs, tokens=n_tokens, skipped_empty=n_empty,
-            dtype=np.dtype(dtype).name, vocab_size=vocab, eos_id=eos, max_token_id=max_id,
-            seconds=time.time() - t0, files=[str(f) for f in files],
+            prefix=str(prefix),
+            documents=n_docs,
+            tokens=n_tokens,
+            skipped_empty=n_empty,
+            dtype=np.dtype(dtype).name,
+            vocab_size=vocab,
+            eos_id=eos,
+            max_token_id=max_id,
+            seconds=time.time() - t0,
+            files=[str(f) for f in files],
         )
-        meta = {"format": META_FORMAT, "build_id": uuid.uuid4().hex, "tokenizer": str(tok_dir.absolute()),
-                "text_key": text_key, "append_eos": append_eos, **asdict(stats), **(meta_extra or {})}
+        meta = {
+            "format": META_FORMAT,
+            "build_id": uuid.uuid4().hex,
+            "tokenizer": str(tok_dir.absolute()),
+            "text_key": text_key,
+            "append_eos": append_eos,
+            **asdict(stats),
+            **(meta_extra or {}),
+        }
         meta.pop("prefix", None)
         with open(tmp["meta"], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
@@ -184,7 +215,7 @@ def preprocess(inputs: Union[PathLike, Sequence[PathLike]], output_prefix: PathL
     return stats
 
 
-def _encoder(tok: Any, parse_special_tokens: bool = False) -> Callable[[List[str]], List[List[int]]]:
+def _encoder(tok: Any, parse_special_tokens: bool = False) -> Callable[[list[str]], list[list[int]]]:
     """Batch encoder adding no special tokens: the fast backend directly when there is one (no
     model_max_length warnings, releases the GIL), else the tokenizer's __call__."""
     backend = getattr(tok, "backend_tokenizer", None)

@@ -7,7 +7,7 @@ a function of (seed, split, index) alone.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 _SPLIT_SALT = {"train": 0, "valid": 1, "test": 2}
 
@@ -16,8 +16,15 @@ class SyntheticGPTDataset:
     """Seeded random tokens with GPTDataset's sample layout. Sample i depends only on (seed,
     split, i): any order of access, any worker, any resume point gives the same sample."""
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int, split: str = "train",
-                 create_attention_mask: bool = False):
+    def __init__(
+        self,
+        num_samples: int,
+        seq_length: int,
+        vocab_size: int,
+        seed: int,
+        split: str = "train",
+        create_attention_mask: bool = False,
+    ):
         if vocab_size < 1 or seq_length < 1 or num_samples < 0:
             raise ValueError(f"bad synthetic dataset sizes: samples={num_samples} seq={seq_length} vocab={vocab_size}")
         self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
@@ -26,7 +33,7 @@ class SyntheticGPTDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getitem__(self, idx: int) -> Dict[str, Any]:
+    def __getitem__(self, idx: int) -> dict[str, Any]:
         import numpy as np
         import torch
 
@@ -35,8 +42,12 @@ class SyntheticGPTDataset:
         rng = np.random.default_rng([self.seed, _SPLIT_SALT[self.split], int(idx)])
         text = torch.from_numpy(rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64))
         s = self.seq_length
-        out = {"tokens": text[:-1].contiguous(), "labels": text[1:].contiguous(),
-               "loss_mask": torch.ones(s, dtype=torch.float), "position_ids": torch.arange(s, dtype=torch.long)}
+        out = {
+            "tokens": text[:-1].contiguous(),
+            "labels": text[1:].contiguous(),
+            "loss_mask": torch.ones(s, dtype=torch.float),
+            "position_ids": torch.arange(s, dtype=torch.long),
+        }
         if self.create_attention_mask:
             out["attention_mask"] = ~torch.tril(torch.ones(s, s, dtype=torch.bool)).unsqueeze(0)
         return out

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from megatron_bridge.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def validate_tokenizer_dir(path: Union[str, os.PathLike, None], what: str = "tokenizer") -> Path:
+def validate_tokenizer_dir(path: str | os.PathLike | None, what: str = "tokenizer") -> Path:
     """The tokenizer directory as a Path, or a UserError saying what is wrong with it."""
     if path is None or str(path) == "":
         raise UserError(
@@ -26,18 +26,20 @@ def validate_tokenizer_dir(path: Union[str, os.PathLike, None], what: str = "tok
         )
     p = Path(path).expanduser()
     if not p.exists():
-        raise UserError(f"{what} directory {p} does not exist (only local directories are supported; "
-                        "nothing is downloaded)")
+        raise UserError(
+            f"{what} directory {p} does not exist (only local directories are supported; nothing is downloaded)"
+        )
     if not p.is_dir():
-        raise UserError(f"{what} {p} is a file; expected a Hugging Face tokenizer directory "
-                        f"(holding {' or '.join(TOKENIZER_FILES[:2])})")
+        raise UserError(
+            f"{what} {p} is a file; expected a Hugging Face tokenizer directory "
+            f"(holding {' or '.join(TOKENIZER_FILES[:2])})"
+        )
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
-        raise UserError(f"{what} directory {p} holds no tokenizer files (looked for "
-                        f"{', '.join(TOKENIZER_FILES)})")
+        raise UserError(f"{what} directory {p} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
     return p
 
 
-def load_tokenizer(path: Union[str, os.PathLike, None]) -> Any:
+def load_tokenizer(path: str | os.PathLike | None) -> Any:
     """`transformers.AutoTokenizer.from_pretrained(path)` for a local directory, requiring an
     end-of-sequence token (it separates documents in the indexed dataset)."""
     p = validate_tokenizer_dir(path)

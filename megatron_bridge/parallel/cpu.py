@@ -49,9 +49,26 @@ _CPU = torch.device("cpu")
 _INSTALLED = False
 _MISSING = object()
 _FACTORIES = (
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
-    "randperm", "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
-    "linspace", "eye", "empty_strided",
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "linspace",
+    "eye",
+    "empty_strided",
 )
 
 
@@ -109,9 +126,7 @@ class _CudaOnCpu(types.ModuleType):
     manual_seed_all = staticmethod(lambda seed: torch.manual_seed(seed))
     memory_allocated = max_memory_allocated = memory_reserved = staticmethod(lambda *a, **k: 0)
     memory_stats = staticmethod(lambda *a, **k: {})
-    nvtx = types.SimpleNamespace(
-        range_push=_noop, range_pop=_noop, range=lambda *a, **k: contextlib.nullcontext()
-    )
+    nvtx = types.SimpleNamespace(range_push=_noop, range_pop=_noop, range=lambda *a, **k: contextlib.nullcontext())
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -276,14 +291,14 @@ def install() -> bool:
     if _INSTALLED:
         return True
     import megatron.core  # noqa: F401  (imports the modules patched below)
+    from megatron.core import utils as mcore_utils
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.common.language_module import language_module
     from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
     from megatron.core.pipeline_parallel import p2p_communication
     from megatron.core.tensor_parallel import data, mappings, random
     from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils
-    from megatron.core import utils as mcore_utils
-    from megatron.core.models.common.embeddings import rope_utils
 
     # 1. torch.cuda / device="cuda" as seen by megatron.core
     _TORCH = _TorchOnCpu()
@@ -344,9 +359,7 @@ def install() -> bool:
     all_to_all_forward = mappings._AllToAll.forward
 
     def all_to_all_forward_int(ctx, group, input, output_split_sizes, input_split_sizes):
-        return all_to_all_forward(
-            ctx, group, input, _int_list(output_split_sizes), _int_list(input_split_sizes)
-        )
+        return all_to_all_forward(ctx, group, input, _int_list(output_split_sizes), _int_list(input_split_sizes))
 
     mappings._AllToAll.forward = staticmethod(all_to_all_forward_int)
     gather_first, reduce_scatter_first = (
@@ -372,9 +385,7 @@ def install() -> bool:
 
     # 6. pipeline p2p on gloo: never batch_isend_irecv
     p2p_ops = p2p_communication._p2p_ops
-    _replace_everywhere(
-        p2p_communication._batched_p2p_ops, lambda **kw: list(p2p_ops(**kw).values())
-    )
+    _replace_everywhere(p2p_communication._batched_p2p_ops, lambda **kw: list(p2p_ops(**kw).values()))
 
     _INSTALLED = True
     return True

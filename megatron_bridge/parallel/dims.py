@@ -10,7 +10,6 @@ through `validate()` before any process group exists.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 from megatron_bridge.errors import LayoutError
 
@@ -25,7 +24,7 @@ class ParallelDims:
     ep: int = 1
     etp: int = 1
     dp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     sequence_parallel: bool = False
     zero_stage: int = 0
     micro_batch_size: int = 1
@@ -69,7 +68,7 @@ class ParallelDims:
 
     # -- construction -------------------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg, world_size: Optional[int] = None) -> "ParallelDims":
+    def from_config(cls, cfg, world_size: int | None = None) -> ParallelDims:
         """Resolve degrees from a composed `Config`. `world_size` defaults to the cluster's
         nodes × gpus_per_node; under a launcher pass the real one. Arithmetic that cannot
         be resolved (dp not inferable, batch not divisible) is left for `validate()` to
@@ -103,7 +102,7 @@ class ParallelDims:
         )
 
 
-def validate(cfg, world_size: Optional[int] = None):
+def validate(cfg, world_size: int | None = None):
     """Resolve and check a config. Returns (dims, notes); raises `LayoutError` listing
     every violated rule. `notes` are non-fatal findings (vocab padding, warnings)."""
     from megatron_bridge.parallel.rules import check_all
@@ -124,4 +123,4 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     return ((vocab + m - 1) // m) * m
 
 
-__all__: List[str] = ["ParallelDims", "validate", "padded_vocab_size"]
+__all__: list[str] = ["ParallelDims", "validate", "padded_vocab_size"]

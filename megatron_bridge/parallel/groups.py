@@ -14,7 +14,6 @@ import os
 import random
 import socket
 from datetime import timedelta
-from typing import List, Optional
 
 import torch
 
@@ -25,7 +24,7 @@ ORDER = "tp-cp-ep-dp-pp"
 PP_SEED_STRIDE = 10007  # > megatron's largest per-rank seed offset (1024 + 100·ep + etp, 2718 + tp)
 
 
-def launcher_world_size() -> Optional[int]:
+def launcher_world_size() -> int | None:
     """WORLD_SIZE set by torchrun / the deepspeed launcher, or None outside a launcher."""
     value = os.environ.get("WORLD_SIZE")
     return int(value) if value else None
@@ -81,11 +80,11 @@ def _check_world(dims: ParallelDims) -> int:
 def initialize(
     dims: ParallelDims,
     *,
-    backend: Optional[str] = None,
+    backend: str | None = None,
     timeout_minutes: float = 10,
     seed: int = 1234,
     create_gloo_groups: bool = True,
-) -> "MegatronMPU":
+) -> MegatronMPU:
     """Start torch.distributed (if needed) and megatron-core's model-parallel groups for `dims`.
 
     backend: "nccl" on a GPU host, "gloo" otherwise, unless given. timeout_minutes bounds every
@@ -157,7 +156,7 @@ def destroy() -> None:
         torch.distributed.destroy_process_group()
 
 
-def _ranks(group) -> List[int]:
+def _ranks(group) -> list[int]:
     return torch.distributed.get_process_group_ranks(group)
 
 
@@ -232,7 +231,7 @@ class MegatronMPU:
     def get_data_parallel_rank(self) -> int:
         return self.ps.get_data_parallel_rank()
 
-    def get_data_parallel_group_ranks(self) -> List[int]:
+    def get_data_parallel_group_ranks(self) -> list[int]:
         return _ranks(self.get_data_parallel_group())
 
     # context parallel, in DeepSpeed's sequence-parallel slots

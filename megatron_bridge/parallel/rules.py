@@ -8,9 +8,9 @@ the rule, the numbers, and a fix. docs/config.md lists the rules in the same ord
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import lcm
-from typing import Callable, List, Tuple
 
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
 
@@ -25,8 +25,8 @@ class Violation:
         return f"[{self.rule}] {self.detail}. Fix: {self.fix}."
 
 
-Rule = Callable[[ParallelDims, object], List[Violation]]
-RULES: List[Rule] = []
+Rule = Callable[[ParallelDims, object], list[Violation]]
+RULES: list[Rule] = []
 
 
 def rule(fn: Rule) -> Rule:
@@ -34,7 +34,7 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
-def _v(rule_name: str, detail: str, fix: str) -> List[Violation]:
+def _v(rule_name: str, detail: str, fix: str) -> list[Violation]:
     return [Violation(rule_name, detail, fix)]
 
 
@@ -70,9 +70,15 @@ def positive_degrees(d, cfg):
     if not d.dp_inferred and d.dp < 1:
         out += _v("positive-degree", f"parallel.dp={d.dp} must be >= 1 or -1", "use parallel.dp=-1 to infer it")
     if d.vpp is not None and d.vpp < 1:
-        out += _v("positive-degree", f"parallel.vpp={d.vpp} must be >= 1", "set parallel.vpp=null to disable interleaving")
-    for key, v in (("train.micro_batch_size", d.micro_batch_size), ("train.global_batch_size", d.global_batch_size),
-                   ("cluster.nodes", d.nodes if d.world_size > 0 else 0), ("cluster.gpus_per_node", d.gpus_per_node)):
+        out += _v(
+            "positive-degree", f"parallel.vpp={d.vpp} must be >= 1", "set parallel.vpp=null to disable interleaving"
+        )
+    for key, v in (
+        ("train.micro_batch_size", d.micro_batch_size),
+        ("train.global_batch_size", d.global_batch_size),
+        ("cluster.nodes", d.nodes if d.world_size > 0 else 0),
+        ("cluster.gpus_per_node", d.gpus_per_node),
+    ):
         if v < 1:
             out += _v("positive-degree", f"{key}={v} must be >= 1", f"set {key} to 1 or more")
     if d.zero_stage not in (0, 1, 2, 3):
@@ -91,14 +97,20 @@ def world_size(d, cfg):
     mp = d.tp * d.pp * d.cp
     if d.dp_inferred:
         if d.world_size % mp:
-            return _v("world-size", f"tp·pp·cp = {d.tp}·{d.pp}·{d.cp} = {mp} does not divide the world size "
-                      f"{d.world_size}, so dp cannot be inferred",
-                      f"choose degrees whose product divides {d.world_size}, or change cluster.nodes/gpus_per_node")
+            return _v(
+                "world-size",
+                f"tp·pp·cp = {d.tp}·{d.pp}·{d.cp} = {mp} does not divide the world size "
+                f"{d.world_size}, so dp cannot be inferred",
+                f"choose degrees whose product divides {d.world_size}, or change cluster.nodes/gpus_per_node",
+            )
         return []
     if d.dp >= 1 and mp * d.dp != d.world_size:
-        return _v("world-size", f"tp·pp·cp·dp = {d.tp}·{d.pp}·{d.cp}·{d.dp} = {mp * d.dp} != world size "
-                  f"{d.world_size} (cluster.nodes·gpus_per_node or the launcher's WORLD_SIZE)",
-                  "set parallel.dp=-1 to infer it, or make the product equal the world size")
+        return _v(
+            "world-size",
+            f"tp·pp·cp·dp = {d.tp}·{d.pp}·{d.cp}·{d.dp} = {mp * d.dp} != world size "
+            f"{d.world_size} (cluster.nodes·gpus_per_node or the launcher's WORLD_SIZE)",
+            "set parallel.dp=-1 to infer it, or make the product equal the world size",
+        )
     return []
 
 
@@ -106,16 +118,26 @@ def world_size(d, cfg):
 def attention_heads(d, cfg):
     m, out = cfg.model, []
     if d.tp >= 1 and m.num_attention_heads % d.tp:
-        out += _v("heads-tp", f"num_attention_heads={m.num_attention_heads} is not divisible by tp={d.tp}",
-                  "choose tp dividing the head count")
+        out += _v(
+            "heads-tp",
+            f"num_attention_heads={m.num_attention_heads} is not divisible by tp={d.tp}",
+            "choose tp dividing the head count",
+        )
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
-        out += _v("hidden-heads", f"hidden_size={m.hidden_size} is not divisible by num_attention_heads="
-                  f"{m.num_attention_heads}", "set model.kv_channels (head dim) explicitly")
+        out += _v(
+            "hidden-heads",
+            f"hidden_size={m.hidden_size} is not divisible by num_attention_heads={m.num_attention_heads}",
+            "set model.kv_channels (head dim) explicitly",
+        )
     kv = m.kv_heads
     if d.tp >= 1 and kv % d.tp and d.tp % kv:
-        out += _v("kv-heads-tp", f"num_query_groups (KV heads)={kv} and tp={d.tp}: neither divides the other; "
-                  "megatron-core shards whole KV groups (kv % tp == 0) or, with fewer KV heads than TP ranks, "
-                  "splits each group evenly (tp % kv == 0)", f"choose tp dividing {kv} or a multiple of it")
+        out += _v(
+            "kv-heads-tp",
+            f"num_query_groups (KV heads)={kv} and tp={d.tp}: neither divides the other; "
+            "megatron-core shards whole KV groups (kv % tp == 0) or, with fewer KV heads than TP ranks, "
+            "splits each group evenly (tp % kv == 0)",
+            f"choose tp dividing {kv} or a multiple of it",
+        )
     return out
 
 
@@ -128,18 +150,28 @@ def pipeline_layers(d, cfg):
     first, last = L.layers_first_stage, L.layers_last_stage
     if first is None and last is None:
         if n % (p * v):
-            return _v("layers-pp", f"num_layers={n} is not divisible by pp·vpp = {p}·{v} = {p * v}",
-                      "choose pp·vpp dividing the layer count, or set parallel.layers_first_stage/"
-                      "layers_last_stage for an uneven split")
+            return _v(
+                "layers-pp",
+                f"num_layers={n} is not divisible by pp·vpp = {p}·{v} = {p * v}",
+                "choose pp·vpp dividing the layer count, or set parallel.layers_first_stage/"
+                "layers_last_stage for an uneven split",
+            )
         return []
     fixed = [x for x in (first, last) if x is not None]
     if p < 1 + len(fixed):
-        return _v("layers-uneven", f"layers_first_stage/layers_last_stage need pp >= {1 + len(fixed)} (pp={p})",
-                  "raise pp or drop the uneven split")
+        return _v(
+            "layers-uneven",
+            f"layers_first_stage/layers_last_stage need pp >= {1 + len(fixed)} (pp={p})",
+            "raise pp or drop the uneven split",
+        )
     rest, stages = n - sum(fixed), p - len(fixed)
     if min(fixed) < 1 or rest < stages * v or rest % (stages * v):
-        return _v("layers-uneven", f"after first/last stages ({first}/{last} layers) the remaining {rest} layers "
-                  f"must split evenly over {stages} stage(s)·vpp {v}", "adjust layers_first_stage/layers_last_stage")
+        return _v(
+            "layers-uneven",
+            f"after first/last stages ({first}/{last} layers) the remaining {rest} layers "
+            f"must split evenly over {stages} stage(s)·vpp {v}",
+            "adjust layers_first_stage/layers_last_stage",
+        )
     return []
 
 
@@ -149,12 +181,19 @@ def sequence_length(d, cfg):
     if s < 1:
         return _v("seq-length", f"train.seq_length={s} must be >= 1", "set a positive sequence length")
     if d.cp > 1 and s % (2 * d.cp):
-        out += _v("seq-cp", f"seq_length={s} is not divisible by 2·cp = {2 * d.cp}; context parallelism splits "
-                  "the sequence into 2·cp load-balanced chunks", f"use a multiple of {2 * d.cp}")
+        out += _v(
+            "seq-cp",
+            f"seq_length={s} is not divisible by 2·cp = {2 * d.cp}; context parallelism splits "
+            "the sequence into 2·cp load-balanced chunks",
+            f"use a multiple of {2 * d.cp}",
+        )
     if d.sequence_parallel and d.tp >= 1 and s % (d.tp * d.cp):
         m = lcm(d.tp * d.cp, 2 * d.cp if d.cp > 1 else 1)
-        out += _v("seq-sp", f"sequence parallelism shards each rank's seq_length/cp = {s}/{d.cp} over tp={d.tp}, "
-                  "which does not divide", f"use a seq_length that is a multiple of {m}")
+        out += _v(
+            "seq-sp",
+            f"sequence parallelism shards each rank's seq_length/cp = {s}/{d.cp} over tp={d.tp}, which does not divide",
+            f"use a seq_length that is a multiple of {m}",
+        )
     return out
 
 
@@ -162,18 +201,27 @@ def sequence_length(d, cfg):
 def experts(d, cfg):
     e = cfg.model.num_moe_experts
     if d.ep > 1 and not e:
-        return _v("ep-dense", f"parallel.ep={d.ep} but model {cfg.model.name} has no experts",
-                  "set parallel.ep=1 for a dense model")
+        return _v(
+            "ep-dense",
+            f"parallel.ep={d.ep} but model {cfg.model.name} has no experts",
+            "set parallel.ep=1 for a dense model",
+        )
     if e and d.ep >= 1 and e % d.ep:
-        return _v("experts-ep", f"num_moe_experts={e} is not divisible by ep={d.ep}", "choose ep dividing the expert count")
+        return _v(
+            "experts-ep", f"num_moe_experts={e} is not divisible by ep={d.ep}", "choose ep dividing the expert count"
+        )
     return []
 
 
 @rule
 def moe_tp_sp(d, cfg):
     if cfg.model.num_moe_experts and d.tp > 1 and not d.sequence_parallel:
-        return _v("moe-tp-sp", f"MoE with tp={d.tp} needs sequence parallelism: megatron-core's MoE layer refuses "
-                  "to train with TP but without SP", "add parallel.sequence_parallel=true")
+        return _v(
+            "moe-tp-sp",
+            f"MoE with tp={d.tp} needs sequence parallelism: megatron-core's MoE layer refuses "
+            "to train with TP but without SP",
+            "add parallel.sequence_parallel=true",
+        )
     return []
 
 
@@ -183,10 +231,13 @@ def expert_grid(d, cfg):
         return []
     grid = d.etp * d.ep * d.pp
     if d.world_size % grid:
-        return _v("expert-grid", f"megatron-core's parallel_state lays experts out as etp·ep·expert_dp·pp over the "
-                  f"same ranks, so etp·ep·pp = {d.etp}·{d.ep}·{d.pp} = {grid} must divide the world size "
-                  f"{d.world_size} (equivalently etp·ep must divide tp·cp·dp)",
-                  "lower ep or etp (etp defaults to tp), or add ranks")
+        return _v(
+            "expert-grid",
+            f"megatron-core's parallel_state lays experts out as etp·ep·expert_dp·pp over the "
+            f"same ranks, so etp·ep·pp = {d.etp}·{d.ep}·{d.pp} = {grid} must divide the world size "
+            f"{d.world_size} (equivalently etp·ep must divide tp·cp·dp)",
+            "lower ep or etp (etp defaults to tp), or add ranks",
+        )
     return []
 
 
@@ -196,13 +247,19 @@ def batch(d, cfg):
         return []
     per_step = d.micro_batch_size * d.dp
     if cfg.train.grad_accum is None and d.global_batch_size % per_step:
-        return _v("global-batch", f"global_batch_size={d.global_batch_size} is not divisible by "
-                  f"micro_batch_size·dp = {d.micro_batch_size}·{d.dp} = {per_step}",
-                  f"use a global batch that is a multiple of {per_step}")
+        return _v(
+            "global-batch",
+            f"global_batch_size={d.global_batch_size} is not divisible by "
+            f"micro_batch_size·dp = {d.micro_batch_size}·{d.dp} = {per_step}",
+            f"use a global batch that is a multiple of {per_step}",
+        )
     if d.global_batch_size != per_step * d.grad_accum:
-        return _v("global-batch", f"global_batch_size={d.global_batch_size} != micro·grad_accum·dp = "
-                  f"{d.micro_batch_size}·{d.grad_accum}·{d.dp} = {per_step * d.grad_accum}",
-                  "set train.grad_accum=null to infer it, or fix the numbers")
+        return _v(
+            "global-batch",
+            f"global_batch_size={d.global_batch_size} != micro·grad_accum·dp = "
+            f"{d.micro_batch_size}·{d.grad_accum}·{d.dp} = {per_step * d.grad_accum}",
+            "set train.grad_accum=null to infer it, or fix the numbers",
+        )
     return []
 
 
@@ -210,14 +267,20 @@ def batch(d, cfg):
 def microbatches(d, cfg):
     out, m = [], d.grad_accum
     if d.pp > 1 and 0 < m < d.pp:
-        out += _v("microbatches-pp", f"{m} microbatch(es) per step < pp={d.pp}: the pipeline never fills",
-                  f"raise train.global_batch_size to at least {d.pp * d.micro_batch_size * max(d.dp, 1)}")
+        out += _v(
+            "microbatches-pp",
+            f"{m} microbatch(es) per step < pp={d.pp}: the pipeline never fills",
+            f"raise train.global_batch_size to at least {d.pp * d.micro_batch_size * max(d.dp, 1)}",
+        )
     if d.vpp is not None and d.vpp > 1:
         if d.pp < 2:
             out += _v("vpp-pp", f"parallel.vpp={d.vpp} needs pp > 1 (pp={d.pp})", "set parallel.vpp=null or raise pp")
         elif m % d.pp:
-            out += _v("vpp-microbatches", f"interleaved 1F1B needs microbatches % pp == 0 ({m} % {d.pp} != 0)",
-                      f"make global_batch/(micro·dp) a multiple of {d.pp}")
+            out += _v(
+                "vpp-microbatches",
+                f"interleaved 1F1B needs microbatches % pp == 0 ({m} % {d.pp} != 0)",
+                f"make global_batch/(micro·dp) a multiple of {d.pp}",
+            )
     return out
 
 
@@ -225,12 +288,19 @@ def microbatches(d, cfg):
 def zero(d, cfg):
     out = []
     if d.zero_stage >= 2 and d.pp > 1:
-        out += _v("zero-pp", f"zero.stage={d.zero_stage} with pp={d.pp}: DeepSpeed's pipeline engine asserts "
-                  "ZeRO stage < 2 (gradients/params sharded over DP fight the pipeline's per-microbatch "
-                  "accumulation)", "use zero.stage=1 with pipeline parallelism, or pp=1")
+        out += _v(
+            "zero-pp",
+            f"zero.stage={d.zero_stage} with pp={d.pp}: DeepSpeed's pipeline engine asserts "
+            "ZeRO stage < 2 (gradients/params sharded over DP fight the pipeline's per-microbatch "
+            "accumulation)",
+            "use zero.stage=1 with pipeline parallelism, or pp=1",
+        )
     if d.zero_stage >= 2 and cfg.train.engine == "megatron":
-        out += _v("zero-engine", f"zero.stage={d.zero_stage} needs train.engine=deepspeed; megatron-core's "
-                  "DistributedOptimizer is ZeRO-1", "add train.engine=deepspeed, or use zero.stage=1")
+        out += _v(
+            "zero-engine",
+            f"zero.stage={d.zero_stage} needs train.engine=deepspeed; megatron-core's DistributedOptimizer is ZeRO-1",
+            "add train.engine=deepspeed, or use zero.stage=1",
+        )
     if cfg.zero.offload_param != "none" and d.zero_stage != 3:
         out += _v("zero-offload", "zero.offload_param needs zero.stage=3", "set zero.stage=3 or offload_param=none")
     return out
@@ -244,9 +314,12 @@ def deepspeed_engine(d, cfg):
     if d.sequence_parallel:
         bad.append("sequence_parallel=true")
     if bad:
-        return _v("deepspeed-engine", f"train.engine=deepspeed runs ZeRO data parallelism (with TP) only; "
-                  f"{', '.join(bad)} needs megatron-core's schedules and gradient reductions",
-                  "use train.engine=megatron (zero.stage=1 = its distributed optimizer) for PP/CP/EP/SP")
+        return _v(
+            "deepspeed-engine",
+            f"train.engine=deepspeed runs ZeRO data parallelism (with TP) only; "
+            f"{', '.join(bad)} needs megatron-core's schedules and gradient reductions",
+            "use train.engine=megatron (zero.stage=1 = its distributed optimizer) for PP/CP/EP/SP",
+        )
     return []
 
 
@@ -256,25 +329,36 @@ def node_placement(d, cfg):
         return []
     out = []
     if d.gpus_per_node % d.tp:
-        out += _v("tp-in-node", f"tp={d.tp} does not fit evenly in a node of {d.gpus_per_node} GPUs, so TP "
-                  "groups (the chattiest traffic, every layer) would cross the inter-node network",
-                  f"use tp dividing {d.gpus_per_node}, or parallel.allow_cross_node_tp=true to accept it")
+        out += _v(
+            "tp-in-node",
+            f"tp={d.tp} does not fit evenly in a node of {d.gpus_per_node} GPUs, so TP "
+            "groups (the chattiest traffic, every layer) would cross the inter-node network",
+            f"use tp dividing {d.gpus_per_node}, or parallel.allow_cross_node_tp=true to accept it",
+        )
     elif d.cp > 1 and d.gpus_per_node % (d.tp * d.cp):
-        out += _v("cp-in-node", f"tp·cp = {d.tp * d.cp} does not fit evenly in a node of {d.gpus_per_node} GPUs, "
-                  "so CP groups would cross nodes", "lower cp, or parallel.allow_cross_node_tp=true to accept it")
+        out += _v(
+            "cp-in-node",
+            f"tp·cp = {d.tp * d.cp} does not fit evenly in a node of {d.gpus_per_node} GPUs, "
+            "so CP groups would cross nodes",
+            "lower cp, or parallel.allow_cross_node_tp=true to accept it",
+        )
     return out
 
 
-def notes(d: ParallelDims, cfg) -> List[str]:
+def notes(d: ParallelDims, cfg) -> list[str]:
     """Non-fatal findings, printed with the rank map."""
     m, out = cfg.model, []
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, max(d.tp, 1))
     if padded != m.vocab_size:
-        out.append(f"vocab {m.vocab_size} padded to {padded} (multiple of make_vocab_size_divisible_by·tp = "
-                   f"{m.make_vocab_size_divisible_by}·{d.tp})")
+        out.append(
+            f"vocab {m.vocab_size} padded to {padded} (multiple of make_vocab_size_divisible_by·tp = "
+            f"{m.make_vocab_size_divisible_by}·{d.tp})"
+        )
     if d.tp > m.kv_heads:
-        out.append(f"KV heads ({m.kv_heads}) < tp ({d.tp}): each TP rank holds part of one KV group; "
-                   "megatron-core gathers the K/V activations")
+        out.append(
+            f"KV heads ({m.kv_heads}) < tp ({d.tp}): each TP rank holds part of one KV group; "
+            "megatron-core gathers the K/V activations"
+        )
     if d.sequence_parallel and d.tp == 1:
         out.append("sequence_parallel has no effect at tp=1 (megatron disables it)")
     if cfg.parallel.allow_cross_node_tp and d.gpus_per_node % max(d.tp * d.cp, 1):
@@ -284,8 +368,8 @@ def notes(d: ParallelDims, cfg) -> List[str]:
     return out
 
 
-def check_all(d: ParallelDims, cfg) -> Tuple[List[Violation], List[str]]:
-    violations: List[Violation] = []
+def check_all(d: ParallelDims, cfg) -> tuple[list[Violation], list[str]]:
+    violations: list[Violation] = []
     for r in RULES:
         violations += r(d, cfg)
     return violations, (notes(d, cfg) if not violations else [])

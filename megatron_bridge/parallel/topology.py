@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Dict, List
 
 import numpy as np
 
@@ -21,7 +20,7 @@ from megatron_bridge.parallel.dims import ParallelDims
 ORDER = ("tp", "cp", "ep", "dp", "pp")  # innermost first, megatron-core's default order
 
 # Group name -> (grid, axes). Names follow megatron-core's parallel_state getters.
-GROUPS: Dict[str, tuple] = {
+GROUPS: dict[str, tuple] = {
     "tp": ("dense", ("tp",)),
     "cp": ("dense", ("cp",)),
     "dp": ("dense", ("dp",)),
@@ -35,7 +34,7 @@ GROUPS: Dict[str, tuple] = {
 }
 
 
-def rank_groups(sizes: Dict[str, int], axes: tuple) -> np.ndarray:
+def rank_groups(sizes: dict[str, int], axes: tuple) -> np.ndarray:
     """All groups varying along `axes`, as an array (n_groups, group_size).
 
     Same result and order as megatron-core's `generate_masked_orthogonal_rank_groups`:
@@ -55,7 +54,7 @@ class Topology:
     dims: ParallelDims
 
     @cached_property
-    def _sizes(self) -> Dict[str, Dict[str, int]]:
+    def _sizes(self) -> dict[str, dict[str, int]]:
         d = self.dims
         return {
             "dense": {"tp": d.tp, "cp": d.cp, "ep": 1, "dp": d.dp, "pp": d.pp},
@@ -68,7 +67,7 @@ class Topology:
         return rank_groups(self._sizes[grid], axes)
 
     @cached_property
-    def coords(self) -> Dict[str, np.ndarray]:
+    def coords(self) -> dict[str, np.ndarray]:
         """Per-rank coordinate along each axis, arrays of length world_size."""
         r = np.arange(self.dims.world_size)
         out = {}
@@ -90,7 +89,7 @@ class Topology:
         nodes = self.groups(name) // self.dims.gpus_per_node
         return bool((nodes == nodes[:, :1]).all())
 
-    def span_summary(self, moe: bool = True) -> Dict[str, str]:
+    def span_summary(self, moe: bool = True) -> dict[str, str]:
         """For each group kind with size > 1: 'intra-node' or 'inter-node'. Expert groups
         only when `moe` (a dense model has no expert layers)."""
         out = {}
@@ -102,7 +101,7 @@ class Topology:
                 out[name] = "intra-node" if self.intra_node(name) else "inter-node"
         return out
 
-    def group_of(self, name: str, rank: int) -> List[int]:
+    def group_of(self, name: str, rank: int) -> list[int]:
         g = self.groups(name)
         row = np.nonzero((g == rank).any(axis=1))[0][0]
         return g[row].tolist()
@@ -136,7 +135,7 @@ class Topology:
         return "\n".join(lines)
 
 
-def _short(ranks: List[int]) -> str:
+def _short(ranks: list[int]) -> str:
     """[0,1,2,3] -> '0-3', [0,8,16] -> '0,8,16', long lists abbreviated."""
     if len(ranks) > 1 and all(b - a == 1 for a, b in zip(ranks, ranks[1:])):
         return f"{ranks[0]}-{ranks[-1]}"

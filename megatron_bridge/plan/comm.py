@@ -28,8 +28,6 @@ Times assume no overlap with compute: an upper bound, used to rank layouts, not 
 
 from __future__ import annotations
 
-from typing import Dict
-
 import numpy as np
 
 ASSUMED_MFU = 0.5  # fraction of peak the compute achieves (for the step-time estimate)
@@ -46,7 +44,7 @@ def _intra(stride: int, n: int, gpn: int, world: int) -> bool:
     return bool(((base // gpn) == ((base + (n - 1) * stride) // gpn)).all())
 
 
-def group_spans(*, tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, gpn: int) -> Dict[str, bool]:
+def group_spans(*, tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, gpn: int) -> dict[str, bool]:
     """{group: stays inside a node} for the groups the planner prices, from the grid
     order tp-cp-ep-dp-pp (dense grid: ep=1; expert grid: etp, ep, expert-dp, pp)."""
     world = tp * cp * dp * pp
@@ -70,10 +68,33 @@ def _ring_half(n: int, size: float) -> float:
     return (n - 1) / n * size if n > 1 else 0.0
 
 
-def step_comm(m, *, tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, edp: int, vpp: int, sp: bool,
-              zero: int, recompute: str, s: int, b: int, num_micro: int, layers: int, dense_params: float,
-              expert_params: float, spans: Dict[str, bool], intra_gbps: float, inter_gbps: float,
-              act_bytes: int = 2, grad_bytes: int = 2, weight_bytes: int = 2) -> Dict[str, Dict]:
+def step_comm(
+    m,
+    *,
+    tp: int,
+    cp: int,
+    dp: int,
+    pp: int,
+    ep: int,
+    etp: int,
+    edp: int,
+    vpp: int,
+    sp: bool,
+    zero: int,
+    recompute: str,
+    s: int,
+    b: int,
+    num_micro: int,
+    layers: int,
+    dense_params: float,
+    expert_params: float,
+    spans: dict[str, bool],
+    intra_gbps: float,
+    inter_gbps: float,
+    act_bytes: int = 2,
+    grad_bytes: int = 2,
+    weight_bytes: int = 2,
+) -> dict[str, dict]:
     """Per-dimension {volume_bytes, link, bandwidth_gbps, time_s} for one training step
     on one GPU of a stage with `layers` layers and `dense_params`/`expert_params`."""
     h = m.hidden_size
@@ -81,13 +102,18 @@ def step_comm(m, *, tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, edp: 
     act = seq * b * h * act_bytes
     full = recompute == "full"
     moe = bool(m.num_moe_experts)
-    out: Dict[str, Dict] = {}
+    out: dict[str, dict] = {}
 
     def put(name: str, volume: float, span_key: str, what: str) -> None:
         intra = spans.get(span_key, True)
         bw = intra_gbps if intra else inter_gbps
-        out[name] = {"volume_bytes": volume, "link": "intra-node" if intra else "inter-node",
-                     "bandwidth_gbps": bw, "time_s": volume / (bw * 1e9) if volume else 0.0, "what": what}
+        out[name] = {
+            "volume_bytes": volume,
+            "link": "intra-node" if intra else "inter-node",
+            "bandwidth_gbps": bw,
+            "time_s": volume / (bw * 1e9) if volume else 0.0,
+            "what": what,
+        }
 
     if tp > 1:
         per_layer = (4 + (2 if full else 0)) * _ring_ar(tp, act)
@@ -98,22 +124,30 @@ def step_comm(m, *, tp: int, cp: int, dp: int, pp: int, ep: int, etp: int, edp: 
         put("pp", 2 * num_micro * max(vpp, 1) * msg, "pp", "p2p send/recv per microbatch")
     n_dp = dp * cp
     if n_dp > 1 or (moe and edp > 1):
+
         def dp_volume(params: float, n: int) -> float:
             if zero == 0:
                 return _ring_ar(n, params * grad_bytes)
             gathers = 2 if zero >= 3 else 1
             return _ring_half(n, params * grad_bytes) + gathers * _ring_half(n, params * weight_bytes)
-        what = "all-reduce grads" if zero == 0 else (
-            "reduce-scatter grads, all-gather params" + (" x2" if zero >= 3 else ""))
+
+        what = (
+            "all-reduce grads"
+            if zero == 0
+            else ("reduce-scatter grads, all-gather params" + (" x2" if zero >= 3 else ""))
+        )
         put("dp", dp_volume(dense_params, n_dp), "dp_cp", what)
         if moe and expert_params:
             dense = out.pop("dp")
             put("dp", dp_volume(expert_params, edp), "edp", what)
             exp = out["dp"]
             inter = "inter-node" in (dense["link"], exp["link"])
-            exp.update(volume_bytes=dense["volume_bytes"] + exp["volume_bytes"],
-                       time_s=dense["time_s"] + exp["time_s"], link="inter-node" if inter else "intra-node",
-                       bandwidth_gbps=inter_gbps if inter else intra_gbps)
+            exp.update(
+                volume_bytes=dense["volume_bytes"] + exp["volume_bytes"],
+                time_s=dense["time_s"] + exp["time_s"],
+                link="inter-node" if inter else "intra-node",
+                bandwidth_gbps=inter_gbps if inter else intra_gbps,
+            )
     if cp > 1:
         kv = 2 * seq * b * m.kv_heads * m.head_dim * act_bytes / tp
         per_layer = (3 + (1 if full else 0)) * (cp - 1) * kv

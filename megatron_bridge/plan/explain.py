@@ -12,13 +12,12 @@ the global batch the fitting layouts need, or the smallest cluster (by doubling
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, Optional, Tuple
 
 from megatron_bridge.plan import memory as M
 from megatron_bridge.plan.search import Context, Evaluation, SearchResult, evaluate, search
 
 
-def smallest_cluster(ctx: Context, max_gpus: int = 1 << 20) -> Optional[Tuple[int, Evaluation]]:
+def smallest_cluster(ctx: Context, max_gpus: int = 1 << 20) -> tuple[int, Evaluation] | None:
     """The smallest power-of-two multiple of the current node count whose GPUs can hold
     the model (memory-only search, global batch relaxed so the pipeline can fill)."""
     nodes = max(1, ctx.world // ctx.gpn)
@@ -36,7 +35,7 @@ def _gib(x: float) -> str:
     return f"{x / M.GIB:.1f} GiB"
 
 
-def why_lost(alt: Evaluation, best: Evaluation, ctx: Optional[Context] = None) -> str:
+def why_lost(alt: Evaluation, best: Evaluation, ctx: Context | None = None) -> str:
     """The framework step at which `alt` lost to `best`, in words, with the numbers
     (`ctx` lets it price `alt` with the winner's recompute policy)."""
     a, b = alt.layout, best.layout
@@ -44,23 +43,31 @@ def why_lost(alt: Evaluation, best: Evaluation, ctx: Optional[Context] = None) -
     i = next((j for j, (x, y) in enumerate(zip(ka, kb)) if x != y), len(ka))
     t = f"est. step {alt.step_s:.2f} s vs {best.step_s:.2f} s"
     if i == 0:
-        return (f"fits only because ZeRO-{a.zero} shards its model states over dp·cp={a.dp * a.cp}: the replica "
-                f"alone needs {_gib(alt.alone_total)} of {_gib(alt.capacity)}; the framework sizes TP×PP so one "
-                f"replica holds the model and keeps DP for throughput ({t})")
+        return (
+            f"fits only because ZeRO-{a.zero} shards its model states over dp·cp={a.dp * a.cp}: the replica "
+            f"alone needs {_gib(alt.alone_total)} of {_gib(alt.capacity)}; the framework sizes TP×PP so one "
+            f"replica holds the model and keeps DP for throughput ({t})"
+        )
     if i == 1:
         why = f"needs {a.recompute} recompute to fit where {b.recompute} suffices"
         if ctx is not None:
-            other = min((evaluate(ctx, replace(a, recompute=b.recompute, vpp=v), alt.dims, with_comm=False)
-                         for v in {a.vpp, None}), key=lambda e: e.alone_total)
+            other = min(
+                (
+                    evaluate(ctx, replace(a, recompute=b.recompute, vpp=v), alt.dims, with_comm=False)
+                    for v in {a.vpp, None}
+                ),
+                key=lambda e: e.alone_total,
+            )
             why += f" (with {b.recompute} it needs {_gib(other.alone_total)} of {_gib(other.capacity)} without ZeRO)"
         return f"{why}: extra compute every step ({t})"
     if i == 2:
-        return (f"{a.replica} GPUs per replica where {b.replica} suffice: more model parallelism than the model "
-                f"needs (dp {a.dp} vs {b.dp}, bubble {alt.bubble:.1%} vs {best.bubble:.1%}; {t})")
+        return (
+            f"{a.replica} GPUs per replica where {b.replica} suffice: more model parallelism than the model "
+            f"needs (dp {a.dp} vs {b.dp}, bubble {alt.bubble:.1%} vs {best.bubble:.1%}; {t})"
+        )
     if i == 3:
         instead = "pp" if a.pp > b.pp else ("cp" if a.cp > b.cp else "pp/cp")
-        return (f"tp{a.tp} < tp{b.tp} at the same replica size: {instead} does what NVLink TP does inside the "
-                f"node ({t})")
+        return f"tp{a.tp} < tp{b.tp} at the same replica size: {instead} does what NVLink TP does inside the node ({t})"
     if i == 4:
         diffs = {"bubble": (alt.compute_s * alt.bubble) - (best.compute_s * best.bubble)}
         for dim in set(alt.comm) | set(best.comm):
@@ -75,15 +82,17 @@ def why_lost(alt: Evaluation, best: Evaluation, ctx: Optional[Context] = None) -
 def why_ruled_out(ev: Evaluation) -> str:
     s = ev.binding
     where = "first" if s.stage == 0 else ("last" if s.stage == ev.layout.pp - 1 else f"#{s.stage}")
-    return (f"does not fit: {_gib(s.total)} > {_gib(ev.capacity)} on the {where} stage even with ZeRO-"
-            f"{ev.layout.zero} and {ev.layout.recompute} recompute (states {_gib(s.weights + s.grads + s.optimizer)}, "
-            f"activations {_gib(s.activations)})")
+    return (
+        f"does not fit: {_gib(s.total)} > {_gib(ev.capacity)} on the {where} stage even with ZeRO-"
+        f"{ev.layout.zero} and {ev.layout.recompute} recompute (states {_gib(s.weights + s.grads + s.optimizer)}, "
+        f"activations {_gib(s.activations)})"
+    )
 
 
-def diagnose(ctx: Context, res: SearchResult) -> Dict[str, object]:
+def diagnose(ctx: Context, res: SearchResult) -> dict[str, object]:
     """Why nothing was chosen, and what would work: a larger global batch (when layouts
     fit in memory but cannot fill their pipeline) or the smallest cluster that fits."""
-    out: Dict[str, object] = {"kind": "memory", "reason": "", "smallest_cluster": None, "min_global_batch": None}
+    out: dict[str, object] = {"kind": "memory", "reason": "", "smallest_cluster": None, "min_global_batch": None}
     top_rules = sorted(res.violations.items(), key=lambda kv: -kv[1])[:4]
     rules_txt = ", ".join(f"[{k}] ×{v}" for k, v in top_rules)
     relaxed = search(replace(ctx, gbs=ctx.world * ctx.model.num_layers), memory_only=True)
@@ -92,36 +101,51 @@ def diagnose(ctx: Context, res: SearchResult) -> Dict[str, object]:
         need = lo.mbs * lo.dp * max(lo.pp, 1)
         out["min_global_batch"] = need
         out["kind"] = "batch"
-        out["reason"] = (f"layouts fit in memory on this cluster (e.g. {lo.short()}), but none can run "
-                         f"train.global_batch_size={ctx.gbs}: the layout rules refused every candidate ({rules_txt}). "
-                         f"{lo.short()} needs a global batch that is a multiple of micro·dp = {lo.mbs * lo.dp} with at "
-                         f"least pp={lo.pp} microbatches, i.e. >= {need}: pass train.global_batch_size={need} or more.")
+        out["reason"] = (
+            f"layouts fit in memory on this cluster (e.g. {lo.short()}), but none can run "
+            f"train.global_batch_size={ctx.gbs}: the layout rules refused every candidate ({rules_txt}). "
+            f"{lo.short()} needs a global batch that is a multiple of micro·dp = {lo.mbs * lo.dp} with at "
+            f"least pp={lo.pp} microbatches, i.e. >= {need}: pass train.global_batch_size={need} or more."
+        )
         return out
     if res.valid == 0 and relaxed.valid == 0:
         out["kind"] = "rules"
         shown = [res.examples[k] for k, _ in top_rules if k in res.examples][:3]
-        out["reason"] = ("no candidate layout passes the layout rules: " + " ".join(shown)
-                         + (f" Pinned on the command line: {', '.join(ctx.pinned)}." if ctx.pinned else "")
-                         + " `mbr check` with the same arguments lists every rule a layout breaks.")
+        out["reason"] = (
+            "no candidate layout passes the layout rules: "
+            + " ".join(shown)
+            + (f" Pinned on the command line: {', '.join(ctx.pinned)}." if ctx.pinned else "")
+            + " `mbr check` with the same arguments lists every rule a layout breaks."
+        )
         return out
     closest = res.ruled_out[0] if res.ruled_out else (relaxed.ruled_out[0] if relaxed.ruled_out else None)
     found = smallest_cluster(ctx)
-    parts = [f"{ctx.cfg.model.name} ({ctx.count.total:,} parameters) does not fit on {ctx.world // ctx.gpn} node(s) × "
-             f"{ctx.gpn} GPUs of {_gib(ctx.capacity)}."]
+    parts = [
+        f"{ctx.cfg.model.name} ({ctx.count.total:,} parameters) does not fit on {ctx.world // ctx.gpn} node(s) × "
+        f"{ctx.gpn} GPUs of {_gib(ctx.capacity)}."
+    ]
     if closest is not None:
         parts.append(f"Closest layout {closest.layout.short()}: {why_ruled_out(closest)}.")
     if found is not None:
         nodes, ev = found
         lo = ev.layout
-        out["smallest_cluster"] = {"nodes": nodes, "gpus": nodes * ctx.gpn, "layout": lo.short(),
-                                   "min_global_batch": lo.mbs * lo.dp * max(lo.pp, 1)}
-        parts.append(f"The smallest cluster that fits (doubling cluster.nodes) is {nodes} node(s) = {nodes * ctx.gpn} "
-                     f"GPUs, e.g. {lo.short()} ZeRO-{lo.zero} {lo.recompute} recompute at {_gib(ev.binding.total)} "
-                     f"per GPU, with a global batch >= {lo.mbs * lo.dp * max(lo.pp, 1)}: pass cluster.nodes={nodes}.")
+        out["smallest_cluster"] = {
+            "nodes": nodes,
+            "gpus": nodes * ctx.gpn,
+            "layout": lo.short(),
+            "min_global_batch": lo.mbs * lo.dp * max(lo.pp, 1),
+        }
+        parts.append(
+            f"The smallest cluster that fits (doubling cluster.nodes) is {nodes} node(s) = {nodes * ctx.gpn} "
+            f"GPUs, e.g. {lo.short()} ZeRO-{lo.zero} {lo.recompute} recompute at {_gib(ev.binding.total)} "
+            f"per GPU, with a global batch >= {lo.mbs * lo.dp * max(lo.pp, 1)}: pass cluster.nodes={nodes}."
+        )
     else:
-        parts.append("No cluster size up to 2^20 GPUs fits it with these GPUs: the activations of one layer do not "
-                     "fit even at the largest TP/CP with full recompute; use GPUs with more memory or a shorter "
-                     "train.seq_length.")
+        parts.append(
+            "No cluster size up to 2^20 GPUs fits it with these GPUs: the activations of one layer do not "
+            "fit even at the largest TP/CP with full recompute; use GPUs with more memory or a shorter "
+            "train.seq_length."
+        )
     if ctx.pinned:
         parts.append(f"Pinned on the command line: {', '.join(ctx.pinned)} (drop them to widen the search).")
     out["reason"] = " ".join(parts)

@@ -39,11 +39,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Dict
 
 from megatron_bridge.plan import params as P
 
-GIB = 1024 ** 3
+GIB = 1024**3
 FRAGMENTATION = 0.10
 
 # (weights, grads, optimizer) bytes per parameter, by (engine, precision).
@@ -68,8 +67,17 @@ class States:
         return self.weights + self.grads + self.optimizer
 
 
-def model_states(dense: float, expert: float, *, engine: str, precision: str, zero: int,
-                 dp_shard: int, edp_shard: int, largest_layer: float = 0.0) -> States:
+def model_states(
+    dense: float,
+    expert: float,
+    *,
+    engine: str,
+    precision: str,
+    zero: int,
+    dp_shard: int,
+    edp_shard: int,
+    largest_layer: float = 0.0,
+) -> States:
     """Bytes of weights, gradients and optimizer states of `dense` + `expert` parameters
     on one rank at ZeRO `zero`. ZeRO shards over `dp_shard` ranks (dp·cp) for dense and
     `edp_shard` (expert data-parallel) for expert parameters."""
@@ -87,8 +95,9 @@ def model_states(dense: float, expert: float, *, engine: str, precision: str, ze
     return States(weights, grads, optimizer)
 
 
-def layer_activation_terms(m, *, s: int, b: int, t: int = 1, sp: bool = False, cp: int = 1,
-                           moe: bool = False, etp: int = 1, act_bytes: int = 2) -> Dict[str, float]:
+def layer_activation_terms(
+    m, *, s: int, b: int, t: int = 1, sp: bool = False, cp: int = 1, moe: bool = False, etp: int = 1, act_bytes: int = 2
+) -> dict[str, float]:
     """One layer's stored activations for one microbatch, bytes, split into
     `base` (kept under selective recompute) and `scores` (the a·s² attention terms that
     selective recompute drops). Korthikanti's terms with the model's real widths."""
@@ -129,8 +138,19 @@ def _layer_activations(m, recompute, s, b, t, sp, cp, moe, etp, act_bytes) -> fl
     return terms["base"] + (terms["scores"] if recompute == "none" else 0.0)
 
 
-def layer_activations(m, *, recompute: str, s: int, b: int, t: int = 1, sp: bool = False, cp: int = 1,
-                      moe: bool = False, etp: int = 1, act_bytes: int = 2) -> float:
+def layer_activations(
+    m,
+    *,
+    recompute: str,
+    s: int,
+    b: int,
+    t: int = 1,
+    sp: bool = False,
+    cp: int = 1,
+    moe: bool = False,
+    etp: int = 1,
+    act_bytes: int = 2,
+) -> float:
     """Stored bytes of one layer for one microbatch under a recompute policy."""
     return _layer_activations(P.frozen(m), recompute, s, b, t, sp, cp, moe, etp, act_bytes)
 
@@ -160,7 +180,7 @@ class StageMemory:
     total: float
     alone: float = 0.0  # the same stage's total with ZeRO-0 (model states unsharded)
 
-    def as_dict(self) -> Dict[str, float]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
@@ -170,26 +190,55 @@ def logits_bytes(m, *, s: int, b: int, t: int, cp: int, vocab: int, sp: bool) ->
     return 4 * s * b * vocab / t + 2 * s * b * m.hidden_size / (t if sp else 1)
 
 
-def stage_memory(m, *, stage: int, p: int, layers: int, first: bool, last: bool, tp: int, cp: int,
-                 ep: int, etp: int, dp: int, edp: int, zero: int, engine: str, precision: str,
-                 recompute: str, sp: bool, s: int, b: int, num_micro: int, vpp: int = 1,
-                 vocab: int = 0) -> StageMemory:
+def stage_memory(
+    m,
+    *,
+    stage: int,
+    p: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    tp: int,
+    cp: int,
+    ep: int,
+    etp: int,
+    dp: int,
+    edp: int,
+    zero: int,
+    engine: str,
+    precision: str,
+    recompute: str,
+    sp: bool,
+    s: int,
+    b: int,
+    num_micro: int,
+    vpp: int = 1,
+    vocab: int = 0,
+) -> StageMemory:
     """Peak bytes on one rank of pipeline stage `stage`."""
     fm = P.frozen(m)
     rp = P.rank_params(fm, tp=tp, ep=ep, etp=etp, layers=layers, first=first, last=last)
     ll = P.largest_layer(fm, tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
-    st = model_states(rp["dense"], rp["expert"], engine=engine, precision=precision, zero=zero,
-                      dp_shard=dp * cp, edp_shard=edp, largest_layer=ll)
+    st = model_states(
+        rp["dense"],
+        rp["expert"],
+        engine=engine,
+        precision=precision,
+        zero=zero,
+        dp_shard=dp * cp,
+        edp_shard=edp,
+        largest_layer=ll,
+    )
     ab = 4 if precision == "fp32" else 2
     moe = bool(m.num_moe_experts)
-    per_layer = layer_activations(fm, recompute=recompute, s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp,
-                                  act_bytes=ab)
+    per_layer = layer_activations(fm, recompute=recompute, s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp, act_bytes=ab)
     n_flight = in_flight(stage, p, num_micro, vpp)
     acts = per_layer * layers * n_flight
     if recompute == "full" and layers:
         # Backward recomputes one layer at a time: its full (selective-level) activations live.
-        acts += layer_activations(fm, recompute="selective", s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp,
-                                  act_bytes=ab)
+        acts += layer_activations(
+            fm, recompute="selective", s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp, act_bytes=ab
+        )
     if first:
         acts += n_flight * (s / cp) * b * m.hidden_size / (tp if sp else 1)  # embedding dropout mask
     lg = logits_bytes(fm, s=s, b=b, t=tp, cp=cp, vocab=vocab, sp=sp) if last else 0.0
@@ -197,9 +246,20 @@ def stage_memory(m, *, stage: int, p: int, layers: int, first: bool, last: bool,
     frag = FRAGMENTATION * allocated
     alone = allocated + frag
     if zero:
-        s0 = model_states(rp["dense"], rp["expert"], engine=engine, precision=precision, zero=0, dp_shard=1,
-                          edp_shard=1)
+        s0 = model_states(
+            rp["dense"], rp["expert"], engine=engine, precision=precision, zero=0, dp_shard=1, edp_shard=1
+        )
         alone = (s0.total + acts + lg) * (1 + FRAGMENTATION)
-    return StageMemory(stage=stage, layers=layers, params=rp["dense"] + rp["expert"], weights=st.weights,
-                       grads=st.grads, optimizer=st.optimizer, activations=acts, logits=lg, fragmentation=frag,
-                       total=allocated + frag, alone=alone)
+    return StageMemory(
+        stage=stage,
+        layers=layers,
+        params=rp["dense"] + rp["expert"],
+        weights=st.weights,
+        grads=st.grads,
+        optimizer=st.optimizer,
+        activations=acts,
+        logits=lg,
+        fragmentation=frag,
+        total=allocated + frag,
+        alone=alone,
+    )

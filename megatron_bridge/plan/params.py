@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict
 
 from megatron_bridge.config.schema import ModelConfig
 from megatron_bridge.parallel.dims import padded_vocab_size
@@ -67,7 +66,7 @@ class LayerShards:
     def total(self) -> int:
         return self.tp + self.rep + self.num_experts * (self.expert_etp + self.expert_rep)
 
-    def on_rank(self, tp: int, ep: int, etp: int) -> Dict[str, float]:
+    def on_rank(self, tp: int, ep: int, etp: int) -> dict[str, float]:
         """Parameters of this layer held by one rank: dense (sharded over dp·cp by the
         distributed optimizer) and expert (sharded over expert-dp)."""
         dense = self.tp / tp + self.rep
@@ -141,12 +140,17 @@ def count(m) -> ParamCount:
     final_norm = _norm(m, h)
     total = m.num_layers * layer + emb + final_norm
     active = m.num_layers * active_layer_params(m) + emb + final_norm
-    return ParamCount(total=total, active=active, embedding=emb, per_layer=layer,
-                      padded_vocab=padded_vocab_size(V, m.make_vocab_size_divisible_by, 1))
+    return ParamCount(
+        total=total,
+        active=active,
+        embedding=emb,
+        per_layer=layer,
+        padded_vocab=padded_vocab_size(V, m.make_vocab_size_divisible_by, 1),
+    )
 
 
 @lru_cache(maxsize=8192)
-def _rank_params_cached(m, tp, ep, etp, layers, first, last) -> Dict[str, float]:
+def _rank_params_cached(m, tp, ep, etp, layers, first, last) -> dict[str, float]:
     h = m.hidden_size
     shard = layer_shards(m).on_rank(tp, ep, etp)
     dense, expert = shard["dense"] * layers, shard["expert"] * layers
@@ -164,8 +168,7 @@ def _rank_params_cached(m, tp, ep, etp, layers, first, last) -> Dict[str, float]
     return {"dense": dense, "expert": expert}
 
 
-def rank_params(m, *, tp: int, ep: int = 1, etp: int = 1, layers: int, first: bool,
-                last: bool) -> Dict[str, float]:
+def rank_params(m, *, tp: int, ep: int = 1, etp: int = 1, layers: int, first: bool, last: bool) -> dict[str, float]:
     """Parameters held by one rank of a pipeline stage with `layers` transformer layers
     (`first`/`last`: the stage holds the embedding / the final norm and output layer).
     Returns {"dense": n, "expert": n}; a rank's total is their sum. Do not mutate."""
@@ -218,7 +221,7 @@ class _Frozen:
     head_dim = ModelConfig.head_dim
 
     @classmethod
-    def of(cls, m) -> "_Frozen":
+    def of(cls, m) -> _Frozen:
         if isinstance(m, cls):
             return m
         return cls(**{f: getattr(m, f) for f in cls.__dataclass_fields__})

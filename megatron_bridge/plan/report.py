@@ -10,7 +10,6 @@ arithmetic equivalent from comm.group_spans.
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional
 
 from megatron_bridge.parallel.topology import Topology
 from megatron_bridge.plan import comm as C
@@ -21,12 +20,24 @@ from megatron_bridge.plan.search import Context, Evaluation, SearchResult
 SCHEMA = "mbr.plan/1"
 
 
-def _layout(ev: Evaluation) -> Dict[str, object]:
+def _layout(ev: Evaluation) -> dict[str, object]:
     lo = ev.layout
-    return {"tp": lo.tp, "pp": lo.pp, "vpp": lo.vpp, "cp": lo.cp, "ep": lo.ep, "etp": lo.etp, "dp": lo.dp,
-            "zero_stage": lo.zero, "sequence_parallel": lo.sp, "recompute": lo.recompute,
-            "micro_batch_size": lo.mbs, "grad_accum": lo.num_micro,
-            "layers_first_stage": lo.first, "layers_last_stage": lo.last}
+    return {
+        "tp": lo.tp,
+        "pp": lo.pp,
+        "vpp": lo.vpp,
+        "cp": lo.cp,
+        "ep": lo.ep,
+        "etp": lo.etp,
+        "dp": lo.dp,
+        "zero_stage": lo.zero,
+        "sequence_parallel": lo.sp,
+        "recompute": lo.recompute,
+        "micro_batch_size": lo.mbs,
+        "grad_accum": lo.num_micro,
+        "layers_first_stage": lo.first,
+        "layers_last_stage": lo.last,
+    }
 
 
 def overrides(ev: Evaluation) -> str:
@@ -39,12 +50,16 @@ def overrides(ev: Evaluation) -> str:
         out += [f"parallel.ep={lo.ep}", f"parallel.etp={lo.etp}"]
     if lo.first is not None:
         out += [f"parallel.layers_first_stage={lo.first}", f"parallel.layers_last_stage={lo.last}"]
-    out += [f"parallel.sequence_parallel={str(lo.sp).lower()}", f"zero.stage={lo.zero}",
-            f"train.recompute={lo.recompute}", f"train.micro_batch_size={lo.mbs}"]
+    out += [
+        f"parallel.sequence_parallel={str(lo.sp).lower()}",
+        f"zero.stage={lo.zero}",
+        f"train.recompute={lo.recompute}",
+        f"train.micro_batch_size={lo.mbs}",
+    ]
     return " ".join(out)
 
 
-def _plan(ev: Evaluation, ctx: Context, rank_map: Dict[str, str]) -> Dict[str, object]:
+def _plan(ev: Evaluation, ctx: Context, rank_map: dict[str, str]) -> dict[str, object]:
     lo, b = ev.layout, ev.binding
     comm_s = sum(x["time_s"] for x in ev.comm.values())
     return {
@@ -53,64 +68,112 @@ def _plan(ev: Evaluation, ctx: Context, rank_map: Dict[str, str]) -> Dict[str, o
         "overrides": overrides(ev),
         "replica_gpus": lo.replica,
         "memory": {
-            "capacity_bytes": ev.capacity, "total_bytes": b.total, "headroom_bytes": ev.headroom,
-            "without_zero_bytes": ev.alone_total, "fits_without_zero": ev.fits_alone,
-            "binding_stage": b.stage, "params_per_gpu": b.params,
+            "capacity_bytes": ev.capacity,
+            "total_bytes": b.total,
+            "headroom_bytes": ev.headroom,
+            "without_zero_bytes": ev.alone_total,
+            "fits_without_zero": ev.fits_alone,
+            "binding_stage": b.stage,
+            "params_per_gpu": b.params,
             "stages": [s.as_dict() for s in ev.stages],
         },
-        "pipeline": {"bubble_fraction": ev.bubble, "num_microbatches": lo.num_micro, "vpp": lo.vpp or 1,
-                     "formula": "(pp-1)/(vpp*microbatches)"},
+        "pipeline": {
+            "bubble_fraction": ev.bubble,
+            "num_microbatches": lo.num_micro,
+            "vpp": lo.vpp or 1,
+            "formula": "(pp-1)/(vpp*microbatches)",
+        },
         "communication": ev.comm,
-        "time": {"compute_s": ev.compute_s, "bubble_s": ev.compute_s * ev.bubble, "comm_s": comm_s,
-                 "step_s": ev.step_s, "assumed_mfu": C.ASSUMED_MFU},
+        "time": {
+            "compute_s": ev.compute_s,
+            "bubble_s": ev.compute_s * ev.bubble,
+            "comm_s": comm_s,
+            "step_s": ev.step_s,
+            "assumed_mfu": C.ASSUMED_MFU,
+        },
         "rank_map": rank_map,
     }
 
 
-def _spans_words(ev: Evaluation) -> Dict[str, str]:
+def _spans_words(ev: Evaluation) -> dict[str, str]:
     lo = ev.layout
-    sizes = {"tp": lo.tp, "cp": lo.cp, "dp": lo.dp, "dp_cp": lo.dp * lo.cp, "pp": lo.pp, "ep": lo.ep,
-             "edp": ev.dims.expert_dp}
+    sizes = {
+        "tp": lo.tp,
+        "cp": lo.cp,
+        "dp": lo.dp,
+        "dp_cp": lo.dp * lo.cp,
+        "pp": lo.pp,
+        "ep": lo.ep,
+        "edp": ev.dims.expert_dp,
+    }
     return {k: ("intra-node" if v else "inter-node") for k, v in ev.spans.items() if sizes.get(k, 1) > 1}
 
 
-def build(ctx: Context, res: SearchResult, top: int = 5,
-          diagnosis: Optional[Dict[str, object]] = None) -> Dict[str, object]:
+def build(
+    ctx: Context, res: SearchResult, top: int = 5, diagnosis: dict[str, object] | None = None
+) -> dict[str, object]:
     cfg, cnt = ctx.cfg, ctx.count
-    doc: Dict[str, object] = {
+    doc: dict[str, object] = {
         "schema": SCHEMA,
         "feasible": res.best is not None,
-        "model": {"name": cfg.model.name, "family": cfg.model.family, "params_total": cnt.total,
-                  "params_active": cnt.active, "params_embedding": cnt.embedding,
-                  "params_per_layer": cnt.per_layer, "num_layers": cfg.model.num_layers,
-                  "moe": bool(cfg.model.num_moe_experts)},
-        "cluster": {"name": cfg.cluster.name, "nodes": ctx.world // ctx.gpn, "gpus_per_node": ctx.gpn,
-                    "world_size": ctx.world, "gpu_memory_bytes": ctx.capacity,
-                    "intra_node_bandwidth_gbps": cfg.cluster.intra_node_bandwidth_gbps,
-                    "inter_node_bandwidth_gbps": cfg.cluster.inter_node_bandwidth_gbps,
-                    "peak_tflops": cfg.cluster.peak_tflops},
-        "train": {"seq_length": ctx.seq, "global_batch_size": ctx.gbs, "precision": ctx.precision,
-                  "engine": ctx.engine},
+        "model": {
+            "name": cfg.model.name,
+            "family": cfg.model.family,
+            "params_total": cnt.total,
+            "params_active": cnt.active,
+            "params_embedding": cnt.embedding,
+            "params_per_layer": cnt.per_layer,
+            "num_layers": cfg.model.num_layers,
+            "moe": bool(cfg.model.num_moe_experts),
+        },
+        "cluster": {
+            "name": cfg.cluster.name,
+            "nodes": ctx.world // ctx.gpn,
+            "gpus_per_node": ctx.gpn,
+            "world_size": ctx.world,
+            "gpu_memory_bytes": ctx.capacity,
+            "intra_node_bandwidth_gbps": cfg.cluster.intra_node_bandwidth_gbps,
+            "inter_node_bandwidth_gbps": cfg.cluster.inter_node_bandwidth_gbps,
+            "peak_tflops": cfg.cluster.peak_tflops,
+        },
+        "train": {
+            "seq_length": ctx.seq,
+            "global_batch_size": ctx.gbs,
+            "precision": ctx.precision,
+            "engine": ctx.engine,
+        },
         "pinned": ctx.pinned,
-        "choice": None, "alternatives": [], "fewer_stages": [], "ruled_out": [],
-        "search": {"candidates": res.candidates, "valid": res.valid, "fitting": res.feasible,
-                   "seconds": res.seconds, "refused_by_rule": res.violations},
+        "choice": None,
+        "alternatives": [],
+        "fewer_stages": [],
+        "ruled_out": [],
+        "search": {
+            "candidates": res.candidates,
+            "valid": res.valid,
+            "fitting": res.feasible,
+            "seconds": res.seconds,
+            "refused_by_rule": res.violations,
+        },
     }
     best = res.best
     if best is not None:
         topo = Topology(best.dims).span_summary(moe=bool(cfg.model.num_moe_experts))
         doc["choice"] = _plan(best, ctx, topo)
-        doc["alternatives"] = [dict(_plan(e, ctx, _spans_words(e)), rank=i + 2, why_lost=X.why_lost(e, best, ctx))
-                               for i, e in enumerate(res.ranked[1:top + 1])]
+        doc["alternatives"] = [
+            dict(_plan(e, ctx, _spans_words(e)), rank=i + 2, why_lost=X.why_lost(e, best, ctx))
+            for i, e in enumerate(res.ranked[1 : top + 1])
+        ]
         doc["fewer_stages"] = _fewer_stages(ctx, res, best)
-    doc["ruled_out"] = [{"layout": _layout(e), "describe": e.layout.short(), "needs_bytes": e.binding.total,
-                         "why": X.why_ruled_out(e)} for e in res.ruled_out[:3]]
+    doc["ruled_out"] = [
+        {"layout": _layout(e), "describe": e.layout.short(), "needs_bytes": e.binding.total, "why": X.why_ruled_out(e)}
+        for e in res.ruled_out[:3]
+    ]
     if diagnosis is not None:
         doc["infeasible"] = diagnosis
     return doc
 
 
-def _fewer_stages(ctx: Context, res: SearchResult, best: Evaluation) -> List[Dict[str, object]]:
+def _fewer_stages(ctx: Context, res: SearchResult, best: Evaluation) -> list[dict[str, object]]:
     """The seeds' "why not fewer stages": the same tp/cp/ep with the next smaller pp values,
     whether they fit (and lost) or not."""
     b = best.layout
@@ -118,11 +181,18 @@ def _fewer_stages(ctx: Context, res: SearchResult, best: Evaluation) -> List[Dic
     found = [(e, True) for e in res.ranked if same(e) and e.layout.pp < b.pp]
     found += [(e, False) for e in res.ruled_out if same(e) and e.layout.pp < b.pp]
     found.sort(key=lambda x: -x[0].layout.pp)
-    return [{"describe": e.layout.short(), "pp": e.layout.pp, "fits": fits,
-             "why": X.why_lost(e, best, ctx) if fits else X.why_ruled_out(e)} for e, fits in found[:2]]
+    return [
+        {
+            "describe": e.layout.short(),
+            "pp": e.layout.pp,
+            "fits": fits,
+            "why": X.why_lost(e, best, ctx) if fits else X.why_ruled_out(e),
+        }
+        for e, fits in found[:2]
+    ]
 
 
-def to_json(doc: Dict[str, object]) -> str:
+def to_json(doc: dict[str, object]) -> str:
     return json.dumps(doc, indent=2, default=float)
 
 
@@ -135,16 +205,22 @@ def _vol(x: float) -> str:
     return f"{x / 1e9:10.2f} GB"
 
 
-def to_table(doc: Dict[str, object]) -> str:
+def to_table(doc: dict[str, object]) -> str:
     m, c, t = doc["model"], doc["cluster"], doc["train"]
-    L: List[str] = []
+    L: list[str] = []
     active = f", {m['params_active']:,} active" if m["moe"] else ""
-    L.append(f"model    {m['name']} ({m['family']}): {m['params_total']:,} parameters{active}, {m['num_layers']} layers")
-    L.append(f"cluster  {c['name']}: {c['nodes']} node(s) x {c['gpus_per_node']} = {c['world_size']:,} GPUs of "
-             f"{c['gpu_memory_bytes'] / M.GIB:.0f} GiB; NVLink {c['intra_node_bandwidth_gbps']:g} GB/s, "
-             f"inter-node {c['inter_node_bandwidth_gbps']:g} GB/s per GPU")
-    L.append(f"training seq {t['seq_length']}, global batch {t['global_batch_size']}, {t['precision']}, "
-             f"engine {t['engine']}" + (f"; pinned: {', '.join(doc['pinned'])}" if doc["pinned"] else ""))
+    L.append(
+        f"model    {m['name']} ({m['family']}): {m['params_total']:,} parameters{active}, {m['num_layers']} layers"
+    )
+    L.append(
+        f"cluster  {c['name']}: {c['nodes']} node(s) x {c['gpus_per_node']} = {c['world_size']:,} GPUs of "
+        f"{c['gpu_memory_bytes'] / M.GIB:.0f} GiB; NVLink {c['intra_node_bandwidth_gbps']:g} GB/s, "
+        f"inter-node {c['inter_node_bandwidth_gbps']:g} GB/s per GPU"
+    )
+    L.append(
+        f"training seq {t['seq_length']}, global batch {t['global_batch_size']}, {t['precision']}, "
+        f"engine {t['engine']}" + (f"; pinned: {', '.join(doc['pinned'])}" if doc["pinned"] else "")
+    )
     ch = doc["choice"]
     if ch is None:
         L.append("")
@@ -153,44 +229,68 @@ def to_table(doc: Dict[str, object]) -> str:
     lo, mem = ch["layout"], ch["memory"]
     L.append("")
     vpp = f" vpp {lo['vpp']}" if lo["vpp"] else ""
-    split = (f" (layers {lo['layers_first_stage']} first / {lo['layers_last_stage']} last)"
-             if lo["layers_first_stage"] is not None else "")
-    L.append(f"CHOSEN   tp {lo['tp']}  pp {lo['pp']}{vpp}  cp {lo['cp']}  ep {lo['ep']}  dp {lo['dp']}  "
-             f"zero {lo['zero_stage']}  sequence_parallel {'on' if lo['sequence_parallel'] else 'off'}  "
-             f"recompute {lo['recompute']}{split}")
-    L.append(f"         micro batch {lo['micro_batch_size']}, grad accumulation {lo['grad_accum']} microbatch(es) "
-             f"per step; replica tp*pp*cp = {ch['replica_gpus']} GPUs")
+    split = (
+        f" (layers {lo['layers_first_stage']} first / {lo['layers_last_stage']} last)"
+        if lo["layers_first_stage"] is not None
+        else ""
+    )
+    L.append(
+        f"CHOSEN   tp {lo['tp']}  pp {lo['pp']}{vpp}  cp {lo['cp']}  ep {lo['ep']}  dp {lo['dp']}  "
+        f"zero {lo['zero_stage']}  sequence_parallel {'on' if lo['sequence_parallel'] else 'off'}  "
+        f"recompute {lo['recompute']}{split}"
+    )
+    L.append(
+        f"         micro batch {lo['micro_batch_size']}, grad accumulation {lo['grad_accum']} microbatch(es) "
+        f"per step; replica tp*pp*cp = {ch['replica_gpus']} GPUs"
+    )
     alone = "fits" if mem["fits_without_zero"] else "does NOT fit"
     L.append(f"         the replica {alone} without ZeRO ({mem['without_zero_bytes'] / M.GIB:.1f} GiB per GPU)")
     L.append(f"         {ch['overrides']}")
     L.append("")
-    unit, uname = (M.GIB, "GiB") if mem["total_bytes"] >= M.GIB / 4 else (2 ** 20, "MiB")
-    L.append(f"memory per GPU, {uname} (stage {mem['binding_stage']} binds)  " +
-             "  ".join(f"{'stage ' + str(s['stage']):>8}" for s in mem["stages"]))
-    for key, label in (("params", "parameters (count, G)"), ("weights", "weights"), ("grads", "gradients"),
-                       ("optimizer", "optimizer states"), ("activations", "activations"), ("logits", "logits"),
-                       ("fragmentation", f"fragmentation {M.FRAGMENTATION:.0%}"), ("total", "total")):
+    unit, uname = (M.GIB, "GiB") if mem["total_bytes"] >= M.GIB / 4 else (2**20, "MiB")
+    L.append(
+        f"memory per GPU, {uname} (stage {mem['binding_stage']} binds)  "
+        + "  ".join(f"{'stage ' + str(s['stage']):>8}" for s in mem["stages"])
+    )
+    for key, label in (
+        ("params", "parameters (count, G)"),
+        ("weights", "weights"),
+        ("grads", "gradients"),
+        ("optimizer", "optimizer states"),
+        ("activations", "activations"),
+        ("logits", "logits"),
+        ("fragmentation", f"fragmentation {M.FRAGMENTATION:.0%}"),
+        ("total", "total"),
+    ):
         vals = [(f"{s[key] / 1e9:8.3f}" if key == "params" else _g(s[key], unit)) for s in mem["stages"]]
         L.append(f"  {label:<36}" + "  ".join(vals))
     L.append(f"  {'capacity / headroom':<36}{_g(mem['capacity_bytes'], unit)}  {_g(mem['headroom_bytes'], unit)}")
     L.append("")
     pl, tm = ch["pipeline"], ch["time"]
-    L.append(f"pipeline bubble (pp-1)/(vpp*m) = ({lo['pp']}-1)/({pl['vpp']}*{pl['num_microbatches']}) = "
-             f"{pl['bubble_fraction']:.1%}")
+    L.append(
+        f"pipeline bubble (pp-1)/(vpp*m) = ({lo['pp']}-1)/({pl['vpp']}*{pl['num_microbatches']}) = "
+        f"{pl['bubble_fraction']:.1%}"
+    )
     L.append("communication per step, per GPU               volume        link        GB/s    time")
     for dim, x in ch["communication"].items():
-        L.append(f"  {dim:<3} {x['what'][:40]:<40}{_vol(x['volume_bytes'])}  {x['link']:<10} {x['bandwidth_gbps']:6g}"
-                 f"  {x['time_s']:7.3f} s")
-    L.append(f"est. step {tm['step_s']:.2f} s = compute {tm['compute_s']:.2f} s (at {tm['assumed_mfu']:.0%} of peak)"
-             f" + bubble {tm['bubble_s']:.2f} s + comm {tm['comm_s']:.2f} s (no overlap assumed)")
+        L.append(
+            f"  {dim:<3} {x['what'][:40]:<40}{_vol(x['volume_bytes'])}  {x['link']:<10} {x['bandwidth_gbps']:6g}"
+            f"  {x['time_s']:7.3f} s"
+        )
+    L.append(
+        f"est. step {tm['step_s']:.2f} s = compute {tm['compute_s']:.2f} s (at {tm['assumed_mfu']:.0%} of peak)"
+        f" + bubble {tm['bubble_s']:.2f} s + comm {tm['comm_s']:.2f} s (no overlap assumed)"
+    )
     L.append("rank map: " + (", ".join(f"{k} {v}" for k, v in ch["rank_map"].items()) or "single GPU"))
     if doc["alternatives"]:
         L.append("")
         L.append("ALTERNATIVES (best variant of each other layout)")
         for a in doc["alternatives"]:
             al = a["layout"]
-            L.append(f"  #{a['rank']} {a['overrides'].split(' parallel.sequence')[0]}  zero {al['zero_stage']} "
-                     f"{al['recompute']}  {a['memory']['total_bytes'] / M.GIB:.1f} GiB")
+            L.append(
+                f"  #{a['rank']} {a['overrides'].split(' parallel.sequence')[0]}  zero {al['zero_stage']} "
+                f"{al['recompute']}  {a['memory']['total_bytes'] / M.GIB:.1f} GiB"
+            )
             L.append(f"     lost: {a['why_lost']}")
     if doc.get("fewer_stages"):
         L.append("")
@@ -204,6 +304,8 @@ def to_table(doc: Dict[str, object]) -> str:
             L.append(f"  {r['describe']}: {r['why']}")
     s = doc["search"]
     L.append("")
-    L.append(f"search: {s['candidates']:,} candidates, {s['valid']:,} pass the layout rules, {s['fitting']:,} fit "
-             f"(with recompute variants); {s['seconds']:.2f} s")
+    L.append(
+        f"search: {s['candidates']:,} candidates, {s['valid']:,} pass the layout rules, {s['fitting']:,} fit "
+        f"(with recompute variants); {s['seconds']:.2f} s"
+    )
     return "\n".join(L)

@@ -32,9 +32,9 @@ only defaults and are searched over.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
 from megatron_bridge.parallel.rules import check_all
@@ -45,14 +45,24 @@ from megatron_bridge.plan import params as P
 MICRO_BATCHES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
 PINNABLE = {
-    "parallel.tp": "tp", "parallel.pp": "pp", "parallel.cp": "cp", "parallel.ep": "ep", "parallel.etp": "etp",
-    "parallel.dp": "dp", "parallel.vpp": "vpp", "parallel.sequence_parallel": "sp",
-    "parallel.layers_first_stage": "split", "parallel.layers_last_stage": "split",
-    "zero.stage": "zero", "zero": "zero", "train.recompute": "recompute", "train.micro_batch_size": "mbs",
+    "parallel.tp": "tp",
+    "parallel.pp": "pp",
+    "parallel.cp": "cp",
+    "parallel.ep": "ep",
+    "parallel.etp": "etp",
+    "parallel.dp": "dp",
+    "parallel.vpp": "vpp",
+    "parallel.sequence_parallel": "sp",
+    "parallel.layers_first_stage": "split",
+    "parallel.layers_last_stage": "split",
+    "zero.stage": "zero",
+    "zero": "zero",
+    "train.recompute": "recompute",
+    "train.micro_batch_size": "mbs",
 }
 
 
-def pinned_from_overrides(overrides: Sequence[str]) -> List[str]:
+def pinned_from_overrides(overrides: Sequence[str]) -> list[str]:
     """Which searchable knobs the user fixed on the command line (`parallel.tp=8`, ...)."""
     out = []
     for o in overrides:
@@ -70,21 +80,21 @@ class Layout:
     ep: int
     etp: int
     dp: int
-    vpp: Optional[int]
+    vpp: int | None
     sp: bool
     zero: int
     recompute: str
     mbs: int
     num_micro: int
-    first: Optional[int] = None  # layers on the first / last stage (uneven split)
-    last: Optional[int] = None
+    first: int | None = None  # layers on the first / last stage (uneven split)
+    last: int | None = None
 
     @property
     def replica(self) -> int:
         return self.tp * self.pp * self.cp
 
     @property
-    def structure(self) -> Tuple[int, ...]:
+    def structure(self) -> tuple[int, ...]:
         return (self.tp, self.pp, self.cp, self.ep, self.etp)
 
     def short(self) -> str:
@@ -98,15 +108,15 @@ class Layout:
 class Evaluation:
     layout: Layout
     dims: ParallelDims
-    stages: List[M.StageMemory]
+    stages: list[M.StageMemory]
     binding: M.StageMemory
     alone_total: float  # the binding stage's total without ZeRO sharding
     capacity: float
     bubble: float = 0.0
-    comm: Dict[str, Dict] = field(default_factory=dict)
+    comm: dict[str, dict] = field(default_factory=dict)
     compute_s: float = 0.0
     step_s: float = 0.0
-    spans: Dict[str, bool] = field(default_factory=dict)
+    spans: dict[str, bool] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -122,8 +132,15 @@ class Evaluation:
 
     def key(self) -> tuple:
         lo = self.layout
-        return (0 if self.fits_alone else 1, M.RECOMPUTE.index(lo.recompute), lo.replica, -lo.tp,
-                round(self.step_s, 6), -lo.mbs, -self.headroom)
+        return (
+            0 if self.fits_alone else 1,
+            M.RECOMPUTE.index(lo.recompute),
+            lo.replica,
+            -lo.tp,
+            round(self.step_s, 6),
+            -lo.mbs,
+            -self.headroom,
+        )
 
 
 @dataclass
@@ -140,24 +157,32 @@ class Context:
     precision: str
     seq: int
     gbs: int
-    pinned: List[str]
+    pinned: list[str]
 
     @classmethod
-    def from_config(cls, cfg, pinned: Sequence[str] = (), world: Optional[int] = None,
-                    gbs: Optional[int] = None) -> "Context":
+    def from_config(cls, cfg, pinned: Sequence[str] = (), world: int | None = None, gbs: int | None = None) -> Context:
         c, t = cfg.cluster, cfg.train
         precision = t.precision if t.precision != "auto" else ("fp32" if c.backend == "gloo" else "bf16")
-        return cls(cfg=cfg, model=P.frozen(cfg.model), count=P.count(cfg.model),
-                   world=world or c.nodes * c.gpus_per_node, gpn=c.gpus_per_node,
-                   capacity=int(c.gpu_memory_gb * M.GIB), engine=t.engine, precision=precision,
-                   seq=t.seq_length, gbs=gbs or t.global_batch_size, pinned=list(pinned))
+        return cls(
+            cfg=cfg,
+            model=P.frozen(cfg.model),
+            count=P.count(cfg.model),
+            world=world or c.nodes * c.gpus_per_node,
+            gpn=c.gpus_per_node,
+            capacity=int(c.gpu_memory_gb * M.GIB),
+            engine=t.engine,
+            precision=precision,
+            seq=t.seq_length,
+            gbs=gbs or t.global_batch_size,
+            pinned=list(pinned),
+        )
 
 
-def _divisors(n: int) -> List[int]:
+def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
 
 
-def _splits(ctx: Context, pp: int) -> List[Tuple[Optional[int], Optional[int]]]:
+def _splits(ctx: Context, pp: int) -> list[tuple[int | None, int | None]]:
     p = ctx.cfg.parallel
     if "split" in ctx.pinned:
         return [(p.layers_first_stage, p.layers_last_stage)]
@@ -178,12 +203,22 @@ def _options(ctx: Context, name: str, default: list) -> list:
     if name not in ctx.pinned:
         return default
     p, t, z = ctx.cfg.parallel, ctx.cfg.train, ctx.cfg.zero
-    value = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "etp": p.etp, "vpp": p.vpp,
-             "sp": p.sequence_parallel, "zero": z.stage, "recompute": t.recompute, "mbs": t.micro_batch_size}[name]
+    value = {
+        "tp": p.tp,
+        "pp": p.pp,
+        "cp": p.cp,
+        "ep": p.ep,
+        "etp": p.etp,
+        "vpp": p.vpp,
+        "sp": p.sequence_parallel,
+        "zero": z.stage,
+        "recompute": t.recompute,
+        "mbs": t.micro_batch_size,
+    }[name]
     return [value]
 
 
-def _stage_plan(L: int, pp: int, first: Optional[int], last: Optional[int]) -> List[Tuple[int, int, bool, bool]]:
+def _stage_plan(L: int, pp: int, first: int | None, last: int | None) -> list[tuple[int, int, bool, bool]]:
     """(stage index, layers, is_first, is_last) for the stages that can bind: the first
     (embedding, most microbatches in flight), the second (most in flight among the middle
     ones) and the last (output layer, logits)."""
@@ -202,14 +237,42 @@ def evaluate(ctx: Context, lo: Layout, dims: ParallelDims, *, with_comm: bool = 
     m = ctx.model
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, lo.tp)
     edp = dims.expert_dp
-    stages = [M.stage_memory(m, stage=idx, p=lo.pp, layers=layers, first=first, last=last, tp=lo.tp, cp=lo.cp,
-                             ep=lo.ep, etp=lo.etp, dp=lo.dp, edp=edp, zero=lo.zero, engine=ctx.engine,
-                             precision=ctx.precision, recompute=lo.recompute, sp=lo.sp, s=ctx.seq, b=lo.mbs,
-                             num_micro=lo.num_micro, vpp=lo.vpp or 1, vocab=vocab)
-              for idx, layers, first, last in _stage_plan(m.num_layers, lo.pp, lo.first, lo.last)]
+    stages = [
+        M.stage_memory(
+            m,
+            stage=idx,
+            p=lo.pp,
+            layers=layers,
+            first=first,
+            last=last,
+            tp=lo.tp,
+            cp=lo.cp,
+            ep=lo.ep,
+            etp=lo.etp,
+            dp=lo.dp,
+            edp=edp,
+            zero=lo.zero,
+            engine=ctx.engine,
+            precision=ctx.precision,
+            recompute=lo.recompute,
+            sp=lo.sp,
+            s=ctx.seq,
+            b=lo.mbs,
+            num_micro=lo.num_micro,
+            vpp=lo.vpp or 1,
+            vocab=vocab,
+        )
+        for idx, layers, first, last in _stage_plan(m.num_layers, lo.pp, lo.first, lo.last)
+    ]
     binding = max(stages, key=lambda x: x.total)
-    ev = Evaluation(layout=lo, dims=dims, stages=stages, binding=binding, alone_total=max(x.alone for x in stages),
-                    capacity=ctx.capacity)
+    ev = Evaluation(
+        layout=lo,
+        dims=dims,
+        stages=stages,
+        binding=binding,
+        alone_total=max(x.alone for x in stages),
+        capacity=ctx.capacity,
+    )
     if with_comm and ev.fits:
         add_time(ctx, ev)
     return ev
@@ -224,12 +287,32 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
     first = stages[0]
     rp = P.rank_params(m, tp=lo.tp, ep=lo.ep, etp=lo.etp, layers=first.layers, first=True, last=lo.pp == 1)
     ab = 4 if ctx.precision == "fp32" else 2
-    ev.comm = C.step_comm(m, tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=lo.etp, edp=edp,
-                          vpp=lo.vpp or 1, sp=lo.sp, zero=lo.zero, recompute=lo.recompute, s=ctx.seq,
-                          b=lo.mbs, num_micro=lo.num_micro, layers=max(s.layers for s in stages),
-                          dense_params=rp["dense"], expert_params=rp["expert"], spans=ev.spans,
-                          intra_gbps=c.intra_node_bandwidth_gbps, inter_gbps=c.inter_node_bandwidth_gbps,
-                          act_bytes=ab, grad_bytes=ab, weight_bytes=ab)
+    ev.comm = C.step_comm(
+        m,
+        tp=lo.tp,
+        cp=lo.cp,
+        dp=lo.dp,
+        pp=lo.pp,
+        ep=lo.ep,
+        etp=lo.etp,
+        edp=edp,
+        vpp=lo.vpp or 1,
+        sp=lo.sp,
+        zero=lo.zero,
+        recompute=lo.recompute,
+        s=ctx.seq,
+        b=lo.mbs,
+        num_micro=lo.num_micro,
+        layers=max(s.layers for s in stages),
+        dense_params=rp["dense"],
+        expert_params=rp["expert"],
+        spans=ev.spans,
+        intra_gbps=c.intra_node_bandwidth_gbps,
+        inter_gbps=c.inter_node_bandwidth_gbps,
+        act_bytes=ab,
+        grad_bytes=ab,
+        weight_bytes=ab,
+    )
     flops = C.step_flops(m, ctx.count, s=ctx.seq, global_batch=ctx.gbs, recompute=lo.recompute)
     ev.compute_s = C.compute_seconds(flops, ctx.world, c.peak_tflops)
     ev.step_s = ev.compute_s * (1 + ev.bubble) + sum(x["time_s"] for x in ev.comm.values())
@@ -237,23 +320,24 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
 
 @dataclass
 class SearchResult:
-    ranked: List[Evaluation]  # feasible, best first, one per structure (tp, pp, cp, ep, etp)
-    ruled_out: List[Evaluation]  # valid layouts that do not fit, least memory first, one per structure
+    ranked: list[Evaluation]  # feasible, best first, one per structure (tp, pp, cp, ep, etp)
+    ruled_out: list[Evaluation]  # valid layouts that do not fit, least memory first, one per structure
     candidates: int = 0
     valid: int = 0
     feasible: int = 0
     seconds: float = 0.0
-    violations: Dict[str, int] = field(default_factory=dict)  # rule name -> candidates it refused
-    examples: Dict[str, str] = field(default_factory=dict)  # rule name -> its first message
+    violations: dict[str, int] = field(default_factory=dict)  # rule name -> candidates it refused
+    examples: dict[str, str] = field(default_factory=dict)  # rule name -> its first message
 
     @property
-    def best(self) -> Optional[Evaluation]:
+    def best(self) -> Evaluation | None:
         return self.ranked[0] if self.ranked else None
 
 
 def _proxy(cfg, parallel: SimpleNamespace, train: SimpleNamespace, zero: SimpleNamespace) -> SimpleNamespace:
-    return SimpleNamespace(model=cfg.model, parallel=parallel, train=train, zero=zero, cluster=cfg.cluster,
-                           data=cfg.data)
+    return SimpleNamespace(
+        model=cfg.model, parallel=parallel, train=train, zero=zero, cluster=cfg.cluster, data=cfg.data
+    )
 
 
 def search(ctx: Context, *, memory_only: bool = False) -> SearchResult:
@@ -269,8 +353,8 @@ def search(ctx: Context, *, memory_only: bool = False) -> SearchResult:
     zero_d = {f: getattr(cfg.zero, f) for f in cfg.zero.__dataclass_fields__}
     pin_dp = cfg.parallel.dp if "dp" in ctx.pinned else -1
     res = SearchResult(ranked=[], ruled_out=[])
-    best_fit: Dict[tuple, Evaluation] = {}
-    best_miss: Dict[tuple, Evaluation] = {}
+    best_fit: dict[tuple, Evaluation] = {}
+    best_miss: dict[tuple, Evaluation] = {}
 
     tps = _options(ctx, "tp", [d for d in _divisors(world) if d <= gpn or cross])
     zeros = _options(ctx, "zero", list(ZERO_STAGES))
@@ -279,8 +363,9 @@ def search(ctx: Context, *, memory_only: bool = False) -> SearchResult:
     # Pinned values go to the rules as given (an impossible pin gets the rule's message);
     # searched values are bounded to divisors that could possibly be valid.
     for tp in tps:
-        cps = _options(ctx, "cp", [d for d in _divisors(world // max(tp, 1))
-                                   if (tp * d <= gpn or cross) and 2 * d <= ctx.seq])
+        cps = _options(
+            ctx, "cp", [d for d in _divisors(world // max(tp, 1)) if (tp * d <= gpn or cross) and 2 * d <= ctx.seq]
+        )
         for cp in cps:
             pps = _options(ctx, "pp", [d for d in _divisors(world // max(tp * cp, 1)) if d <= L])
             for pp in pps:
@@ -290,28 +375,57 @@ def search(ctx: Context, *, memory_only: bool = False) -> SearchResult:
                 etps = [e if e is not None else tp for e in _options(ctx, "etp", sorted({tp, 1}) if moe else [tp])]
                 sps = _options(ctx, "sp", [True, False] if tp > 1 else [False])
                 for first, last in _splits(ctx, pp):
-                    par = dict(tp=tp, pp=pp, cp=cp, dp=pin_dp, layers_first_stage=first, layers_last_stage=last,
-                               allow_cross_node_tp=cross)
-                    vpps = _options(ctx, "vpp", [None] + ([] if memory_only or first or last or pp < 2 else
-                                                          [v for v in _divisors(L // pp) if v > 1]))
+                    par = dict(
+                        tp=tp,
+                        pp=pp,
+                        cp=cp,
+                        dp=pin_dp,
+                        layers_first_stage=first,
+                        layers_last_stage=last,
+                        allow_cross_node_tp=cross,
+                    )
+                    vpps = _options(
+                        ctx,
+                        "vpp",
+                        [None]
+                        + ([] if memory_only or first or last or pp < 2 else [v for v in _divisors(L // pp) if v > 1]),
+                    )
                     for ep in eps:
                         for etp in etps:
                             for sp in sps:
                                 if moe and tp > 1 and not sp:
                                     continue  # megatron-core: MoE with TP requires sequence parallelism
                                 for zero in zeros:
-                                    _search_mbs(ctx, res, best_fit, best_miss, par, train_d, zero_d, ep, etp, sp,
-                                                zero, mbss, vpps, recomputes, memory_only)
+                                    _search_mbs(
+                                        ctx,
+                                        res,
+                                        best_fit,
+                                        best_miss,
+                                        par,
+                                        train_d,
+                                        zero_d,
+                                        ep,
+                                        etp,
+                                        sp,
+                                        zero,
+                                        mbss,
+                                        vpps,
+                                        recomputes,
+                                        memory_only,
+                                    )
     key = Evaluation.key
     res.ranked = sorted(best_fit.values(), key=key)
-    res.ruled_out = sorted((e for st, e in best_miss.items() if st not in best_fit),
-                           key=lambda e: (e.binding.total / e.capacity, -e.layout.replica))
+    res.ruled_out = sorted(
+        (e for st, e in best_miss.items() if st not in best_fit),
+        key=lambda e: (e.binding.total / e.capacity, -e.layout.replica),
+    )
     res.seconds = time.perf_counter() - t0
     return res
 
 
-def _search_mbs(ctx, res, best_fit, best_miss, par, train_d, zero_d, ep, etp, sp, zero, mbss, vpps, recomputes,
-                memory_only) -> None:
+def _search_mbs(
+    ctx, res, best_fit, best_miss, par, train_d, zero_d, ep, etp, sp, zero, mbss, vpps, recomputes, memory_only
+) -> None:
     cfg = ctx.cfg
     tp, pp, cp = par["tp"], par["pp"], par["cp"]
     for mbs in mbss:
@@ -331,9 +445,22 @@ def _search_mbs(ctx, res, best_fit, best_miss, par, train_d, zero_d, ep, etp, sp
                 continue
             res.valid += 1
             for rc in recomputes:
-                lo = Layout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dims.dp, vpp=vpp, sp=sp, zero=zero, recompute=rc,
-                            mbs=mbs, num_micro=dims.grad_accum, first=par["layers_first_stage"],
-                            last=par["layers_last_stage"])
+                lo = Layout(
+                    tp=tp,
+                    pp=pp,
+                    cp=cp,
+                    ep=ep,
+                    etp=etp,
+                    dp=dims.dp,
+                    vpp=vpp,
+                    sp=sp,
+                    zero=zero,
+                    recompute=rc,
+                    mbs=mbs,
+                    num_micro=dims.grad_accum,
+                    first=par["layers_first_stage"],
+                    last=par["layers_last_stage"],
+                )
                 ev = evaluate(ctx, lo, dims, with_comm=False)
                 st = lo.structure
                 if ev.fits:
@@ -352,4 +479,3 @@ def _search_mbs(ctx, res, best_fit, best_miss, par, train_d, zero_d, ep, etp, sp
                     best_miss[st] = ev
         if not any_fit:
             break  # a larger micro batch only needs more memory
-

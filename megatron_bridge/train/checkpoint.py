@@ -25,8 +25,9 @@ import io
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any
 
 from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import fault
@@ -54,8 +55,13 @@ def _dist():
     return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
 
 
-def save(root: str | Path, iteration: int, state: Dict[str, Any], meta: Dict[str, Any],
-         extra: Optional[Callable[[Path], None]] = None) -> Path:
+def save(
+    root: str | Path,
+    iteration: int,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    extra: Callable[[Path], None] | None = None,
+) -> Path:
     """Collective: every rank calls it with its own `state`. `extra(tmp_dir)`, when given, is
     called on every rank to write engine-owned files (DeepSpeed's ZeRO partitions) into the
     same not-yet-published directory; rank 0 checksums those too. Returns the final directory."""
@@ -106,7 +112,7 @@ def save(root: str | Path, iteration: int, state: Dict[str, Any], meta: Dict[str
     return final
 
 
-def latest_iteration(root: str | Path) -> Optional[int]:
+def latest_iteration(root: str | Path) -> int | None:
     """Iteration named by the `latest` pointer, or None when there is no checkpoint."""
     p = Path(root) / LATEST
     if not p.is_file():
@@ -117,7 +123,7 @@ def latest_iteration(root: str | Path) -> Optional[int]:
     return int(text)
 
 
-def read_manifest(directory: str | Path) -> Dict[str, Any]:
+def read_manifest(directory: str | Path) -> dict[str, Any]:
     """The manifest of a checkpoint directory, checked for shape (not hashed); UserError if absent
     or unreadable."""
     d = Path(directory)
@@ -129,16 +135,19 @@ def read_manifest(directory: str | Path) -> Dict[str, Any]:
     try:
         manifest = json.loads(mf.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{mf} is corrupt ({e}). Resume from an earlier iteration (edit {LATEST}) "
-                        "or re-create the checkpoint.") from e
+        raise UserError(
+            f"{mf} is corrupt ({e}). Resume from an earlier iteration (edit {LATEST}) or re-create the checkpoint."
+        ) from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, list) or not all(isinstance(e, dict) and {"file", "sha256"} <= e.keys() for e in files):
-        raise UserError(f"{mf} is malformed (no list of files with sha256 checksums). Resume from an earlier "
-                        f"iteration (edit {LATEST}) or re-create the checkpoint.")
+        raise UserError(
+            f"{mf} is malformed (no list of files with sha256 checksums). Resume from an earlier "
+            f"iteration (edit {LATEST}) or re-create the checkpoint."
+        )
     return manifest
 
 
-def peek(root: str | Path) -> Tuple[int, Dict[str, Any]] | Tuple[None, None]:
+def peek(root: str | Path) -> tuple[int, dict[str, Any]] | tuple[None, None]:
     """(iteration, manifest) of the checkpoint `latest` names, without hashing its files, or
     (None, None) when there is none yet. UserError when the pointer or the manifest is bad."""
     it = latest_iteration(root)
@@ -146,18 +155,22 @@ def peek(root: str | Path) -> Tuple[int, Dict[str, Any]] | Tuple[None, None]:
         return None, None
     d = iter_dir(root, it)
     if not d.is_dir():
-        raise UserError(f"{Path(root) / LATEST} names iteration {it}, but {d} does not exist. Point it at an "
-                        f"existing iter_* directory of {root}, or delete it to start from scratch.")
+        raise UserError(
+            f"{Path(root) / LATEST} names iteration {it}, but {d} does not exist. Point it at an "
+            f"existing iter_* directory of {root}, or delete it to start from scratch."
+        )
     return it, read_manifest(d)
 
 
-def check_meta(directory: str | Path, manifest: Dict[str, Any], meta_must_match: Dict[str, Any]) -> None:
+def check_meta(directory: str | Path, manifest: dict[str, Any], meta_must_match: dict[str, Any]) -> None:
     """UserError when the checkpoint was written with another setup (layout, engine)."""
     diff = {k: (manifest.get(k), v) for k, v in meta_must_match.items() if manifest.get(k) != v}
     if diff:
         details = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
-        raise UserError(f"cannot resume {directory}: it was written with a different setup ({details}). Resume "
-                        "with the same layout, or convert the checkpoint (`mbr reshard`).")
+        raise UserError(
+            f"cannot resume {directory}: it was written with a different setup ({details}). Resume "
+            "with the same layout, or convert the checkpoint (`mbr reshard`)."
+        )
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -170,7 +183,7 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
             h.update(block)
 
 
-def verify(directory: str | Path) -> Dict[str, Any]:
+def verify(directory: str | Path) -> dict[str, Any]:
     """Check a checkpoint directory against its manifest; raise UserError naming any bad file."""
     d = Path(directory)
     manifest = read_manifest(d)
@@ -180,17 +193,20 @@ def verify(directory: str | Path) -> Dict[str, Any]:
         if not f.is_file():
             bad.append(f"{e['file']} (missing)")
         elif "bytes" in e and f.stat().st_size != e["bytes"]:
-            bad.append(f"{e['file']} (size {f.stat().st_size} bytes, the manifest says {e['bytes']}: "
-                       "truncated or overwritten)")
+            bad.append(
+                f"{e['file']} (size {f.stat().st_size} bytes, the manifest says {e['bytes']}: truncated or overwritten)"
+            )
         elif sha256_file(f) != e["sha256"]:
             bad.append(f"{e['file']} (checksum mismatch)")
     if bad:
-        raise UserError(f"checkpoint {d} is damaged: {', '.join(bad)}. Resume from an earlier iteration "
-                        "(edit latest_checkpointed_iteration.txt) or re-create it.")
+        raise UserError(
+            f"checkpoint {d} is damaged: {', '.join(bad)}. Resume from an earlier iteration "
+            "(edit latest_checkpointed_iteration.txt) or re-create it."
+        )
     return manifest
 
 
-def load(root: str | Path, meta_must_match: Dict[str, Any]) -> Tuple[int, Dict[str, Any]] | Tuple[None, None]:
+def load(root: str | Path, meta_must_match: dict[str, Any]) -> tuple[int, dict[str, Any]] | tuple[None, None]:
     """Load this rank's state from the latest complete checkpoint, or (None, None).
     `meta_must_match` (e.g. the layout) must equal the manifest's values: resuming a per-rank
     checkpoint under another layout would silently load the wrong shards."""

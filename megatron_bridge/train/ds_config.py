@@ -10,21 +10,21 @@ JIT-compile for ~75 s on first use.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict
+from typing import Any
 
 from megatron_bridge.parallel.dims import ParallelDims
 
 
-def _merge(base: Dict[str, Any], override: Dict[str, Any]) -> Dict[str, Any]:
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for k, v in override.items():
         out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
     return out
 
 
-def build_ds_config(cfg, dims: ParallelDims, *, bf16: bool, on_gpu: bool) -> Dict[str, Any]:
+def build_ds_config(cfg, dims: ParallelDims, *, bf16: bool, on_gpu: bool) -> dict[str, Any]:
     z, o = cfg.zero, cfg.optimizer
-    zero: Dict[str, Any] = {
+    zero: dict[str, Any] = {
         "stage": z.stage,
         "overlap_comm": z.overlap_comm,
         "contiguous_gradients": z.contiguous_gradients,
@@ -35,7 +35,7 @@ def build_ds_config(cfg, dims: ParallelDims, *, bf16: bool, on_gpu: bool) -> Dic
         zero["offload_optimizer"] = {"device": z.offload_optimizer}
     if z.offload_param != "none":
         zero["offload_param"] = {"device": z.offload_param}
-    ds: Dict[str, Any] = {
+    ds: dict[str, Any] = {
         "train_batch_size": dims.global_batch_size,
         "train_micro_batch_size_per_gpu": dims.micro_batch_size,
         "gradient_accumulation_steps": dims.grad_accum,

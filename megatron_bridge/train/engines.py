@@ -12,14 +12,15 @@ checkpointed through `state_dict()` / `load_state_dict()` (this rank's share onl
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from megatron_bridge.train.ds_config import build_ds_config
 
 
-def _batch_to(batch: Dict[str, Any], device) -> Dict[str, Any]:
+def _batch_to(batch: dict[str, Any], device) -> dict[str, Any]:
     return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
 
 
@@ -48,12 +49,21 @@ def make_scheduler(optimizer, cfg):
 
     o, steps = cfg.optimizer, max(cfg.train.steps, 2)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=min(o.min_lr, o.lr), lr_warmup_steps=min(o.warmup_steps, steps - 1),
-        lr_decay_steps=steps, lr_decay_style=o.decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=steps, wd_incr_style="constant")
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=min(o.min_lr, o.lr),
+        lr_warmup_steps=min(o.warmup_steps, steps - 1),
+        lr_decay_steps=steps,
+        lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=steps,
+        wd_incr_style="constant",
+    )
 
 
-def _reduce_loss(reports: List[Dict[str, torch.Tensor]]) -> float:
+def _reduce_loss(reports: list[dict[str, torch.Tensor]]) -> float:
     """Mean token loss of the global batch, known to every rank afterwards."""
     from megatron.core import parallel_state as ps
 
@@ -70,28 +80,41 @@ def _reduce_loss(reports: List[Dict[str, torch.Tensor]]) -> float:
 
 class MegatronEngine:
     def __init__(self, cfg, dims, chunks: Sequence[torch.nn.Module]):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, self.dims = cfg, dims
         tconf = chunks[0].config
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=dims.zero_stage == 1)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dims.zero_stage == 1
+        )
         self.model = [DistributedDataParallel(config=tconf, ddp_config=ddp_cfg, module=c) for c in chunks]
         for m in self.model:
             m.config.finalize_model_grads_func = finalize_model_grads
             m.config.no_sync_func = [x.no_sync for x in self.model] if len(self.model) > 1 else self.model[0].no_sync
         o = cfg.optimizer
-        ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                               adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                               clip_grad=o.clip_grad, bf16=tconf.bf16, params_dtype=tconf.params_dtype,
-                               use_distributed_optimizer=dims.zero_stage == 1)
+        ocfg = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=tconf.bf16,
+            params_dtype=tconf.params_dtype,
+            use_distributed_optimizer=dims.zero_stage == 1,
+        )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.device = next(chunks[0].parameters()).device
 
-    def step(self, make_iterators: Callable[[int], List[Any]]) -> Tuple[float, float, float]:
+    def step(self, make_iterators: Callable[[int], list[Any]]) -> tuple[float, float, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         d = self.dims
@@ -118,18 +141,20 @@ class MegatronEngine:
     def _optimizers(self):
         return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         opts = []
         for opt in self._optimizers():
             if hasattr(opt, "gbuf_ranges"):  # DistributedOptimizer: its shard of main params + Adam
-                opts.append({"dist": [{k: v.detach().clone() for k, v in t.items()}
-                                      for t in _dist_opt_states(opt)]})
+                opts.append({"dist": [{k: v.detach().clone() for k, v in t.items()} for t in _dist_opt_states(opt)]})
             else:
                 opts.append({"plain": opt.state_dict()})
-        return {"model": [m.module.state_dict() for m in self.model], "optimizer": opts,
-                "scheduler": self.scheduler.state_dict()}
+        return {
+            "model": [m.module.state_dict() for m in self.model],
+            "optimizer": opts,
+            "scheduler": self.scheduler.state_dict(),
+        }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         for m, sd in zip(self.model, state["model"]):
             m.module.load_state_dict(sd)
         for opt, st in zip(self._optimizers(), state["optimizer"]):
@@ -140,7 +165,7 @@ class MegatronEngine:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def _dist_model_params(opt) -> List[torch.nn.Parameter]:
+def _dist_model_params(opt) -> list[torch.nn.Parameter]:
     """Model params in the DistributedOptimizer's bucket order (stable for a layout)."""
     out = []
     for gbuf_range_maps in opt.gbuf_ranges:
@@ -173,17 +198,21 @@ class DeepSpeedEngine:
 
     def __init__(self, cfg, dims, chunks: Sequence[torch.nn.Module], mpu, *, bf16: bool):
         import deepspeed
+
         self.cfg, self.dims = cfg, dims
         self.module = chunks[0]
         self.ds_config = build_ds_config(cfg, dims, bf16=bf16, on_gpu=torch.cuda.is_available())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.module, model_parameters=[p for p in self.module.parameters() if p.requires_grad],
-            config=self.ds_config, mpu=mpu)
+            model=self.module,
+            model_parameters=[p for p in self.module.parameters() if p.requires_grad],
+            config=self.ds_config,
+            mpu=mpu,
+        )
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.scheduler.step(0)
         self.device = next(self.module.parameters()).device
 
-    def step(self, make_iterators: Callable[[int], List[Any]]) -> Tuple[float, float, float]:
+    def step(self, make_iterators: Callable[[int], list[Any]]) -> tuple[float, float, float]:
         from megatron.core import parallel_state as ps
 
         it = make_iterators(1)[0]
@@ -202,14 +231,15 @@ class DeepSpeedEngine:
         gn = self.engine.get_global_grad_norm()
         return float(acc[0] / acc[1].clamp(min=1)), float(gn if gn is not None else 0.0), float(lr)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict()}
 
     def write_extra(self, directory) -> None:
         """DeepSpeed's own per-rank model/optimizer files (ZeRO partitions included)."""
         self.engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
 
-    def load_state_dict(self, state: Dict[str, Any], directory=None) -> None:
-        self.engine.load_checkpoint(str(directory), tag="deepspeed", load_optimizer_states=True,
-                                    load_lr_scheduler_states=False)
+    def load_state_dict(self, state: dict[str, Any], directory=None) -> None:
+        self.engine.load_checkpoint(
+            str(directory), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         self.scheduler.load_state_dict(state["scheduler"])

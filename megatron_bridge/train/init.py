@@ -7,8 +7,9 @@ rank reading only its shard. `mbr convert` outputs are read by the converter's l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megatron_bridge.errors import UserError
 
@@ -27,5 +28,7 @@ def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:
     if load_converted is not None and (p / "mbr_manifest.json").is_file():
         load_converted(chunks, spec, p)
         return
-    raise UserError(f"train.init_from={path} is neither a Hugging Face model directory (config.json + "
-                    "*.safetensors) nor a `mbr convert` output (mbr_manifest.json).")
+    raise UserError(
+        f"train.init_from={path} is neither a Hugging Face model directory (config.json + "
+        "*.safetensors) nor a `mbr convert` output (mbr_manifest.json)."
+    )

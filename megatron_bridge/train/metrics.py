@@ -12,12 +12,20 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, *, enabled: bool, use_wandb: bool = True,
-                 use_tensorboard: bool = True, project: str = "megatron_bridge", config: Optional[dict] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        *,
+        enabled: bool,
+        use_wandb: bool = True,
+        use_tensorboard: bool = True,
+        project: str = "megatron_bridge",
+        config: dict | None = None,
+    ):
         self.enabled = enabled
         self.total = total_steps
         self.run_dir = Path(run_dir)
@@ -36,17 +44,22 @@ class MetricsLogger:
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
-            self.wandb = wandb.init(project=project, dir=str(self.run_dir), config=config or {},
-                                    reinit="finish_previous")
+            self.wandb = wandb.init(
+                project=project, dir=str(self.run_dir), config=config or {}, reinit="finish_previous"
+            )
         if sys.stdout.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.progress = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self.progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+            )
             self.task = self.progress.add_task("train", total=total_steps, info="")
             self.progress.start()
 
-    def log(self, step: int, metrics: Dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
         self.history.append({"step": step, **metrics})

@@ -20,8 +20,9 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config
@@ -31,24 +32,28 @@ from megatron_bridge.reliability import Watchdog, failure_message, faulty_iterat
 
 @dataclasses.dataclass
 class TrainRunConfig(Config):
-    run_dir: Optional[str] = None  # default runs/<recipe>/<timestamp>, chosen by rank 0
-    export_to: Optional[str] = None  # write an HF model here after training
+    run_dir: str | None = None  # default runs/<recipe>/<timestamp>, chosen by rank 0
+    export_to: str | None = None  # write an HF model here after training
 
 
 def preflight(cfg, dims) -> None:
     """Cheap checks of everything on disk the run will need. Raises UserError."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local and int(local) != cfg.cluster.gpus_per_node:
-        raise UserError(f"this node runs {local} processes (LOCAL_WORLD_SIZE) but cluster.gpus_per_node="
-                        f"{cfg.cluster.gpus_per_node}: TP groups would not line up with nodes. Start "
-                        f"--nproc-per-node {cfg.cluster.gpus_per_node} or set cluster.gpus_per_node={local}.")
+        raise UserError(
+            f"this node runs {local} processes (LOCAL_WORLD_SIZE) but cluster.gpus_per_node="
+            f"{cfg.cluster.gpus_per_node}: TP groups would not line up with nodes. Start "
+            f"--nproc-per-node {cfg.cluster.gpus_per_node} or set cluster.gpus_per_node={local}."
+        )
     if cfg.data.kind == "indexed":
         from megatron_bridge.data.indexed import check_indexed_data
 
         check_indexed_data(cfg.data, model_vocab_size=cfg.model.vocab_size)
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
-        raise UserError(f"train.init_from={cfg.train.init_from} does not exist. Point it at a Hugging Face model "
-                        "directory or an `mbr convert` output, or drop train.init_from to start from scratch.")
+        raise UserError(
+            f"train.init_from={cfg.train.init_from} does not exist. Point it at a Hugging Face model "
+            "directory or an `mbr convert` output, or drop train.init_from to start from scratch."
+        )
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise UserError("checkpoint.resume=true needs checkpoint.dir=DIR (the directory the first run saved to).")
     if cfg.checkpoint.resume:
@@ -58,13 +63,12 @@ def preflight(cfg, dims) -> None:
 
         it, manifest = ckpt.peek(cfg.checkpoint.dir)
         if it is not None:
-            ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest,
-                            _ckpt_meta(cfg, dims))
+            ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest, _ckpt_meta(cfg, dims))
     if cfg.export_to and Path(cfg.export_to).exists() and any(Path(cfg.export_to).iterdir()):
         raise UserError(f"export_to={cfg.export_to} exists and is not empty; choose a new directory.")
 
 
-def _ckpt_meta(cfg, dims) -> Dict[str, Any]:
+def _ckpt_meta(cfg, dims) -> dict[str, Any]:
     """What a checkpoint must have been written with to be resumed (per-rank shards)."""
     return {"layout": dims.describe(), "engine": cfg.train.engine}
 
@@ -77,12 +81,12 @@ def _run_dir(cfg, recipe: str) -> Path:
     return Path(obj[0])
 
 
-def _model_overrides(cfg) -> Dict[str, Any]:
+def _model_overrides(cfg) -> dict[str, Any]:
     import torch
 
     t = cfg.train
     bf16 = t.precision == "bf16" or (t.precision == "auto" and torch.cuda.is_available())
-    out: Dict[str, Any] = {"bf16": bf16}
+    out: dict[str, Any] = {"bf16": bf16}
     if bf16:
         out["params_dtype"] = torch.bfloat16
     if t.recompute == "selective":
@@ -92,16 +96,20 @@ def _model_overrides(cfg) -> Dict[str, Any]:
     return out
 
 
-def _rng_state() -> Dict[str, Any]:
+def _rng_state() -> dict[str, Any]:
     import numpy as np
     import torch
     from megatron.core import tensor_parallel
 
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
 
 
-def _set_rng_state(s: Dict[str, Any]) -> None:
+def _set_rng_state(s: dict[str, Any]) -> None:
     import numpy as np
     import torch
     from megatron.core import tensor_parallel
@@ -126,11 +134,16 @@ def validate_for_launch(cfg):
         if any(v.rule == "world-size" for v in e.violations):
             p = cfg.parallel
             need = p.tp * p.pp * p.cp * (p.dp if p.dp > 0 else 1)
-            started = (f"the launcher started WORLD_SIZE={world} process(es)" if launcher
-                       else "it runs without a launcher, as 1 process")
-            e.args = (f"{e}\n  Launch: {started}; this layout needs {'a multiple of ' if p.dp < 1 else ''}{need}. "
-                      f"Start {need} processes (e.g. `torchrun --nproc-per-node {need} -m megatron_bridge.train ...` "
-                      "on one node, or `mbr launch` for several), or change the degrees.",)
+            started = (
+                f"the launcher started WORLD_SIZE={world} process(es)"
+                if launcher
+                else "it runs without a launcher, as 1 process"
+            )
+            e.args = (
+                f"{e}\n  Launch: {started}; this layout needs {'a multiple of ' if p.dp < 1 else ''}{need}. "
+                f"Start {need} processes (e.g. `torchrun --nproc-per-node {need} -m megatron_bridge.train ...` "
+                "on one node, or `mbr launch` for several), or change the degrees.",
+            )
         raise
 
 
@@ -177,9 +190,15 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     else:
         engine = MegatronEngine(cfg, dims, chunks)
 
-    datasets = build_datasets(cfg.data, dims, seq_length=cfg.train.seq_length, seed=cfg.train.seed,
-                              train_steps=cfg.train.steps, model_vocab_size=cfg.model.vocab_size,
-                              valid_samples=0)
+    datasets = build_datasets(
+        cfg.data,
+        dims,
+        seq_length=cfg.train.seq_length,
+        seed=cfg.train.seed,
+        train_steps=cfg.train.steps,
+        model_vocab_size=cfg.model.vocab_size,
+        valid_samples=0,
+    )
     dp_rank = ps.get_data_parallel_rank()
     cp_rank = ps.get_context_parallel_rank()
     start = 0
@@ -187,8 +206,9 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     if cfg.checkpoint.resume:
         it, state = ckpt.load(cfg.checkpoint.dir, meta)
         if it is not None:
-            engine.load_state_dict(state["engine"], directory=state["_dir"]) if cfg.train.engine == "deepspeed" \
-                else engine.load_state_dict(state["engine"])
+            engine.load_state_dict(
+                state["engine"], directory=state["_dir"]
+            ) if cfg.train.engine == "deepspeed" else engine.load_state_dict(state["engine"])
             _set_rng_state(state["rng"])
             start = it
             if rank == 0:
@@ -196,11 +216,14 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
 
     def make_iterators(step: int):
         consumed = step * dims.global_batch_size
-        return lambda n: [make_iterator(datasets.train, dims, dp_rank=dp_rank, cp_rank=cp_rank,
-                                        consumed_samples=consumed) for _ in range(n)]
+        return lambda n: [
+            make_iterator(datasets.train, dims, dp_rank=dp_rank, cp_rank=cp_rank, consumed_samples=consumed)
+            for _ in range(n)
+        ]
 
-    logger = MetricsLogger(run_dir, cfg.train.steps, enabled=rank == 0,
-                           config={"layout": dims.describe(), "recipe": args.recipe})
+    logger = MetricsLogger(
+        run_dir, cfg.train.steps, enabled=rank == 0, config={"layout": dims.describe(), "recipe": args.recipe}
+    )
     tokens_per_step = dims.global_batch_size * cfg.train.seq_length
     save_every = cfg.checkpoint.save_interval
     timeout_s = cfg.train.timeout_minutes * 60
@@ -217,8 +240,13 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
                 iterators = _with_fault(iterators, step + 1, dims.grad_accum)
             loss, grad_norm, lr = engine.step(iterators)
             dt = time.perf_counter() - t0
-            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt,
-                       "tokens_per_s": tokens_per_step / dt}
+            metrics = {
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "step_time": dt,
+                "tokens_per_s": tokens_per_step / dt,
+            }
             metrics.update(_gpu_metrics(spec, cfg, dims, dt))
             if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps:
                 logger.log(step + 1, metrics)
@@ -227,8 +255,7 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
                 phase = f"checkpoint save at step {step + 1}"
                 watchdog.arm(phase)
                 state = {"engine": engine.state_dict(), "rng": _rng_state(), "step": step + 1}
-                ckpt.save(cfg.checkpoint.dir, step + 1, state, meta,
-                          extra=getattr(engine, "write_extra", None))
+                ckpt.save(cfg.checkpoint.dir, step + 1, state, meta, extra=getattr(engine, "write_extra", None))
     except Exception as e:  # name the rank and the step before the launcher's summary
         if not isinstance(e, UserError):
             print(failure_message(rank, phase, e), file=sys.stderr, flush=True)
@@ -254,6 +281,7 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
 
 def _with_fault(make, step: int, micro_batches: int):
     """`make_iterators` whose first iterator fires the MBR_FAULT `step` fault mid-step."""
+
     def wrapped(n: int):
         its = make(n)
         its[0] = faulty_iterator(its[0], step, min(1, max(micro_batches - 1, 0)))
@@ -262,7 +290,7 @@ def _with_fault(make, step: int, micro_batches: int):
     return wrapped
 
 
-def _gpu_metrics(spec, cfg, dims, dt: float) -> Dict[str, float]:
+def _gpu_metrics(spec, cfg, dims, dt: float) -> dict[str, float]:
     """MFU and memory, on GPU only (peak from cluster.peak_tflops)."""
     import torch
 
@@ -274,11 +302,10 @@ def _gpu_metrics(spec, cfg, dims, dt: float) -> Dict[str, float]:
     s, L, h = cfg.train.seq_length, cfg.model.num_layers, cfg.model.hidden_size
     flops_per_token = 6 * n + 12 * L * h * s  # dense matmuls + attention (Chinchilla / PaLM appendix)
     achieved = flops_per_token * dims.global_batch_size * s / dt / dims.world_size
-    return {"mfu": achieved / (cfg.cluster.peak_tflops * 1e12),
-            "mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+    return {"mfu": achieved / (cfg.cluster.peak_tflops * 1e12), "mem_gb": torch.cuda.max_memory_allocated() / 2**30}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import sys
 
     from megatron_bridge.errors import run_cli

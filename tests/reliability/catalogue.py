@@ -32,10 +32,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -47,12 +47,12 @@ CLEARED = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "HYDRA_FULL_E
 class Case:
     id: str
     area: str  # config | data | checkpoint | launch | convert
-    argv: Tuple[str, ...]  # "mbr ...", "train ..." (python -m megatron_bridge.train) or "torchrun ..."
+    argv: tuple[str, ...]  # "mbr ...", "train ..." (python -m megatron_bridge.train) or "torchrun ..."
     rule: str  # the rule / problem the case is about (the table's "expected" column)
-    expect: Tuple[str, ...]  # substrings of the message: the problem, then the fix
+    expect: tuple[str, ...]  # substrings of the message: the problem, then the fix
     nproc: int = 0  # torchrun cases: --nproc-per-node
-    env: Tuple[Tuple[str, str], ...] = ()
-    must_not_exist: Tuple[str, ...] = ()  # relative to the case's working directory, or {FX}/...
+    env: tuple[tuple[str, str], ...] = ()
+    must_not_exist: tuple[str, ...] = ()  # relative to the case's working directory, or {FX}/...
     rc: int = 2
     proc: bool = False  # run as its own subprocess (always for torchrun); else in a batch interpreter
 
@@ -75,198 +75,696 @@ def C(id, area, cmd, rule, *expect, nproc=0, env=(), out=(), rc=2, proc=False) -
 T = "train recipe=default train.steps=2 run_dir=out/run checkpoint.dir=out/ckpt"
 OUT = ("out",)
 
-CASES: List[Case] = [
+CASES: list[Case] = [
     # -- configs: every layout rule (mbr check: no torch, no process group) ------------------
-    C("rule-choice", "config", "mbr check train.engine=tensorflow", "choice",
-      "train.engine='tensorflow' is not one of", "set train.engine to one of them"),
-    C("rule-negative-degree", "config", "mbr check parallel.tp=-2", "positive-degree",
-      "parallel.tp=-2 must be >= 1", "Fix: set parallel.tp to 1 or more"),
-    C("rule-zero-stage", "config", "mbr check zero.stage=4", "zero-stage",
-      "zero.stage=4 is not a ZeRO stage", "use zero.stage=0, 1, 2 or 3"),
-    C("rule-world-size", "config", "mbr check parallel.dp=3", "world-size",
-      "[world-size]", "!= world size 4", "set parallel.dp=-1", proc=True),
-    C("rule-heads-tp", "config",
-      "mbr check model.num_attention_heads=6 model.hidden_size=96 parallel.tp=4", "heads-tp",
-      "num_attention_heads=6 is not divisible by tp=4", "choose tp dividing the head count"),
-    C("rule-hidden-heads", "config", "mbr check model.hidden_size=66", "hidden-heads",
-      "hidden_size=66 is not divisible by num_attention_heads=4", "set model.kv_channels"),
-    C("rule-kv-heads-tp", "config",
-      "mbr check model.num_attention_heads=6 model.hidden_size=96 model.num_query_groups=3 parallel.tp=2",
-      "kv-heads-tp", "(KV heads)=3 and tp=2", "choose tp dividing 3"),
-    C("rule-layers-pp", "config", "mbr check model.num_layers=6 parallel.pp=4", "layers-pp",
-      "num_layers=6 is not divisible by pp·vpp", "layers_first_stage"),
-    C("rule-layers-uneven", "config", "mbr check parallel.pp=2 parallel.layers_first_stage=5", "layers-uneven",
-      "[layers-uneven]", "adjust layers_first_stage/layers_last_stage"),
-    C("rule-seq-length", "config", "mbr check train.seq_length=0", "seq-length",
-      "train.seq_length=0 must be >= 1", "set a positive sequence length"),
-    C("rule-seq-cp", "config", "mbr check parallel.cp=2 train.seq_length=33", "seq-cp",
-      "seq_length=33 is not divisible by 2·cp = 4", "use a multiple of 4"),
-    C("rule-seq-sp", "config", "mbr check parallel.tp=2 parallel.sequence_parallel=true train.seq_length=33",
-      "seq-sp", "[seq-sp]", "use a seq_length that is a multiple of 2"),
-    C("rule-ep-dense", "config", "mbr check parallel.ep=2", "ep-dense",
-      "parallel.ep=2 but model tiny_llama has no experts", "set parallel.ep=1"),
-    C("rule-experts-ep", "config", "mbr check recipe=tiny_mixtral parallel.ep=3", "experts-ep",
-      "num_moe_experts=4 is not divisible by ep=3", "choose ep dividing the expert count"),
-    C("rule-moe-tp-sp", "config", "mbr check recipe=tiny_mixtral parallel.tp=2 parallel.pp=1", "moe-tp-sp",
-      "needs sequence parallelism", "parallel.sequence_parallel=true"),
-    C("rule-expert-grid", "config",
-      "mbr check recipe=tiny_mixtral parallel.pp=1 parallel.ep=4 parallel.etp=2", "expert-grid",
-      "etp·ep·pp = 2·4·1 = 8 must divide the world size 4", "lower ep or etp"),
-    C("rule-global-batch", "config", "mbr check train.global_batch_size=7", "global-batch",
-      "global_batch_size=7 is not divisible by micro_batch_size·dp", "multiple of 4"),
-    C("rule-grad-accum", "config", "mbr check train.grad_accum=3", "global-batch",
-      "global_batch_size=8 != micro·grad_accum·dp", "train.grad_accum=null"),
-    C("rule-microbatches-pp", "config", "mbr check parallel.pp=4 train.global_batch_size=2", "microbatches-pp",
-      "the pipeline never fills", "raise train.global_batch_size to at least 4"),
-    C("rule-vpp-pp", "config", "mbr check parallel.vpp=2", "vpp-pp",
-      "parallel.vpp=2 needs pp > 1", "set parallel.vpp=null or raise pp"),
-    C("rule-vpp-microbatches", "config", "mbr check parallel.pp=2 parallel.vpp=2 train.global_batch_size=6",
-      "vpp-microbatches", "interleaved 1F1B needs microbatches % pp == 0", "a multiple of 2"),
-    C("rule-zero-pp", "config", "mbr check parallel.pp=2 zero.stage=2 train.engine=deepspeed", "zero-pp",
-      "zero.stage=2 with pp=2", "use zero.stage=1 with pipeline parallelism"),
-    C("rule-zero-engine", "config", "mbr check zero.stage=3", "zero-engine",
-      "zero.stage=3 needs train.engine=deepspeed", "add train.engine=deepspeed"),
-    C("rule-zero-offload", "config", "mbr check zero.offload_param=cpu zero.stage=1", "zero-offload",
-      "zero.offload_param needs zero.stage=3", "set zero.stage=3"),
-    C("rule-deepspeed-engine", "config", "mbr check train.engine=deepspeed parallel.cp=2", "deepspeed-engine",
-      "cp=2 needs megatron-core's schedules", "use train.engine=megatron"),
-    C("rule-tp-in-node", "config", "mbr check model=llama3_8b cluster=dgx_h100 cluster.nodes=2 parallel.tp=16",
-      "tp-in-node", "tp=16 does not fit evenly in a node of 8 GPUs", "parallel.allow_cross_node_tp=true"),
-    C("rule-cp-in-node", "config",
-      "mbr check model=llama3_8b cluster=dgx_h100 cluster.nodes=2 parallel.tp=8 parallel.cp=2", "cp-in-node",
-      "tp·cp = 16 does not fit evenly in a node of 8 GPUs", "lower cp"),
+    C(
+        "rule-choice",
+        "config",
+        "mbr check train.engine=tensorflow",
+        "choice",
+        "train.engine='tensorflow' is not one of",
+        "set train.engine to one of them",
+    ),
+    C(
+        "rule-negative-degree",
+        "config",
+        "mbr check parallel.tp=-2",
+        "positive-degree",
+        "parallel.tp=-2 must be >= 1",
+        "Fix: set parallel.tp to 1 or more",
+    ),
+    C(
+        "rule-zero-stage",
+        "config",
+        "mbr check zero.stage=4",
+        "zero-stage",
+        "zero.stage=4 is not a ZeRO stage",
+        "use zero.stage=0, 1, 2 or 3",
+    ),
+    C(
+        "rule-world-size",
+        "config",
+        "mbr check parallel.dp=3",
+        "world-size",
+        "[world-size]",
+        "!= world size 4",
+        "set parallel.dp=-1",
+        proc=True,
+    ),
+    C(
+        "rule-heads-tp",
+        "config",
+        "mbr check model.num_attention_heads=6 model.hidden_size=96 parallel.tp=4",
+        "heads-tp",
+        "num_attention_heads=6 is not divisible by tp=4",
+        "choose tp dividing the head count",
+    ),
+    C(
+        "rule-hidden-heads",
+        "config",
+        "mbr check model.hidden_size=66",
+        "hidden-heads",
+        "hidden_size=66 is not divisible by num_attention_heads=4",
+        "set model.kv_channels",
+    ),
+    C(
+        "rule-kv-heads-tp",
+        "config",
+        "mbr check model.num_attention_heads=6 model.hidden_size=96 model.num_query_groups=3 parallel.tp=2",
+        "kv-heads-tp",
+        "(KV heads)=3 and tp=2",
+        "choose tp dividing 3",
+    ),
+    C(
+        "rule-layers-pp",
+        "config",
+        "mbr check model.num_layers=6 parallel.pp=4",
+        "layers-pp",
+        "num_layers=6 is not divisible by pp·vpp",
+        "layers_first_stage",
+    ),
+    C(
+        "rule-layers-uneven",
+        "config",
+        "mbr check parallel.pp=2 parallel.layers_first_stage=5",
+        "layers-uneven",
+        "[layers-uneven]",
+        "adjust layers_first_stage/layers_last_stage",
+    ),
+    C(
+        "rule-seq-length",
+        "config",
+        "mbr check train.seq_length=0",
+        "seq-length",
+        "train.seq_length=0 must be >= 1",
+        "set a positive sequence length",
+    ),
+    C(
+        "rule-seq-cp",
+        "config",
+        "mbr check parallel.cp=2 train.seq_length=33",
+        "seq-cp",
+        "seq_length=33 is not divisible by 2·cp = 4",
+        "use a multiple of 4",
+    ),
+    C(
+        "rule-seq-sp",
+        "config",
+        "mbr check parallel.tp=2 parallel.sequence_parallel=true train.seq_length=33",
+        "seq-sp",
+        "[seq-sp]",
+        "use a seq_length that is a multiple of 2",
+    ),
+    C(
+        "rule-ep-dense",
+        "config",
+        "mbr check parallel.ep=2",
+        "ep-dense",
+        "parallel.ep=2 but model tiny_llama has no experts",
+        "set parallel.ep=1",
+    ),
+    C(
+        "rule-experts-ep",
+        "config",
+        "mbr check recipe=tiny_mixtral parallel.ep=3",
+        "experts-ep",
+        "num_moe_experts=4 is not divisible by ep=3",
+        "choose ep dividing the expert count",
+    ),
+    C(
+        "rule-moe-tp-sp",
+        "config",
+        "mbr check recipe=tiny_mixtral parallel.tp=2 parallel.pp=1",
+        "moe-tp-sp",
+        "needs sequence parallelism",
+        "parallel.sequence_parallel=true",
+    ),
+    C(
+        "rule-expert-grid",
+        "config",
+        "mbr check recipe=tiny_mixtral parallel.pp=1 parallel.ep=4 parallel.etp=2",
+        "expert-grid",
+        "etp·ep·pp = 2·4·1 = 8 must divide the world size 4",
+        "lower ep or etp",
+    ),
+    C(
+        "rule-global-batch",
+        "config",
+        "mbr check train.global_batch_size=7",
+        "global-batch",
+        "global_batch_size=7 is not divisible by micro_batch_size·dp",
+        "multiple of 4",
+    ),
+    C(
+        "rule-grad-accum",
+        "config",
+        "mbr check train.grad_accum=3",
+        "global-batch",
+        "global_batch_size=8 != micro·grad_accum·dp",
+        "train.grad_accum=null",
+    ),
+    C(
+        "rule-microbatches-pp",
+        "config",
+        "mbr check parallel.pp=4 train.global_batch_size=2",
+        "microbatches-pp",
+        "the pipeline never fills",
+        "raise train.global_batch_size to at least 4",
+    ),
+    C(
+        "rule-vpp-pp",
+        "config",
+        "mbr check parallel.vpp=2",
+        "vpp-pp",
+        "parallel.vpp=2 needs pp > 1",
+        "set parallel.vpp=null or raise pp",
+    ),
+    C(
+        "rule-vpp-microbatches",
+        "config",
+        "mbr check parallel.pp=2 parallel.vpp=2 train.global_batch_size=6",
+        "vpp-microbatches",
+        "interleaved 1F1B needs microbatches % pp == 0",
+        "a multiple of 2",
+    ),
+    C(
+        "rule-zero-pp",
+        "config",
+        "mbr check parallel.pp=2 zero.stage=2 train.engine=deepspeed",
+        "zero-pp",
+        "zero.stage=2 with pp=2",
+        "use zero.stage=1 with pipeline parallelism",
+    ),
+    C(
+        "rule-zero-engine",
+        "config",
+        "mbr check zero.stage=3",
+        "zero-engine",
+        "zero.stage=3 needs train.engine=deepspeed",
+        "add train.engine=deepspeed",
+    ),
+    C(
+        "rule-zero-offload",
+        "config",
+        "mbr check zero.offload_param=cpu zero.stage=1",
+        "zero-offload",
+        "zero.offload_param needs zero.stage=3",
+        "set zero.stage=3",
+    ),
+    C(
+        "rule-deepspeed-engine",
+        "config",
+        "mbr check train.engine=deepspeed parallel.cp=2",
+        "deepspeed-engine",
+        "cp=2 needs megatron-core's schedules",
+        "use train.engine=megatron",
+    ),
+    C(
+        "rule-tp-in-node",
+        "config",
+        "mbr check model=llama3_8b cluster=dgx_h100 cluster.nodes=2 parallel.tp=16",
+        "tp-in-node",
+        "tp=16 does not fit evenly in a node of 8 GPUs",
+        "parallel.allow_cross_node_tp=true",
+    ),
+    C(
+        "rule-cp-in-node",
+        "config",
+        "mbr check model=llama3_8b cluster=dgx_h100 cluster.nodes=2 parallel.tp=8 parallel.cp=2",
+        "cp-in-node",
+        "tp·cp = 16 does not fit evenly in a node of 8 GPUs",
+        "lower cp",
+    ),
     # -- configs: the shape of the input ---------------------------------------------------
-    C("cfg-unknown-key", "config", "mbr check parallel.tpp=2", "unknown key",
-      "Key 'tpp' not in 'ParallelConfig'", "Check the spelling of the key", proc=True),
-    C("cfg-unknown-top-key", "config", "mbr check learning_rate=1e-3", "unknown key",
-      "Key 'learning_rate' not in 'Config'", "Check the spelling of the key"),
-    C("cfg-wrong-type-int", "config", "mbr check parallel.tp=two", "wrong type",
-      "Value 'two' of type 'str' could not be converted to Integer", "--cfg job"),
-    C("cfg-wrong-type-bool", "config", "mbr check parallel.sequence_parallel=maybe", "wrong type",
-      "'maybe' is not a valid bool", "Give the value the field's type"),
-    C("cfg-missing-recipe", "config", "mbr check recipe=llama9", "unknown recipe",
-      "unknown recipe 'llama9'", "Pick one with `recipe=NAME`"),
-    C("cfg-missing-group-option", "config", "mbr check model=llama9", "unknown group option",
-      "Could not find 'model/llama9'", "option names in conf/<group>/"),
-    C("cfg-stray-argument", "config", "mbr check tp2", "not key=value",
-      "unexpected argument 'tp2'", "`key=value`"),
-    C("cfg-hf-path-missing", "config", "mbr check model.hf_path=/nonexistent/model", "missing HF model",
-      "/nonexistent/model", "config.json"),
-    C("cfg-unknown-command", "config", "mbr chek recipe=default", "unknown command",
-      "unknown command 'chek'", "See `mbr --help`", proc=True),
-    C("cfg-train-layout", "config", f"{T} parallel.tp=3", "heads-tp (trainer)",
-      "[heads-tp]", "choose tp dividing the head count", out=OUT, proc=True),
-    C("cfg-train-unknown-key", "config", f"{T} train.stepz=5", "unknown key (trainer)",
-      "Key 'stepz' not in 'TrainConfig'", "Check the spelling", out=OUT),
-    C("cfg-plan-pinned", "config", "mbr plan recipe=tiny_llama parallel.tp=3", "no layout (plan)",
-      "no candidate layout passes the layout rules", "`mbr check` with the same arguments"),
+    C(
+        "cfg-unknown-key",
+        "config",
+        "mbr check parallel.tpp=2",
+        "unknown key",
+        "Key 'tpp' not in 'ParallelConfig'",
+        "Check the spelling of the key",
+        proc=True,
+    ),
+    C(
+        "cfg-unknown-top-key",
+        "config",
+        "mbr check learning_rate=1e-3",
+        "unknown key",
+        "Key 'learning_rate' not in 'Config'",
+        "Check the spelling of the key",
+    ),
+    C(
+        "cfg-wrong-type-int",
+        "config",
+        "mbr check parallel.tp=two",
+        "wrong type",
+        "Value 'two' of type 'str' could not be converted to Integer",
+        "--cfg job",
+    ),
+    C(
+        "cfg-wrong-type-bool",
+        "config",
+        "mbr check parallel.sequence_parallel=maybe",
+        "wrong type",
+        "'maybe' is not a valid bool",
+        "Give the value the field's type",
+    ),
+    C(
+        "cfg-missing-recipe",
+        "config",
+        "mbr check recipe=llama9",
+        "unknown recipe",
+        "unknown recipe 'llama9'",
+        "Pick one with `recipe=NAME`",
+    ),
+    C(
+        "cfg-missing-group-option",
+        "config",
+        "mbr check model=llama9",
+        "unknown group option",
+        "Could not find 'model/llama9'",
+        "option names in conf/<group>/",
+    ),
+    C("cfg-stray-argument", "config", "mbr check tp2", "not key=value", "unexpected argument 'tp2'", "`key=value`"),
+    C(
+        "cfg-hf-path-missing",
+        "config",
+        "mbr check model.hf_path=/nonexistent/model",
+        "missing HF model",
+        "/nonexistent/model",
+        "config.json",
+    ),
+    C(
+        "cfg-unknown-command",
+        "config",
+        "mbr chek recipe=default",
+        "unknown command",
+        "unknown command 'chek'",
+        "See `mbr --help`",
+        proc=True,
+    ),
+    C(
+        "cfg-train-layout",
+        "config",
+        f"{T} parallel.tp=3",
+        "heads-tp (trainer)",
+        "[heads-tp]",
+        "choose tp dividing the head count",
+        out=OUT,
+        proc=True,
+    ),
+    C(
+        "cfg-train-unknown-key",
+        "config",
+        f"{T} train.stepz=5",
+        "unknown key (trainer)",
+        "Key 'stepz' not in 'TrainConfig'",
+        "Check the spelling",
+        out=OUT,
+    ),
+    C(
+        "cfg-plan-pinned",
+        "config",
+        "mbr plan recipe=tiny_llama parallel.tp=3",
+        "no layout (plan)",
+        "no candidate layout passes the layout rules",
+        "`mbr check` with the same arguments",
+    ),
     # -- data ---------------------------------------------------------------------------
-    C("data-missing-files", "data", f"{T} data=indexed data.paths=[{{FX}}/nope/corpus]", "missing data files",
-      "indexed dataset(s) not found: {FX}/nope/corpus", "mbr data input=", out=OUT),
-    C("data-no-paths", "data", f"{T} data=indexed", "no data paths",
-      "data.kind=indexed needs data.paths", "made by `mbr data`", out=OUT),
-    C("data-tokenizer-missing", "data",
-      f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.tokenizer={{FX}}/nope",
-      "missing tokenizer", "data.tokenizer directory {FX}/nope does not exist", "local directories", out=OUT),
-    C("data-vocab-model", "data",
-      f"{T} data=indexed data.paths=[{{FX}}/big/stdlib_text_document] data.tokenizer={{FX}}/big/tokenizer",
-      "vocab > model", "has 600 tokens", "the model's vocab_size is 512", "set model.vocab_size=600", out=OUT,
-      proc=True),
-    C("data-vocab-tokenizer", "data",
-      f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.tokenizer={{FX}}/big/tokenizer",
-      "data ≠ tokenizer", "the data and the tokenizer do not match", "Re-run `mbr data` with this tokenizer",
-      out=OUT),
-    C("data-empty-split", "data",
-      f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.split=1000/1/0", "empty split",
-      "leaves its valid split 0 of them", "change data.split", out=OUT),
-    C("data-bad-split", "data", f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.split=a/b",
-      "bad split", "data.split='a/b'", "non-negative train,valid,test weights", out=OUT),
-    C("data-split-as-list", "data", f"{T} data.split=98,2,0", "unquoted list value",
-      "Ambiguous value for argument 'data.split=98,2,0'", "quote the value: key='value1,value2'", out=OUT),
-    C("data-cli-missing-input", "data", "mbr data input=nope.jsonl output=out/ds tokenizer={FX}/demo/tokenizer",
-      "missing input", "nope.jsonl does not exist", out=OUT),
-    C("data-cli-existing-output", "data",
-      "mbr data input={FX}/demo/corpus.jsonl output={FX}/demo/stdlib_text_document tokenizer={FX}/demo/tokenizer",
-      "existing output", "indexed dataset already exists", "overwrite=true"),
-    C("data-cli-demo-vocab", "data", "mbr data demo=true output_dir=out/d vocab_size=4096", "vocab > model",
-      "vocab_size=4096 is larger than the recipe's model.vocab_size=512", "vocab_size<=512", out=OUT),
+    C(
+        "data-missing-files",
+        "data",
+        f"{T} data=indexed data.paths=[{{FX}}/nope/corpus]",
+        "missing data files",
+        "indexed dataset(s) not found: {FX}/nope/corpus",
+        "mbr data input=",
+        out=OUT,
+    ),
+    C(
+        "data-no-paths",
+        "data",
+        f"{T} data=indexed",
+        "no data paths",
+        "data.kind=indexed needs data.paths",
+        "made by `mbr data`",
+        out=OUT,
+    ),
+    C(
+        "data-tokenizer-missing",
+        "data",
+        f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.tokenizer={{FX}}/nope",
+        "missing tokenizer",
+        "data.tokenizer directory {FX}/nope does not exist",
+        "local directories",
+        out=OUT,
+    ),
+    C(
+        "data-vocab-model",
+        "data",
+        f"{T} data=indexed data.paths=[{{FX}}/big/stdlib_text_document] data.tokenizer={{FX}}/big/tokenizer",
+        "vocab > model",
+        "has 600 tokens",
+        "the model's vocab_size is 512",
+        "set model.vocab_size=600",
+        out=OUT,
+        proc=True,
+    ),
+    C(
+        "data-vocab-tokenizer",
+        "data",
+        f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.tokenizer={{FX}}/big/tokenizer",
+        "data ≠ tokenizer",
+        "the data and the tokenizer do not match",
+        "Re-run `mbr data` with this tokenizer",
+        out=OUT,
+    ),
+    C(
+        "data-empty-split",
+        "data",
+        f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.split=1000/1/0",
+        "empty split",
+        "leaves its valid split 0 of them",
+        "change data.split",
+        out=OUT,
+    ),
+    C(
+        "data-bad-split",
+        "data",
+        f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.split=a/b",
+        "bad split",
+        "data.split='a/b'",
+        "non-negative train,valid,test weights",
+        out=OUT,
+    ),
+    C(
+        "data-split-as-list",
+        "data",
+        f"{T} data.split=98,2,0",
+        "unquoted list value",
+        "Ambiguous value for argument 'data.split=98,2,0'",
+        "quote the value: key='value1,value2'",
+        out=OUT,
+    ),
+    C(
+        "data-cli-missing-input",
+        "data",
+        "mbr data input=nope.jsonl output=out/ds tokenizer={FX}/demo/tokenizer",
+        "missing input",
+        "nope.jsonl does not exist",
+        out=OUT,
+    ),
+    C(
+        "data-cli-existing-output",
+        "data",
+        "mbr data input={FX}/demo/corpus.jsonl output={FX}/demo/stdlib_text_document tokenizer={FX}/demo/tokenizer",
+        "existing output",
+        "indexed dataset already exists",
+        "overwrite=true",
+    ),
+    C(
+        "data-cli-demo-vocab",
+        "data",
+        "mbr data demo=true output_dir=out/d vocab_size=4096",
+        "vocab > model",
+        "vocab_size=4096 is larger than the recipe's model.vocab_size=512",
+        "vocab_size<=512",
+        out=OUT,
+    ),
     # -- checkpoints: resume, init, export, mbr check-ckpt ------------------------------------
-    C("ckpt-resume-no-dir", "checkpoint", "train recipe=default run_dir=out/run checkpoint.resume=true",
-      "resume without dir", "checkpoint.resume=true needs checkpoint.dir=DIR", "the first run saved to", out=OUT),
-    C("ckpt-resume-layout", "checkpoint",
-      "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_tp2pp2 checkpoint.resume=true",
-      "resume, other layout", "was written with a different setup (layout: checkpoint tp2·pp2",
-      "Resume with the same layout", out=OUT, proc=True),
-    C("ckpt-resume-bad-latest", "checkpoint",
-      "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_bad_latest checkpoint.resume=true",
-      "corrupt latest pointer", "latest_checkpointed_iteration.txt is corrupt", "delete it to restart", out=OUT),
-    C("ckpt-resume-missing-iter", "checkpoint",
-      "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_missing_iter checkpoint.resume=true",
-      "latest names no directory", "names iteration 8, but", "Point it at an existing iter_* directory",
-      out=OUT),
-    C("ckpt-resume-bad-manifest", "checkpoint",
-      "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_bad_manifest checkpoint.resume=true",
-      "corrupt manifest", "manifest.json is corrupt", "Resume from an earlier iteration", out=OUT),
-    C("ckpt-init-from-missing", "checkpoint", f"{T} train.init_from={{FX}}/nope", "missing init_from",
-      "train.init_from={FX}/nope does not exist", "Point it at a Hugging Face model directory", out=OUT),
-    C("ckpt-export-nonempty", "checkpoint", f"{T} export_to={{FX}}/nonempty", "export_to not empty",
-      "export_to={FX}/nonempty exists and is not empty", "choose a new directory", out=OUT),
-    C("ckpt-check-corrupt", "checkpoint", "mbr check-ckpt {FX}/ck_corrupt", "checksum mismatch",
-      "rank_00001.pt (checksum mismatch)", "Resume from an earlier iteration", proc=True),
-    C("ckpt-check-truncated", "checkpoint", "mbr check-ckpt {FX}/ck_truncated", "truncated file",
-      "rank_00000.pt (size", "truncated", "Resume from an earlier iteration"),
-    C("ckpt-check-missing-file", "checkpoint", "mbr check-ckpt {FX}/ck_missing_file/iter_0000002",
-      "missing file", "rank_00001.pt (missing)", "re-create it"),
-    C("ckpt-check-torn-only", "checkpoint", "mbr check-ckpt {FX}/ck_torn", "only a torn save",
-      "holds no checkpoint", "interrupted saves: iter_0000004.tmp"),
-    C("ckpt-check-not-ckpt", "checkpoint", "mbr check-ckpt {FX}/nonempty", "not a checkpoint",
-      "holds no checkpoint", "Pass the directory given as checkpoint.dir="),
-    C("ckpt-check-nonexistent", "checkpoint", "mbr check-ckpt {FX}/nope", "no such directory",
-      "{FX}/nope does not exist", "usage: mbr check-ckpt DIR"),
+    C(
+        "ckpt-resume-no-dir",
+        "checkpoint",
+        "train recipe=default run_dir=out/run checkpoint.resume=true",
+        "resume without dir",
+        "checkpoint.resume=true needs checkpoint.dir=DIR",
+        "the first run saved to",
+        out=OUT,
+    ),
+    C(
+        "ckpt-resume-layout",
+        "checkpoint",
+        "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_tp2pp2 checkpoint.resume=true",
+        "resume, other layout",
+        "was written with a different setup (layout: checkpoint tp2·pp2",
+        "Resume with the same layout",
+        out=OUT,
+        proc=True,
+    ),
+    C(
+        "ckpt-resume-bad-latest",
+        "checkpoint",
+        "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_bad_latest checkpoint.resume=true",
+        "corrupt latest pointer",
+        "latest_checkpointed_iteration.txt is corrupt",
+        "delete it to restart",
+        out=OUT,
+    ),
+    C(
+        "ckpt-resume-missing-iter",
+        "checkpoint",
+        "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_missing_iter checkpoint.resume=true",
+        "latest names no directory",
+        "names iteration 8, but",
+        "Point it at an existing iter_* directory",
+        out=OUT,
+    ),
+    C(
+        "ckpt-resume-bad-manifest",
+        "checkpoint",
+        "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_bad_manifest checkpoint.resume=true",
+        "corrupt manifest",
+        "manifest.json is corrupt",
+        "Resume from an earlier iteration",
+        out=OUT,
+    ),
+    C(
+        "ckpt-init-from-missing",
+        "checkpoint",
+        f"{T} train.init_from={{FX}}/nope",
+        "missing init_from",
+        "train.init_from={FX}/nope does not exist",
+        "Point it at a Hugging Face model directory",
+        out=OUT,
+    ),
+    C(
+        "ckpt-export-nonempty",
+        "checkpoint",
+        f"{T} export_to={{FX}}/nonempty",
+        "export_to not empty",
+        "export_to={FX}/nonempty exists and is not empty",
+        "choose a new directory",
+        out=OUT,
+    ),
+    C(
+        "ckpt-check-corrupt",
+        "checkpoint",
+        "mbr check-ckpt {FX}/ck_corrupt",
+        "checksum mismatch",
+        "rank_00001.pt (checksum mismatch)",
+        "Resume from an earlier iteration",
+        proc=True,
+    ),
+    C(
+        "ckpt-check-truncated",
+        "checkpoint",
+        "mbr check-ckpt {FX}/ck_truncated",
+        "truncated file",
+        "rank_00000.pt (size",
+        "truncated",
+        "Resume from an earlier iteration",
+    ),
+    C(
+        "ckpt-check-missing-file",
+        "checkpoint",
+        "mbr check-ckpt {FX}/ck_missing_file/iter_0000002",
+        "missing file",
+        "rank_00001.pt (missing)",
+        "re-create it",
+    ),
+    C(
+        "ckpt-check-torn-only",
+        "checkpoint",
+        "mbr check-ckpt {FX}/ck_torn",
+        "only a torn save",
+        "holds no checkpoint",
+        "interrupted saves: iter_0000004.tmp",
+    ),
+    C(
+        "ckpt-check-not-ckpt",
+        "checkpoint",
+        "mbr check-ckpt {FX}/nonempty",
+        "not a checkpoint",
+        "holds no checkpoint",
+        "Pass the directory given as checkpoint.dir=",
+    ),
+    C(
+        "ckpt-check-nonexistent",
+        "checkpoint",
+        "mbr check-ckpt {FX}/nope",
+        "no such directory",
+        "{FX}/nope does not exist",
+        "usage: mbr check-ckpt DIR",
+    ),
     # -- launch ------------------------------------------------------------------------------
-    C("launch-world-size", "launch", "torchrun recipe=tiny_llama run_dir=out/run checkpoint.dir=out/ckpt",
-      "world-size (torchrun ×2, tp2·pp2)", "tp·pp·cp = 2·2·1 = 4 does not divide the world size 2",
-      "Start 4 processes", nproc=2, out=OUT, rc=1),
-    C("launch-local-world-size", "launch",
-      "torchrun recipe=default cluster.gpus_per_node=4 run_dir=out/run checkpoint.dir=out/ckpt",
-      "LOCAL_WORLD_SIZE ≠ gpus_per_node", "this node runs 2 processes (LOCAL_WORLD_SIZE) but cluster.gpus_per_node=4",
-      "--nproc-per-node 4", nproc=2, out=OUT, rc=1),
-    C("launch-no-launcher", "launch", "train recipe=tiny_llama run_dir=out/run", "world-size (no launcher)",
-      "does not divide the world size 1", "it runs without a launcher", "`torchrun --nproc-per-node 4", out=OUT,
-      proc=True),
-    C("launch-world-env", "launch", "train recipe=default parallel.dp=2 run_dir=out/run", "world-size (WORLD_SIZE=4)",
-      "!= world size 4", "the launcher started WORLD_SIZE=4", env=(("WORLD_SIZE", "4"),), out=OUT),
-    C("launch-bad-launcher", "launch", "mbr launch launcher=mpirun --dry-run", "unknown launcher",
-      "launcher='mpirun' is not one of", "'torchrun', 'deepspeed', 'slurm'"),
-    C("launch-no-hosts", "launch", "mbr launch cluster.nodes=2 --dry-run output=out", "nodes without hosts",
-      "cluster.nodes=2 but 0 host(s) are known", "cluster.hostnames=[host1,host2,...]", out=OUT),
-    C("launch-missing-hostfile", "launch",
-      "mbr launch cluster.nodes=2 cluster.hostfile={FX}/nope --dry-run output=out", "missing hostfile",
-      "cluster.hostfile={FX}/nope does not exist", "cluster.hostnames=[a,b]", out=OUT),
-    C("launch-slurm-exec", "launch", "mbr launch launcher=slurm", "slurm without --dry-run",
-      "launcher=slurm needs `sbatch`", "use --dry-run with output=DIR"),
+    C(
+        "launch-world-size",
+        "launch",
+        "torchrun recipe=tiny_llama run_dir=out/run checkpoint.dir=out/ckpt",
+        "world-size (torchrun ×2, tp2·pp2)",
+        "tp·pp·cp = 2·2·1 = 4 does not divide the world size 2",
+        "Start 4 processes",
+        nproc=2,
+        out=OUT,
+        rc=1,
+    ),
+    C(
+        "launch-local-world-size",
+        "launch",
+        "torchrun recipe=default cluster.gpus_per_node=4 run_dir=out/run checkpoint.dir=out/ckpt",
+        "LOCAL_WORLD_SIZE ≠ gpus_per_node",
+        "this node runs 2 processes (LOCAL_WORLD_SIZE) but cluster.gpus_per_node=4",
+        "--nproc-per-node 4",
+        nproc=2,
+        out=OUT,
+        rc=1,
+    ),
+    C(
+        "launch-no-launcher",
+        "launch",
+        "train recipe=tiny_llama run_dir=out/run",
+        "world-size (no launcher)",
+        "does not divide the world size 1",
+        "it runs without a launcher",
+        "`torchrun --nproc-per-node 4",
+        out=OUT,
+        proc=True,
+    ),
+    C(
+        "launch-world-env",
+        "launch",
+        "train recipe=default parallel.dp=2 run_dir=out/run",
+        "world-size (WORLD_SIZE=4)",
+        "!= world size 4",
+        "the launcher started WORLD_SIZE=4",
+        env=(("WORLD_SIZE", "4"),),
+        out=OUT,
+    ),
+    C(
+        "launch-bad-launcher",
+        "launch",
+        "mbr launch launcher=mpirun --dry-run",
+        "unknown launcher",
+        "launcher='mpirun' is not one of",
+        "'torchrun', 'deepspeed', 'slurm'",
+    ),
+    C(
+        "launch-no-hosts",
+        "launch",
+        "mbr launch cluster.nodes=2 --dry-run output=out",
+        "nodes without hosts",
+        "cluster.nodes=2 but 0 host(s) are known",
+        "cluster.hostnames=[host1,host2,...]",
+        out=OUT,
+    ),
+    C(
+        "launch-missing-hostfile",
+        "launch",
+        "mbr launch cluster.nodes=2 cluster.hostfile={FX}/nope --dry-run output=out",
+        "missing hostfile",
+        "cluster.hostfile={FX}/nope does not exist",
+        "cluster.hostnames=[a,b]",
+        out=OUT,
+    ),
+    C(
+        "launch-slurm-exec",
+        "launch",
+        "mbr launch launcher=slurm",
+        "slurm without --dry-run",
+        "launcher=slurm needs `sbatch`",
+        "use --dry-run with output=DIR",
+    ),
 ]
 
 
-CONVERT_CASES: List[Case] = [
-    C("convert-truncated-shard", "convert", "mbr convert src={FX}/hf_truncated dst=out/cv", "truncated shard",
-      "the file is truncated", "re-download or re-save it", out=OUT, proc=True),
-    C("convert-corrupt-shard", "convert", "mbr convert src={FX}/hf_corrupt dst=out/cv", "corrupt shard",
-      "model.safetensors: corrupt safetensors header", out=OUT),
-    C("convert-missing-shard", "convert", "mbr convert src={FX}/hf_missing_shard dst=out/cv", "missing shard",
-      "names 1 file(s) that do not exist: model-00002-of-00002.safetensors", out=OUT),
-    C("convert-no-weights", "convert", "mbr convert src={FX}/hf_no_weights dst=out/cv", "no weight files",
-      "no *.safetensors weights", "only safetensors checkpoints are supported", out=OUT),
-    C("convert-wrong-shapes", "convert", "mbr convert src={FX}/hf_wrong_shape dst=out/cv", "shapes ≠ config.json",
-      "tensor shape(s) disagree with config.json", "the config implies [192, 32]", out=OUT),
-    C("convert-unknown-arch", "convert", "mbr convert src={FX}/hf_unknown_arch dst=out/cv", "unknown architecture",
-      "unsupported architecture FooForCausalLM", "Add a family table", out=OUT),
-    C("convert-existing-dst", "convert", "mbr convert src={FX}/hf dst={FX}/nonempty", "existing dst",
-      "already exists", "choose a new directory or pass overwrite=true"),
-    C("convert-missing-src", "convert", "mbr convert src={FX}/nope dst=out/cv", "missing src",
-      "src={FX}/nope does not exist", out=OUT),
-    C("convert-bad-layout", "convert", "mbr convert src={FX}/hf dst=out/cv format=torch parallel.tp=3",
-      "layout rule (convert)", "[heads-tp]", "choose tp dividing the head count", out=OUT),
+CONVERT_CASES: list[Case] = [
+    C(
+        "convert-truncated-shard",
+        "convert",
+        "mbr convert src={FX}/hf_truncated dst=out/cv",
+        "truncated shard",
+        "the file is truncated",
+        "re-download or re-save it",
+        out=OUT,
+        proc=True,
+    ),
+    C(
+        "convert-corrupt-shard",
+        "convert",
+        "mbr convert src={FX}/hf_corrupt dst=out/cv",
+        "corrupt shard",
+        "model.safetensors: corrupt safetensors header",
+        out=OUT,
+    ),
+    C(
+        "convert-missing-shard",
+        "convert",
+        "mbr convert src={FX}/hf_missing_shard dst=out/cv",
+        "missing shard",
+        "names 1 file(s) that do not exist: model-00002-of-00002.safetensors",
+        out=OUT,
+    ),
+    C(
+        "convert-no-weights",
+        "convert",
+        "mbr convert src={FX}/hf_no_weights dst=out/cv",
+        "no weight files",
+        "no *.safetensors weights",
+        "only safetensors checkpoints are supported",
+        out=OUT,
+    ),
+    C(
+        "convert-wrong-shapes",
+        "convert",
+        "mbr convert src={FX}/hf_wrong_shape dst=out/cv",
+        "shapes ≠ config.json",
+        "tensor shape(s) disagree with config.json",
+        "the config implies [192, 32]",
+        out=OUT,
+    ),
+    C(
+        "convert-unknown-arch",
+        "convert",
+        "mbr convert src={FX}/hf_unknown_arch dst=out/cv",
+        "unknown architecture",
+        "unsupported architecture FooForCausalLM",
+        "Add a family table",
+        out=OUT,
+    ),
+    C(
+        "convert-existing-dst",
+        "convert",
+        "mbr convert src={FX}/hf dst={FX}/nonempty",
+        "existing dst",
+        "already exists",
+        "choose a new directory or pass overwrite=true",
+    ),
+    C(
+        "convert-missing-src",
+        "convert",
+        "mbr convert src={FX}/nope dst=out/cv",
+        "missing src",
+        "src={FX}/nope does not exist",
+        out=OUT,
+    ),
+    C(
+        "convert-bad-layout",
+        "convert",
+        "mbr convert src={FX}/hf dst=out/cv format=torch parallel.tp=3",
+        "layout rule (convert)",
+        "[heads-tp]",
+        "choose tp dividing the head count",
+        out=OUT,
+    ),
 ]
 
 
@@ -279,21 +777,22 @@ def convert_available() -> bool:
     return "convert" in COMMANDS and importlib.util.find_spec("megatron_bridge.commands.convert") is not None
 
 
-def convert_cases() -> List[Case]:
+def convert_cases() -> list[Case]:
     return CONVERT_CASES if convert_available() else []
 
 
 # -- fixtures -----------------------------------------------------------------------------
 def build_fixtures(fx: Path) -> Path:
     """Build the files the cases point at (tests/reliability/fixtures.py), in a subprocess."""
-    p = subprocess.run([PY, "-m", "tests.reliability.fixtures", str(fx)], cwd=ROOT, timeout=300,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [PY, "-m", "tests.reliability.fixtures", str(fx)], cwd=ROOT, timeout=300, capture_output=True, text=True
+    )
     if p.returncode:
         raise RuntimeError(f"building the catalogue fixtures failed:\n{p.stdout}\n{p.stderr}")
     return fx
 
 
-def snapshot(root: Path) -> Dict[str, Tuple[int, int]]:
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     out = {}
     for p in sorted(root.rglob("*")):
         st = p.lstat()
@@ -305,11 +804,11 @@ def snapshot(root: Path) -> Dict[str, Tuple[int, int]]:
 @dataclass
 class Result:
     case: Case
-    rc: Optional[int]
+    rc: int | None
     stderr: str
     seconds: float
     how: str = "proc"  # proc: its own subprocess; in-proc: in a batch interpreter
-    problems: List[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
     message: str = ""
     shown: str = ""  # the message with the fixture directory written {FX}
 
@@ -320,7 +819,7 @@ class Result:
     def got(self) -> str:
         rules = sorted(set(re.findall(r"\[([a-z][a-z-]+)\]", self.message)))
         first = self.shown.splitlines()[0] if self.shown else "(no error message)"
-        first = first[len("error: "):] if first.startswith("error: ") else first
+        first = first[len("error: ") :] if first.startswith("error: ") else first
         if rules:
             return f"exit {self.rc}: " + " ".join(f"[{r}]" for r in rules)
         return f"exit {self.rc}: {first[:70]}{'…' if len(first) > 70 else ''}"
@@ -330,7 +829,7 @@ def _fill(s: str, fx: Path) -> str:
     return s.replace("{FX}", str(fx))
 
 
-def command(case: Case, fx: Path) -> List[str]:
+def command(case: Case, fx: Path) -> list[str]:
     args = [_fill(a, fx) for a in case.argv[1:]]
     head = case.argv[0]
     if head == "mbr":
@@ -340,17 +839,32 @@ def command(case: Case, fx: Path) -> List[str]:
     if head == "torchrun":
         from megatron_bridge.testing import free_port
 
-        return [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(case.nproc), "--master-addr",
-                "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", "-m",
-                "megatron_bridge.train", *args]
+        return [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(case.nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "--max-restarts",
+            "0",
+            "-m",
+            "megatron_bridge.train",
+            *args,
+        ]
     raise ValueError(head)
 
 
-TORCHRUN_REPORT = re.compile(r"Traceback \(most recent call last\):\n(?:(?!Traceback).*\n)*?"
-                             r"torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError:")
+TORCHRUN_REPORT = re.compile(
+    r"Traceback \(most recent call last\):\n(?:(?!Traceback).*\n)*?"
+    r"torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError:"
+)
 
 
-def error_messages(stderr: str) -> List[str]:
+def error_messages(stderr: str) -> list[str]:
     """The `error: ...` paragraphs (a message runs until a line that does not continue it)."""
     out, cur = [], None
     for line in stderr.splitlines():
@@ -369,7 +883,7 @@ def error_messages(stderr: str) -> List[str]:
     return out
 
 
-def _env(extra: Dict[str, str]) -> Dict[str, str]:
+def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in CLEARED}
     env.update({"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **extra})
     return env
@@ -380,8 +894,15 @@ def run_case(case: Case, fx: Path, workroot: Path) -> Result:
     cwd = Path(tempfile.mkdtemp(prefix=f"{case.id}-", dir=workroot))
     t0 = time.monotonic()
     try:
-        p = subprocess.run(command(case, fx), cwd=cwd, env=_env(dict(case.env)), capture_output=True, text=True,
-                           timeout=TIMEOUT, start_new_session=True)
+        p = subprocess.run(
+            command(case, fx),
+            cwd=cwd,
+            env=_env(dict(case.env)),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            start_new_session=True,
+        )
         rc, stderr = p.returncode, p.stderr + p.stdout
     except subprocess.TimeoutExpired as e:
         rc, stderr = None, f"TIMEOUT after {TIMEOUT} s\n{e.stderr or ''}"
@@ -405,18 +926,32 @@ def _kill_in(cwd: Path) -> None:
                 pass
 
 
-def run_batch(cases: Sequence[Case], fx: Path, workroot: Path) -> List[Result]:
+def run_batch(cases: Sequence[Case], fx: Path, workroot: Path) -> list[Result]:
     """Run cases one after another in one interpreter (tests/reliability/inproc.py)."""
     if not cases:
         return []
     batch = Path(tempfile.mkdtemp(prefix="batch-", dir=workroot))
     cwds = {c.id: Path(tempfile.mkdtemp(prefix=f"{c.id}-", dir=workroot)) for c in cases}
-    specs = [{"id": c.id, "entry": c.argv[0], "argv": [_fill(a, fx) for a in c.argv[1:]], "cwd": str(cwds[c.id]),
-              "env": dict(c.env)} for c in cases]
+    specs = [
+        {
+            "id": c.id,
+            "entry": c.argv[0],
+            "argv": [_fill(a, fx) for a in c.argv[1:]],
+            "cwd": str(cwds[c.id]),
+            "env": dict(c.env),
+        }
+        for c in cases
+    ]
     (batch / "spec.json").write_text(json.dumps(specs))
     try:
-        p = subprocess.run([PY, "-m", "tests.reliability.inproc", str(batch / "spec.json"), str(batch / "out.json")],
-                           cwd=ROOT, env=_env({}), capture_output=True, text=True, timeout=TIMEOUT * 2)
+        p = subprocess.run(
+            [PY, "-m", "tests.reliability.inproc", str(batch / "spec.json"), str(batch / "out.json")],
+            cwd=ROOT,
+            env=_env({}),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT * 2,
+        )
         crash = p.stderr if p.returncode else ""
     except subprocess.TimeoutExpired:
         crash = "the batch timed out"
@@ -470,14 +1005,14 @@ def check(res: Result, cwd: Path, fx: Path) -> None:
             bad.append(f"created {rel}")
 
 
-def all_cases() -> List[Case]:
+def all_cases() -> list[Case]:
     cases = CASES + convert_cases()
     ids = [c.id for c in cases]
     assert len(ids) == len(set(ids)), "duplicate case ids"
     return cases
 
 
-def run_all(cases: Sequence[Case], fx: Path, workroot: Path, workers: int = 3) -> List[Result]:
+def run_all(cases: Sequence[Case], fx: Path, workroot: Path, workers: int = 3) -> list[Result]:
     """The subprocess cases (torchrun first: they take longest) on a few threads, next to two
     batch interpreters that run the other cases in-process."""
     procs = sorted((c for c in cases if c.own_process), key=lambda c: c.argv[0] != "torchrun")
@@ -496,8 +1031,18 @@ def table(results: Sequence[Result], width: int = 64) -> str:
     for i, r in enumerate(results, 1):
         inp = r.case.input.replace(" run_dir=out/run checkpoint.dir=out/ckpt", "").replace(" train.steps=2", "")
         inp = inp if len(inp) <= width else inp[: width - 1] + "…"
-        rows.append((str(i), r.case.area, inp, r.case.rule, r.got(), r.how,
-                     "PASS" if r.ok else "FAIL: " + "; ".join(r.problems), f"{r.seconds:.1f}"))
+        rows.append(
+            (
+                str(i),
+                r.case.area,
+                inp,
+                r.case.rule,
+                r.got(),
+                r.how,
+                "PASS" if r.ok else "FAIL: " + "; ".join(r.problems),
+                f"{r.seconds:.1f}",
+            )
+        )
     widths = [max(len(row[k]) for row in rows) if k < 6 else 0 for k in range(8)]
     lines = []
     for row in rows:
@@ -511,26 +1056,32 @@ def table(results: Sequence[Result], width: int = 64) -> str:
         a = areas.setdefault(r.case.area, [0, 0])
         a[0] += 1
         a[1] += r.ok
-    lines.append(f"{len(results)} invalid inputs, {n_ok} rejected cleanly (exit != 0, one message with the fix, "
-                 f"no traceback, nothing written); " + ", ".join(f"{k} {v[1]}/{v[0]}" for k, v in areas.items())
-                 + f"; {total:.0f} s of subprocess time")
+    lines.append(
+        f"{len(results)} invalid inputs, {n_ok} rejected cleanly (exit != 0, one message with the fix, "
+        f"no traceback, nothing written); "
+        + ", ".join(f"{k} {v[1]}/{v[0]}" for k, v in areas.items())
+        + f"; {total:.0f} s of subprocess time"
+    )
     return "\n".join(lines)
 
 
 def markdown(results: Sequence[Result]) -> str:
     """The table as Markdown (docs/reliability.md)."""
+
     def cell(x: str) -> str:
         return x.replace("|", "\\|")
 
     out = ["| # | area | input | expected rule | got | pass |", "|---|---|---|---|---|---|"]
     for i, r in enumerate(results, 1):
         inp = r.case.input.replace(" run_dir=out/run checkpoint.dir=out/ckpt", "").replace(" train.steps=2", "")
-        out.append(f"| {i} | {r.case.area} | `{cell(inp)}` | {cell(r.case.rule)} | {cell(r.got())} | "
-                   f"{'pass' if r.ok else 'FAIL'} |")
+        out.append(
+            f"| {i} | {r.case.area} | `{cell(inp)}` | {cell(r.case.rule)} | {cell(r.got())} | "
+            f"{'pass' if r.ok else 'FAIL'} |"
+        )
     return "\n".join(out)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -554,9 +1105,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a.markdown:
             Path(a.markdown).write_text(markdown(results) + "\n")
         if a.json:
-            Path(a.json).write_text(json.dumps([{"id": r.case.id, "input": r.case.input, "rule": r.case.rule,
-                                                 "got": r.got(), "ok": r.ok, "problems": r.problems,
-                                                 "seconds": round(r.seconds, 2)} for r in results], indent=1))
+            Path(a.json).write_text(
+                json.dumps(
+                    [
+                        {
+                            "id": r.case.id,
+                            "input": r.case.input,
+                            "rule": r.case.rule,
+                            "got": r.got(),
+                            "ok": r.ok,
+                            "problems": r.problems,
+                            "seconds": round(r.seconds, 2),
+                        }
+                        for r in results
+                    ],
+                    indent=1,
+                )
+            )
     return 0 if all(r.ok for r in results) else 1
 
 

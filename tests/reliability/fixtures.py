@@ -40,8 +40,9 @@ def fake_checkpoint(root: Path, iterations, *, layout: str = LAYOUT_1, world: in
             data = buf.getvalue()
             (tmp / f"rank_{r:05d}.pt").write_bytes(data)
             files.append({"file": f"rank_{r:05d}.pt", "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
-        (tmp / ck.MANIFEST).write_text(json.dumps({"iteration": it, "world_size": world, "files": files,
-                                                  "layout": layout, "engine": "megatron"}))
+        (tmp / ck.MANIFEST).write_text(
+            json.dumps({"iteration": it, "world_size": world, "files": files, "layout": layout, "engine": "megatron"})
+        )
         tmp.rename(ck.iter_dir(root, it))
         (Path(root) / ck.LATEST).write_text(f"{it}\n")
     return Path(root)
@@ -101,8 +102,10 @@ def build(fx: Path) -> None:
     wm[keys[-1]] = "model-00002-of-00002.safetensors"
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     (variant("hf_no_weights") / "model.safetensors").unlink()
-    for name, change in (("hf_wrong_shape", {"intermediate_size": 96}),
-                         ("hf_unknown_arch", {"architectures": ["FooForCausalLM"], "model_type": "foo"})):
+    for name, change in (
+        ("hf_wrong_shape", {"intermediate_size": 96}),
+        ("hf_unknown_arch", {"architectures": ["FooForCausalLM"], "model_type": "foo"}),
+    ):
         c = variant(name) / "config.json"
         c.write_text(json.dumps({**json.loads(c.read_text()), **change}))
 

@@ -16,9 +16,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 from megatron_bridge.testing import _kill_tree, _process_tree, free_port
 
@@ -38,12 +38,12 @@ class Launch:
     wall: float  # seconds from start to the launcher's exit
     ended: float  # time.time() when the launcher exited
     killed: bool  # the harness killed the whole launch (kill_when)
-    faults: Dict[int, float] = field(default_factory=dict)  # rank -> time.time() its fault fired
-    survivors: List[str] = field(default_factory=list)  # "pid cmdline" of processes alive after the exit
-    results: Dict[str, Dict[str, float]] = field(default_factory=dict)  # finished jobs' losses
+    faults: dict[int, float] = field(default_factory=dict)  # rank -> time.time() its fault fired
+    survivors: list[str] = field(default_factory=list)  # "pid cmdline" of processes alive after the exit
+    results: dict[str, dict[str, float]] = field(default_factory=dict)  # finished jobs' losses
 
     @property
-    def exit_after_fault(self) -> Optional[float]:
+    def exit_after_fault(self) -> float | None:
         """Seconds from the first fault firing to the whole launch having exited."""
         return self.ended - min(self.faults.values()) if self.faults else None
 
@@ -64,8 +64,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300,
-           kill_when: Optional[int] = None) -> Launch:
+def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300, kill_when: int | None = None) -> Launch:
     out = Path(out)
     faults = out / "faults"
     if faults.exists():
@@ -73,10 +72,31 @@ def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300,
             f.unlink()
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MBR_FAULT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update({"MBR_FAULT_DIR": str(faults), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONWARNINGS": "ignore", "MBR_T0": str(time.time())})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0", SCRIPT, str(out), *jobs]
+    env.update(
+        {
+            "MBR_FAULT_DIR": str(faults),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONWARNINGS": "ignore",
+            "MBR_T0": str(time.time()),
+        }
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "--max-restarts",
+        "0",
+        SCRIPT,
+        str(out),
+        *jobs,
+    ]
     log = out / f"launch-{int(time.time() * 1000)}.log"
     t0 = time.monotonic()
     seen: set = set()
@@ -93,8 +113,10 @@ def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300,
                     break
                 if time.monotonic() - t0 > timeout:
                     _kill_tree(proc)
-                    raise LaunchTimeout(f"launch did not end within {timeout:.0f} s; everything was killed\n"
-                                        + log.read_text(errors="replace")[-8000:])
+                    raise LaunchTimeout(
+                        f"launch did not end within {timeout:.0f} s; everything was killed\n"
+                        + log.read_text(errors="replace")[-8000:]
+                    )
                 time.sleep(0.05)
         finally:
             if proc.poll() is None:
@@ -119,13 +141,13 @@ def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300,
     return Launch(rc, log.read_text(errors="replace"), wall, ended, killed, fired, survivors, results)
 
 
-def torchrun_failures(output: str) -> Dict[int, int]:
+def torchrun_failures(output: str) -> dict[int, int]:
     """{global rank: exit code} from torchrun's failure report (negative: killed by that signal)."""
     found = re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)", output)
     return {int(r): int(c) for r, c in found}
 
 
-def losses(run_dir: Path) -> Dict[str, float]:
+def losses(run_dir: Path) -> dict[str, float]:
     """Per-step losses a (possibly crashed) job logged to its metrics.jsonl."""
     p = Path(run_dir) / "metrics.jsonl"
     if not p.exists():

@@ -45,8 +45,13 @@ def run_one(spec: dict) -> dict:
         os.environ.clear()
         os.environ.update(saved)
         os.chdir(home)
-    return {"id": spec["id"], "rc": rc, "stderr": err.getvalue(), "stdout": out.getvalue(),
-            "seconds": time.monotonic() - t0}
+    return {
+        "id": spec["id"],
+        "rc": rc,
+        "stderr": err.getvalue(),
+        "stdout": out.getvalue(),
+        "seconds": time.monotonic() - t0,
+    }
 
 
 def main() -> None:

@@ -27,8 +27,9 @@ TEST = "test_bad_input_is_rejected_cleanly"
 
 @pytest.fixture(scope="session")
 def catalogue(request, tmp_path_factory):
-    wanted = {item.callspec.params["case"].id for item in request.session.items
-              if getattr(item, "originalname", "") == TEST}
+    wanted = {
+        item.callspec.params["case"].id for item in request.session.items if getattr(item, "originalname", "") == TEST
+    }
     cases = [c for c in CASES if c.id in wanted]
     root = tmp_path_factory.mktemp("catalogue")
     fx = cat.build_fixtures(root / "fx")
@@ -40,8 +41,9 @@ def catalogue(request, tmp_path_factory):
     return {r.case.id: r for r in results}, fx, before
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.dist] if c.argv[0] == "torchrun" else [])
-                                  for c in CASES])
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c.id, marks=[pytest.mark.dist] if c.argv[0] == "torchrun" else []) for c in CASES]
+)
 def test_bad_input_is_rejected_cleanly(case, catalogue):
     results, _, _ = catalogue
     r = results[case.id]
@@ -80,7 +82,13 @@ def test_debug_mode_shows_the_traceback(how, tmp_path):
         args.append("debug=true")
     else:
         env["HYDRA_FULL_ERROR"] = "1"
-    p = subprocess.run([sys.executable, "-m", "megatron_bridge.train", *args], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "megatron_bridge.train", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "Traceback" in p.stderr and "LayoutError" in p.stderr
     assert list(tmp_path.iterdir()) == []

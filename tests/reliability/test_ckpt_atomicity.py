@@ -33,15 +33,23 @@ def _env(**kw):
     return env
 
 
-@pytest.mark.parametrize("point,left", [
-    ("ckpt_write", "iter_0000004.tmp"),  # this rank's file written, nothing published
-    ("ckpt_publish", "iter_0000004.tmp"),  # manifest written, directory not renamed
-    ("ckpt_latest", "iter_0000004"),  # directory renamed, the latest pointer not updated
-])
+@pytest.mark.parametrize(
+    "point,left",
+    [
+        ("ckpt_write", "iter_0000004.tmp"),  # this rank's file written, nothing published
+        ("ckpt_publish", "iter_0000004.tmp"),  # manifest written, directory not renamed
+        ("ckpt_latest", "iter_0000004"),  # directory renamed, the latest pointer not updated
+    ],
+)
 def test_sigkill_during_save_keeps_the_previous_checkpoint(point, left, tmp_path):
     d = tmp_path / "ck"
-    p = subprocess.run([sys.executable, "-c", SAVE_TWICE, str(d)], env=_env(MBR_FAULT=f"kill:{point}:0:4"),
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", SAVE_TWICE, str(d)],
+        env=_env(MBR_FAULT=f"kill:{point}:0:4"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert f"injecting kill:{point}:0:4" in p.stderr
     assert (d / left).is_dir()

@@ -21,7 +21,6 @@ terminal summary and recorded in docs/reliability.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -37,9 +36,17 @@ pytestmark = pytest.mark.dist
 NPROC = 4
 STEPS = 8
 HANG_TIMEOUT_MIN = 0.15  # train.timeout_minutes of the hang scenario: the watchdog ends it after 9 s
-COMMON = ["recipe=default", f"train.steps={STEPS}", "train.seq_length=32", "train.micro_batch_size=1",
-          "train.global_batch_size=4", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "data=synthetic",
-          "checkpoint.save_interval=2"]
+COMMON = [
+    "recipe=default",
+    f"train.steps={STEPS}",
+    "train.seq_length=32",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=4",
+    "optimizer.warmup_steps=2",
+    "optimizer.lr=3e-3",
+    "data=synthetic",
+    "checkpoint.save_interval=2",
+]
 LAYOUTS = {
     "tp2pp2": ["parallel.tp=2", "parallel.pp=2"],
     "pp2dp2z1": ["parallel.pp=2", "zero.stage=1"],  # DistributedOptimizer: optimizer state sharded over dp
@@ -53,33 +60,75 @@ class Scenario:
     fault: str  # MBR_FAULT
     what: str  # the crash point, in words
     latest: int  # the iteration `latest` must name afterwards
-    torn: Optional[int] = None  # an iter_N.tmp the crash must leave behind (ignored on resume)
-    names: Tuple[str, ...] = ()  # what the output must say (the failing rank and the reason)
-    exits: Dict[int, int] = field(default_factory=dict)  # rank -> exit code in torchrun's failure report
+    torn: int | None = None  # an iter_N.tmp the crash must leave behind (ignored on resume)
+    names: tuple[str, ...] = ()  # what the output must say (the failing rank and the reason)
+    exits: dict[int, int] = field(default_factory=dict)  # rank -> exit code in torchrun's failure report
     bound: float = 30.0  # the whole job must have exited this many seconds after the fault fired
     # The harness kills the whole launch once N ranks sit in their `hang` fault (the first pipeline
     # stage's: the others are then blocked mid-step waiting on them).
-    kill_when: Optional[int] = None
-    extra: Tuple[str, ...] = ()
+    kill_when: int | None = None
+    extra: tuple[str, ...] = ()
 
 
-SCENARIOS: List[Scenario] = [
-    Scenario("rank_sigkill_mid_step", "tp2pp2", "kill:step:1:5", "rank 1 of 4 SIGKILLed mid-step 5", 4,
-             exits={1: -9}, names=("Signal 9 (SIGKILL) received by PID",)),
-    Scenario("rank_sigkill_mid_ckpt_write", "pp2dp2z1", "kill:ckpt_write:2:4",
-             "rank 2 of 4 SIGKILLed mid-checkpoint-write (step 4: its file written, not published)", 2, torn=4,
-             exits={2: -9}),
-    Scenario("job_sigkill_mid_step", "tp2pp2", "hang:step:*:7",
-             "whole job SIGKILLed mid-step 7 (torchrun agent and all 4 ranks, from outside)", 6, kill_when=2),
-    Scenario("job_sigkill_mid_ckpt_write", "pp2dp2z1", "kill:ckpt_write:*:6",
-             "all 4 ranks SIGKILLed mid-checkpoint-write (step 6)", 4, torn=6, names=("Signal 9 (SIGKILL)",)),
-    Scenario("rank_raises", "tp2pp2", "raise:step:2:3", "rank 2 of 4 raises an exception mid-step 3", 2,
-             exits={2: 1}, names=("rank 2 failed in step 3: RuntimeError: injected fault raise:step:2:3",)),
-    Scenario("rank_hangs", "pp2dp2z1", "hang:step:1:5", "rank 1 of 4 hangs mid-step 5 (outside any collective)", 4,
-             names=("rank 1 failed in step 5: no progress for 9 s (train.timeout_minutes=0.15)",
-                    "outside any communication call: this rank itself is stuck"), exits={1: 1},
-             bound=HANG_TIMEOUT_MIN * 60 + 25,
-             extra=(f"train.timeout_minutes={HANG_TIMEOUT_MIN}",)),
+SCENARIOS: list[Scenario] = [
+    Scenario(
+        "rank_sigkill_mid_step",
+        "tp2pp2",
+        "kill:step:1:5",
+        "rank 1 of 4 SIGKILLed mid-step 5",
+        4,
+        exits={1: -9},
+        names=("Signal 9 (SIGKILL) received by PID",),
+    ),
+    Scenario(
+        "rank_sigkill_mid_ckpt_write",
+        "pp2dp2z1",
+        "kill:ckpt_write:2:4",
+        "rank 2 of 4 SIGKILLed mid-checkpoint-write (step 4: its file written, not published)",
+        2,
+        torn=4,
+        exits={2: -9},
+    ),
+    Scenario(
+        "job_sigkill_mid_step",
+        "tp2pp2",
+        "hang:step:*:7",
+        "whole job SIGKILLed mid-step 7 (torchrun agent and all 4 ranks, from outside)",
+        6,
+        kill_when=2,
+    ),
+    Scenario(
+        "job_sigkill_mid_ckpt_write",
+        "pp2dp2z1",
+        "kill:ckpt_write:*:6",
+        "all 4 ranks SIGKILLed mid-checkpoint-write (step 6)",
+        4,
+        torn=6,
+        names=("Signal 9 (SIGKILL)",),
+    ),
+    Scenario(
+        "rank_raises",
+        "tp2pp2",
+        "raise:step:2:3",
+        "rank 2 of 4 raises an exception mid-step 3",
+        2,
+        exits={2: 1},
+        names=("rank 2 failed in step 3: RuntimeError: injected fault raise:step:2:3",),
+    ),
+    Scenario(
+        "rank_hangs",
+        "pp2dp2z1",
+        "hang:step:1:5",
+        "rank 1 of 4 hangs mid-step 5 (outside any collective)",
+        4,
+        names=(
+            "rank 1 failed in step 5: no progress for 9 s (train.timeout_minutes=0.15)",
+            "outside any communication call: this rank itself is stuck",
+        ),
+        exits={1: 1},
+        bound=HANG_TIMEOUT_MIN * 60 + 25,
+        extra=(f"train.timeout_minutes={HANG_TIMEOUT_MIN}",),
+    ),
 ]
 
 
@@ -90,12 +139,12 @@ def _job(name: str, layout: str, fault: str = "", *overrides: str) -> str:
 @dataclass
 class Record:
     scenario: Scenario
-    crash: Optional[Launch] = None
-    latest: Optional[int] = None
-    tmp_dirs: List[str] = field(default_factory=list)
-    check_ckpt_rc: Optional[int] = None
-    crashed_losses: Dict[str, float] = field(default_factory=dict)
-    resumed: Dict[str, float] = field(default_factory=dict)
+    crash: Launch | None = None
+    latest: int | None = None
+    tmp_dirs: list[str] = field(default_factory=list)
+    check_ckpt_rc: int | None = None
+    crashed_losses: dict[str, float] = field(default_factory=dict)
+    resumed: dict[str, float] = field(default_factory=dict)
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +154,23 @@ def chain(tmp_path_factory, request):
 
     root = tmp_path_factory.mktemp("crash")
     records = [Record(s) for s in SCENARIOS]
-    launches: List[Tuple[str, Launch]] = []
-    refs: Dict[str, Dict[str, float]] = {}
+    launches: list[tuple[str, Launch]] = []
+    refs: dict[str, dict[str, float]] = {}
     for k in range(len(SCENARIOS) + 1):
         jobs = []
         if k == 0:
             jobs += [_job(f"ref_{name}", name) for name in LAYOUTS]
         else:
             prev = SCENARIOS[k - 1]
-            jobs.append(_job(f"resume_{prev.name}", prev.layout, "", f"checkpoint.dir={root / prev.name}",
-                             "checkpoint.resume=true"))
+            jobs.append(
+                _job(
+                    f"resume_{prev.name}",
+                    prev.layout,
+                    "",
+                    f"checkpoint.dir={root / prev.name}",
+                    "checkpoint.resume=true",
+                )
+            )
         if k < len(SCENARIOS):
             s = SCENARIOS[k]
             jobs.append(_job(s.name, s.layout, s.fault, f"checkpoint.dir={root / s.name}", *s.extra))
@@ -184,7 +240,9 @@ def test_resume_reproduces_the_uninterrupted_run(chain, idx):
     assert rec.crashed_losses and all(rec.crashed_losses[k] == ref[k] for k in rec.crashed_losses)
     # the resumed run starts right after `latest` and equals the uninterrupted run bit for bit
     assert sorted(map(int, rec.resumed)) == list(range(s.latest + 1, STEPS + 1)), (
-        rec.resumed, launches[idx + 1][1].output[-4000:])
+        rec.resumed,
+        launches[idx + 1][1].output[-4000:],
+    )
     for step, loss in rec.resumed.items():
         assert loss == ref[step], (step, ref[step], loss)
 
@@ -199,8 +257,9 @@ def figures(refs, records, launches) -> str:
         ended = "killed" if run.killed else (f"{run.exit_after_fault:.1f} s" if run.exit_after_fault else "?")
         exact = bool(r.resumed) and all(r.resumed[k] == refs[s.layout].get(k) for k in r.resumed)
         first = min(map(int, r.resumed)) - 1 if r.resumed else None
-        lines.append(f"{s.name:30s} {s.what[:78]:78s} {ended:>10s} {str(r.latest):>6s} "
-                     f"{'from ' + str(first) if first is not None else '-':>8s}  {'yes' if exact else 'NO'}")
-    lines.append("launch wall times: " + ", ".join(f"{n} {l.wall:.0f} s" for n, l in launches))
+        lines.append(
+            f"{s.name:30s} {s.what[:78]:78s} {ended:>10s} {str(r.latest):>6s} "
+            f"{'from ' + str(first) if first is not None else '-':>8s}  {'yes' if exact else 'NO'}"
+        )
+    lines.append("launch wall times: " + ", ".join(f"{n} {lw.wall:.0f} s" for n, lw in launches))
     return "\n".join(lines)
-

@@ -13,7 +13,11 @@ import torch
 
 from megatron_bridge.bridge import registry
 from megatron_bridge.bridge.hf_config import (
-    load_spec, rope_inv_freq, spec_from_hf, spec_to_hf_config, transformer_config,
+    load_spec,
+    rope_inv_freq,
+    spec_from_hf,
+    spec_to_hf_config,
+    transformer_config,
 )
 from megatron_bridge.bridge.layout import Layout, problems, renumber, stage_layers
 from megatron_bridge.bridge.loader import Coords, HFCheckpoint, rank_shards, resolve_checkpoint
@@ -55,49 +59,86 @@ def test_specs_of_tiny_families(tiny):
 
 
 def _base(**kw):
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-           "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100, "rms_norm_eps": 1e-5}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 100,
+        "rms_norm_eps": 1e-5,
+    }
     cfg.update(kw)
     return cfg
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"attention_bias": True}, "o_proj bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"hidden_act": "gelu"}, "SwiGLU"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
-    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
-    ({"partial_rotary_factor": 0.5}, "partial"),
-    ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4}, "mixes"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"attention_bias": True}, "o_proj bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hidden_act": "gelu"}, "SwiGLU"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"partial_rotary_factor": 0.5}, "partial"),
+        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4}, "mixes"),
+    ],
+)
 def test_unsupported_features_are_refused(extra, message):
     with pytest.raises(UserError, match=message):
         spec_from_hf(_base(**extra))
 
 
 def test_moe_refusals_and_all_problems_at_once():
-    cfg = _base(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=4,
-                num_experts_per_tok=2, router_jitter_noise=0.1, attention_bias=True)
+    cfg = _base(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.1,
+        attention_bias=True,
+    )
     with pytest.raises(UserError) as e:
         spec_from_hf(cfg)
     assert "router_jitter_noise" in str(e.value) and "o_proj" in str(e.value)
 
 
 def test_v4_style_rope_scaling_and_window_keys():
-    s = spec_from_hf(_base(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
+    s = spec_from_hf(
+        _base(
+            rope_theta=5e5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
+    )
     assert s.rotary_base == 5e5 and s.rope_type == "llama3"
-    q = spec_from_hf(_base(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
-                           sliding_window=4096))
+    q = spec_from_hf(
+        _base(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=4096)
+    )
     assert q.sliding_window is None and q.add_qkv_bias
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 10000.0},
-    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
 def test_rope_frequencies_match_transformers(rope):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -195,8 +236,14 @@ def test_spec_from_a_recipe_model_group():
     from megatron_bridge.bridge.hf_config import spec_from_model_config
     from megatron_bridge.config.schema import ModelConfig
 
-    m = ModelConfig(family="qwen2", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                    tie_word_embeddings=True)
+    m = ModelConfig(
+        family="qwen2",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        tie_word_embeddings=True,
+    )
     spec = spec_from_model_config(m)
     assert spec.add_qkv_bias and spec.num_query_groups == 2 and spec.architecture == "Qwen2ForCausalLM"
     assert spec_from_hf(spec_to_hf_config(spec)) == spec

@@ -73,7 +73,7 @@ def test_gate_up_rank_layout_is_cat_of_each_half(tp):
     parts = _shards(GATE_UP, [gate, up], tp, SHAPES)
     n = 8 // tp
     for r, p in enumerate(parts):  # megatron's SwiGLU shard: [gate_r; up_r]
-        assert torch.equal(p, torch.cat([gate[r * n:(r + 1) * n], up[r * n:(r + 1) * n]]))
+        assert torch.equal(p, torch.cat([gate[r * n : (r + 1) * n], up[r * n : (r + 1) * n]]))
     assert torch.equal(GATE_UP.shard([gate, up], FULL, SHAPES), torch.cat([gate, up]))  # dist-ckpt layout
     assert _same(GATE_UP.merge(parts, SHAPES), (gate, up))
 
@@ -103,28 +103,43 @@ def test_lazy_slices_give_the_same_shards(tmp_path):
         for tp in (1, 2, 4):
             for r in range(tp):
                 s = Shard(r, tp)
-                assert torch.equal(QKV.shard([lazy["q"], lazy["k"], lazy["v"]], s, SHAPES), QKV.shard([q, k, v], s, SHAPES))
+                assert torch.equal(
+                    QKV.shard([lazy["q"], lazy["k"], lazy["v"]], s, SHAPES), QKV.shard([q, k, v], s, SHAPES)
+                )
                 assert torch.equal(VOCAB.shard([lazy["emb"]], s, SHAPES), VOCAB.shard([tensors["emb"]], s, SHAPES))
                 assert torch.equal(ROW.shard([lazy["o"]], s, SHAPES), ROW.shard([tensors["o"]], s, SHAPES))
 
 
 TABLE = (
     Mapping("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB),
-    Mapping("decoder.layers.{layer}.mlp.linear_fc1.weight",
-            ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"), GATE_UP),
-    Mapping("decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight",
-            "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight", ROW),
+    Mapping(
+        "decoder.layers.{layer}.mlp.linear_fc1.weight",
+        ("model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"),
+        GATE_UP,
+    ),
+    Mapping(
+        "decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight",
+        "model.layers.{layer}.mlp.experts.{expert}.down_proj.weight",
+        ROW,
+    ),
 )
 
 
 def test_resolve_groups_multi_tensor_rows_and_reports_leftovers():
-    keys = ["model.embed_tokens.weight", "model.layers.3.mlp.up_proj.weight", "model.layers.3.mlp.gate_proj.weight",
-            "model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"]
+    keys = [
+        "model.embed_tokens.weight",
+        "model.layers.3.mlp.up_proj.weight",
+        "model.layers.3.mlp.gate_proj.weight",
+        "model.layers.1.mlp.experts.7.down_proj.weight",
+        "model.layers.0.self_attn.rotary_emb.inv_freq",
+    ]
     rows, left = resolve_hf(TABLE, keys)
     assert left == ["model.layers.0.self_attn.rotary_emb.inv_freq"]
     names = {r.megatron: r for r in rows}
     assert names["decoder.layers.3.mlp.linear_fc1.weight"].hf == (
-        "model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight")
+        "model.layers.3.mlp.gate_proj.weight",
+        "model.layers.3.mlp.up_proj.weight",
+    )
     expert = names["decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight"]
     assert expert.mapping.is_expert and expert.layer == 1 and expert.expert == 7
     with pytest.raises(KeyError, match="up_proj"):
@@ -147,13 +162,22 @@ def test_mapping_checks_arity_and_conditions():
 
 def test_global_and_local_names():
     g = "decoder.layers.5.mlp.experts.local_experts.6.linear_fc1.weight"
-    assert to_local_name(g, range(4, 6), local_experts(8, 4, 3)) == "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"
+    assert (
+        to_local_name(g, range(4, 6), local_experts(8, 4, 3))
+        == "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"
+    )
     assert to_local_name(g, range(0, 4), None) is None
     assert to_local_name(g, range(4, 6), local_experts(8, 4, 0)) is None
     assert renumber("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", 4, 6) == g
     assert to_local_name("embedding.word_embeddings.weight", range(2, 4)) == "embedding.word_embeddings.weight"
-    assert dist_ckpt_key("decoder.layers.0.input_layernorm.weight") == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
-    assert dist_ckpt_key("decoder.layers.0.pre_mlp_layernorm.weight") == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert (
+        dist_ckpt_key("decoder.layers.0.input_layernorm.weight")
+        == "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    )
+    assert (
+        dist_ckpt_key("decoder.layers.0.pre_mlp_layernorm.weight")
+        == "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    )
 
 
 def test_layout_parse():

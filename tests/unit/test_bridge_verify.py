@@ -11,8 +11,14 @@ from megatron_bridge.cli import main
 def test_list_prints_supported_families(capsys):
     assert main(["verify", "--list"]) == 0
     out = capsys.readouterr().out
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                 "MixtralForCausalLM", "Qwen2MoeForCausalLM"):
+    for arch in (
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+    ):
         assert arch in out
 
 
@@ -31,17 +37,24 @@ def test_unknown_check_and_unsupported_model(capsys, tmp_path):
     assert main(["verify", "verify.tiny=llama", f"verify.out={tmp_path}", "verify.checks=[speed]"]) == 2
     assert "speed" in capsys.readouterr().err
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", '
-                                                '"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, '
-                                                '"num_hidden_layers": 1, "vocab_size": 10, "hidden_act": "gelu"}')
+    (tmp_path / "m" / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", '
+        '"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, '
+        '"num_hidden_layers": 1, "vocab_size": 10, "hidden_act": "gelu"}'
+    )
     assert main(["verify", f"model.hf_path={tmp_path / 'm'}"]) == 2
     assert "SwiGLU" in capsys.readouterr().err
 
 
 def _rank(max_abs, ok_roundtrip=True, n=3):
-    return {"L": {"logits": {"max_abs": max_abs, "mean_abs": max_abs / 2, "ref_max": 1.0, "padded_vocab": 8},
-                  "roundtrip": {"ok": ok_roundtrip, "n": n, "bad": [] if ok_roundtrip else ["x: values differ"]},
-                  "grads": {"n": n, "max_abs": 1e-7, "bad": []}, "loss": {"value": 2.0}}}
+    return {
+        "L": {
+            "logits": {"max_abs": max_abs, "mean_abs": max_abs / 2, "ref_max": 1.0, "padded_vocab": 8},
+            "roundtrip": {"ok": ok_roundtrip, "n": n, "bad": [] if ok_roundtrip else ["x: values differ"]},
+            "grads": {"n": n, "max_abs": 1e-7, "bad": []},
+            "loss": {"value": 2.0},
+        }
+    }
 
 
 def test_summarize_verdicts():

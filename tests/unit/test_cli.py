@@ -10,8 +10,9 @@ from megatron_bridge.config.compose import compose, list_group, list_recipes, pa
 
 
 def mbr(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "megatron_bridge.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_bridge.cli", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_check_prints_rank_map_and_exits_0():
@@ -21,16 +22,19 @@ def test_check_prints_rank_map_and_exits_0():
     assert "tp=0-1 pp=0,2" in r.stdout  # rank 0's TP group and PP group
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["recipe=tiny_llama", "parallel.tp=3"], "[heads-tp]"),
-    (["recipe=tiny_llama", "parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
-    (["recipe=tiny_llama", "parallel.tp=two"], "could not be converted to Integer"),
-    (["recipe=nope"], "unknown recipe 'nope'"),
-    (["model=llama9"], "Could not find 'model/llama9'"),
-    (["recipe=tiny_llama", "zero.stage=2"], "[zero-pp]"),
-    (["model.hf_path=/nonexistent/dir"], "no config.json there"),
-    (["stray"], "unexpected argument 'stray'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["recipe=tiny_llama", "parallel.tp=3"], "[heads-tp]"),
+        (["recipe=tiny_llama", "parallel.tpp=2"], "Key 'tpp' not in 'ParallelConfig'"),
+        (["recipe=tiny_llama", "parallel.tp=two"], "could not be converted to Integer"),
+        (["recipe=nope"], "unknown recipe 'nope'"),
+        (["model=llama9"], "Could not find 'model/llama9'"),
+        (["recipe=tiny_llama", "zero.stage=2"], "[zero-pp]"),
+        (["model.hf_path=/nonexistent/dir"], "no config.json there"),
+        (["stray"], "unexpected argument 'stray'"),
+    ],
+)
 def test_user_errors_exit_2_without_traceback(args, needle):
     r = mbr("check", *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
@@ -62,8 +66,16 @@ def test_every_shipped_recipe_validates():
 
 
 def test_groups_shipped():
-    assert {"tiny_llama", "tiny_mixtral", "llama3_8b", "llama3_70b", "llama3_405b", "mixtral_8x7b", "gpt3_175b",
-            "gpt_1t"} <= set(list_group("model"))
+    assert {
+        "tiny_llama",
+        "tiny_mixtral",
+        "llama3_8b",
+        "llama3_70b",
+        "llama3_405b",
+        "mixtral_8x7b",
+        "gpt3_175b",
+        "gpt_1t",
+    } <= set(list_group("model"))
     assert {"cpu_local", "dgx_a100_40g", "dgx_a100_80g", "dgx_h100"} <= set(list_group("cluster"))
     cfg, _ = compose(["model=gpt_1t"])
     assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_attention_heads) == (25600, 128, 160)
@@ -71,8 +83,15 @@ def test_groups_shipped():
 
 def test_model_from_hf_path(tmp_path):
     transformers = pytest.importorskip("transformers")
-    hf = transformers.Qwen2Config(hidden_size=96, intermediate_size=192, num_hidden_layers=6, num_attention_heads=6,
-                                  num_key_value_heads=2, vocab_size=1000, rope_theta=12345.0)
+    hf = transformers.Qwen2Config(
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        rope_theta=12345.0,
+    )
     hf.save_pretrained(tmp_path)
     cfg, _ = compose([f"model.hf_path={tmp_path}"])
     m = cfg.model

@@ -103,8 +103,10 @@ def test_pieces_of_blocks():
     shapes = Shapes(num_attention_heads=2, num_query_groups=1, head_dim=3, vocab_size=8, padded_vocab_size=12)
     assert direct.pieces(COLUMN.blocks([w.shape], Shard(1, 2), shapes), [w]) == [direct.Span(Path("f"), 148, 48)]
     assert direct.pieces(ROW.blocks([w.shape], Shard(1, 2), shapes), [w]) == [direct.Band(Path("f"), 100, 8, 12, 6, 12)]
-    assert direct.pieces(VOCAB.blocks([w.shape], Shard(1, 2), shapes), [w]) == [direct.Span(Path("f"), 172, 24),
-                                                                              direct.Zeros(48)]
+    assert direct.pieces(VOCAB.blocks([w.shape], Shard(1, 2), shapes), [w]) == [
+        direct.Span(Path("f"), 172, 24),
+        direct.Zeros(48),
+    ]
 
 
 def test_dcp_metadata_is_torchs(tmp_path):
@@ -113,7 +115,12 @@ def test_dcp_metadata_is_torchs(tmp_path):
     import torch
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
         TensorStorageMetadata,
     )
 
@@ -123,7 +130,12 @@ def test_dcp_metadata_is_torchs(tmp_path):
     w = DistWriter(tmp_path)
     t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
     for layer in range(2):
-        w.add(DistLocation("decoder.layers.w", (layer,), (2,)), t.dtype, (3, 4), lambda item, shape: item.add(t.reshape(shape)))
+        w.add(
+            DistLocation("decoder.layers.w", (layer,), (2,)),
+            t.dtype,
+            (3, 4),
+            lambda item, shape: item.add(t.reshape(shape)),
+        )
     w.add_object(DistLocation("decoder.layers.x._extra_state", (0,), (2,)))
     w.finish({"iteration": 0})
     got = pickle.loads((tmp_path / ".metadata").read_bytes())  # (FileSystemReader would set a load_id)
@@ -131,21 +143,36 @@ def test_dcp_metadata_is_torchs(tmp_path):
     chunks = [ChunkStorageMetadata(offsets=torch.Size([i, 0, 0]), sizes=torch.Size([1, 3, 4])) for i in range(2)]
     want = Metadata(
         state_dict_metadata={
-            "decoder.layers.w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([2, 3, 4]), chunks),
-            "decoder.layers.x._extra_state/shard_0_2": BytesStorageMetadata()},
-        storage_data={MetadataIndex("decoder.layers.w", torch.Size([0, 0, 0]), 0): _StorageInfo("__0_0.distcp", 0, infos[0].length),
-                      MetadataIndex("decoder.layers.w", torch.Size([1, 0, 0]), 1): _StorageInfo("__0_0.distcp", infos[1].offset, infos[1].length),
-                      MetadataIndex("decoder.layers.x._extra_state/shard_0_2"): _StorageInfo("__0_0.distcp", infos[2].offset, infos[2].length)},
-        storage_meta=StorageMeta(save_id=got.storage_meta.save_id), version=CURRENT_DCP_VERSION)
+            "decoder.layers.w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.bfloat16), torch.Size([2, 3, 4]), chunks
+            ),
+            "decoder.layers.x._extra_state/shard_0_2": BytesStorageMetadata(),
+        },
+        storage_data={
+            MetadataIndex("decoder.layers.w", torch.Size([0, 0, 0]), 0): _StorageInfo(
+                "__0_0.distcp", 0, infos[0].length
+            ),
+            MetadataIndex("decoder.layers.w", torch.Size([1, 0, 0]), 1): _StorageInfo(
+                "__0_0.distcp", infos[1].offset, infos[1].length
+            ),
+            MetadataIndex("decoder.layers.x._extra_state/shard_0_2"): _StorageInfo(
+                "__0_0.distcp", infos[2].offset, infos[2].length
+            ),
+        },
+        storage_meta=StorageMeta(save_id=got.storage_meta.save_id),
+        version=CURRENT_DCP_VERSION,
+    )
     assert got == want
     assert torch.load(tmp_path / "common.pt", weights_only=True) == {"iteration": 0}
 
 
 def run_without_torch(args) -> None:
     """`mbr ARGS` in a fresh interpreter, which must succeed and never import torch."""
-    code = ("import sys; from megatron_bridge.cli import main; "
-            f"rc = main({list(args) + ['progress=off']!r}); assert rc == 0, rc; "
-            "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]")
+    code = (
+        "import sys; from megatron_bridge.cli import main; "
+        f"rc = main({list(args) + ['progress=off']!r}); assert rc == 0, rc; "
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]"
+    )
     env = {k: v for k, v in os.environ.items() if k != "MBR_CONVERT_DIRECT"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
@@ -172,6 +199,17 @@ def test_direct_export_equals_tensor_path(tiny, tmp_path, monkeypatch, family, a
 def test_export_never_imports_torch(tiny, tmp_path):
     """Export of either format runs without importing torch, as convert does."""
     for fmt in ("torch", "torch_dist"):
-        assert mbr(["convert", f"src={tiny['llama']}", f"dst={tmp_path / fmt}", f"format={fmt}", "parallel.tp=2",
-                    "progress=off"]) == 0
+        assert (
+            mbr(
+                [
+                    "convert",
+                    f"src={tiny['llama']}",
+                    f"dst={tmp_path / fmt}",
+                    f"format={fmt}",
+                    "parallel.tp=2",
+                    "progress=off",
+                ]
+            )
+            == 0
+        )
         run_without_torch(["export", f"src={tmp_path / fmt}", f"dst={tmp_path / (fmt + '-hf')}"])

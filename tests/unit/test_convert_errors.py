@@ -90,9 +90,13 @@ def test_index_naming_missing_file_or_tensor(capsys, tmp_path, src):
 
     names = list(load_file(str(weights(src))))
     index = src / "model.safetensors.index.json"
-    index.write_text(json.dumps({"weight_map": {n: weights(src).name for n in names} | {"extra.weight": "model-2.safetensors"}}))
+    index.write_text(
+        json.dumps({"weight_map": {n: weights(src).name for n in names} | {"extra.weight": "model-2.safetensors"}})
+    )
     refused(capsys, "convert", f"src={src}", f"dst={tmp_path / 'o'}", match="model-2.safetensors")
-    index.write_text(json.dumps({"weight_map": {n: weights(src).name for n in names} | {"ghost.weight": weights(src).name}}))
+    index.write_text(
+        json.dumps({"weight_map": {n: weights(src).name for n in names} | {"ghost.weight": weights(src).name}})
+    )
     refused(capsys, "convert", f"src={src}", f"dst={tmp_path / 'o'}", match="ghost.weight")
 
 
@@ -120,11 +124,21 @@ def test_missing_and_unexpected_tensors(capsys, tmp_path, src):
 
 
 def test_layouts_that_fail_validation(capsys, tmp_path, llama):
-    err = refused(capsys, "convert", f"src={llama}", f"dst={tmp_path / 'o'}", "format=torch", "parallel.tp=3",
-                  "parallel.pp=3", match="heads-tp")
+    err = refused(
+        capsys,
+        "convert",
+        f"src={llama}",
+        f"dst={tmp_path / 'o'}",
+        "format=torch",
+        "parallel.tp=3",
+        "parallel.pp=3",
+        match="heads-tp",
+    )
     assert "layers-pp" in err  # every violated rule at once
     refused(capsys, "convert", f"src={llama}", f"dst={tmp_path / 'o'}", "parallel.ep=2", match="ep-dense")
-    refused(capsys, "convert", f"src={llama}", f"dst={tmp_path / 'o'}", "format=torch", "parallel.vpp=2", match="vpp-pp")
+    refused(
+        capsys, "convert", f"src={llama}", f"dst={tmp_path / 'o'}", "format=torch", "parallel.vpp=2", match="vpp-pp"
+    )
     refused(capsys, "convert", f"src={llama}", f"dst={tmp_path / 'o'}", "format=zip", match="format='zip'")
     refused(capsys, "convert", f"src={llama}", f"dst={tmp_path / 'o'}", "dtype=int8", match="dtype='int8'")
 
@@ -168,22 +182,37 @@ def test_damaged_converted_checkpoints(capsys, tmp_path, llama):
     data = bytearray(rank.read_bytes())
     rank.write_bytes(bytes(data[:-64]))
     refused(capsys, "export", f"src={ckpt}", f"dst={tmp_path / 'x'}", match="truncated or modified")
-    from megatron_bridge.convert.torch_zip import LazyTorchFile
     from megatron_bridge.convert.safetensors_io import PositionedReader
+    from megatron_bridge.convert.torch_zip import LazyTorchFile
 
     rank.write_bytes(bytes(data))
     lazy = LazyTorchFile(rank, PositionedReader())
     _, start, _ = lazy.range(lazy.obj["model"]["decoder.layers.2.mlp.linear_fc2.weight"])
     data[start + 5] ^= 0xFF  # same size, one flipped byte inside a tensor
     rank.write_bytes(bytes(data))
-    refused(capsys, "export", f"src={ckpt}", f"dst={tmp_path / 'x'}", match="down_proj.weight does not match its checksum")
+    refused(
+        capsys, "export", f"src={ckpt}", f"dst={tmp_path / 'x'}", match="down_proj.weight does not match its checksum"
+    )
     refused(capsys, "reshard", f"src={ckpt}", f"dst={tmp_path / 'y'}", "parallel.tp=1", match="checksum")
 
 
 def test_real_process_exit_code_and_no_traceback(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_bridge.cli", "convert", f"src={tmp_path / 'missing'}",
-                           f"dst={tmp_path / 'o'}"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_bridge.cli",
+            "convert",
+            f"src={tmp_path / 'missing'}",
+            f"dst={tmp_path / 'o'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: src=") and "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()

@@ -20,16 +20,30 @@ def _valid(n, pp, vpp, first, last) -> bool:
     if not fixed:
         return n % (pp * v) == 0
     rest, stages = n - sum(fixed), pp - len(fixed)
-    return pp >= 1 + len(fixed) and stages >= 1 and rest % (stages * v) == 0 and rest >= stages * v \
+    return (
+        pp >= 1 + len(fixed)
+        and stages >= 1
+        and rest % (stages * v) == 0
+        and rest >= stages * v
         and all(x % v == 0 for x in fixed)
+    )
 
 
 def test_stage_layers_match_megatron_core():
     from megatron_bridge.bridge.hf_config import BridgeSpec, transformer_config
     from megatron_bridge.bridge.layout import stage_layers as megatron_stage_layers
 
-    spec = BridgeSpec(family="llama", architecture="LlamaForCausalLM", num_layers=4, hidden_size=32,
-                      ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2, head_dim=8, vocab_size=256)
+    spec = BridgeSpec(
+        family="llama",
+        architecture="LlamaForCausalLM",
+        num_layers=4,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=8,
+        vocab_size=256,
+    )
     checked = 0
     for n in (4, 6, 8, 12, 16):
         for pp in (1, 2, 3, 4):
@@ -41,7 +55,7 @@ def test_stage_layers_match_megatron_core():
                     cfg = transformer_config(spec.replace(num_layers=n), layout)
                     covered = []
                     for p in range(pp):
-                        for v in (range(layout.vpp) if layout.vpp else [None]):
+                        for v in range(layout.vpp) if layout.vpp else [None]:
                             got = stage_layers(n, layout, p, v)
                             assert got == megatron_stage_layers(cfg, p, v), (n, pp, vpp, first, last, p, v)
                             covered += list(got)
@@ -50,11 +64,14 @@ def test_stage_layers_match_megatron_core():
     assert checked > 100
 
 
-@pytest.mark.parametrize("tp,pp,ep,path", [
-    (0, 0, 0, "release/mp_rank_00/model_optim_rng.pt"),
-    (1, 2, 0, "release/mp_rank_01_002/model_optim_rng.pt"),
-    (1, 0, 3, "release/mp_rank_01_003/model_optim_rng.pt"),
-])
+@pytest.mark.parametrize(
+    "tp,pp,ep,path",
+    [
+        (0, 0, 0, "release/mp_rank_00/model_optim_rng.pt"),
+        (1, 2, 0, "release/mp_rank_01_002/model_optim_rng.pt"),
+        (1, 0, 3, "release/mp_rank_01_003/model_optim_rng.pt"),
+    ],
+)
 def test_rank_file_names_follow_megatron_lm(tp, pp, ep, path):
     layout = Layout(tp=2, pp=3 if pp else 1, ep=4 if ep else 1)
     assert RankFile(tp, pp, ep).relpath(layout) == path

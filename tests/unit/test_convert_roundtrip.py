@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Dict
 
 import pytest
 import torch
@@ -23,16 +22,16 @@ from megatron_bridge.cli import main as mbr
 FAMILIES = ["llama", "qwen2", "mixtral", "qwen2_moe"]
 
 
-def hf_tensors(d: Path) -> Dict[str, torch.Tensor]:
+def hf_tensors(d: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for f in sorted(d.glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
 
 
-def assert_same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
     bad = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
     assert not bad, bad[:5]
@@ -42,13 +41,13 @@ def run(*args: str) -> None:
     assert mbr([*args, "progress=off"]) == 0
 
 
-def rank_files(d: Path) -> Dict[str, dict]:
+def rank_files(d: Path) -> dict[str, dict]:
     with torch.serialization.safe_globals([argparse.Namespace]):
         return {str(p.relative_to(d)): torch.load(p, weights_only=True) for p in sorted(d.rglob("*.pt"))}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Dict[str, Path]:
+def tiny(tmp_path_factory) -> dict[str, Path]:
     from megatron_bridge.bridge.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("hf")
@@ -72,13 +71,16 @@ def test_torch_dist_round_trip_is_bit_exact(tiny, tmp_path, family):
     assert json.loads((ckpt / "release" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
 
 
-@pytest.mark.parametrize("family,layout", [
-    ("llama", ["parallel.tp=2", "parallel.pp=2"]),
-    ("llama", ["parallel.pp=2", "parallel.vpp=2"]),
-    ("qwen2", ["parallel.tp=2", "parallel.pp=2"]),  # tied embeddings: the last stage holds an output copy
-    ("mixtral", ["parallel.ep=2", "parallel.tp=2"]),
-    ("qwen2_moe", ["parallel.ep=2", "parallel.pp=2"]),
-])
+@pytest.mark.parametrize(
+    "family,layout",
+    [
+        ("llama", ["parallel.tp=2", "parallel.pp=2"]),
+        ("llama", ["parallel.pp=2", "parallel.vpp=2"]),
+        ("qwen2", ["parallel.tp=2", "parallel.pp=2"]),  # tied embeddings: the last stage holds an output copy
+        ("mixtral", ["parallel.ep=2", "parallel.tp=2"]),
+        ("qwen2_moe", ["parallel.ep=2", "parallel.pp=2"]),
+    ],
+)
 def test_per_rank_round_trip_is_bit_exact(tiny, tmp_path, family, layout):
     src = tiny[family]
     run("convert", f"src={src}", f"dst={tmp_path / 'ckpt'}", "format=torch", *layout)
@@ -87,8 +89,15 @@ def test_per_rank_round_trip_is_bit_exact(tiny, tmp_path, family, layout):
 
 
 def test_megatron_per_rank_conventions(tiny, tmp_path):
-    run("convert", f"src={tiny['llama']}", f"dst={tmp_path / 'a'}", "format=torch", "parallel.tp=2",
-        "parallel.pp=2", "parallel.vpp=2")
+    run(
+        "convert",
+        f"src={tiny['llama']}",
+        f"dst={tmp_path / 'a'}",
+        "format=torch",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+    )
     files = rank_files(tmp_path / "a")
     assert sorted(files) == [f"release/mp_rank_0{t}_00{p}/model_optim_rng.pt" for t in (0, 1) for p in (0, 1)]
     assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "release"
@@ -130,7 +139,12 @@ def test_reshard_a_b_a_is_bit_exact(tiny, tmp_path):
     run("convert", f"src={src}", f"dst={tmp_path / 'd'}")
     run("reshard", f"src={tmp_path / 'd'}", f"dst={tmp_path / 'a3'}", "parallel.ep=2", "parallel.pp=2")
     a3 = rank_files(tmp_path / "a3")
-    assert all(torch.equal(a[f]["model"][n], a3[f]["model"][n]) for f in a for n in a[f]["model"] if a[f]["model"][n] is not None)
+    assert all(
+        torch.equal(a[f]["model"][n], a3[f]["model"][n])
+        for f in a
+        for n in a[f]["model"]
+        if a[f]["model"][n] is not None
+    )
     run("reshard", f"src={tmp_path / 'b'}", f"dst={tmp_path / 'd2'}", "format=torch_dist")
     run("export", f"src={tmp_path / 'd2'}", f"dst={tmp_path / 'hf'}")
     assert_same(hf_tensors(src), hf_tensors(tmp_path / "hf"))

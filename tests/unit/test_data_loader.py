@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_bridge.config.schema import DataConfig
-from megatron_bridge.data.demo import build_demo
 from megatron_bridge.data.batching import BATCH_KEYS, DataIterator, PretrainingSampler, slice_for_cp
+from megatron_bridge.data.demo import build_demo
 from megatron_bridge.data.loader import build_data_iterators, build_datasets, make_iterator
 from megatron_bridge.data.synthetic import SyntheticGPTDataset
 from megatron_bridge.errors import UserError
@@ -25,8 +25,15 @@ def demo(tmp_path_factory):
 
 def dims(dp=1, mbs=2, gbs=8, cp=1):
     accum = gbs // (mbs * dp)
-    return ParallelDims(world_size=dp * cp, gpus_per_node=dp * cp, dp=dp, cp=cp, micro_batch_size=mbs,
-                        global_batch_size=gbs, grad_accum=accum)
+    return ParallelDims(
+        world_size=dp * cp,
+        gpus_per_node=dp * cp,
+        dp=dp,
+        cp=cp,
+        micro_batch_size=mbs,
+        global_batch_size=gbs,
+        grad_accum=accum,
+    )
 
 
 def indexed(demo, **kw):
@@ -34,8 +41,16 @@ def indexed(demo, **kw):
 
 
 def build(demo, tmp_path, seed=1, d=None, **kw):
-    return build_datasets(indexed(demo), d or dims(), seq_length=SEQ, seed=seed, train_steps=5,
-                          model_vocab_size=512, cache_dir=str(tmp_path / f"cache{seed}"), **kw)
+    return build_datasets(
+        indexed(demo),
+        d or dims(),
+        seq_length=SEQ,
+        seed=seed,
+        train_steps=5,
+        model_vocab_size=512,
+        cache_dir=str(tmp_path / f"cache{seed}"),
+        **kw,
+    )
 
 
 def test_helpers_are_available():
@@ -74,7 +89,7 @@ def test_samples_are_windows_of_the_document_stream(demo, tmp_path):
     window = torch.cat([s["tokens"], s["labels"][-1:]])
     doc_beg, off = ds.sample_index[ds.shuffle_index[0]]
     start = sum(len(idx[int(d)]) for d in ds.document_index[:doc_beg]) + int(off)
-    assert torch.equal(stream[start:start + SEQ + 1], window)
+    assert torch.equal(stream[start : start + SEQ + 1], window)
 
 
 @pytest.mark.parametrize("dp,mbs,gbs", [(4, 2, 16), (2, 1, 8), (1, 4, 8)])
@@ -143,8 +158,10 @@ def _megatron_cp(batch, cp_size, cp_rank, monkeypatch):
 def test_cp_slicing_equals_megatron_and_reassembles(cp, monkeypatch):
     s, b = 16 * cp, 3
     batch = {
-        "tokens": torch.arange(b * s).view(b, s), "labels": torch.arange(b * s).view(b, s) + 1,
-        "loss_mask": torch.rand(b, s), "position_ids": torch.arange(s).repeat(b, 1),
+        "tokens": torch.arange(b * s).view(b, s),
+        "labels": torch.arange(b * s).view(b, s) + 1,
+        "loss_mask": torch.rand(b, s),
+        "position_ids": torch.arange(s).repeat(b, 1),
         "attention_mask": torch.rand(b, 1, s, s) > 0.5,
     }
     parts = []
@@ -196,30 +213,43 @@ def test_synthetic_kind(tmp_path):
 def test_build_data_iterators_from_a_composed_config(demo, tmp_path):
     from megatron_bridge.config.compose import compose
 
-    cfg, _ = compose(["recipe=default", "data=indexed", f"data.paths=[{demo.prefix}]",
-                      f"data.tokenizer={demo.tokenizer}", "data.split=90/10/0", "train.seq_length=32",
-                      "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=4",
-                      "cluster.gpus_per_node=2"])
+    cfg, _ = compose(
+        [
+            "recipe=default",
+            "data=indexed",
+            f"data.paths=[{demo.prefix}]",
+            f"data.tokenizer={demo.tokenizer}",
+            "data.split=90/10/0",
+            "train.seq_length=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "train.steps=4",
+            "cluster.gpus_per_node=2",
+        ]
+    )
     d = ParallelDims.from_config(cfg)
-    ds, train, valid = build_data_iterators(cfg, d, dp_rank=1, consumed_samples=8,
-                                            cache_dir=str(tmp_path / "cache"))
+    ds, train, valid = build_data_iterators(cfg, d, dp_rank=1, consumed_samples=8, cache_dir=str(tmp_path / "cache"))
     assert d.dp == 2 and train.consumed_samples == 8 and valid is not None
     assert next(train)["tokens"].shape == (2, 32) and next(valid)["tokens"].shape == (2, 32)
 
 
-@pytest.mark.parametrize("change,needle", [
-    (dict(paths=["/nonexistent/prefix"]), r"not found: /nonexistent/prefix .*mbr data"),
-    (dict(paths=[]), "needs data.paths"),
-    (dict(kind="webdataset"), "data.kind='webdataset'"),
-    (dict(split="98,x"), "data.split='98,x'"),
-    (dict(split="99,1,0"), "leaves its valid split 0 of them"),
-    (dict(tokenizer="/nonexistent/tok"), "data.tokenizer directory /nonexistent/tok does not exist"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(paths=["/nonexistent/prefix"]), r"not found: /nonexistent/prefix .*mbr data"),
+        (dict(paths=[]), "needs data.paths"),
+        (dict(kind="webdataset"), "data.kind='webdataset'"),
+        (dict(split="98,x"), "data.split='98,x'"),
+        (dict(split="99,1,0"), "leaves its valid split 0 of them"),
+        (dict(tokenizer="/nonexistent/tok"), "data.tokenizer directory /nonexistent/tok does not exist"),
+    ],
+)
 def test_bad_data_configs(demo, tmp_path, change, needle):
     cfg = dataclasses.replace(indexed(demo), **change)
     with pytest.raises(UserError, match=needle):
-        build_datasets(cfg, dims(), seq_length=SEQ, seed=1, train_steps=2, model_vocab_size=512,
-                       cache_dir=str(tmp_path / "cache"))
+        build_datasets(
+            cfg, dims(), seq_length=SEQ, seed=1, train_steps=2, model_vocab_size=512, cache_dir=str(tmp_path / "cache")
+        )
     assert not (tmp_path / "cache").exists()  # failed before building anything
 
 
@@ -239,8 +269,9 @@ def test_tokenizer_model_and_data_mismatches(demo, tmp_path):
 
 def test_weighted_blend(demo, tmp_path):
     cfg = DataConfig(kind="indexed", paths=["0.3", str(demo.prefix), "0.7", str(demo.prefix)], split="90,10,0")
-    ds = build_datasets(cfg, dims(), seq_length=SEQ, seed=1, train_steps=5, model_vocab_size=512,
-                        cache_dir=str(tmp_path / "cache"))
+    ds = build_datasets(
+        cfg, dims(), seq_length=SEQ, seed=1, train_steps=5, model_vocab_size=512, cache_dir=str(tmp_path / "cache")
+    )
     assert type(ds.train).__name__ == "BlendedDataset" and len(ds.train) >= 40
     assert ds.train[0]["tokens"].shape == (SEQ,)
 
@@ -260,7 +291,9 @@ print(json.dumps({"how": how, "file": sys.modules["megatron.core.datasets.helper
 """
 
 
-@pytest.mark.skipif(not os.environ.get("MBR_SLOW_TESTS"), reason="compiles helpers.cpp (~10 s of g++); MBR_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("MBR_SLOW_TESTS"), reason="compiles helpers.cpp (~10 s of g++); MBR_SLOW_TESTS=1"
+)
 def test_helpers_compile_fallback_matches_prebuilt(tmp_path):
     """Without a loadable prebuilt helpers_cpp (a fresh process where importing it fails),
     ensure_helpers compiles helpers.cpp into the cache, registers it under megatron's name, and
@@ -270,12 +303,12 @@ def test_helpers_compile_fallback_matches_prebuilt(tmp_path):
     import sys
 
     import numpy as np
-
     from megatron.core.datasets import helpers
 
     env = {**os.environ, "MBR_CACHE_DIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _FALLBACK_SCRIPT], capture_output=True, text=True,
-                       env=env, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _FALLBACK_SCRIPT], capture_output=True, text=True, env=env, timeout=900
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["how"].startswith(f"compiled: {tmp_path}") and out["file"].startswith(str(tmp_path))

@@ -7,8 +7,14 @@ import os
 import numpy as np
 import pytest
 
-from megatron_bridge.data.corpus import (EOS_TOKEN, build_stdlib_corpus, iter_documents, stdlib_files, stdlib_root,
-                                         train_tokenizer)
+from megatron_bridge.data.corpus import (
+    EOS_TOKEN,
+    build_stdlib_corpus,
+    iter_documents,
+    stdlib_files,
+    stdlib_root,
+    train_tokenizer,
+)
 from megatron_bridge.data.preprocess import preprocess, read_meta
 from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer
 from megatron_bridge.errors import UserError
@@ -118,17 +124,20 @@ def test_overwrite_replaces_and_refusal_keeps_old(base, tmp_path):
     assert s.documents == 1 and (tmp_path / "d.bin").stat().st_size < len(before)
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("missing_input", "does not exist"),
-    ("missing_tokenizer", "tokenizer directory .* does not exist"),
-    ("no_tokenizer", "no tokenizer given"),
-    ("empty_tokenizer_dir", "holds no tokenizer files"),
-    ("bad_json", r"bad\.jsonl:2: not valid JSON"),
-    ("missing_key", r"no 'text' key \(found: 'body'\)"),
-    ("empty", "no documents"),
-    ("bin_suffix", "without the extension"),
-    ("unsupported", "unsupported file type .csv"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("missing_input", "does not exist"),
+        ("missing_tokenizer", "tokenizer directory .* does not exist"),
+        ("no_tokenizer", "no tokenizer given"),
+        ("empty_tokenizer_dir", "holds no tokenizer files"),
+        ("bad_json", r"bad\.jsonl:2: not valid JSON"),
+        ("missing_key", r"no 'text' key \(found: 'body'\)"),
+        ("empty", "no documents"),
+        ("bin_suffix", "without the extension"),
+        ("unsupported", "unsupported file type .csv"),
+    ],
+)
 def test_bad_inputs_raise_user_error_and_write_nothing(base, tmp_path, case, needle):
     _, corpus, tok_dir = base
     out = tmp_path / "out"

@@ -46,15 +46,20 @@ def dcp_saved(tmp_path_factory) -> Path:
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.checkpointable import (
-        CheckpointableShardedTensor, LocalShardsContainer,
+        CheckpointableShardedTensor,
+        LocalShardsContainer,
     )
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     path = tmp_path_factory.mktemp("dcp")
     w = torch.arange(24, dtype=torch.bfloat16).reshape(4, 6)
-    halves = [ShardedTensor.from_rank_offsets("w", w[:, 3 * i:3 * i + 3].clone(), (1, i, 2)) for i in range(2)]
-    sd = {"w": LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(h) for h in halves]),
-          "f": torch.linspace(0, 1, 5), "i": torch.arange(7), "blob": io.BytesIO(b"abc")}
+    halves = [ShardedTensor.from_rank_offsets("w", w[:, 3 * i : 3 * i + 3].clone(), (1, i, 2)) for i in range(2)]
+    sd = {
+        "w": LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(h) for h in halves]),
+        "f": torch.linspace(0, 1, 5),
+        "i": torch.arange(7),
+        "blob": io.BytesIO(b"abc"),
+    }
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
     planner = DefaultSavePlanner()
     planner.set_up_planner(sd, is_coordinator=True)
@@ -67,10 +72,21 @@ def dcp_saved(tmp_path_factory) -> Path:
 
 def plain(md):
     """What a reader takes from a Metadata (torch's or the stand-ins) as plain values."""
-    entries = {k: (str(e.properties.dtype), tuple(e.size), [(tuple(c.offsets), tuple(c.sizes)) for c in e.chunks])
-               if hasattr(e, "chunks") else "bytes" for k, e in md.state_dict_metadata.items()}
-    storage = {(i.fqn, None if i.offset is None else tuple(i.offset), i.index):
-               (s.relative_path, s.offset, s.length, s.transform_descriptors) for i, s in md.storage_data.items()}
+    entries = {
+        k: (str(e.properties.dtype), tuple(e.size), [(tuple(c.offsets), tuple(c.sizes)) for c in e.chunks])
+        if hasattr(e, "chunks")
+        else "bytes"
+        for k, e in md.state_dict_metadata.items()
+    }
+    storage = {
+        (i.fqn, None if i.offset is None else tuple(i.offset), i.index): (
+            s.relative_path,
+            s.offset,
+            s.length,
+            s.transform_descriptors,
+        )
+        for i, s in md.storage_data.items()
+    }
     return entries, storage, md.version, md.storage_meta.save_id, str(md.storage_meta.checkpoint_id)
 
 
@@ -90,8 +106,11 @@ def reference(path: Path):
     import torch.distributed.checkpoint as dcp
 
     md = dcp.FileSystemReader(path).read_metadata()
-    sd = {k: torch.zeros(tuple(e.size), dtype=e.properties.dtype) for k, e in md.state_dict_metadata.items()
-          if hasattr(e, "chunks")}
+    sd = {
+        k: torch.zeros(tuple(e.size), dtype=e.properties.dtype)
+        for k, e in md.state_dict_metadata.items()
+        if hasattr(e, "chunks")
+    }
     dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return md, sd
 
@@ -111,14 +130,19 @@ def test_metadata_reads_and_regions_match_torch(request, which):
         assert torch.equal(reader.read(loc), want), loc
         region = reader.single_chunk(loc)
         entry = md.state_dict_metadata[loc.key]
-        chunks = [c for c in entry.chunks if tuple(c.offsets[:len(loc.offsets)]) == loc.offsets]
+        chunks = [c for c in entry.chunks if tuple(c.offsets[: len(loc.offsets)]) == loc.offsets]
         if len(chunks) > 1:
             assert region is None, loc
             continue
         singles += 1
         info = md.storage_data[MetadataIndex(loc.key, chunks[0].offsets)]
-        assert region == (path / info.relative_path, info.offset, info.length, tuple(chunks[0].sizes),
-                          entry.properties.dtype)
+        assert region == (
+            path / info.relative_path,
+            info.offset,
+            info.length,
+            tuple(chunks[0].sizes),
+            entry.properties.dtype,
+        )
         assert reader.ranges(loc) == [region[:3]]
         item = LazyTorchFile(region.path, PositionedReader(), region.offset, region.length)
         assert (tuple(item.obj.shape), item.obj.dtype) == (region.shape, region.dtype)
@@ -147,15 +171,21 @@ class _Exploit:
         return os.system, ("touch pwned",)
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda d: d[:len(d) // 2], "not a readable torch_dist checkpoint"),
-    (lambda d: b"not a pickle at all", "not a readable torch_dist checkpoint"),
-    (lambda d: pickle.dumps({"a": 1}), "does not hold DCP's Metadata"),
-    (lambda d: d.replace(b"torch\nfloat32\n", b"torch\nfloat8_e4m3fn\n"), "unsupported dtype torch.float8_e4m3fn"),
-    (lambda d: pickle.dumps([_Exploit()]), "unexpected object posix.system"),
-    (lambda d: d.replace(b"\n_StorageInfo\n", b"\nFileSystemReader\n"),
-     "unexpected object torch.distributed.checkpoint.filesystem.FileSystemReader"),
-], ids=["truncated", "garbage", "other-object", "unknown-dtype", "os-system", "foreign-class"])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda d: d[: len(d) // 2], "not a readable torch_dist checkpoint"),
+        (lambda d: b"not a pickle at all", "not a readable torch_dist checkpoint"),
+        (lambda d: pickle.dumps({"a": 1}), "does not hold DCP's Metadata"),
+        (lambda d: d.replace(b"torch\nfloat32\n", b"torch\nfloat8_e4m3fn\n"), "unsupported dtype torch.float8_e4m3fn"),
+        (lambda d: pickle.dumps([_Exploit()]), "unexpected object posix.system"),
+        (
+            lambda d: d.replace(b"\n_StorageInfo\n", b"\nFileSystemReader\n"),
+            "unexpected object torch.distributed.checkpoint.filesystem.FileSystemReader",
+        ),
+    ],
+    ids=["truncated", "garbage", "other-object", "unknown-dtype", "os-system", "foreign-class"],
+)
 def test_damaged_or_foreign_metadata_is_refused(tmp_path, monkeypatch, converted, edit, match):
     monkeypatch.chdir(tmp_path)
     path = damaged(tmp_path, converted, edit((converted / ".metadata").read_bytes()))
@@ -167,17 +197,19 @@ def test_damaged_or_foreign_metadata_is_refused(tmp_path, monkeypatch, converted
 
 def test_finding_chunk_bytes_never_imports_torch(converted):
     """What export's byte path does: metadata, a chunk's item, the tensor record in it."""
-    code = ("import sys; from pathlib import Path; "
-            "from megatron_bridge.convert.dist_ckpt import DistLocation, DistReader; "
-            "from megatron_bridge.convert.safetensors_io import PositionedReader; "
-            "from megatron_bridge.convert.torch_zip import LazyTorchFile; "
-            f"pr = PositionedReader(); r = DistReader(Path({str(converted)!r}), pr); "
-            "L = r.md.state_dict_metadata['decoder.layers.mlp.linear_fc2.weight'].size[0]; "
-            "locs = [DistLocation('embedding.word_embeddings.weight')] + "
-            "[DistLocation('decoder.layers.mlp.linear_fc2.weight', (i,), (L,)) for i in range(L)]; "
-            "regions = [r.single_chunk(loc) for loc in locs]; "
-            "assert all(len(r.ranges(loc)) == 1 for loc in locs); "
-            "items = [LazyTorchFile(g.path, pr, g.offset, g.length) for g in regions]; "
-            "assert all(f.range(f.obj)[2] == f.obj.storage.numel * g.dtype.itemsize for f, g in zip(items, regions)); "
-            "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]")
+    code = (
+        "import sys; from pathlib import Path; "
+        "from megatron_bridge.convert.dist_ckpt import DistLocation, DistReader; "
+        "from megatron_bridge.convert.safetensors_io import PositionedReader; "
+        "from megatron_bridge.convert.torch_zip import LazyTorchFile; "
+        f"pr = PositionedReader(); r = DistReader(Path({str(converted)!r}), pr); "
+        "L = r.md.state_dict_metadata['decoder.layers.mlp.linear_fc2.weight'].size[0]; "
+        "locs = [DistLocation('embedding.word_embeddings.weight')] + "
+        "[DistLocation('decoder.layers.mlp.linear_fc2.weight', (i,), (L,)) for i in range(L)]; "
+        "regions = [r.single_chunk(loc) for loc in locs]; "
+        "assert all(len(r.ranges(loc)) == 1 for loc in locs); "
+        "items = [LazyTorchFile(g.path, pr, g.offset, g.length) for g in regions]; "
+        "assert all(f.range(f.obj)[2] == f.obj.storage.numel * g.dtype.itemsize for f, g in zip(items, regions)); "
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -16,7 +16,17 @@ import pytest
 import torch
 
 from megatron_bridge.bridge.mapping import (
-    COLUMN, FULL, GATE_UP, QKV, REPLICATED, ROW, VOCAB, Block, Shapes, Shard, out_shape,
+    COLUMN,
+    FULL,
+    GATE_UP,
+    QKV,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    Block,
+    Shapes,
+    Shard,
+    out_shape,
 )
 
 SHAPES = Shapes(num_attention_heads=8, num_query_groups=2, head_dim=4, vocab_size=10, padded_vocab_size=16)
@@ -52,10 +62,10 @@ def np_assemble(blocks, hf):
         if b.src is None:
             parts.append(np.zeros((b.n,) + hf[0].shape[1:], hf[0].dtype))
         elif b.cols is None:
-            parts.append(hf[b.src][b.rows[0]:b.rows[1]])
+            parts.append(hf[b.src][b.rows[0] : b.rows[1]])
         else:
             assert hf[b.src].ndim == 2
-            parts.append(hf[b.src][b.rows[0]:b.rows[1], b.cols[0]:b.cols[1]])
+            parts.append(hf[b.src][b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]])
     return np.concatenate(parts, axis=0)
 
 
@@ -99,8 +109,11 @@ def test_contiguous_row_ranges_for_the_byte_copier(tp):
         assert GATE_UP.blocks([(8, 5), (8, 5)], Shard(r, tp), SHAPES) == [Block(0, rows), Block(1, rows)]
         qkv = QKV.blocks(qkv_shapes(MHA), Shard(r, tp), MHA)  # 8 groups: whole groups for tp <= 8
         groups = range(r * 8 // tp, (r + 1) * 8 // tp)
-        assert qkv == [b for g in groups for b in (Block(0, (4 * g, 4 * g + 4)), Block(1, (4 * g, 4 * g + 4)),
-                                                   Block(2, (4 * g, 4 * g + 4)))]
+        assert qkv == [
+            b
+            for g in groups
+            for b in (Block(0, (4 * g, 4 * g + 4)), Block(1, (4 * g, 4 * g + 4)), Block(2, (4 * g, 4 * g + 4)))
+        ]
 
 
 def test_qkv_with_more_ranks_than_kv_groups_clips_to_the_shard():
@@ -138,18 +151,21 @@ def test_single_full_block_is_not_copied():
     assert COLUMN.shard([w], Shard(1, 2), SHAPES).data_ptr() == w[4:].data_ptr()  # a view
 
 
-@pytest.mark.parametrize("t, shapes_in, s, match", [
-    (QKV, [(28, 3), (8, 3), (8, 3)], FULL, "q/k/v rows 28/8/8 do not match heads=8, kv groups=2, head_dim=4"),
-    (QKV, [(32, 3), (8, 4), (8, 3)], FULL, "differ past the first dimension"),
-    (QKV, qkv_shapes(SHAPES), Shard(0, 5), "fused QKV rows: size 48 is not divisible by 5 shards"),
-    (VOCAB, [(11, 3)], FULL, "vocab table has 11 rows, config says 10"),
-    (VOCAB, [(10, 3)], Shard(0, 3), "padded vocab: size 16 is not divisible by 3 shards"),
-    (COLUMN, [(8, 12)], Shard(0, 3), "column-parallel rows: size 8 is not divisible by 3 shards"),
-    (ROW, [(8, 12)], Shard(0, 5), "row-parallel columns: size 12 is not divisible by 5 shards"),
-    (ROW, [(8,)], FULL, "row-parallel weight must be 2-D"),
-    (GATE_UP, [(8, 5), (8, 5)], Shard(0, 3), "gate/up rows: size 8 is not divisible by 3 shards"),
-    (GATE_UP, [(8, 5), (6, 5)], FULL, "gate/up shapes [8, 5]/[6, 5] differ"),
-])
+@pytest.mark.parametrize(
+    "t, shapes_in, s, match",
+    [
+        (QKV, [(28, 3), (8, 3), (8, 3)], FULL, "q/k/v rows 28/8/8 do not match heads=8, kv groups=2, head_dim=4"),
+        (QKV, [(32, 3), (8, 4), (8, 3)], FULL, "differ past the first dimension"),
+        (QKV, qkv_shapes(SHAPES), Shard(0, 5), "fused QKV rows: size 48 is not divisible by 5 shards"),
+        (VOCAB, [(11, 3)], FULL, "vocab table has 11 rows, config says 10"),
+        (VOCAB, [(10, 3)], Shard(0, 3), "padded vocab: size 16 is not divisible by 3 shards"),
+        (COLUMN, [(8, 12)], Shard(0, 3), "column-parallel rows: size 8 is not divisible by 3 shards"),
+        (ROW, [(8, 12)], Shard(0, 5), "row-parallel columns: size 12 is not divisible by 5 shards"),
+        (ROW, [(8,)], FULL, "row-parallel weight must be 2-D"),
+        (GATE_UP, [(8, 5), (8, 5)], Shard(0, 3), "gate/up rows: size 8 is not divisible by 3 shards"),
+        (GATE_UP, [(8, 5), (6, 5)], FULL, "gate/up shapes [8, 5]/[6, 5] differ"),
+    ],
+)
 def test_validation_runs_on_shapes_alone(t, shapes_in, s, match):
     with pytest.raises(ValueError, match=match.replace("[", r"\[").replace("]", r"\]")):
         t.blocks(shapes_in, s, SHAPES)

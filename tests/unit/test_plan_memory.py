@@ -25,9 +25,18 @@ from megatron_bridge.plan import params as P
 
 
 def gpt(h=1024, a=16, L=4, V=1000):
-    return ModelConfig(family="gpt", num_layers=L, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=a,
-                       vocab_size=V, max_position_embeddings=4096, gated_linear_unit=False,
-                       normalization="LayerNorm", tie_word_embeddings=True)
+    return ModelConfig(
+        family="gpt",
+        num_layers=L,
+        hidden_size=h,
+        ffn_hidden_size=4 * h,
+        num_attention_heads=a,
+        vocab_size=V,
+        max_position_embeddings=4096,
+        gated_linear_unit=False,
+        normalization="LayerNorm",
+        tie_word_embeddings=True,
+    )
 
 
 SHAPES = [(2048, 1, 12288, 96), (2048, 4, 4096, 32), (8192, 1, 16384, 128), (512, 2, 1024, 16)]
@@ -87,9 +96,29 @@ def test_first_stage_holds_L_layers_worth_whatever_pp():
     m = gpt(h=4096, a=32, L=32)
     per = M.layer_activations(m, recompute="selective", s=2048, b=1, t=8, sp=True)
     for p in (2, 4, 8, 16):
-        sm = M.stage_memory(m, stage=0, p=p, layers=32 // p, first=True, last=False, tp=8, cp=1, ep=1, etp=8, dp=1,
-                            edp=1, zero=0, engine="megatron", precision="bf16", recompute="selective", sp=True,
-                            s=2048, b=1, num_micro=64, vocab=1024)
+        sm = M.stage_memory(
+            m,
+            stage=0,
+            p=p,
+            layers=32 // p,
+            first=True,
+            last=False,
+            tp=8,
+            cp=1,
+            ep=1,
+            etp=8,
+            dp=1,
+            edp=1,
+            zero=0,
+            engine="megatron",
+            precision="bf16",
+            recompute="selective",
+            sp=True,
+            s=2048,
+            b=1,
+            num_micro=64,
+            vocab=1024,
+        )
         embedding_mask = p * 2048 * 4096 / 8
         assert sm.activations == pytest.approx(32 * per + embedding_mask)
 
@@ -107,8 +136,16 @@ def _planner_states(model, zero, nodes, gpn):
     rp = P.rank_params(m, tp=1, layers=m.num_layers, first=True, last=True)
     n = nodes * gpn
     ll = P.largest_layer(m, tp=1)
-    st = M.model_states(rp["dense"], rp["expert"], engine="deepspeed", precision="bf16", zero=zero, dp_shard=n,
-                        edp_shard=n, largest_layer=ll if zero == 3 else 0)
+    st = M.model_states(
+        rp["dense"],
+        rp["expert"],
+        engine="deepspeed",
+        precision="bf16",
+        zero=zero,
+        dp_shard=n,
+        edp_shard=n,
+        largest_layer=ll if zero == 3 else 0,
+    )
     return rp["dense"] + rp["expert"], ll, st.total
 
 
@@ -120,8 +157,9 @@ def test_zero2_zero3_equal_deepspeed_estimators(model, nodes, gpn):
     _, ds2 = s12.estimate_zero2_model_states_mem_needs(total, gpn, nodes, cpu_offload=False)
     assert abs(z2 - ds2) <= 1  # DeepSpeed truncates to int
     _, _, z3 = _planner_states(model, 3, nodes, gpn)
-    _, ds3, _ = s3.estimate_zero3_model_states_mem_needs(total, ll, gpn, nodes, cpu_offload=False,
-                                                         cpu_offload_params=False)
+    _, ds3, _ = s3.estimate_zero3_model_states_mem_needs(
+        total, ll, gpn, nodes, cpu_offload=False, cpu_offload_params=False
+    )
     assert abs(z3 - ds3) <= 1
 
 
@@ -131,8 +169,10 @@ def test_all_cold_printouts_agree():
     s12, s3 = _ds()
     total, ll, z2 = _planner_states("llama3_70b", 2, 4, 8)
     _, _, z3 = _planner_states("llama3_70b", 3, 4, 8)
-    for fn, args, ours in ((s12.estimate_zero2_model_states_mem_needs_all_cold, (total, 8, 4), z2),
-                           (s3.estimate_zero3_model_states_mem_needs_all_cold, (total, ll, 8, 4), z3)):
+    for fn, args, ours in (
+        (s12.estimate_zero2_model_states_mem_needs_all_cold, (total, 8, 4), z2),
+        (s3.estimate_zero3_model_states_mem_needs_all_cold, (total, ll, 8, 4), z3),
+    ):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             fn(*args)
@@ -147,9 +187,21 @@ def test_plan_command_matches_deepspeed_at_tp1_pp1():
     from megatron_bridge.commands.plan import plan
 
     s12, _ = _ds()
-    _, _, doc = plan(["model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=4", "train.engine=deepspeed",
-                      "zero.stage=2", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1", "train.seq_length=2048",
-                      "train.global_batch_size=256", "train.recompute=selective"])
+    _, _, doc = plan(
+        [
+            "model=llama3_8b",
+            "cluster=dgx_h100",
+            "cluster.nodes=4",
+            "train.engine=deepspeed",
+            "zero.stage=2",
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "parallel.cp=1",
+            "train.seq_length=2048",
+            "train.global_batch_size=256",
+            "train.recompute=selective",
+        ]
+    )
     st = doc["choice"]["memory"]["stages"][0]
     _, ds2 = s12.estimate_zero2_model_states_mem_needs(8_030_261_248, 8, 4, cpu_offload=False)
     assert abs(st["weights"] + st["grads"] + st["optimizer"] - ds2) <= 1

@@ -20,21 +20,24 @@
 
 import pytest
 
+from megatron_bridge.config.compose import compose
 from megatron_bridge.config.hf_model import hf_to_model_fields
 from megatron_bridge.config.schema import ModelConfig
 from megatron_bridge.plan import memory as M
 from megatron_bridge.plan import params as P
-from megatron_bridge.config.compose import compose
 
 
-@pytest.mark.parametrize("model,total,active", [
-    ("llama3_8b", 8_030_261_248, 8_030_261_248),
-    ("llama3_70b", 70_553_706_496, 70_553_706_496),
-    ("llama3_405b", 405_853_388_800, 405_853_388_800),
-    ("mixtral_8x7b", 46_702_792_704, 12_879_925_248),
-    ("gpt3_175b", 174_615_846_912, 174_615_846_912),  # 175B with biases, tied, learned positions
-    ("gpt_1t", 1_008_038_758_400, 1_008_038_758_400),
-])
+@pytest.mark.parametrize(
+    "model,total,active",
+    [
+        ("llama3_8b", 8_030_261_248, 8_030_261_248),
+        ("llama3_70b", 70_553_706_496, 70_553_706_496),
+        ("llama3_405b", 405_853_388_800, 405_853_388_800),
+        ("mixtral_8x7b", 46_702_792_704, 12_879_925_248),
+        ("gpt3_175b", 174_615_846_912, 174_615_846_912),  # 175B with biases, tied, learned positions
+        ("gpt_1t", 1_008_038_758_400, 1_008_038_758_400),
+    ],
+)
 def test_published_sizes(model, total, active):
     cfg, _ = compose([f"model={model}"])
     c = P.count(cfg.model)
@@ -46,12 +49,23 @@ def _hf_model(kind, **kw):
     import transformers as T
 
     torch.manual_seed(0)
-    base = dict(vocab_size=500, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=2, max_position_embeddings=128)
+    base = dict(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     base.update(kw)
-    cls = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
-           "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM), "mixtral": (T.MixtralConfig, T.MixtralForCausalLM),
-           "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM)}[kind]
+    cls = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+        "mixtral": (T.MixtralConfig, T.MixtralForCausalLM),
+        "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM),
+    }[kind]
     hf_cfg = cls[0](**base)
     return hf_cfg, cls[1](hf_cfg)
 
@@ -62,15 +76,25 @@ def _model_config(hf_cfg, **extra) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-@pytest.mark.parametrize("kind,kw", [
-    ("llama", {}),
-    ("llama", {"tie_word_embeddings": True}),
-    ("qwen2", {}),
-    ("qwen3", {"head_dim": 16}),
-    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                   "shared_expert_intermediate_size": 48}),
-])
+@pytest.mark.parametrize(
+    "kind,kw",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True}),
+        ("qwen2", {}),
+        ("qwen3", {"head_dim": 16}),
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        (
+            "qwen2_moe",
+            {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 48,
+            },
+        ),
+    ],
+)
 def test_count_equals_hf_numel(kind, kw):
     hf_cfg, model = _hf_model(kind, **kw)
     mc = _model_config(hf_cfg)
@@ -84,9 +108,18 @@ def test_count_equals_gpt2_numel():
 
     hf = T.GPT2Config(vocab_size=500, n_positions=128, n_embd=64, n_layer=3, n_head=4, n_inner=256)
     model = T.GPT2LMHeadModel(hf)
-    mc = ModelConfig(family="gpt", num_layers=3, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
-                     vocab_size=500, max_position_embeddings=128, tie_word_embeddings=True,
-                     gated_linear_unit=False, normalization="LayerNorm")
+    mc = ModelConfig(
+        family="gpt",
+        num_layers=3,
+        hidden_size=64,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        vocab_size=500,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        gated_linear_unit=False,
+        normalization="LayerNorm",
+    )
     assert P.count(mc).total == sum(p.numel() for p in model.parameters())
 
 
@@ -152,8 +185,12 @@ def _real_state_bytes(shards, dp=1, dp_rank=0):
     opt.step()
     st = opt.state[master]
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    return {"params": sum(s.numel() for s in shards), "weights": nbytes(weights), "grads": nbytes(grads),
-            "optimizer": nbytes([master, st["exp_avg"], st["exp_avg_sq"]])}
+    return {
+        "params": sum(s.numel() for s in shards),
+        "weights": nbytes(weights),
+        "grads": nbytes(grads),
+        "optimizer": nbytes([master, st["exp_avg"], st["exp_avg_sq"]]),
+    }
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -168,13 +205,27 @@ def test_rank_shards_tp2_pp2_match_real_tensors(tied):
             shards = _rank_tensors(model, mc, tp, pp, tp_rank, pp_rank)
             real = _real_state_bytes(shards)
             assert planner["dense"] + planner["expert"] == real["params"]
-            st = M.model_states(planner["dense"], planner["expert"], engine="megatron", precision="bf16", zero=0,
-                                dp_shard=1, edp_shard=1)
+            st = M.model_states(
+                planner["dense"],
+                planner["expert"],
+                engine="megatron",
+                precision="bf16",
+                zero=0,
+                dp_shard=1,
+                edp_shard=1,
+            )
             assert (st.weights, st.grads, st.optimizer) == (real["weights"], real["grads"], real["optimizer"])
             # ZeRO-1 (megatron's DistributedOptimizer) over dp=2: each rank keeps the fp32
             # master and Adam states of half the flattened buffer.
-            st1 = M.model_states(planner["dense"], planner["expert"], engine="megatron", precision="bf16", zero=1,
-                                 dp_shard=2, edp_shard=2)
+            st1 = M.model_states(
+                planner["dense"],
+                planner["expert"],
+                engine="megatron",
+                precision="bf16",
+                zero=1,
+                dp_shard=2,
+                edp_shard=2,
+            )
             for dp_rank in range(2):
                 assert st1.optimizer == _real_state_bytes(shards, dp=2, dp_rank=dp_rank)["optimizer"]
             assert (st1.weights, st1.grads) == (real["weights"], real["grads"])

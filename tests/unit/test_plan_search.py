@@ -15,16 +15,27 @@ from megatron_bridge.plan import comm as C
 from megatron_bridge.plan import memory as M
 from megatron_bridge.plan.search import Context, pinned_from_overrides, search
 
-GIB = 2 ** 30
-ONE_T = ["model=gpt_1t", "cluster=dgx_a100_40g", "cluster.nodes=512", "train.seq_length=2048",
-         "train.global_batch_size=3072"]
-GPT3 = ["model=gpt3_175b", "cluster=dgx_a100_80g", "cluster.nodes=128", "train.seq_length=2048",
-        "train.global_batch_size=1536"]
+GIB = 2**30
+ONE_T = [
+    "model=gpt_1t",
+    "cluster=dgx_a100_40g",
+    "cluster.nodes=512",
+    "train.seq_length=2048",
+    "train.global_batch_size=3072",
+]
+GPT3 = [
+    "model=gpt3_175b",
+    "cluster=dgx_a100_80g",
+    "cluster.nodes=128",
+    "train.seq_length=2048",
+    "train.global_batch_size=1536",
+]
 
 
 def mbr(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_bridge.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_bridge.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_seed000_1t_on_4096_a100_40gb_is_tp8_pp64_dp8():
@@ -65,9 +76,20 @@ def test_seed001_175b_on_1024_a100_is_tp8_pp16_dp8():
 def test_narayanan_18b_fits_a_node_as_tp8_dp():
     """Seed 003's medium scale: a replica that fits in one node trains as DP + TP (pp=1).
     Narayanan et al. 2021, Table 1: 18.4B (h=6144, 40 layers, 48 heads) on 256 A100 -> TP 8."""
-    _, _, doc = plan(["model=gpt3_175b", "model.name=gpt_18b", "model.hidden_size=6144", "model.ffn_hidden_size=24576",
-                      "model.num_layers=40", "model.num_attention_heads=48", "cluster=dgx_a100_80g",
-                      "cluster.nodes=32", "train.seq_length=2048", "train.global_batch_size=1024"])
+    _, _, doc = plan(
+        [
+            "model=gpt3_175b",
+            "model.name=gpt_18b",
+            "model.hidden_size=6144",
+            "model.ffn_hidden_size=24576",
+            "model.num_layers=40",
+            "model.num_attention_heads=48",
+            "cluster=dgx_a100_80g",
+            "cluster.nodes=32",
+            "train.seq_length=2048",
+            "train.global_batch_size=1024",
+        ]
+    )
     lo = doc["choice"]["layout"]
     assert (lo["tp"], lo["pp"], lo["dp"]) == (8, 1, 32)
     assert 18e9 < doc["model"]["params_total"] < 19e9
@@ -95,10 +117,20 @@ def test_mixtral_uses_experts_and_reports_active_params():
     assert "ep" in doc["choice"]["communication"]
 
 
-@pytest.mark.parametrize("tp,cp,dp,pp,ep,etp,gpn", [
-    (8, 1, 8, 64, 1, 8, 8), (2, 2, 4, 2, 1, 2, 8), (4, 1, 2, 4, 2, 1, 8), (2, 1, 6, 2, 3, 2, 4), (1, 3, 4, 2, 1, 1, 6),
-    (4, 2, 1, 2, 1, 4, 8), (2, 2, 3, 2, 3, 2, 12), (1, 1, 12, 1, 4, 1, 3), (8, 1, 16, 16, 1, 8, 8),
-])
+@pytest.mark.parametrize(
+    "tp,cp,dp,pp,ep,etp,gpn",
+    [
+        (8, 1, 8, 64, 1, 8, 8),
+        (2, 2, 4, 2, 1, 2, 8),
+        (4, 1, 2, 4, 2, 1, 8),
+        (2, 1, 6, 2, 3, 2, 4),
+        (1, 3, 4, 2, 1, 1, 6),
+        (4, 2, 1, 2, 1, 4, 8),
+        (2, 2, 3, 2, 3, 2, 12),
+        (1, 1, 12, 1, 4, 1, 3),
+        (8, 1, 16, 16, 1, 8, 8),
+    ],
+)
 def test_group_spans_equal_topology(tp, cp, dp, pp, ep, etp, gpn):
     world = tp * cp * dp * pp
     dims = ParallelDims(world_size=world, gpus_per_node=gpn, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=dp)
@@ -136,8 +168,10 @@ def test_json_and_table_and_bad_format():
 
 
 def test_plan_does_not_import_torch():
-    code = ("import sys; from megatron_bridge.commands.plan import plan; "
-            "plan(['recipe=tiny_llama']); print('torch' in sys.modules, 'deepspeed' in sys.modules)")
+    code = (
+        "import sys; from megatron_bridge.commands.plan import plan; "
+        "plan(['recipe=tiny_llama']); print('torch' in sys.modules, 'deepspeed' in sys.modules)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.stdout.strip() == "False False", r.stderr
 
@@ -145,8 +179,15 @@ def test_plan_does_not_import_torch():
 def test_405b_on_16384_gpus_under_2s():
     """Full search (every tp/cp/pp/vpp/ep/zero/recompute/micro batch) plus the report for
     Llama 3 405B on 2,048 DGX H100 nodes; compose is timed separately (Hydra, ~0.3 s)."""
-    cfg, args = compose(["model=llama3_405b", "cluster=dgx_h100", "cluster.nodes=2048", "train.seq_length=8192",
-                         "train.global_batch_size=2048"])
+    cfg, args = compose(
+        [
+            "model=llama3_405b",
+            "cluster=dgx_h100",
+            "cluster.nodes=2048",
+            "train.seq_length=8192",
+            "train.global_batch_size=2048",
+        ]
+    )
     from megatron_bridge.plan import report
 
     t0 = time.perf_counter()
@@ -173,12 +214,32 @@ def test_stage_memory_totals_add_up():
 def test_model_from_hf_config_json(tmp_path):
     """`model.hf_path=DIR` plans the architecture in DIR/config.json (Qwen2-7B's shape:
     GQA, QKV bias, untied 152k vocabulary -> 7,615,616,512 parameters)."""
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-        "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}))
-    _, _, doc = plan([f"model.hf_path={tmp_path}", "cluster=dgx_h100", "cluster.nodes=2", "train.seq_length=4096",
-                      "train.global_batch_size=128"])
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "hidden_size": 3584,
+                "intermediate_size": 18944,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+                "vocab_size": 152064,
+                "max_position_embeddings": 32768,
+                "rope_theta": 1e6,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    _, _, doc = plan(
+        [
+            f"model.hf_path={tmp_path}",
+            "cluster=dgx_h100",
+            "cluster.nodes=2",
+            "train.seq_length=4096",
+            "train.global_batch_size=128",
+        ]
+    )
     assert doc["model"]["params_total"] == 7_615_616_512
     lo = doc["choice"]["layout"]
     assert lo["tp"] in (1, 2, 4) and lo["tp"] * lo["pp"] * lo["cp"] * lo["dp"] == 16  # tp must divide 4 KV heads

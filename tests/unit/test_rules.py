@@ -5,6 +5,8 @@ is overridable. Each case also asserts that the *valid* neighbour passes (a rule
 refuses everything would otherwise look correct).
 """
 
+import dataclasses
+
 import pytest
 
 from megatron_bridge.config.compose import compose
@@ -24,49 +26,109 @@ def violations(*overrides, recipe="tiny_llama"):
 CASES = [  # (rule, breaking overrides, passing overrides, recipe)
     ("world-size", ["parallel.dp=2"], ["parallel.dp=1"], "tiny_llama"),
     ("world-size", ["cluster.gpus_per_node=6"], ["cluster.gpus_per_node=8"], "tiny_llama"),
-    ("heads-tp", ["model.num_attention_heads=6", "model.hidden_size=96", "parallel.tp=4", "parallel.pp=1",
-                  "model.num_query_groups=4"],
-     ["model.num_attention_heads=8", "model.hidden_size=96", "parallel.tp=4", "parallel.pp=1",
-      "model.num_query_groups=4"], "tiny_llama"),
-    ("kv-heads-tp", ["parallel.tp=4", "parallel.pp=1", "model.num_query_groups=6", "model.num_attention_heads=12",
-                     "model.hidden_size=96"],
-     ["parallel.tp=4", "parallel.pp=1", "model.num_query_groups=2"], "tiny_llama"),  # kv < tp, tp % kv == 0: fine
+    (
+        "heads-tp",
+        [
+            "model.num_attention_heads=6",
+            "model.hidden_size=96",
+            "parallel.tp=4",
+            "parallel.pp=1",
+            "model.num_query_groups=4",
+        ],
+        [
+            "model.num_attention_heads=8",
+            "model.hidden_size=96",
+            "parallel.tp=4",
+            "parallel.pp=1",
+            "model.num_query_groups=4",
+        ],
+        "tiny_llama",
+    ),
+    (
+        "kv-heads-tp",
+        [
+            "parallel.tp=4",
+            "parallel.pp=1",
+            "model.num_query_groups=6",
+            "model.num_attention_heads=12",
+            "model.hidden_size=96",
+        ],
+        ["parallel.tp=4", "parallel.pp=1", "model.num_query_groups=2"],
+        "tiny_llama",
+    ),  # kv < tp, tp % kv == 0: fine
     ("moe-tp-sp", ["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"], "tiny_mixtral"),
     ("hidden-heads", ["model.hidden_size=66"], ["model.hidden_size=68"], "tiny_llama"),
     ("layers-pp", ["model.num_layers=5"], ["model.num_layers=6"], "tiny_llama"),
     ("layers-pp", ["parallel.vpp=2", "model.num_layers=6"], ["parallel.vpp=2", "model.num_layers=8"], "tiny_llama"),
-    ("layers-uneven", ["model.num_layers=5", "parallel.layers_first_stage=1", "parallel.layers_last_stage=1"],
-     ["model.num_layers=5", "parallel.layers_first_stage=2"], "tiny_llama"),
-    ("seq-cp", ["parallel.pp=1", "parallel.cp=2", "train.seq_length=66"],
-     ["parallel.pp=1", "parallel.cp=2", "train.seq_length=68"], "tiny_llama"),
-    ("seq-sp", ["parallel.sequence_parallel=true", "train.seq_length=63"],
-     ["parallel.sequence_parallel=true", "train.seq_length=62"], "tiny_llama"),
-    ("experts-ep", ["parallel.ep=4", "model.num_moe_experts=6"], ["parallel.ep=2", "model.num_moe_experts=6"],
-     "tiny_mixtral"),
-    ("ep-dense", ["parallel.ep=2", "parallel.tp=1", "parallel.pp=1"], ["parallel.tp=1", "parallel.pp=1"],
-     "tiny_llama"),
-    ("expert-grid", ["parallel.ep=4", "parallel.tp=2", "parallel.etp=2", "cluster.gpus_per_node=4"],
-     ["parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "cluster.gpus_per_node=4"], "tiny_mixtral"),
+    (
+        "layers-uneven",
+        ["model.num_layers=5", "parallel.layers_first_stage=1", "parallel.layers_last_stage=1"],
+        ["model.num_layers=5", "parallel.layers_first_stage=2"],
+        "tiny_llama",
+    ),
+    (
+        "seq-cp",
+        ["parallel.pp=1", "parallel.cp=2", "train.seq_length=66"],
+        ["parallel.pp=1", "parallel.cp=2", "train.seq_length=68"],
+        "tiny_llama",
+    ),
+    (
+        "seq-sp",
+        ["parallel.sequence_parallel=true", "train.seq_length=63"],
+        ["parallel.sequence_parallel=true", "train.seq_length=62"],
+        "tiny_llama",
+    ),
+    (
+        "experts-ep",
+        ["parallel.ep=4", "model.num_moe_experts=6"],
+        ["parallel.ep=2", "model.num_moe_experts=6"],
+        "tiny_mixtral",
+    ),
+    ("ep-dense", ["parallel.ep=2", "parallel.tp=1", "parallel.pp=1"], ["parallel.tp=1", "parallel.pp=1"], "tiny_llama"),
+    (
+        "expert-grid",
+        ["parallel.ep=4", "parallel.tp=2", "parallel.etp=2", "cluster.gpus_per_node=4"],
+        ["parallel.ep=2", "parallel.tp=2", "parallel.etp=2", "cluster.gpus_per_node=4"],
+        "tiny_mixtral",
+    ),
     ("global-batch", ["train.global_batch_size=7"], ["train.global_batch_size=12"], "default"),
     ("global-batch", ["train.grad_accum=3"], ["train.grad_accum=4"], "tiny_llama"),
     ("microbatches-pp", ["train.global_batch_size=2"], ["train.global_batch_size=4"], "tiny_llama"),
     ("vpp-pp", ["parallel.vpp=2", "parallel.pp=1", "parallel.tp=1"], ["parallel.tp=1"], "tiny_llama"),
-    ("vpp-microbatches", ["parallel.vpp=2", "train.global_batch_size=6"],
-     ["parallel.vpp=2", "train.global_batch_size=8"], "tiny_llama"),
-    ("zero-pp", ["zero.stage=2", "train.engine=deepspeed"], ["zero.stage=1", "train.engine=deepspeed"],
-     "tiny_llama"),
+    (
+        "vpp-microbatches",
+        ["parallel.vpp=2", "train.global_batch_size=6"],
+        ["parallel.vpp=2", "train.global_batch_size=8"],
+        "tiny_llama",
+    ),
+    ("zero-pp", ["zero.stage=2", "train.engine=deepspeed"], ["zero.stage=1", "train.engine=deepspeed"], "tiny_llama"),
     ("zero-engine", ["zero.stage=3"], ["zero.stage=3", "train.engine=deepspeed"], "default"),
     ("zero-stage", ["zero.stage=4"], ["zero.stage=1"], "default"),
-    ("zero-offload", ["zero.offload_param=cpu", "zero.stage=2", "train.engine=deepspeed"],
-     ["zero.offload_param=cpu", "zero.stage=3", "train.engine=deepspeed"], "default"),
-    ("tp-in-node", ["parallel.tp=4", "parallel.pp=1", "cluster.nodes=2", "cluster.gpus_per_node=2",
-                    "model.num_query_groups=4"],
-     ["parallel.tp=2", "parallel.pp=2", "cluster.nodes=2", "cluster.gpus_per_node=2"], "tiny_llama"),
-    ("cp-in-node", ["parallel.pp=1", "parallel.cp=2", "cluster.nodes=2", "cluster.gpus_per_node=2"],
-     ["parallel.pp=2", "parallel.cp=1", "cluster.nodes=2", "cluster.gpus_per_node=2"], "tiny_llama"),
+    (
+        "zero-offload",
+        ["zero.offload_param=cpu", "zero.stage=2", "train.engine=deepspeed"],
+        ["zero.offload_param=cpu", "zero.stage=3", "train.engine=deepspeed"],
+        "default",
+    ),
+    (
+        "tp-in-node",
+        ["parallel.tp=4", "parallel.pp=1", "cluster.nodes=2", "cluster.gpus_per_node=2", "model.num_query_groups=4"],
+        ["parallel.tp=2", "parallel.pp=2", "cluster.nodes=2", "cluster.gpus_per_node=2"],
+        "tiny_llama",
+    ),
+    (
+        "cp-in-node",
+        ["parallel.pp=1", "parallel.cp=2", "cluster.nodes=2", "cluster.gpus_per_node=2"],
+        ["parallel.pp=2", "parallel.cp=1", "cluster.nodes=2", "cluster.gpus_per_node=2"],
+        "tiny_llama",
+    ),
     ("deepspeed-engine", ["train.engine=deepspeed"], ["train.engine=deepspeed", "parallel.pp=1"], "tiny_llama"),
-    ("deepspeed-engine", ["train.engine=deepspeed", "parallel.cp=2", "parallel.tp=1", "parallel.pp=1"],
-     ["train.engine=deepspeed", "parallel.tp=2", "parallel.pp=1"], "tiny_llama"),
+    (
+        "deepspeed-engine",
+        ["train.engine=deepspeed", "parallel.cp=2", "parallel.tp=1", "parallel.pp=1"],
+        ["train.engine=deepspeed", "parallel.tp=2", "parallel.pp=1"],
+        "tiny_llama",
+    ),
     ("positive-degree", ["parallel.tp=-2"], ["parallel.tp=1", "parallel.pp=1"], "tiny_llama"),
     ("positive-degree", ["train.micro_batch_size=0"], ["train.micro_batch_size=1"], "tiny_llama"),
     ("choice", ["train.engine=jax"], ["train.engine=deepspeed"], "default"),
@@ -84,10 +146,19 @@ def test_rule(rule, bad, good, recipe):
 
 
 def test_all_violations_reported_at_once():
-    got, msg = violations("parallel.tp=3", "zero.stage=2", "train.seq_length=63", "parallel.cp=2",
-                          "parallel.sequence_parallel=true")
-    assert {"world-size", "heads-tp", "kv-heads-tp", "seq-cp", "seq-sp", "zero-pp", "zero-engine",
-            "tp-in-node"} <= got  # kv=2, tp=3: neither divides
+    got, msg = violations(
+        "parallel.tp=3", "zero.stage=2", "train.seq_length=63", "parallel.cp=2", "parallel.sequence_parallel=true"
+    )
+    assert {
+        "world-size",
+        "heads-tp",
+        "kv-heads-tp",
+        "seq-cp",
+        "seq-sp",
+        "zero-pp",
+        "zero-engine",
+        "tp-in-node",
+    } <= got  # kv=2, tp=3: neither divides
     assert msg.count("Fix:") == len(got) >= 8
 
 
@@ -117,5 +188,5 @@ def test_vocab_padding_reported():
 
 def test_dims_frozen():
     d = ParallelDims(world_size=4, gpus_per_node=4, tp=2, dp=2)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         d.tp = 4  # type: ignore[misc]

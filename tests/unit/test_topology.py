@@ -25,18 +25,26 @@ LAYOUTS = [  # (world, gpus_per_node, tp, pp, cp, ep, etp)
 
 # our group name -> (megatron generator, token)
 MEGATRON_TOKEN = {
-    "tp": ("dense", "tp"), "cp": ("dense", "cp"), "dp": ("dense", "dp"), "pp": ("dense", "pp"),
-    "dp_cp": ("dense", "dp-cp"), "tp_cp": ("dense", "tp-cp"), "mp": ("dense", "tp-pp"),
-    "ep": ("expert", "ep"), "etp": ("expert", "tp"), "edp": ("expert", "dp"),
+    "tp": ("dense", "tp"),
+    "cp": ("dense", "cp"),
+    "dp": ("dense", "dp"),
+    "pp": ("dense", "pp"),
+    "dp_cp": ("dense", "dp-cp"),
+    "tp_cp": ("dense", "tp-cp"),
+    "mp": ("dense", "tp-pp"),
+    "ep": ("expert", "ep"),
+    "etp": ("expert", "tp"),
+    "edp": ("expert", "dp"),
 }
 
 
 def dims_for(world, gpn, tp, pp, cp, ep, etp):
-    return ParallelDims(world_size=world, gpus_per_node=gpn, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
-                        dp=world // (tp * pp * cp))
+    return ParallelDims(
+        world_size=world, gpus_per_node=gpn, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=world // (tp * pp * cp)
+    )
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "w{}-n{}-tp{}-pp{}-cp{}-ep{}-etp{}".format(*l))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "w{}-n{}-tp{}-pp{}-cp{}-ep{}-etp{}".format(*lay))
 def test_groups_equal_megatron_rank_generator(layout):
     d = dims_for(*layout)
     gens = {

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import List, Tuple
 
 import pytest
 import torch
@@ -32,14 +31,22 @@ from megatron_bridge.convert.dtypes import BFLOAT16, BY_NAME, FLOAT32
 from megatron_bridge.convert.pickling import Global, Instance, Reduce, TorchPickler, torch_size
 from megatron_bridge.convert.safetensors_io import PositionedReader
 from megatron_bridge.convert.torch_zip import (
-    _STORAGE_TYPE, ALIGN, LazyTorchFile, StorageRef, StreamingTorchSave, TensorRef, _StubUnpickler, _zip_records, contiguous_stride,
+    _STORAGE_TYPE,
+    ALIGN,
+    LazyTorchFile,
+    StorageRef,
+    StreamingTorchSave,
+    TensorRef,
+    _StubUnpickler,
+    _zip_records,
+    contiguous_stride,
 )
 from megatron_bridge.errors import UserError
 
-Record = Tuple[str, int, int]  # name inside the archive, data offset in the file, size
+Record = tuple[str, int, int]  # name inside the archive, data offset in the file, size
 
 
-def records(path: Path, start: int = 0, length: int = 0) -> List[Record]:
+def records(path: Path, start: int = 0, length: int = 0) -> list[Record]:
     """The archive's records in file order (zipfile lists them; it cannot read them: CRCs are 0)."""
     out = []
     with open(path, "rb") as f:
@@ -61,7 +68,7 @@ def read_at(path: Path, offset: int, n: int) -> bytes:
         return f.read(n)
 
 
-def replay(src: Path, recs: List[Record], sink, hole: int = 2**20) -> None:
+def replay(src: Path, recs: list[Record], sink, hole: int = 2**20) -> None:
     """Write `recs` again with torch's writer into `sink` (a path or an open file); records
     bigger than `hole` are written as holes (torch's write_record_metadata)."""
     w = torch._C.PyTorchFileWriter(str(sink) if isinstance(sink, Path) else sink, False, 64)
@@ -76,8 +83,9 @@ def replay(src: Path, recs: List[Record], sink, hole: int = 2**20) -> None:
     w.write_end_of_file()
 
 
-def assert_same_bytes(ours: Path, theirs: Path, recs: List[Record], start: int = 0, end: int = 0,
-                      hole: int = 2**20) -> None:
+def assert_same_bytes(
+    ours: Path, theirs: Path, recs: list[Record], start: int = 0, end: int = 0, hole: int = 2**20
+) -> None:
     """Bytes [start, end) (default: the whole files) equal in both, but for the serialization
     id's digits (torch hashes CRCs that are not computed) and the data of records over `hole`."""
     if not end:
@@ -96,19 +104,34 @@ def raw(t: torch.Tensor) -> bytes:
 
 def tensors() -> dict:
     g = torch.Generator().manual_seed(0)
-    return {"bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16), "fp32": torch.randn(7, generator=g),
-            "int64": torch.arange(6, dtype=torch.int64).reshape(2, 3), "scalar": torch.tensor(2.5),
-            "empty": torch.zeros(0, 4, dtype=torch.float16), "view": torch.arange(20.0)[5:9],
-            "mask": torch.tensor([True, False, True])}
+    return {
+        "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "fp32": torch.randn(7, generator=g),
+        "int64": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+        "view": torch.arange(20.0)[5:9],
+        "mask": torch.tensor([True, False, True]),
+    }
 
 
 def megatron_like(values: dict) -> dict:
     """A rank file's shape: args with dtypes and Nones, nested chunks, an OrderedDict, a tensor twice."""
-    args = argparse.Namespace(params_dtype=BFLOAT16 if isinstance(values["bf16"], TensorRef) else torch.bfloat16,
-                              main_grads_dtype=torch.float32, tp=2, pp=None, vocab=[1, 2])
-    return {"args": args, "checkpoint_version": 3.0, "iteration": 0,
-            "model": {"decoder": dict(values), "none": None},
-            "optimizer": collections.OrderedDict(again=values["bf16"]), "rng_state": None}
+    args = argparse.Namespace(
+        params_dtype=BFLOAT16 if isinstance(values["bf16"], TensorRef) else torch.bfloat16,
+        main_grads_dtype=torch.float32,
+        tp=2,
+        pp=None,
+        vocab=[1, 2],
+    )
+    return {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": 0,
+        "model": {"decoder": dict(values), "none": None},
+        "optimizer": collections.OrderedDict(again=values["bf16"]),
+        "rng_state": None,
+    }
 
 
 def load(path) -> dict:
@@ -135,8 +158,9 @@ def assert_lists_what_torch_lists(path: Path, start: int = 0, length: int = 0) -
     theirs = torch._C.PyTorchFileReader(io.BytesIO(read_at(path, start, length)) if length else str(path))
     with open(path, "rb") as f:
         ours = _zip_records(f.fileno(), start, length or path.stat().st_size)
-    assert {n: at for n, (at, _) in ours.items()} == {r: start + theirs.get_record_offset(r)
-                                                      for r in theirs.get_all_records()}
+    assert {n: at for n, (at, _) in ours.items()} == {
+        r: start + theirs.get_record_offset(r) for r in theirs.get_all_records()
+    }
     assert sorted((at, size) for at, size in ours.values()) == [r[1:] for r in records(path, start, length)]
     lazy = LazyTorchFile(path, PositionedReader(), start, length or None)
     assert lazy.obj == _StubUnpickler(io.BytesIO(theirs.get_record("data.pkl"))).load()
@@ -167,13 +191,19 @@ def test_add_writes_what_torch_writes(tmp_path):
     assert_same_bytes(tmp_path / "model_optim_rng.pt", tmp_path / "torch" / "model_optim_rng.pt", recs)
 
     names = [n for n, _, _ in recs]
-    assert names[:len(values)] == [f"model_optim_rng/data/{i}" for i in range(len(values))]
-    assert names[len(values):] == [f"model_optim_rng/{n}" for n in (
-        "data.pkl", ".format_version", ".storage_alignment", "byteorder", "version", ".data/serialization_id")]
+    assert names[: len(values)] == [f"model_optim_rng/data/{i}" for i in range(len(values))]
+    assert names[len(values) :] == [
+        f"model_optim_rng/{n}"
+        for n in ("data.pkl", ".format_version", ".storage_alignment", "byteorder", "version", ".data/serialization_id")
+    ]
     saved = records(tmp_path / "saved.pt")
     assert sorted(n.split("/", 1)[1] for n in names) == sorted(n.split("/", 1)[1] for n, _, _ in saved)
-    pkl = [read_at(p, off, size) for p, rs in ((tmp_path / "model_optim_rng.pt", recs), (tmp_path / "saved.pt", saved))
-           for n, off, size in rs if n.endswith("/data.pkl")]
+    pkl = [
+        read_at(p, off, size)
+        for p, rs in ((tmp_path / "model_optim_rng.pt", recs), (tmp_path / "saved.pt", saved))
+        for n, off, size in rs
+        if n.endswith("/data.pkl")
+    ]
     assert pkl[0] == pkl[1]  # the pickle torch.save writes, record keys included
     assert all(off % ALIGN == 0 for _, off, _ in recs)
 
@@ -322,18 +352,21 @@ def test_zip64_record_and_offsets_past_4gib(tmp_path):
 
 def test_module_writer_and_reader_need_no_torch(tmp_path):
     torch.save(megatron_like(tensors()), tmp_path / "saved.pt")
-    code = ("import os, sys; from pathlib import Path; "
-            "from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave; "
-            "from megatron_bridge.convert.safetensors_io import PositionedReader; "
-            "from megatron_bridge.convert.dtypes import BFLOAT16; "
-            f"w = StreamingTorchSave({str(tmp_path / 'n.pt')!r}); r, at = w.reserve(4, BFLOAT16, (2,)); "
-            "os.pwrite(w.fileno(), bytes([0x80, 0x3f, 0, 0x40]), at); w.finish({'w': r, 'dtype': BFLOAT16}); "
-            f"n = LazyTorchFile(Path({str(tmp_path / 'n.pt')!r}), PositionedReader()); "
-            f"s = LazyTorchFile(Path({str(tmp_path / 'saved.pt')!r}), PositionedReader()); "
-            "print(n.range(n.obj['w'])[1:] + s.range(s.obj['model']['decoder']['fp32'])[1:]); "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
-    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2],
-                         capture_output=True, text=True).stdout
+    code = (
+        "import os, sys; from pathlib import Path; "
+        "from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave; "
+        "from megatron_bridge.convert.safetensors_io import PositionedReader; "
+        "from megatron_bridge.convert.dtypes import BFLOAT16; "
+        f"w = StreamingTorchSave({str(tmp_path / 'n.pt')!r}); r, at = w.reserve(4, BFLOAT16, (2,)); "
+        "os.pwrite(w.fileno(), bytes([0x80, 0x3f, 0, 0x40]), at); w.finish({'w': r, 'dtype': BFLOAT16}); "
+        f"n = LazyTorchFile(Path({str(tmp_path / 'n.pt')!r}), PositionedReader()); "
+        f"s = LazyTorchFile(Path({str(tmp_path / 'saved.pt')!r}), PositionedReader()); "
+        "print(n.range(n.obj['w'])[1:] + s.range(s.obj['model']['decoder']['fp32'])[1:]); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2], capture_output=True, text=True
+    ).stdout
     n, saved = (LazyTorchFile(tmp_path / f, PositionedReader()) for f in ("n.pt", "saved.pt"))
     assert out.strip() == str(n.range(n.obj["w"])[1:] + saved.range(saved.obj["model"]["decoder"]["fp32"])[1:])
     loaded = load(tmp_path / "n.pt")
@@ -359,8 +392,11 @@ def test_instance_stand_in_is_the_dcp_dataclass():
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     real = ChunkStorageMetadata(offsets=torch.Size([1, 0]), sizes=torch.Size([1, 4]))
-    stand_in = Instance("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata",
-                        {"offsets": torch_size((1, 0)), "sizes": Reduce(Global("torch", "Size"), ((1, 4),))})
+    stand_in = Instance(
+        "torch.distributed.checkpoint.metadata",
+        "ChunkStorageMetadata",
+        {"offsets": torch_size((1, 0)), "sizes": Reduce(Global("torch", "Size"), ((1, 4),))},
+    )
     back = pickle.loads(pickled(stand_in))
     assert back == real and type(back.offsets) is torch.Size
     assert pickled(stand_in) == pickle.dumps(real, protocol=2)

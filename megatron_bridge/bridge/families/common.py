@@ -6,15 +6,13 @@ HF prefix so MoE families can reuse the MLP rows under their own module names.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 from megatron_bridge.bridge.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB
 from megatron_bridge.bridge.table import Mapping
 
 L = "decoder.layers.{layer}"
 H = "model.layers.{layer}"
 
-EMBEDDINGS: Tuple[Mapping, ...] = (
+EMBEDDINGS: tuple[Mapping, ...] = (
     Mapping("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB),
     Mapping("decoder.final_layernorm.weight", "model.norm.weight", REPLICATED),
     Mapping("output_layer.weight", "lm_head.weight", VOCAB, when="!tie_word_embeddings"),
@@ -23,7 +21,7 @@ EMBEDDINGS: Tuple[Mapping, ...] = (
     Mapping("output_layer.weight", "model.embed_tokens.weight", VOCAB, when="tie_word_embeddings", export=False),
 )
 
-ATTENTION: Tuple[Mapping, ...] = (
+ATTENTION: tuple[Mapping, ...] = (
     Mapping(f"{L}.input_layernorm.weight", f"{H}.input_layernorm.weight", REPLICATED),
     Mapping(
         f"{L}.self_attention.linear_qkv.weight",
@@ -40,13 +38,15 @@ ATTENTION: Tuple[Mapping, ...] = (
     Mapping(f"{L}.pre_mlp_layernorm.weight", f"{H}.post_attention_layernorm.weight", REPLICATED),
 )
 
-QK_NORM: Tuple[Mapping, ...] = (
+QK_NORM: tuple[Mapping, ...] = (
     Mapping(f"{L}.self_attention.q_layernorm.weight", f"{H}.self_attn.q_norm.weight", REPLICATED),
     Mapping(f"{L}.self_attention.k_layernorm.weight", f"{H}.self_attn.k_norm.weight", REPLICATED),
 )
 
 
-def swiglu(megatron: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> Tuple[Mapping, ...]:
+def swiglu(
+    megatron: str, hf: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
+) -> tuple[Mapping, ...]:
     """A SwiGLU MLP: fc1 = [gate; up] column-parallel, fc2 = down row-parallel."""
     return (
         Mapping(f"{megatron}.linear_fc1.weight", (f"{hf}.{gate}.weight", f"{hf}.{up}.weight"), GATE_UP),
@@ -57,7 +57,7 @@ def swiglu(megatron: str, hf: str, gate: str = "gate_proj", up: str = "up_proj",
 DENSE_MLP = swiglu(f"{L}.mlp", f"{H}.mlp")
 
 
-def experts(hf_experts: str, gate: str, up: str, down: str, router: str) -> Tuple[Mapping, ...]:
+def experts(hf_experts: str, gate: str, up: str, down: str, router: str) -> tuple[Mapping, ...]:
     """Routed experts (megatron SequentialMLP, one MLP per expert) plus the router."""
     return (
         Mapping(f"{L}.mlp.router.weight", f"{H}.{router}", REPLICATED),

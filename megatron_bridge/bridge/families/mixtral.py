@@ -9,6 +9,8 @@ class Mixtral(FamilyBridge):
     name = "mixtral"
     model_types = ("mixtral",)
     architectures = ("MixtralForCausalLM",)
-    table = EMBEDDINGS + ATTENTION + experts("block_sparse_moe.experts", "w1", "w3", "w2", "block_sparse_moe.gate.weight")
+    table = (
+        EMBEDDINGS + ATTENTION + experts("block_sparse_moe.experts", "w1", "w3", "w2", "block_sparse_moe.gate.weight")
+    )
     hf_names = {"num_moe_experts": "num_local_experts", "moe_ffn_hidden_size": "intermediate_size"}
     notes = "MoE (softmax top-k, renormalised), sliding window"

@@ -1,9 +1,9 @@
 """Qwen2 (qkv bias), Qwen3 (qk-norm) and Qwen2-MoE (routed + gated shared expert)."""
 
-from megatron_bridge.bridge.families.common import ATTENTION, DENSE_MLP, EMBEDDINGS, H, L, QK_NORM, experts, swiglu
+from megatron_bridge.bridge.families.common import ATTENTION, DENSE_MLP, EMBEDDINGS, QK_NORM, H, L, experts, swiglu
 from megatron_bridge.bridge.mapping import REPLICATED
-from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.bridge.registry import FamilyBridge, register
+from megatron_bridge.bridge.table import Mapping
 
 
 @register
@@ -34,8 +34,12 @@ class Qwen2Moe(FamilyBridge):
     model_types = ("qwen2_moe",)
     architectures = ("Qwen2MoeForCausalLM",)
     implicit = {"add_qkv_bias": True, "moe_shared_expert_gate": True}
-    hf_names = {"num_moe_experts": "num_experts", "moe_ffn_hidden_size": "moe_intermediate_size",
-                "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size", "add_qkv_bias": "qkv_bias"}
+    hf_names = {
+        "num_moe_experts": "num_experts",
+        "moe_ffn_hidden_size": "moe_intermediate_size",
+        "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+        "add_qkv_bias": "qkv_bias",
+    }
     window_key = "layer_types"
     table = (
         EMBEDDINGS
