@@ -83,6 +83,29 @@ def parse_args(argv: Sequence[str]) -> Args:
     return args
 
 
+def apply_aliases(overrides: Sequence[str], schema: type) -> list[str]:
+    """Rewrite `schema.CLI_ALIASES` spellings to the field they name (an alias that is a field of
+    `schema` itself stays that field). Both spellings with different values is an error."""
+    names = {f.name for f in dataclasses.fields(schema)}
+    aliases = {a: t for a, t in getattr(schema, "CLI_ALIASES", {}).items() if a not in names}
+    given = dict(o.split("=", 1) for o in overrides)
+    out = []
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if key not in aliases:
+            out.append(o)
+            continue
+        target = aliases[key]
+        if target in given and given[target] != value:
+            raise UserError(
+                f"{key}={value} and {target}={given[target]} name the same thing ({key}= is another spelling "
+                f"of {target}=) with different values. Give it once."
+            )
+        if target not in given:
+            out.append(f"{target}={value}")
+    return out
+
+
 def _config_file(config_path: str, recipe_file: Path, sources: Sequence[search.Source]) -> str:
     """Hydra names a config by its search-path name (`mine`, `cluster/my_cluster`); users
     need the file, which is the first source that has it."""
@@ -141,6 +164,7 @@ def compose(argv: Sequence[str] | Args, schema: type = Config, *, resolve_hf: bo
     from omegaconf.errors import OmegaConfBaseException
 
     args = argv if isinstance(argv, Args) else parse_args(argv)
+    args.overrides = apply_aliases(args.overrides, schema)
     sources = args.sources()
     recipe_file = search.find_recipe(args.recipe, sources)
     ConfigStore.instance().store(name="mbr_schema", node=schema)
