@@ -1,10 +1,11 @@
 """Compose a recipe + CLI overrides into one typed `Config`.
 
 A recipe (`recipes/NAME.yaml`) is a Hydra primary config whose defaults list picks one
-option per group from `conf/` and starts with `mbr_schema`, the structured schema stored
-in Hydra's ConfigStore. `recipe=NAME` selects the recipe; every other `key=value` is a Hydra
-override, so any field of any group can be changed from the command line and `model=NAME`
-swaps a whole group. Hydra/OmegaConf errors (unknown key, wrong type, missing group option)
+option per group (`conf/<group>/`, or a user config dir's `<group>/`: config/search.py) and
+starts with `mbr_schema`, the structured schema stored in Hydra's ConfigStore.
+`recipe=NAME` (or `recipe=PATH.yaml`) selects the recipe, `--config-dir DIR` adds a user
+dir; every other `key=value` is a Hydra override, so any field of any group can be changed
+from the command line and `model=NAME` swaps a whole group. Hydra/OmegaConf errors (unknown key, wrong type, missing group option)
 become `UserError`s with the fix spelled out.
 """
 
