@@ -80,6 +80,11 @@ def is_recipe_path(recipe: str) -> bool:
 def recipe_file_source(recipe: str) -> tuple[Path, Source]:
     """`recipe=PATH.yaml`: the file and the user dir it brings (see module doc)."""
     path = Path(recipe).expanduser().absolute()
+    if path.suffix != ".yaml":
+        raise UserError(
+            f"recipe file {recipe}: recipe files end in .yaml (the only extension Hydra loads). Rename it to "
+            f"{path.with_suffix('.yaml').name}."
+        )
     if not path.is_file():
         raise UserError(
             f"recipe file {recipe} does not exist. Give `recipe=NAME` (a recipe on the search path: "

@@ -172,6 +172,7 @@ def test_bad_values_in_user_options_are_schema_errors(tmp_path):
     "argv,needle",
     [
         (["recipe=/nonexistent/my.yaml"], "recipe file /nonexistent/my.yaml does not exist"),
+        (["recipe=my.yml"], "recipe files end in .yaml"),
         (["--config-dir", "/nonexistent/cfg"], "config dir /nonexistent/cfg (from --config-dir) is not a directory"),
         (["--config-dir"], "--config-dir needs a directory"),
         (["recipe=mine"], "unknown recipe 'mine'"),
