@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from megatron_bridge.cli import main as mbr
-from megatron_bridge.convert.dist_ckpt import MEGATRON_METADATA, DistLocation, DistReader
-from megatron_bridge.convert.safetensors_io import PositionedReader
-from megatron_bridge.convert.torch_zip import LazyTorchFile
+from megatron_bridge.convert.formats.dist_ckpt import MEGATRON_METADATA, DistLocation, DistReader
+from megatron_bridge.convert.formats.safetensors_io import PositionedReader
+from megatron_bridge.convert.formats.torch_zip import LazyTorchFile
 from megatron_bridge.errors import UserError
 
 
@@ -199,9 +199,9 @@ def test_finding_chunk_bytes_never_imports_torch(converted):
     """What export's byte path does: metadata, a chunk's item, the tensor record in it."""
     code = (
         "import sys; from pathlib import Path; "
-        "from megatron_bridge.convert.dist_ckpt import DistLocation, DistReader; "
-        "from megatron_bridge.convert.safetensors_io import PositionedReader; "
-        "from megatron_bridge.convert.torch_zip import LazyTorchFile; "
+        "from megatron_bridge.convert.formats.dist_ckpt import DistLocation, DistReader; "
+        "from megatron_bridge.convert.formats.safetensors_io import PositionedReader; "
+        "from megatron_bridge.convert.formats.torch_zip import LazyTorchFile; "
         f"pr = PositionedReader(); r = DistReader(Path({str(converted)!r}), pr); "
         "L = r.md.state_dict_metadata['decoder.layers.mlp.linear_fc2.weight'].size[0]; "
         "locs = [DistLocation('embedding.word_embeddings.weight')] + "

@@ -28,11 +28,11 @@ from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, shard_for, shard_of
 from megatron_bridge.bridge.mapping import FULL
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.direct import DirectCopy
-from megatron_bridge.convert.direct_export import DirectExport
-from megatron_bridge.convert.dist_ckpt import DistWriter, extra_state_location, location
-from megatron_bridge.convert.dtypes import DType
-from megatron_bridge.convert.placement import (
+from megatron_bridge.convert.bytemove.direct import DirectCopy
+from megatron_bridge.convert.bytemove.direct_export import DirectExport
+from megatron_bridge.convert.formats.dist_ckpt import DistWriter, extra_state_location, location
+from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.placement import (
     RELEASE,
     TRACKER,
     RankFile,
@@ -43,10 +43,10 @@ from megatron_bridge.convert.placement import (
     stage_coords,
     stage_targets,
 )
-from megatron_bridge.convert.safetensors_io import INDEX, SafetensorsWriter, plan_shards
-from megatron_bridge.convert.sources import Source
-from megatron_bridge.convert.torch_zip import StreamingTorchSave
-from megatron_bridge.convert.writeback import Writeback
+from megatron_bridge.convert.formats.safetensors_io import INDEX, SafetensorsWriter, plan_shards
+from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave
+from megatron_bridge.convert.pipeline.writeback import Writeback
+from megatron_bridge.convert.sources.readers import Source
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
     import torch

@@ -53,14 +53,14 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from megatron_bridge.convert.dtypes import BY_NAME, DType, dtype_of
-from megatron_bridge.convert.pickling import Global, TorchPickler
+from megatron_bridge.convert.formats.dtypes import BY_NAME, DType, dtype_of
+from megatron_bridge.convert.formats.pickling import Global, TorchPickler
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
-    from megatron_bridge.convert.safetensors_io import PositionedReader
+    from megatron_bridge.convert.formats.safetensors_io import PositionedReader
 
 ALIGN = 64  # what torch.save writes (`.storage_alignment`); mmap-loading needs it
 _STORAGE_TYPE = {

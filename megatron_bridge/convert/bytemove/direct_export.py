@@ -26,12 +26,12 @@ from math import prod
 from megatron_bridge.bridge.loader import shard_for
 from megatron_bridge.bridge.mapping import FULL, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert import direct
-from megatron_bridge.convert.direct import Checksums, Copier, Interleave, Piece, Span
-from megatron_bridge.convert.dist_ckpt import location
-from megatron_bridge.convert.safetensors_io import TensorInfo
-from megatron_bridge.convert.sources import DistSource, Source, TorchSource
-from megatron_bridge.convert.torch_zip import LazyTorchFile, TensorRef, contiguous_stride
+from megatron_bridge.convert.bytemove import direct
+from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleave, Piece, Span
+from megatron_bridge.convert.formats.dist_ckpt import location
+from megatron_bridge.convert.formats.safetensors_io import TensorInfo
+from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef, contiguous_stride
+from megatron_bridge.convert.sources.readers import DistSource, Source, TorchSource
 from megatron_bridge.errors import UserError
 
 Record = tuple[object, int, tuple[int, ...]]  # (file, data offset, shape without leading unit axes)

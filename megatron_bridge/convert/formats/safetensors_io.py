@@ -1,4 +1,6 @@
-"""Streaming safetensors I/O without mmap: one tensor in memory at a time.
+"""Streaming safetensors I/O without mmap: one tensor in memory at a time. The one reader of
+HF weights: the converter's sources and the live loader (`bridge.loader.HFCheckpoint`,
+through `LazySlice`) both read with it.
 
 Why not `safe_open`: it mmaps whole files, and every page a conversion touches stays mapped
 (and counted in the process RSS) until the handle closes, so converting a 5 GB shard costs
@@ -28,9 +30,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_bridge.bridge.loader import IGNORED_HF_SUFFIXES
-from megatron_bridge.convert.dtypes import BY_ST as ST_DTYPES
-from megatron_bridge.convert.dtypes import DType, dtype_of
+from megatron_bridge.convert.formats.dtypes import BY_ST as ST_DTYPES
+from megatron_bridge.convert.formats.dtypes import DType, dtype_of
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never im
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 INDEX = "model.safetensors.index.json"
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # tensors that carry no weights (older checkpoints saved rotary buffers)
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def scan_dir(path: Path) -> dict[str, TensorInfo]:
     """Every weight tensor of an HF model directory (sharded with an index, or plain files), in
     index / file order. Checks that files and tensors the index names exist."""
+    if not path.is_dir():
+        raise UserError(f"{path}: not a directory (expected an HF model directory with *.safetensors weights)")
     index = path / INDEX
     if index.is_file():
         try:
@@ -242,6 +246,36 @@ class PositionedReader:
         self._fd.close()
 
 
+class LazySlice:
+    """One tensor of a safetensors file, read when sliced: `.shape`, `.dtype` (torch's) and
+    `[a:b]` / `[a:b, c:d]` that read only rows a..b, so a rank loading its shard reads just
+    its part of the file. A column range reads its rows whole (one positioned read) and
+    keeps a contiguous copy of the columns. What `bridge.mapping.assemble` slices."""
+
+    def __init__(self, info: TensorInfo, reader: PositionedReader):
+        self.info, self._reader = info, reader
+        self.shape = info.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.info.dtype.torch
+
+    def __getitem__(self, idx: slice | tuple[slice, ...]) -> torch.Tensor:
+        parts = idx if isinstance(idx, tuple) else (idx,)
+        if not 1 <= len(parts) <= min(2, len(self.shape)) or any(
+            not isinstance(p, slice) or p.step not in (None, 1) for p in parts
+        ):
+            raise TypeError(f"{self.info.name}: only [a:b] and [a:b, c:d] slices are read lazily, got {idx!r}")
+        r0, r1, _ = parts[0].indices(self.shape[0])
+        rows, row_bytes = max(r1 - r0, 0), prod(self.shape[1:]) * self.info.dtype.itemsize
+        raw = self._reader.read_bytes(self.info.file, self.info.start + r0 * row_bytes, rows * row_bytes)
+        t = raw.view(self.dtype).reshape((rows, *self.shape[1:]))
+        return t[:, parts[1]].contiguous() if len(parts) == 2 else t
+
+    def full(self) -> torch.Tensor:
+        return self._reader.read(self.info)
+
+
 def st_name(dtype) -> str:
     """safetensors' code ("BF16") of a DType or torch.dtype."""
     return dtype_of(dtype).st
@@ -322,6 +356,8 @@ __all__ = [
     "BufferPool",
     "OpenFiles",
     "read_exactly",
+    "LazySlice",
+    "IGNORED_HF_SUFFIXES",
     "ST_DTYPES",
     "st_name",
     "INDEX",

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.mapping import Replicated
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.dist_ckpt import DistReader, location
-from megatron_bridge.convert.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
-from megatron_bridge.convert.manifest import Manifest, crc32
-from megatron_bridge.convert.placement import RELEASE, RankFile, Target, all_targets
-from megatron_bridge.convert.rows import producers, resolve_rows
-from megatron_bridge.convert.safetensors_io import PositionedReader, TensorInfo, scan_dir
-from megatron_bridge.convert.torch_zip import LazyTorchFile, TensorRef
+from megatron_bridge.convert.formats.dist_ckpt import DistReader, location
+from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
+from megatron_bridge.convert.formats.manifest import Manifest, crc32
+from megatron_bridge.convert.formats.placement import RELEASE, RankFile, Target, all_targets
+from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
+from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef
+from megatron_bridge.convert.sources.rows import producers, resolve_rows
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it

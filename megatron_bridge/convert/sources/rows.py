@@ -15,7 +15,7 @@ tensors are an error there) and then checks what only a whole-checkpoint view ca
 
 `check_layout_shards` asks the same transforms for rank 0's blocks under a layout, which
 catches sizes that do not split over tp (e.g. an FFN width not divisible by tp) with the
-tensor's name. Dtypes are only compared and printed: torch dtypes or `convert.dtypes.DType`s.
+tensor's name. Dtypes are only compared and printed: torch dtypes or `convert.formats.dtypes.DType`s.
 """
 
 from __future__ import annotations

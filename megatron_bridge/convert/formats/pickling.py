@@ -21,7 +21,7 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from megatron_bridge.convert.dtypes import DType
+from megatron_bridge.convert.formats.dtypes import DType
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import dist_ckpt_key
-from megatron_bridge.convert.dtypes import BY_NAME, DType, dtype_of
-from megatron_bridge.convert.pickling import Global, Instance, Record, Reduce, TorchPickler, torch_size
-from megatron_bridge.convert.placement import LINEAR_MODULES
-from megatron_bridge.convert.safetensors_io import PositionedReader
-from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave
+from megatron_bridge.convert.formats.dtypes import BY_NAME, DType, dtype_of
+from megatron_bridge.convert.formats.pickling import Global, Instance, Record, Reduce, TorchPickler, torch_size
+from megatron_bridge.convert.formats.placement import LINEAR_MODULES
+from megatron_bridge.convert.formats.safetensors_io import PositionedReader
+from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, StreamingTorchSave
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it

@@ -24,8 +24,8 @@ from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.convert.dtypes import DType
-from megatron_bridge.convert.safetensors_io import ST_DTYPES, tensor_bytes
+from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.safetensors_io import ST_DTYPES, tensor_bytes
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
