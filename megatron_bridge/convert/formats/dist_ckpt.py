@@ -90,9 +90,12 @@ def location(name: str, spec: BridgeSpec) -> DistLocation:
     layer, rest = int(m.group(1)), m.group(2)
     stacked = not spec.moe_layer_pattern  # megatron: moe_layer_freq as a list -> non-homogeneous layers
     key = "decoder.layers." if stacked else f"decoder.layers.{layer}."
-    offsets, axes = ((layer,), (spec.num_layers,)) if stacked else ((), ())
+    offsets: tuple[int, ...] = (layer,) if stacked else ()
+    axes: tuple[int, ...] = (spec.num_layers,) if stacked else ()
     e = _EXPERT.match(rest)
     if e:
+        if not spec.num_moe_experts:
+            raise UserError(f"{name} is an expert's parameter, but the config has no experts")
         rest = f"{e.group(1)}.experts.{e.group(3)}"
         offsets, axes = offsets + (int(e.group(2)),), axes + (spec.num_moe_experts,)
     return DistLocation(key + rest, offsets, axes)
@@ -215,14 +218,27 @@ class _Metadata(Record):
 class _TensorEntry(Record):
     """`TensorStorageMetadata`: `properties`, the global `size`, `chunks`."""
 
+    properties: _Properties
+    size: tuple[int, ...]
+    chunks: list[_Chunk]
+
 
 class _Chunk(Record):
     """`ChunkStorageMetadata`: `offsets` and `sizes` (tuples: torch.Size loads as one)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
 
 
 class _Properties(Record):
     """`TensorProperties`, whose `__getstate__` pickles a tuple (with the memory format as an
     enum, torch.memory_format being unpicklable) instead of a `__dict__`."""
+
+    dtype: DType
+    layout: str
+    requires_grad: bool
+    memory_format: int
+    pin_memory: bool
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
@@ -237,6 +253,10 @@ class _Index(Record):
 class _StorageInfo(Record):
     """`_StorageInfo`: `relative_path`, `offset`, `length`. Its `__getstate__` leaves out
     None fields, so `transform_descriptors` is often absent."""
+
+    relative_path: str
+    offset: int
+    length: int
 
     transform_descriptors = None
 
@@ -312,7 +332,9 @@ class DistReader:
             ):
                 raise ValueError(".metadata does not hold DCP's Metadata")
             # what MetadataIndex's hash and equality look at: the key and the chunk's offsets
-            self._storage = {(i.fqn, tuple(i.offset or ())): info for i, info in self.md.storage_data.items()}
+            self._storage: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {
+                (i.fqn, tuple(i.offset or ())): info for i, info in self.md.storage_data.items()
+            }
         # a damaged pickle can fail with any of these
         except (
             OSError,

@@ -80,18 +80,18 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     header.pop("__metadata__", None)
     base, data_len = 8 + n, size - 8 - n
     out: dict[str, TensorInfo] = {}
-    for name, e in header.items():
+    for name, entry in header.items():
         try:
-            dtype = ST_DTYPES[e["dtype"]]
-            shape = tuple(int(x) for x in e["shape"])
-            b, end = (int(x) for x in e["data_offsets"])
+            dtype = ST_DTYPES[entry["dtype"]]
+            shape = tuple(int(x) for x in entry["shape"])
+            b, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise UserError(
                 f"{path}: corrupt header entry for tensor {name!r} (unknown dtype or bad shape/offsets)"
             ) from None
         if end - b != prod(shape) * dtype.itemsize or b < 0:
             raise UserError(
-                f"{path}: tensor {name} claims bytes [{b}, {end}) for shape {list(shape)} {e['dtype']}: corrupt header"
+                f"{path}: tensor {name} claims bytes [{b}, {end}) for shape {list(shape)} {entry['dtype']}: corrupt header"
             )
         if end > data_len:
             raise UserError(
@@ -157,7 +157,8 @@ class BufferPool:
     MIN_BYTES = 2**20  # smaller reads are cheap to allocate
 
     def __init__(self, cap: int = 512 * 2**20):
-        self.cap, self._bufs, self._lock = cap, [], threading.Lock()
+        self.cap, self._lock = cap, threading.Lock()
+        self._bufs: list[np.ndarray] = []
 
     def _free(self, i: int) -> bool:
         return sys.getrefcount(self._bufs[i]) == 2  # the pool's list and getrefcount's argument
@@ -174,12 +175,13 @@ class BufferPool:
                 buf = self._bufs[min(fits, key=lambda i: self._bufs[i].nbytes)]
             else:
                 total = sum(b.nbytes for b in self._bufs)
+                dropped = set()
                 for i in sorted(free, key=lambda i: -self._bufs[i].nbytes):  # make room: drop big free ones
                     if total + nbytes <= self.cap:
                         break
                     total -= self._bufs[i].nbytes
-                    self._bufs[i] = None
-                self._bufs = [b for b in self._bufs if b is not None]
+                    dropped.add(i)
+                self._bufs = [b for i, b in enumerate(self._bufs) if i not in dropped]
                 buf = np.empty(nbytes, dtype=np.uint8)
                 if total + nbytes <= self.cap:
                     self._bufs.append(buf)
@@ -232,7 +234,7 @@ class PositionedReader:
     def read_bytes(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
         buf = self.pool.take(nbytes)
         if nbytes:
-            read_exactly(self._fd(path), memoryview(buf.numpy()), start, path)
+            read_exactly(self._fd(path), buf.numpy().data, start, path)
         return buf
 
     def read(self, info: TensorInfo) -> torch.Tensor:
@@ -286,7 +288,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     import torch
 
     t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 class SafetensorsWriter:
