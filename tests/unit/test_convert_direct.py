@@ -167,11 +167,13 @@ def test_dcp_metadata_is_torchs(tmp_path):
 
 
 def run_without_torch(args) -> None:
-    """`mbr ARGS` in a fresh interpreter, which must succeed and never import torch."""
+    """`mbr ARGS` in a fresh interpreter, which must succeed and never import torch (nor
+    numpy: only the tensor path's buffers need it)."""
     code = (
         "import sys; from megatron_bridge.cli import main; "
         f"rc = main({list(args) + ['progress=off']!r}); assert rc == 0, rc; "
-        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]"
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]; "
+        "assert 'numpy' not in sys.modules"
     )
     env = {k: v for k, v in os.environ.items() if k != "MBR_CONVERT_DIRECT"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

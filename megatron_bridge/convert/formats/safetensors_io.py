@@ -28,13 +28,12 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from megatron_bridge.convert.formats.dtypes import BY_ST as ST_DTYPES
 from megatron_bridge.convert.formats.dtypes import DType, dtype_of
 from megatron_bridge.errors import UserError
 
-if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+if TYPE_CHECKING:  # torch and numpy are imported where used: the byte paths and `import bridge` never need them
+    import numpy as np
     import torch
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
@@ -164,6 +163,7 @@ class BufferPool:
         return sys.getrefcount(self._bufs[i]) == 2  # the pool's list and getrefcount's argument
 
     def take(self, nbytes: int) -> torch.Tensor:
+        import numpy as np
         import torch
 
         if nbytes < self.MIN_BYTES or nbytes > self.cap:
