@@ -17,7 +17,8 @@ tests/unit/test_cpu_shim.py asserts every target exists in the installed version
    token counts, optimizer found_inf, clip_grads, grad scaler, masks, data broadcast, rerun
    state machine, grad buffers, dist_checkpointing). Rebinding the module global, not
    `torch.cuda`, leaves torch/DeepSpeed/transformers alone; a global TorchFunctionMode doing the
-   same made steps ~2x slower. An import hook covers modules imported later.
+   same intercepts every torch call of every library and slowed steps (docs/benchmarks.md).
+   An import hook covers modules imported later.
 2. RNG: `CudaRNGStatesTracker` -> `CpuRNGStatesTracker` (same tracker names, forks the CPU
    generator), `_get/_set_cuda_rng_state` -> CPU generator: `model_parallel_cuda_manual_seed`
    and activation recompute work (megatron asserts CUDA).
