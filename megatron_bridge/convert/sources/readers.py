@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.mapping import Replicated
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.formats.dist_ckpt import DistReader, location
+from megatron_bridge.convert.formats.dist_ckpt import location
+from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.manifest import Manifest, crc32
 from megatron_bridge.convert.formats.placement import RELEASE, RankFile, Target, all_targets
