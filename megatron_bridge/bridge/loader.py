@@ -25,48 +25,48 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, local_experts, renumber, stage_layers, to_local_name
-from megatron_bridge.bridge.mapping import LazySlice, Shard
+from megatron_bridge.bridge.mapping import Shard
 from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.bridge.table import Resolved, resolve_hf, resolve_megatron
+from megatron_bridge.convert.formats.safetensors_io import LazySlice, PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: resolving rows and shards is torch-free
     import torch
 
-# HF tensors that carry no weights (older checkpoints saved rotary buffers).
-IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
 class HFCheckpoint:
-    """Lazy view of an HF model directory's safetensors (single file or sharded + index)."""
+    """Lazy view of an HF model directory's safetensors (single file or sharded + index).
+
+    The converter's reader (`convert.formats.safetensors_io`), so loading and `mbr convert`
+    accept and refuse the same directories: headers and index validated up front (a truncated
+    or corrupt file is one message naming it), tensors read with positioned reads into
+    recycled buffers, no mmap (pages read do not stay in the process's RSS)."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in self.path.glob("*.safetensors"))
-            weight_map = None
-        if not files:
-            raise UserError(f"{self.path}: no *.safetensors weights (only safetensors checkpoints are supported)")
-        self._handles = {f: safe_open(str(self.path / f), framework="pt") for f in files}
-        if weight_map is None:
-            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
-        self.weight_map: dict[str, str] = weight_map
+        self.infos: dict[str, TensorInfo] = scan_dir(self.path)
+        self._reader = PositionedReader()
 
     def keys(self) -> list[str]:
-        return [k for k in self.weight_map if not k.endswith(IGNORED_HF_SUFFIXES)]
+        return list(self.infos)
 
     def slice(self, name: str) -> LazySlice:
-        return LazySlice(self._handles[self.weight_map[name]].get_slice(name))
+        return LazySlice(self.infos[name], self._reader)
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self._handles[self.weight_map[name]].get_tensor(name)
+        return self._reader.read(self.infos[name])
+
+    def close(self) -> None:
+        self._reader.close()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,10 @@ def load_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | 
 
 
 def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoint) -> int:
-    ckpt = path if isinstance(path, HFCheckpoint) else HFCheckpoint(path)
+    if not isinstance(path, HFCheckpoint):
+        with HFCheckpoint(path) as ckpt:
+            return _load(chunks, spec, ckpt)
+    ckpt = path
     layout = layout_of(chunks)
     rows = resolve_checkpoint(spec, ckpt.keys())
     n = 0

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-Sliceable = Any  # torch.Tensor or LazySlice: has .shape and supports [a:b] / [a:b, c:d]
+Sliceable = Any  # torch.Tensor or convert.formats.safetensors_io.LazySlice: .shape, [a:b] / [a:b, c:d]
 Shape = tuple[int, ...]
 
 
@@ -96,26 +96,6 @@ def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> torch.Tensor:
     return torch.cat(
         [p if p is not None else torch.zeros((b.n,) + trail, dtype=dtype) for b, p in zip(blocks, pieces)], dim=0
     )
-
-
-class LazySlice:
-    """A tensor on disk: `.shape` plus row/column slicing that reads only that range."""
-
-    def __init__(self, safe_slice):
-        import torch
-
-        from megatron_bridge.convert.dtypes import BY_ST
-
-        self._s = safe_slice
-        self.shape = torch.Size(safe_slice.get_shape())
-        dt = BY_ST.get(safe_slice.get_dtype())
-        self.dtype = dt.torch if dt else None
-
-    def __getitem__(self, idx):
-        return self._s[idx]
-
-    def full(self) -> torch.Tensor:
-        return self._s[:]
 
 
 def _split(n: int, s: Shard, what: str) -> tuple[int, int]:
@@ -306,7 +286,6 @@ __all__ = [
     "Block",
     "out_shape",
     "assemble",
-    "LazySlice",
     "Transform",
     "Replicated",
     "Column",

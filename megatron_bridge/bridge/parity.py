@@ -211,8 +211,8 @@ def training_layout(spec: Any, layout: Layout) -> Layout:
 def load_dir(path: str | Path) -> dict[str, torch.Tensor]:
     from megatron_bridge.bridge.loader import HFCheckpoint
 
-    ck = HFCheckpoint(path)
-    return {k: ck.tensor(k) for k in ck.keys()}
+    with HFCheckpoint(path) as ck:
+        return {k: ck.tensor(k) for k in ck.keys()}
 
 
 def compare_dirs(got: str | Path, want: str | Path) -> dict[str, Any]:

@@ -15,6 +15,6 @@ from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.convert import run_command
+    from megatron_bridge.convert.command import run_command
 
     return run_command(argv, "ExportConfig", "export")

@@ -1,97 +1,25 @@
 """Offline checkpoint conversion: HF safetensors <-> megatron-core checkpoints (docs/convert.md).
 
-    mbr convert src=HF dst=OUT [format=torch_dist|torch] [parallel.tp=..] ...   pipeline.convert
-    mbr export  src=OUT dst=HF                                                  pipeline.export
-    mbr reshard src=OUT dst=OUT2 parallel.tp=.. parallel.pp=..                  pipeline.reshard
+    mbr convert src=HF dst=OUT [format=torch_dist|torch] [parallel.tp=..] ...   pipeline.run.convert
+    mbr export  src=OUT dst=HF                                                  pipeline.run.export
+    mbr reshard src=OUT dst=OUT2 parallel.tp=.. parallel.pp=..                  pipeline.run.reshard
     train.init_from=OUT                                                         load.load_converted
 
-One process, CPU, no process group, no megatron-core import: sources (`sources.py`: HF
-directory, torch_dist, per-rank files) hand out the HF tensors of one bridge table row at a
-time, writers (`writers.py`) lay them out with the same row's transform, so conversion and
-the live loader share one mapping. Without a cast, convert and export take the rows' blocks
-as byte ranges instead (`direct.py`, `direct_export.py`: copy_file_range, no tensors, no
-torch import). Files:
-`safetensors_io` (positioned reads, streaming writes), `torch_zip` (torch.save files record
-by record, no torch), `pickling` and `dtypes` (torch's pickles and dtypes without torch),
-`dist_ckpt` (DCP + megatron metadata), `placement` (Megatron's per-rank layout), `rows`
-(validation against config.json), `manifest` (what was written, with checksums),
-`writeback`, `progress`, `options` (command fields, layout check).
+One process, CPU, no process group, no megatron-core import. Four layers, each importing
+only from the ones above it in this list (tests/unit/test_convert_layers.py checks it):
+
+* `formats/` — the files, torch-free: safetensors (headers, positioned reads, streaming
+  writer; the one reader `bridge.loader` uses too), `torch.save` zips record by record,
+  torch's pickles and dtypes without torch, torch_dist (DCP + megatron metadata), Megatron's
+  per-rank layout, and the manifest.
+* `sources/` — a checkpoint read as bridge table rows: which rows an HF directory,
+  torch_dist or per-rank checkpoint fills (validated against config.json), and "the HF
+  tensors of this row" from each.
+* `bytemove/` — without a cast, convert and export as byte ranges of the rows' blocks
+  (copy_file_range, gathered writes; no tensors, no torch import).
+* `pipeline/` — the commands: options and layout check, writers (tensor path, or the byte
+  path where possible), atomic output, progress.
+
+`command.py` is the commands' shared body (huge pages and read-ahead first); `load.py` loads a
+converted checkpoint into a live model (torch and megatron-core).
 """
-
-import os
-from collections.abc import Sequence
-from pathlib import Path
-
-STARTUP_READ_AHEAD = 2**30  # at least this much, or a quarter of the available memory if more
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def read_ahead_source(argv: Sequence[str], budget: int | None = None) -> None:
-    """Ask the kernel to start reading `src=`'s files (in name order, up to `budget` bytes:
-    by default a quarter of the available memory, at least 1 GiB) into the page cache
-    before anything else: the disk works during the command's start-up (imports, Hydra)
-    instead of idling, and for models that fit the budget the conversion then reads from
-    memory. Page cache, not process memory (the kernel drops it under pressure); stdlib
-    only; anything unexpected (no src, unreadable files, no fadvise) is silently skipped —
-    the command itself reports real problems."""
-    if budget is None:
-        budget = max(STARTUP_READ_AHEAD, _available_memory() // 4)
-    src = next((a.split("=", 1)[1] for a in argv if a.startswith("src=")), None)
-    if not src or not hasattr(os, "posix_fadvise") or not os.path.isdir(src):
-        return
-    try:
-        files = sorted(p for p in Path(src).rglob("*") if p.is_file() and not p.name.endswith(".json"))
-        for p in files:
-            if budget <= 0:
-                break
-            n = min(p.stat().st_size, budget)
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-            budget -= n
-    except OSError:
-        pass
-
-
-def use_huge_pages() -> None:
-    """Ask PyTorch's CPU allocator for transparent huge pages; effective only before torch is
-    imported (the commands call it first). A conversion allocates a fresh buffer per tensor
-    and per derived tensor; faulting those in 2 MiB at a time instead of 4 KiB made fresh
-    buffers several times faster to fill (docs/benchmarks.md), and that is most of a
-    conversion's CPU time. Memory use is unchanged (buffers are MBs, freed after each row).
-    When torch is already loaded (a command called in-process, e.g. from tests) it would have
-    no effect, so the environment is left alone rather than leaked to child processes."""
-    import sys
-
-    if "torch" not in sys.modules:
-        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
-def run_command(argv: Sequence[str], schema: str, command: str) -> int:
-    """The body of `mbr convert` / `export` / `reshard`: huge pages and the source's
-    read-ahead first (before anything heavy is imported), then compose `options.<schema>`
-    (`--cfg job` prints it) and run `pipeline.<command>`."""
-    use_huge_pages()
-    read_ahead_source(argv)
-    from megatron_bridge.config.compose import compose, to_yaml
-    from megatron_bridge.convert import options
-
-    cfg, args = compose(argv, schema=getattr(options, schema), resolve_hf=False)
-    if args.cfg:
-        print(to_yaml(cfg), end="")
-        return 0
-    from megatron_bridge.convert import pipeline
-
-    return getattr(pipeline, command)(cfg)

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.convert.manifest import Manifest
-from megatron_bridge.convert.placement import RELEASE, RankFile, chunk_key
+from megatron_bridge.convert.formats.manifest import Manifest
+from megatron_bridge.convert.formats.placement import RELEASE, RankFile, chunk_key
 from megatron_bridge.errors import UserError
 
 _IGNORED = ("make_vocab_size_divisible_by", "initializer_range", "attention_dropout", "max_position_embeddings")

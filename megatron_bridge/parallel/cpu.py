@@ -1,8 +1,12 @@
-"""Run megatron-core 0.16.1 on CPU with gloo: a small set of targeted patches.
+"""Run megatron-core 0.16 on CPU with gloo: a small set of targeted patches.
 
-megatron-core assumes CUDA in a few dozen places. `install()` patches exactly those, only on a host
-without CUDA (on a GPU it is a no-op, and the same code runs on NCCL untouched), idempotently,
-before the first model/optimizer is built (`groups.initialize` calls it). What and why:
+megatron-core assumes CUDA in a few dozen places. `install()` patches exactly those, only on a
+host without CUDA (on a GPU it is a no-op, and the same code runs on NCCL untouched),
+idempotently, before the first model/optimizer is built (`groups.initialize` calls it). The
+attributes it patches are declared in `cpu_targets.PATCH_TARGETS` and all resolved before anything is
+patched: a megatron-core that lacks one is refused with one message naming it (never left
+half-patched), another minor version than `WRITTEN_FOR` gets a warning, and
+tests/unit/test_cpu_shim.py asserts every target exists in the installed version. What and why:
 
 1. `torch` as megatron-core's modules see it: every `megatron.core.*` module's global `torch`
    becomes a proxy (all of torch, no lookup overhead) whose `cuda` maps `current_device()` to the
@@ -44,6 +48,8 @@ import sys
 import types
 
 import torch
+
+from megatron_bridge.parallel.cpu_targets import CUDA_VIEW, check_megatron, resolve
 
 _CPU = torch.device("cpu")
 _INSTALLED = False
@@ -290,13 +296,9 @@ def install() -> bool:
         return False
     if _INSTALLED:
         return True
-    import megatron.core  # noqa: F401  (imports the modules patched below)
-    from megatron.core import utils as mcore_utils
-    from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.models.common.language_module import language_module
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
+    check_megatron()  # imports the modules patched below; nothing is patched yet if it raises
     from megatron.core.pipeline_parallel import p2p_communication
-    from megatron.core.tensor_parallel import data, mappings, random
+    from megatron.core.tensor_parallel import mappings, random
     from megatron.core.transformer import torch_norm
     from megatron.core.transformer.moe import moe_utils
 
@@ -315,23 +317,13 @@ def install() -> bool:
     random.initialize_rng_tracker(force_reset=True)
 
     # 3. Tensor.cuda() / Tensor.type() inside the functions that use them
-    for owner, name in (
-        (language_module.LanguageModule, "setup_embeddings_and_output_layer"),
-        (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
-        (optimizer.MegatronOptimizer, "restore_from_cpu"),
-        (distrib_optimizer.DistributedOptimizer, "__init__"),
-        (distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups"),
-        (distrib_optimizer.DistributedOptimizer, "get_parameter_state_dp_zero"),
-        (grad_scaler.DynamicGradScaler, "load_state_dict"),
-    ):
-        _wrap_method(owner, name, _in_cuda_view)
-    for fn in (
-        clip_grads.clip_grad_by_total_norm_fp32,
-        data.broadcast_data,
-        mcore_utils.check_param_hashes_across_dp_replicas,
-        rope_utils.get_pos_emb_on_this_cp_rank,  # CP: `.cuda()` on the chunk index
-    ):
-        _replace_everywhere(fn, _in_cuda_view(fn))
+    for target in CUDA_VIEW:
+        owner, name = resolve(target)
+        if inspect.isclass(owner):
+            _wrap_method(owner, name, _in_cuda_view)
+        else:
+            fn = getattr(owner, name)
+            _replace_everywhere(fn, _in_cuda_view(fn))
 
     # 4. torch norms with sequence parallelism
     norm_new = torch_norm.WrappedTorchNorm.__new__

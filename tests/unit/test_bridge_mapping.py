@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, renumber, to_local_name
-from megatron_bridge.bridge.mapping import COLUMN, FULL, GATE_UP, QKV, REPLICATED, ROW, VOCAB, LazySlice, Shapes, Shard
+from megatron_bridge.bridge.mapping import COLUMN, FULL, GATE_UP, QKV, REPLICATED, ROW, VOCAB, Shapes, Shard
 from megatron_bridge.bridge.table import Mapping, resolve_hf, resolve_megatron
 
 
@@ -91,15 +91,23 @@ def test_vocab_padding_zero_rows_dropped_on_merge(tp):
 
 
 def test_lazy_slices_give_the_same_shards(tmp_path):
-    from safetensors import safe_open
+    """The loader's lazy slices (the converter's positioned reader) give the shards of the
+    in-memory tensors: row ranges, column bands (ROW) and the vocab padding."""
     from safetensors.torch import save_file
+
+    from megatron_bridge.bridge.loader import HFCheckpoint
 
     q, k, v = (torch.randn(x.shape) for x in _qkv(SHAPES))
     tensors = {"q": q, "k": k, "v": v, "emb": torch.randn(10, 3), "o": torch.randn(6, 32)}
     save_file(tensors, str(tmp_path / "w.safetensors"))
-    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
-        lazy = {n: LazySlice(f.get_slice(n)) for n in tensors}
+    with HFCheckpoint(tmp_path) as ck:
+        lazy = {n: ck.slice(n) for n in tensors}
         assert lazy["q"].dtype == torch.float32 and tuple(lazy["q"].shape) == tuple(q.shape)
+        assert torch.equal(lazy["o"][1:4, 8:16], tensors["o"][1:4, 8:16]) and torch.equal(
+            lazy["o"].full(), tensors["o"]
+        )
+        with pytest.raises(TypeError, match="slices are read lazily"):
+            lazy["o"][::2]
         for tp in (1, 2, 4):
             for r in range(tp):
                 s = Shard(r, tp)

@@ -1,4 +1,4 @@
-"""The byte-move conversion (`convert/direct.py`) against the tensor path it replaces.
+"""The byte-move conversion (`convert/bytemove/direct.py`) against the tensor path it replaces.
 
 `mbr convert` from an HF directory without a dtype cast lays shards out straight from the
 safetensors bytes (copy_file_range, gathered writes, zero rows). The tensor path (read,
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from megatron_bridge.cli import main as mbr
-from megatron_bridge.convert import direct
-from megatron_bridge.convert.direct_export import DirectExport
-from megatron_bridge.convert.sources import open_checkpoint
+from megatron_bridge.convert.bytemove import direct
+from megatron_bridge.convert.bytemove.direct_export import DirectExport
+from megatron_bridge.convert.sources.readers import open_checkpoint
 
 CASES = [
     ("llama", ["format=torch", "parallel.tp=2", "parallel.pp=2"]),
@@ -96,8 +96,8 @@ def test_user_space_fallback(tiny, tmp_path, monkeypatch):
 def test_pieces_of_blocks():
     """Row ranges become one contiguous span, column bands a strided band, padding zeros."""
     from megatron_bridge.bridge.mapping import COLUMN, ROW, VOCAB, Shapes, Shard
-    from megatron_bridge.convert.dtypes import BFLOAT16
-    from megatron_bridge.convert.safetensors_io import TensorInfo
+    from megatron_bridge.convert.formats.dtypes import BFLOAT16
+    from megatron_bridge.convert.formats.safetensors_io import TensorInfo
 
     w = TensorInfo("w", BFLOAT16, (8, 6), Path("f"), 100, 100 + 8 * 6 * 2)
     shapes = Shapes(num_attention_heads=2, num_query_groups=1, head_dim=3, vocab_size=8, padded_vocab_size=12)
@@ -124,7 +124,7 @@ def test_dcp_metadata_is_torchs(tmp_path):
         TensorStorageMetadata,
     )
 
-    from megatron_bridge.convert.dist_ckpt import DCP_VERSION, DistLocation, DistWriter
+    from megatron_bridge.convert.formats.dist_ckpt import DCP_VERSION, DistLocation, DistWriter
 
     assert DCP_VERSION == CURRENT_DCP_VERSION
     w = DistWriter(tmp_path)
@@ -167,11 +167,13 @@ def test_dcp_metadata_is_torchs(tmp_path):
 
 
 def run_without_torch(args) -> None:
-    """`mbr ARGS` in a fresh interpreter, which must succeed and never import torch."""
+    """`mbr ARGS` in a fresh interpreter, which must succeed and never import torch (nor
+    numpy: only the tensor path's buffers need it)."""
     code = (
         "import sys; from megatron_bridge.cli import main; "
         f"rc = main({list(args) + ['progress=off']!r}); assert rc == 0, rc; "
-        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]"
+        "assert 'torch' not in sys.modules, [m for m in sys.modules if m.startswith('torch')][:3]; "
+        "assert 'numpy' not in sys.modules"
     )
     env = {k: v for k, v in os.environ.items() if k != "MBR_CONVERT_DIRECT"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

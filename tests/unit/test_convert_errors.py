@@ -156,7 +156,7 @@ def test_existing_or_overlapping_destination(capsys, tmp_path, llama):
 
 
 def test_failure_mid_write_leaves_nothing(monkeypatch, capsys, tmp_path, llama):
-    from megatron_bridge.convert import dist_ckpt
+    from megatron_bridge.convert.formats import dist_ckpt
 
     calls = {"n": 0}
     real = dist_ckpt.DistWriter.add
@@ -182,8 +182,8 @@ def test_damaged_converted_checkpoints(capsys, tmp_path, llama):
     data = bytearray(rank.read_bytes())
     rank.write_bytes(bytes(data[:-64]))
     refused(capsys, "export", f"src={ckpt}", f"dst={tmp_path / 'x'}", match="truncated or modified")
-    from megatron_bridge.convert.safetensors_io import PositionedReader
-    from megatron_bridge.convert.torch_zip import LazyTorchFile
+    from megatron_bridge.convert.formats.safetensors_io import PositionedReader
+    from megatron_bridge.convert.formats.torch_zip import LazyTorchFile
 
     rank.write_bytes(bytes(data))
     lazy = LazyTorchFile(rank, PositionedReader())

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from megatron_bridge.convert.safetensors_io import BufferPool
-from megatron_bridge.convert.writeback import Writeback, _sync_file_range
+from megatron_bridge.convert.formats.safetensors_io import BufferPool
+from megatron_bridge.convert.pipeline.writeback import Writeback, _sync_file_range
 
 MB = 2**20
 

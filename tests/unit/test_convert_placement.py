@@ -1,6 +1,6 @@
 """The converter's pipeline split equals megatron-core's, without importing megatron-core.
 
-`convert.placement.stage_layers` is megatron's `get_transformer_layer_offset` /
+`convert.formats.placement.stage_layers` is megatron's `get_transformer_layer_offset` /
 `get_num_layers_to_build` as arithmetic (the converter stays free of the 6 s megatron
 import); here it is held equal to the bridge's megatron-backed `layout.stage_layers` for
 every valid layout of a grid: even splits, virtual stages, uneven first/last stages.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.convert.placement import RankFile, stage_layers
+from megatron_bridge.convert.formats.placement import RankFile, stage_layers
 
 
 def _valid(n, pp, vpp, first, last) -> bool:

@@ -1,4 +1,4 @@
-"""`DistReader` reads DCP's `.metadata` without torch, into stand-ins (`dist_ckpt`).
+"""`DistReader` reads DCP's `.metadata` without torch, into stand-ins (`dist_read`).
 
 Export moves a chunk's bytes by the metadata alone, so loading it must not import torch or
 `torch.distributed.checkpoint`. The stand-ins must see what torch's own `FileSystemReader`
@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from megatron_bridge.cli import main as mbr
-from megatron_bridge.convert.dist_ckpt import MEGATRON_METADATA, DistLocation, DistReader
-from megatron_bridge.convert.safetensors_io import PositionedReader
-from megatron_bridge.convert.torch_zip import LazyTorchFile
+from megatron_bridge.convert.formats.dist_ckpt import MEGATRON_METADATA, DistLocation
+from megatron_bridge.convert.formats.dist_read import DistReader
+from megatron_bridge.convert.formats.safetensors_io import PositionedReader
+from megatron_bridge.convert.formats.torch_zip import LazyTorchFile
 from megatron_bridge.errors import UserError
 
 
@@ -199,9 +200,10 @@ def test_finding_chunk_bytes_never_imports_torch(converted):
     """What export's byte path does: metadata, a chunk's item, the tensor record in it."""
     code = (
         "import sys; from pathlib import Path; "
-        "from megatron_bridge.convert.dist_ckpt import DistLocation, DistReader; "
-        "from megatron_bridge.convert.safetensors_io import PositionedReader; "
-        "from megatron_bridge.convert.torch_zip import LazyTorchFile; "
+        "from megatron_bridge.convert.formats.dist_ckpt import DistLocation; "
+        "from megatron_bridge.convert.formats.dist_read import DistReader; "
+        "from megatron_bridge.convert.formats.safetensors_io import PositionedReader; "
+        "from megatron_bridge.convert.formats.torch_zip import LazyTorchFile; "
         f"pr = PositionedReader(); r = DistReader(Path({str(converted)!r}), pr); "
         "L = r.md.state_dict_metadata['decoder.layers.mlp.linear_fc2.weight'].size[0]; "
         "locs = [DistLocation('embedding.word_embeddings.weight')] + "

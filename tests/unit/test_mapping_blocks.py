@@ -185,7 +185,7 @@ def spy(name, *args, **kw):
 builtins.__import__ = spy
 import megatron_bridge.bridge.mapping, megatron_bridge.bridge.table, megatron_bridge.bridge.loader
 import megatron_bridge.bridge.hf_config
-import megatron_bridge.bridge.registry, megatron_bridge.bridge.layout, megatron_bridge.convert.rows
+import megatron_bridge.bridge.registry, megatron_bridge.bridge.layout, megatron_bridge.convert.sources.rows
 megatron_bridge.bridge.registry.families()
 assert "torch" not in sys.modules, "torch imported via " + " -> ".join(chain)
 """

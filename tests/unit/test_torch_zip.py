@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_bridge.convert.dtypes import BFLOAT16, BY_NAME, FLOAT32
-from megatron_bridge.convert.pickling import Global, Instance, Reduce, TorchPickler, torch_size
-from megatron_bridge.convert.safetensors_io import PositionedReader
-from megatron_bridge.convert.torch_zip import (
+from megatron_bridge.convert.formats.dtypes import BFLOAT16, BY_NAME, FLOAT32
+from megatron_bridge.convert.formats.pickling import Global, Instance, Reduce, TorchPickler, torch_size
+from megatron_bridge.convert.formats.safetensors_io import PositionedReader
+from megatron_bridge.convert.formats.torch_zip import (
     _STORAGE_TYPE,
     ALIGN,
     LazyTorchFile,
@@ -354,9 +354,9 @@ def test_module_writer_and_reader_need_no_torch(tmp_path):
     torch.save(megatron_like(tensors()), tmp_path / "saved.pt")
     code = (
         "import os, sys; from pathlib import Path; "
-        "from megatron_bridge.convert.torch_zip import LazyTorchFile, StreamingTorchSave; "
-        "from megatron_bridge.convert.safetensors_io import PositionedReader; "
-        "from megatron_bridge.convert.dtypes import BFLOAT16; "
+        "from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, StreamingTorchSave; "
+        "from megatron_bridge.convert.formats.safetensors_io import PositionedReader; "
+        "from megatron_bridge.convert.formats.dtypes import BFLOAT16; "
         f"w = StreamingTorchSave({str(tmp_path / 'n.pt')!r}); r, at = w.reserve(4, BFLOAT16, (2,)); "
         "os.pwrite(w.fileno(), bytes([0x80, 0x3f, 0, 0x40]), at); w.finish({'w': r, 'dtype': BFLOAT16}); "
         f"n = LazyTorchFile(Path({str(tmp_path / 'n.pt')!r}), PositionedReader()); "

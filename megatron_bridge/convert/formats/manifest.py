@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.convert.dtypes import DType
-from megatron_bridge.convert.safetensors_io import ST_DTYPES, tensor_bytes
+from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.safetensors_io import ST_DTYPES, tensor_bytes
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
@@ -46,7 +46,18 @@ def crc_hex(value: int) -> str:
     return f"{value & 0xFFFFFFFF:08x}"
 
 
-def layout_dict(layout: Layout) -> dict[str, int | None]:
+class LayoutRecord(TypedDict):
+    """The layout as a manifest stores it (`vpp` None without virtual stages; manifests of
+    dense models written before EP support have no `ep` / `etp`)."""
+
+    tp: int
+    pp: int
+    vpp: NotRequired[int | None]
+    ep: NotRequired[int]
+    etp: NotRequired[int]
+
+
+def layout_dict(layout: Layout) -> LayoutRecord:
     return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp_or_tp}
 
 
@@ -54,7 +65,7 @@ def layout_dict(layout: Layout) -> dict[str, int | None]:
 class Manifest:
     format: str
     hf_config: dict[str, Any]
-    layout: dict[str, int | None]
+    layout: LayoutRecord
     dtype: str  # "bfloat16", "float32", ... or "mixed"
     make_vocab_size_divisible_by: int
     tensors: dict[str, dict[str, Any]]  # HF name -> {"shape": [...], "dtype": "BF16", "crc32": "..."}

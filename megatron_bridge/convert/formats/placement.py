@@ -28,7 +28,7 @@ from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, owned
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.dtypes import BFLOAT16, FLOAT16, DType
+from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, DType
 
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"

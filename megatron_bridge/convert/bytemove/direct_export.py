@@ -22,22 +22,24 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from math import prod
+from pathlib import Path
 
 from megatron_bridge.bridge.loader import shard_for
-from megatron_bridge.bridge.mapping import FULL, Shard, out_shape
+from megatron_bridge.bridge.mapping import FULL, Block, Shape, Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert import direct
-from megatron_bridge.convert.direct import Checksums, Copier, Interleave, Piece, Span
-from megatron_bridge.convert.dist_ckpt import location
-from megatron_bridge.convert.safetensors_io import TensorInfo
-from megatron_bridge.convert.sources import DistSource, Source, TorchSource
-from megatron_bridge.convert.torch_zip import LazyTorchFile, TensorRef, contiguous_stride
+from megatron_bridge.convert.bytemove import direct
+from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleave, Piece, Span
+from megatron_bridge.convert.formats.dist_ckpt import location
+from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.safetensors_io import TensorInfo
+from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef, contiguous_stride
+from megatron_bridge.convert.sources.readers import DistSource, Source, TorchSource
 from megatron_bridge.errors import UserError
 
-Record = tuple[object, int, tuple[int, ...]]  # (file, data offset, shape without leading unit axes)
+Record = tuple[Path, int, tuple[int, ...]]  # (file, data offset, shape without leading unit axes)
 
 
-def _record(f: LazyTorchFile, ref: TensorRef, dtype, where: str, lead: int = 0) -> Record | None:
+def _record(f: LazyTorchFile, ref: TensorRef, dtype: DType, where: str, lead: int = 0) -> Record | None:
     """Where a stored tensor's bytes are, if it is a whole contiguous record of `dtype`
     (`lead`: unit axes in front, a torch_dist chunk's layer/expert position)."""
     if ref.offset or tuple(ref.stride) != contiguous_stride(ref.shape) or ref.storage.numel != prod(ref.shape):
@@ -48,7 +50,7 @@ def _record(f: LazyTorchFile, ref: TensorRef, dtype, where: str, lead: int = 0) 
     return path, start, tuple(ref.shape)[lead:]
 
 
-def _shards(source: Source, row: Resolved, dtype) -> list[tuple[Shard, Record]] | None:
+def _shards(source: DistSource | TorchSource, row: Resolved, dtype: DType) -> list[tuple[Shard, Record]] | None:
     """The records of one replica of `row`, with the shard each holds."""
     if isinstance(source, DistSource):
         loc = location(row.megatron, source.spec)
@@ -73,10 +75,11 @@ def _shards(source: Source, row: Resolved, dtype) -> list[tuple[Shard, Record]] 
 
 
 def _pieces(
-    row: Resolved, i: int, hf_shapes, shards: list[tuple[Shard, Record]], itemsize: int, shapes
+    row: Resolved, i: int, hf_shapes: list[Shape], shards: list[tuple[Shard, Record]], itemsize: int, shapes: Shapes
 ) -> list[Piece] | None:
     """HF tensor `i` of `row` as pieces of the shard records (None: a layout this can't copy)."""
-    spans, bands = [], []
+    spans: list[tuple[Block, Path, int, int]] = []  # (block, file, start of its rows, bytes per row)
+    bands: list[tuple[tuple[int, int], Block, Path, int, int]] = []  # (columns, ...as spans)
     for s, (path, start, shape) in shards:
         blocks = row.mapping.transform.blocks(hf_shapes, s, shapes)
         if tuple(shape) != out_shape(blocks, hf_shapes):
@@ -87,8 +90,10 @@ def _pieces(
         rec_row = prod(shape[1:]) * itemsize
         pos = 0
         for b in blocks:
-            if b.src == i:
-                (spans if b.cols is None else bands).append((b, path, start + pos * rec_row, rec_row))
+            if b.src == i and b.cols is None:
+                spans.append((b, path, start + pos * rec_row, rec_row))
+            elif b.src == i and b.cols is not None:
+                bands.append((b.cols, b, path, start + pos * rec_row, rec_row))
             pos += b.n
     rows = hf_shapes[i][0]
     if spans and not bands:
@@ -98,10 +103,10 @@ def _pieces(
             return None  # the shards do not tile the tensor's rows exactly once
         return [Span(path, at, b.n * rec_row) for b, path, at, rec_row in spans]
     if bands and not spans:
-        bands.sort(key=lambda x: x[0].cols[0])
-        if any(b.rows != (0, rows) for b, *_ in bands):
+        bands.sort(key=lambda x: x[0][0])
+        if any(b.rows != (0, rows) for _, b, *_ in bands):
             return None
-        return [Interleave(rows, tuple((path, at, rec_row) for _, path, at, rec_row in bands))]
+        return [Interleave(rows, tuple((path, at, rec_row) for _, _, path, at, rec_row in bands))]
     return None
 
 

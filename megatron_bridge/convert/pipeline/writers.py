@@ -28,11 +28,11 @@ from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, shard_for, shard_of
 from megatron_bridge.bridge.mapping import FULL
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.direct import DirectCopy
-from megatron_bridge.convert.direct_export import DirectExport
-from megatron_bridge.convert.dist_ckpt import DistWriter, extra_state_location, location
-from megatron_bridge.convert.dtypes import DType
-from megatron_bridge.convert.placement import (
+from megatron_bridge.convert.bytemove.direct import DirectCopy
+from megatron_bridge.convert.bytemove.direct_export import DirectExport
+from megatron_bridge.convert.formats.dist_ckpt import DistWriter, extra_state_location, location
+from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.placement import (
     RELEASE,
     TRACKER,
     RankFile,
@@ -43,10 +43,10 @@ from megatron_bridge.convert.placement import (
     stage_coords,
     stage_targets,
 )
-from megatron_bridge.convert.safetensors_io import INDEX, SafetensorsWriter, plan_shards
-from megatron_bridge.convert.sources import Source
-from megatron_bridge.convert.torch_zip import StreamingTorchSave
-from megatron_bridge.convert.writeback import Writeback
+from megatron_bridge.convert.formats.safetensors_io import INDEX, SafetensorsWriter, plan_shards
+from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
+from megatron_bridge.convert.pipeline.writeback import Writeback
+from megatron_bridge.convert.sources.readers import Source
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
     import torch
@@ -60,7 +60,7 @@ def main_dtype(source: Source) -> DType:
     for name, (shape, _) in source.tensors.items():
         d = source.out_dtype(name)
         sizes[d] = sizes.get(d, 0) + prod(shape) * d.itemsize
-    return max(sizes, key=sizes.get)
+    return max(sizes, key=sizes.__getitem__)
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -90,12 +90,11 @@ class DistOut:
             return compact(row.mapping.to_global(hf, shapes))
 
         for row, g in source.stream(_exported(source), to_global):
-            w.add(
-                location(row.megatron, self.spec),
-                g.dtype,
-                tuple(g.shape),
-                lambda item, shape, g=g: item.add(g.reshape(shape)),
-            )
+
+            def fill(item: StreamingTorchSave, shape: tuple[int, ...], g: torch.Tensor = g) -> TensorRef:
+                return item.add(g.reshape(shape))
+
+            w.add(location(row.megatron, self.spec), g.dtype, tuple(g.shape), fill)
             yield row, g.nbytes
             del g
 
@@ -103,12 +102,11 @@ class DistOut:
         shapes = self.spec.shapes(self.layout.tp)
         for row in _exported(direct.source):
             dtype, shape = direct.shard_info(row, FULL, shapes)
-            w.add(
-                location(row.megatron, self.spec),
-                dtype,
-                shape,
-                lambda item, shape, row=row: direct.write(row, FULL, shapes, item, shape)[0],
-            )
+
+            def fill(item: StreamingTorchSave, shape: tuple[int, ...], row: Resolved = row) -> TensorRef:
+                return direct.write(row, FULL, shapes, item, shape)[0]
+
+            w.add(location(row.megatron, self.spec), dtype, shape, fill)
             yield row, prod(shape) * dtype.itemsize
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
@@ -218,13 +216,15 @@ class _ShardFiles:
     ):
         self.root, self.names, self.files, self.where, self.wb = root, names, files, where, wb
         self.before_close = before_close  # lets queued writes into the current file finish
-        self.index, self.current = -1, None
+        self.index = -1
+        self.current: SafetensorsWriter | None = None
 
     def writer(self, name: str) -> SafetensorsWriter:
         if self.where[name] != self.index:
             self.close()
             self.index = self.where[name]
             self.current = SafetensorsWriter(self.root / self.names[self.index], self.files[self.index])
+        assert self.current is not None  # opened above, or by the previous call for the same file
         return self.current
 
     def close(self) -> None:

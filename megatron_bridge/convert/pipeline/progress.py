@@ -9,8 +9,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from megatron_bridge.errors import UserError
+
+if TYPE_CHECKING:  # rich is imported only when a bar is shown
+    from rich.progress import Progress as RichProgress
+    from rich.progress import TaskID
 
 MODES = ("auto", "on", "off")
 
@@ -22,8 +27,8 @@ class Progress:
         self.verb, self.total_tensors, self.total_bytes = verb, tensors, nbytes
         self.enabled = mode == "on" or (mode == "auto" and sys.stderr.isatty() and not os.environ.get("CI"))
         self.tensors = self.bytes = 0
-        self._bar = None
-        self._task: int | None = None
+        self._bar: RichProgress | None = None
+        self._task: TaskID | None = None
         self.start = time.perf_counter()
         self.seconds = 0.0
 
@@ -42,7 +47,7 @@ class Progress:
                 Progress as RichProgress,
             )
 
-            self._bar = RichProgress(
+            bar = self._bar = RichProgress(
                 TextColumn("{task.description}"),
                 BarColumn(),
                 DownloadColumn(),
@@ -51,8 +56,8 @@ class Progress:
                 console=Console(stderr=True),
                 transient=True,
             )
-            self._bar.__enter__()
-            self._task = self._bar.add_task(self._label(), total=self.total_bytes)
+            bar.__enter__()
+            self._task = bar.add_task(self._label(), total=self.total_bytes)
         return self
 
     def _label(self) -> str:
@@ -61,7 +66,7 @@ class Progress:
     def advance(self, tensors: int, nbytes: int) -> None:
         self.tensors += tensors
         self.bytes += nbytes
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.update(self._task, advance=nbytes, description=self._label())
 
     def __exit__(self, *exc) -> None:

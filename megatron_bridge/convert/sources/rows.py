@@ -15,7 +15,7 @@ tensors are an error there) and then checks what only a whole-checkpoint view ca
 
 `check_layout_shards` asks the same transforms for rank 0's blocks under a layout, which
 catches sizes that do not split over tp (e.g. an FFN width not divisible by tp) with the
-tensor's name. Dtypes are only compared and printed: torch dtypes or `convert.dtypes.DType`s.
+tensor's name. Dtypes are only compared and printed: torch dtypes or `convert.formats.dtypes.DType`s.
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ def layer_kinds(spec: BridgeSpec) -> tuple[int, ...]:
     return tuple(spec.moe_layer_pattern) or (1,) * spec.num_layers
 
 
+def _moe(size: int | None) -> int:
+    """One of the spec's MoE sizes, asked for only by rows that exist in MoE tables."""
+    if size is None:
+        raise ValueError("an MoE size of a dense model's spec")
+    return size
+
+
 def expected_names(spec: BridgeSpec) -> list[str]:
     """Global megatron parameter names the config implies, in table order per layer."""
     kinds = layer_kinds(spec)
@@ -62,7 +69,7 @@ def expected_names(spec: BridgeSpec) -> list[str]:
         for m in layered:
             if ".mlp." in m.megatron and _is_moe_row(m.megatron) != bool(kinds[layer]):
                 continue
-            experts = range(spec.num_moe_experts) if "{expert}" in m.megatron else [None]
+            experts = range(_moe(spec.num_moe_experts)) if "{expert}" in m.megatron else [None]
             out += [
                 m.megatron_name(layer=layer, expert=e) if e is not None else m.megatron_name(layer=layer)
                 for e in experts
@@ -80,14 +87,17 @@ _SHAPES: Sequence[tuple[str, Callable[[BridgeSpec, int], Shape]]] = (
     ),
     (r"linear_qkv\.bias$", lambda s, V: ((s.num_attention_heads + 2 * s.num_query_groups) * s.head_dim,)),
     (r"linear_proj\.weight$", lambda s, V: (s.hidden_size, s.num_attention_heads * s.head_dim)),
-    (r"local_experts\.\d+\.linear_fc1\.weight$", lambda s, V: (2 * s.moe_ffn_hidden_size, s.hidden_size)),
-    (r"local_experts\.\d+\.linear_fc2\.weight$", lambda s, V: (s.hidden_size, s.moe_ffn_hidden_size)),
-    (r"shared_experts\.linear_fc1\.weight$", lambda s, V: (2 * s.moe_shared_expert_intermediate_size, s.hidden_size)),
-    (r"shared_experts\.linear_fc2\.weight$", lambda s, V: (s.hidden_size, s.moe_shared_expert_intermediate_size)),
+    (r"local_experts\.\d+\.linear_fc1\.weight$", lambda s, V: (2 * _moe(s.moe_ffn_hidden_size), s.hidden_size)),
+    (r"local_experts\.\d+\.linear_fc2\.weight$", lambda s, V: (s.hidden_size, _moe(s.moe_ffn_hidden_size))),
+    (
+        r"shared_experts\.linear_fc1\.weight$",
+        lambda s, V: (2 * _moe(s.moe_shared_expert_intermediate_size), s.hidden_size),
+    ),
+    (r"shared_experts\.linear_fc2\.weight$", lambda s, V: (s.hidden_size, _moe(s.moe_shared_expert_intermediate_size))),
     (r"shared_experts\.gate_weight$", lambda s, V: (1, s.hidden_size)),
     (r"mlp\.linear_fc1\.weight$", lambda s, V: (2 * s.ffn_hidden_size, s.hidden_size)),
     (r"mlp\.linear_fc2\.weight$", lambda s, V: (s.hidden_size, s.ffn_hidden_size)),
-    (r"mlp\.router\.weight$", lambda s, V: (s.num_moe_experts, s.hidden_size)),
+    (r"mlp\.router\.weight$", lambda s, V: (_moe(s.num_moe_experts), s.hidden_size)),
 )
 
 
@@ -112,7 +122,8 @@ def resolve_rows(spec: BridgeSpec, tensors: Tensors, tp: int = 1, where: str = "
     table = table_for(spec)
     missing = [n for n in want if n not in have]
     if missing:
-        hf = [h for n in missing[:6] for h in (resolve_megatron(table, n).hf)]
+        found = [resolve_megatron(table, n) for n in missing[:6]]  # `want` comes from the table
+        hf = [h for r in found if r is not None for h in r.hf]
         raise UserError(
             f"{where} lacks {len(missing)} tensor(s) the {spec.architecture} config needs, e.g. "
             f"{', '.join(dict.fromkeys(hf))}{' ...' if len(missing) > 6 else ''}"

@@ -14,6 +14,7 @@ the new manifest (every source), so exports and reshards verify what they produc
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import threading
@@ -26,13 +27,14 @@ from typing import TYPE_CHECKING, Any
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.mapping import Replicated
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.dist_ckpt import DistReader, location
-from megatron_bridge.convert.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
-from megatron_bridge.convert.manifest import Manifest, crc32
-from megatron_bridge.convert.placement import RELEASE, RankFile, Target, all_targets
-from megatron_bridge.convert.rows import producers, resolve_rows
-from megatron_bridge.convert.safetensors_io import PositionedReader, TensorInfo, scan_dir
-from megatron_bridge.convert.torch_zip import LazyTorchFile, TensorRef
+from megatron_bridge.convert.formats.dist_ckpt import location
+from megatron_bridge.convert.formats.dist_read import DistReader
+from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
+from megatron_bridge.convert.formats.manifest import Manifest, crc32
+from megatron_bridge.convert.formats.placement import RELEASE, RankFile, Target, all_targets
+from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
+from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef
+from megatron_bridge.convert.sources.rows import producers, resolve_rows
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
@@ -72,6 +74,8 @@ class Source:
     rows: list[Resolved]  # in the order they are read
     order: dict[str, int]  # megatron name -> position in table order (layer, table row, expert)
     tensors: TensorTable
+    where: str  # how messages name the source ("src=PATH")
+    expected: dict[str, str]  # HF name -> CRC-32 the manifest records (none for an HF directory)
 
     def __init__(self, dtype: DType | None):
         self.dtype = dtype  # None = keep the stored dtype
@@ -131,10 +135,14 @@ class Source:
         worker stays at most `budget` bytes ahead of the row the caller holds (a row bigger
         than that waits until the caller has released the previous one), so read-ahead adds at
         most `budget` to the peak memory, whatever the model size."""
-        cond, state = threading.Condition(), {"held": 0, "stop": False}
+        cond, held, stop = threading.Condition(), 0, False  # bytes handed out and not yet released; caller gone
         out: queue.Queue = queue.Queue()
 
+        def room_for(n: int) -> bool:
+            return stop or held == 0 or held + n <= budget
+
         def work() -> None:
+            nonlocal held
             advised, pending = 0, 0  # rows handed to the kernel's read-ahead, their bytes not yet read
             try:
                 for i, r in enumerate(rows):
@@ -146,10 +154,10 @@ class Source:
                     pending -= sum(length for _, _, length in self.ranges(r))
                     n = self.nbytes(r)
                     with cond:
-                        cond.wait_for(lambda n=n: state["stop"] or state["held"] == 0 or state["held"] + n <= budget)
-                        if state["stop"]:
+                        cond.wait_for(functools.partial(room_for, n))
+                        if stop:
                             return
-                        state["held"] += n
+                        held += n
                     hf = self.hf_tensors(r)
                     out.put((r, prepare(r, hf) if prepare is not None else hf, n))
                     del hf
@@ -171,11 +179,11 @@ class Source:
                 yield r, tensors
                 del tensors
                 with cond:
-                    state["held"] -= n
+                    held -= n
                     cond.notify_all()
         finally:
             with cond:
-                state["stop"] = True
+                stop = True
                 cond.notify_all()
             worker.join()
 
@@ -188,7 +196,7 @@ class HFSource(Source):
 
     def __init__(self, path: Path, dtype: DType | None, make_vocab_size_divisible_by: int):
         super().__init__(dtype)
-        self.where = f"src={path}"
+        self.where, self.expected = f"src={path}", {}
         if (path / "mbr_manifest.json").is_file():
             raise UserError(
                 f"src={path} is already a converted checkpoint: use `mbr reshard` to change its layout "
@@ -210,13 +218,13 @@ class HFSource(Source):
         self.rows = sorted(rows, key=lambda r: min((files[self.infos[h].file], self.infos[h].start) for h in r.hf))
 
     def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
-        return self._finish(row.hf, [self.io.read(self.infos[h]) for h in row.hf], {})
+        return self._finish(row.hf, [self.io.read(self.infos[h]) for h in row.hf], self.expected)
 
     def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
         return [(self.infos[h].file, self.infos[h].start, self.infos[h].nbytes) for h in row.hf]
 
 
-class _CheckpointSource(Source):
+class CheckpointSource(Source):
     """Shared by the two checkpoint formats: manifest, rows, checksums."""
 
     def __init__(self, path: Path, man: Manifest, dtype: DType | None):
@@ -233,7 +241,7 @@ class _CheckpointSource(Source):
         self.expected = {k: v["crc32"] for k, v in man.tensors.items()}
 
 
-class DistSource(_CheckpointSource):
+class DistSource(CheckpointSource):
     """A torch_dist checkpoint: each row is one global tensor, merged back to HF as one shard."""
 
     def __init__(self, path: Path, man: Manifest, dtype: DType | None):
@@ -249,7 +257,7 @@ class DistSource(_CheckpointSource):
         return self.reader.ranges(location(self.producer[row.hf].megatron, self.spec))
 
 
-class TorchSource(_CheckpointSource):
+class TorchSource(CheckpointSource):
     """Per-rank files: a row's shards are gathered from the files that hold one replica
     (EP rank 0 for dense rows, the owning EP rank for experts; every TP rank) and merged."""
 
@@ -312,9 +320,19 @@ class TorchSource(_CheckpointSource):
         return out
 
 
-def open_checkpoint(path: Path, dtype: DType | None) -> Source:
+def open_checkpoint(path: Path, dtype: DType | None) -> CheckpointSource:
     man = Manifest.read(path)
     return (DistSource if man.format == "torch_dist" else TorchSource)(path, man, dtype)
 
 
-__all__ = ["Source", "HFSource", "DistSource", "TorchSource", "open_checkpoint", "parse_dtype", "read_config", "DTYPES"]
+__all__ = [
+    "Source",
+    "HFSource",
+    "CheckpointSource",
+    "DistSource",
+    "TorchSource",
+    "open_checkpoint",
+    "parse_dtype",
+    "read_config",
+    "DTYPES",
+]

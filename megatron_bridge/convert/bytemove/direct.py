@@ -36,11 +36,11 @@ from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.mapping import Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.dtypes import DType
-from megatron_bridge.convert.manifest import crc_hex
-from megatron_bridge.convert.safetensors_io import OpenFiles, TensorInfo, read_exactly
-from megatron_bridge.convert.sources import HFSource
-from megatron_bridge.convert.torch_zip import StreamingTorchSave, TensorRef
+from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.manifest import crc_hex
+from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
+from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
+from megatron_bridge.convert.sources.readers import HFSource
 from megatron_bridge.errors import UserError
 
 ENABLED = os.environ.get("MBR_CONVERT_DIRECT", "1") != "0"  # 0: always build tensors (for comparisons)

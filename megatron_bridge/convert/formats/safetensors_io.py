@@ -1,4 +1,6 @@
-"""Streaming safetensors I/O without mmap: one tensor in memory at a time.
+"""Streaming safetensors I/O without mmap: one tensor in memory at a time. The one reader of
+HF weights: the converter's sources and the live loader (`bridge.loader.HFCheckpoint`,
+through `LazySlice`) both read with it.
 
 Why not `safe_open`: it mmaps whole files, and every page a conversion touches stays mapped
 (and counted in the process RSS) until the handle closes, so converting a 5 GB shard costs
@@ -26,18 +28,17 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from megatron_bridge.bridge.loader import IGNORED_HF_SUFFIXES
-from megatron_bridge.convert.dtypes import BY_ST as ST_DTYPES
-from megatron_bridge.convert.dtypes import DType, dtype_of
+from megatron_bridge.convert.formats.dtypes import BY_ST as ST_DTYPES
+from megatron_bridge.convert.formats.dtypes import DType, dtype_of
 from megatron_bridge.errors import UserError
 
-if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+if TYPE_CHECKING:  # torch and numpy are imported where used: the byte paths and `import bridge` never need them
+    import numpy as np
     import torch
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit
 INDEX = "model.safetensors.index.json"
+IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)  # tensors that carry no weights (older checkpoints saved rotary buffers)
 
 
 @dataclass(frozen=True)
@@ -78,18 +79,18 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     header.pop("__metadata__", None)
     base, data_len = 8 + n, size - 8 - n
     out: dict[str, TensorInfo] = {}
-    for name, e in header.items():
+    for name, entry in header.items():
         try:
-            dtype = ST_DTYPES[e["dtype"]]
-            shape = tuple(int(x) for x in e["shape"])
-            b, end = (int(x) for x in e["data_offsets"])
+            dtype = ST_DTYPES[entry["dtype"]]
+            shape = tuple(int(x) for x in entry["shape"])
+            b, end = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise UserError(
                 f"{path}: corrupt header entry for tensor {name!r} (unknown dtype or bad shape/offsets)"
             ) from None
         if end - b != prod(shape) * dtype.itemsize or b < 0:
             raise UserError(
-                f"{path}: tensor {name} claims bytes [{b}, {end}) for shape {list(shape)} {e['dtype']}: corrupt header"
+                f"{path}: tensor {name} claims bytes [{b}, {end}) for shape {list(shape)} {entry['dtype']}: corrupt header"
             )
         if end > data_len:
             raise UserError(
@@ -103,6 +104,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 def scan_dir(path: Path) -> dict[str, TensorInfo]:
     """Every weight tensor of an HF model directory (sharded with an index, or plain files), in
     index / file order. Checks that files and tensors the index names exist."""
+    if not path.is_dir():
+        raise UserError(f"{path}: not a directory (expected an HF model directory with *.safetensors weights)")
     index = path / INDEX
     if index.is_file():
         try:
@@ -153,12 +156,14 @@ class BufferPool:
     MIN_BYTES = 2**20  # smaller reads are cheap to allocate
 
     def __init__(self, cap: int = 512 * 2**20):
-        self.cap, self._bufs, self._lock = cap, [], threading.Lock()
+        self.cap, self._lock = cap, threading.Lock()
+        self._bufs: list[np.ndarray] = []
 
     def _free(self, i: int) -> bool:
         return sys.getrefcount(self._bufs[i]) == 2  # the pool's list and getrefcount's argument
 
     def take(self, nbytes: int) -> torch.Tensor:
+        import numpy as np
         import torch
 
         if nbytes < self.MIN_BYTES or nbytes > self.cap:
@@ -170,12 +175,13 @@ class BufferPool:
                 buf = self._bufs[min(fits, key=lambda i: self._bufs[i].nbytes)]
             else:
                 total = sum(b.nbytes for b in self._bufs)
+                dropped = set()
                 for i in sorted(free, key=lambda i: -self._bufs[i].nbytes):  # make room: drop big free ones
                     if total + nbytes <= self.cap:
                         break
                     total -= self._bufs[i].nbytes
-                    self._bufs[i] = None
-                self._bufs = [b for b in self._bufs if b is not None]
+                    dropped.add(i)
+                self._bufs = [b for i, b in enumerate(self._bufs) if i not in dropped]
                 buf = np.empty(nbytes, dtype=np.uint8)
                 if total + nbytes <= self.cap:
                     self._bufs.append(buf)
@@ -228,7 +234,7 @@ class PositionedReader:
     def read_bytes(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
         buf = self.pool.take(nbytes)
         if nbytes:
-            read_exactly(self._fd(path), memoryview(buf.numpy()), start, path)
+            read_exactly(self._fd(path), buf.numpy().data, start, path)
         return buf
 
     def read(self, info: TensorInfo) -> torch.Tensor:
@@ -242,6 +248,36 @@ class PositionedReader:
         self._fd.close()
 
 
+class LazySlice:
+    """One tensor of a safetensors file, read when sliced: `.shape`, `.dtype` (torch's) and
+    `[a:b]` / `[a:b, c:d]` that read only rows a..b, so a rank loading its shard reads just
+    its part of the file. A column range reads its rows whole (one positioned read) and
+    keeps a contiguous copy of the columns. What `bridge.mapping.assemble` slices."""
+
+    def __init__(self, info: TensorInfo, reader: PositionedReader):
+        self.info, self._reader = info, reader
+        self.shape = info.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.info.dtype.torch
+
+    def __getitem__(self, idx: slice | tuple[slice, ...]) -> torch.Tensor:
+        parts = idx if isinstance(idx, tuple) else (idx,)
+        if not 1 <= len(parts) <= min(2, len(self.shape)) or any(
+            not isinstance(p, slice) or p.step not in (None, 1) for p in parts
+        ):
+            raise TypeError(f"{self.info.name}: only [a:b] and [a:b, c:d] slices are read lazily, got {idx!r}")
+        r0, r1, _ = parts[0].indices(self.shape[0])
+        rows, row_bytes = max(r1 - r0, 0), prod(self.shape[1:]) * self.info.dtype.itemsize
+        raw = self._reader.read_bytes(self.info.file, self.info.start + r0 * row_bytes, rows * row_bytes)
+        t = raw.view(self.dtype).reshape((rows, *self.shape[1:]))
+        return t[:, parts[1]].contiguous() if len(parts) == 2 else t
+
+    def full(self) -> torch.Tensor:
+        return self._reader.read(self.info)
+
+
 def st_name(dtype) -> str:
     """safetensors' code ("BF16") of a DType or torch.dtype."""
     return dtype_of(dtype).st
@@ -252,7 +288,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     import torch
 
     t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 class SafetensorsWriter:
@@ -322,6 +358,8 @@ __all__ = [
     "BufferPool",
     "OpenFiles",
     "read_exactly",
+    "LazySlice",
+    "IGNORED_HF_SUFFIXES",
     "ST_DTYPES",
     "st_name",
     "INDEX",

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.bridge.loader import WEIGHT_FILE_SUFFIXES, _write_config_and_assets
-from megatron_bridge.convert.manifest import MANIFEST, Manifest, dtype_name, layout_dict, list_files
-from megatron_bridge.convert.options import check_format, checked_layout, describe
-from megatron_bridge.convert.placement import RELEASE, TRACKER
-from megatron_bridge.convert.progress import Progress
-from megatron_bridge.convert.safetensors_io import st_name
-from megatron_bridge.convert.sources import HFSource, Source, open_checkpoint, parse_dtype
-from megatron_bridge.convert.writers import DistOut, HFOut, TorchOut
+from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, layout_dict, list_files
+from megatron_bridge.convert.formats.placement import RELEASE, TRACKER
+from megatron_bridge.convert.formats.safetensors_io import st_name
+from megatron_bridge.convert.pipeline.options import check_format, checked_layout, describe
+from megatron_bridge.convert.pipeline.progress import Progress
+from megatron_bridge.convert.pipeline.writers import DistOut, HFOut, TorchOut
+from megatron_bridge.convert.sources.readers import HFSource, Source, open_checkpoint, parse_dtype
 from megatron_bridge.errors import UserError
 
 RESERVED = {MANIFEST, TRACKER, RELEASE, "config.json"}

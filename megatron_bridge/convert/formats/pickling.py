@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from megatron_bridge.convert.dtypes import DType
+from megatron_bridge.convert.formats.dtypes import DType
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,14 @@ class TorchPickler(pickle._Pickler):
 
     dispatch = pickle._Pickler.dispatch.copy()
 
+    if TYPE_CHECKING:  # the pure-Python pickler's internals used here, which typeshed's stub leaves out
+        memo: dict[int, tuple[int, Any]]
+
+        def write(self, data: bytes) -> Any: ...
+        def get(self, i: int) -> bytes: ...
+        def memoize(self, obj: Any) -> None: ...
+        def save(self, obj: Any, save_persistent_id: bool = True) -> None: ...
+
     def __init__(self, file: BinaryIO):
         super().__init__(file, protocol=2)  # torch.save's protocol
         self._globals: dict[tuple[str, str], int] = {}  # memo index of each name written
@@ -101,10 +109,11 @@ class TorchPickler(pickle._Pickler):
     def save_dtype(self, d: DType) -> None:
         self.save(Global("torch", d.name))
 
-    dispatch[Global] = save_global_ref
-    dispatch[Reduce] = save_reduce_ref
-    dispatch[Instance] = save_instance
-    dispatch[DType] = save_dtype
+    # typeshed types `dispatch`'s functions as taking an Unpickler (they take the pickler)
+    dispatch[Global] = save_global_ref  # type: ignore[assignment]
+    dispatch[Reduce] = save_reduce_ref  # type: ignore[assignment]
+    dispatch[Instance] = save_instance  # type: ignore[assignment]
+    dispatch[DType] = save_dtype  # type: ignore[assignment]
 
 
 class Record:

@@ -23,7 +23,7 @@ from megatron_bridge.bridge.layout import Layout, problems
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.config.hf_model import hf_to_model_fields
 from megatron_bridge.config.schema import Config
-from megatron_bridge.convert.rows import check_layout_shards
+from megatron_bridge.convert.sources.rows import check_layout_shards
 from megatron_bridge.errors import LayoutError, UserError
 
 FORMATS = ("torch_dist", "torch")

@@ -54,14 +54,14 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from megatron_bridge.convert.dtypes import BY_NAME, DType, dtype_of
-from megatron_bridge.convert.pickling import Global, TorchPickler
+from megatron_bridge.convert.formats.dtypes import BY_NAME, DType, dtype_of
+from megatron_bridge.convert.formats.pickling import Global, TorchPickler
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
-    from megatron_bridge.convert.safetensors_io import PositionedReader
+    from megatron_bridge.convert.formats.safetensors_io import PositionedReader
 
 ALIGN = 64  # what torch.save writes (`.storage_alignment`); mmap-loading needs it
 _STORAGE_TYPE = {
@@ -128,10 +128,11 @@ class _Pickler(TorchPickler):
         return None
 
     def save_tensor(self, t: TensorRef) -> None:
-        args = (t.storage, t.offset, tuple(t.shape), tuple(t.stride), False, collections.OrderedDict())
+        hooks: collections.OrderedDict[str, Any] = collections.OrderedDict()  # backward hooks: none
+        args = (t.storage, t.offset, tuple(t.shape), tuple(t.stride), False, hooks)
         self.save_call(_REBUILD_TENSOR, args, t)
 
-    dispatch[TensorRef] = save_tensor
+    dispatch[TensorRef] = save_tensor  # type: ignore[assignment]  # typeshed: takes an Unpickler (see pickling.py)
 
 
 def _pwrite_all(fd: int, bufs: list[Any], offset: int) -> None:
@@ -147,7 +148,7 @@ def _pwrite_all(fd: int, bufs: list[Any], offset: int) -> None:
             views[0] = views[0][n:]
 
 
-def _zip64_extra(size: int | None, offset: int | None) -> bytes:
+def _zip64_extra(size: tuple[int, int] | None, offset: int | None) -> bytes:
     """miniz's zip64 extended information field: (uncompressed, compressed) size, offset."""
     body = struct.pack("<QQ", *size) if size is not None else b""
     body += struct.pack("<Q", offset) if offset is not None else b""
@@ -166,7 +167,8 @@ class StreamingTorchSave:
         if isinstance(path, (str, os.PathLike)):
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.path, self._file, self._own = path, open(path, "wb", buffering=0), True
+            self._file: BinaryIO = open(path, "wb", buffering=0)
+            self.path, self._own = path, True
             stem = path.name[: path.name.rfind(".")] if "." in path.name else path.name
             self._prefix = (stem or "archive") + "/"  # torch's basename()
         else:

@@ -11,7 +11,7 @@ hits memory). Not a durability promise (that is `fsync`); where the call is miss
 (non-Linux) nothing happens.
 
 Only for the tensor path, whose CPU work leaves the disk idle. The byte-move path
-(`direct.py`) keeps the disk busy itself; there the kicks stalled its copies for longer
+(`bytemove/direct.py`) keeps the disk busy itself; there the kicks stalled its copies for longer
 than they saved at the final `sync` (docs/benchmarks.md, "Conversion"), so it passes
 `enabled=False`.
 """
@@ -22,7 +22,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 KICK_BYTES = 64 * 2**20  # start write-out every this many bytes written
@@ -30,7 +30,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 @functools.cache
-def _sync_file_range():
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         fn = libc.sync_file_range
@@ -50,7 +50,7 @@ class Writeback:
         self._fn = _sync_file_range() if enabled else None
         self._kick, self._pending = kick_bytes, 0
         self._fds: dict[Path, int] = {}
-        self._dirty: set = set()
+        self._dirty: set[Path] = set()
 
     def wrote(self, paths: Iterable[Path], nbytes: int) -> None:
         if self._fn is None:
@@ -61,6 +61,9 @@ class Writeback:
             self.kick()
 
     def kick(self) -> None:
+        fn = self._fn
+        if fn is None:
+            return
         for p in self._dirty:
             fd = self._fds.get(p)
             if fd is None:
@@ -68,7 +71,7 @@ class Writeback:
                     fd = self._fds[p] = os.open(p, os.O_RDONLY)
                 except OSError:  # not on disk yet (still buffered) or already renamed: skip it
                     continue
-            self._fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a failure only means no early write-out
+            fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a failure only means no early write-out
         self._dirty.clear()
         self._pending = 0
 

@@ -1,0 +1,208 @@
+"""megatron-core `dist_checkpointing` ("torch_dist") checkpoints, written and read offline.
+
+The format is PyTorch Distributed Checkpoint (DCP) plus two megatron files:
+`metadata.json` (which backends) and `common.pt` (the non-tensor state). In the DCP part,
+`.metadata` is a pickled `torch.distributed.checkpoint.metadata.Metadata` (per key: global
+shape, dtype, chunk list; per chunk: file, byte offset, length) and each chunk is one
+`torch.save`d tensor inside a `.distcp` file. Keys, global shapes and chunking are those of
+`GPTModel.sharded_state_dict()`:
+
+* layers of a homogeneous stack share a key with a leading layer axis,
+  `decoder.layers.<name>` of shape [L, ...] (one chunk per layer — one stacked chunk loads
+  several times slower); with MoE and dense layers mixed, keys keep the layer index
+  (`decoder.layers.<i>.<name>`), as megatron does for non-homogeneous stacks;
+* experts add an expert axis: `...mlp.experts.experts.linear_fc1.weight` [L, E, ...];
+* norms use the local spec's fused names (`bridge.layout.dist_ckpt_key`);
+* every linear layer in a layer has an `_extra_state` ShardedObject (value None), which a
+  strict load expects.
+
+megatron's own `dist_checkpointing.save` needs every tensor in memory at once and a process
+group; writing the same files directly streams one chunk at a time. The data is global
+(full tensors, world size 1), so megatron-core reshards it on load to any TP/PP/EP.
+
+Neither side imports torch for the metadata: `.metadata` is written from `pickling`'s
+stand-ins here and read back into `Record`s by `dist_read.DistReader`, so export can find a
+chunk's bytes and move them without importing torch or `torch.distributed.checkpoint`
+(docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megatron_bridge.bridge.hf_config import BridgeSpec
+from megatron_bridge.bridge.layout import dist_ckpt_key
+from megatron_bridge.convert.formats.dtypes import DType, dtype_of
+from megatron_bridge.convert.formats.pickling import Global, Instance, Reduce, TorchPickler, torch_size
+from megatron_bridge.convert.formats.placement import LINEAR_MODULES
+from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave
+from megatron_bridge.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+    pass
+
+DATA_FILE = "__0_0.distcp"
+DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENTDCP_VERSION (a test holds them equal)
+DCP = "torch.distributed.checkpoint.metadata"
+PLANNER = "torch.distributed.checkpoint.planner"
+_STRIDED = Reduce(Global("torch.serialization", "_get_layout"), ("torch.strided",))  # how torch pickles a layout
+_CONTIGUOUS = Reduce(Global(DCP, "_MEM_FORMAT_ENCODING"), (0,))  # TensorProperties' memory_format
+MEGATRON_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(.*\.experts)\.local_experts\.(\d+)\.(.*)$")
+
+
+@dataclass(frozen=True)
+class DistLocation:
+    """Key of a parameter in the checkpoint, and its position on the prepended axes."""
+
+    key: str
+    offsets: tuple[int, ...] = ()  # (layer[, expert]) index
+    axes: tuple[int, ...] = ()  # (L[, E]) sizes
+
+    @property
+    def object_key(self) -> str:
+        """ShardedObject.unique_key of an `_extra_state` at this location."""
+        offs, axes = self.offsets or (0,), self.axes or (1,)
+        return f"{self.key}/shard_{'.'.join(map(str, offs))}_{'.'.join(map(str, axes))}"
+
+
+def location(name: str, spec: BridgeSpec) -> DistLocation:
+    """Where global megatron parameter `name` is stored."""
+    name = dist_ckpt_key(name)
+    m = _LAYER.match(name)
+    if not m:
+        return DistLocation(name)
+    layer, rest = int(m.group(1)), m.group(2)
+    stacked = not spec.moe_layer_pattern  # megatron: moe_layer_freq as a list -> non-homogeneous layers
+    key = "decoder.layers." if stacked else f"decoder.layers.{layer}."
+    offsets: tuple[int, ...] = (layer,) if stacked else ()
+    axes: tuple[int, ...] = (spec.num_layers,) if stacked else ()
+    e = _EXPERT.match(rest)
+    if e:
+        if not spec.num_moe_experts:
+            raise UserError(f"{name} is an expert's parameter, but the config has no experts")
+        rest = f"{e.group(1)}.experts.{e.group(3)}"
+        offsets, axes = offsets + (int(e.group(2)),), axes + (spec.num_moe_experts,)
+    return DistLocation(key + rest, offsets, axes)
+
+
+def extra_state_location(name: str, spec: BridgeSpec) -> DistLocation | None:
+    """The `_extra_state` object that goes with a linear layer's weight (inside the layers)."""
+    module, _, leaf = name.rpartition(".")
+    if leaf != "weight" or module.rsplit(".", 1)[-1] not in LINEAR_MODULES or not _LAYER.match(name):
+        return None
+    return location(f"{module}._extra_state", spec)
+
+
+class DistWriter:
+    """Streams chunks into one `.distcp` file; `finish` writes the metadata that indexes them.
+
+    No torch: each chunk is a `StreamingTorchSave` archive, and `.metadata` is the pickle of
+    DCP's `Metadata` written from stand-ins (`pickling`) — the real classes live in
+    `torch.distributed.checkpoint`, an import that costs more on top of torch's."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.dir = directory
+        self.path = directory / DATA_FILE
+        self._f = open(self.path, "wb")
+        # key -> (dtype, global size, [(chunk offsets, chunk sizes)]), or None for an object
+        self._md: dict[str, tuple[DType, tuple[int, ...], list[tuple[tuple[int, ...], ...]]] | None] = {}
+        self._storage: list[tuple[str, tuple[int, ...] | None, int | None, int, int]] = []
+
+    def _write(
+        self, key: str, offsets: tuple[int, ...] | None, index: int | None, fill: Callable[[StreamingTorchSave], Any]
+    ) -> None:
+        start = self._f.tell()
+        item = StreamingTorchSave(self._f)
+        item.finish(fill(item))
+        self._storage.append((key, offsets, index, start, self._f.tell() - start))
+
+    def add(
+        self,
+        loc: DistLocation,
+        dtype: Any,
+        shape: tuple[int, ...],
+        fill: Callable[[StreamingTorchSave, tuple[int, ...]], Any],
+    ) -> None:
+        """One chunk: the tensor of `shape` at `loc`; `fill(item, stored_shape)` writes it into
+        the item (a record of `stored_shape` = unit axes for the layer/expert + `shape`)
+        and returns its TensorRef."""
+        dtype = dtype_of(dtype)
+        size = loc.axes + tuple(shape)
+        offsets = loc.offsets + (0,) * len(shape)
+        stored = (1,) * len(loc.offsets) + tuple(shape)
+        md = self._md.setdefault(loc.key, (dtype, size, []))
+        if md is None or md[1] != size or md[0] != dtype:
+            raise RuntimeError(f"{loc.key}: chunk {size} {dtype} does not match {md and md[1]} {md and md[0]}")
+        md[2].append((offsets, stored))
+        self._write(loc.key, offsets, len(md[2]) - 1, lambda item: fill(item, stored))
+
+    def add_object(self, loc: DistLocation, value: Any = None) -> None:
+        self._md[loc.object_key] = None
+        self._write(loc.object_key, None, None, lambda item: [value])  # megatron's torch.save([data])
+
+    def _metadata(self) -> Instance:
+        def chunk(offsets, sizes):
+            return Instance(DCP, "ChunkStorageMetadata", {"offsets": torch_size(offsets), "sizes": torch_size(sizes)})
+
+        entries: dict[str, Instance] = {}
+        for key, md in self._md.items():
+            if md is None:
+                entries[key] = Instance(DCP, "BytesStorageMetadata", {})
+                continue
+            dtype, size, chunks = md
+            props = Instance(DCP, "TensorProperties", (dtype, _STRIDED, False, _CONTIGUOUS, False))
+            entries[key] = Instance(
+                DCP,
+                "TensorStorageMetadata",
+                {"properties": props, "size": torch_size(size), "chunks": [chunk(o, s) for o, s in chunks]},
+            )
+        storage = {}
+        for key, offsets, index, start, length in self._storage:
+            where = Instance(
+                DCP,
+                "MetadataIndex",
+                {"fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": index},
+            )
+            storage[where] = Instance(
+                "torch.distributed.checkpoint.filesystem",
+                "_StorageInfo",
+                {"relative_path": DATA_FILE, "offset": start, "length": length},
+            )
+        meta = Instance(
+            DCP, "StorageMeta", {"checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None, "modules": []}
+        )
+        return Instance(
+            DCP,
+            "Metadata",
+            {
+                "state_dict_metadata": entries,
+                "planner_data": None,
+                "storage_data": storage,
+                "storage_meta": meta,
+                "version": DCP_VERSION,
+            },
+        )
+
+    def finish(self, common: dict[str, Any]) -> None:
+        self._f.close()
+        with open(self.dir / ".metadata", "wb") as f:
+            TorchPickler(f).dump(self._metadata())
+        StreamingTorchSave(self.dir / "common.pt").finish(common)
+        (self.dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+
+
+__all__ = ["DistLocation", "location", "extra_state_location", "DistWriter", "DATA_FILE", "MEGATRON_METADATA"]

@@ -1,0 +1,243 @@
+"""torch_dist checkpoints read back without torch (the format: `dist_ckpt`).
+
+DCP's `.metadata` is a pickle of `torch.distributed.checkpoint` dataclasses; it is loaded
+into the `Record` stand-ins below by an unpickler that allows exactly the globals such a
+file names, so finding a chunk's file, offset and length needs neither torch nor
+`torch.distributed.checkpoint` (~2 s of imports). Only `DistReader.read`, which builds
+tensors, imports torch. The reader assembles any chunking: one chunk per layer as `mbr
+convert` writes it, or megatron-core's own TP-split or stacked chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from collections import OrderedDict
+from math import prod
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from megatron_bridge.convert.formats.dist_ckpt import DCP, PLANNER, DistLocation
+from megatron_bridge.convert.formats.dtypes import BY_NAME, DType
+from megatron_bridge.convert.formats.pickling import Record
+from megatron_bridge.convert.formats.safetensors_io import PositionedReader
+from megatron_bridge.convert.formats.torch_zip import LazyTorchFile
+from megatron_bridge.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
+    import torch
+
+
+class _Metadata(Record):
+    """DCP's `Metadata`: `state_dict_metadata` (key -> tensor or bytes entry) and
+    `storage_data` (MetadataIndex -> _StorageInfo)."""
+
+    state_dict_metadata = planner_data = storage_data = storage_meta = version = None
+
+
+class _TensorEntry(Record):
+    """`TensorStorageMetadata`: `properties`, the global `size`, `chunks`."""
+
+    properties: _Properties
+    size: tuple[int, ...]
+    chunks: list[_Chunk]
+
+
+class _Chunk(Record):
+    """`ChunkStorageMetadata`: `offsets` and `sizes` (tuples: torch.Size loads as one)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+class _Properties(Record):
+    """`TensorProperties`, whose `__getstate__` pickles a tuple (with the memory format as an
+    enum, torch.memory_format being unpicklable) instead of a `__dict__`."""
+
+    dtype: DType
+    layout: str
+    requires_grad: bool
+    memory_format: int
+    pin_memory: bool
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+
+class _Index(Record):
+    """`MetadataIndex`: `fqn`, the chunk's `offset` (None for an object), `index` (a hint)."""
+
+    offset = index = None
+
+
+class _StorageInfo(Record):
+    """`_StorageInfo`: `relative_path`, `offset`, `length`. Its `__getstate__` leaves out
+    None fields, so `transform_descriptors` is often absent."""
+
+    relative_path: str
+    offset: int
+    length: int
+
+    transform_descriptors = None
+
+
+# Every global a DCP `.metadata` names (besides dtypes), and the stand-in each loads as.
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (DCP, "Metadata"): _Metadata,
+    (DCP, "TensorStorageMetadata"): _TensorEntry,
+    (DCP, "ChunkStorageMetadata"): _Chunk,
+    (DCP, "TensorProperties"): _Properties,
+    (DCP, "MetadataIndex"): _Index,
+    (DCP, "BytesStorageMetadata"): Record,
+    (DCP, "StorageMeta"): Record,
+    (DCP, "_MEM_FORMAT_ENCODING"): int,  # an Enum pickles as cls(value)
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): tuple,
+    ("torch.serialization", "_get_layout"): str,
+    ("collections", "OrderedDict"): OrderedDict,
+    ("pathlib", "PosixPath"): PurePosixPath,  # StorageMeta.checkpoint_id as torch's FileSystemWriter sets it
+    # megatron-core's save keeps the gathered save plans (`Metadata.all_local_plans`) to reuse them
+    (PLANNER, "SavePlan"): Record,
+    (PLANNER, "WriteItem"): Record,
+    (PLANNER, "WriteItemType"): int,
+    (PLANNER, "TensorWriteData"): Record,
+    (PLANNER, "BytesIOWriteData"): Record,
+}
+_TORCH_DTYPE = re.compile(r"(b?float|complex|q?u?int|bits)\d\w*")  # float8_e4m3fn, quint4x2, uint16, ...
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Loads `.metadata` into the stand-ins above, dtypes as `DType`s. Any other global is
+    refused before it is called: unpickling calls whatever a pickle names."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in BY_NAME:
+            return BY_NAME[name]
+        if module == "torch" and _TORCH_DTYPE.fullmatch(name):
+            raise pickle.UnpicklingError(f"unsupported dtype torch.{name}")
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+        return _ALLOWED[(module, name)]
+
+
+class ChunkRegion(NamedTuple):
+    """A chunk's torch.save item inside a `.distcp` file, and the tensor stored in it."""
+
+    path: Path
+    offset: int
+    length: int
+    shape: tuple[int, ...]  # as stored: unit layer/expert axes first
+    dtype: DType
+
+
+class DistReader:
+    """Reads any region of a key back, assembling it from whichever chunks cover it (our own
+    checkpoints have one chunk per layer; megatron-written ones may be split by TP).
+
+    Finding chunks needs no torch (the metadata loads into stand-ins); only `read`, which
+    builds tensors, imports it."""
+
+    def __init__(self, directory: Path, reader: PositionedReader):
+        self.dir, self._io = directory, reader
+        try:
+            meta = json.loads((directory / "metadata.json").read_text())
+            if meta.get("sharded_backend") != "torch_dist":
+                raise ValueError(f"sharded_backend {meta.get('sharded_backend')!r}")
+            with open(directory / ".metadata", "rb") as f:
+                self.md = _MetadataUnpickler(f).load()
+            if not (
+                isinstance(self.md, _Metadata)
+                and isinstance(self.md.state_dict_metadata, dict)
+                and isinstance(self.md.storage_data, dict)
+            ):
+                raise ValueError(".metadata does not hold DCP's Metadata")
+            # what MetadataIndex's hash and equality look at: the key and the chunk's offsets
+            self._storage: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {
+                (i.fqn, tuple(i.offset or ())): info for i, info in self.md.storage_data.items()
+            }
+        # a damaged pickle can fail with any of these
+        except (
+            OSError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            KeyError,
+            IndexError,
+            EOFError,
+            pickle.UnpicklingError,
+        ) as e:
+            raise UserError(f"{directory}: not a readable torch_dist checkpoint ({e})") from None
+
+    def _item(self, key: str, chunk: _Chunk) -> _StorageInfo:
+        info = self._storage.get((key, tuple(chunk.offsets)))
+        if info is None:
+            raise UserError(f"{self.dir}: no storage entry for the chunk of {key} at {tuple(chunk.offsets)} (damaged)")
+        if info.transform_descriptors:
+            raise UserError(f"{self.dir}: {key} is stored with transforms {info.transform_descriptors} (unsupported)")
+        return info
+
+    def _chunk(self, key: str, chunk: _Chunk) -> torch.Tensor:
+        info = self._item(key, chunk)
+        item = LazyTorchFile(self.dir / info.relative_path, self._io, info.offset, info.length)
+        return item.read(item.obj)
+
+    def _covering(self, loc: DistLocation):
+        """(metadata, region lo, region hi, [(chunk, overlap lo, overlap hi)]) for `loc`."""
+        tmd = self.md.state_dict_metadata.get(loc.key)
+        if not isinstance(tmd, _TensorEntry):
+            raise UserError(f"{self.dir}: the checkpoint has no tensor {loc.key}")
+        n = len(loc.offsets)
+        lo = loc.offsets + (0,) * (len(tmd.size) - n)
+        hi = tuple(o + 1 for o in loc.offsets) + tuple(tmd.size[n:])
+        hits = []
+        for c in tmd.chunks:
+            a = tuple(max(x, y) for x, y in zip(lo, c.offsets))
+            b = tuple(min(x, o + s) for x, o, s in zip(hi, c.offsets, c.sizes))
+            if all(x < y for x, y in zip(a, b)):
+                hits.append((c, a, b))
+        return tmd, lo, hi, hits
+
+    def ranges(self, loc: DistLocation) -> list[tuple[Path, int, int]]:
+        try:
+            hits = self._covering(loc)[3]
+        except UserError:
+            return []
+        infos = [self._storage.get((loc.key, tuple(c.offsets))) for c, _, _ in hits]
+        return [(self.dir / i.relative_path, i.offset, i.length) for i in infos if i is not None]
+
+    def single_chunk(self, loc: DistLocation) -> ChunkRegion | None:
+        """The item holding exactly the region of `loc`, when one chunk is that region (always
+        so in our own checkpoints), for moving its bytes; None when the region takes several
+        chunks or a part of one (megatron's TP-split or stacked chunks): `read` assembles those."""
+        tmd, lo, hi, hits = self._covering(loc)
+        c = hits[0][0] if len(hits) == 1 else None
+        if c is None or (tuple(c.offsets), tuple(o + s for o, s in zip(c.offsets, c.sizes))) != (lo, hi):
+            return None
+        info = self._item(loc.key, c)
+        return ChunkRegion(
+            self.dir / info.relative_path, info.offset, info.length, tuple(c.sizes), tmd.properties.dtype
+        )
+
+    def read(self, loc: DistLocation) -> torch.Tensor:
+        import torch
+
+        tmd, lo, hi, hits = self._covering(loc)
+        inner = tuple(tmd.size[len(loc.offsets) :])
+        out, filled = None, 0
+        for c, a, b in hits:
+            data = self._chunk(loc.key, c)
+            c_lo = tuple(c.offsets)
+            if (c_lo, tuple(o + s for o, s in zip(c.offsets, c.sizes))) == (lo, hi):
+                return data.reshape(inner)
+            if out is None:
+                out = torch.empty(tuple(y - x for x, y in zip(lo, hi)), dtype=data.dtype)
+            src = data[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, c_lo))]
+            out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))] = src
+            filled += prod(y - x for x, y in zip(a, b))
+        if out is None or filled != out.numel():
+            raise UserError(f"{self.dir}: the chunks of {loc.key} do not cover position {loc.offsets} (incomplete)")
+        return out.reshape(inner)
+
+
+__all__ = ["DistReader", "ChunkRegion"]
