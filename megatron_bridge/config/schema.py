@@ -148,6 +148,11 @@ class TrainConfig:
     init_from: str | None = None  # HF dir or `mbr convert` output
     timeout_minutes: float = 10.0  # process-group timeout: a dead rank ends the job
     exit_after: int | None = None  # stop after this many steps of this run (schedule still spans `steps`)
+    # Validation (docs/train.md "Validation"): every `eval_interval` steps and once at the end of
+    # each launch, the mean token loss over the first `eval_iters` global batches of the valid
+    # split (the same batches every time, so `val_loss` is comparable across steps and layouts).
+    eval_interval: int = 0  # 0 = no periodic evaluation (still one at the end when eval_iters > 0)
+    eval_iters: int = 0  # global batches per evaluation; 0 = no validation
 
 
 @dataclass

@@ -324,6 +324,37 @@ def deepspeed_engine(d, cfg):
 
 
 @rule
+def evaluation(d, cfg):
+    """Validation settings that would evaluate nothing, or a split that does not exist."""
+    t, out = cfg.train, []
+    for key, v in (("train.eval_interval", t.eval_interval), ("train.eval_iters", t.eval_iters)):
+        if v < 0:
+            out += _v("eval-iters", f"{key}={v} must be >= 0", f"set {key}=0 (off) or a positive count")
+    if t.eval_interval > 0 and t.eval_iters == 0:
+        out += _v(
+            "eval-iters",
+            f"train.eval_interval={t.eval_interval} evaluates nothing: train.eval_iters=0 batches per evaluation",
+            "set train.eval_iters=K (global batches of the valid split per evaluation), or train.eval_interval=0",
+        )
+    if t.eval_iters > 0 and cfg.data.kind == "indexed":  # synthetic data always has a valid split
+        from megatron_bridge.data.indexed import parse_split
+        from megatron_bridge.errors import UserError
+
+        try:
+            valid = parse_split(cfg.data.split)[1]
+        except UserError:  # a malformed split is the data check's to report (preflight)
+            return out
+        if valid == 0:
+            out += _v(
+                "eval-split",
+                f"train.eval_iters={t.eval_iters} evaluates the valid split, but data.split={cfg.data.split!r} "
+                "gives it no weight",
+                "give the valid split a share (e.g. data.split=98/2/0), or set train.eval_iters=0",
+            )
+    return out
+
+
+@rule
 def node_placement(d, cfg):
     if d.gpus_per_node < 1 or not _degrees_ok(d) or cfg.parallel.allow_cross_node_tp:
         return []

@@ -7,7 +7,8 @@ asks which one it holds.
 - `DeepSpeedEngine`: `deepspeed.initialize` with ZeRO 0–3 on the same megatron-core model
   and groups (the `mpu` from parallel/groups.py), ds_config generated from the Hydra config.
 
-Both compute the same loss (mean token cross-entropy over the global batch) and are
+Both compute the same loss (mean token cross-entropy over the global batch) — in training
+steps and in forward-only evaluation alike, through the one `_forward_step`/`_loss_func` — and are
 checkpointed through `state_dict()` / `load_state_dict()` (this rank's share only) plus
 `write_extra()` for the files an engine keeps itself (DeepSpeed's ZeRO partitions).
 """
@@ -45,6 +46,14 @@ class Engine(abc.ABC):
     def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
         """One optimizer step over the global batch: (mean token loss, grad norm, the lr this
         step applied), the loss known to every rank."""
+
+    @abc.abstractmethod
+    def evaluate(self, make_iterators: MakeIterators, iters: int) -> float:
+        """Mean token loss over `iters` global batches, forward only: the model in eval mode (no
+        dropout), no gradients, optimizer and schedule untouched; the training step's loss
+        function, summed over every token of every micro-batch and reduced over DP and CP before
+        the one division, so the value does not depend on the layout. Known to every rank.
+        `make_iterators` yields the `iters`·grad_accum micro-batches in order."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -104,7 +113,8 @@ def make_scheduler(optimizer, cfg):
 
 
 def _reduce_loss(reports: list[dict[str, torch.Tensor]]) -> float:
-    """Mean token loss of the global batch, known to every rank afterwards."""
+    """Mean token loss of the micro-batches in `reports` (sum of token losses / token count over
+    all of them and all DP·CP ranks), known to every rank afterwards."""
     from megatron.core import parallel_state as ps
 
     acc = torch.zeros(2, dtype=torch.float64)
@@ -150,28 +160,44 @@ class MegatronEngine(Engine):
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
         self.scheduler = make_scheduler(self.optimizer, cfg)
 
-    def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
+    def _schedule(self, its: list[Any], *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        """One global batch through megatron-core's pipeline schedule; the loss reports of the
+        micro-batches (on the last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         d = self.dims
-        for m in self.model:
-            m.train()
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        its = make_iterators(len(self.model))
-        reports = get_forward_backward_func()(
+        return get_forward_backward_func()(
             forward_step_func=_forward_step(self.device),
             data_iterator=its if len(self.model) > 1 else its[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=d.grad_accum,
             seq_length=self.cfg.train.seq_length // d.cp,
             micro_batch_size=d.micro_batch_size,
-            forward_only=False,
+            forward_only=forward_only,
         )
+
+    def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self._schedule(make_iterators(len(self.model)), forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         return _reduce_loss(reports), float(grad_norm or 0.0), float(lr)
+
+    @torch.no_grad()
+    def evaluate(self, make_iterators: MakeIterators, iters: int) -> float:
+        """megatron-LM's `evaluate`: the pipeline schedule with forward_only=True, once per
+        global batch (the same micro-batch count as a step, so interleaving's rules hold)."""
+        for m in self.model:
+            m.eval()
+        its = make_iterators(len(self.model))
+        reports: list[dict[str, torch.Tensor]] = []
+        for _ in range(iters):
+            reports += self._schedule(its, forward_only=True)
+        return _reduce_loss(reports)
 
     # -- checkpoint state (this rank's share) -------------------------------------------
     def _optimizers(self) -> list[Any]:
@@ -271,6 +297,19 @@ class DeepSpeedEngine(Engine):
         torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group())
         gn = self.engine.get_global_grad_norm()
         return float(acc[0] / acc[1].clamp(min=1)), float(gn if gn is not None else 0.0), float(lr)
+
+    @torch.no_grad()
+    def evaluate(self, make_iterators: MakeIterators, iters: int) -> float:
+        """The DeepSpeed engine's forward in eval mode (ZeRO-3 gathers the partitioned weights
+        as in training), one micro-batch at a time."""
+        it = make_iterators(1)[0]
+        self.engine.eval()
+        reports = []
+        for _ in range(iters * self.dims.grad_accum):
+            b = _batch_to(next(it), self.device)
+            out = self.engine(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            reports.append(_loss_func(b["loss_mask"], out)[2])
+        return _reduce_loss(reports)
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler only: model and optimizer state live in DeepSpeed's own files."""

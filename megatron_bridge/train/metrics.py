@@ -3,6 +3,8 @@
 Console: a rich progress bar on a TTY, one plain `step N | loss ...` line per log interval
 otherwise (CI logs stay readable and greppable). TensorBoard writes under the run dir.
 wandb runs offline unless the user set WANDB_MODE, so it never asks for a login.
+A step's `val_loss` (when it evaluated) rides in the same row as its training metrics: one
+`metrics.jsonl` line per step; TensorBoard files it under `valid/loss` beside `train/*`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import os
 import sys
 import time
 from pathlib import Path
+
+TB_TAGS = {"val_loss": "valid/loss"}
+"""TensorBoard tags that are not `train/<name>`."""
 
 
 class MetricsLogger:
@@ -67,7 +72,7 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.tb:
             for k, v in metrics.items():
-                self.tb.add_scalar(f"train/{k}", v, step)
+                self.tb.add_scalar(TB_TAGS.get(k, f"train/{k}"), v, step)
         if self.wandb:
             self.wandb.log(metrics, step=step)
         line = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())

@@ -186,7 +186,7 @@ def _build(cfg, dims, recipe: str) -> _Run:
         seed=cfg.train.seed,
         train_steps=cfg.train.steps,
         model_vocab_size=cfg.model.vocab_size,
-        valid_samples=0,
+        valid_samples=cfg.train.eval_iters * dims.global_batch_size,  # the batches every evaluation reads
     )
     return _Run(cfg, dims, recipe, rank, run_dir, spec, engine, datasets)
 
@@ -210,7 +210,7 @@ def _resume(run: _Run) -> int:
 
 
 def _loop(run: _Run, start: int) -> None:
-    """Steps `start`+1 … (`train.steps`, or `train.exit_after` more), each logged and
+    """Steps `start`+1 … (`train.steps`, or `train.exit_after` more), each logged, evaluated and
     checkpointed at its interval, under the watchdog; a failing rank names itself and the
     phase before the launcher's summary."""
     from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
@@ -230,14 +230,18 @@ def _loop(run: _Run, start: int) -> None:
             phase = f"step {step + 1}"
             watchdog.arm(phase)
             t0 = time.perf_counter()
-            iterators = _iterators(run, step)
+            iterators = _iterators(run, run.datasets.train, step * dims.global_batch_size)
             if planned("step", step + 1):  # test-only fault injection (MBR_FAULT), see reliability.py
                 iterators = _with_fault(iterators, step + 1, dims.grad_accum)
             loss, grad_norm, lr = run.engine.step(iterators)
             dt = time.perf_counter() - t0
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt}
             metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt))
-            if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps:
+            if _eval_due(cfg, step + 1, last=step + 1 == stop):
+                phase = f"evaluation at step {step + 1}"
+                watchdog.arm(phase)
+                metrics["val_loss"] = _evaluate(run)
+            if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps or "val_loss" in metrics:
                 logger.log(step + 1, metrics)
             if _save_due(cfg, step + 1, last=step + 1 == stop):
                 phase = f"checkpoint save at step {step + 1}"
@@ -252,19 +256,38 @@ def _loop(run: _Run, start: int) -> None:
         logger.close()
 
 
-def _iterators(run: _Run, step: int):
-    """`make_iterators` for `step`: fresh iterators over the global batch this step reads, on
-    this rank's dp/cp share (the position follows from the step, so a resume reads on)."""
+def _iterators(run: _Run, dataset, consumed: int):
+    """`make_iterators` over `dataset` from global sample `consumed`: fresh iterators on this
+    rank's dp/cp share. A step starts at step·global batch (so a resume reads on), an
+    evaluation at 0 of the valid split."""
     from megatron.core import parallel_state as ps
 
     from megatron_bridge.data.loader import make_iterator
 
     dp_rank, cp_rank = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
-    consumed = step * run.dims.global_batch_size
     return lambda n: [
-        make_iterator(run.datasets.train, run.dims, dp_rank=dp_rank, cp_rank=cp_rank, consumed_samples=consumed)
-        for _ in range(n)
+        make_iterator(dataset, run.dims, dp_rank=dp_rank, cp_rank=cp_rank, consumed_samples=consumed) for _ in range(n)
     ]
+
+
+def _eval_due(cfg, step: int, *, last: bool) -> bool:
+    """Every `train.eval_interval` steps and at the last step of this launch, when
+    `train.eval_iters` > 0 (eval_interval=0: at the end only — megatron-LM's convention)."""
+    t = cfg.train
+    return t.eval_iters > 0 and (bool(t.eval_interval and step % t.eval_interval == 0) or last)
+
+
+def _evaluate(run: _Run) -> float:
+    """`val_loss`: the first `train.eval_iters` global batches of the valid split, the same ones
+    at every evaluation. Every generator is put back afterwards (the engines already run eval
+    mode, which draws nothing), so a run with evaluation trains exactly like one without."""
+    from megatron_bridge.train import checkpoint as ckpt
+
+    rng = ckpt.rng_state()
+    try:
+        return run.engine.evaluate(_iterators(run, run.datasets.valid, 0), run.cfg.train.eval_iters)
+    finally:
+        ckpt.set_rng_state(rng)
 
 
 def _save_due(cfg, step: int, *, last: bool) -> bool:

@@ -121,3 +121,43 @@ def test_resume_reproduces_uninterrupted_run(llama, tmp_path):
         assert resumed[step] == full[step], (step, full[step], resumed[step])  # bit-exact
     for step in map(str, range(1, 6)):
         assert first[step] == full[step]
+
+
+def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_path_factory, tmp_path):
+    """`val_loss` (train.eval_iters global batches of the valid split, docs/train.md "Validation"):
+    - the same weights give the same value at tp1·dp4, tp2·pp2, cp2·dp2, pp2·vpp2 and DeepSpeed
+      ZeRO-3·dp4 (lr=0 keeps the weights at the HF start; only the reduction order differs, so
+      1e-6 relative);
+    - it is logged every train.eval_interval steps and at the end (eval_interval=0: the end only),
+      and the same batches are read every time (frozen weights: bit-identical values);
+    - the model has attention dropout, so an evaluation that drew from the RNG, left dropout on
+      or touched the data order, gradients, optimizer or schedule would change the training
+      losses: with evaluation they equal those without, bit for bit, on both engines. Dropout
+      also differs per layout, so equal val_loss across layouts also shows eval mode."""
+    hf = make_tiny("llama", tmp_path_factory.mktemp("hf") / "llama_dropout", attention_dropout=0.1)
+    ev, frozen = ["train.eval_interval=2", "train.eval_iters=2"], ["optimizer.lr=0", "optimizer.min_lr=0"]
+    tp2pp2, ds = ["parallel.tp=2", "parallel.pp=2"], ["train.engine=deepspeed", "zero.stage=3"]
+    jobs = [
+        job("tp1", hf, *ev, *frozen),
+        job("tp2pp2", hf, *ev, *frozen, *tp2pp2),
+        job("cp2_dp2", hf, *ev, *frozen, "parallel.cp=2"),
+        job("pp2vpp2", hf, *ev, *frozen, "parallel.pp=2", "parallel.vpp=2"),
+        job("ds_zero3", hf, "train.eval_iters=2", *frozen, *ds),
+        job("tp2pp2_train", hf, *ev, *tp2pp2),
+        job("tp2pp2_train_noeval", hf, *tp2pp2),
+        job("ds_zero3_train", hf, *ev, *ds),
+        job("ds_zero3_train_noeval", hf, *ds),
+    ]
+    res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=4, timeout=900)[0]
+    val, losses = res["val_losses"], res["losses"]
+    for name in ("tp1", "tp2pp2", "cp2_dp2", "pp2vpp2", "tp2pp2_train", "ds_zero3_train"):
+        assert sorted(map(int, val[name])) == [2, 4, 5], (name, val[name])  # every 2 steps and the end
+    assert list(val["ds_zero3"]) == ["5"] and not val["tp2pp2_train_noeval"] and not val["ds_zero3_train_noeval"]
+    ref = val["tp1"]["2"]
+    assert all(len(set(val[name].values())) == 1 for name in ("tp1", "tp2pp2", "cp2_dp2", "pp2vpp2")), val
+    for name in ("tp2pp2", "cp2_dp2", "pp2vpp2", "ds_zero3"):
+        got = val[name]["5"]
+        assert abs(got - ref) <= 1e-6 * abs(ref), (name, ref, got)
+    for name in ("tp2pp2_train", "ds_zero3_train"):
+        assert losses[name] == losses[f"{name}_noeval"], name  # bit for bit
+        assert val[name]["5"] < val[name]["2"] != ref, (name, val[name])  # it evaluates the trained weights

@@ -295,6 +295,23 @@ CASES: list[Case] = [
         "tp·cp = 16 does not fit evenly in a node of 8 GPUs",
         "lower cp",
     ),
+    C(
+        "rule-eval-iters",
+        "config",
+        "mbr check train.eval_interval=100",
+        "eval-iters",
+        "train.eval_interval=100 evaluates nothing",
+        "set train.eval_iters=K",
+    ),
+    C(
+        "rule-eval-split",
+        "config",
+        f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.split=100/0/0 train.eval_iters=2",
+        "eval-split",
+        "gives it no weight",
+        "give the valid split a share (e.g. data.split=98/2/0)",
+        out=OUT,
+    ),
     # -- configs: the shape of the input ---------------------------------------------------
     C(
         "cfg-unknown-key",

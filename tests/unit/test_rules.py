@@ -133,6 +133,14 @@ CASES = [  # (rule, breaking overrides, passing overrides, recipe)
     ("positive-degree", ["train.micro_batch_size=0"], ["train.micro_batch_size=1"], "tiny_llama"),
     ("choice", ["train.engine=jax"], ["train.engine=deepspeed"], "default"),
     ("choice", ["train.recompute=some"], ["train.recompute=selective"], "default"),
+    (
+        "eval-split",
+        ["data.kind=indexed", "data.split=100/0/0", "train.eval_iters=2"],
+        ["data.kind=indexed", "data.split=98/2/0", "train.eval_iters=2"],
+        "default",
+    ),
+    ("eval-iters", ["train.eval_interval=5"], ["train.eval_interval=5", "train.eval_iters=2"], "default"),
+    ("eval-iters", ["train.eval_iters=-1"], ["train.eval_iters=0"], "default"),
 ]
 
 
