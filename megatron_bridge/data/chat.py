@@ -82,11 +82,18 @@ def _messages(obj: Any, where: str) -> list[dict[str, Any]]:
     return msgs
 
 
-def iter_conversations(inputs: PathLike | Sequence[PathLike]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """Stream ("file:line", messages) from jsonl files (or directories of them), validated."""
-    for f in input_files(inputs):
+def chat_input_files(inputs: PathLike | Sequence[PathLike]) -> list[Path]:
+    """The jsonl files of `inputs` (files or directories); .txt is refused (no roles in it)."""
+    files = input_files(inputs)
+    for f in files:
         if f.suffix not in (".jsonl", ".json"):
             raise UserError(f"input {f}: chat data is jsonl (one conversation per line, e.g. {EXAMPLE_LINE})")
+    return files
+
+
+def iter_conversations(inputs: PathLike | Sequence[PathLike]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """Stream ("file:line", messages) from jsonl files (or directories of them), validated."""
+    for f in chat_input_files(inputs):
         for lineno, obj in iter_jsonl(f, EXAMPLE_LINE):
             yield f"{f}:{lineno}", _messages(obj, f"{f}:{lineno}")
 

@@ -32,11 +32,11 @@ from megatron_bridge.data.chat import (
     OVERLONG,
     TRAINED_ROLE,
     ChatRenderer,
+    chat_input_files,
     chat_paths,
     iter_conversations,
     resolve_template,
 )
-from megatron_bridge.data.corpus import input_files
 from megatron_bridge.data.preprocess import check_output_prefix, read_meta
 from megatron_bridge.data.tokenizer import load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
@@ -110,7 +110,7 @@ def preprocess_chat(
     prefix = check_output_prefix(output_prefix, overwrite)
     paths = chat_paths(prefix)
     refuse_existing([paths["mask_bin"], paths["mask_idx"]], overwrite, "loss-mask dataset")
-    files = input_files(inputs)
+    files = chat_input_files(inputs)
     tok_dir = validate_tokenizer_dir(tokenizer)
     if overlong not in OVERLONG:
         raise UserError(f"overlong={overlong!r}: expected {' or '.join(OVERLONG)} (what to do past max_length)")
