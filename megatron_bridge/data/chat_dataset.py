@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_bridge.data._fs import ensure_parent, refuse_existing, remove, temp_path_for
+from megatron_bridge.data._fs import new_parent, refuse_existing, remove, temp_path_for
 from megatron_bridge.data.chat import (
     CHAT_FORMAT,
     MASK_SUFFIX,
@@ -118,11 +118,16 @@ def preprocess_chat(
         raise UserError(f"max_length={max_length} must be a positive number of tokens (or unset: no limit)")
     if chat_template and not Path(chat_template).expanduser().is_file():
         raise UserError(f"chat_template={chat_template} does not exist (it takes a file holding a Jinja chat template)")
-    ensure_parent(prefix)
-
     tok = load_tokenizer(tok_dir)
     template, source = resolve_template(tok, tok_dir, chat_template)
     renderer = ChatRenderer(tok, template, source)
+    with new_parent(prefix):
+        return _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log)
+
+
+def _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log) -> ChatStats:
+    tok, template, source = renderer.tok, renderer.template, renderer.source
+    prefix = paths["bin"][: -len(".bin")]
     vocab = len(tok)
 
     import numpy as np
