@@ -175,8 +175,10 @@ class ChatRenderer:
                     return_dict=True,
                     return_assistant_tokens_mask=True,
                 )
-            except Exception as e:
-                raise UserError(f"{convs[0][0]}..{convs[-1][0]}: the chat template of {self.source} failed: {e}") from e
+            except Exception:
+                for where, m in convs:  # name the conversation the template fails on
+                    self.render(m, where)
+                raise
             return [(list(ids), list(mask)) for ids, mask in zip(enc["input_ids"], enc["assistant_masks"])]
         rendered = [self.spans(m, where) for where, m in convs]
         enc = self.tok([t for t, _ in rendered], add_special_tokens=False, return_offsets_mapping=True, verbose=False)

@@ -286,3 +286,19 @@ def test_reader_refuses_other_data_and_mismatched_halves(qwen_tok, src, tmp_path
     open(meta_path, "w").write(json.dumps(meta))
     with pytest.raises(UserError, match="not chat data in the format this version reads"):
         ChatDataset(tmp_path / "c")
+
+
+@pytest.mark.parametrize("template", [QWEN, QWEN_PLAIN], ids=["generation", "incremental"])
+def test_template_errors_name_the_conversation(qwen_tok, tmp_path, template):
+    boom = (
+        "{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom') }}{% endif %}{% endfor %}"
+    )
+    (tmp_path / "t.jinja").write_text(boom + template)
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps(CONVS[0]) + "\n" + json.dumps({"prompt": "boom", "completion": "x"}) + "\n"
+    )
+    with pytest.raises(
+        UserError, match=r"c.jsonl:2: the chat template of .*t.jinja failed on this conversation: no boom"
+    ):
+        preprocess_chat(tmp_path / "c.jsonl", tmp_path / "o" / "c", qwen_tok, chat_template=tmp_path / "t.jinja")
+    assert not (tmp_path / "o").exists()
