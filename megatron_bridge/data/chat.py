@@ -152,16 +152,19 @@ class ChatRenderer:
                 continue
             before = self.render(msgs[:k], where, generation_prompt=True)
             through = self.render(msgs[: k + 1], where)
-            if not (through.startswith(before) and text.startswith(through)):
-                raise UserError(
-                    f"{where}: the chat template of {self.source} is not prefix-consistent: rendering the "
-                    f"conversation up to assistant message {k} {'with the generation prompt ' if not through.startswith(before) else ''}"
-                    "is not the start of the rendering of the whole conversation (the template changes earlier "
-                    "turns when one is appended), so the assistant tokens cannot be located. Pass "
-                    "chat_template=FILE with a template that marks assistant content with "
-                    "{% generation %}...{% endgeneration %}, or one that renders every turn the same way."
-                )
-            out.append((len(before), len(through)))
+            if not through.startswith(before):
+                broken = f"messages 0..{k - 1} with the generation prompt do not render as the start of messages 0..{k}"
+            elif not text.startswith(through):
+                broken = f"messages 0..{k} do not render as the start of the whole conversation"
+            else:
+                out.append((len(before), len(through)))
+                continue
+            raise UserError(
+                f"{where}: the chat template of {self.source} is not prefix-consistent: {broken} (at "
+                f"assistant message {k}: the template renders a turn differently once more follow), so the assistant "
+                "tokens cannot be located. Pass chat_template=FILE with a template that marks assistant content with "
+                "{% generation %}...{% endgeneration %}, or one that renders every turn the same way."
+            )
         return text, out
 
     def encode(self, convs: list[tuple[str, list[dict[str, Any]]]]) -> list[tuple[list[int], list[int]]]:
