@@ -2,13 +2,19 @@
 
     mbr data input=FILE_OR_DIR output=PREFIX tokenizer=DIR [text_key=text] [overwrite=true]
     mbr data demo=true output_dir=DIR [vocab_size=N] [max_bytes=4000000] [overwrite=true]
+    mbr data mode=chat input=FILE.jsonl output=PREFIX tokenizer=DIR [chat_template=FILE]
+             [max_length=N] [overlong=truncate|drop] [overwrite=true]
+    mbr data mode=chat demo=true output_dir=DIR [tokenizer=DIR] [max_examples=N] [max_length=N]
 
 The first tokenizes .jsonl/.txt files (or a directory of them) with a local Hugging Face
 tokenizer into PREFIX.bin/.idx (+ PREFIX.meta.json). The second needs nothing but this
 machine: it builds a corpus from the Python standard library's sources, trains a byte-level
 BPE tokenizer on it (vocab = the recipe's model.vocab_size unless vocab_size=N) and
 preprocesses it, into DIR/{corpus.jsonl, tokenizer/, stdlib_text_document.*}. Both print the
-overrides that train on the result. Every input problem (missing input or tokenizer, an
+overrides that train on the result. mode=chat renders conversations ({"messages": [...]} or
+{"prompt", "completion"} per line) with the tokenizer's chat template into token ids plus a
+loss mask on the assistant tokens (PREFIX.bin/.idx + PREFIX.loss_mask.bin/.idx); its demo makes
+questions and answers from the standard library's docstrings. Every input problem (missing input or tokenizer, an
 existing output without overwrite=true, a tokenizer larger than the model) is reported before
 any heavy work, and nothing is left half-written.
 """
@@ -42,11 +48,47 @@ class DataCommandConfig(Config):
     demo: bool = False
     output_dir: str | None = None  # demo output directory
     vocab_size: int | None = None  # demo tokenizer size (default: model.vocab_size, at most 32768)
-    max_bytes: int = 4_000_000  # demo corpus budget
+    max_bytes: int = 4_000_000  # demo corpus budget (the demo tokenizer's training text)
+    mode: str = "text"  # text (pre-training documents) | chat (conversations + loss mask)
+    chat_template: str | None = None  # chat: a Jinja template file (default: the tokenizer's own)
+    max_length: int | None = None  # chat: longest conversation in tokens (default: no limit)
+    overlong: str = "truncate"  # chat: a conversation longer than max_length is cut (truncate) or left out (drop)
+    max_examples: int = 2000  # chat demo: number of docstring questions
 
 
 def _train_hint(prefix: str, tokenizer: str) -> str:
     return f"train on it with: data=indexed data.paths=[{prefix}] data.tokenizer={tokenizer}"
+
+
+def _sft_hint(prefix: str, tokenizer: str) -> str:
+    return f"fine-tune on it with: data=sft data.paths=[{prefix}] data.tokenizer={tokenizer}"
+
+
+def run_chat(cfg: DataCommandConfig) -> int:
+    from megatron_bridge.data.chat_dataset import preprocess_chat
+
+    if cfg.output_dir is not None or cfg.vocab_size is not None:
+        raise UserError("output_dir= and vocab_size= belong to demo=true; mode=chat takes input=, output=, tokenizer=")
+    if not cfg.input:
+        raise UserError(
+            "no input given: pass input=FILE.jsonl (one conversation per line, "
+            '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]} or '
+            '{"prompt": ..., "completion": ...}), or demo=true output_dir=DIR for a demo chat dataset'
+        )
+    tokenizer = cfg.tokenizer or cfg.data.tokenizer
+    stats = preprocess_chat(
+        cfg.input,
+        cfg.output,
+        tokenizer,
+        chat_template=cfg.chat_template,
+        max_length=cfg.max_length,
+        overlong=cfg.overlong,
+        overwrite=cfg.overwrite,
+        log=print,
+    )
+    print(stats.describe())
+    print(_sft_hint(os.path.abspath(stats.prefix), os.path.abspath(str(tokenizer))))
+    return 0
 
 
 def run_preprocess(cfg: DataCommandConfig) -> int:
@@ -78,9 +120,10 @@ def run_preprocess(cfg: DataCommandConfig) -> int:
 
 
 def run_demo(cfg: DataCommandConfig) -> int:
-    from megatron_bridge.data.demo import build_demo
+    from megatron_bridge.data.demo import build_chat_demo, build_demo
 
-    if cfg.input or cfg.output or cfg.tokenizer:
+    chat = cfg.mode == "chat"
+    if cfg.input or cfg.output or (cfg.tokenizer and not chat):
         raise UserError(
             "demo=true builds its own corpus and tokenizer: drop input=/output=/tokenizer= "
             "(or drop demo=true to preprocess your own text)"
@@ -90,6 +133,8 @@ def run_demo(cfg: DataCommandConfig) -> int:
             "demo=true needs output_dir=DIR (it writes DIR/corpus.jsonl, DIR/tokenizer/ and "
             f"DIR/{DEMO_PREFIX}.bin/.idx)"
         )
+    if chat and cfg.tokenizer and cfg.vocab_size is not None:
+        raise UserError("vocab_size= sizes the demo tokenizer it trains; with tokenizer=DIR there is none to train")
     model_vocab = cfg.model.vocab_size
     vocab = cfg.vocab_size if cfg.vocab_size is not None else min(model_vocab, DEMO_MAX_VOCAB)
     if vocab > model_vocab:
@@ -98,6 +143,20 @@ def run_demo(cfg: DataCommandConfig) -> int:
             f"could not embed its ids. Use vocab_size<={model_vocab}, or a recipe/model with a larger "
             f"vocabulary (e.g. model.vocab_size={vocab})."
         )
+    if chat:
+        cd = build_chat_demo(
+            cfg.output_dir,
+            vocab,
+            cfg.max_bytes,
+            max_examples=cfg.max_examples,
+            tokenizer=cfg.tokenizer,
+            max_length=cfg.max_length,
+            overlong=cfg.overlong,
+            overwrite=cfg.overwrite,
+            log=print,
+        )
+        print(_sft_hint(str(cd.prefix), str(cd.tokenizer)))
+        return 0
     demo = build_demo(cfg.output_dir, vocab, cfg.max_bytes, overwrite=cfg.overwrite, log=print)
     print(_train_hint(str(demo.prefix), str(demo.tokenizer)))
     return 0
@@ -113,4 +172,10 @@ def main(argv: Sequence[str]) -> int:
         return 0
     if args.flags:
         raise UserError(f"unknown flag(s) {' '.join(args.flags)} for `mbr data` (it takes key=value overrides)")
-    return run_demo(cfg) if cfg.demo else run_preprocess(cfg)
+    if cfg.mode not in ("text", "chat"):
+        raise UserError(f"mode={cfg.mode!r}: expected text (pre-training documents) or chat (conversations)")
+    if cfg.mode == "text" and (cfg.chat_template or cfg.max_length is not None):
+        raise UserError("chat_template= and max_length= belong to mode=chat (conversations); add mode=chat")
+    if cfg.demo:
+        return run_demo(cfg)
+    return run_chat(cfg) if cfg.mode == "chat" else run_preprocess(cfg)

@@ -4,6 +4,9 @@
   (byte-level BPE with `tokenizers`, saved as a Hugging Face tokenizer directory);
 - `tokenizer`: load a local HF tokenizer with clear errors, `check_vocab` against a model;
 - `preprocess`: jsonl/txt → token ids (+eos per document) → `.bin`/`.idx` (atomic writes);
+- `chat`: conversations → chat template → assistant character spans → per-token loss mask;
+- `chat_dataset`: the chat dataset on disk (tokens + aligned loss mask): `preprocess_chat`
+  writes it, `ChatDataset` reads conversations back by index;
 - `loader`: the entry points `build_datasets` (megatron-core `BlendedMegatronDatasetBuilder` +
   `GPTDatasetConfig`, or a seeded synthetic dataset), `make_iterator`, `build_data_iterators`;
 - `indexed`: `data.paths`/`data.split` parsing and `check_indexed_data` (data vs tokenizer vs
@@ -12,7 +15,8 @@
 - `batching`: a DP-sharded, deterministic, resumable micro-batch iterator (`DataIterator`,
   `PretrainingSampler`, `collate`) and megatron's load-balanced context-parallel slicing;
 - `helpers`: megatron-core's C++ index helpers (prebuilt, or compiled once and cached);
-- `demo`: corpus + tokenizer + indexed dataset in one directory (`mbr data demo=true`).
+- `demo`: corpus + tokenizer + indexed dataset in one directory (`mbr data demo=true`), and the
+  docstring chat dataset (`mbr data mode=chat demo=true`).
 
 Submodules are imported on demand: `import megatron_bridge.data` imports neither torch nor
 megatron-core. `python -m megatron_bridge.data ...` is `mbr data ...`.

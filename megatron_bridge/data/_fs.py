@@ -51,6 +51,30 @@ def ensure_parent(path: PathLike) -> Path:
     return parent
 
 
+@contextlib.contextmanager
+def new_parent(path: PathLike) -> Iterator[Path]:
+    """`ensure_parent(path)` for a block that may fail on bad input found while writing: the
+    directories it had to create are removed again on error (when still empty), so a refused
+    input leaves no trace, not even an empty output directory."""
+    parent = Path(path).absolute().parent
+    top = parent
+    while not top.parent.exists():
+        top = top.parent
+    created = not parent.exists()
+    ensure_parent(path)
+    try:
+        yield parent
+    except BaseException:
+        d = parent
+        while created and d != top.parent:
+            try:
+                d.rmdir()
+            except OSError:
+                break
+            d = d.parent
+        raise
+
+
 def refuse_existing(paths: list[PathLike], overwrite: bool, what: str) -> None:
     """UserError when any of `paths` exists and `overwrite` is false."""
     existing = [str(p) for p in paths if os.path.lexists(p) and not _empty_dir(p)]

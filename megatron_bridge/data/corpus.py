@@ -8,6 +8,8 @@ cut at a byte budget, so the same interpreter always yields the same corpus.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import os
 import sysconfig
@@ -21,9 +23,20 @@ from megatron_bridge.errors import UserError
 PathLike = str | os.PathLike
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".txt")
-# Special tokens of the tokenizers this module trains (ids 0, 1, 2 in this order).
+# Special tokens of the tokenizers this module trains (ids 0..4 in this order): padding,
+# document begin/end, and ChatML's turn delimiters for CHATML_TEMPLATE.
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
-SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END]
+# The trained tokenizers' chat template (ChatML): every turn is `<|im_start|>ROLE\nCONTENT<|im_end|>\n`,
+# so an assistant turn ends with its own end-of-turn token and earlier turns never change when
+# one is appended (what `mbr data mode=chat` needs to find the assistant tokens).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 # Directories of the stdlib tree that are not the standard library's own modules, or whose
 # files are deliberately odd (encoding tests, bad syntax samples).
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -85,27 +98,32 @@ def iter_documents(
             yield f.read_text(encoding="utf-8", errors="replace")
 
 
-def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
+def iter_jsonl(path: Path, example: str = '{"text": "..."}') -> Iterator[tuple[int, object]]:
+    """(line number, parsed JSON value) per non-blank line of `path`; invalid JSON is a
+    UserError naming `path:line` (`example` shows the expected shape of a line)."""
     with open(path, encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg}); jsonl input needs one "
-                    f'JSON object per line, e.g. {{"{text_key}": "..."}}'
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); jsonl input needs one JSON object per line, e.g. {example}"
                 ) from e
-            if not isinstance(obj, dict) or text_key not in obj:
-                keys = ", ".join(map(repr, obj)) if isinstance(obj, dict) else type(obj).__name__
-                raise UserError(
-                    f"{path}:{lineno}: no {text_key!r} key (found: {keys}); pass text_key=NAME to read another key"
-                )
-            text = obj[text_key]
-            if not isinstance(text, str):
-                raise UserError(f"{path}:{lineno}: {text_key!r} is a {type(text).__name__}, not a string")
-            yield text
+
+
+def _iter_jsonl(path: Path, text_key: str) -> Iterator[str]:
+    for lineno, obj in iter_jsonl(path, f'{{"{text_key}": "..."}}'):
+        if not isinstance(obj, dict) or text_key not in obj:
+            keys = ", ".join(map(repr, obj)) if isinstance(obj, dict) else type(obj).__name__
+            raise UserError(
+                f"{path}:{lineno}: no {text_key!r} key (found: {keys}); pass text_key=NAME to read another key"
+            )
+        text = obj[text_key]
+        if not isinstance(text, str):
+            raise UserError(f"{path}:{lineno}: {text_key!r} is a {type(text).__name__}, not a string")
+        yield text
 
 
 # -- the standard-library corpus ----------------------------------------------------------------
@@ -172,6 +190,78 @@ def build_stdlib_corpus(
     return CorpusStats(out_path, n_docs, n_bytes, root)
 
 
+def _stdlib_module(rel: str) -> str | None:
+    """`json/decoder.py` → `json.decoder`; None for private modules (`_pydecimal`, `json/_x`)."""
+    parts = rel[: -len(".py")].split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    if not parts or any(p.startswith("_") for p in parts):
+        return None
+    return ".".join(parts)
+
+
+def _first_paragraph(doc: str | None) -> str | None:
+    """A docstring's first paragraph on one line, or None when it is too short or too long to
+    make a useful answer."""
+    if not doc:
+        return None
+    para = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+    return para if 20 <= len(para) <= 600 else None
+
+
+def iter_docstring_qa(root: PathLike | None = None) -> Iterator[dict]:
+    """(question, answer) conversations from the standard library's public functions and methods:
+    "What does `module.func(signature)` do?" → the first paragraph of its docstring. The sources
+    are parsed with `ast`, never imported (importing runs module code: `antigravity` opens a
+    browser); sorted file order, source order within a file, so the output is deterministic."""
+    root = Path(root) if root is not None else stdlib_root()
+    for f in stdlib_files(root):
+        rel = f.relative_to(root).as_posix()
+        module = _stdlib_module(rel)
+        if module is None:
+            continue
+        try:
+            tree = ast.parse(f.read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        defs = [(module, n) for n in tree.body]
+        defs += [
+            (f"{module}.{c.name}", n)
+            for c in tree.body
+            if isinstance(c, ast.ClassDef) and not c.name.startswith("_")
+            for n in c.body
+        ]
+        for owner, node in defs:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            answer = _first_paragraph(ast.get_docstring(node))
+            if answer is None:
+                continue
+            question = f"What does `{owner}.{node.name}({ast.unparse(node.args)})` do?"
+            yield {
+                "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}],
+                "source": f"{rel}:{node.lineno}",
+            }
+
+
+def build_docstring_chat_corpus(out_path: PathLike, max_examples: int = 2000, *, overwrite: bool = False) -> int:
+    """Write up to `max_examples` docstring conversations (`iter_docstring_qa`) to `out_path`
+    (jsonl, `mbr data mode=chat` input). Atomic; returns the number written."""
+    if max_examples <= 0:
+        raise UserError(f"max_examples={max_examples} must be positive")
+    refuse_existing([Path(out_path)], overwrite, "chat corpus")
+    n = 0
+    with atomic_file(out_path, "w", encoding="utf-8") as out:
+        for qa in iter_docstring_qa():
+            out.write(json.dumps(qa) + "\n")
+            n += 1
+            if n >= max_examples:
+                break
+        if n == 0:
+            raise UserError(f"no documented public functions found under {stdlib_root()}")
+    return n
+
+
 # -- tokenizer training ------------------------------------------------------------------------
 def train_tokenizer(
     corpus: PathLike | Sequence[PathLike] | Iterable[str],
@@ -186,7 +276,8 @@ def train_tokenizer(
     """Train a byte-level BPE (`tokenizers`) on `corpus` and save it as a Hugging Face
     tokenizer directory. `corpus` is a jsonl/txt file or directory (str or Path), a list of
     Paths, or any other iterable of document strings. `AutoTokenizer.from_pretrained(out_dir)`
-    gives a fast tokenizer with pad `<pad>`=0, bos `<s>`=1, eos `</s>`=2. Lossless:
+    gives a fast tokenizer with pad `<pad>`=0, bos `<s>`=1, eos `</s>`=2, ChatML's
+    `<|im_start|>`=3 and `<|im_end|>`=4 and `CHATML_TEMPLATE` as its chat template. Lossless:
     decode(encode(text)) == text for any text. Deterministic for a given corpus. Atomic."""
     min_vocab = 256 + len(SPECIAL_TOKENS)
     if vocab_size < min_vocab:
@@ -226,6 +317,7 @@ def train_tokenizer(
         clean_up_tokenization_spaces=False,
         **({"model_max_length": model_max_length} if model_max_length else {}),
     )
+    hf.chat_template = CHATML_TEMPLATE
     with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         hf.save_pretrained(str(tmp))
     return out_dir

@@ -507,6 +507,53 @@ CASES: list[Case] = [
         "vocab_size<=512",
         out=OUT,
     ),
+    C(
+        "data-chat-no-template",
+        "data",
+        "mbr data mode=chat input={FX}/chat/good.jsonl output=out/chat tokenizer={FX}/chat/tok_no_template",
+        "tokenizer without chat template",
+        "the tokenizer in {FX}/chat/tok_no_template has no chat template",
+        "Pass chat_template=FILE",
+        out=OUT,
+    ),
+    C(
+        "data-chat-bad-json",
+        "data",
+        "mbr data mode=chat input={FX}/chat/bad_json.jsonl output=out/chat tokenizer={FX}/demo/tokenizer",
+        "chat: invalid JSON",
+        "{FX}/chat/bad_json.jsonl:2: not valid JSON",
+        '{"messages": [{"role": "user"',
+        out=OUT,
+    ),
+    C(
+        "data-chat-unknown-role",
+        "data",
+        "mbr data mode=chat input={FX}/chat/bad_role.jsonl output=out/chat tokenizer={FX}/demo/tokenizer",
+        "chat: unknown role",
+        "{FX}/chat/bad_role.jsonl:2: message 0 has unknown role 'bot'",
+        "the allowed roles are system, user, assistant, tool",
+        out=OUT,
+    ),
+    C(
+        "data-chat-template-not-prefix-consistent",
+        "data",
+        "mbr data mode=chat input={FX}/chat/good.jsonl output=out/chat tokenizer={FX}/demo/tokenizer "
+        "chat_template={FX}/chat/last_differs.jinja",
+        "template not prefix-consistent",
+        "the chat template of {FX}/chat/last_differs.jinja is not prefix-consistent",
+        "{% generation %}...{% endgeneration %}",
+        out=OUT,
+    ),
+    C(
+        "data-chat-overlong-choice",
+        "data",
+        "mbr data mode=chat input={FX}/chat/good.jsonl output=out/chat tokenizer={FX}/demo/tokenizer "
+        "max_length=8 overlong=cut",
+        "overlong ∉ truncate|drop",
+        "overlong='cut': expected truncate or drop",
+        out=OUT,
+        proc=True,
+    ),
     # -- checkpoints: resume, init, export, mbr check-ckpt ------------------------------------
     C(
         "ckpt-resume-no-dir",

@@ -3,7 +3,8 @@
     python -m tests.reliability.fixtures DIR
 
 DIR/demo (a small indexed dataset + its 320-token tokenizer), DIR/big (a 600-token tokenizer,
-larger than the model's 512, and data made with it), fake training checkpoints — complete
+larger than the model's 512, and data made with it), DIR/chat (chat jsonl with one defect per
+file, a template that is not prefix-consistent, a tokenizer without a chat template), fake training checkpoints — complete
 under another layout, and damaged in every way (corrupt/truncated/missing rank file, corrupt
 `latest` pointer, pointer to a missing iteration, corrupt manifest, only an interrupted save) —
 a non-empty directory, and Hugging Face model directories for `mbr convert`: a good tiny Llama
@@ -60,6 +61,22 @@ def build(fx: Path) -> None:
     big.mkdir()
     train_tokenizer(demo.corpus, big / "tokenizer", 600, min_frequency=1)
     preprocess(demo.corpus, big / "stdlib_text_document", big / "tokenizer")
+
+    chat = fx / "chat"
+    chat.mkdir()
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+    (chat / "good.jsonl").write_text(good)
+    (chat / "bad_json.jsonl").write_text(good + '{"messages": [\n')
+    (chat / "bad_role.jsonl").write_text(good + '{"messages": [{"role": "bot", "content": "hi"}]}\n')
+    (chat / "last_differs.jinja").write_text(
+        "{% for m in messages %}{% if loop.last and m['role'] == 'assistant' %}<|im_start|>final\n{% else %}"
+        "<|im_start|>{{ m['role'] }}\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    shutil.copytree(demo.tokenizer, chat / "tok_no_template")
+    (chat / "tok_no_template" / "chat_template.jinja").unlink()
+    cfg = chat / "tok_no_template" / "tokenizer_config.json"
+    cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "chat_template"}))
 
     fake_checkpoint(fx / "ck_tp2pp2", [2], layout=LAYOUT_4, world=4)
     (fake_checkpoint(fx / "ck_bad_latest", [2]) / ck.LATEST).write_text("iter_2?\n")

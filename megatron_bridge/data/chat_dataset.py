@@ -1,0 +1,286 @@
+"""The chat dataset on disk: `preprocess_chat` writes it, `ChatDataset` reads it back.
+
+Two megatron-core indexed datasets with identical sequence lengths, one sequence per
+conversation: PREFIX (token ids, `uint16`/`int32` as for pre-training data) and
+PREFIX.loss_mask (`uint8`, 1 on assistant tokens), plus PREFIX.meta.json with
+`format: megatron_bridge.chat/1`. Two files rather than two sequences per document so that each
+keeps its own dtype (the mask costs one byte a token) and the token dataset stays an ordinary
+indexed dataset (`check_indexed_data`'s vocab checks read its meta unchanged). A reader opens
+both memory-mapped and checks that their lengths agree, so conversation i is the same i in both.
+
+Writing streams conversations in batches (constant memory but one int per conversation in
+megatron-core's builders); all five files go under temporary names and are renamed at the end,
+the token `.idx` last: a failure, including bad input found halfway, leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_bridge.data._fs import new_parent, refuse_existing, remove, temp_path_for
+from megatron_bridge.data.chat import (
+    CHAT_FORMAT,
+    MASK_SUFFIX,
+    OVERLONG,
+    TRAINED_ROLE,
+    ChatRenderer,
+    chat_input_files,
+    chat_paths,
+    iter_conversations,
+    resolve_template,
+)
+from megatron_bridge.data.preprocess import check_output_prefix, read_meta
+from megatron_bridge.data.tokenizer import load_tokenizer, validate_tokenizer_dir
+from megatron_bridge.errors import UserError
+
+PathLike = str | os.PathLike
+MASK_MEANING = "loss_mask[i] = 1: token i belongs to an assistant turn (train on predicting it: labels = tokens[1:], loss_mask[1:])"
+
+
+@dataclass
+class ChatStats:
+    prefix: str
+    conversations: int  # written
+    tokens: int
+    loss_tokens: int  # tokens with mask 1
+    skipped_empty: int  # no messages, or nothing but blank content
+    skipped_no_assistant: int  # nothing to train on
+    truncated: int  # longer than max_length, cut to it (overlong=truncate)
+    dropped_overlong: int  # longer than max_length, dropped (overlong=drop, or no assistant token left)
+    dtype: str
+    vocab_size: int
+    eos_id: int
+    max_token_id: int
+    mask_method: str  # generation ({% generation %} markers) | incremental
+    chat_template: str  # where the template came from
+    max_length: int | None
+    overlong: str
+    seconds: float
+
+    def describe(self) -> str:
+        pct = 100 * self.loss_tokens / max(self.tokens, 1)
+        lines = [
+            f"{self.prefix}.{{bin,idx}} + {self.prefix}{MASK_SUFFIX}.{{bin,idx}}: {self.conversations} conversations, "
+            f"{self.tokens} tokens, {self.loss_tokens} of them trained ({pct:.1f}%; {self.dtype}, vocab "
+            f"{self.vocab_size}; template: {self.chat_template}, assistant tokens by {self.mask_method} rendering)"
+        ]
+        skipped = [
+            f"{n} {what}"
+            for n, what in (
+                (self.skipped_empty, "empty"),
+                (self.skipped_no_assistant, "without an assistant turn"),
+            )
+            if n
+        ]
+        if skipped:
+            lines.append(f"skipped: {', '.join(skipped)}")
+        if self.max_length is not None:
+            lines.append(
+                f"longer than max_length={self.max_length} tokens: {self.truncated} truncated, "
+                f"{self.dropped_overlong} dropped (overlong={self.overlong})"
+            )
+        return "\n".join(lines)
+
+
+def preprocess_chat(
+    inputs: PathLike | Sequence[PathLike],
+    output_prefix: PathLike,
+    tokenizer: PathLike,
+    *,
+    chat_template: PathLike | None = None,
+    max_length: int | None = None,
+    overlong: str = "truncate",
+    overwrite: bool = False,
+    batch_size: int = 64,
+    meta_extra: dict[str, Any] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> ChatStats:
+    """Render and tokenize the conversations of `inputs` (jsonl files or directories) into the
+    chat dataset `output_prefix` (module docstring). Conversations longer than `max_length`
+    tokens are cut to it (`overlong="truncate"`) or left out (`"drop"`); every skip is counted."""
+    # -- validate everything cheap first -------------------------------------------------------
+    prefix = check_output_prefix(output_prefix, overwrite)
+    paths = chat_paths(prefix)
+    refuse_existing([paths["mask_bin"], paths["mask_idx"]], overwrite, "loss-mask dataset")
+    files = chat_input_files(inputs)
+    tok_dir = validate_tokenizer_dir(tokenizer)
+    if overlong not in OVERLONG:
+        raise UserError(f"overlong={overlong!r}: expected {' or '.join(OVERLONG)} (what to do past max_length)")
+    if max_length is not None and int(max_length) <= 0:
+        raise UserError(f"max_length={max_length} must be a positive number of tokens (or unset: no limit)")
+    if chat_template and not Path(chat_template).expanduser().is_file():
+        raise UserError(f"chat_template={chat_template} does not exist (it takes a file holding a Jinja chat template)")
+    tok = load_tokenizer(tok_dir)
+    template, source = resolve_template(tok, tok_dir, chat_template)
+    renderer = ChatRenderer(tok, template, source)
+    with new_parent(prefix):
+        return _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log)
+
+
+def _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log) -> ChatStats:
+    tok, template, source = renderer.tok, renderer.template, renderer.source
+    prefix = paths["bin"][: -len(".bin")]
+    vocab = len(tok)
+
+    import numpy as np
+
+    from megatron_bridge.data.helpers import quiet_megatron_import
+
+    quiet_megatron_import()
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    dtype = DType.optimal_dtype(vocab)
+    t0 = time.time()
+    tmp = {k: temp_path_for(v) for k, v in paths.items()}
+    c = dict.fromkeys(("conversations", "tokens", "loss_tokens", "empty", "no_assistant", "truncated", "dropped"), 0)
+    max_id = -1
+    builders: list[Any] = []
+    try:
+        builders = [IndexedDatasetBuilder(tmp["bin"], dtype=dtype), IndexedDatasetBuilder(tmp["mask_bin"], np.uint8)]
+
+        def flush(batch: list[tuple[str, list[dict[str, Any]]]]) -> None:
+            nonlocal max_id
+            for ids, mask in renderer.encode(batch):
+                if max_length is not None and len(ids) > max_length:
+                    if overlong == "drop" or not any(mask[:max_length]):
+                        c["dropped"] += 1
+                        continue
+                    ids, mask = ids[:max_length], mask[:max_length]
+                    c["truncated"] += 1
+                if not any(mask):  # markers that cover nothing here, or an assistant turn that renders empty
+                    c["no_assistant"] += 1
+                    continue
+                arr = np.asarray(ids, dtype=np.int64)
+                max_id = max(max_id, int(arr.max()))
+                builders[0].add_document(arr, [arr.size])
+                builders[1].add_document(np.asarray(mask, dtype=np.uint8), [arr.size])
+                c["conversations"] += 1
+                c["tokens"] += arr.size
+                c["loss_tokens"] += int(sum(mask))
+
+        batch: list[tuple[str, list[dict[str, Any]]]] = []
+        for where, msgs in iter_conversations(files):
+            if not any(m["content"].strip() for m in msgs):
+                c["empty"] += 1
+            elif not any(m["role"] == TRAINED_ROLE for m in msgs):
+                c["no_assistant"] += 1
+            else:
+                batch.append((where, msgs))
+            if len(batch) >= batch_size:
+                flush(batch)
+                batch = []
+                if log and c["conversations"] % (batch_size * 64) == 0:
+                    log(f"  {c['conversations']} conversations, {c['tokens']} tokens")
+        if batch:
+            flush(batch)
+        if c["conversations"] == 0:
+            raise UserError(
+                f"no conversation to train on in {', '.join(map(str, files))}: {c['empty']} empty, "
+                f"{c['no_assistant']} without an assistant turn, {c['dropped']} longer than max_length={max_length}"
+            )
+        if max_id >= vocab:
+            raise UserError(f"the tokenizer in {tok_dir} produced id {max_id} ≥ its own size {vocab}")
+        builders[1].finalize(tmp["mask_idx"])
+        builders[0].finalize(tmp["idx"])
+        stats = ChatStats(
+            prefix=str(prefix),
+            conversations=c["conversations"],
+            tokens=c["tokens"],
+            loss_tokens=c["loss_tokens"],
+            skipped_empty=c["empty"],
+            skipped_no_assistant=c["no_assistant"],
+            truncated=c["truncated"],
+            dropped_overlong=c["dropped"],
+            dtype=np.dtype(dtype).name,
+            vocab_size=vocab,
+            eos_id=int(tok.eos_token_id),
+            max_token_id=max_id,
+            mask_method=renderer.method,
+            chat_template=source,
+            max_length=max_length,
+            overlong=overlong,
+            seconds=time.time() - t0,
+        )
+        meta = {
+            "format": CHAT_FORMAT,
+            "build_id": uuid.uuid4().hex,
+            "tokenizer": str(tok_dir.absolute()),
+            "loss_mask": {"prefix_suffix": MASK_SUFFIX, "dtype": "uint8", "meaning": MASK_MEANING},
+            "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
+            "documents": stats.conversations,
+            **asdict(stats),
+            "files": [str(f) for f in files],
+            **(meta_extra or {}),
+        }
+        meta.pop("prefix", None)
+        with open(tmp["meta"], "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+        for k in ("bin", "mask_bin", "mask_idx", "meta", "idx"):
+            os.replace(tmp[k], paths[k])
+    except BaseException:
+        for b in builders:
+            if not b.data_file.closed:
+                b.data_file.close()
+        for p in tmp.values():
+            remove(p)
+        raise
+    return stats
+
+
+class ChatDataset:
+    """Random access to a chat dataset's conversations: `ds[i]` is (tokens int64, loss_mask
+    uint8), two numpy arrays of the same length; `ds.lengths` holds every conversation's length
+    (for packing without reading tokens). Memory-mapped: opening costs the two index files."""
+
+    def __init__(self, prefix: PathLike):
+        self.prefix = str(prefix)
+        paths = chat_paths(self.prefix)
+        missing = [paths[k] for k in ("bin", "idx", "mask_bin", "mask_idx") if not os.path.isfile(paths[k])]
+        if missing:
+            raise UserError(
+                f"chat dataset {self.prefix} is incomplete: {', '.join(missing)} missing (make it with "
+                f"`mbr data mode=chat input=FILE.jsonl output={self.prefix} tokenizer=DIR`)"
+            )
+        self.meta = read_meta(self.prefix) or {}
+        if self.meta.get("format") != CHAT_FORMAT:
+            raise UserError(
+                f"{self.prefix} is not chat data in the format this version reads ({CHAT_FORMAT}); its "
+                f"{paths['meta']} says {self.meta.get('format')!r}. Re-make it with `mbr data mode=chat`."
+            )
+        import numpy as np
+
+        from megatron_bridge.data.helpers import quiet_megatron_import
+
+        quiet_megatron_import()
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        self._tokens = IndexedDataset(self.prefix)
+        self._mask = IndexedDataset(self.prefix + MASK_SUFFIX)
+        self.lengths = self._tokens.sequence_lengths
+        if not np.array_equal(self.lengths, self._mask.sequence_lengths):
+            raise UserError(
+                f"{self.prefix}: the token and loss-mask datasets disagree on conversation lengths (files from "
+                "two different builds?). Re-make it with `mbr data mode=chat ... overwrite=true`."
+            )
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int):
+        import numpy as np
+
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"conversation {i} of {len(self)} in {self.prefix}")
+        i = int(i) % len(self)
+        return np.asarray(self._tokens[i], dtype=np.int64), np.asarray(self._mask[i], dtype=np.uint8)
+
+    def __iter__(self) -> Iterator:
+        return (self[i] for i in range(len(self)))
