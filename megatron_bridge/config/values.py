@@ -42,7 +42,9 @@ def _v(name: str, detail: str, fix: str) -> list[Violation]:
 def learning_rate(d, cfg):
     o, out = cfg.optimizer, []
     if not o.lr > 0:
-        out += _v("lr", f"optimizer.lr={o.lr:g} must be > 0", "set a positive peak learning rate, e.g. optimizer.lr=3e-4")
+        out += _v(
+            "lr", f"optimizer.lr={o.lr:g} must be > 0", "set a positive peak learning rate, e.g. optimizer.lr=3e-4"
+        )
     if o.min_lr < 0 or (o.lr > 0 and o.min_lr > o.lr):
         out += _v(
             "min-lr",

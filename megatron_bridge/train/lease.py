@@ -128,7 +128,9 @@ def _read(path: Path) -> Holder | None:
             age = time.time() - path.stat().st_mtime
         except FileNotFoundError:
             return None
-        return Holder("?", -1, None, "", -1, f"unreadable lease file {path}", "?", 0, time.time() - age, time.time() - age)
+        return Holder(
+            "?", -1, None, "", -1, f"unreadable lease file {path}", "?", 0, time.time() - age, time.time() - age
+        )
 
 
 def _write(path: Path, h: Holder) -> None:
