@@ -224,9 +224,12 @@ def _mine(h: Holder, me: Holder, rank: int) -> bool:
         return True
     if rank == 0:  # a rank 0 restarted by an elastic agent succeeds its predecessor
         return h.job_key == me.job_key and h.restart < me.restart
-    if h.host == me.host:
-        return h.launcher_pid == me.launcher_pid and h.boot_id == me.boot_id
-    return h.job_key == me.job_key
+    if h.host == me.host and h.launcher_pid == me.launcher_pid and h.boot_id == me.boot_id:
+        return True  # rank 0 of this node's launcher
+    # Another node's rank 0 (or another torchrun agent's on this host, e.g. two "nodes" on one
+    # machine): the job key. torchrun's MASTER_PORT is its store's, unique among live jobs on a
+    # host; the deepspeed launcher's is bound only later, so on one host only the launcher counts.
+    return h.job_key == me.job_key and (h.host != me.host or bool(os.environ.get("TORCHELASTIC_RUN_ID")))
 
 
 def acquire(cfg) -> Lease | None:

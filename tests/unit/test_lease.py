@@ -119,6 +119,13 @@ def test_other_ranks_accept_their_own_jobs_lease(tmp_path, sleeper, monkeypatch)
     plant(d, host="node0", pid=1, job_key="other", refreshed=time.time())
     with pytest.raises(UserError):
         L.acquire(cfg(d))
+    # another torchrun agent of this job on this host (two "nodes" on one machine)
+    plant(d, pid=sleeper.pid, pid_start=L._proc_start(sleeper.pid), job_key=L._job()[1])
+    assert L.acquire(cfg(d)) is None
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # deepspeed launcher: the same key proves nothing here
+    plant(d, pid=sleeper.pid, pid_start=L._proc_start(sleeper.pid), job_key=L._job()[1])
+    with pytest.raises(UserError):
+        L.acquire(cfg(d))
 
 
 def test_rank0_refreshes_and_stops_when_taken_over(tmp_path):
