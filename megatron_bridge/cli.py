@@ -34,8 +34,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "launch": (
         "megatron_bridge.commands.launch",
         "main",
-        "launch a recipe with torchrun, deepspeed or Slurm (--dry-run prints)",
+        "launch a recipe with torchrun, deepspeed, Slurm or Kubernetes (--dry-run prints)",
     ),
+    "recipes": (
+        "megatron_bridge.commands.recipes",
+        "main",
+        "list recipes and config-group options on the search path, with where each comes from",
+    ),
+    "init": ("megatron_bridge.commands.init", "main", "start a user config dir: a recipe and a cluster file to edit"),
     "check-ckpt": (
         "megatron_bridge.commands.check_ckpt",
         "main",
@@ -58,13 +64,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
 }
 
-USAGE = """usage: mbr <command> [recipe=NAME] [key=value ...] [--flags]
+USAGE = """usage: mbr <command> [recipe=NAME|PATH.yaml] [key=value ...] [--config-dir DIR ...] [--flags]
 
 commands:
 {commands}
 
 Every key of every config group can be overridden: parallel.tp=4 parallel.pp=2 zero.stage=1
 model=llama3_70b cluster=dgx_h100 cluster.nodes=8. `--cfg job` prints the resolved config.
+Your own recipes and group options: `--config-dir DIR` or $MBR_CONFIG_PATH (`mbr init DIR`).
 """
 
 

@@ -115,13 +115,16 @@ def forward_logits(chunks: Sequence[Any], input_ids: torch.Tensor) -> torch.Tens
     return torch.cat(full, dim=0)
 
 
-def wrap_ddp(chunks: Sequence[Any]) -> list[Any]:
+def wrap_ddp(chunks: Sequence[Any], *, distributed_optimizer: bool = False) -> list[Any]:
     """megatron DDP around each chunk (grad buffers in fp32, reduced over dp·cp, embedding
-    grads shared across stages); gradients then live in `param.main_grad`."""
+    grads shared across stages); gradients then live in `param.main_grad`. The one place the
+    model is wrapped: the training engine (`distributed_optimizer` = ZeRO-1, whose buffers
+    megatron's DistributedOptimizer shards) and `mbr verify` / the parity tests share it, so
+    what verify checks is what training runs."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )
     wrapped = [DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c) for c in chunks]
     for w in wrapped:

@@ -1,10 +1,13 @@
-"""`mbr launch`: put a recipe on torchrun, the deepspeed launcher or Slurm.
+"""`mbr launch`: put a recipe on torchrun, the deepspeed launcher, Slurm or Kubernetes.
 
 We generate the launchers' own command lines (torchrun's c10d rendezvous, a DeepSpeed
-hostfile, an sbatch script running one torchrun agent per node under srun) instead of
+hostfile, an sbatch script running one torchrun agent per node under srun, a Kubeflow
+PyTorchJob manifest: commands/k8s.py) instead of
 managing processes ourselves. `--dry-run` prints them with the validated rank map; without
 it, a single-node launch execs the local command. Multi-node launches must be started on
-each node (or through Slurm): we print exactly what to run where.
+each node (or through Slurm / Kubernetes): we print exactly what to run where. Every rank
+gets the recipe as an absolute path when it is a file and every user config dir as an
+explicit `--config-dir`, so all ranks resolve the same files whatever their environment.
 """
 
 from __future__ import annotations
@@ -17,21 +20,28 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_bridge.config.compose import compose
+from megatron_bridge.commands import k8s
+from megatron_bridge.config import search
+from megatron_bridge.config.compose import Args, compose
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import validate
 from megatron_bridge.parallel.topology import Topology
 
 ENTRY = ["-m", "megatron_bridge.train"]
-LAUNCHERS = ("torchrun", "deepspeed", "slurm")
+LAUNCHERS = ("torchrun", "deepspeed", "slurm", "k8s")
+# What --dry-run output=DIR writes, by the name the dry run prints it under.
+OUTPUT_FILES = {"hostfile": "hostfile", "sbatch script": "job.sbatch", k8s.FILENAME: k8s.FILENAME}
+# How to submit what was written (launchers that need a scheduler).
+SUBMIT = {"slurm": "sbatch {out}/job.sbatch", "k8s": "kubectl apply -f {out}/" + k8s.FILENAME}
 
 
 @dataclasses.dataclass
 class LaunchConfig(Config):
-    launcher: str = "torchrun"
+    launcher: str = "torchrun"  # torchrun | deepspeed | slurm | k8s
     job_name: str = "mbr"
-    output: str = ""  # where to write the hostfile / sbatch script (default: print only)
+    output: str = ""  # where to write the hostfile / sbatch script / PyTorchJob (default: print only)
+    k8s: k8s.K8sConfig = dataclasses.field(default_factory=k8s.K8sConfig)
 
 
 def hosts(cfg) -> list[str]:
@@ -55,9 +65,14 @@ def hosts(cfg) -> list[str]:
     return names
 
 
-def job_args(argv_overrides: Sequence[str], recipe: str) -> list[str]:
-    keep = [o for o in argv_overrides if o.split("=", 1)[0] not in ("launcher", "job_name", "output")]
-    return [f"recipe={recipe}", *keep]
+def job_args(args: Args) -> list[str]:
+    """The training job's arguments: the recipe (a file as its absolute path), the overrides
+    minus launch-only fields, and every user config dir as an explicit `--config-dir`."""
+    own = {f.name for f in dataclasses.fields(LaunchConfig)} - {f.name for f in dataclasses.fields(Config)}
+    keep = [o for o in args.overrides if o.split("=", 1)[0].split(".", 1)[0] not in own]
+    sources = args.sources()
+    recipe = str(search.find_recipe(args.recipe, sources)) if search.is_recipe_path(args.recipe) else args.recipe
+    return [f"recipe={recipe}", *keep, *search.launch_args(sources)]
 
 
 def torchrun_commands(cfg, args: list[str]) -> dict[str, str]:
@@ -143,15 +158,21 @@ def main(argv: Sequence[str]) -> int:
     if cfg.launcher not in LAUNCHERS:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {LAUNCHERS}.")
     dims, notes = validate(cfg)
-    jargs = job_args(args.overrides, args.recipe)
+    jargs = job_args(args)
     dry = "--dry-run" in args.flags
     if cfg.launcher == "torchrun":
         files = torchrun_commands(cfg, jargs)
     elif cfg.launcher == "deepspeed":
         files = deepspeed_files(cfg, jargs)
+    elif cfg.launcher == "k8s":
+        files = {k8s.FILENAME: k8s.manifest_yaml(cfg, jargs)}
+        if jargs[0] != f"recipe={args.recipe}" or len(search.launch_args(args.sources())):
+            notes.append(
+                "the pods read the recipe file and --config-dir dirs at the paths above: bake them into the image or put them on a mounted volume"
+            )
     else:
         files = {"sbatch script": sbatch_script(cfg, jargs)}
-    if dry or cfg.cluster.nodes > 1:
+    if dry or cfg.cluster.nodes > 1 or cfg.launcher in SUBMIT:
         print(f"layout OK: {dims.describe()}")
         for n in notes:
             print(f"note: {n}")
@@ -161,14 +182,12 @@ def main(argv: Sequence[str]) -> int:
             print(f"--- {name} ---\n{text.rstrip()}")
         if cfg.output:
             _write_outputs(cfg, files)
+        if cfg.launcher in SUBMIT:
+            how = SUBMIT[cfg.launcher].format(out=cfg.output or "DIR")
+            print(f"submit with: {how}" + ("" if cfg.output else "   (output=DIR writes the file)"))
         return 0
     # Single node, not a dry run: run the local part (exec the launcher).
     cmd = next(iter(files.values())) if cfg.launcher == "torchrun" else files.get("command (on the first node)")
-    if cfg.launcher == "slurm":
-        raise UserError(
-            "launcher=slurm needs `sbatch`: use --dry-run with output=DIR to write the script, then "
-            "`sbatch DIR/job.sbatch`."
-        )
     argv_exec = shlex.split(cmd)
     if shutil.which(argv_exec[0]) is None:  # not on PATH (venv not activated): same tool via python -m
         module = {"torchrun": "torch.distributed.run", "deepspeed": "deepspeed.launcher.runner"}[argv_exec[0]]
@@ -180,8 +199,7 @@ def main(argv: Sequence[str]) -> int:
 def _write_outputs(cfg, files: dict[str, str]) -> None:
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
-    if "hostfile" in files:
-        (out / "hostfile").write_text(files["hostfile"])
-    if "sbatch script" in files:
-        (out / "job.sbatch").write_text(files["sbatch script"])
+    for name, filename in OUTPUT_FILES.items():
+        if name in files:
+            (out / filename).write_text(files[name])
     print(f"wrote {out}")

@@ -204,7 +204,9 @@ def main(argv: Sequence[str]) -> int:
         from megatron_bridge.testing import TorchrunError, run_torchrun
 
         child = [
-            a for a in argv if not a.startswith(("verify.out=", "verify.tiny=", "model.hf_path=", "verify.nproc="))
+            a
+            for a in argv
+            if not a.startswith(("verify.out=", "verify.tiny=", "model.hf_path=", "src=", "verify.nproc="))
         ]
         child += [f"verify.out={out}", f"model.hf_path={hf_dir}", f"verify.nproc={nproc}", "--worker"]
         print(f"running {len(layouts)} layout(s) on {nproc} local process(es) ...", flush=True)

@@ -1,23 +1,24 @@
 """Compose a recipe + CLI overrides into one typed `Config`.
 
 A recipe (`recipes/NAME.yaml`) is a Hydra primary config whose defaults list picks one
-option per group from `conf/` and starts with `mbr_schema`, the structured schema stored
-in Hydra's ConfigStore. `recipe=NAME` selects the recipe; every other `key=value` is a Hydra
-override, so any field of any group can be changed from the command line and `model=NAME`
-swaps a whole group. Hydra/OmegaConf errors (unknown key, wrong type, missing group option)
+option per group (`conf/<group>/`, or a user config dir's `<group>/`: config/search.py) and
+starts with `mbr_schema`, the structured schema stored in Hydra's ConfigStore.
+`recipe=NAME` (or `recipe=PATH.yaml`) selects the recipe, `--config-dir DIR` adds a user
+dir; every other `key=value` is a Hydra override, so any field of any group can be changed
+from the command line and `model=NAME` swaps a whole group. Hydra/OmegaConf errors (unknown key, wrong type, missing group option)
 become `UserError`s with the fix spelled out.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_bridge.config import search
 from megatron_bridge.config.hf_model import apply_hf_config
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
@@ -25,32 +26,13 @@ from megatron_bridge.errors import UserError
 DEFAULT_RECIPE = "default"
 
 
-def repo_root() -> Path:
-    """Directory holding `conf/` and `recipes/` (the source tree; installs are editable)."""
-    env = os.environ.get("MBR_HOME")
-    root = Path(env) if env else Path(__file__).resolve().parents[2]
-    if not (root / "conf").is_dir() or not (root / "recipes").is_dir():
-        raise UserError(
-            f"cannot find conf/ and recipes/ under {root}. Install megatron_bridge editable "
-            "from its source tree (`pip install -e .`) or set MBR_HOME to the source tree."
-        )
-    return root
+def list_recipes(sources: Sequence[search.Source] | None = None) -> list[str]:
+    """Recipe names on the search path (default: $MBR_CONFIG_PATH's dirs and the built-ins)."""
+    return [e.name for e in search.catalogue(sources or search.search_path(DEFAULT_RECIPE))["recipes"]]
 
 
-def conf_dir() -> Path:
-    return repo_root() / "conf"
-
-
-def recipes_dir() -> Path:
-    return repo_root() / "recipes"
-
-
-def list_recipes() -> list[str]:
-    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
-
-
-def list_group(group: str) -> list[str]:
-    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+def list_group(group: str, sources: Sequence[search.Source] | None = None) -> list[str]:
+    return [e.name for e in search.catalogue(sources or search.search_path(DEFAULT_RECIPE))[group]]
 
 
 @dataclasses.dataclass
@@ -61,6 +43,10 @@ class Args:
     overrides: list[str] = dataclasses.field(default_factory=list)
     flags: list[str] = dataclasses.field(default_factory=list)  # --dry-run, --list, ...
     cfg: str | None = None  # `--cfg job` prints the resolved config
+    config_dirs: list[str] = dataclasses.field(default_factory=list)  # `--config-dir DIR`, repeatable
+
+    def sources(self) -> list[search.Source]:
+        return search.search_path(self.recipe, self.config_dirs)
 
 
 def parse_args(argv: Sequence[str]) -> Args:
@@ -73,7 +59,14 @@ def parse_args(argv: Sequence[str]) -> Args:
             if "=" not in a:
                 next(it, None)
             continue
-        if a == "--cfg":
+        if a == "--config-dir":
+            d = next(it, None)
+            if d is None or d.startswith("-") or "=" in d:
+                raise UserError("--config-dir needs a directory: `--config-dir DIR` or `--config-dir=DIR`.")
+            args.config_dirs.append(d)
+        elif a.startswith("--config-dir="):
+            args.config_dirs.append(a.split("=", 1)[1])
+        elif a == "--cfg":
             args.cfg = next(it, "job")
         elif a.startswith("--cfg="):
             args.cfg = a.split("=", 1)[1]
@@ -91,13 +84,54 @@ def parse_args(argv: Sequence[str]) -> Args:
     return args
 
 
-def _hydra_error(e: Exception, recipe: str) -> UserError:
+def apply_aliases(overrides: Sequence[str], schema: type) -> list[str]:
+    """Rewrite `schema.CLI_ALIASES` spellings to the field they name (an alias that is a field of
+    `schema` itself stays that field). Both spellings with different values is an error."""
+    names = {f.name for f in dataclasses.fields(schema)}
+    aliases = {a: t for a, t in getattr(schema, "CLI_ALIASES", {}).items() if a not in names}
+    given = dict(o.split("=", 1) for o in overrides)
+    out = []
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if key not in aliases:
+            out.append(o)
+            continue
+        target = aliases[key]
+        if target in given and given[target] != value:
+            raise UserError(
+                f"{key}={value} and {target}={given[target]} name the same thing ({key}= is another spelling "
+                f"of {target}=) with different values. Give it once."
+            )
+        if target not in given:
+            out.append(f"{target}={value}")
+    return out
+
+
+def _config_file(config_path: str, recipe_file: Path, sources: Sequence[search.Source]) -> str:
+    """Hydra names a config by its search-path name (`mine`, `cluster/my_cluster`); users
+    need the file, which is the first source that has it."""
+    builtin = search.builtin()
+    if config_path == recipe_file.stem:
+        return f"built-in recipe {config_path}" if recipe_file.parent == builtin.recipes else str(recipe_file)
+    group, _, name = config_path.partition("/")
+    for s in sources:
+        if name and s.option_file(group, name).is_file():
+            return f"built-in {config_path}" if s == builtin else str(s.option_file(group, name))
+    return config_path
+
+
+def _hydra_error(e: Exception, recipe: str, recipe_file: Path, sources: Sequence[search.Source]) -> UserError:
     msg = str(e).strip()
     cause = e.__cause__ or e.__context__
     if cause is not None and str(cause).strip() and str(cause).strip() not in msg:
         msg = f"{msg}: {str(cause).strip()}"
     msg = msg.split("\n    full_key")[0].split("Config search path")[0]
     msg = re.sub(r"To append to your config use \S+: ", "", msg)
+    msg = re.sub(r"\S+ raised while composing config:\s*", "", msg)
+    where = re.match(r"In '([^']+)':\s*", msg)
+    if where:
+        msg = msg[where.end() :]
+    at = f" in {_config_file(where.group(1), recipe_file, sources)}" if where else ""
     msg = re.sub(r"\s+", " ", msg).strip().rstrip(".")
     if "could not be converted" in msg or "Value '" in msg and "is not a valid" in msg:
         hint = (
@@ -107,14 +141,22 @@ def _hydra_error(e: Exception, recipe: str) -> UserError:
     else:
         hint = (
             f"Check the spelling of the key against `mbr check recipe={recipe} --cfg job` "
-            "(unknown keys are errors, not ignored) and the option names in conf/<group>/."
+            "(unknown keys are errors, not ignored) and the group options `mbr recipes` lists."
         )
-    return UserError(f"invalid configuration: {msg}. {hint}")
+    return UserError(f"invalid configuration{at}: {msg}. {hint}")
+
+
+def _yaml_error(e: Exception) -> UserError:
+    text = re.sub(r"\s+", " ", str(e)).strip()
+    return UserError(
+        f"a config file is not valid YAML: {text}. Fix the file named above (each key once, `key: value`)."
+    )
 
 
 def compose(argv: Sequence[str] | Args, schema: type = Config, *, resolve_hf: bool = True) -> tuple[object, Args]:
     """Compose recipe + overrides into an instance of `schema` (a `Config` dataclass or a
     subclass with a command's own fields). Returns (typed config, parsed args)."""
+    import yaml
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.config_store import ConfigStore
@@ -123,17 +165,16 @@ def compose(argv: Sequence[str] | Args, schema: type = Config, *, resolve_hf: bo
     from omegaconf.errors import OmegaConfBaseException
 
     args = argv if isinstance(argv, Args) else parse_args(argv)
-    if args.recipe not in list_recipes():
-        raise UserError(
-            f"unknown recipe {args.recipe!r}: recipes are the files in {recipes_dir()} "
-            f"({', '.join(list_recipes())}). Pick one with `recipe=NAME`."
-        )
+    args.overrides = apply_aliases(args.overrides, schema)
+    sources = args.sources()
+    recipe_file = search.find_recipe(args.recipe, sources)
     ConfigStore.instance().store(name="mbr_schema", node=schema)
     GlobalHydra.instance().clear()
-    overrides = list(args.overrides) + [f"hydra.searchpath=[file://{conf_dir()}]"]
+    entries = ",".join(f"'{s.url}'" for s in sources)
+    overrides = list(args.overrides) + [f"hydra.searchpath=[{entries}]"]
     try:
-        with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3"):
-            dcfg = hydra_compose(config_name=args.recipe, overrides=overrides)
+        with initialize_config_dir(config_dir=str(recipe_file.parent), version_base="1.3"):
+            dcfg = hydra_compose(config_name=recipe_file.stem, overrides=overrides)
         if resolve_hf and dcfg.model.hf_path:
             apply_hf_config(dcfg.model, dcfg.model.hf_path)
         OmegaConf.resolve(dcfg)
@@ -141,7 +182,9 @@ def compose(argv: Sequence[str] | Args, schema: type = Config, *, resolve_hf: bo
     except UserError:
         raise
     except (HydraException, OmegaConfBaseException) as e:
-        raise _hydra_error(e, args.recipe) from e
+        raise _hydra_error(e, args.recipe, recipe_file, sources) from e
+    except yaml.YAMLError as e:
+        raise _yaml_error(e) from e
     finally:
         GlobalHydra.instance().clear()
     return cfg, args

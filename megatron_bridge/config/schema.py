@@ -8,7 +8,7 @@ instead of a silently ignored value. Field names are the CLI names (`parallel.tp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -163,6 +163,11 @@ class CheckpointConfig:
 @dataclass
 class Config:
     """The whole resolved recipe."""
+
+    # Other spellings the command line accepts (docs/install.md, "One CLI vocabulary"): an HF
+    # model directory a model is built from is `model.hf_path=`; `src=` means the same where
+    # the command has no `src` field of its own. A subclass may replace the table.
+    CLI_ALIASES: ClassVar[dict[str, str]] = {"src": "model.hf_path"}
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -39,9 +39,9 @@ def _available_memory() -> int:
 def read_ahead_source(argv: Sequence[str], budget: int | None = None) -> None:
     """Ask the kernel to start reading `src=`'s files (in name order, up to `budget` bytes:
     by default a quarter of the available memory, at least 1 GiB) into the page cache
-    before anything else: the disk works during start-up (~0.4 s for `mbr convert`, ~2 s
-    with torch for export/reshard) instead of idling, and for models that fit the budget the
-    conversion then reads from memory. Page cache, not process memory (the kernel drops it under pressure); stdlib
+    before anything else: the disk works during the command's start-up (imports, Hydra)
+    instead of idling, and for models that fit the budget the conversion then reads from
+    memory. Page cache, not process memory (the kernel drops it under pressure); stdlib
     only; anything unexpected (no src, unreadable files, no fadvise) is silently skipped —
     the command itself reports real problems."""
     if budget is None:
@@ -69,7 +69,7 @@ def use_huge_pages() -> None:
     """Ask PyTorch's CPU allocator for transparent huge pages; effective only before torch is
     imported (the commands call it first). A conversion allocates a fresh buffer per tensor
     and per derived tensor; faulting those in 2 MiB at a time instead of 4 KiB made fresh
-    buffers ~4x faster to fill on this project's machines, and that is most of a
+    buffers several times faster to fill (docs/benchmarks.md), and that is most of a
     conversion's CPU time. Memory use is unchanged (buffers are MBs, freed after each row).
     When torch is already loaded (a command called in-process, e.g. from tests) it would have
     no effect, so the environment is left alone rather than leaked to child processes."""

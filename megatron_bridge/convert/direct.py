@@ -15,7 +15,8 @@ byte ranges of the source files, so a shard is written without building a tensor
 Every source tensor is still read once for its CRC-32 (the manifest's end-to-end check),
 on a second thread that trails the copies, so it reads from the page cache and runs on the
 other core. No torch anywhere: with the torch-free zip writer and pickler, `mbr convert`
-never imports it (~1.3 s here, as long as copying a 1.7 GB model).
+never imports it (that import alone takes as long as copying a 1.7 GB model;
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ group; writing the same files directly streams one chunk at a time. The data is 
 
 Neither side imports torch for the metadata: `.metadata` is written from `pickling`'s
 stand-ins and read back into the `Record`s below, so export can find a chunk's bytes and
-move them without torch (~1.3 s) or `torch.distributed.checkpoint` (~0.6 s more).
+move them without importing torch or `torch.distributed.checkpoint` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class DistWriter:
 
     No torch: each chunk is a `StreamingTorchSave` archive, and `.metadata` is the pickle of
     DCP's `Metadata` written from stand-ins (`pickling`) — the real classes live in
-    `torch.distributed.checkpoint`, whose import alone takes ~0.6 s on top of torch's."""
+    `torch.distributed.checkpoint`, an import that costs more on top of torch's."""
 
     def __init__(self, directory: Path):
         directory.mkdir(parents=True, exist_ok=True)

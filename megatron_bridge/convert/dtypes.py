@@ -1,9 +1,9 @@
 """Tensor dtypes without importing torch.
 
 A conversion from HF safetensors is byte moves plus a few small pickles; `import torch`
-alone is ~1.3 s here, the same order as copying a 1.7 GB model. So the converter's tables
-(safetensors headers, manifests, the `dtype=` option) hold these `DType`s instead of
-`torch.dtype`s, and only code that builds real tensors asks for `.torch`.
+alone costs the same order of time as copying a 1.7 GB model (docs/benchmarks.md). So the
+converter's tables (safetensors headers, manifests, the `dtype=` option) hold these `DType`s
+instead of `torch.dtype`s, and only code that builds real tensors asks for `.torch`.
 
 A `DType` compares equal to the torch dtype of the same name (either side of `==`), prints
 like one (`torch.bfloat16`), and has the attributes the converter reads (`itemsize`,

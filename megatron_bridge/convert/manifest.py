@@ -37,8 +37,8 @@ FORMATS = ("torch_dist", "torch")
 
 
 def crc32(t: torch.Tensor) -> str:
-    """zlib's CRC-32 of the tensor's bytes, computed by zlib-ng (same value, ~6x faster:
-    every byte a conversion moves is checksummed)."""
+    """zlib's CRC-32 of the tensor's bytes, computed by zlib-ng (same value, several times
+    faster; docs/benchmarks.md): every byte a conversion moves is checksummed."""
     return crc_hex(zlib_ng.crc32(tensor_bytes(t)))
 
 

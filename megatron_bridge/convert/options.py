@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import lcm
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, problems
@@ -34,6 +34,9 @@ LAYOUT_RULES = ("positive_degrees", "world_size", "attention_heads", "pipeline_l
 
 @dataclass
 class ConvertConfig(Config):
+    # The input *is* an HF model directory, so `model.hf_path=` names it too (see Config).
+    CLI_ALIASES: ClassVar[dict[str, str]] = {"model.hf_path": "src"}
+
     src: str | None = None  # HF model directory
     dst: str | None = None  # output directory (must not exist unless overwrite=true)
     format: str = "torch_dist"  # torch_dist (reshardable on load) | torch (per-rank files for parallel.*)

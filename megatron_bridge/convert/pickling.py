@@ -4,7 +4,8 @@ A checkpoint's pickles (a rank file's `data.pkl`, a DCP `.metadata`) refer to to
 name: `torch._utils._rebuild_tensor_v2`, `torch.BFloat16Storage`, `torch.bfloat16`,
 `torch.Size`, dataclasses of `torch.distributed.checkpoint`. A pickle stores only those
 names (the GLOBAL opcode) and how to call them, so writing one needs no torch at all, and
-`import torch` (~1.3 s) would otherwise sit on the converter's critical path.
+`import torch` would otherwise sit on the converter's critical path (it costs about as
+much as copying a mid-sized model; docs/benchmarks.md).
 
 The stand-ins below say what to write; `TorchPickler` (the pure-Python pickler with entries
 for them in its dispatch table) writes the same opcodes pickle writes for the real objects,
@@ -110,8 +111,8 @@ class Record:
     """What a loading `find_class` returns in place of a class that pickle rebuilds with
     NEWOBJ + BUILD (the `Instance` case: a dataclass, whose state is its `__dict__`): a bag of
     the pickled attributes. Loading DCP's `.metadata` this way needs neither torch nor
-    `torch.distributed.checkpoint` (~2 s of imports together). Class attributes are the
-    defaults of fields a pickled state may leave out."""
+    `torch.distributed.checkpoint` (the converter's two most expensive imports). Class
+    attributes are the defaults of fields a pickled state may leave out."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"

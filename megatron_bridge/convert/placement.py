@@ -14,8 +14,8 @@ Which parameter a rank holds is the bridge's decision (`loader.owned`: embedding
 chunk, output layer and final norm on the last, experts by EP rank); this module only
 supplies the layer range of each (pp, vp) chunk. `stage_layers` is megatron-core's split
 (`get_transformer_layer_offset` / `get_num_layers_to_build`) written as plain arithmetic, so
-the converter does not import megatron-core (6 s here); a unit test holds it equal to
-megatron's for a grid of layouts.
+the converter does not import megatron-core (its slowest import; docs/benchmarks.md); a unit
+test holds it equal to megatron's for a grid of layouts.
 """
 
 from __future__ import annotations

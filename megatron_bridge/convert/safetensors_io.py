@@ -142,8 +142,8 @@ def scan_dir(path: Path) -> dict[str, TensorInfo]:
 
 class BufferPool:
     """Read buffers recycled instead of freed: a fresh buffer costs a page fault per page on
-    first write (on this project's VMs reading into a fresh buffer ran at 1.8-2.5 GB/s, into
-    a reused one at 6-10 GB/s), and a conversion reads every byte of a model.
+    first write (reading into a reused one is several times faster; docs/benchmarks.md), and
+    a conversion reads every byte of a model.
 
     Buffers are numpy arrays handed out as `torch.from_numpy` views; the tensor (and every
     view of it) holds a reference to the array, so an array whose only references are the

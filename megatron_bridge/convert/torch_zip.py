@@ -17,10 +17,11 @@ one record with one positioned read when asked. Files are ordinary `torch.save` 
 `torch.load(path, weights_only=True)` reads them (with `argparse.Namespace` allowlisted
 when they carry Megatron's `args`).
 
-Both are plain Python, but for the reader building tensors (`import torch` costs ~1.3 s;
-`mbr convert` and `mbr export` are mostly byte moves). The writer writes what torch's own
-writer (`PyTorchFileWriter`, miniz, CRC-32 off) writes, byte for byte but for the
-serialization id, so every reader of torch files reads them:
+Both are plain Python, but for the reader building tensors (importing torch costs about as
+much as copying a mid-sized model, and `mbr convert` and `mbr export` are mostly byte moves;
+docs/benchmarks.md). The writer writes what torch's own writer (`PyTorchFileWriter`,
+miniz, CRC-32 off) writes, byte for byte but for the serialization id, so every reader of
+torch files reads them:
 
 - records `<archive>/data/<key>` in `add` order, then `data.pkl`, `.format_version` ("1"),
   `.storage_alignment` ("64"), `byteorder`, `version` ("3\\n"), `.data/serialization_id`;

@@ -12,8 +12,8 @@ hits memory). Not a durability promise (that is `fsync`); where the call is miss
 
 Only for the tensor path, whose CPU work leaves the disk idle. The byte-move path
 (`direct.py`) keeps the disk busy itself; there the kicks stalled its copies for longer
-than they saved at the final `sync` (measured: 2.4-2.6 s with, 2.1-2.4 s without, for the
-1.7 GB benchmark model), so it passes `enabled=False`.
+than they saved at the final `sync` (docs/benchmarks.md, "Conversion"), so it passes
+`enabled=False`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Run megatron-core 0.16.1 on CPU with gloo: a small set of targeted patches.
 
-megatron-core assumes CUDA in a few dozen places (measured in
-/work/shared/notes/megatron-core-on-cpu.md). `install()` patches exactly those, only on a host
+megatron-core assumes CUDA in a few dozen places. `install()` patches exactly those, only on a host
 without CUDA (on a GPU it is a no-op, and the same code runs on NCCL untouched), idempotently,
 before the first model/optimizer is built (`groups.initialize` calls it). What and why:
 
@@ -14,7 +13,8 @@ before the first model/optimizer is built (`groups.initialize` calls it). What a
    token counts, optimizer found_inf, clip_grads, grad scaler, masks, data broadcast, rerun
    state machine, grad buffers, dist_checkpointing). Rebinding the module global, not
    `torch.cuda`, leaves torch/DeepSpeed/transformers alone; a global TorchFunctionMode doing the
-   same made steps ~2x slower. An import hook covers modules imported later.
+   same intercepts every torch call of every library and slowed steps (docs/benchmarks.md).
+   An import hook covers modules imported later.
 2. RNG: `CudaRNGStatesTracker` -> `CpuRNGStatesTracker` (same tracker names, forks the CPU
    generator), `_get/_set_cuda_rng_state` -> CPU generator: `model_parallel_cuda_manual_seed`
    and activation recompute work (megatron asserts CUDA).

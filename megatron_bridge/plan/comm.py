@@ -1,7 +1,7 @@
 """Communication per training step, per dimension, priced at the link each group spans.
 
-Why per dimension and per link: the seeds' whole argument is "map the chattiest
-parallelism to the fastest links". So for each group (tp, cp, ep, pp, dp) the planner
+Why per dimension and per link: the decision framework's first rule (docs/plan.md) is
+"map the chattiest parallelism to the fastest links". So for each group (tp, cp, ep, pp, dp) the planner
 states the bytes one GPU sends per step and divides by the bandwidth of the link that
 group actually crosses: `cluster.intra_node_bandwidth_gbps` when every group of that kind
 stays inside a node (NVLink), `inter_node_bandwidth_gbps` otherwise (InfiniBand). Whether

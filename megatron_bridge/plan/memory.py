@@ -6,7 +6,7 @@ Model states (bytes per parameter held by the rank):
                           megatron-core's defaults: bf16 grad buffers (grad_reduce_in_fp32
                           False). ZeRO-1 = DistributedOptimizer: the 12 bytes are sharded
                           over the dp·cp group (expert params over expert-dp). Unsharded,
-                          this is the seeds' "16 bytes per parameter" (1T → 16 TB).
+                          this is the framework's "16 bytes per parameter" (1T → 16 TB).
   engine=deepspeed, bf16  weights 2 · grads 2 · optimizer 16 (fp32 master, m, v and the fp32
                           gradient partition), DeepSpeed's own accounting, so the numbers
                           equal its estimators: ZeRO-1 shards the 16, ZeRO-2 also the 16-bit

@@ -174,7 +174,7 @@ def build(
 
 
 def _fewer_stages(ctx: Context, res: SearchResult, best: Evaluation) -> list[dict[str, object]]:
-    """The seeds' "why not fewer stages": the same tp/cp/ep with the next smaller pp values,
+    """The framework's "why not fewer stages" (docs/plan.md): the same tp/cp/ep with the next smaller pp values,
     whether they fit (and lost) or not."""
     b = best.layout
     same = lambda e: (e.layout.tp, e.layout.cp, e.layout.ep, e.layout.etp) == (b.tp, b.cp, b.ep, b.etp)  # noqa: E731

@@ -1,4 +1,4 @@
-"""The seeds' decision framework as a search: enumerate layouts, keep the valid ones that
+"""The parallelism decision framework (docs/plan.md) as a search: enumerate layouts, keep the valid ones that
 fit, rank them by the framework's own order, say why each runner-up lost.
 
 Validity is not re-derived here: every candidate becomes a `ParallelDims` and goes
@@ -6,8 +6,8 @@ through `rules.check_all`, the same rules `mbr check` applies. What this module 
 memory (memory.py), communication and time (comm.py), and the ranking:
 
   1. the replica fits by itself: its model states fit without ZeRO sharding over DP.
-     The seeds size model parallelism first ("once MP × PP can hold the model, use the
-     remaining GPUs for DP with ZeRO"); a layout that only fits because ZeRO shards its
+     The framework sizes model parallelism first (once TP × PP can hold the model, the
+     remaining GPUs are DP with ZeRO); a layout that only fits because ZeRO shards its
      states over DP ranks after every layout that stands on its own.
   2. the least recompute: none < selective (re-runs attention, a few %) < full (+33%).
      Parallelism that avoids recomputation is preferred to recomputation.

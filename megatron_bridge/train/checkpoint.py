@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -223,3 +224,30 @@ def load(root: str | Path, meta_must_match: dict[str, Any]) -> tuple[int, dict[s
     state = torch.load(d / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
     state["_dir"] = str(d)
     return it, state
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator a training step draws from (torch, numpy, python, megatron's tracker):
+    saved with each rank's state so that a resumed run draws what the uninterrupted one did."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(s: dict[str, Any]) -> None:
+    """Put back what `rng_state()` returned."""
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(s["tracker"])

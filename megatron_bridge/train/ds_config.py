@@ -4,7 +4,8 @@ Batch sizes come from the validated `ParallelDims` (so DeepSpeed's own batch ass
 never disagree with ours), `zero.*` maps to `zero_optimization`, `optimizer.*` to the
 optimizer block, and `zero.ds_config` (a dict) is merged last as the user's override.
 On CPU the optimizer is torch's Adam (`torch_adam: true`): DeepSpeed's fused CPU Adam would
-JIT-compile for ~75 s on first use.
+JIT-compile a C++ extension on first use, longer than a short CPU run itself
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Two engines, one interface: `step(make_iterators) -> (loss, grad_norm, lr)` + state.
+"""Two engines, one interface: the runner builds an `Engine` through `make_engine` and never
+asks which one it holds.
 
 - `MegatronEngine`: megatron-core DDP + megatron optimizer (zero.stage=1 → its
   DistributedOptimizer), pipeline through `get_forward_backward_func` (1F1B, interleaved
@@ -7,17 +8,56 @@
   and groups (the `mpu` from parallel/groups.py), ds_config generated from the Hydra config.
 
 Both compute the same loss (mean token cross-entropy over the global batch) and are
-checkpointed through `state_dict()` / `load_state_dict()` (this rank's share only).
+checkpointed through `state_dict()` / `load_state_dict()` (this rank's share only) plus
+`write_extra()` for the files an engine keeps itself (DeepSpeed's ZeRO partitions).
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from megatron_bridge.train.ds_config import build_ds_config
+
+MakeIterators = Callable[[int], list[Any]]
+"""`make_iterators(n)`: n fresh iterators over this step's micro-batches, one per model chunk
+(interleaved pipelines walk the same data once per chunk)."""
+
+
+class Engine(abc.ABC):
+    """Everything the training runner may ask of an engine. The runner holds no engine-type
+    branches, so an engine is one subclass plus one `ENGINES` entry.
+
+    Every engine is built with the same arguments (`make_engine`), checkpoints through the same
+    calls, and keeps the unwrapped megatron-core modules in `model_chunks`: what the HF export
+    and evaluation read, whichever wrapper (megatron DDP, DeepSpeed) trains them."""
+
+    def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
+        self.cfg, self.dims = cfg, dims
+        self.model_chunks: list[torch.nn.Module] = list(chunks)
+        self.device = next(chunks[0].parameters()).device
+
+    @abc.abstractmethod
+    def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
+        """One optimizer step over the global batch: (mean token loss, grad norm, the lr this
+        step applied), the loss known to every rank."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's share of the training state, for its checkpoint file."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
+        """Restore what `state_dict()` returned; `directory` is the checkpoint it came from,
+        holding whatever `write_extra` wrote there."""
+
+    def write_extra(self, directory: Path) -> None:  # noqa: B027 - a no-op default, on purpose
+        """Engine-owned files, written on every rank into the checkpoint directory before it is
+        published (the manifest checksums them). None by default."""
 
 
 def _batch_to(batch: dict[str, Any], device) -> dict[str, Any]:
@@ -78,24 +118,21 @@ def _reduce_loss(reports: list[dict[str, torch.Tensor]]) -> float:
     return float(acc[0] / acc[1].clamp(min=1))
 
 
-class MegatronEngine:
-    def __init__(self, cfg, dims, chunks: Sequence[torch.nn.Module]):
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
+class MegatronEngine(Engine):
+    """megatron-core's own training loop pieces: DDP (`wrap_ddp`, the one wrapping the bridge
+    also verifies with), its optimizer and pipeline schedules."""
+
+    def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
+        """`mpu` and `bf16` go unused: megatron-core reads its groups from `parallel_state` and
+        the precision from the chunks' TransformerConfig (built with the same `bf16`)."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.cfg, self.dims = cfg, dims
-        tconf = chunks[0].config
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dims.zero_stage == 1
-        )
-        self.model = [DistributedDataParallel(config=tconf, ddp_config=ddp_cfg, module=c) for c in chunks]
-        for m in self.model:
-            m.config.finalize_model_grads_func = finalize_model_grads
-            m.config.no_sync_func = [x.no_sync for x in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        from megatron_bridge.bridge.model import model_config
+        from megatron_bridge.bridge.runtime import wrap_ddp
+
+        super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
+        tconf = model_config(self.model_chunks)
+        self.model = wrap_ddp(chunks, distributed_optimizer=dims.zero_stage == 1)
         o = cfg.optimizer
         ocfg = OptimizerConfig(
             optimizer="adam",
@@ -112,9 +149,8 @@ class MegatronEngine:
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
         self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.device = next(chunks[0].parameters()).device
 
-    def step(self, make_iterators: Callable[[int], list[Any]]) -> tuple[float, float, float]:
+    def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         d = self.dims
@@ -138,25 +174,31 @@ class MegatronEngine:
         return _reduce_loss(reports), float(grad_norm or 0.0), float(lr)
 
     # -- checkpoint state (this rank's share) -------------------------------------------
-    def _optimizers(self):
-        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+    def _optimizers(self) -> list[Any]:
+        """megatron-core chains one optimizer per parameter kind (dense / expert) when needed."""
+        from megatron.core.optimizer import ChainedOptimizer
+
+        opt = self.optimizer
+        return list(opt.chained_optimizers) if isinstance(opt, ChainedOptimizer) else [opt]
 
     def state_dict(self) -> dict[str, Any]:
+        from megatron.core.optimizer import DistributedOptimizer
+
         opts = []
         for opt in self._optimizers():
-            if hasattr(opt, "gbuf_ranges"):  # DistributedOptimizer: its shard of main params + Adam
+            if isinstance(opt, DistributedOptimizer):  # its shard of main params + Adam
                 opts.append({"dist": [{k: v.detach().clone() for k, v in t.items()} for t in _dist_opt_states(opt)]})
             else:
                 opts.append({"plain": opt.state_dict()})
         return {
-            "model": [m.module.state_dict() for m in self.model],
+            "model": [c.state_dict() for c in self.model_chunks],
             "optimizer": opts,
             "scheduler": self.scheduler.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for m, sd in zip(self.model, state["model"]):
-            m.module.load_state_dict(sd)
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
+        for c, sd in zip(self.model_chunks, state["model"]):
+            c.load_state_dict(sd)
         for opt, st in zip(self._optimizers(), state["optimizer"]):
             if "dist" in st:
                 _load_dist_opt_states(opt, st["dist"])
@@ -191,28 +233,27 @@ def _load_dist_opt_states(opt, saved) -> None:
         opt.optimizer.state[main] = {k: v.clone() for k, v in tensors.items() if k != "param"}
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(Engine):
     """DeepSpeed ZeRO 0–3 around the megatron-core model. Validation limits it to pp = cp = ep = 1
     and no sequence parallelism: DeepSpeed reduces gradients over the DP group only, and knows
     nothing of megatron's pipeline schedule, CP/SP gradient reductions or expert-DP groups."""
 
-    def __init__(self, cfg, dims, chunks: Sequence[torch.nn.Module], mpu, *, bf16: bool):
+    def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
         import deepspeed
 
-        self.cfg, self.dims = cfg, dims
-        self.module = chunks[0]
+        super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
+        module = chunks[0]
         self.ds_config = build_ds_config(cfg, dims, bf16=bf16, on_gpu=torch.cuda.is_available())
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=self.module,
-            model_parameters=[p for p in self.module.parameters() if p.requires_grad],
+            model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
             config=self.ds_config,
             mpu=mpu,
         )
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.scheduler.step(0)
-        self.device = next(self.module.parameters()).device
 
-    def step(self, make_iterators: Callable[[int], list[Any]]) -> tuple[float, float, float]:
+    def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
         from megatron.core import parallel_state as ps
 
         it = make_iterators(1)[0]
@@ -232,14 +273,26 @@ class DeepSpeedEngine:
         return float(acc[0] / acc[1].clamp(min=1)), float(gn if gn is not None else 0.0), float(lr)
 
     def state_dict(self) -> dict[str, Any]:
+        """The scheduler only: model and optimizer state live in DeepSpeed's own files."""
         return {"scheduler": self.scheduler.state_dict()}
 
-    def write_extra(self, directory) -> None:
+    def write_extra(self, directory: Path) -> None:
         """DeepSpeed's own per-rank model/optimizer files (ZeRO partitions included)."""
         self.engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
 
-    def load_state_dict(self, state: dict[str, Any], directory=None) -> None:
+    def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
         self.engine.load_checkpoint(
             str(directory), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
         )
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+ENGINES: dict[str, type[Engine]] = {"megatron": MegatronEngine, "deepspeed": DeepSpeedEngine}
+"""`train.engine` → its engine. `mbr check` validates the name against
+`parallel.rules.CHOICES["train.engine"]` without importing torch; tests/unit/test_engines.py
+holds the two equal."""
+
+
+def make_engine(cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool) -> Engine:
+    """The engine `cfg.train.engine` names, around the built and initialised model chunks."""
+    return ENGINES[cfg.train.engine](cfg, dims, chunks, mpu, bf16=bf16)

@@ -1,4 +1,4 @@
-"""`train.init_from=DIR`: start training from existing weights.
+"""The weights training starts from: `model.hf_path`, or `train.init_from=DIR`.
 
 An HF directory (config.json + safetensors) goes through the bridge's mapping tables, each
 rank reading only its shard. `mbr convert` outputs are read by the converter's loader
@@ -12,6 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.errors import UserError
+
+
+def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
+    """Load the starting weights into freshly built chunks: `train.init_from` when set, else the
+    recipe's `model.hf_path` — unless the run resumes, where the checkpoint brings the weights
+    (reading the HF files first would only cost time). Random init otherwise."""
+    if cfg.train.init_from:
+        load_initial_weights(chunks, spec, cfg.train.init_from)
+    elif cfg.model.hf_path and not cfg.checkpoint.resume:
+        from megatron_bridge.bridge.loader import load_hf_weights
+
+        load_hf_weights(chunks, spec, cfg.model.hf_path)
 
 
 def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:

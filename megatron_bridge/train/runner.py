@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config
@@ -30,6 +29,9 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import Watchdog, failure_message, faulty_iterator, planned
 from megatron_bridge.train import lease
 from megatron_bridge.train.orphans import die_with_launcher
+
+if TYPE_CHECKING:
+    from megatron_bridge.train.engines import Engine
 
 
 @dataclasses.dataclass
@@ -98,30 +100,6 @@ def _model_overrides(cfg) -> dict[str, Any]:
     return out
 
 
-def _rng_state() -> dict[str, Any]:
-    import numpy as np
-    import torch
-    from megatron.core import tensor_parallel
-
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-
-
-def _set_rng_state(s: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-    from megatron.core import tensor_parallel
-
-    torch.set_rng_state(s["torch"])
-    np.random.set_state(s["numpy"])
-    random.setstate(s["python"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(s["tracker"])
-
-
 def validate_for_launch(cfg):
     """Every layout rule against the launcher's real world size (1 without a launcher), before
     torch is even imported. A world-size violation also says how many processes to start."""
@@ -149,30 +127,52 @@ def validate_for_launch(cfg):
         raise
 
 
+@dataclasses.dataclass
+class _Run:
+    """What `_build` sets up for one job and the later phases share."""
+
+    cfg: Any
+    dims: Any
+    recipe: str
+    rank: int
+    run_dir: Path
+    spec: Any  # the bridge's model description (export reads it)
+    engine: Engine
+    datasets: Any
+
+
 def train(argv: Sequence[str], *, finalize: bool = True) -> int:
-    """Run one training job. `finalize=False` keeps the default process group alive (tests
-    that run several layouts in one launch)."""
+    """Run one training job: build → resume → loop → export. `finalize=False` keeps the
+    default process group alive (tests that run several layouts in one launch)."""
     die_with_launcher()  # a rank ends itself when its launcher dies (orphans.py)
     cfg, args = compose(argv, schema=TrainRunConfig)
     dims = validate_for_launch(cfg)  # every layout rule, before anything starts
     preflight(cfg, dims)
     lease.acquire(cfg)  # one job per checkpoint.dir, refused before any process group (lease.py)
 
+    run = _build(cfg, dims, args.recipe)
+    start = _resume(run)
+    _loop(run, start)
+    _export(run)
+    _teardown(finalize)
+    return 0
+
+
+def _build(cfg, dims, recipe: str) -> _Run:
+    """Process groups, run directory, model (with its initial weights), engine and data."""
     import torch
-    from megatron.core import parallel_state as ps
 
     from megatron_bridge.bridge.hf_config import spec_from_model_config
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.data.loader import build_datasets, make_iterator
+    from megatron_bridge.data.loader import build_datasets
     from megatron_bridge.parallel import groups
-    from megatron_bridge.train import checkpoint as ckpt
-    from megatron_bridge.train.engines import DeepSpeedEngine, MegatronEngine
-    from megatron_bridge.train.metrics import MetricsLogger
+    from megatron_bridge.train.engines import make_engine
+    from megatron_bridge.train.init import init_weights
 
     mpu = groups.initialize(dims, timeout_minutes=cfg.train.timeout_minutes, seed=cfg.train.seed)
     rank = torch.distributed.get_rank()
-    run_dir = _run_dir(cfg, args.recipe)
+    run_dir = _run_dir(cfg, recipe)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -180,19 +180,8 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     spec = spec_from_model_config(cfg.model)
     overrides = _model_overrides(cfg)
     chunks = build_model(spec, Layout.from_parallel_config(dims), **overrides)
-    if cfg.model.hf_path and not cfg.train.init_from and not cfg.checkpoint.resume:
-        from megatron_bridge.bridge.loader import load_hf_weights
-
-        load_hf_weights(chunks, spec, cfg.model.hf_path)
-    elif cfg.train.init_from:
-        from megatron_bridge.train.init import load_initial_weights
-
-        load_initial_weights(chunks, spec, cfg.train.init_from)
-
-    if cfg.train.engine == "deepspeed":
-        engine = DeepSpeedEngine(cfg, dims, chunks, mpu, bf16=overrides["bf16"])
-    else:
-        engine = MegatronEngine(cfg, dims, chunks)
+    init_weights(chunks, spec, cfg)
+    engine = make_engine(cfg, dims, chunks, mpu, bf16=overrides["bf16"])
 
     datasets = build_datasets(
         cfg.data,
@@ -203,35 +192,41 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
         model_vocab_size=cfg.model.vocab_size,
         valid_samples=0,
     )
-    dp_rank = ps.get_data_parallel_rank()
-    cp_rank = ps.get_context_parallel_rank()
-    start = 0
-    meta = _ckpt_meta(cfg, dims)
-    if cfg.checkpoint.resume:
-        it, state = ckpt.load(cfg.checkpoint.dir, meta)
-        if it is not None:
-            engine.load_state_dict(
-                state["engine"], directory=state["_dir"]
-            ) if cfg.train.engine == "deepspeed" else engine.load_state_dict(state["engine"])
-            _set_rng_state(state["rng"])
-            start = it
-            if rank == 0:
-                print(f"resumed from {state['_dir']} (step {it})", flush=True)
+    return _Run(cfg, dims, recipe, rank, run_dir, spec, engine, datasets)
 
-    def make_iterators(step: int):
-        consumed = step * dims.global_batch_size
-        return lambda n: [
-            make_iterator(datasets.train, dims, dp_rank=dp_rank, cp_rank=cp_rank, consumed_samples=consumed)
-            for _ in range(n)
-        ]
 
+def _resume(run: _Run) -> int:
+    """The step to start from: the latest checkpoint's when `checkpoint.resume`, else 0.
+    Restores the engine's state and every RNG, so the resumed run continues bit for bit."""
+    from megatron_bridge.train import checkpoint as ckpt
+
+    cfg = run.cfg
+    if not cfg.checkpoint.resume:
+        return 0
+    it, state = ckpt.load(cfg.checkpoint.dir, _ckpt_meta(cfg, run.dims))
+    if it is None or state is None:  # no checkpoint yet: this run starts it
+        return 0
+    run.engine.load_state_dict(state["engine"], Path(state["_dir"]))
+    ckpt.set_rng_state(state["rng"])
+    if run.rank == 0:
+        print(f"resumed from {state['_dir']} (step {it})", flush=True)
+    return it
+
+
+def _loop(run: _Run, start: int) -> None:
+    """Steps `start`+1 … (`train.steps`, or `train.exit_after` more), each logged and
+    checkpointed at its interval, under the watchdog; a failing rank names itself and the
+    phase before the launcher's summary."""
+    from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
+
+    cfg, dims, rank = run.cfg, run.dims, run.rank
     logger = MetricsLogger(
-        run_dir, cfg.train.steps, enabled=rank == 0, config={"layout": dims.describe(), "recipe": args.recipe}
+        run.run_dir, cfg.train.steps, enabled=rank == 0, config={"layout": dims.describe(), "recipe": run.recipe}
     )
     tokens_per_step = dims.global_batch_size * cfg.train.seq_length
-    save_every = cfg.checkpoint.save_interval
-    timeout_s = cfg.train.timeout_minutes * 60
-    watchdog = Watchdog(timeout_s, rank, hint=f"train.timeout_minutes={cfg.train.timeout_minutes:g}")
+    watchdog = Watchdog(
+        cfg.train.timeout_minutes * 60, rank, hint=f"train.timeout_minutes={cfg.train.timeout_minutes:g}"
+    )
     phase = "training"
     try:
         stop = cfg.train.steps if cfg.train.exit_after is None else min(cfg.train.steps, start + cfg.train.exit_after)
@@ -239,27 +234,19 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
             phase = f"step {step + 1}"
             watchdog.arm(phase)
             t0 = time.perf_counter()
-            iterators = make_iterators(step)
+            iterators = _iterators(run, step)
             if planned("step", step + 1):  # test-only fault injection (MBR_FAULT), see reliability.py
                 iterators = _with_fault(iterators, step + 1, dims.grad_accum)
-            loss, grad_norm, lr = engine.step(iterators)
+            loss, grad_norm, lr = run.engine.step(iterators)
             dt = time.perf_counter() - t0
-            metrics = {
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "step_time": dt,
-                "tokens_per_s": tokens_per_step / dt,
-            }
-            metrics.update(_gpu_metrics(spec, cfg, dims, dt))
+            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt}
+            metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt))
             if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps:
                 logger.log(step + 1, metrics)
-            last = step + 1 == stop
-            if cfg.checkpoint.dir and ((save_every and (step + 1) % save_every == 0) or last):
+            if _save_due(cfg, step + 1, last=step + 1 == stop):
                 phase = f"checkpoint save at step {step + 1}"
                 watchdog.arm(phase)
-                state = {"engine": engine.state_dict(), "rng": _rng_state(), "step": step + 1}
-                ckpt.save(cfg.checkpoint.dir, step + 1, state, meta, extra=getattr(engine, "write_extra", None))
+                _save(run, step + 1)
     except Exception as e:  # name the rank and the step before the launcher's summary
         if not isinstance(e, UserError):
             print(failure_message(rank, phase, e), file=sys.stderr, flush=True)
@@ -267,20 +254,58 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     finally:
         watchdog.close()
         logger.close()
-    if cfg.export_to:
-        from megatron_bridge.bridge.loader import export_hf_weights
 
-        model_chunks = [m.module for m in engine.model] if hasattr(engine, "model") else [engine.module]
-        export_hf_weights(model_chunks, spec, cfg.export_to, source_dir=cfg.model.hf_path)
-        if rank == 0:
-            print(f"exported Hugging Face model to {cfg.export_to}", flush=True)
+
+def _iterators(run: _Run, step: int):
+    """`make_iterators` for `step`: fresh iterators over the global batch this step reads, on
+    this rank's dp/cp share (the position follows from the step, so a resume reads on)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.data.loader import make_iterator
+
+    dp_rank, cp_rank = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
+    consumed = step * run.dims.global_batch_size
+    return lambda n: [
+        make_iterator(run.datasets.train, run.dims, dp_rank=dp_rank, cp_rank=cp_rank, consumed_samples=consumed)
+        for _ in range(n)
+    ]
+
+
+def _save_due(cfg, step: int, *, last: bool) -> bool:
+    """Every `checkpoint.save_interval` steps and at the last step of this launch."""
+    every = cfg.checkpoint.save_interval
+    return bool(cfg.checkpoint.dir) and (bool(every and step % every == 0) or last)
+
+
+def _save(run: _Run, step: int) -> None:
+    from megatron_bridge.train import checkpoint as ckpt
+
+    state = {"engine": run.engine.state_dict(), "rng": ckpt.rng_state(), "step": step}
+    ckpt.save(run.cfg.checkpoint.dir, step, state, _ckpt_meta(run.cfg, run.dims), extra=run.engine.write_extra)
+
+
+def _export(run: _Run) -> None:
+    """The trained weights as a Hugging Face model, when `export_to` is set."""
+    cfg = run.cfg
+    if not cfg.export_to:
+        return
+    from megatron_bridge.bridge.loader import export_hf_weights
+
+    export_hf_weights(run.engine.model_chunks, run.spec, cfg.export_to, source_dir=cfg.model.hf_path)
+    if run.rank == 0:
+        print(f"exported Hugging Face model to {cfg.export_to}", flush=True)
+
+
+def _teardown(finalize: bool) -> None:
+    """All groups down, or (`finalize=False`) megatron's only, for the next job in this process."""
     if finalize:
+        from megatron_bridge.parallel import groups
+
         groups.destroy()
     else:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-    return 0
 
 
 def _with_fault(make, step: int, micro_batches: int):
@@ -292,21 +317,6 @@ def _with_fault(make, step: int, micro_batches: int):
         return its
 
     return wrapped
-
-
-def _gpu_metrics(spec, cfg, dims, dt: float) -> dict[str, float]:
-    """MFU and memory, on GPU only (peak from cluster.peak_tflops)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    from megatron_bridge.plan.params import count  # exact parameter count
-
-    n = count(cfg.model).active
-    s, L, h = cfg.train.seq_length, cfg.model.num_layers, cfg.model.hidden_size
-    flops_per_token = 6 * n + 12 * L * h * s  # dense matmuls + attention (Chinchilla / PaLM appendix)
-    achieved = flops_per_token * dims.global_batch_size * s / dt / dims.world_size
-    return {"mfu": achieved / (cfg.cluster.peak_tflops * 1e12), "mem_gb": torch.cuda.max_memory_allocated() / 2**30}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,11 +78,21 @@ def test_megatron_layouts_match_single_process(llama, reference, tmp_path):
 def test_deepspeed_zero_stages_match_single_process(llama, reference, tmp_path):
     jobs = [job(f"ds_zero{z}", llama, "train.engine=deepspeed", f"zero.stage={z}") for z in (1, 2, 3)]
     jobs.append(job("ds_tp2_zero1", llama, "train.engine=deepspeed", "zero.stage=1", "parallel.tp=2"))
+    # resume through DeepSpeed's own checkpoint files (Engine.write_extra), ZeRO-3 partitions included
+    ck = tmp_path / "ds_ckpt"
+    z3 = ["train.engine=deepspeed", "zero.stage=3", f"checkpoint.dir={ck}"]
+    jobs.append(job("ds_zero3_first3", llama, *z3, "train.exit_after=3", "checkpoint.save_interval=3"))
+    jobs.append(job("ds_zero3_resumed", llama, *z3, "checkpoint.resume=true"))
     res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=2, timeout=900)
     losses = res[0]["losses"]
     for z in (1, 2, 3):
         assert_close(reference, losses[f"ds_zero{z}"], f"zero{z}")
     assert_close(reference, losses["ds_tp2_zero1"], "ds_tp2_zero1")
+    first, resumed = losses["ds_zero3_first3"], losses["ds_zero3_resumed"]
+    assert sorted(map(int, first)) == [1, 2, 3] and sorted(map(int, resumed)) == [4, 5], (first, resumed)
+    assert (ck / "iter_0000003" / "deepspeed").is_dir()
+    for step in map(str, range(1, 6)):
+        assert (first | resumed)[step] == losses["ds_zero3"][step], step  # bit-exact
 
 
 def test_moe_ep2_matches_ep1(tmp_path_factory, tmp_path):

@@ -82,3 +82,96 @@ def test_launch_refusals(args, needle):
     r = mbr(*args, "--dry-run")
     assert r.returncode == 2 and needle in r.stderr, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
+
+
+K8S_ARGS = (
+    "recipe=llama3_8b",
+    "launcher=k8s",
+    "cluster=dgx_h100",
+    "cluster.nodes=4",
+    "parallel.tp=8",
+    "k8s.image=ghcr.io/acme/mbr:0.1",
+    "k8s.checkpoint_pvc=ckpt",
+    "checkpoint.dir=/checkpoints/llama",
+    "k8s.data_pvc=datasets",
+    "job_name=llama-8b",
+)
+
+
+def test_k8s_pytorchjob_snapshot():
+    r = mbr(*K8S_ARGS, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (SNAP / "k8s_4x8.txt").read_text()
+
+
+def test_k8s_manifest_is_a_pytorchjob(tmp_path):
+    """What the training operator reads: kind/apiVersion, one Master + nodes-1 Workers, a
+    container named `pytorch` running torchrun on the operator's env, GPUs, /dev/shm, PVCs."""
+    import yaml
+
+    r = mbr(*K8S_ARGS, f"output={tmp_path}", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert f"kubectl apply -f {tmp_path}/pytorchjob.yaml" in r.stdout
+    job = yaml.safe_load((tmp_path / "pytorchjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    assert job["metadata"]["name"] == "llama-8b" and job["spec"]["nprocPerNode"] == "8"
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert set(specs) == {"Master", "Worker"}
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
+    for spec in specs.values():
+        pod = spec["template"]["spec"]
+        (c,) = pod["containers"]
+        assert c["name"] == "pytorch" and c["image"] == "ghcr.io/acme/mbr:0.1"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+        cmd = c["command"]
+        assert cmd[0] == "torchrun"
+        for flag, var in [
+            ("--nnodes", "PET_NNODES"),
+            ("--nproc-per-node", "PET_NPROC_PER_NODE"),
+            ("--node-rank", "PET_NODE_RANK"),
+            ("--master-addr", "MASTER_ADDR"),
+            ("--master-port", "MASTER_PORT"),
+        ]:
+            assert f"{flag}=$({var})" in cmd
+        job_args = cmd[cmd.index("megatron_bridge.train") + 1 :]
+        assert job_args == [
+            "recipe=llama3_8b",
+            "cluster=dgx_h100",
+            "cluster.nodes=4",
+            "parallel.tp=8",
+            "checkpoint.dir=/checkpoints/llama",
+        ]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
+        assert volumes["checkpoint"]["persistentVolumeClaim"]["claimName"] == "ckpt"
+        assert volumes["data"]["persistentVolumeClaim"]["claimName"] == "datasets"
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts == {"dshm": "/dev/shm", "checkpoint": "/checkpoints", "data": "/data"}
+
+
+def test_k8s_single_node_cpu_has_no_workers_and_no_gpus():
+    import yaml
+
+    r = mbr("recipe=tiny_llama", "launcher=k8s", "k8s.image=img", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    job = yaml.safe_load(r.stdout.split("--- pytorchjob.yaml ---\n", 1)[1].split("submit with:")[0])
+    assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Master"}
+    assert "resources" not in job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ([], "launcher=k8s needs k8s.image="),
+        (["k8s.image=i", "job_name=My_Job"], "job_name='My_Job' is not a valid Kubernetes name"),
+        (
+            ["k8s.image=i", "k8s.checkpoint_pvc=c", "checkpoint.dir=runs/x"],
+            "is not under k8s.checkpoint_mount=/checkpoints",
+        ),
+        (["k8s.image=i", "k8s.restart_policy=Sometimes"], "k8s.restart_policy='Sometimes' is not one of"),
+    ],
+)
+def test_k8s_refusals(args, needle, tmp_path):
+    r = mbr("recipe=tiny_llama", "launcher=k8s", f"output={tmp_path}/out", *args, "--dry-run")
+    assert r.returncode == 2 and needle in r.stderr, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()

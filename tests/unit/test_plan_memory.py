@@ -8,7 +8,7 @@
 - Model states equal DeepSpeed 0.19.8's own estimators (`estimate_zero2_model_states_mem_needs`
   / `estimate_zero3_model_states_mem_needs`, which the `*_all_cold` functions print) for the
   same inputs at TP=PP=1, both for the state function and for a whole `mbr plan` run.
-- Seed 003's "medium-scale" arithmetic: 4 weight-sized tensors (weights, grads, Adam m, v)
+- The "medium-scale" rule of thumb (docs/plan.md): 4 weight-sized tensors (weights, grads, Adam m, v)
   per parameter; in fp32 that is 16 bytes, so 20B parameters fill a node of 8×40 GB.
 """
 
@@ -208,8 +208,8 @@ def test_plan_command_matches_deepspeed_at_tp1_pp1():
     assert doc["choice"]["layout"]["dp"] == 32
 
 
-# -- seed 003's medium-scale arithmetic --------------------------------------------------------
-def test_seed003_twenty_billion_fp32_fills_a_40gb_node():
+# -- the medium-scale rule of thumb ----------------------------------------------------------
+def test_twenty_billion_fp32_fills_a_40gb_node():
     """params = node bytes / (4 weight-sized tensors × precision): 8×40 GB / (4·4 B) = 20B.
     The planner's fp32 states are exactly those four tensors (weights, grads, Adam m, v)."""
     assert sum(M.STATE_BYTES[("megatron", "fp32")]) == 4 * 4
@@ -217,7 +217,7 @@ def test_seed003_twenty_billion_fp32_fills_a_40gb_node():
     assert st.total == 40e9  # per GPU at tp=8: one A100-40GB, i.e. the whole node for 20B parameters
     # bf16 mixed precision also keeps 16 bytes per parameter (bf16 weights + grads, fp32 main
     # params + m + v), so 20B is the node's ceiling for model states with either precision;
-    # the seed's upper end (40B) assumes bf16 Adam states, which neither engine keeps.
+    # the rule of thumb's upper end (40B) assumes bf16 Adam states, which neither engine keeps.
     assert sum(M.STATE_BYTES[("megatron", "bf16")]) == 16
     # "large DP size with model sharding allows us to train larger models": ZeRO-1 over 4
     # nodes (dp=4 at tp=8) leaves 4 + 12/4 = 7 bytes per parameter.

@@ -1,4 +1,4 @@
-"""`mbr plan`'s search and command: the seeds' worked examples, pins, spans, errors, speed."""
+"""`mbr plan`'s search and command: the worked examples of docs/plan.md, pins, spans, errors, speed."""
 
 import json
 import subprocess
@@ -38,8 +38,8 @@ def mbr(*args):
     )
 
 
-def test_seed000_1t_on_4096_a100_40gb_is_tp8_pp64_dp8():
-    """Seed 000: 1T parameters on 4,096 A100-40GB -> 8-way TP x 64-way PP x 8-way DP."""
+def test_1t_on_4096_a100_40gb_is_tp8_pp64_dp8():
+    """docs/plan.md's worked example: 1T parameters on 4,096 A100-40GB -> 8-way TP x 64-way PP x 8-way DP."""
     _, _, doc = plan(ONE_T)
     lo, mem = doc["choice"]["layout"], doc["choice"]["memory"]
     assert (lo["tp"], lo["pp"], lo["cp"], lo["dp"]) == (8, 64, 1, 8)
@@ -57,8 +57,8 @@ def test_seed000_1t_on_4096_a100_40gb_is_tp8_pp64_dp8():
     assert pp32[0]["memory"]["without_zero_bytes"] > 60 * GIB  # 3.9B params x 16 B
 
 
-def test_seed001_175b_on_1024_a100_is_tp8_pp16_dp8():
-    """Seed 001: GPT-3 175B on 1,024 A100 (128 nodes) -> TP 8, PP 16 (6 layers/stage), DP 8."""
+def test_175b_on_1024_a100_is_tp8_pp16_dp8():
+    """docs/plan.md's worked example: GPT-3 175B on 1,024 A100 (128 nodes) -> TP 8, PP 16 (6 layers/stage), DP 8."""
     _, _, doc = plan(GPT3)
     ch = doc["choice"]
     lo = ch["layout"]
@@ -74,7 +74,7 @@ def test_seed001_175b_on_1024_a100_is_tp8_pp16_dp8():
 
 
 def test_narayanan_18b_fits_a_node_as_tp8_dp():
-    """Seed 003's medium scale: a replica that fits in one node trains as DP + TP (pp=1).
+    """docs/plan.md's medium-scale example: a replica that fits in one node trains as DP + TP (pp=1).
     Narayanan et al. 2021, Table 1: 18.4B (h=6144, 40 layers, 48 heads) on 256 A100 -> TP 8."""
     _, _, doc = plan(
         [
