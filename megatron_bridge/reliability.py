@@ -15,6 +15,8 @@ or more comma-separated `ACTION:POINT:RANKS:STEP` entries:
     ACTION  kill   SIGKILL this process (a crash: no cleanup, no message)
             raise  raise RuntimeError (a bug in one rank)
             hang   sleep forever (a rank stuck outside any collective)
+            pause  sleep until the file MBR_FAULT_DIR/continue exists (a test holds a job
+                   mid-run while it starts another one)
     POINT   step          mid-step: when the step draws its second micro-batch (its first
                           has run forward/backward; pipeline peers are mid-schedule)
             ckpt_write    checkpoint STEP: after this rank wrote its file into iter_N.tmp/
@@ -41,7 +43,7 @@ from pathlib import Path
 
 FAULT_ENV = "MBR_FAULT"
 FAULT_DIR_ENV = "MBR_FAULT_DIR"
-ACTIONS = ("kill", "raise", "hang")
+ACTIONS = ("kill", "raise", "hang", "pause")
 POINTS = ("step", "ckpt_write", "ckpt_publish", "ckpt_latest")
 WATCHDOG_EXIT = 1
 
@@ -91,6 +93,9 @@ def fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "raise":
         raise RuntimeError(f"injected fault {what} ({FAULT_ENV})")
+    elif action == "pause":
+        while not (Path(d or ".") / "continue").exists():
+            time.sleep(0.1)
     else:
         while True:
             time.sleep(3600)

@@ -16,6 +16,7 @@ import dataclasses
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,6 +173,8 @@ def main(argv: Sequence[str]) -> int:
             )
     else:
         files = {"sbatch script": sbatch_script(cfg, jargs)}
+    if cfg.launcher in SUBMIT and not dry:
+        _check_submit(cfg)
     if dry or cfg.cluster.nodes > 1 or cfg.launcher in SUBMIT:
         print(f"layout OK: {dims.describe()}")
         for n in notes:
@@ -184,6 +187,9 @@ def main(argv: Sequence[str]) -> int:
             _write_outputs(cfg, files)
         if cfg.launcher in SUBMIT:
             how = SUBMIT[cfg.launcher].format(out=cfg.output or "DIR")
+            if not dry:  # _check_submit made sure the tool and output= are there
+                print(f"submitting: {how}", flush=True)
+                return subprocess.call(shlex.split(how))
             print(f"submit with: {how}" + ("" if cfg.output else "   (output=DIR writes the file)"))
         return 0
     # Single node, not a dry run: run the local part (exec the launcher).
@@ -194,6 +200,23 @@ def main(argv: Sequence[str]) -> int:
         argv_exec = [sys.executable, "-m", module, *argv_exec[1:]]
     os.execvp(argv_exec[0], argv_exec)
     return 0  # not reached
+
+
+def _check_submit(cfg) -> None:
+    """Submitting (no --dry-run) needs the scheduler's client and a file to hand it: refuse
+    up front rather than print a script and exit 0 as if the job were launched."""
+    tool = SUBMIT[cfg.launcher].split()[0]
+    if shutil.which(tool) is None:
+        raise UserError(
+            f"launcher={cfg.launcher} needs `{tool}` on PATH to submit the job, and this machine has none. "
+            f"Fix: use --dry-run with output=DIR to write the file, then "
+            f"`{SUBMIT[cfg.launcher].format(out='DIR')}` where {tool} is available."
+        )
+    if not cfg.output:
+        raise UserError(
+            f"launcher={cfg.launcher} submits a file: add output=DIR (where the file is written before "
+            f"`{tool}` reads it), or use --dry-run to print it."
+        )
 
 
 def _write_outputs(cfg, files: dict[str, str]) -> None:

@@ -160,6 +160,9 @@ class CheckpointConfig:
     dir: str | None = None
     save_interval: int = 0  # 0 = only at the end
     resume: bool = False
+    # One job writes a directory (train/lease.py): a lease another host has not refreshed for
+    # this many seconds is taken over (the same host checks the holder's pid at once).
+    lease_stale_s: float = 60.0
 
 
 @dataclass

@@ -46,6 +46,8 @@ CHOICES = {
     "zero.offload_optimizer": ("none", "cpu"),
     "zero.offload_param": ("none", "cpu"),
     "data.kind": ("synthetic", "indexed"),
+    # engines.make_scheduler (megatron-core's scheduler; its WSD needs wsd_decay_steps, not exposed)
+    "optimizer.decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
 
 
@@ -394,9 +396,7 @@ def notes(d: ParallelDims, cfg) -> list[str]:
         out.append("sequence_parallel has no effect at tp=1 (megatron disables it)")
     if cfg.parallel.allow_cross_node_tp and d.gpus_per_node % max(d.tp * d.cp, 1):
         out.append("warning: TP/CP groups cross node boundaries (allowed by parallel.allow_cross_node_tp)")
-    if cfg.train.seq_length > m.max_position_embeddings:
-        out.append(f"warning: seq_length {cfg.train.seq_length} > max_position_embeddings {m.max_position_embeddings}")
-    return out
+    return out + values.notes(cfg)
 
 
 def check_all(d: ParallelDims, cfg) -> tuple[list[Violation], list[str]]:
@@ -404,3 +404,8 @@ def check_all(d: ParallelDims, cfg) -> tuple[list[Violation], list[str]]:
     for r in RULES:
         violations += r(d, cfg)
     return violations, (notes(d, cfg) if not violations else [])
+
+
+# Optimizer/schedule/interval rules live in config/values.py; importing it registers them (after
+# the layout rules, so messages list layout problems first).
+from megatron_bridge.config import values  # noqa: E402

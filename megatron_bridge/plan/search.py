@@ -336,7 +336,14 @@ class SearchResult:
 
 def _proxy(cfg, parallel: SimpleNamespace, train: SimpleNamespace, zero: SimpleNamespace) -> SimpleNamespace:
     return SimpleNamespace(
-        model=cfg.model, parallel=parallel, train=train, zero=zero, cluster=cfg.cluster, data=cfg.data
+        model=cfg.model,
+        parallel=parallel,
+        train=train,
+        zero=zero,
+        cluster=cfg.cluster,
+        data=cfg.data,
+        optimizer=cfg.optimizer,
+        checkpoint=cfg.checkpoint,
     )
 
 

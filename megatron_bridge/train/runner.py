@@ -27,6 +27,8 @@ from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import Watchdog, failure_message, faulty_iterator, planned
+from megatron_bridge.train import lease
+from megatron_bridge.train.orphans import die_with_launcher
 
 if TYPE_CHECKING:
     from megatron_bridge.train.engines import Engine
@@ -142,9 +144,11 @@ class _Run:
 def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     """Run one training job: build → resume → loop → export. `finalize=False` keeps the
     default process group alive (tests that run several layouts in one launch)."""
+    die_with_launcher()  # a rank ends itself when its launcher dies (orphans.py)
     cfg, args = compose(argv, schema=TrainRunConfig)
     dims = validate_for_launch(cfg)  # every layout rule, before anything starts
     preflight(cfg, dims)
+    lease.acquire(cfg)  # one job per checkpoint.dir, refused before any process group (lease.py)
 
     run = _build(cfg, dims, args.recipe)
     start = _resume(run)

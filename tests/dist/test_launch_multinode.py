@@ -43,7 +43,7 @@ def two_nodes(args, timeout=600):
                          ids=["tp2dp2", "tp2pp2"])
 def test_two_node_job_matches_single_node(layout, tmp_path):
     hf = make_tiny("llama", tmp_path / "hf")
-    common = ["recipe=tiny_llama", f"model.hf_path={hf}", "train.steps=3", "train.seq_length=32",
+    common = ["recipe=tiny_llama", f"model.hf_path={hf}", "train.steps=3", "optimizer.warmup_steps=1", "train.seq_length=32",
               "train.global_batch_size=8", "train.micro_batch_size=1", *layout]
     multi = two_nodes([str(tmp_path / "multi"), *common, "cluster.nodes=2"])
     for r in multi:  # TP innermost: a TP group never leaves its torchrun agent ("node")

@@ -31,6 +31,7 @@ defaults: [mbr_schema, {model: tiny_llama}, {parallel: default}, {zero: none}, {
            {optimizer: adam}, {data: synthetic}, {train: default}, {checkpoint: default}, _self_]
 parallel: {tp: 2}
 train: {seq_length: 32, micro_batch_size: 1, global_batch_size: 4, steps: 3, log_interval: 1}
+optimizer: {warmup_steps: 1}
 """
 CLUSTER = "name: my_cluster\nnodes: 1\ngpus_per_node: 2\nbackend: gloo\ngpu_memory_gb: 8\n"
 

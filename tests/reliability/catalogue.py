@@ -72,7 +72,8 @@ def C(id, area, cmd, rule, *expect, nproc=0, env=(), out=(), rc=2, proc=False) -
 
 
 # A training command that would write a run directory and a checkpoint if it were accepted.
-T = "train recipe=default train.steps=2 run_dir=out/run checkpoint.dir=out/ckpt"
+SHORT = " train.steps=2 optimizer.warmup_steps=1"  # (dropped from the table, like the output paths)
+T = f"train recipe=default{SHORT} run_dir=out/run checkpoint.dir=out/ckpt"
 OUT = ("out",)
 
 CASES: list[Case] = [
@@ -312,6 +313,115 @@ CASES: list[Case] = [
         "give the valid split a share (e.g. data.split=98/2/0)",
         out=OUT,
     ),
+    # -- configs: optimizer, schedule and interval values (config/values.py) -----------------
+    C("value-lr", "config", "mbr check optimizer.lr=0", "lr", "optimizer.lr=0 must be > 0", "set a positive peak"),
+    C(
+        "value-lr-train",
+        "config",
+        f"{T} optimizer.lr=-1",
+        "lr (trainer)",
+        "[lr] optimizer.lr=-1 must be > 0",
+        "set a positive peak learning rate",
+        out=OUT,
+    ),
+    C(
+        "value-min-lr",
+        "config",
+        "mbr check optimizer.min_lr=0.01",
+        "min-lr",
+        "optimizer.min_lr=0.01 must lie in [0, optimizer.lr=0.0003]",
+        "set optimizer.min_lr to at most optimizer.lr",
+    ),
+    C(
+        "value-min-lr-negative",
+        "config",
+        "mbr check optimizer.min_lr=-1e-5",
+        "min-lr",
+        "optimizer.min_lr=-1e-05 must lie in [0,",
+        "or 0",
+    ),
+    C(
+        "value-weight-decay",
+        "config",
+        "mbr check optimizer.weight_decay=-0.1",
+        "weight-decay",
+        "optimizer.weight_decay=-0.1 must be >= 0",
+        "set optimizer.weight_decay to 0",
+    ),
+    C(
+        "value-adam-beta1",
+        "config",
+        "mbr check optimizer.adam_beta1=1",
+        "adam-betas",
+        "optimizer.adam_beta1=1 must lie in [0, 1)",
+        "set optimizer.adam_beta1 below 1",
+    ),
+    C(
+        "value-adam-beta2",
+        "config",
+        "mbr check optimizer.adam_beta2=-0.5",
+        "adam-betas",
+        "optimizer.adam_beta2=-0.5 must lie in [0, 1)",
+        "set optimizer.adam_beta2 below 1",
+    ),
+    C("value-adam-eps", "config", "mbr check optimizer.adam_eps=0", "adam-eps", "adam_eps=0 must be > 0", "1e-8"),
+    C(
+        "value-clip-grad",
+        "config",
+        "mbr check optimizer.clip_grad=-1",
+        "clip-grad",
+        "optimizer.clip_grad=-1 must be >= 0",
+        "or 0 to disable clipping",
+    ),
+    C(
+        "value-warmup",
+        "config",
+        "mbr check optimizer.warmup_steps=20 train.steps=10",
+        "warmup-steps",
+        "optimizer.warmup_steps=20 must lie in [0, train.steps=10]",
+        "set optimizer.warmup_steps to at most 10",
+    ),
+    C(
+        "value-decay-style",
+        "config",
+        "mbr check optimizer.decay_style=exponential",
+        "choice (decay_style)",
+        "optimizer.decay_style='exponential' is not one of ('constant', 'linear', 'cosine', 'inverse-square-root')",
+        "set optimizer.decay_style to one of them",
+    ),
+    C(
+        "value-train-steps",
+        "config",
+        "mbr check train.steps=0 optimizer.warmup_steps=0",
+        "train-steps",
+        "train.steps=0 must be >= 1",
+        "set the number of optimizer steps",
+    ),
+    C(
+        "value-log-interval",
+        "config",
+        "mbr check train.log_interval=0",
+        "interval",
+        "train.log_interval=0 must be >= 1",
+        "set train.log_interval=1",
+    ),
+    C(
+        "value-save-interval",
+        "config",
+        "mbr check checkpoint.save_interval=-5",
+        "interval",
+        "checkpoint.save_interval=-5 must be >= 0",
+        "set checkpoint.save_interval=0",
+    ),
+    C(
+        "value-seq-positions",
+        "config",
+        "mbr check recipe=gpt3_175b train.seq_length=4096",
+        "seq-positions",
+        "train.seq_length=4096 > model.max_position_embeddings=2048",
+        "learned absolute position embeddings",
+        "set train.seq_length to at most 2048",
+    ),
     # -- configs: the shape of the input ---------------------------------------------------
     C(
         "cfg-unknown-key",
@@ -360,7 +470,7 @@ CASES: list[Case] = [
         "mbr check model=llama9",
         "unknown group option",
         "Could not find 'model/llama9'",
-        "option names in conf/<group>/",
+        "the group options `mbr recipes` lists",
     ),
     C("cfg-stray-argument", "config", "mbr check tp2", "not key=value", "unexpected argument 'tp2'", "`key=value`"),
     C(
@@ -669,7 +779,28 @@ CASES: list[Case] = [
         "{FX}/nope does not exist",
         "usage: mbr check-ckpt DIR",
     ),
+    C(
+        "ckpt-lease-held",
+        "checkpoint",
+        "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_leased",
+        "directory held by a live job",
+        "checkpoint.dir={FX}/ck_leased is in use by another training job",
+        "pid 1 (SLURM_JOB_ID=4242",
+        "give this job its own checkpoint.dir=NEW_DIR",
+        out=OUT,
+    ),
     # -- launch ------------------------------------------------------------------------------
+    C(
+        "launch-lease-held",
+        "launch",
+        "torchrun recipe=default run_dir=out/run checkpoint.dir={FX}/ck_leased",
+        "held directory (torchrun ×2: every rank refuses before init)",
+        "checkpoint.dir={FX}/ck_leased is in use by another training job",
+        "give this job its own checkpoint.dir=NEW_DIR",
+        nproc=2,
+        out=OUT,
+        rc=1,
+    ),
     C(
         "launch-world-size",
         "launch",
@@ -1093,7 +1224,7 @@ def run_all(cases: Sequence[Case], fx: Path, workroot: Path, workers: int = 3) -
 def table(results: Sequence[Result], width: int = 64) -> str:
     rows = [("#", "area", "input", "expected rule", "got", "run", "pass", "s")]
     for i, r in enumerate(results, 1):
-        inp = r.case.input.replace(" run_dir=out/run checkpoint.dir=out/ckpt", "").replace(" train.steps=2", "")
+        inp = r.case.input.replace(" run_dir=out/run checkpoint.dir=out/ckpt", "").replace(SHORT, "")
         inp = inp if len(inp) <= width else inp[: width - 1] + "…"
         rows.append(
             (
@@ -1137,7 +1268,7 @@ def markdown(results: Sequence[Result]) -> str:
 
     out = ["| # | area | input | expected rule | got | pass |", "|---|---|---|---|---|---|"]
     for i, r in enumerate(results, 1):
-        inp = r.case.input.replace(" run_dir=out/run checkpoint.dir=out/ckpt", "").replace(" train.steps=2", "")
+        inp = r.case.input.replace(" run_dir=out/run checkpoint.dir=out/ckpt", "").replace(SHORT, "")
         out.append(
             f"| {i} | {r.case.area} | `{cell(inp)}` | {cell(r.case.rule)} | {cell(r.got())} | "
             f"{'pass' if r.ok else 'FAIL'} |"

@@ -7,7 +7,7 @@ larger than the model's 512, and data made with it), DIR/chat (chat jsonl with o
 file, a template that is not prefix-consistent, a tokenizer without a chat template), fake training checkpoints — complete
 under another layout, and damaged in every way (corrupt/truncated/missing rank file, corrupt
 `latest` pointer, pointer to a missing iteration, corrupt manifest, only an interrupted save) —
-a non-empty directory, and Hugging Face model directories for `mbr convert`: a good tiny Llama
+a checkpoint directory leased by a live job (pid 1), a non-empty directory, and Hugging Face model directories for `mbr convert`: a good tiny Llama
 and one per defect (truncated/corrupt/missing shard, no weights, shapes that disagree with
 config.json, unknown architecture).
 """
@@ -92,6 +92,16 @@ def build(fx: Path) -> None:
     torn = fx / "ck_torn" / "iter_0000004.tmp"
     torn.mkdir(parents=True)
     (torn / "rank_00000.pt.partial").write_bytes(b"half")
+    # a checkpoint directory leased by a live job: pid 1 of this host (always alive)
+    import dataclasses
+
+    from megatron_bridge.train import lease as ls
+
+    held = dataclasses.replace(
+        ls.Holder.me(), pid=1, pid_start=ls._proc_start(1), launcher_pid=0, job_id="SLURM_JOB_ID=4242", job_key="x"
+    )
+    (fx / "ck_leased").mkdir()
+    (fx / "ck_leased" / ls.LEASE).write_text(json.dumps(dataclasses.asdict(held)))
     (fx / "nonempty").mkdir()
     (fx / "nonempty" / "README").write_text("not a checkpoint")
 

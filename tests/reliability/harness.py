@@ -4,8 +4,11 @@ the whole job ended after a fault fired, and that no process of the launch survi
 `launch(jobs, nproc, out)` runs tests/reliability/scripts/jobs.py (several training jobs in one
 launch, each with an optional `MBR_FAULT`). With `kill_when=N` the harness itself SIGKILLs the
 whole launch — torchrun agent and every worker — once N ranks have reached their injected
-`hang` fault: the "whole job killed -9" case (a node lost, a preempted allocation). Every
-launch is bounded by `timeout`: on expiry everything is killed and `LaunchTimeout` raised.
+`hang` fault: the "whole job killed -9" case (a node lost, a preempted allocation); with
+`agent_only=True` it SIGKILLs only the torchrun agent and measures how long its ranks outlive
+it (`Launch.orphans_gone`; megatron_bridge/train/orphans.py ends them). Every launch is bounded
+by `timeout`: on expiry everything is killed and `LaunchTimeout` raised. `spawn` starts a
+command (torchrun, the deepspeed launcher) in the background with the same environment.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +29,7 @@ from megatron_bridge.testing import _kill_tree, _process_tree, free_port
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/reliability/scripts/jobs.py"
 SURVIVOR_GRACE = 5.0
+ORPHAN_LIMIT = 60.0  # how long agent_only waits for the ranks (the tests' bound is lower)
 
 
 class LaunchTimeout(AssertionError):
@@ -41,6 +46,7 @@ class Launch:
     faults: dict[int, float] = field(default_factory=dict)  # rank -> time.time() its fault fired
     survivors: list[str] = field(default_factory=list)  # "pid cmdline" of processes alive after the exit
     results: dict[str, dict[str, float]] = field(default_factory=dict)  # finished jobs' losses
+    orphans_gone: float | None = None  # agent_only: seconds from the agent's SIGKILL to its last rank's exit
 
     @property
     def exit_after_fault(self) -> float | None:
@@ -64,13 +70,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300, kill_when: int | None = None) -> Launch:
-    out = Path(out)
-    faults = out / "faults"
+def job_env(faults: Path, fault: str = "") -> dict[str, str]:
+    """The environment of a launch: no inherited rank variables, faults reported under `faults`."""
     if faults.exists():
         for f in faults.iterdir():
             f.unlink()
-    out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("MBR_FAULT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(
         {
@@ -81,7 +85,13 @@ def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300, 
             "MBR_T0": str(time.time()),
         }
     )
-    cmd = [
+    if fault:
+        env["MBR_FAULT"] = fault
+    return env
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -93,14 +103,59 @@ def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300, 
         str(free_port()),
         "--max-restarts",
         "0",
-        SCRIPT,
-        str(out),
-        *jobs,
+        *args,
     ]
+
+
+def spawn(cmd: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start `cmd` in the background (its own session), output to `log`."""
+    with open(log, "wb") as f:
+        return subprocess.Popen(
+            list(cmd), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def wait_gone(pids: Sequence[int], limit: float) -> float | None:
+    """Seconds until every process in `pids` has exited (None: some still alive after `limit`)."""
+    t0 = time.monotonic()
+    while any(_alive(p) for p in pids):
+        if time.monotonic() - t0 > limit:
+            return None
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def children(pid: int) -> list[int]:
+    return [p for p in _process_tree(pid)[1:] if _ppid(p) == pid]
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def launch(
+    jobs: Sequence[str],
+    nproc: int,
+    out: Path,
+    *,
+    timeout: float = 300,
+    kill_when: int | None = None,
+    agent_only: bool = False,
+) -> Launch:
+    out = Path(out)
+    faults = out / "faults"
+    out.mkdir(parents=True, exist_ok=True)
+    env = job_env(faults)
+    cmd = torchrun(nproc, SCRIPT, str(out), *jobs)
     log = out / f"launch-{int(time.time() * 1000)}.log"
     t0 = time.monotonic()
     seen: set = set()
     killed = False
+    orphans_gone = None
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -108,6 +163,11 @@ def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300, 
                 seen.update(_process_tree(proc.pid)[1:])
                 if kill_when is not None and faults.exists() and len(list(faults.iterdir())) >= kill_when:
                     time.sleep(0.2)  # every rank is inside its fault: kill the job mid-step
+                    if agent_only:  # the agent alone: its ranks must notice and end themselves
+                        ranks = children(proc.pid)
+                        os.kill(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                        orphans_gone = wait_gone(ranks, ORPHAN_LIMIT)
                     _kill_tree(proc)
                     killed = True
                     break
@@ -131,14 +191,21 @@ def launch(jobs: Sequence[str], nproc: int, out: Path, *, timeout: float = 300, 
     while survivors and time.monotonic() < deadline:
         time.sleep(0.1)
         survivors = [pid for pid in survivors if _alive(pid)]
-    survivors = [f"{pid} {_cmdline(pid)}" for pid in survivors]
+    named = [f"{pid} {_cmdline(pid)}" for pid in survivors]
+    for pid in survivors:  # report them, but leave no process behind
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    survivors = named
     fired = {}
     if faults.exists():
         for f in faults.iterdir():
             fired[int(f.name.split("rank")[1])] = float(f.read_text().split()[0])
     res_path = out / "results.json"
     results = json.loads(res_path.read_text()) if res_path.exists() else {}
-    return Launch(rc, log.read_text(errors="replace"), wall, ended, killed, fired, survivors, results)
+    output = log.read_text(errors="replace")
+    return Launch(rc, output, wall, ended, killed, fired, survivors, results, orphans_gone)
 
 
 def torchrun_failures(output: str) -> dict[int, int]:

@@ -3,7 +3,9 @@
 Each scenario injects one fault (`MBR_FAULT`, megatron_bridge/reliability.py) into a training
 run that checkpoints every 2 of its 8 steps: a rank SIGKILLed mid-step or mid-checkpoint-write,
 the whole job SIGKILLed mid-step (by this harness, torchrun agent included) or mid-checkpoint-
-write (every rank), a rank raising an exception, a rank hanging. For each one we check that
+write (every rank), the torchrun agent alone SIGKILLed mid-step (its ranks must end themselves
+within ORPHAN_BOUND s: train/orphans.py), a rank raising an exception, a rank hanging. For each
+one we check that
 
   * the whole job ends (exit != 0) within its bound, no worker process survives it, and the
     output names the failing rank and the reason;
@@ -35,6 +37,7 @@ pytestmark = pytest.mark.dist
 
 NPROC = 4
 STEPS = 8
+ORPHAN_BOUND = 15.0  # seconds a rank may outlive its SIGKILLed launcher
 HANG_TIMEOUT_MIN = 0.15  # train.timeout_minutes of the hang scenario: the watchdog ends it after 9 s
 COMMON = [
     "recipe=default",
@@ -67,6 +70,7 @@ class Scenario:
     # The harness kills the whole launch once N ranks sit in their `hang` fault (the first pipeline
     # stage's: the others are then blocked mid-step waiting on them).
     kill_when: int | None = None
+    agent_only: bool = False  # kill_when kills the torchrun agent alone, not its ranks
     extra: tuple[str, ...] = ()
 
 
@@ -96,6 +100,16 @@ SCENARIOS: list[Scenario] = [
         "whole job SIGKILLed mid-step 7 (torchrun agent and all 4 ranks, from outside)",
         6,
         kill_when=2,
+    ),
+    Scenario(
+        "agent_sigkill_mid_step",
+        "pp2dp2z1",
+        "hang:step:*:5",
+        "torchrun agent alone SIGKILLed mid-step 5 (its 4 ranks left running: 2 blocked in a collective)",
+        4,
+        kill_when=2,
+        agent_only=True,
+        names=("launcher torchrun (pid", "is gone; exiting so no orphaned rank keeps training"),
     ),
     Scenario(
         "job_sigkill_mid_ckpt_write",
@@ -175,7 +189,8 @@ def chain(tmp_path_factory, request):
             s = SCENARIOS[k]
             jobs.append(_job(s.name, s.layout, s.fault, f"checkpoint.dir={root / s.name}", *s.extra))
         out = root / f"launch{k}"
-        run = launch(jobs, NPROC, out, timeout=240, kill_when=SCENARIOS[k].kill_when if k < len(SCENARIOS) else None)
+        s = SCENARIOS[k] if k < len(SCENARIOS) else None
+        run = launch(jobs, NPROC, out, timeout=240, kill_when=s and s.kill_when, agent_only=bool(s and s.agent_only))
         launches.append((f"launch {k}", run))
         if k == 0:
             refs = {name: run.results.get(f"ref_{name}", {}) for name in LAYOUTS}
@@ -209,6 +224,10 @@ def test_job_ends_and_names_the_failing_rank(chain, idx):
     assert not run.survivors, f"worker processes survived the job: {run.survivors}"
     if s.kill_when:
         assert run.killed and len(run.faults) >= s.kill_when, tail
+    if s.agent_only:  # every rank noticed its launcher's death and ended itself
+        assert run.orphans_gone is not None and run.orphans_gone <= ORPHAN_BOUND, (run.orphans_gone, tail)
+        assert run.output.count(s.names[1]) == NPROC, tail
+    if s.kill_when:
         return
     assert run.faults, f"the fault {s.fault} never fired\n{tail}"
     assert run.exit_after_fault is not None and run.exit_after_fault <= s.bound, (run.exit_after_fault, tail)
@@ -247,6 +266,16 @@ def test_resume_reproduces_the_uninterrupted_run(chain, idx):
         assert loss == ref[step], (step, ref[step], loss)
 
 
+def test_a_killed_jobs_lease_is_taken_over(chain):
+    """The lease on the checkpoint directory (train/lease.py) left by a job killed -9 does not
+    block its resume: the holder's pid is gone, so the resume takes the lease over."""
+    _, records, launches = chain
+    for idx, rec in enumerate(records):
+        if rec.scenario.kill_when:
+            out = launches[idx + 1][1].output
+            assert "taking over the lease on checkpoint.dir=" in out and "is gone" in out, out[-4000:]
+
+
 def figures(refs, records, launches) -> str:
     """The table printed in the terminal summary (and copied into docs/reliability.md)."""
     lines = [f"{'scenario':30s} {'crash point':78s} {'job ended':>10s} {'latest':>6s} {'resumed':>8s}  exact"]
@@ -255,6 +284,8 @@ def figures(refs, records, launches) -> str:
         if run is None:
             continue
         ended = "killed" if run.killed else (f"{run.exit_after_fault:.1f} s" if run.exit_after_fault else "?")
+        if run.orphans_gone is not None:
+            ended = f"ranks {run.orphans_gone:.1f} s"
         exact = bool(r.resumed) and all(r.resumed[k] == refs[s.layout].get(k) for k in r.resumed)
         first = min(map(int, r.resumed)) - 1 if r.resumed else None
         lines.append(

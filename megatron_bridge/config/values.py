@@ -1,0 +1,182 @@
+"""Optimizer, schedule and training values, validated like layouts.
+
+A negative learning rate, a warmup longer than the run or a `log_interval` of 0 is as much a
+broken launch as an indivisible world size: megatron-core would accept most of them and
+train something meaningless (or divide by zero at the first log line) minutes later. These
+rules join the layout rules' registry (`parallel/rules.py`'s `@rule`), so `mbr check`, `mbr
+plan` and the trainer refuse them the same way: exit 2, every violation at once, each with
+the rule, the numbers and a fix. The choice of `optimizer.decay_style` is checked with the
+other choices (`rules.CHOICES`). docs/config.md lists these rules after the layout rules.
+
+`notes(cfg)` adds the non-fatal finding: a rotary model trained past its
+`max_position_embeddings`, naming the rope scaling in force (learned absolute positions,
+the GPT family, have no row past it: that is the `seq-positions` error).
+"""
+
+from __future__ import annotations
+
+from megatron_bridge.errors import LayoutError
+from megatron_bridge.parallel.rules import Violation, choices, rule
+
+VALUE_RULES = []  # the rules below: they depend on no layout (`refuse` runs them once)
+
+
+def value_rule(fn):
+    VALUE_RULES.append(fn)
+    return rule(fn)
+
+
+def refuse(cfg) -> None:
+    """Raise LayoutError listing every bad value (and bad choice): for callers that validate
+    many layouts of one config (`mbr plan`), which would otherwise reject each layout alike."""
+    found = [v for r in (choices, *VALUE_RULES) for v in r(None, cfg)]
+    if found:
+        raise LayoutError(found, header=f"The config breaks {len(found)} rule(s):")
+
+
+def _v(name: str, detail: str, fix: str) -> list[Violation]:
+    return [Violation(name, detail, fix)]
+
+
+@value_rule
+def learning_rate(d, cfg):
+    o, out = cfg.optimizer, []
+    if not o.lr > 0:
+        out += _v(
+            "lr", f"optimizer.lr={o.lr:g} must be > 0", "set a positive peak learning rate, e.g. optimizer.lr=3e-4"
+        )
+    if o.min_lr < 0 or (o.lr > 0 and o.min_lr > o.lr):
+        out += _v(
+            "min-lr",
+            f"optimizer.min_lr={o.min_lr:g} must lie in [0, optimizer.lr={o.lr:g}]: the schedule decays from lr "
+            "down to min_lr",
+            "set optimizer.min_lr to at most optimizer.lr (e.g. lr/10), or 0",
+        )
+    return out
+
+
+@value_rule
+def adam(d, cfg):
+    o, out = cfg.optimizer, []
+    if o.weight_decay < 0:
+        out += _v(
+            "weight-decay",
+            f"optimizer.weight_decay={o.weight_decay:g} must be >= 0 (a negative decay grows the weights)",
+            "set optimizer.weight_decay to 0 or a small positive value such as 0.01",
+        )
+    for key in ("adam_beta1", "adam_beta2"):
+        b = getattr(o, key)
+        if not 0 <= b < 1:
+            out += _v(
+                "adam-betas",
+                f"optimizer.{key}={b:g} must lie in [0, 1): it is the decay of Adam's moving average",
+                f"set optimizer.{key} below 1 (0.9 for beta1, 0.95-0.999 for beta2)",
+            )
+    if not o.adam_eps > 0:
+        out += _v(
+            "adam-eps",
+            f"optimizer.adam_eps={o.adam_eps:g} must be > 0 (it keeps Adam's update finite)",
+            "set optimizer.adam_eps=1e-8",
+        )
+    if o.clip_grad < 0:
+        out += _v(
+            "clip-grad",
+            f"optimizer.clip_grad={o.clip_grad:g} must be >= 0 (the gradient-norm bound; 0 = no clipping)",
+            "set optimizer.clip_grad=1.0, or 0 to disable clipping",
+        )
+    return out
+
+
+@value_rule
+def schedule(d, cfg):
+    o, t, out = cfg.optimizer, cfg.train, []
+    if t.steps <= 0:
+        out += _v("train-steps", f"train.steps={t.steps} must be >= 1", "set the number of optimizer steps to train")
+    if o.warmup_steps < 0 or (t.steps > 0 and o.warmup_steps > t.steps):
+        out += _v(
+            "warmup-steps",
+            f"optimizer.warmup_steps={o.warmup_steps} must lie in [0, train.steps={t.steps}]: a warmup longer "
+            "than the run never reaches optimizer.lr",
+            f"set optimizer.warmup_steps to at most {max(t.steps, 0)} (a few percent of train.steps is usual)",
+        )
+    return out
+
+
+@value_rule
+def intervals(d, cfg):
+    # No `eval_interval` exists yet (the trainer has no evaluation loop): nothing to check.
+    out = []
+    if cfg.train.log_interval < 1:
+        out += _v(
+            "interval",
+            f"train.log_interval={cfg.train.log_interval} must be >= 1 (log every N steps)",
+            "set train.log_interval=1 to log every step",
+        )
+    ck = cfg.checkpoint
+    if ck.save_interval < 0:
+        out += _v(
+            "interval",
+            f"checkpoint.save_interval={ck.save_interval} must be >= 0 (save every N steps; 0 = only at the end)",
+            "set checkpoint.save_interval=0 to save only at the end",
+        )
+    if ck.lease_stale_s <= 0:
+        out += _v(
+            "interval",
+            f"checkpoint.lease_stale_s={ck.lease_stale_s:g} must be > 0 (seconds without refresh before another "
+            "host may take the directory over)",
+            "leave it at 60, or raise it on a slow shared filesystem",
+        )
+    return out
+
+
+def learned_positions(m) -> bool:
+    """Learned absolute position embeddings (a table of max_position_embeddings rows)."""
+    from megatron_bridge.plan.params import learned_positions as rows  # the one place that knows
+
+    return rows(m) > 0
+
+
+@value_rule
+def positions(d, cfg):
+    m, s = cfg.model, cfg.train.seq_length
+    if s > m.max_position_embeddings and learned_positions(m):
+        return _v(
+            "seq-positions",
+            f"train.seq_length={s} > model.max_position_embeddings={m.max_position_embeddings}, and model "
+            f"{m.name} (family {m.family}) has learned absolute position embeddings: positions past "
+            f"{m.max_position_embeddings} have no embedding row",
+            f"set train.seq_length to at most {m.max_position_embeddings}, or raise model.max_position_embeddings "
+            "(new rows start untrained)",
+        )
+    return []
+
+
+def rope_in_force(m) -> str:
+    """The rotary scaling the model uses, in words (from its config.json when it has one)."""
+    rtype, params, base = "default", (), m.rotary_base
+    if m.hf_path:
+        from megatron_bridge.bridge.hf_config import load_spec
+        from megatron_bridge.errors import UserError
+
+        try:
+            spec = load_spec(m.hf_path, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
+            rtype, params, base = spec.rope_type, spec.rope_params, spec.rotary_base
+        except UserError:
+            return f"rope scaling of {m.hf_path}/config.json (not readable by the bridge)"
+    if rtype == "default":
+        return f"no rope scaling (rope_type default, rotary_base {base:g})"
+    detail = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in params)
+    return f"rope scaling {rtype} ({detail}; rotary_base {base:g})"
+
+
+def notes(cfg) -> list[str]:
+    m, s = cfg.model, cfg.train.seq_length
+    if s > m.max_position_embeddings and not learned_positions(m):
+        return [
+            f"warning: train.seq_length={s} > model.max_position_embeddings={m.max_position_embeddings} with rotary "
+            f"positions and {rope_in_force(m)}: positions past {m.max_position_embeddings} were never trained"
+        ]
+    return []
+
+
+__all__ = ["VALUE_RULES", "notes", "refuse", "rope_in_force", "learned_positions"]

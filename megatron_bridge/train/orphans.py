@@ -1,0 +1,136 @@
+"""No orphaned ranks: a training rank ends itself within a second of its launcher's death.
+
+torchrun starts every worker in its own session, so a SIGKILLed torchrun agent (the OOM
+killer, `kill -9`, a lost node agent) leaves its ranks re-parented to PID 1, training on and
+writing checkpoints with nobody watching — and a restarted job then shares the checkpoint
+directory (and the GPUs) with them. The `deepspeed` launcher is two processes: the `deepspeed`
+runner starts `deepspeed.launcher.launch`, which starts the ranks; SIGKILL the runner and
+launch.py lives on, so the ranks' own parent never dies. Hence two mechanisms, armed by
+`die_with_launcher()` first thing in the trainer, under a launcher only (LOCAL_RANK /
+TORCHELASTIC_RUN_ID set, or a known launcher as the parent):
+
+  * `prctl(PR_SET_PDEATHSIG, SIGUSR2)` (Linux): the kernel signals this rank the moment its
+    parent exits; the handler checks the parent really changed and exits;
+  * a watch thread, twice a second, checks that the parent is still the launcher and that
+    each launcher process above it (launch.py's `deepspeed` runner) is still its parent. The
+    thread also covers a main thread blocked inside a collective, where Python runs no signal
+    handler.
+
+Either prints one line — `rank R: launcher torchrun (pid P) is gone; exiting so no orphaned
+rank keeps training` — and ends the process with status 1 (os._exit: no cleanup that could
+block). A checkpoint being written stays an unpublished `iter_N.tmp` (checkpoint.py), and the
+lease on the checkpoint directory is taken over by the next job (lease.py: its pid is gone).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+EXIT = 1
+PERIOD_S = 0.5
+# argv word (basename, .py dropped) -> the launcher it names
+LAUNCHERS = {
+    "torchrun": "torchrun",
+    "torch.distributed.run": "torchrun",
+    "torch.distributed.launch": "torchrun",
+    "deepspeed": "deepspeed",
+    "deepspeed.launcher.runner": "deepspeed",
+    "deepspeed.launcher.launch": "deepspeed's launch.py",
+    "srun": "srun",
+    "slurmstepd": "srun's slurmstepd",
+}
+_armed: list[tuple[int, int, str]] = []  # (pid, its parent's pid, the parent's name), child first
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(ppid, launcher name or '') of a live process, None if it is gone (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")[:4]
+    except OSError:
+        return None
+    if fields[0] == "Z":
+        return None
+    words = [Path(a.decode(errors="replace")).name.split(":")[0].removesuffix(".py") for a in argv]
+    return int(fields[1]), next((LAUNCHERS[w] for w in words if w in LAUNCHERS), "")
+
+
+def _chain() -> list[tuple[int, int, str]]:
+    """[(me, parent, parent's name), (parent, grandparent, its name), ...] while the parent is a
+    launcher started by another launcher (deepspeed: rank -> launch.py -> runner)."""
+    parent = os.getppid()
+    st = _stat(parent)
+    out = [(os.getpid(), parent, st[1] if st and st[1] else "process")]
+    while st and st[1] and st[0] > 1:
+        up = _stat(st[0])
+        if not up or not up[1]:
+            break
+        out.append((out[-1][1], st[0], up[1]))
+        st = up
+    return out
+
+
+def _gone() -> tuple[str, int] | None:
+    """(name, pid) of a launcher process that is gone, or None."""
+    for child, parent, name in _armed:
+        now = os.getppid() if child == os.getpid() else (_stat(child) or (0, ""))[0]
+        if now != parent:
+            return name, parent
+    return None
+
+
+def _exit_if_orphaned() -> None:
+    gone = _gone()
+    if gone:
+        rank = os.environ.get("RANK", "?")
+        print(
+            f"rank {rank}: launcher {gone[0]} (pid {gone[1]}) is gone; exiting so no orphaned rank keeps training",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT)
+
+
+def _watch() -> None:
+    while True:
+        threading.Event().wait(PERIOD_S)
+        _exit_if_orphaned()
+
+
+def under_launcher() -> bool:
+    if os.environ.get("LOCAL_RANK") is not None or os.environ.get("TORCHELASTIC_RUN_ID"):
+        return True
+    st = _stat(os.getppid())
+    return bool(st and st[1])
+
+
+def die_with_launcher() -> bool:
+    """Arm both mechanisms (once per process) when running under a launcher. Returns whether
+    they are armed."""
+    if _armed:
+        return True
+    if not sys.platform.startswith("linux") or not under_launcher():
+        return False
+    _armed.extend(_chain())
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR2, lambda *_: _exit_if_orphaned())
+            libc.prctl(pr_set_pdeathsig, int(signal.SIGUSR2), 0, 0, 0)
+    except (OSError, AttributeError, ValueError):
+        pass  # the watch thread alone still bounds it by PERIOD_S
+    _exit_if_orphaned()  # the parent may have died between reading the chain and arming the signal
+    threading.Thread(target=_watch, name="mbr-launcher-watch", daemon=True).start()
+    return True
+
+
+__all__ = ["die_with_launcher", "under_launcher", "LAUNCHERS"]

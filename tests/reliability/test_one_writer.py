@@ -1,0 +1,174 @@
+"""One job per checkpoint directory, and ranks that die with the `deepspeed` launcher.
+
+* Two concurrent jobs on one checkpoint directory: job A (torchrun ×2) is held mid-step 4 by an
+  injected `pause` (after its step-2 checkpoint); job B (torchrun ×2, same checkpoint.dir) is
+  refused before any process group exists: every rank of B that gets to its check exits 2 by
+  itself naming A's rank 0 (host, pid) and the fix (torchrun SIGTERMs a rank still starting up
+  once the first has refused); no run directory is made. A then finishes, its checkpoints
+  verify (`mbr check-ckpt`) and its lease is gone.
+* The `deepspeed` launcher SIGKILLed alone while its ranks train: it is two processes (runner
+  -> launch.py -> ranks), so the ranks' own parent survives; they notice the runner's death
+  and end themselves within ORPHAN_BOUND s, after which launch.py exits too.
+
+The lease taken over from a killed job and the torchrun agent SIGKILLed alone are scenarios of
+test_crash_resume.py (they need its references to check the resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_bridge.train import checkpoint as ckpt
+from megatron_bridge.train.lease import LEASE
+
+try:  # pytest's default (prepend) import mode puts this directory on sys.path
+    from harness import ROOT, _kill_tree, children, job_env, spawn, torchrun, torchrun_failures, wait_gone
+except ImportError:  # pragma: no cover
+    from tests.reliability.harness import (
+        ROOT,
+        _kill_tree,
+        children,
+        job_env,
+        spawn,
+        torchrun,
+        torchrun_failures,
+        wait_gone,
+    )
+
+pytestmark = pytest.mark.dist
+
+ORPHAN_BOUND = 15.0
+COMMON = [
+    "recipe=default",
+    "train.seq_length=32",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=4",
+    "optimizer.warmup_steps=2",
+    "data=synthetic",
+    "checkpoint.save_interval=2",
+]
+
+
+def _wait(pred, proc: subprocess.Popen, log: Path, limit: float = 240) -> None:
+    t0 = time.monotonic()
+    while not pred():
+        if proc.poll() is not None or time.monotonic() - t0 > limit:
+            _kill_tree(proc)
+            raise AssertionError(f"job ended or stalled before the test could act\n{log.read_text()[-6000:]}")
+        time.sleep(0.1)
+
+
+def _faults(d: Path) -> int:
+    return len(list(d.iterdir())) if d.exists() else 0
+
+
+def test_second_job_on_a_held_directory_is_refused(tmp_path):
+    from megatron_bridge.cli import main as mbr
+
+    ck, faults = tmp_path / "ck", tmp_path / "faults"
+    log_a = tmp_path / "a.log"
+    a = spawn(
+        torchrun(
+            2,
+            "-m",
+            "megatron_bridge.train",
+            *COMMON,
+            "train.steps=6",
+            f"checkpoint.dir={ck}",
+            f"run_dir={tmp_path / 'a'}",
+        ),
+        job_env(faults, "pause:step:*:4"),
+        log_a,
+    )
+    try:
+        _wait(lambda: _faults(faults) == 2, a, log_a)  # A holds the lease, sits in step 4
+        holder = json.loads((ck / LEASE).read_text())
+        assert ckpt.latest_iteration(ck) == 2
+        t0 = time.monotonic()
+        b = subprocess.run(
+            torchrun(
+                2,
+                "-m",
+                "megatron_bridge.train",
+                *COMMON,
+                "train.steps=6",
+                f"checkpoint.dir={ck}",
+                f"run_dir={tmp_path / 'b'}",
+            ),
+            cwd=ROOT,
+            env=job_env(tmp_path / "faults_b"),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        out = b.stdout + b.stderr
+        print(f"second job refused: torchrun exited {b.returncode} after {time.monotonic() - t0:.1f} s")
+        assert b.returncode != 0, out[-4000:]
+        # The first rank to check exits 2; torchrun stops the other (SIGTERM) if it has not refused yet.
+        codes = torchrun_failures(out)
+        assert 2 in codes.values() and set(codes.values()) <= {2, -15}, out[-4000:]
+        msg = f"checkpoint.dir={ck} is in use by another training job (host {holder['host']}, pid {holder['pid']}"
+        assert out.count(msg) == list(codes.values()).count(2), out[-4000:]
+        assert "give this job its own checkpoint.dir=NEW_DIR" in out
+        assert not (tmp_path / "b").exists()  # no run directory: nothing started
+        (faults / "continue").write_text("")
+        assert a.wait(timeout=240) == 0, log_a.read_text()[-6000:]
+    finally:
+        if a.poll() is None:
+            _kill_tree(a)
+    assert ckpt.latest_iteration(ck) == 6
+    assert mbr(["check-ckpt", str(ck)]) == 0  # every manifest of A verifies
+    assert not (ck / LEASE).exists()  # released at A's clean exit
+    steps = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
+
+
+@pytest.mark.skipif(shutil.which("deepspeed", path=str(Path(sys.executable).parent)) is None, reason="no deepspeed")
+def test_ranks_end_when_the_deepspeed_launcher_is_killed(tmp_path):
+    from megatron_bridge.testing import free_port
+
+    faults, log = tmp_path / "faults", tmp_path / "ds.log"
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "megatron_bridge.train",
+        *COMMON,
+        "cluster.gpus_per_node=2",
+        "train.steps=6",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    runner = spawn(cmd, job_env(faults, "hang:step:*:3"), log)
+    try:
+        _wait(lambda: _faults(faults) == 2, runner, log)  # both ranks mid-step 3
+        launch_py = children(runner.pid)
+        ranks = [r for p in launch_py for r in children(p)]
+        assert len(launch_py) == 1 and len(ranks) == 2, (launch_py, ranks)
+        os.kill(runner.pid, signal.SIGKILL)
+        runner.wait()
+        gone = wait_gone(ranks, 60)
+        launcher_gone = wait_gone(launch_py, 30)
+    finally:
+        for pid in [*locals().get("ranks", []), *locals().get("launch_py", [])]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    out = log.read_text()
+    assert gone is not None and gone <= ORPHAN_BOUND, (gone, out[-4000:])
+    assert launcher_gone is not None, out[-4000:]  # launch.py stops once its ranks failed
+    assert f"launcher deepspeed (pid {runner.pid}) is gone; exiting so no orphaned rank keeps training" in out
+    print(f"deepspeed runner SIGKILLed: ranks gone after {gone:.1f} s")
