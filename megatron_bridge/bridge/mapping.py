@@ -80,6 +80,7 @@ def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> torch.Tensor:
     import torch
 
     def take(b: Block):
+        assert b.src is not None  # zero blocks (src None) are filled below, never taken
         t = hf[b.src]
         if b.cols is not None:
             return t[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]

@@ -13,11 +13,14 @@ checkpointed through `state_dict()` / `load_state_dict()` (this rank's share onl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_bridge.train.ds_config import build_ds_config
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
 
 
 def _batch_to(batch: dict[str, Any], device) -> dict[str, Any]:
@@ -88,7 +91,7 @@ class MegatronEngine:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg, self.dims = cfg, dims
-        tconf = chunks[0].config
+        tconf: TransformerConfig = chunks[0].config
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dims.zero_stage == 1
         )

@@ -62,7 +62,7 @@ def preflight(cfg, dims) -> None:
         from megatron_bridge.train import checkpoint as ckpt
 
         it, manifest = ckpt.peek(cfg.checkpoint.dir)
-        if it is not None:
+        if it is not None and manifest is not None:  # both or neither
             ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest, _ckpt_meta(cfg, dims))
     if cfg.export_to and Path(cfg.export_to).exists() and any(Path(cfg.export_to).iterdir()):
         raise UserError(f"export_to={cfg.export_to} exists and is not empty; choose a new directory.")
@@ -185,6 +185,7 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
 
         load_initial_weights(chunks, spec, cfg.train.init_from)
 
+    engine: DeepSpeedEngine | MegatronEngine
     if cfg.train.engine == "deepspeed":
         engine = DeepSpeedEngine(cfg, dims, chunks, mpu, bf16=overrides["bf16"])
     else:
@@ -203,12 +204,13 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     cp_rank = ps.get_context_parallel_rank()
     start = 0
     meta = _ckpt_meta(cfg, dims)
-    if cfg.checkpoint.resume:
+    if cfg.checkpoint.resume and cfg.checkpoint.dir:  # preflight refused resume without a dir
         it, state = ckpt.load(cfg.checkpoint.dir, meta)
-        if it is not None:
-            engine.load_state_dict(
-                state["engine"], directory=state["_dir"]
-            ) if cfg.train.engine == "deepspeed" else engine.load_state_dict(state["engine"])
+        if it is not None and state is not None:  # both or neither
+            if isinstance(engine, DeepSpeedEngine):
+                engine.load_state_dict(state["engine"], directory=state["_dir"])
+            else:
+                engine.load_state_dict(state["engine"])
             _set_rng_state(state["rng"])
             start = it
             if rank == 0:
