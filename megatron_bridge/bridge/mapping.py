@@ -253,7 +253,8 @@ class FusedQKV(Transform):
         return g, d, hpg
 
     def _blocks(self, hf_shapes, s, shapes):
-        g, d, hpg = self._geometry(*hf_shapes, shapes)
+        q, k, v = hf_shapes
+        g, d, hpg = self._geometry(q, k, v, shapes)
         blk = (hpg + 2) * d
         a, b = _split(g * blk, s, "fused QKV rows")
         pieces = []
