@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -28,7 +29,7 @@ def init_model(out: str, tokenizer_dir: str, seed: int = 0) -> None:
         num_key_value_heads=2,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -55,4 +56,5 @@ def generate(hf_dir: str, prompt: str, new_tokens: int = 24) -> None:
 
 if __name__ == "__main__":
     cmd, *rest = sys.argv[1:]
-    {"init": init_model, "generate": generate}[cmd](*rest)
+    commands: dict[str, Callable[..., None]] = {"init": init_model, "generate": generate}
+    commands[cmd](*rest)

@@ -11,6 +11,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_bridge.parallel.rules import Violation
 
 EXIT_USER_ERROR = 2
 
@@ -24,7 +28,7 @@ class UserError(Exception):
 class LayoutError(UserError):
     """The parallel layout breaks one or more rules; carries every violation at once."""
 
-    def __init__(self, violations: Sequence[object], header: str = "") -> None:
+    def __init__(self, violations: Sequence[Violation], header: str = "") -> None:
         self.violations = list(violations)
         lines = [header or f"The parallel layout breaks {len(self.violations)} rule(s):"]
         lines += [f"  - {v}" for v in self.violations]

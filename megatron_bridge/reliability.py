@@ -178,7 +178,7 @@ class Watchdog:
     def _where(self) -> tuple[str, bool]:
         """Where the main thread is stuck, and whether it is waiting on peers (a collective or a
         point-to-point transfer) rather than stuck by itself."""
-        frame = sys._current_frames().get(self._main)
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
         if frame is None:
             return "an unknown place", False
         stack = traceback.extract_stack(frame)

@@ -89,11 +89,9 @@ def merge_from_cp(parts, seq_dim: int = 1) -> torch.Tensor:
     cp = len(parts)
     if cp == 1:
         return parts[0]
-    chunks = [None] * (2 * cp)
-    for r, p in enumerate(parts):
-        a, b = p.chunk(2, dim=seq_dim)
-        chunks[r], chunks[2 * cp - 1 - r] = a, b
-    return torch.cat(chunks, dim=seq_dim)
+    # rank r holds chunks r and 2cp-1-r: the first halves in rank order, then the second halves reversed
+    halves = [p.chunk(2, dim=seq_dim) for p in parts]
+    return torch.cat([a for a, _ in halves] + [b for _, b in reversed(halves)], dim=seq_dim)
 
 
 def _make_class():

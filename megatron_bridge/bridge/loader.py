@@ -115,7 +115,10 @@ def owned(row: Resolved, spec: BridgeSpec, layout: Layout, coords: Coords, layer
         if not post or (name.startswith("output_layer.") and spec.tie_word_embeddings and pre):
             return None
         return name
-    experts = local_experts(spec.num_moe_experts, layout.ep, coords.ep_rank) if row.mapping.is_expert else None
+    experts = None
+    if row.mapping.is_expert:
+        assert spec.num_moe_experts is not None  # expert rows apply to MoE specs only
+        experts = local_experts(spec.num_moe_experts, layout.ep, coords.ep_rank)
     return to_local_name(name, layers, experts)
 
 
@@ -311,7 +314,7 @@ def export_hf_weights(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     mine = dict(iter_hf_tensors(chunks, spec, dtype))
-    listing = [None] * torch.distributed.get_world_size()
+    listing: list[list[tuple[str, int]]] = [[] for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather_object(listing, sorted((k, v.numel() * v.element_size()) for k, v in mine.items()))
     writers = [r for r, names in enumerate(listing) if names]
     total = len(writers)

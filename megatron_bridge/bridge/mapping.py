@@ -80,6 +80,7 @@ def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> torch.Tensor:
     import torch
 
     def take(b: Block):
+        assert b.src is not None  # zero blocks (src None) are filled below, never taken
         t = hf[b.src]
         if b.cols is not None:
             return t[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]
@@ -232,7 +233,8 @@ class FusedQKV(Transform):
         return g, d, hpg
 
     def _blocks(self, hf_shapes, s, shapes):
-        g, d, hpg = self._geometry(*hf_shapes, shapes)
+        q, k, v = hf_shapes
+        g, d, hpg = self._geometry(q, k, v, shapes)
         blk = (hpg + 2) * d
         a, b = _split(g * blk, s, "fused QKV rows")
         pieces = []

@@ -164,11 +164,13 @@ def check_layout(
         chunks = build_model(spec, layout)
         load_hf_weights(chunks, spec, hf_dir)
         if "logits" in checks:
+            assert input_ids is not None and ref is not None, "the logits check needs input_ids and ref"
             logits = forward_logits(chunks, input_ids)
             if logits is not None:
                 out["logits"] = diff(logits[..., : spec.vocab_size], ref["logits"])
                 out["logits"]["padded_vocab"] = int(logits.shape[-1])
         if "roundtrip" in checks:
+            assert export_dir is not None, "the roundtrip check needs export_dir"
             dest = Path(export_dir) / "roundtrip"
             export_hf_weights(chunks, spec, dest, source_dir=hf_dir)
             if rank == 0:
@@ -182,13 +184,16 @@ def check_layout(
         chunks = build_model(spec, glayout)
         load_hf_weights(chunks, spec, hf_dir)
         ddp = wrap_ddp(chunks)
+        assert input_ids is not None and labels is not None, "the grads and train checks need input_ids and labels"
         loss = forward_backward(ddp, input_ids, labels, train="train" in checks)
         if loss is not None:
             out["loss"] = {"value": loss, "ref": ref.get("loss") if ref else None}
         if "grads" in checks:
+            assert ref is not None, "the grads check needs ref"
             grads = dict(iter_hf_tensors(unwrap(ddp), spec, value=lambda p: p.main_grad))
             out["grads"] = _compare_dict(grads, ref["grads"], exact=False)
         if "train" in checks:
+            assert export_dir is not None, "the train check needs export_dir"
             sgd_step(ddp, lr)
             dest = Path(export_dir) / "trained"
             export_hf_weights(unwrap(ddp), spec, dest, source_dir=hf_dir)

@@ -32,7 +32,7 @@ def _pattern(template: str) -> re.Pattern[str]:
     return re.compile("^" + "".join(parts) + "$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Mapping:
     """One table row: megatron parameter <- HF tensor(s) through a transform.
 
@@ -51,15 +51,22 @@ class Mapping:
     _mpat: Any = field(default=None, compare=False, repr=False)
     _hpats: Any = field(default=None, compare=False, repr=False)
 
-    def __post_init__(self):
-        hf = (self.hf,) if isinstance(self.hf, str) else tuple(self.hf)
-        object.__setattr__(self, "hf", hf)
-        if len(hf) != self.transform.n_hf:
-            raise ValueError(
-                f"{self.megatron}: {self.transform!r} takes {self.transform.n_hf} HF tensors, got {len(hf)}"
-            )
-        object.__setattr__(self, "_mpat", _pattern(self.megatron))
-        object.__setattr__(self, "_hpats", tuple(_pattern(h) for h in hf))
+    def __init__(
+        self,
+        megatron: str,
+        hf: str | Sequence[str],
+        transform: Transform = REPLICATED,
+        when: str | None = None,
+        export: bool = True,
+    ) -> None:
+        # Written out (not the dataclass's) so that `hf` may be one name, stored as a 1-tuple.
+        names = (hf,) if isinstance(hf, str) else tuple(hf)
+        if len(names) != transform.n_hf:
+            raise ValueError(f"{megatron}: {transform!r} takes {transform.n_hf} HF tensors, got {len(names)}")
+        values = {"megatron": megatron, "hf": names, "transform": transform, "when": when, "export": export}
+        values.update(_mpat=_pattern(megatron), _hpats=tuple(_pattern(h) for h in names))
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
 
     @property
     def is_expert(self) -> bool:

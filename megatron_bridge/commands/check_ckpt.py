@@ -21,7 +21,7 @@ USAGE = "usage: mbr check-ckpt DIR [--all]   (DIR: a checkpoint.dir root, or one
 _ITER = re.compile(r"^iter_(\d+)$")
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

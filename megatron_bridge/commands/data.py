@@ -76,6 +76,11 @@ def run_chat(cfg: DataCommandConfig) -> int:
             '{"prompt": ..., "completion": ...}), or demo=true output_dir=DIR for a demo chat dataset'
         )
     tokenizer = cfg.tokenizer or cfg.data.tokenizer
+    if not cfg.output or not tokenizer:
+        raise UserError(
+            "mode=chat needs output=PREFIX (where the indexed files go) and tokenizer=DIR (a local Hugging Face "
+            "tokenizer with a chat template, or chat_template=FILE to supply one)"
+        )
     stats = preprocess_chat(
         cfg.input,
         cfg.output,

@@ -15,6 +15,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar, overload
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -153,7 +154,16 @@ def _yaml_error(e: Exception) -> UserError:
     )
 
 
-def compose(argv: Sequence[str] | Args, schema: type = Config, *, resolve_hf: bool = True) -> tuple[object, Args]:
+S = TypeVar("S", bound=Config)
+
+
+@overload
+def compose(argv: Sequence[str] | Args, *, resolve_hf: bool = ...) -> tuple[Config, Args]: ...
+@overload
+def compose(argv: Sequence[str] | Args, schema: type[S], *, resolve_hf: bool = ...) -> tuple[S, Args]: ...
+def compose(
+    argv: Sequence[str] | Args, schema: type[Config] = Config, *, resolve_hf: bool = True
+) -> tuple[Config, Args]:
     """Compose recipe + overrides into an instance of `schema` (a `Config` dataclass or a
     subclass with a command's own fields). Returns (typed config, parsed args)."""
     import yaml
@@ -179,6 +189,7 @@ def compose(argv: Sequence[str] | Args, schema: type = Config, *, resolve_hf: bo
             apply_hf_config(dcfg.model, dcfg.model.hf_path)
         OmegaConf.resolve(dcfg)
         cfg = OmegaConf.to_object(dcfg)
+        assert isinstance(cfg, schema)  # a structured config converts back to its dataclass
     except UserError:
         raise
     except (HydraException, OmegaConfBaseException) as e:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from megatron_bridge.errors import LayoutError
 from megatron_bridge.parallel.rules import Violation, choices, rule
 
-VALUE_RULES = []  # the rules below: they depend on no layout (`refuse` runs them once)
+VALUE_RULES: list = []  # the rules below: they depend on no layout (`refuse` runs them once)
 
 
 def value_rule(fn):
@@ -153,7 +153,9 @@ def positions(d, cfg):
 
 def rope_in_force(m) -> str:
     """The rotary scaling the model uses, in words (from its config.json when it has one)."""
-    rtype, params, base = "default", (), m.rotary_base
+    rtype: str = "default"
+    params: tuple[tuple[str, object], ...] = ()
+    base: float = m.rotary_base
     if m.hf_path:
         from megatron_bridge.bridge.hf_config import load_spec
         from megatron_bridge.errors import UserError

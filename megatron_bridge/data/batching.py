@@ -88,8 +88,8 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for key in BATCH_KEYS:
-        vals = [s.get(key) for s in samples]
-        out[key] = None if any(v is None for v in vals) else torch.stack(vals)
+        vals = [s[key] for s in samples if s.get(key) is not None]
+        out[key] = torch.stack(vals) if len(vals) == len(samples) else None
     return out
 
 
@@ -104,7 +104,7 @@ def slice_for_cp(batch: dict[str, Any], cp_size: int, cp_rank: int) -> dict[str,
         raise ValueError(f"cp_rank={cp_rank} not in [0, {cp_size})")
     import torch
 
-    out = {}
+    out: dict[str, Any] = {}
     for key, val in batch.items():
         if val is None:
             out[key] = None

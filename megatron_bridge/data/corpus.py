@@ -16,6 +16,7 @@ import sysconfig
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from megatron_bridge.data._fs import atomic_dir, atomic_file, refuse_existing
 from megatron_bridge.errors import UserError
@@ -145,7 +146,7 @@ def stdlib_files(root: PathLike | None = None) -> list[Path]:
     root = Path(root) if root is not None else stdlib_root()
     if not root.is_dir():
         raise UserError(f"the Python standard library directory {root} does not exist")
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         out.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
@@ -293,7 +294,7 @@ def train_tokenizer(
         files = input_files(corpus)  # validate before any work
         texts: Iterable[str] = iter_documents(files, text_key=text_key)
     else:
-        texts = corpus
+        texts = cast(Iterable[str], corpus)  # not file names: the documents themselves
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -127,6 +127,7 @@ def load_extension(path: Path, name: str = HELPERS_MODULE) -> ModuleType:
     """Load the compiled extension `path` as module `name` and register it in sys.modules."""
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    assert spec is not None  # never None when a loader is given
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     sys.modules[name] = mod

@@ -38,7 +38,7 @@ def parse_blend(paths: Sequence[str]) -> tuple[list[str], list[float] | None]:
             return None
 
     if len(paths) % 2 == 0 and all(num(w) is not None for w in paths[0::2]):
-        weights = [num(w) for w in paths[0::2]]
+        weights = [float(w) for w in paths[0::2]]
         if any(w < 0 for w in weights) or sum(weights) <= 0:
             raise UserError(f"data.paths weights {weights} must be >= 0 and not all 0")
         return paths[1::2], weights

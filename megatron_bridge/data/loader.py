@@ -132,8 +132,10 @@ def build_datasets(
         n_valid = valid_samples if valid_samples is not None else 4 * dims.global_batch_size
         n_test = test_samples if test_samples is not None else 0
 
+        n_vocab = vocab  # an int from here on (the indexed branch below rebinds `vocab`)
+
         def mk(n, split):
-            return SyntheticGPTDataset(n, seq_length, vocab, seed, split, create_attention_mask)
+            return SyntheticGPTDataset(n, seq_length, n_vocab, seed, split, create_attention_mask)
 
         return Datasets(
             mk(train_samples, "train"),

@@ -76,7 +76,7 @@ def read_meta(prefix: PathLike) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-def check_output_prefix(prefix: PathLike, overwrite: bool) -> Path:
+def check_output_prefix(prefix: PathLike | None, overwrite: bool) -> Path:
     """Validate the output prefix (a path without .bin/.idx); UserError when it is a directory
     or its files exist (unless overwrite)."""
     if prefix is None or str(prefix) == "":
@@ -95,8 +95,8 @@ def check_output_prefix(prefix: PathLike, overwrite: bool) -> Path:
 
 def preprocess(
     inputs: PathLike | Sequence[PathLike],
-    output_prefix: PathLike,
-    tokenizer: PathLike,
+    output_prefix: PathLike | None,
+    tokenizer: PathLike | None,
     *,
     text_key: str = "text",
     txt_mode: str = "file",

@@ -46,6 +46,7 @@ import importlib.abc
 import inspect
 import sys
 import types
+from typing import Any
 
 import torch
 
@@ -182,7 +183,7 @@ class _RedirectFinder(importlib.abc.MetaPathFinder):
                 exec_module(module)
                 _redirect(module)
 
-            loader.exec_module = exec_and_redirect
+            loader.exec_module = exec_and_redirect  # type: ignore[method-assign]  # the import hook's point
         return spec
 
 
@@ -213,7 +214,7 @@ def _cuda_type(self, dtype=None, non_blocking=False, **kwargs):
 @contextlib.contextmanager
 def _tensors_look_cuda():
     saved = {k: torch.Tensor.__dict__.get(k, _MISSING) for k in ("cuda", "type")}
-    torch.Tensor.cuda, torch.Tensor.type = (lambda self, *a, **k: self), _cuda_type
+    torch.Tensor.cuda, torch.Tensor.type = (lambda self, *a, **k: self), _cuda_type  # type: ignore[method-assign]  # restored below
     try:
         yield
     finally:
@@ -239,11 +240,13 @@ def _int_list(sizes):
     return [int(s) for s in (sizes.tolist() if hasattr(sizes, "tolist") else sizes)]
 
 
-def _make_cpu_tracker_class(base):
+def _make_cpu_tracker_class(base: Any) -> Any:
     class CpuRNGStatesTracker(base):
         """`CudaRNGStatesTracker` for CPU: named CPU-generator states, forked around regions
         (data-parallel-rng, model-parallel-rng, expert-parallel-rng). Subclasses megatron's
         tracker so its isinstance checks still hold."""
+
+        _current_state_name: str  # set by megatron's reset()
 
         def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
             self.reset()

@@ -72,7 +72,7 @@ def why_lost(alt: Evaluation, best: Evaluation, ctx: Context | None = None) -> s
         diffs = {"bubble": (alt.compute_s * alt.bubble) - (best.compute_s * best.bubble)}
         for dim in set(alt.comm) | set(best.comm):
             diffs[f"{dim} comm"] = alt.comm.get(dim, {}).get("time_s", 0.0) - best.comm.get(dim, {}).get("time_s", 0.0)
-        worst = max(diffs, key=diffs.get)
+        worst = max(diffs, key=diffs.__getitem__)
         return f"slower: {t}, mostly {worst} (+{diffs[worst]:.2f} s)"
     if i == 5:
         return f"smaller micro batch ({a.mbs} vs {b.mbs}) at equal estimated step time"

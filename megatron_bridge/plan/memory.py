@@ -96,7 +96,16 @@ def model_states(
 
 
 def layer_activation_terms(
-    m, *, s: int, b: int, t: int = 1, sp: bool = False, cp: int = 1, moe: bool = False, etp: int = 1, act_bytes: int = 2
+    m,
+    *,
+    s: float,
+    b: int,
+    t: int = 1,
+    sp: bool = False,
+    cp: int = 1,
+    moe: bool = False,
+    etp: int = 1,
+    act_bytes: int = 2,
 ) -> dict[str, float]:
     """One layer's stored activations for one microbatch, bytes, split into
     `base` (kept under selective recompute) and `scores` (the a·s² attention terms that
@@ -184,7 +193,7 @@ class StageMemory:
         return asdict(self)
 
 
-def logits_bytes(m, *, s: int, b: int, t: int, cp: int, vocab: int, sp: bool) -> float:
+def logits_bytes(m, *, s: float, b: int, t: int, cp: int, vocab: int, sp: bool) -> float:
     """Korthikanti §4.3: fp32 logits for the cross-entropy (4sbV/t) + output-layer input."""
     s = s / cp
     return 4 * s * b * vocab / t + 2 * s * b * m.hidden_size / (t if sp else 1)

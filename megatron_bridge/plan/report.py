@@ -10,6 +10,7 @@ arithmetic equivalent from comm.group_spans.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from megatron_bridge.parallel.topology import Topology
 from megatron_bridge.plan import comm as C
@@ -205,7 +206,7 @@ def _vol(x: float) -> str:
     return f"{x / 1e9:10.2f} GB"
 
 
-def to_table(doc: dict[str, object]) -> str:
+def to_table(doc: dict[str, Any]) -> str:
     m, c, t = doc["model"], doc["cluster"], doc["train"]
     L: list[str] = []
     active = f", {m['params_active']:,} active" if m["moe"] else ""

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from megatron_bridge.config.schema import Config
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
 from megatron_bridge.parallel.rules import check_all
 from megatron_bridge.plan import comm as C
@@ -147,8 +148,8 @@ class Evaluation:
 class Context:
     """Everything the search reads, resolved once from the composed config."""
 
-    cfg: object
-    model: object  # params.frozen(cfg.model)
+    cfg: Config
+    model: P._Frozen  # params.frozen(cfg.model)
     count: P.ParamCount
     world: int
     gpn: int

@@ -37,7 +37,7 @@ LATEST = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 
 
-def iter_dir(root: Path, iteration: int) -> Path:
+def iter_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
@@ -88,7 +88,7 @@ def save(
     if extra is not None:
         extra(tmp)
     fault("ckpt_write", iteration)  # test-only fault injection (MBR_FAULT); a no-op otherwise
-    entries = [None] * world
+    entries: list[dict[str, Any]] = [{} for _ in range(world)]
     if dist:
         dist.all_gather_object(entries, entry)
     else:

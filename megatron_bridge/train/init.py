@@ -33,11 +33,9 @@ def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:
 
         load_hf_weights(chunks, spec, p)
         return
-    try:
-        from megatron_bridge.convert.load import load_converted  # issue: checkpoint conversion
-    except ImportError:
-        load_converted = None
-    if load_converted is not None and (p / "mbr_manifest.json").is_file():
+    if (p / "mbr_manifest.json").is_file():
+        from megatron_bridge.convert.load import load_converted
+
         load_converted(chunks, spec, p)
         return
     raise UserError(

@@ -35,7 +35,7 @@ class MetricsLogger:
         self.total = total_steps
         self.run_dir = Path(run_dir)
         self.tb = self.wandb = self.progress = None
-        self.history = []
+        self.history: list[dict[str, float]] = []
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,7 @@ def preflight(cfg, dims) -> None:
         from megatron_bridge.train import checkpoint as ckpt
 
         it, manifest = ckpt.peek(cfg.checkpoint.dir)
-        if it is not None:
+        if it is not None and manifest is not None:  # both or neither
             ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest, _ckpt_meta(cfg, dims))
     if cfg.export_to and Path(cfg.export_to).exists() and any(Path(cfg.export_to).iterdir()):
         raise UserError(f"export_to={cfg.export_to} exists and is not empty; choose a new directory.")
