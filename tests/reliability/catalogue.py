@@ -605,6 +605,43 @@ CASES: list[Case] = [
         "{FX}/nope does not exist",
         "usage: mbr check-ckpt DIR",
     ),
+    # -- fine-tuning: LoRA (peft=lora) ---------------------------------------------------------
+    C(
+        "peft-unknown-target",
+        "config",
+        f"{T} model.hf_path={{FX}}/hf peft=lora peft.target_modules=[q_proj,w1]",
+        "LoRA target not in the family",
+        "['w1'] names no linear module of the llama family",
+        "q_proj",
+        out=OUT,
+    ),
+    C(
+        "peft-rank",
+        "config",
+        f"{T} model.hf_path={{FX}}/hf peft=lora peft.rank=0",
+        "LoRA rank <= 0",
+        "peft.rank=0 must be >= 1",
+        "set peft.rank to a positive rank",
+        out=OUT,
+    ),
+    C(
+        "peft-adapter-shape",
+        "checkpoint",
+        f"{T} model.hf_path={{FX}}/hf peft=lora peft.init_from={{FX}}/lora_other_size",
+        "adapter for another model",
+        "needs [8, 64]",
+        "Use the base it was made for",
+        out=OUT,
+    ),
+    C(
+        "peft-adapter-module",
+        "checkpoint",
+        f"{T} model.hf_path={{FX}}/hf peft=lora peft.init_from={{FX}}/lora_other_model",
+        "adapter for another model",
+        "which the base model",
+        "Use the base it was made for",
+        out=OUT,
+    ),
     # -- launch ------------------------------------------------------------------------------
     C(
         "launch-world-size",
