@@ -143,6 +143,13 @@ def check_adapter_dir(path: str | Path, base_dir: str | Path | None, peft: Any) 
             f"trains LoRA of rank peft.rank={peft.rank}. Set peft.rank={conf.get('r')} (and peft.alpha="
             f"{conf.get('lora_alpha')}) to continue that adapter, or drop peft.init_from."
         )
+    theirs = conf.get("target_modules")
+    theirs = [theirs] if isinstance(theirs, str) else sorted(theirs or [])
+    if theirs != sorted(peft.target_modules):
+        raise UserError(
+            f"peft.init_from={path} adapts target_modules={theirs}, but peft.target_modules="
+            f"{sorted(peft.target_modules)}. Set peft.target_modules=[{','.join(theirs)}] to continue that adapter."
+        )
     from megatron_bridge.bridge.loader import HFCheckpoint
 
     base = HFCheckpoint(base_dir) if base_dir else None
