@@ -67,8 +67,7 @@ def preflight(cfg, dims) -> None:
         it, manifest = ckpt.peek(cfg.checkpoint.dir)
         if it is not None:
             ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest, _ckpt_meta(cfg, dims))
-    for key in ("export_to", "export_adapter_to"):
-        out = getattr(cfg, key)
+    for key, out in (("export_to", cfg.export_to), ("export_adapter_to", cfg.export_adapter_to)):
         if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
             raise UserError(f"{key}={out} exists and is not empty; choose a new directory.")
     _preflight_peft(cfg)
