@@ -176,6 +176,40 @@ def check_adapter_dir(path: str | Path, base_dir: str | Path | None, peft: Any) 
     return conf
 
 
+def layer_adapter_params(m: Any, peft: Any, *, tp: int = 1, etp: int = 1) -> tuple[float, float]:
+    """LoRA parameters of one transformer layer on one rank, (dense, per local expert), for
+    the planner: column-parallel adapters keep A whole and split B's rows, row-parallel ones
+    split A's columns and keep B whole (as `lora_modules` lays them out). The HF modules'
+    shapes follow from the megatron linear holding them (q/k/v rows, fc1's gate/up, ...).
+    MoE models count every layer as MoE (as `plan.params` does)."""
+    from megatron_bridge.bridge.registry import get_family
+
+    h, a, g, d, r = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim, peft.rank
+    f, moe = m.ffn_hidden_size, bool(m.num_moe_experts)
+    dense = expert = 0.0
+    for t in resolve_targets(get_family(m.family).table, list(peft.target_modules), m.family):
+        name = t.mapping.megatron
+        is_exp, shared = t.mapping.is_expert, ".shared_experts." in name
+        if moe and not is_exp and not shared and ".mlp." in name:
+            continue  # a dense MLP row of a MoE family
+        width = (
+            (m.moe_ffn_hidden_size or f) if is_exp else (m.moe_shared_expert_intermediate_size or f) if shared else f
+        )
+        outs, fan_in = {
+            "linear_qkv": ([a * d, g * d, g * d], h),
+            "linear_proj": ([h], a * d),
+            "linear_fc1": ([width, width], h),
+            "linear_fc2": ([h], width),
+        }[name.split(".")[-2]]
+        split = etp if is_exp else tp
+        n = sum(r * fan_in + r * outs[i] / split if t.column else r * fan_in / split + r * outs[i] for i in t.srcs)
+        if is_exp:
+            expert += n
+        else:
+            dense += n
+    return dense, expert
+
+
 # ---------------------------------------------------------------------------------------
 # Rules (run with the layout rules by `mbr check` and before a launch).
 # ---------------------------------------------------------------------------------------
@@ -237,4 +271,5 @@ __all__ = [
     "adapter_config",
     "check_adapter_dir",
     "base_of",
+    "layer_adapter_params",
 ]

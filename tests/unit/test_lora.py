@@ -130,3 +130,60 @@ def test_expert_adapters_need_whole_experts():
         validate(cfg)
     cfg, _ = compose([*base, "peft.target_modules=[w1,q_proj]", "parallel.etp=1"])
     validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "family,targets",
+    [("llama", ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]), ("qwen3", ["q_proj", "k_proj", "gate_proj"])],
+)
+def test_planner_adapter_count_equals_hf_peft(tmp_path, family, targets):
+    """`mbr plan peft=lora` counts exactly the parameters HF PEFT adds (tp=1), and its TP
+    split is what the adapters hold per rank (column: B split; row: A split)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.bridge.lora import layer_adapter_params
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    hf = make_tiny(family, tmp_path / family)
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={hf}"])
+    peft = PeftConfig(method="lora", rank=4, target_modules=targets)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(hf)), LoraConfig(r=4, target_modules=targets))
+    trainable, _ = model.get_nb_trainable_parameters()
+    dense, expert = layer_adapter_params(cfg.model, peft)
+    assert (dense, expert) != (0, 0) and expert == 0
+    assert dense * cfg.model.num_layers == trainable
+    d2, _ = layer_adapter_params(cfg.model, peft, tp=2)
+    assert dense / 2 < d2 < dense
+
+
+def test_plan_counts_gradients_and_optimizer_of_adapters_only():
+    from megatron_bridge.plan import memory as M
+    from megatron_bridge.plan import params as P
+
+    cfg, _ = compose(["recipe=llama3_8b", "train.init_from=/base", "peft=lora"])
+    kw = dict(
+        stage=0,
+        p=1,
+        layers=32,
+        first=True,
+        last=True,
+        tp=8,
+        cp=1,
+        ep=1,
+        etp=8,
+        dp=1,
+        edp=1,
+        zero=0,
+        engine="megatron",
+        precision="bf16",
+        recompute="full",
+        sp=True,
+        s=8192,
+        b=1,
+        num_micro=8,
+    )
+    full = M.stage_memory(P.frozen(cfg.model), **kw)
+    lora = M.stage_memory(P.frozen(cfg.model), peft=cfg.peft, **kw)
+    assert lora.weights > full.weights  # base + adapters
+    assert lora.grads + lora.optimizer < 0.01 * (full.grads + full.optimizer)
