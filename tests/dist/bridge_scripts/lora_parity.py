@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--lr", type=float, default=0.5)
+    ap.add_argument("--skip", default="", help="family/layout pairs not to run, comma-separated")
     a = ap.parse_args()
 
     from megatron_bridge.bridge.hf_config import load_spec
@@ -45,7 +46,7 @@ def main() -> None:
         for fam in a.families.split(","):
             hf_dir = root / fam
             spec = load_spec(hf_dir, make_vocab_size_divisible_by=1)
-            if layout.ep > 1 and not spec.is_moe:
+            if (layout.ep > 1 and not spec.is_moe) or f"{fam}/{text}" in a.skip.split(","):
                 continue
             t0 = time.perf_counter()
             ref = torch.load(root / "refs" / f"{fam}.pt")
