@@ -83,7 +83,7 @@ class LoraAdapter(torch.nn.Module):
         from megatron.core.tensor_parallel import mappings as tpm
 
         F = torch.nn.functional
-        xd = self.drop(x)
+        xd = self._dropout(x)
         if not self.column:
             y = F.linear(xd, self.A["0"])
             if not self._explicit:
@@ -110,6 +110,20 @@ class LoraAdapter(torch.nn.Module):
             pieces.append(F.linear(y, self.B[off : off + n]) if y is not None else x.new_zeros(lead + (n,)))
             off += n
         return torch.cat(pieces, dim=-1) * self.scale
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """HF PEFT's dropout on the adapter input. A TP-sharded input (row-parallel, or a
+        sequence shard under SP) draws from megatron's model-parallel RNG so the shards get
+        independent masks; a TP-replicated one from the default RNG, the same on every TP
+        rank (as megatron's hidden dropout), so the replicated A sees one mask."""
+        if not self.training or isinstance(self.drop, torch.nn.Identity):
+            return x
+        if (self._sp or not self.column) and not self._explicit:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                return self.drop(x)
+        return self.drop(x)
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:

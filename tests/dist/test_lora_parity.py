@@ -1,10 +1,12 @@
 """LoRA on megatron equals HF PEFT on transformers (one torchrun launch, 4 gloo processes).
 
-HF PEFT is the oracle. For each tiny model an adapter is made with `peft.get_peft_model`
-(B drawn non-zero, so A's gradients are not trivially zero) and saved with
-`save_pretrained`; peft's fp32 loss and adapter gradients on a fixed batch are the
-reference. The launch starts megatron from that adapter (`peft.init_from`) at tp2 (dp2),
-tp2 with sequence parallelism, pp2 (dp2), tp2·pp2 and ep2 (MoE, attention adapters) and
+HF PEFT is the oracle. For Llama (all seven linears) and Qwen2-MoE (attention) an adapter
+is made with `peft.get_peft_model` (B drawn non-zero, so A's gradients are not trivially
+zero) and saved with `save_pretrained`; peft's fp32 loss and adapter gradients on a fixed
+batch are the reference. Mixtral's expert adapters (w1/w2/w3) have no HF PEFT counterpart
+under transformers 5 (fused experts): their oracle is transformers on the merged weights.
+The launch starts megatron from that adapter (`peft.init_from`) at tp2, tp2+SP, pp2,
+tp2·pp2, pp2·vpp2, cp2·tp2, ep2 and ep2·tp2·etp1+SP (expert adapters need etp=1) and
 checks, per layout:
 
 * loss and every adapter gradient (gathered back to HF PEFT's names and shapes through the
