@@ -142,7 +142,7 @@ def test_planner_adapter_count_equals_hf_peft(tmp_path, family, targets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from megatron_bridge.bridge.lora import layer_adapter_params
+    from megatron_bridge.bridge.lora import check_adapter_dir, layer_adapter_params
     from megatron_bridge.bridge.tiny import make_tiny
 
     hf = make_tiny(family, tmp_path / family)
@@ -155,6 +155,11 @@ def test_planner_adapter_count_equals_hf_peft(tmp_path, family, targets):
     assert dense * cfg.model.num_layers == trainable
     d2, _ = layer_adapter_params(cfg.model, peft, tp=2)
     assert dense / 2 < d2 < dense
+    # an adapter HF PEFT saved for this base passes the peft.init_from preflight; another rank does not
+    model.save_pretrained(str(tmp_path / "adapter"))
+    assert check_adapter_dir(tmp_path / "adapter", hf, peft)["r"] == 4
+    with pytest.raises(UserError, match="peft.rank=4"):
+        check_adapter_dir(tmp_path / "adapter", hf, PeftConfig(method="lora", rank=8, target_modules=targets))
 
 
 def test_plan_counts_gradients_and_optimizer_of_adapters_only():
