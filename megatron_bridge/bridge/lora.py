@@ -176,6 +176,41 @@ def check_adapter_dir(path: str | Path, base_dir: str | Path | None, peft: Any) 
     return conf
 
 
+ADAPTER_DIR = "adapter"  # a peft=lora checkpoint's copy of its adapter in HF PEFT format
+
+
+def export_checkpoint_adapter(cfg: Any) -> int:
+    """`mbr export src=CKPT dst=DIR adapter=true`: the HF PEFT adapter a `peft=lora` training
+    checkpoint carries (written at save time, checksummed by its manifest), verified and
+    copied atomically. `src` is a checkpoint directory (its latest iteration) or one
+    `iter_*` directory of it."""
+    import shutil
+
+    from megatron_bridge.convert.pipeline import atomic_output, check_paths
+    from megatron_bridge.train import checkpoint as ck
+
+    src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
+    if not (src / ck.MANIFEST).is_file():
+        it = ck.latest_iteration(src)
+        if it is None:
+            raise UserError(
+                f"src={cfg.src} is not a training checkpoint (no {ck.MANIFEST}, no {ck.LATEST}). With adapter=true, "
+                "point src at the checkpoint.dir of a peft=lora run or one of its iter_* directories."
+            )
+        src = ck.iter_dir(src, it)
+    ck.verify(src)
+    if not (src / ADAPTER_DIR / ADAPTER_WEIGHTS).is_file():
+        raise UserError(
+            f"{src} holds no LoRA adapter: it was not written by a peft=lora run. Drop adapter=true to export "
+            "an `mbr convert` output, or point src at a peft=lora checkpoint."
+        )
+    with atomic_output(dst) as tmp:
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            shutil.copy2(src / ADAPTER_DIR / name, tmp / name)
+    print(f"exported the LoRA adapter of {src} (HF PEFT format) to {dst}", flush=True)
+    return 0
+
+
 def layer_adapter_params(m: Any, peft: Any, *, tp: int = 1, etp: int = 1) -> tuple[float, float]:
     """LoRA parameters of one transformer layer on one rank, (dense, per local expert), for
     the planner: column-parallel adapters keep A whole and split B's rows, row-parallel ones
@@ -272,4 +307,5 @@ __all__ = [
     "check_adapter_dir",
     "base_of",
     "layer_adapter_params",
+    "export_checkpoint_adapter",
 ]

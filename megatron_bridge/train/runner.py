@@ -295,7 +295,16 @@ def _save(run: _Run, step: int) -> None:
     from megatron_bridge.train import checkpoint as ckpt
 
     state = {"engine": run.engine.state_dict(), "rng": ckpt.rng_state(), "step": step}
-    ckpt.save(run.cfg.checkpoint.dir, step, state, _ckpt_meta(run.cfg, run.dims), extra=run.engine.write_extra)
+
+    def extra(directory: Path) -> None:  # engine files; a LoRA run's adapter in HF PEFT format too
+        run.engine.write_extra(directory)
+        if run.cfg.peft.method == "lora":
+            from megatron_bridge.bridge.lora import ADAPTER_DIR, base_of
+            from megatron_bridge.bridge.lora_modules import export_adapter
+
+            export_adapter(run.engine.model_chunks, run.cfg.peft, str(directory / ADAPTER_DIR), base_of(run.cfg))
+
+    ckpt.save(run.cfg.checkpoint.dir, step, state, _ckpt_meta(run.cfg, run.dims), extra=extra)
 
 
 def _export(run: _Run) -> None:

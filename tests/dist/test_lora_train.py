@@ -7,7 +7,8 @@ Jobs, all from the same tiny HF Llama and the same synthetic batches:
   the losses must equal `full`'s bit for bit, and the checkpoint holds adapters only (plus
   their optimizer state) and names its base model;
 * `ds`: DeepSpeed ZeRO-2 at tp2 (dp2): same losses as `full` (reduction order only differs).
-The exported adapter, loaded by HF PEFT onto the base, gives the merged export's logits.
+The exported adapter, loaded by HF PEFT onto the base, gives the merged export's logits;
+`mbr export adapter=true` from the resumed run's checkpoint writes the same adapter.
 """
 
 import json
@@ -53,6 +54,13 @@ def test_lora_training_resume_export_and_deepspeed(tmp_path):
     assert keys and all(".lora." in k for k in keys), "a LoRA checkpoint holds the adapters only"
     manifest = json.loads((ck / "iter_0000006" / "manifest.json").read_text())
     assert manifest["base"] == str(hf) and manifest["peft"].startswith("lora r=8")
+
+    # `mbr export adapter=true` from the checkpoint: the adapter the run exported, byte for byte
+    from megatron_bridge.commands.export import main as export_main
+
+    assert export_main([f"src={ck}", f"dst={tmp_path / 'from_ckpt'}", "adapter=true"]) == 0
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "from_ckpt" / name).read_bytes() == (tmp_path / "adapter" / name).read_bytes()
 
     ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

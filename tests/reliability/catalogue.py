@@ -651,6 +651,15 @@ CASES: list[Case] = [
         "Use the base it was made for",
         out=OUT,
     ),
+    C(
+        "peft-export-no-adapter",
+        "checkpoint",
+        "mbr export src={FX}/ck_tp2pp2 dst=out/adapter adapter=true",
+        "checkpoint without adapter",
+        "holds no LoRA adapter",
+        "point src at a peft=lora checkpoint",
+        out=OUT,
+    ),
     # -- launch ------------------------------------------------------------------------------
     C(
         "launch-world-size",
