@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, local_experts, renumber, stage_layers, to_local_name
+from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.mapping import Shard
 from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.bridge.table import Resolved, resolve_hf, resolve_megatron
@@ -212,7 +213,7 @@ def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoi
     for i, chunk in enumerate(chunks):
         coords = current_coords(_vp(chunks, i))
         plan = chunk_plan(spec, layout, rows, coords, chunk.config)
-        params = dict(chunk.named_parameters())
+        params = {k: p for k, p in chunk.named_parameters() if not is_adapter_param(k)}
         missing = sorted(set(params) - set(plan))
         extra = sorted(set(plan) - set(params))
         if missing or extra:
@@ -261,6 +262,8 @@ def iter_hf_tensors(
     for chunk in chunks:
         names = _global_names(chunk)
         for local, p in chunk.named_parameters():
+            if is_adapter_param(local):  # LoRA: exported by lora_modules, merged by `merged`
+                continue
             row = resolve_megatron(table, names[local])
             if row is None:
                 raise UserError(f"megatron parameter {names[local]} has no row in the {spec.family} table")

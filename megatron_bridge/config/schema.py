@@ -166,6 +166,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (docs/finetune.md). `peft=none` trains every weight;
+    `peft=lora` freezes the base model and trains LoRA adapters on the named linears, with
+    HF PEFT's math and file format (`export_adapter_to=DIR` writes one `peft` loads)."""
+
+    method: str = "none"  # none | lora (set by the group: peft=lora)
+    rank: int = 8  # LoRA rank r: A is r x in_features, B is out_features x r
+    alpha: float = 16.0  # HF PEFT's lora_alpha: the update is scaled by alpha / rank
+    dropout: float = 0.0  # HF PEFT's lora_dropout, on the adapter's input
+    # Hugging Face module names (or dotted suffixes, as in HF PEFT), never megatron's: the
+    # bridge's tables map them onto megatron's fused linears (q/k/v -> linear_qkv, ...).
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    init_from: str | None = None  # an HF PEFT adapter directory to start from (else B = 0)
+
+
+@dataclass
 class Config:
     """The whole resolved recipe."""
 
@@ -182,4 +198,5 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     debug: bool = False

@@ -400,6 +400,8 @@ def notes(d: ParallelDims, cfg) -> list[str]:
 
 
 def check_all(d: ParallelDims, cfg) -> tuple[list[Violation], list[str]]:
+    import megatron_bridge.bridge.lora  # noqa: F401 - registers the LoRA rules (peft=lora)
+
     violations: list[Violation] = []
     for r in RULES:
         violations += r(d, cfg)

@@ -95,6 +95,25 @@ def model_states(
     return States(weights, grads, optimizer)
 
 
+def _with_adapters(frozen: States, m, peft, layers, tp, etp, ep, engine, precision, zero, dp_shard, edp) -> States:
+    """States of a LoRA run: the base's weights plus the adapters' weights, gradients and
+    optimizer states (adapter shapes from bridge.lora, split as the adapters are)."""
+    from megatron_bridge.bridge.lora import layer_adapter_params
+
+    dense, per_expert = layer_adapter_params(m, peft, tp=tp, etp=etp)
+    experts = (m.num_moe_experts or 0) / ep
+    ad = model_states(
+        dense * layers,
+        per_expert * experts * layers,
+        engine=engine,
+        precision=precision,
+        zero=zero,
+        dp_shard=dp_shard,
+        edp_shard=edp,
+    )
+    return States(frozen.weights + ad.weights, ad.grads, ad.optimizer)
+
+
 def layer_activation_terms(
     m,
     *,
@@ -223,8 +242,10 @@ def stage_memory(
     num_micro: int,
     vpp: int = 1,
     vocab: int = 0,
+    peft: object = None,
 ) -> StageMemory:
-    """Peak bytes on one rank of pipeline stage `stage`."""
+    """Peak bytes on one rank of pipeline stage `stage`. With `peft.method == "lora"` only
+    the adapters have gradients and optimizer states (the frozen base has weights only)."""
     fm = P.frozen(m)
     rp = P.rank_params(fm, tp=tp, ep=ep, etp=etp, layers=layers, first=first, last=last)
     ll = P.largest_layer(fm, tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
@@ -238,6 +259,8 @@ def stage_memory(
         edp_shard=edp,
         largest_layer=ll,
     )
+    if peft is not None and getattr(peft, "method", "none") == "lora":
+        st = _with_adapters(st, m, peft, layers, tp, etp, ep, engine, precision, zero, dp * cp, edp)
     ab = 4 if precision == "fp32" else 2
     moe = bool(m.num_moe_experts)
     per_layer = layer_activations(fm, recompute=recompute, s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp, act_bytes=ab)

@@ -262,6 +262,7 @@ def evaluate(ctx: Context, lo: Layout, dims: ParallelDims, *, with_comm: bool = 
             num_micro=lo.num_micro,
             vpp=lo.vpp or 1,
             vocab=vocab,
+            peft=getattr(ctx.cfg, "peft", None),
         )
         for idx, layers, first, last in _stage_plan(m.num_layers, lo.pp, lo.first, lo.last)
     ]

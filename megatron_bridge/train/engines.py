@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_bridge.bridge.lora_modules import load_model_state, model_state
 from megatron_bridge.train.ds_config import build_ds_config
 
 MakeIterators = Callable[[int], list[Any]]
@@ -217,14 +218,14 @@ class MegatronEngine(Engine):
             else:
                 opts.append({"plain": opt.state_dict()})
         return {
-            "model": [c.state_dict() for c in self.model_chunks],
+            "model": [model_state(c) for c in self.model_chunks],  # adapters only under LoRA
             "optimizer": opts,
             "scheduler": self.scheduler.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
         for c, sd in zip(self.model_chunks, state["model"]):
-            c.load_state_dict(sd)
+            load_model_state(c, sd)
         for opt, st in zip(self._optimizers(), state["optimizer"]):
             if "dist" in st:
                 _load_dist_opt_states(opt, st["dist"])
@@ -278,6 +279,7 @@ class DeepSpeedEngine(Engine):
         )
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.scheduler.step(0)
+        self._frozen = any(not p.requires_grad for p in module.parameters())  # LoRA: save trainable only
 
     def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
         from megatron.core import parallel_state as ps
@@ -317,11 +319,17 @@ class DeepSpeedEngine(Engine):
 
     def write_extra(self, directory: Path) -> None:
         """DeepSpeed's own per-rank model/optimizer files (ZeRO partitions included)."""
-        self.engine.save_checkpoint(str(directory), tag="deepspeed", save_latest=False)
+        self.engine.save_checkpoint(
+            str(directory), tag="deepspeed", save_latest=False, exclude_frozen_parameters=self._frozen
+        )
 
     def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
         self.engine.load_checkpoint(
-            str(directory), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
+            str(directory),
+            tag="deepspeed",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            load_module_strict=not self._frozen,
         )
         self.scheduler.load_state_dict(state["scheduler"])
 

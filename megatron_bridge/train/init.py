@@ -17,13 +17,19 @@ from megatron_bridge.errors import UserError
 def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
     """Load the starting weights into freshly built chunks: `train.init_from` when set, else the
     recipe's `model.hf_path` — unless the run resumes, where the checkpoint brings the weights
-    (reading the HF files first would only cost time). Random init otherwise."""
+    (reading the HF files first would only cost time). Random init otherwise. With `peft=lora`
+    the base is always loaded (checkpoints hold only the adapters) and then frozen."""
+    lora = cfg.peft.method == "lora"
     if cfg.train.init_from:
         load_initial_weights(chunks, spec, cfg.train.init_from)
-    elif cfg.model.hf_path and not cfg.checkpoint.resume:
+    elif cfg.model.hf_path and (lora or not cfg.checkpoint.resume):  # a LoRA checkpoint holds no base
         from megatron_bridge.bridge.loader import load_hf_weights
 
         load_hf_weights(chunks, spec, cfg.model.hf_path)
+    if lora:  # frozen base + adapters (peft.init_from's, or HF PEFT's initial ones)
+        from megatron_bridge.bridge.lora_modules import apply_lora
+
+        apply_lora(chunks, spec, cfg.peft, seed=cfg.train.seed)
 
 
 def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:

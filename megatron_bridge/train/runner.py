@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class TrainRunConfig(Config):
     run_dir: str | None = None  # default runs/<recipe>/<timestamp>, chosen by rank 0
-    export_to: str | None = None  # write an HF model here after training
+    export_to: str | None = None  # write an HF model here after training (LoRA: merged into the base)
+    export_adapter_to: str | None = None  # peft=lora: write the adapter here in HF PEFT's format
 
 
 def preflight(cfg, dims) -> None:
@@ -68,13 +69,30 @@ def preflight(cfg, dims) -> None:
         it, manifest = ckpt.peek(cfg.checkpoint.dir)
         if it is not None and manifest is not None:  # both or neither
             ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest, _ckpt_meta(cfg, dims))
-    if cfg.export_to and Path(cfg.export_to).exists() and any(Path(cfg.export_to).iterdir()):
-        raise UserError(f"export_to={cfg.export_to} exists and is not empty; choose a new directory.")
+    for key, out in (("export_to", cfg.export_to), ("export_adapter_to", cfg.export_adapter_to)):
+        if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+            raise UserError(f"{key}={out} exists and is not empty; choose a new directory.")
+    _preflight_peft(cfg)
+
+
+def _preflight_peft(cfg) -> None:
+    """LoRA inputs on disk: the adapter to start from must fit the base model."""
+    from megatron_bridge.bridge.lora import base_of, check_adapter_dir
+
+    if cfg.export_adapter_to and cfg.peft.method != "lora":
+        raise UserError("export_adapter_to=DIR writes a LoRA adapter, but this run trains no adapter. Add peft=lora.")
+    if cfg.peft.method == "lora" and cfg.peft.init_from:
+        check_adapter_dir(cfg.peft.init_from, base_of(cfg), cfg.peft)
 
 
 def _ckpt_meta(cfg, dims) -> dict[str, Any]:
     """What a checkpoint must have been written with to be resumed (per-rank shards)."""
-    return {"layout": dims.describe(), "engine": cfg.train.engine}
+    meta = {"layout": dims.describe(), "engine": cfg.train.engine}
+    if cfg.peft.method != "none":  # adapters only: the checkpoint refers to its base model
+        from megatron_bridge.bridge.lora import base_of
+
+        meta.update(peft=f"{cfg.peft.method} r={cfg.peft.rank} {sorted(cfg.peft.target_modules)}", base=base_of(cfg))
+    return meta
 
 
 def _run_dir(cfg, recipe: str) -> Path:
@@ -304,17 +322,37 @@ def _save(run: _Run, step: int) -> None:
     from megatron_bridge.train import checkpoint as ckpt
 
     state = {"engine": run.engine.state_dict(), "rng": ckpt.rng_state(), "step": step}
-    ckpt.save(run.cfg.checkpoint.dir, step, state, _ckpt_meta(run.cfg, run.dims), extra=run.engine.write_extra)
+
+    def extra(directory: Path) -> None:  # engine files; a LoRA run's adapter in HF PEFT format too
+        run.engine.write_extra(directory)
+        if run.cfg.peft.method == "lora":
+            from megatron_bridge.bridge.lora import ADAPTER_DIR, base_of
+            from megatron_bridge.bridge.lora_modules import export_adapter
+
+            export_adapter(run.engine.model_chunks, run.cfg.peft, str(directory / ADAPTER_DIR), base_of(run.cfg))
+
+    ckpt.save(run.cfg.checkpoint.dir, step, state, _ckpt_meta(run.cfg, run.dims), extra=extra)
 
 
 def _export(run: _Run) -> None:
-    """The trained weights as a Hugging Face model, when `export_to` is set."""
+    """The trained weights as a Hugging Face model, when `export_to` is set (LoRA adapters
+    merged in), and the adapter alone in HF PEFT's format when `export_adapter_to` is."""
     cfg = run.cfg
+    from megatron_bridge.bridge.lora_modules import export_adapter, merged
+
+    chunks = run.engine.model_chunks
+    if cfg.export_adapter_to:
+        from megatron_bridge.bridge.lora import base_of
+
+        export_adapter(chunks, cfg.peft, cfg.export_adapter_to, base_of(cfg))
+        if run.rank == 0:
+            print(f"exported the LoRA adapter (HF PEFT format) to {cfg.export_adapter_to}", flush=True)
     if not cfg.export_to:
         return
     from megatron_bridge.bridge.loader import export_hf_weights
 
-    export_hf_weights(run.engine.model_chunks, run.spec, cfg.export_to, source_dir=cfg.model.hf_path)
+    with merged(chunks):  # a no-op without adapters
+        export_hf_weights(chunks, run.spec, cfg.export_to, source_dir=cfg.model.hf_path)
     if run.rank == 0:
         print(f"exported Hugging Face model to {cfg.export_to}", flush=True)
 

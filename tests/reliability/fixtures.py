@@ -135,6 +135,28 @@ def build(fx: Path) -> None:
     ):
         c = variant(name) / "config.json"
         c.write_text(json.dumps({**json.loads(c.read_text()), **change}))
+    _lora_fixtures(fx)
+
+
+def _lora_fixtures(fx: Path) -> None:
+    """HF PEFT adapters that do not fit the tiny Llama in fx/hf (hidden 32, intermediate 64):
+    one made for a wider MLP, one for a MoE model's modules."""
+    import torch
+    from safetensors.torch import save_file
+
+    conf = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["down_proj"]}
+    for name, module, in_features in (
+        ("lora_other_size", "model.layers.0.mlp.down_proj", 96),
+        ("lora_other_model", "model.layers.0.block_sparse_moe.experts.0.w2", 64),
+    ):
+        d = fx / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps(conf))
+        tensors = {
+            f"base_model.model.{module}.lora_A.weight": torch.zeros(8, in_features),
+            f"base_model.model.{module}.lora_B.weight": torch.zeros(32, 8),
+        }
+        save_file(tensors, str(d / "adapter_model.safetensors"))
 
 
 if __name__ == "__main__":

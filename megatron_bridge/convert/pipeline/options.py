@@ -53,6 +53,7 @@ class ExportConfig(Config):
     max_shard_gb: float = 5.0  # size cap of each model-0000i-of-0000n.safetensors
     overwrite: bool = False
     progress: str = "auto"
+    adapter: bool = False  # src is a peft=lora training checkpoint: write its HF PEFT adapter
 
 
 @dataclass

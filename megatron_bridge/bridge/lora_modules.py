@@ -1,0 +1,329 @@
+"""LoRA adapters on megatron's parallel linears, laid out by the bridge's own transforms.
+
+HF PEFT puts one (A, B) pair on every HF linear: delta_m(x) = alpha/r · B_m A_m dropout(x).
+A megatron linear may fuse several HF linears (linear_qkv = q, k, v interleaved per query
+group; linear_fc1 = [gate; up]) and holds only its TP shard. The adapter keeps:
+
+* column-parallel (output rows split): one full A_m per adapted HF module (replicated over
+  TP) and ONE B whose rows are exactly the rows `transform.shard([B_q, B_k, B_v], shard)`
+  gives — the same row placement the base weight gets from the same transform, so the
+  merged weight is base + transform(HF deltas) and `transform.merge` of the gathered B
+  shards gives HF PEFT's B_m back. Rows of an HF module that is not adapted stay zero and
+  unused (they get no gradient).
+* row-parallel (input columns split): A sharded along its input like the weight
+  (`Row.shard`), B replicated.
+
+The forward hook adds the delta with megatron's own TP/SP region functions (so autograd
+reduces exactly as the base linear does); replicated parameters that see only a sequence
+shard carry `sequence_parallel` so finalize_model_grads all-reduces them over TP. Expert
+adapters are marked `allreduce=False` (expert-DP grads and optimizer, like expert weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from megatron_bridge.bridge.lora import ADAPTER_CHILD, Target, is_adapter_param, peft_key, resolve_targets
+from megatron_bridge.bridge.mapping import Shard
+from megatron_bridge.bridge.table import Resolved, resolve_megatron
+from megatron_bridge.errors import UserError
+
+
+class LoraAdapter(torch.nn.Module):
+    """The adapters of one megatron linear (`row` says which HF modules it holds)."""
+
+    def __init__(self, row: Resolved, target: Target, linear: Any, shard: Shard, shapes: Any, peft: Any, init):
+        super().__init__()
+        self.row, self.column, self.shard, self.shapes = row, target.column, shard, shapes
+        self.srcs = target.srcs
+        self.scale = peft.alpha / peft.rank
+        self.drop = torch.nn.Dropout(peft.dropout) if peft.dropout > 0 else torch.nn.Identity()
+        w = linear.weight
+        hf_shapes = [
+            tuple(t.shape) for t in row.mapping.merge([torch.empty(w.shape, device="meta")] * shard.size, shapes)
+        ]
+        full = {i: init(row.hf[i], hf_shapes[i]) for i in self.srcs}  # HF layout: (A [r, in], B [out, r])
+        tf = row.mapping.transform
+        kw = dict(device=w.device, dtype=w.dtype)
+        if self.column:
+            b_all = [full[i][1] if i in full else torch.zeros(s[0], peft.rank) for i, s in enumerate(hf_shapes)]
+            self.blocks = [(b.src, b.n) for b in tf.blocks([tuple(b.shape) for b in b_all], shard, shapes)]
+            self.A = torch.nn.ParameterDict({str(i): torch.nn.Parameter(full[i][0].to(**kw)) for i in self.srcs})
+            self.B = torch.nn.Parameter(tf.shard(b_all, shard, shapes).to(**kw).clone())
+            _tp_attrs(self.B, True, 0)
+            for a in self.A.values():
+                _tp_attrs(a, False, 0)
+                a.sequence_parallel = _sp(linear)
+        else:
+            a, b = full[0]
+            self.A = torch.nn.ParameterDict({"0": torch.nn.Parameter(tf.shard([a], shard, shapes).to(**kw).clone())})
+            self.B = torch.nn.Parameter(b.to(**kw).clone())
+            _tp_attrs(self.A["0"], True, 1)
+            _tp_attrs(self.B, False, 0)
+            self.B.sequence_parallel = _sp(linear)  # type: ignore[attr-defined]  # megatron reads it
+        if row.mapping.is_expert:
+            for p in self.parameters():
+                p.allreduce = False  # type: ignore[attr-defined]  # megatron: expert params skip DP all-reduce
+        self._group = getattr(linear, "tp_group", None)
+        self._explicit = bool(getattr(linear, "explicit_expert_comm", False))
+        self._sp = _sp(linear)
+
+    # -- forward ------------------------------------------------------------------------
+    def hook(self, _linear, inputs, output):
+        out, bias = output
+        return out + self.delta(inputs[0]).to(out.dtype), bias
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings as tpm
+
+        F = torch.nn.functional
+        xd = self._dropout(x)
+        if not self.column:
+            y = F.linear(xd, self.A["0"])
+            if not self._explicit:
+                y = (
+                    tpm.reduce_scatter_to_sequence_parallel_region(y, group=self._group)
+                    if self._sp
+                    else tpm.reduce_from_tensor_model_parallel_region(y, group=self._group)
+                )
+            return F.linear(y, self.B) * self.scale
+        ys: dict[int, torch.Tensor] = {}
+        for k, a in self.A.items():
+            y = F.linear(xd, a)
+            if not self._explicit:
+                y = (
+                    tpm.gather_from_sequence_parallel_region(y, group=self._group)
+                    if self._sp
+                    else tpm.copy_to_tensor_model_parallel_region(y, group=self._group)
+                )
+            ys[int(k)] = y
+        lead = next(iter(ys.values())).shape[:-1]
+        pieces, off = [], 0
+        for src, n in self.blocks:
+            ysrc = ys.get(src) if src is not None else None
+            pieces.append(F.linear(ysrc, self.B[off : off + n]) if ysrc is not None else x.new_zeros(lead + (n,)))
+            off += n
+        return torch.cat(pieces, dim=-1) * self.scale
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        """HF PEFT's dropout on the adapter input. A TP-sharded input (row-parallel, or a
+        sequence shard under SP) draws from megatron's model-parallel RNG so the shards get
+        independent masks; a TP-replicated one from the default RNG, the same on every TP
+        rank (as megatron's hidden dropout), so the replicated A sees one mask."""
+        if not self.training or isinstance(self.drop, torch.nn.Identity):
+            return x
+        if (self._sp or not self.column) and not self._explicit:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            with get_cuda_rng_tracker().fork():
+                return self.drop(x)
+        return self.drop(x)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's shard of alpha/r · transform([B_m A_m]): what merging adds to the weight."""
+        if not self.column:
+            return self.B @ self.A["0"] * self.scale
+        a0 = next(iter(self.A.values()))
+        pieces, off = [], 0
+        for src, n in self.blocks:
+            a = self.A[str(src)] if str(src) in self.A else None
+            pieces.append(self.B[off : off + n] @ a if a is not None else a0.new_zeros(n, a0.shape[1]))
+            off += n
+        return torch.cat(pieces, dim=0) * self.scale
+
+    # -- back to HF layout (collective over the TP / expert-TP group) --------------------
+    def hf_tensors(self, value, group) -> list[tuple[str, torch.Tensor]] | None:
+        """[(peft key, full HF-layout tensor)] on the group's first rank, None elsewhere."""
+        from megatron_bridge.bridge.loader import _gather
+
+        tf, hf = self.row.mapping.transform, self.row.hf
+        if self.column:
+            shards = _gather(value(self.B).detach(), group)
+            if shards is None:
+                return None
+            bs = tf.merge(shards, self.shapes)
+            out = []
+            for i in self.srcs:
+                out += [(peft_key(hf[i], "A"), value(self.A[str(i)]).detach().clone()), (peft_key(hf[i], "B"), bs[i])]
+            return out
+        shards = _gather(value(self.A["0"]).detach(), group)
+        if shards is None:
+            return None
+        return [(peft_key(hf[0], "A"), tf.merge(shards, self.shapes)[0]), (peft_key(hf[0], "B"), value(self.B).clone())]
+
+
+def _sp(linear) -> bool:
+    return bool(getattr(linear, "sequence_parallel", False)) and not getattr(linear, "explicit_expert_comm", False)
+
+
+def _tp_attrs(p: torch.nn.Parameter, parallel: bool, dim: int) -> None:
+    # the attributes megatron-core's own TP layers set (set_tensor_model_parallel_attributes)
+    for k, v in (("tensor_model_parallel", parallel), ("partition_dim", dim), ("partition_stride", 1)):
+        setattr(p, k, v)
+
+
+def adapters(chunk: Any) -> Iterator[tuple[str, Any, LoraAdapter]]:
+    """(module name, megatron linear, its adapter) of one chunk."""
+    for name, mod in chunk.named_modules():
+        ad = getattr(mod, ADAPTER_CHILD, None)
+        if isinstance(ad, LoraAdapter):
+            yield name, mod, ad
+
+
+def _initializer(seed: int, rank: int, given: dict[str, torch.Tensor] | None, source: str | None):
+    """Full HF-layout (A, B) of one HF module: from the given adapter, else HF PEFT's default
+    init (A Kaiming-uniform, B zero), seeded by the module's name so every layout and rank
+    draws the same A."""
+
+    def init(hf_tensor: str, shape: tuple[int, ...]):
+        if given is not None:
+            ka, kb = peft_key(hf_tensor, "A"), peft_key(hf_tensor, "B")
+            if ka not in given or kb not in given:
+                raise UserError(
+                    f"peft.init_from={source} has no LoRA weights for {hf_tensor.rsplit('.', 1)[0]}, which "
+                    "peft.target_modules adapts. Set peft.target_modules to the adapter's target_modules "
+                    "(its adapter_config.json)."
+                )
+            return given[ka].float(), given[kb].float()
+        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(hf_tensor.encode())) % (2**63))
+        bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT
+        a = (torch.rand(rank, shape[1], generator=g) * 2 - 1) * bound
+        return a, torch.zeros(shape[0], rank)
+
+    return init
+
+
+def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) -> int:
+    """Freeze every weight of the built (and loaded) chunks and attach adapters to the
+    linears `peft.target_modules` names. Returns the number of adapted megatron linears."""
+    from megatron_bridge.bridge.loader import _global_names, _vp, current_coords, layout_of, shard_for, table_for
+
+    given = None
+    if peft.init_from:
+        from safetensors.torch import load_file
+
+        from megatron_bridge.bridge.lora import ADAPTER_WEIGHTS
+
+        given = load_file(f"{peft.init_from}/{ADAPTER_WEIGHTS}")
+    table = table_for(spec)
+    targets = {id(t.mapping): t for t in resolve_targets(table, list(peft.target_modules), spec.family)}
+    layout = layout_of(chunks)
+    shapes = spec.shapes(layout.tp)
+    init = _initializer(seed, peft.rank, given, peft.init_from)
+    n = 0
+    if layout.etp_or_tp > 1 and any(t.mapping.is_expert for t in targets.values()):
+        raise UserError(  # the same rule `mbr check` applies (lora.lora_targets)
+            f"LoRA on expert linears needs whole experts per rank (etp=1), the layout has etp={layout.etp_or_tp}."
+        )
+    for i, chunk in enumerate(chunks):
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+        coords = current_coords(_vp(chunks, i))
+        names = _global_names(chunk)
+        for mod_name, mod in list(chunk.named_modules()):
+            wname = f"{mod_name}.weight"
+            row = resolve_megatron(table, names[wname]) if wname in names else None
+            if row is None or id(row.mapping) not in targets:
+                continue
+            ad = LoraAdapter(row, targets[id(row.mapping)], mod, shard_for(row, layout, coords), shapes, peft, init)
+            mod.add_module(ADAPTER_CHILD, ad)
+            mod.register_forward_hook(ad.hook)
+            n += 1
+    return n
+
+
+def iter_adapter_tensors(chunks: Sequence[Any], value=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: (peft key, full HF-layout tensor) of every adapter, on one replica (the
+    first DP rank, first rank of its TP / expert-TP group). `value(p)` picks what (default
+    the weight; `lambda p: p.main_grad` for gradients)."""
+    from megatron.core import parallel_state as ps
+
+    value = value or (lambda p: p)
+    dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert = ps.get_expert_data_parallel_rank() == 0
+    for chunk in chunks:
+        for _, _, ad in adapters(chunk):
+            is_expert = ad.row.mapping.is_expert
+            if not (expert if is_expert else dense):
+                continue
+            group = ps.get_expert_tensor_parallel_group() if is_expert else ps.get_tensor_model_parallel_group()
+            yield from ad.hf_tensors(value, group) or ()
+
+
+@contextlib.contextmanager
+def merged(chunks: Sequence[Any]):
+    """Base weights with the adapters merged in (for the HF export), restored afterwards."""
+    saved = []
+    with torch.no_grad():
+        for chunk in chunks:
+            for _, mod, ad in adapters(chunk):
+                saved.append((mod.weight, mod.weight.detach().clone()))
+                mod.weight.add_(ad.delta_weight().to(mod.weight.dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for w, old in saved:
+                w.copy_(old)
+
+
+def export_adapter(chunks: Sequence[Any], peft: Any, out_dir: str, base: str | None) -> None:
+    """Collective: write `adapter_config.json` + `adapter_model.safetensors` (HF PEFT's
+    layout and names) into `out_dir`, atomically (a temporary sibling renamed into place)."""
+    import json
+    import os
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from megatron_bridge.bridge.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
+
+    mine = {k: v.float().cpu().contiguous() for k, v in iter_adapter_tensors(chunks)}
+    parts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, mine)
+    if torch.distributed.get_rank() == 0:
+        tensors = {k: v for p in parts for k, v in p.items()}
+        out = Path(out_dir)
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        tmp.mkdir(parents=True)
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(peft, base), indent=2) + "\n")
+        if out.exists():
+            out.rmdir()  # preflight allows only an empty directory
+        os.replace(tmp, out)
+    torch.distributed.barrier()
+
+
+def model_state(chunk: Any) -> dict[str, Any]:
+    """What a checkpoint keeps of a chunk: its adapters only when it has any (the base
+    weights come back from the base model the checkpoint refers to), else everything."""
+    sd = chunk.state_dict()
+    if any(True for _ in adapters(chunk)):
+        return {k: v for k, v in sd.items() if is_adapter_param(k)}
+    return sd
+
+
+def load_model_state(chunk: Any, state: dict[str, Any]) -> None:
+    has = any(True for _ in adapters(chunk))
+    missing, unexpected = chunk.load_state_dict(state, strict=not has)
+    if has and (unexpected or any(is_adapter_param(k) for k in missing)):
+        raise UserError(f"the checkpoint's adapters do not match this model's: {missing[:4]} {unexpected[:4]}")
+
+
+__all__ = [
+    "LoraAdapter",
+    "apply_lora",
+    "adapters",
+    "iter_adapter_tensors",
+    "merged",
+    "export_adapter",
+    "model_state",
+    "load_model_state",
+]
