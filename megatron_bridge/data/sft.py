@@ -164,9 +164,15 @@ def build_sft_datasets(
             else SFTDataset(chat, r, seq_length, packing=is_packed(data), seed=seed, num_samples=n)
         )
     truncated = sum(d.truncated for d in out.values() if d is not None)
-    if truncated and log:
+    if truncated and log and _rank() == 0:
         log(f"data=sft: {truncated} conversation(s) longer than train.seq_length+1={seq_length + 1} tokens truncated")
     return out["train"], out["valid"], out["test"], vocab, eod
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 __all__ = ["SFTDataset", "build_sft_datasets", "is_packed", "split_ranges"]
