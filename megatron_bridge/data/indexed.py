@@ -91,6 +91,11 @@ def check_indexed_data(
     exists, the data's token ids fit the tokenizer and the model, the tokenizer matches the
     one the data was made with, every split with a weight has documents. Returns
     (prefixes, weights, vocab_size, eod)."""
+    if data.kind == "sft" and not list(data.paths):
+        raise UserError(
+            "data=sft needs data.paths=[PREFIX]: a chat dataset made by `mbr data mode=chat input=FILE.jsonl "
+            "output=PREFIX tokenizer=DIR` (e.g. data.paths=[/data/stdlib_chat])"
+        )
     prefixes, weights = parse_blend(data.paths)
     missing = [p for p in prefixes for f in ("bin", "idx") if not os.path.isfile(output_paths(p)[f])]
     if missing:

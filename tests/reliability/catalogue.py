@@ -453,6 +453,15 @@ CASES: list[Case] = [
         out=OUT,
     ),
     C(
+        "data-sft-no-paths",
+        "data",
+        f"{T} data=sft",
+        "no chat data paths",
+        "data=sft needs data.paths=[PREFIX]",
+        "mbr data mode=chat input=FILE.jsonl",
+        out=OUT,
+    ),
+    C(
         "data-tokenizer-missing",
         "data",
         f"{T} data=indexed data.paths=[{{FX}}/demo/stdlib_text_document] data.tokenizer={{FX}}/nope",
