@@ -7,6 +7,8 @@
 #   4. train tp2·pp2 under torchrun from the converted weights, with checkpoints, then
 #      export the result back to a Hugging Face model
 #   5. transformers loads the exported model and generates
+#   6. supervised fine-tuning of the exported model on chat data made from the standard library's
+#      docstrings (data=sft, packed, loss on the answers only), with validation loss
 # Outputs under runs/demo/. Set STEPS=N to change the length (default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +17,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} T
 PY=.venv/bin/python
 OUT=runs/demo
 STEPS=${STEPS:-300}
-rm -rf "$OUT/train" "$OUT/hf_out" "$OUT/ckpt" "$OUT/converted"
+rm -rf "$OUT/train" "$OUT/hf_out" "$OUT/ckpt" "$OUT/converted" "$OUT/chat" "$OUT/sft"
 mkdir -p "$OUT"
 
 echo "== 1. data: stdlib corpus -> tokenizer -> indexed dataset"
@@ -43,4 +45,13 @@ echo "loss (first logged step -> last): $first"
 
 echo "== 5. transformers generates from the exported model"
 $PY -m megatron_bridge.demo generate "$OUT/hf_out" "def main():"
-echo "demo done: run dir $OUT/train (metrics.jsonl, tensorboard/, wandb/), checkpoints $OUT/ckpt, HF model $OUT/hf_out"
+
+echo "== 6. supervised fine-tuning: docstring Q&A chat data -> SFT of the exported model (tp2·pp2, packed)"
+.venv/bin/mbr data mode=chat demo=true "output_dir=$OUT/chat" "tokenizer=$OUT/data/tokenizer" max_examples=500
+$PY -m torch.distributed.run --nproc-per-node 4 -m megatron_bridge.train recipe=sft_tiny_llama \
+  "model.hf_path=$OUT/hf_out" "train.init_from=$OUT/hf_out" "data.paths=[$OUT/chat/stdlib_chat]" \
+  "run_dir=$OUT/sft" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"
+val=$($PY -c "import json;r=[json.loads(l) for l in open('$OUT/sft/metrics.jsonl')];print(' -> '.join(f\"{x['val_loss']:.3f} (step {x['step']})\" for x in r if 'val_loss' in x))")
+echo "SFT val_loss on held-out conversations: $val"
+
+echo "demo done: run dir $OUT/train (metrics.jsonl, tensorboard/, wandb/), checkpoints $OUT/ckpt, HF model $OUT/hf_out, SFT run $OUT/sft"

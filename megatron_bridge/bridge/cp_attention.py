@@ -11,6 +11,8 @@ TEDotProductAttention") and Transformer Engine needs CUDA. This module is a drop
   holds chunks r and 2·cp-1-r (`get_batch_on_this_cp_rank`). The gathered keys stay in
   rank order; the causal (and sliding-window) mask is computed from the *global* positions
   of each query and key, so no reordering is needed.
+* packed sequences (THD, `PackedSeqParams` from bridge/packing.py): the causal mask is confined
+  to each cu_seqlens sequence (block-diagonal), without context parallelism.
 * GQA/MQA through SDPA's grouped heads (query head h reads KV head h // (heads/groups),
   megatron's and HF's convention), sliding window (`config.window_size = (W-1, 0)`, HF's
   "q - k < W"), attention dropout under the model-parallel RNG tracker.
@@ -26,6 +28,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from megatron_bridge.bridge.packing import segment_mask
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -143,12 +147,20 @@ def _make_class():
             attention_bias=None,
             packed_seq_params=None,
         ):
-            """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn]."""
-            if packed_seq_params is not None or attention_bias is not None:
-                raise NotImplementedError("packed sequences / attention bias need TEDotProductAttention")
+            """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn]; packed
+            (THD, bridge/packing.py): query [t, np, hn], key/value [t, ng, hn] -> [t, 1, np·hn],
+            attention causal within each cu_seqlens sequence."""
+            if attention_bias is not None:
+                raise NotImplementedError("attention bias needs TEDotProductAttention")
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             cp_size = torch.distributed.get_world_size(self.cp_group) if self.cp_group is not None else 1
             cp_rank = torch.distributed.get_rank(self.cp_group) if cp_size > 1 else 0
+            if packed_seq_params is not None:
+                if packed_seq_params.qkv_format != "thd" or cp_size > 1 or attention_mask is not None:
+                    raise NotImplementedError("packed sequences: THD format without context parallelism only")
+                query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+                t = query.shape[0]
+                attention_mask = ~segment_mask(packed_seq_params.cu_seqlens_q, t, query.device)
             sq = query.shape[0]
             if cp_size > 1:
                 if attention_mask is not None:

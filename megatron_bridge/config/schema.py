@@ -121,7 +121,7 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "synthetic"  # synthetic | indexed
+    kind: str = "synthetic"  # synthetic | indexed | sft (chat data from `mbr data mode=chat`)
     paths: list[str] = field(default_factory=list)  # indexed dataset prefixes (no .bin/.idx)
     tokenizer: str | None = None  # local HF tokenizer directory
     split: str = "98,2,0"
@@ -131,6 +131,10 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     create_attention_mask: bool = False
+    # data=sft only (docs/finetune.md): several conversations per train.seq_length sequence, each
+    # attending only to itself (block-diagonal causal) with position ids restarting; false pads
+    # every conversation to seq_length instead. The loss is the same either way.
+    packing: bool = True
 
 
 @dataclass

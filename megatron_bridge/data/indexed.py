@@ -91,6 +91,11 @@ def check_indexed_data(
     exists, the data's token ids fit the tokenizer and the model, the tokenizer matches the
     one the data was made with, every split with a weight has documents. Returns
     (prefixes, weights, vocab_size, eod)."""
+    if data.kind == "sft" and not list(data.paths):
+        raise UserError(
+            "data=sft needs data.paths=[PREFIX]: a chat dataset made by `mbr data mode=chat input=FILE.jsonl "
+            "output=PREFIX tokenizer=DIR` (e.g. data.paths=[/data/stdlib_chat])"
+        )
     prefixes, weights = parse_blend(data.paths)
     missing = [p for p in prefixes for f in ("bin", "idx") if not os.path.isfile(output_paths(p)[f])]
     if missing:
@@ -101,6 +106,7 @@ def check_indexed_data(
         )
     split = parse_split(data.split)
     metas = {p: read_meta(p) for p in prefixes}
+    _check_format(data.kind, metas)
 
     # Tokenizer facts: from data.tokenizer if given, else from the datasets' metadata.
     vocab = eod = None
@@ -155,6 +161,26 @@ def check_indexed_data(
                     f"(e.g. data.split=90/10/0), or drop the {name} split (weight 0)."
                 )
     return prefixes, weights, vocab, eod
+
+
+def _check_format(kind: str, metas: dict) -> None:
+    """Chat data (`mbr data mode=chat`) trains only with data=sft, and data=sft only on chat data:
+    pre-training on it would drop the loss mask and learn the prompts too."""
+    from megatron_bridge.data.chat import CHAT_FORMAT
+
+    for p, m in metas.items():
+        is_chat = bool(m) and m.get("format") == CHAT_FORMAT
+        if kind == "sft" and not is_chat:
+            raise UserError(
+                f"data=sft needs chat data (format {CHAT_FORMAT}), but {p} is "
+                f"{'plain indexed data' if m else 'a dataset without a .meta.json'}. Make it with "
+                f"`mbr data mode=chat input=FILE.jsonl output={p} tokenizer=DIR`, or pre-train on it with data=indexed."
+            )
+        if kind != "sft" and is_chat:
+            raise UserError(
+                f"{p} is chat data (format {CHAT_FORMAT}: tokens plus an assistant loss mask), which "
+                f"data={kind} would pre-train on prompts and all: use data=sft data.paths=[{p}] to fine-tune on it."
+            )
 
 
 __all__ = ["SPLITS", "check_indexed_data", "idx_lengths", "parse_blend", "parse_split"]

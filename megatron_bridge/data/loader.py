@@ -146,10 +146,23 @@ def build_datasets(
             None,
         )
 
+    if kind == "sft":
+        from megatron_bridge.data.sft import build_sft_datasets
+
+        train, valid, test, vocab, eod = build_sft_datasets(
+            data,
+            seq_length=seq_length,
+            seed=seed,
+            train_samples=train_samples,
+            valid_samples=valid_samples,
+            test_samples=test_samples,
+            model_vocab_size=model_vocab_size,
+        )
+        return Datasets(train, valid, test, kind, vocab, eod)
     if kind != "indexed":
         raise UserError(
-            f"data.kind={kind!r}: expected 'indexed' (megatron-core .bin/.idx made by `mbr data`) or "
-            "'synthetic' (seeded random tokens)"
+            f"data.kind={kind!r}: expected 'indexed' (megatron-core .bin/.idx made by `mbr data`), "
+            "'sft' (chat data made by `mbr data mode=chat`) or 'synthetic' (seeded random tokens)"
         )
 
     prefixes, weights, vocab, eod = check_indexed_data(data, model_vocab_size)

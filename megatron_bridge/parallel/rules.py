@@ -45,7 +45,7 @@ CHOICES = {
     "cluster.backend": ("auto", "nccl", "gloo"),
     "zero.offload_optimizer": ("none", "cpu"),
     "zero.offload_param": ("none", "cpu"),
-    "data.kind": ("synthetic", "indexed"),
+    "data.kind": ("synthetic", "indexed", "sft"),
     # engines.make_scheduler (megatron-core's scheduler; its WSD needs wsd_decay_steps, not exposed)
     "optimizer.decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
 }
@@ -338,7 +338,7 @@ def evaluation(d, cfg):
             f"train.eval_interval={t.eval_interval} evaluates nothing: train.eval_iters=0 batches per evaluation",
             "set train.eval_iters=K (global batches of the valid split per evaluation), or train.eval_interval=0",
         )
-    if t.eval_iters > 0 and cfg.data.kind == "indexed":  # synthetic data always has a valid split
+    if t.eval_iters > 0 and cfg.data.kind in ("indexed", "sft"):  # synthetic data always has a valid split
         from megatron_bridge.data.indexed import parse_split
         from megatron_bridge.errors import UserError
 
@@ -354,6 +354,19 @@ def evaluation(d, cfg):
                 "give the valid split a share (e.g. data.split=98/2/0), or set train.eval_iters=0",
             )
     return out
+
+
+@rule
+def sft_packing(d, cfg):
+    """Packed SFT samples use the THD (cumulative sequence lengths) attention path, which this
+    version runs without context parallelism: CP would have to split every conversation."""
+    if d.cp > 1 and cfg.data.kind == "sft" and cfg.data.packing:
+        return _v(
+            "sft-packing-cp",
+            f"data.packing=true with parallel.cp={d.cp}: packed conversations are not split for context parallelism",
+            "set data.packing=false (each conversation padded to train.seq_length; works with cp), or parallel.cp=1",
+        )
+    return []
 
 
 @rule

@@ -7,8 +7,11 @@ asks which one it holds.
 - `DeepSpeedEngine`: `deepspeed.initialize` with ZeRO 0–3 on the same megatron-core model
   and groups (the `mpu` from parallel/groups.py), ds_config generated from the Hydra config.
 
-Both compute the same loss (mean token cross-entropy over the global batch) — in training
-steps and in forward-only evaluation alike, through the one `_forward_step`/`_loss_func` — and are
+Both compute the same loss — the sum of the loss-masked token cross-entropies over the global
+batch divided by the number of masked tokens in it (across micro-batches, DP and CP ranks; not a
+mean of per-micro-batch means, which weights short SFT batches up) — and its exact gradient, in
+training steps and in forward-only evaluation alike, through the one `_forward_step`/`_loss_func`
+(packed SFT micro-batches through bridge/packing.py's `model_inputs`), and are
 checkpointed through `state_dict()` / `load_state_dict()` (this rank's share only) plus
 `write_extra()` for the files an engine keeps itself (DeepSpeed's ZeRO partitions).
 """
@@ -75,8 +78,11 @@ def _batch_to(batch: dict[str, Any], device) -> dict[str, Any]:
 
 
 def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Per-token losses [b, s] -> (sum, tokens, report) — megatron-core's 3-tuple form: the
-    schedule divides by tokens and micro-batches; DDP averages over dp·cp."""
+    """Per-token losses [b, s] (or a packed [1, b·s]) -> (masked sum, masked tokens, report) —
+    megatron-core's 3-tuple form. With `calculate_per_token_loss` (set by MegatronEngine) the
+    schedule backpropagates the sum as is, DDP sums gradients over dp·cp, and
+    `finalize_model_grads` divides them by the masked tokens of the whole global batch (all-reduced
+    over dp·cp, broadcast over pp): the gradient of the global masked mean."""
     mask = loss_mask.float().view(-1)
     total = (output.float().view(-1) * mask).sum()
     n = mask.sum().to(torch.int)
@@ -84,9 +90,12 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 
 
 def _forward_step(device):
+    from megatron_bridge.bridge.packing import model_inputs
+
     def step(data_iterator, model):
         b = _batch_to(next(data_iterator), device)
-        out = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        args, kwargs = model_inputs(b)
+        out = model(*args, **kwargs)
         return out, lambda output: _loss_func(b["loss_mask"], output)
 
     return step
@@ -143,6 +152,7 @@ class MegatronEngine(Engine):
 
         super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
         tconf = model_config(self.model_chunks)
+        tconf.calculate_per_token_loss = True  # read by the schedule, DDP (built next) and finalize
         self.model = wrap_ddp(chunks, distributed_optimizer=dims.zero_stage == 1)
         o = cfg.optimizer
         ocfg = OptimizerConfig(
@@ -166,14 +176,20 @@ class MegatronEngine(Engine):
         micro-batches (on the last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megatron_bridge.bridge.packing import schedule_shape
+        from megatron_bridge.data.sft import is_packed
+
         d = self.dims
+        seq, mbs = schedule_shape(
+            self.cfg.train.seq_length // d.cp, d.micro_batch_size, packed=is_packed(self.cfg.data)
+        )
         return get_forward_backward_func()(
             forward_step_func=_forward_step(self.device),
             data_iterator=its if len(self.model) > 1 else its[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=d.grad_accum,
-            seq_length=self.cfg.train.seq_length // d.cp,
-            micro_batch_size=d.micro_batch_size,
+            seq_length=seq,
+            micro_batch_size=mbs,
             forward_only=forward_only,
         )
 
@@ -284,15 +300,26 @@ class DeepSpeedEngine(Engine):
     def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
         from megatron.core import parallel_state as ps
 
+        from megatron_bridge.bridge.packing import model_inputs
+
         it = make_iterators(1)[0]
         self.engine.train()
+        batches = [next(it) for _ in range(self.dims.grad_accum)]
+        # DeepSpeed divides each backward by grad_accum and averages gradients over DP; scaling the
+        # masked sums by grad_accum·dp / (masked tokens of the global batch) leaves the gradient of
+        # the global masked mean, as megatron's per-token loss does.
+        tokens = torch.tensor(float(sum(b["loss_mask"].sum() for b in batches)), dtype=torch.float64)
+        torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
+        dp = torch.distributed.get_world_size(ps.get_data_parallel_group())
+        scale = self.dims.grad_accum * dp / max(float(tokens), 1.0)
         acc = torch.zeros(2, dtype=torch.float64)
-        for _ in range(self.dims.grad_accum):
-            b = _batch_to(next(it), self.device)
-            out = self.engine(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        for b in batches:
+            b = _batch_to(b, self.device)
+            args, kwargs = model_inputs(b)
+            out = self.engine(*args, **kwargs)
             total, n, rep = _loss_func(b["loss_mask"], out)
             acc += rep["lm loss"].to(torch.float64).cpu()
-            self.engine.backward(total / n.clamp(min=1))
+            self.engine.backward(total * scale)
             self.engine.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
@@ -307,9 +334,12 @@ class DeepSpeedEngine(Engine):
         it = make_iterators(1)[0]
         self.engine.eval()
         reports = []
+        from megatron_bridge.bridge.packing import model_inputs
+
         for _ in range(iters * self.dims.grad_accum):
             b = _batch_to(next(it), self.device)
-            out = self.engine(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            args, kwargs = model_inputs(b)
+            out = self.engine(*args, **kwargs)
             reports.append(_loss_func(b["loss_mask"], out)[2])
         return _reduce_loss(reports)
 

@@ -50,7 +50,7 @@ def preflight(cfg, dims) -> None:
             f"{cfg.cluster.gpus_per_node}: TP groups would not line up with nodes. Start "
             f"--nproc-per-node {cfg.cluster.gpus_per_node} or set cluster.gpus_per_node={local}."
         )
-    if cfg.data.kind == "indexed":
+    if cfg.data.kind in ("indexed", "sft"):  # sft: chat data, checked as indexed data (vocab, splits)
         from megatron_bridge.data.indexed import check_indexed_data
 
         check_indexed_data(cfg.data, model_vocab_size=cfg.model.vocab_size)

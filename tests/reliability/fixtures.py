@@ -4,7 +4,7 @@
 
 DIR/demo (a small indexed dataset + its 320-token tokenizer), DIR/big (a 600-token tokenizer,
 larger than the model's 512, and data made with it), DIR/chat (chat jsonl with one defect per
-file, a template that is not prefix-consistent, a tokenizer without a chat template), fake training checkpoints — complete
+file, a template that is not prefix-consistent, a tokenizer without a chat template, a chat dataset), fake training checkpoints — complete
 under another layout, and damaged in every way (corrupt/truncated/missing rank file, corrupt
 `latest` pointer, pointer to a missing iteration, corrupt manifest, only an interrupted save) —
 a checkpoint directory leased by a live job (pid 1), a non-empty directory, and Hugging Face model directories for `mbr convert`: a good tiny Llama
@@ -73,6 +73,10 @@ def build(fx: Path) -> None:
         "<|im_start|>{{ m['role'] }}\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+    from megatron_bridge.data.chat_dataset import preprocess_chat
+
+    (chat / "two.jsonl").write_text(good * 2)
+    preprocess_chat(chat / "two.jsonl", chat / "chatdata", demo.tokenizer)  # chat-format data (data=sft)
     shutil.copytree(demo.tokenizer, chat / "tok_no_template")
     (chat / "tok_no_template" / "chat_template.jinja").unlink()
     cfg = chat / "tok_no_template" / "tokenizer_config.json"

@@ -141,6 +141,13 @@ CASES = [  # (rule, breaking overrides, passing overrides, recipe)
     ),
     ("eval-iters", ["train.eval_interval=5"], ["train.eval_interval=5", "train.eval_iters=2"], "default"),
     ("eval-iters", ["train.eval_iters=-1"], ["train.eval_iters=0"], "default"),
+    (
+        "sft-packing-cp",
+        ["data=sft", "parallel.cp=2", "parallel.pp=1"],
+        ["data=sft", "data.packing=false", "parallel.cp=2", "parallel.pp=1"],
+        "tiny_llama",
+    ),
+    ("choice", ["data.kind=chat"], ["data.kind=sft"], "default"),
 ]
 
 

@@ -2,7 +2,8 @@
 
 argv: OUT_DIR then one argument per job: `name:override,override,...`. Each job trains in
 this same process group (startup dominates CPU test time); rank 0 reports each job's
-per-step losses (and `val_loss` at the steps that evaluated) read back from the run's metrics.jsonl.
+per-step losses and grad norms (and `val_loss` at the steps that evaluated) read back from the run's
+metrics.jsonl.
 """
 
 import json
@@ -15,7 +16,7 @@ from megatron_bridge.train.runner import train
 
 def main() -> None:
     out = Path(sys.argv[1])
-    results, val = {}, {}
+    results, val, grads = {}, {}, {}
     for job in sys.argv[2:]:
         name, overrides = job.split(":", 1)
         run_dir = out / name
@@ -26,7 +27,8 @@ def main() -> None:
             rows = [json.loads(line) for line in metrics.read_text().splitlines()]
             results[name] = {str(r["step"]): r["loss"] for r in rows}
             val[name] = {str(r["step"]): r["val_loss"] for r in rows if "val_loss" in r}
-    report({"losses": results, "val_losses": val})
+            grads[name] = {str(r["step"]): r["grad_norm"] for r in rows}
+    report({"losses": results, "val_losses": val, "grad_norms": grads})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,178 @@
+"""Supervised fine-tuning samples from a chat dataset (`data=sft`, docs/finetune.md).
+
+A chat dataset (`mbr data mode=chat`, format megatron_bridge.chat/1) holds one token sequence and
+one loss mask per conversation. A conversation of L tokens gives L-1 training positions: inputs
+`tokens[:-1]`, labels `tokens[1:]`, loss mask `mask[1:]` (the mask is per token; a label is trained
+when the token it predicts is an assistant token). A conversation longer than train.seq_length + 1
+tokens is truncated to its first seq_length + 1 tokens (make the data with `max_length` to control
+this instead; the count is printed when the datasets are built).
+
+The split is by conversation, contiguous (data.split weights, megatron's rounding), so the train
+and valid conversations never mix. Every epoch visits the split's conversations in a permutation
+seeded by train.seed and the epoch; samples are then built in that order:
+
+* `packing=true`: greedy sequential packing — conversations are appended to the current sequence
+  of seq_length tokens while they fit, else the sequence is closed (its tail padded) and the next
+  one starts. Deterministic, and sample k's conversations follow sample k-1's, so the first n
+  samples hold a prefix of the permutation. Each sample carries `segment_ids` (which conversation
+  a position belongs to; the padded tail is a segment of its own), from which the model builds
+  the cumulative sequence lengths of the block-diagonal causal attention (bridge/packing.py), and
+  position ids restart at 0 for every conversation.
+* `packing=false`: one conversation per sample, padded to seq_length (loss mask 0 on the pads).
+
+Either way the loss is the sum of the masked token losses over the global batch divided by their
+count (train/engines.py), so packed and padded samples of the same conversations give the same loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from megatron_bridge.data.indexed import SPLITS, check_indexed_data, parse_split
+from megatron_bridge.errors import UserError
+
+
+def is_packed(data) -> bool:
+    """Whether `data` (a DataConfig) yields packed samples (several conversations per sequence)."""
+    return data.kind == "sft" and bool(getattr(data, "packing", False))
+
+
+def split_ranges(n: int, split: str) -> list[range]:
+    """Conversation index ranges of the train/valid/test splits (contiguous, megatron's rounding)."""
+    out, acc = [], 0.0
+    for w in parse_split(split):
+        out.append(range(int(round(acc * n)), int(round((acc + w) * n))))
+        acc += w
+    return out
+
+
+class SFTDataset:
+    """Fixed-length SFT samples over `conversations` (indices into `chat`, a `ChatDataset`): dicts
+    of torch tensors with megatron's batch keys (module docstring). `num_samples=None`: one epoch."""
+
+    def __init__(
+        self,
+        chat: Any,
+        conversations: Sequence[int],
+        seq_length: int,
+        *,
+        packing: bool,
+        seed: int,
+        num_samples: int | None = None,
+    ):
+        self.chat, self.seq_length, self.packing = chat, seq_length, packing
+        ids = np.asarray(conversations, dtype=np.int64)
+        # training positions per conversation after truncation; < 1 has nothing to predict
+        self._positions = np.minimum(np.asarray(chat.lengths, dtype=np.int64), seq_length + 1) - 1
+        ids = ids[self._positions[ids] >= 1]
+        if ids.size == 0:
+            raise UserError(f"{chat.prefix}: no conversation of 2 or more tokens in this split")
+        self.truncated = int((np.asarray(chat.lengths)[ids] > seq_length + 1).sum())
+        samples: list[list[int]] = []
+        epoch = 0
+        while True:
+            perm = np.random.RandomState((seed + 7919 * epoch) % 2**32).permutation(ids)
+            samples += self._pack(perm) if packing else [[int(c)] for c in perm]
+            epoch += 1
+            if num_samples is None or len(samples) >= num_samples:
+                break
+        self._samples = samples if num_samples is None else samples[:num_samples]
+
+    def _pack(self, order: np.ndarray) -> list[list[int]]:
+        out: list[list[int]] = []
+        cur: list[int] = []
+        used = 0
+        for c in order.tolist():
+            n = int(self._positions[c])
+            if cur and used + n > self.seq_length:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(c)
+            used += n
+        if cur:
+            out.append(cur)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def conversations(self, i: int) -> list[int]:
+        """The conversation indices (into the chat dataset) that sample i holds, in order."""
+        return list(self._samples[i])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import torch
+
+        s = self.seq_length
+        tokens, labels = np.zeros(s, np.int64), np.zeros(s, np.int64)
+        mask, pos = np.zeros(s, np.float32), np.zeros(s, np.int64)
+        segs = self._samples[i]
+        seg = np.full(s, len(segs), np.int64)  # the padded tail: a segment of its own
+        off = 0
+        for k, c in enumerate(segs):
+            ids, m = self.chat[c]
+            ids, m = ids[: s + 1], m[: s + 1]
+            n = ids.size - 1
+            tokens[off : off + n], labels[off : off + n] = ids[:-1], ids[1:]
+            mask[off : off + n], pos[off : off + n], seg[off : off + n] = m[1:], np.arange(n), k
+            off += n
+        pos[off:] = np.arange(s - off)
+        out = {
+            "tokens": torch.from_numpy(tokens),
+            "labels": torch.from_numpy(labels),
+            "loss_mask": torch.from_numpy(mask),
+            "position_ids": torch.from_numpy(pos),
+        }
+        if self.packing:
+            out["segment_ids"] = torch.from_numpy(seg)
+        return out
+
+
+def build_sft_datasets(
+    data,
+    *,
+    seq_length: int,
+    seed: int,
+    train_samples: int,
+    valid_samples: int | None,
+    test_samples: int | None,
+    model_vocab_size: int | None,
+    log=print,
+):
+    """(train, valid, test, vocab, eod) for `data.kind=sft`: one chat dataset (data.paths=[PREFIX]),
+    checked like indexed data (the vocab against the model, every weighted split non-empty)."""
+    from megatron_bridge.data.chat_dataset import ChatDataset
+
+    prefixes, weights, vocab, eod = check_indexed_data(data, model_vocab_size)
+    if weights is not None or len(prefixes) != 1:
+        raise UserError(
+            f"data=sft takes one chat dataset, data.paths=[PREFIX] (got {list(data.paths)}); combine the "
+            "conversations into one jsonl and run `mbr data mode=chat` once"
+        )
+    chat = ChatDataset(prefixes[0])
+    ranges = split_ranges(len(chat), data.split)
+    wanted = {"train": train_samples, "valid": valid_samples, "test": test_samples}
+    out = {}
+    for name, r in zip(SPLITS, ranges):
+        n = wanted[name]
+        out[name] = (
+            None
+            if len(r) == 0 or n == 0
+            else SFTDataset(chat, r, seq_length, packing=is_packed(data), seed=seed, num_samples=n)
+        )
+    truncated = sum(d.truncated for d in out.values() if d is not None)
+    if truncated and log and _rank() == 0:
+        log(f"data=sft: {truncated} conversation(s) longer than train.seq_length+1={seq_length + 1} tokens truncated")
+    return out["train"], out["valid"], out["test"], vocab, eod
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+__all__ = ["SFTDataset", "build_sft_datasets", "is_packed", "split_ranges"]
