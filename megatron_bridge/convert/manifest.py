@@ -47,7 +47,15 @@ def crc_hex(value: int) -> str:
 
 
 def layout_dict(layout: Layout) -> dict[str, int | None]:
-    return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp_or_tp}
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "vpp": layout.vpp,
+        "ep": layout.ep,
+        "etp": layout.etp,
+        "layers_first_stage": layout.layers_first_stage,
+        "layers_last_stage": layout.layers_last_stage,
+    }
 
 
 @dataclass
@@ -67,7 +75,15 @@ class Manifest:
     # -- views ------------------------------------------------------------------------
     def layout_obj(self) -> Layout:
         d = self.layout
-        return Layout(tp=d["tp"], pp=d["pp"], vpp=d.get("vpp"), ep=d.get("ep", 1), etp=d.get("etp"))
+        return Layout(
+            tp=d["tp"],
+            pp=d["pp"],
+            vpp=d.get("vpp"),
+            ep=d.get("ep", 1),
+            etp=d.get("etp"),
+            layers_first_stage=d.get("layers_first_stage"),
+            layers_last_stage=d.get("layers_last_stage"),
+        )
 
     def spec(self) -> BridgeSpec:
         return spec_from_hf(self.hf_config, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)

@@ -4,6 +4,12 @@ Each rule is a small function `(dims, cfg) -> list of Violation` named after wha
 guards; `check_all` runs them all so the user sees every problem at once, not the first
 assert megatron-core or DeepSpeed would hit twenty minutes into a launch. Messages name
 the rule, the numbers, and a fix. docs/config.md lists the rules in the same order.
+
+Two scopes. Layout rules (`@layout_rule`) decide whether the model can be built and split
+under the degrees on the given processes: `mbr check`, `mbr plan`, training, `mbr convert`
+and `mbr verify` all apply exactly these, so the five accept the same layouts. Run rules
+(`@rule`) concern one training run only (batch arithmetic, schedules, ZeRO and engine, node
+placement); a checkpoint conversion or a parity check has none of those.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import lcm
+from typing import Any
 
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
 
@@ -25,13 +32,21 @@ class Violation:
         return f"[{self.rule}] {self.detail}. Fix: {self.fix}."
 
 
-Rule = Callable[[ParallelDims, object], list[Violation]]
+Rule = Callable[[ParallelDims, Any], list[Violation]]
 RULES: list[Rule] = []
+LAYOUT_RULES: list[Rule] = []
 
 
 def rule(fn: Rule) -> Rule:
+    """A run rule: checked by `mbr check`, `mbr plan` and training."""
     RULES.append(fn)
     return fn
+
+
+def layout_rule(fn: Rule) -> Rule:
+    """A layout rule: also checked by `mbr convert` and `mbr verify`."""
+    LAYOUT_RULES.append(fn)
+    return rule(fn)
 
 
 def _v(rule_name: str, detail: str, fix: str) -> list[Violation]:
@@ -60,23 +75,33 @@ def choices(d, cfg):
     return out
 
 
-@rule
+@layout_rule
 def positive_degrees(d, cfg):
     out = []
     for name in ("tp", "pp", "cp", "ep", "etp"):
         v = getattr(d, name)
         if v < 1:
             out += _v("positive-degree", f"parallel.{name}={v} must be >= 1", f"set parallel.{name} to 1 or more")
-    if not d.dp_inferred and d.dp < 1:
-        out += _v("positive-degree", f"parallel.dp={d.dp} must be >= 1 or -1", "use parallel.dp=-1 to infer it")
     if d.vpp is not None and d.vpp < 1:
         out += _v(
             "positive-degree", f"parallel.vpp={d.vpp} must be >= 1", "set parallel.vpp=null to disable interleaving"
         )
+    for key in ("layers_first_stage", "layers_last_stage"):
+        v = getattr(d, key)
+        if v is not None and v < 1:
+            out += _v("positive-degree", f"parallel.{key}={v} must be >= 1", f"set parallel.{key}=null or 1 or more")
+    return out
+
+
+@rule
+def positive_sizes(d, cfg):
+    out = []
+    if not d.dp_inferred and d.dp < 1:
+        out += _v("positive-degree", f"parallel.dp={d.dp} must be >= 1 or -1", "use parallel.dp=-1 to infer it")
     for key, v in (
         ("train.micro_batch_size", d.micro_batch_size),
         ("train.global_batch_size", d.global_batch_size),
-        ("cluster.nodes", d.nodes if d.world_size > 0 else 0),
+        ("cluster.nodes", d.nodes if (d.world_size or 0) > 0 else 0),
         ("cluster.gpus_per_node", d.gpus_per_node),
     ):
         if v < 1:
@@ -87,10 +112,60 @@ def positive_degrees(d, cfg):
 
 
 def _degrees_ok(d) -> bool:
-    return min(d.tp, d.pp, d.cp, d.ep, d.etp) >= 1 and d.world_size >= 1
+    return min(d.tp, d.pp, d.cp, d.ep, d.etp) >= 1 and (d.world_size or 0) >= 1
+
+
+MODEL_CHOICES = {
+    "normalization": ("RMSNorm", "LayerNorm"),
+    "position_embedding_type": ("rope", "learned_absolute"),
+}
+
+
+@layout_rule
+def model_architecture(d, cfg):
+    """What the builder builds is what the config says: a value it cannot build, or one the
+    family's HF architecture (its weight table) does not have, is refused, never ignored."""
+    from megatron_bridge.bridge.registry import families
+
+    m, out = cfg.model, []
+    for key, allowed in MODEL_CHOICES.items():
+        if getattr(m, key) not in allowed:
+            out += _v("choice", f"model.{key}={getattr(m, key)!r} is not one of {allowed}", f"set model.{key} to one")
+    known = {f.name: f for f in families()}
+    fam = known.get(m.family)
+    if fam is None:
+        return out + _v(
+            "model-family",
+            f"model.family={m.family!r} is not a family the builder knows",
+            f"use one of {', '.join(sorted(known))}",
+        )
+    for key, want in fam.fixed.items():
+        if getattr(m, key) != want:
+            out += _v(
+                "model-architecture",
+                f"model.{key}={getattr(m, key)!r}, but family {m.family} is the HF architecture "
+                f"{fam.architectures[0]} with {key}={want!r} (its weight table maps exactly that)",
+                f"drop the override, or use model.family=gpt (megatron GPT without HF weights) for {key}={getattr(m, key)!r}",
+            )
+    return out
 
 
 @rule
+def hf_weights(d, cfg):
+    from megatron_bridge.bridge.registry import families
+
+    fam = {f.name: f for f in families()}.get(cfg.model.family)
+    if cfg.train.init_from and fam is not None and not fam.hf_weights:
+        return _v(
+            "hf-weights",
+            f"train.init_from={cfg.train.init_from} loads HF weights, but model.family={cfg.model.family} has no "
+            "HF counterpart to map them from",
+            "drop train.init_from (train from scratch), or use a family with HF weights",
+        )
+    return []
+
+
+@layout_rule
 def world_size(d, cfg):
     if not _degrees_ok(d):
         return []
@@ -114,7 +189,7 @@ def world_size(d, cfg):
     return []
 
 
-@rule
+@layout_rule
 def attention_heads(d, cfg):
     m, out = cfg.model, []
     if d.tp >= 1 and m.num_attention_heads % d.tp:
@@ -141,13 +216,12 @@ def attention_heads(d, cfg):
     return out
 
 
-@rule
+@layout_rule
 def pipeline_layers(d, cfg):
-    L, p = cfg.parallel, d.pp
-    n, v = cfg.model.num_layers, d.vpp_or_1
+    p, n, v = d.pp, cfg.model.num_layers, d.vpp_or_1
     if p < 1 or v < 1:
         return []
-    first, last = L.layers_first_stage, L.layers_last_stage
+    first, last = d.layers_first_stage, d.layers_last_stage
     if first is None and last is None:
         if n % (p * v):
             return _v(
@@ -175,7 +249,7 @@ def pipeline_layers(d, cfg):
     return []
 
 
-@rule
+@layout_rule
 def sequence_length(d, cfg):
     s, out = cfg.train.seq_length, []
     if s < 1:
@@ -197,7 +271,7 @@ def sequence_length(d, cfg):
     return out
 
 
-@rule
+@layout_rule
 def experts(d, cfg):
     e = cfg.model.num_moe_experts
     if d.ep > 1 and not e:
@@ -215,17 +289,21 @@ def experts(d, cfg):
 
 @rule
 def moe_tp_sp(d, cfg):
+    # parallel.sequence_parallel=null (auto) turns SP on here; only a pinned false gets this far.
+    # A run rule: the weights' layout does not depend on SP, and forward-only use (mbr verify's
+    # logits) works without it; training is what megatron-core refuses.
     if cfg.model.num_moe_experts and d.tp > 1 and not d.sequence_parallel:
         return _v(
             "moe-tp-sp",
-            f"MoE with tp={d.tp} needs sequence parallelism: megatron-core's MoE layer refuses "
-            "to train with TP but without SP",
-            "add parallel.sequence_parallel=true",
+            f"MoE with tp={d.tp} needs sequence parallelism, but parallel.sequence_parallel=false is "
+            "pinned: megatron-core's MoE layer refuses to train with TP but without SP (the expert "
+            "weight gradients would come out wrong)",
+            "drop parallel.sequence_parallel=false (auto turns it on for MoE with TP), or set it to true",
         )
     return []
 
 
-@rule
+@layout_rule
 def expert_grid(d, cfg):
     if not _degrees_ok(d) or not cfg.model.num_moe_experts:
         return []
@@ -263,6 +341,13 @@ def batch(d, cfg):
     return []
 
 
+@layout_rule
+def interleaving(d, cfg):
+    if d.vpp is not None and d.vpp > 1 and d.pp < 2:
+        return _v("vpp-pp", f"parallel.vpp={d.vpp} needs pp > 1 (pp={d.pp})", "set parallel.vpp=null or raise pp")
+    return []
+
+
 @rule
 def microbatches(d, cfg):
     out, m = [], d.grad_accum
@@ -272,10 +357,8 @@ def microbatches(d, cfg):
             f"{m} microbatch(es) per step < pp={d.pp}: the pipeline never fills",
             f"raise train.global_batch_size to at least {d.pp * d.micro_batch_size * max(d.dp, 1)}",
         )
-    if d.vpp is not None and d.vpp > 1:
-        if d.pp < 2:
-            out += _v("vpp-pp", f"parallel.vpp={d.vpp} needs pp > 1 (pp={d.pp})", "set parallel.vpp=null or raise pp")
-        elif m % d.pp:
+    if d.vpp is not None and d.vpp > 1 and d.pp > 1:
+        if m % d.pp:
             out += _v(
                 "vpp-microbatches",
                 f"interleaved 1F1B needs microbatches % pp == 0 ({m} % {d.pp} != 0)",
@@ -359,6 +442,11 @@ def notes(d: ParallelDims, cfg) -> list[str]:
             f"KV heads ({m.kv_heads}) < tp ({d.tp}): each TP rank holds part of one KV group; "
             "megatron-core gathers the K/V activations"
         )
+    if cfg.parallel.sequence_parallel is None and d.sequence_parallel:
+        out.append(
+            f"sequence_parallel turned on automatically: MoE with tp={d.tp} needs it (megatron-core refuses "
+            "to train MoE with TP otherwise); pin parallel.sequence_parallel=true to say so explicitly"
+        )
     if d.sequence_parallel and d.tp == 1:
         out.append("sequence_parallel has no effect at tp=1 (megatron disables it)")
     if cfg.parallel.allow_cross_node_tp and d.gpus_per_node % max(d.tp * d.cp, 1):
@@ -368,8 +456,9 @@ def notes(d: ParallelDims, cfg) -> list[str]:
     return out
 
 
-def check_all(d: ParallelDims, cfg) -> tuple[list[Violation], list[str]]:
+def check_all(d: ParallelDims, cfg, *, layout_only: bool = False) -> tuple[list[Violation], list[str]]:
+    """Every rule (or only the layout rules), and the notes when nothing is violated."""
     violations: list[Violation] = []
-    for r in RULES:
+    for r in LAYOUT_RULES if layout_only else RULES:
         violations += r(d, cfg)
     return violations, (notes(d, cfg) if not violations else [])

@@ -16,9 +16,10 @@ Mixtral/Qwen2-MoE ≙ their HF classes):
   model      word embedding (vocab-parallel) · [learned positions, GPT] · final norm ·
              output layer (vocab-parallel; absent when tied)
 
-Biases: GPT-family models (GPT-2/3, the 1T GPT) have biases on every linear layer
-(megatron's `add_bias_linear=True`); the Llama-style families have none except Qwen2's
-QKV bias (`model.add_qkv_bias`). How a tensor is split over TP decides whether it is
+Biases: GPT-2/3-style models (`model.add_bias_linear`, as the `gpt` model groups set it)
+have biases on every linear layer; the Llama-style families have none except Qwen2's QKV
+bias (`model.add_qkv_bias`). Learned absolute positions: `model.position_embedding_type`.
+These are the same fields the builder passes to megatron-core, so what is counted is built. How a tensor is split over TP decides whether it is
 divided by `tp` (column/row-parallel weights, column-parallel biases, the vocabulary) or
 replicated (norms, row-parallel biases, the router, learned positions).
 """
@@ -33,8 +34,8 @@ from megatron_bridge.parallel.dims import padded_vocab_size
 
 
 def linear_bias(m) -> bool:
-    """GPT-family models carry biases on every linear layer (megatron add_bias_linear)."""
-    return m.family == "gpt"
+    """Biases on every linear layer (megatron add_bias_linear: GPT-2/3)."""
+    return bool(m.add_bias_linear)
 
 
 def _norm(m, width: int) -> int:
@@ -114,8 +115,8 @@ def active_layer_params(m) -> int:
 
 
 def learned_positions(m) -> int:
-    """GPT-family models use learned absolute position embeddings (replicated over TP)."""
-    return m.max_position_embeddings * m.hidden_size if m.family == "gpt" else 0
+    """Learned absolute position embeddings (GPT-2/3; replicated over TP)."""
+    return m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,8 @@ class _Frozen:
     tie_word_embeddings: bool
     gated_linear_unit: bool
     normalization: str
+    add_bias_linear: bool
+    position_embedding_type: str
     add_qkv_bias: bool
     qk_layernorm: bool
     num_moe_experts: int

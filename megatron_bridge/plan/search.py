@@ -215,7 +215,7 @@ def _options(ctx: Context, name: str, default: list) -> list:
         "recompute": t.recompute,
         "mbs": t.micro_batch_size,
     }[name]
-    return [value]
+    return default if value is None else [value]  # a pinned null (sp: auto) searches
 
 
 def _stage_plan(L: int, pp: int, first: int | None, last: int | None) -> list[tuple[int, int, bool, bool]]:

@@ -158,7 +158,6 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_bridge.bridge.hf_config import spec_from_model_config
-    from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.model import build_model
     from megatron_bridge.data.loader import build_datasets, make_iterator
     from megatron_bridge.parallel import groups
@@ -175,7 +174,7 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
 
     spec = spec_from_model_config(cfg.model)
     overrides = _model_overrides(cfg)
-    chunks = build_model(spec, Layout.from_parallel_config(dims), **overrides)
+    chunks = build_model(spec, dims, **overrides)
     if cfg.model.hf_path and not cfg.train.init_from and not cfg.checkpoint.resume:
         from megatron_bridge.bridge.loader import load_hf_weights
 
