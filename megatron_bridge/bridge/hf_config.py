@@ -340,14 +340,21 @@ def rope_inv_freq(spec: BridgeSpec):
 
 
 def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
-    """megatron-core TransformerConfig for `spec` under `layout` (a `Layout`).
+    """megatron-core TransformerConfig for `spec` under `layout` (a `Layout`)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**transformer_config_kwargs(spec, layout, **overrides))
+
+
+def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -> dict[str, Any]:
+    """The TransformerConfig arguments: the architecture from `spec`, every degree and the
+    stage split from `layout`, nothing from anywhere else.
 
     CPU-friendly defaults (no fused kernels, cpu initialisation when there is no GPU);
     `overrides` win (params_dtype, bf16, recompute, ...).
     """
     import torch
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     kw: dict[str, Any] = dict(
@@ -406,7 +413,7 @@ def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
         kw["params_dtype"] = torch.bfloat16
     if "pipeline_dtype" not in kw:
         kw["pipeline_dtype"] = kw.get("params_dtype", torch.float32)
-    return TransformerConfig(**kw)
+    return kw
 
 
 def gpt_model_kwargs(spec: BridgeSpec, layout: Any) -> dict[str, Any]:
@@ -429,6 +436,7 @@ __all__ = [
     "spec_from_model_config",
     "rope_inv_freq",
     "transformer_config",
+    "transformer_config_kwargs",
     "gpt_model_kwargs",
     "ROPE_TYPES",
 ]

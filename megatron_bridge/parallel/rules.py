@@ -231,20 +231,28 @@ def pipeline_layers(d, cfg):
                 "layers_last_stage for an uneven split",
             )
         return []
+    # megatron-core's TransformerConfig checks, said up front: the end stages hold a
+    # multiple of vpp layers each, and the middle stages (if any) split the rest evenly
+    # into a multiple of vpp layers per rank.
     fixed = [x for x in (first, last) if x is not None]
-    if p < 1 + len(fixed):
-        return _v(
-            "layers-uneven",
-            f"layers_first_stage/layers_last_stage need pp >= {1 + len(fixed)} (pp={p})",
-            "raise pp or drop the uneven split",
-        )
     rest, stages = n - sum(fixed), p - len(fixed)
-    if min(fixed) < 1 or rest < stages * v or rest % (stages * v):
+    problems = []
+    if stages < 0:
+        problems.append(f"layers_first_stage and layers_last_stage need pp >= 2 (pp={p})")
+    if min(fixed) < 1 or any(x % v for x in fixed):
+        problems.append(f"the first/last stages' layers ({first}/{last}) must each be >= 1 and a multiple of vpp={v}")
+    if stages > 0 and (rest < stages * v or rest % (stages * v)):
+        problems.append(
+            f"the remaining {rest} layers must split evenly over the {stages} middle stage(s), "
+            f"a multiple of vpp={v} layers each"
+        )
+    if stages == 0 and rest != 0:
+        problems.append(f"{rest} layers are left over but there is no middle stage (pp={p})")
+    if problems:
         return _v(
             "layers-uneven",
-            f"after first/last stages ({first}/{last} layers) the remaining {rest} layers "
-            f"must split evenly over {stages} stage(s)·vpp {v}",
-            "adjust layers_first_stage/layers_last_stage",
+            "uneven pipeline split of num_layers=" + f"{n} over pp={p}: " + "; ".join(problems),
+            "adjust parallel.layers_first_stage/layers_last_stage (or pp, vpp)",
         )
     return []
 

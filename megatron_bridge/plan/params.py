@@ -76,6 +76,7 @@ class LayerShards:
 
 
 def layer_shards(m) -> LayerShards:
+    m = _Frozen.of(m)
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
     bias = linear_bias(m)
     qkv_out = (a + 2 * g) * d
@@ -99,8 +100,8 @@ def layer_shards(m) -> LayerShards:
     fs = m.moe_shared_expert_intermediate_size
     if fs:
         tp_part += h * fs * _glu(m) + fs * h
-        if m.family == "qwen2_moe":
-            rep += h  # shared-expert gate (1 × h)
+        if m.moe_shared_expert_gate:
+            rep += h  # shared-expert gate (1 × h, Qwen2-MoE)
     expert_etp = h * fm * _glu(m) + fm * h + (fm * _glu(m) if bias else 0)
     return LayerShards(tp=tp_part, rep=rep, expert_etp=expert_etp, expert_rep=h if bias else 0, num_experts=E)
 
@@ -135,6 +136,7 @@ class ParamCount:
 def count(m) -> ParamCount:
     """The whole model's parameters. Embedding/output use the true vocabulary, as HF
     counts them; per-rank shards (`rank_params`) use megatron's padded vocabulary."""
+    m = _Frozen.of(m)
     h, V = m.hidden_size, m.vocab_size
     layer = layer_shards(m).total
     emb = V * h + learned_positions(m) + (0 if m.tie_word_embeddings else V * h)
@@ -179,6 +181,7 @@ def rank_params(m, *, tp: int, ep: int = 1, etp: int = 1, layers: int, first: bo
 def largest_layer(m, *, tp: int, ep: int = 1, etp: int = 1) -> float:
     """The biggest single weight on one rank (what ZeRO-3 gathers at once): the
     vocab-parallel embedding/output layer, QKV, fc1, or one expert's fc1."""
+    m = _Frozen.of(m)
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     cands = [vocab * h / tp, h * (a + 2 * g) * d / tp]
@@ -218,6 +221,7 @@ class _Frozen:
     moe_router_topk: int
     moe_ffn_hidden_size: int
     moe_shared_expert_intermediate_size: int
+    moe_shared_expert_gate: bool
 
     # Same derived sizes as the config it copies (one definition, in config/schema.py).
     kv_heads = ModelConfig.kv_heads
@@ -225,9 +229,17 @@ class _Frozen:
 
     @classmethod
     def of(cls, m) -> _Frozen:
+        """The counted model is the one the builder builds: the spec of the ModelConfig
+        (`bridge.hf_config.spec_from_model_config`, family settings such as Qwen2's QKV bias
+        included), with the ModelConfig's name."""
         if isinstance(m, cls):
             return m
-        return cls(**{f: getattr(m, f) for f in cls.__dataclass_fields__})
+        from megatron_bridge.bridge.hf_config import spec_from_model_config
+
+        spec = spec_from_model_config(m)
+        vals = {f: getattr(spec, f) if hasattr(spec, f) else getattr(m, f) for f in cls.__dataclass_fields__}
+        vals.update(num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim)
+        return cls(**vals)
 
 
 def frozen(m) -> _Frozen:

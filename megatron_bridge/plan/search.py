@@ -224,7 +224,8 @@ def _stage_plan(L: int, pp: int, first: int | None, last: int | None) -> list[tu
     ones) and the last (output layer, logits)."""
     if pp == 1:
         return [(0, L, True, True)]
-    mid = (L - (first or 0) - (last or 0)) // (pp - (first is not None) - (last is not None))
+    middle = pp - (first is not None) - (last is not None)
+    mid = (L - (first or 0) - (last or 0)) // middle if middle else 0
     out = [(0, first if first is not None else mid, True, False)]
     if pp > 2:
         out.append((1, mid, False, False))

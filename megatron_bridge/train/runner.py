@@ -81,7 +81,9 @@ def _run_dir(cfg, recipe: str) -> Path:
     return Path(obj[0])
 
 
-def _model_overrides(cfg) -> dict[str, Any]:
+def model_overrides(cfg) -> dict[str, Any]:
+    """TransformerConfig settings of this run (precision, recompute) on top of what the
+    model spec and the layout give (`bridge.hf_config.transformer_config_kwargs`)."""
     import torch
 
     t = cfg.train
@@ -173,7 +175,7 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     spec = spec_from_model_config(cfg.model)
-    overrides = _model_overrides(cfg)
+    overrides = model_overrides(cfg)
     chunks = build_model(spec, dims, **overrides)
     if cfg.model.hf_path and not cfg.train.init_from and not cfg.checkpoint.resume:
         from megatron_bridge.bridge.loader import load_hf_weights
