@@ -207,3 +207,64 @@ def test_built_parameter_count_equals_plan(name, one_process_groups):
     assert built == planned["dense"] + planned["expert"]
     padding = P.count(m).padded_vocab - m.vocab_size
     assert built == P.count(m).total + padding * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+
+
+# -- every command accepts the same layouts ---------------------------------------------------
+def _layout_grid(moe: bool, n: int = 12, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        d = dict(tp=rng.choice([1, 2, 3]), pp=rng.choice([1, 2, 3]), cp=rng.choice([1, 2]), vpp=rng.choice([None, 2]))
+        d["layers_first_stage"] = rng.choice([None, 1, 2])
+        if moe:
+            d.update(ep=rng.choice([1, 2, 3]), etp=rng.choice([None, 1]))
+        out.append(d)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_check_plan_train_convert_verify_accept_the_same_layouts(family, tmp_path, monkeypatch, capsys):
+    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.cli import main
+    from megatron_bridge.commands.verify import VerifyConfig, check_layouts
+    from megatron_bridge.errors import UserError
+
+    hf = make_tiny(family, tmp_path / family)
+    verdicts = []
+    for i, d in enumerate(_layout_grid(family == "mixtral")):
+        par = [f"parallel.{k}={'null' if v is None else v}" for k, v in d.items()]
+        world = ParallelDims(**{k: v for k, v in d.items() if k != "layers_first_stage"}).smallest_world
+        run = [
+            f"cluster.gpus_per_node={world}",
+            f"train.global_batch_size={8 * world}",
+            "train.micro_batch_size=1",
+            "train.seq_length=32",
+        ]
+        base = ["recipe=default", f"model.hf_path={hf}", *par]
+        got = {}
+        cfg, dims = _check([*base, *run])  # mbr check
+        got["check"] = dims is not None
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        try:
+            validate_for_launch(cfg)  # training
+            got["train"] = True
+        except LayoutError:
+            got["train"] = False
+        monkeypatch.delenv("WORLD_SIZE")
+        res = search(
+            Context.from_config(
+                cfg, pinned_from_overrides([*par, "zero.stage=0", "train.recompute=none", "train.micro_batch_size=1"])
+            )
+        )
+        got["plan"] = res.valid >= 1  # mbr plan with every degree pinned
+        code = main(["convert", f"src={hf}", f"dst={tmp_path / f'c{i}'}", *base[2:], "train.seq_length=32"])
+        got["convert"] = code == 0
+        vcfg, _ = compose([*base, "verify.seq_length=32"], schema=VerifyConfig)
+        try:
+            check_layouts(vcfg, [ParallelDims.from_config(vcfg, smallest_world=True)], None)  # mbr verify
+            got["verify"] = True
+        except UserError:
+            got["verify"] = False
+        assert len(set(got.values())) == 1, (d, got, capsys.readouterr().err[-2000:])
+        verdicts.append(got["check"])
+    assert any(verdicts) and not all(verdicts), verdicts  # the grid has both kinds
