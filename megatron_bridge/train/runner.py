@@ -126,7 +126,7 @@ def validate_for_launch(cfg):
     """Every layout rule against the launcher's real world size (1 without a launcher), before
     torch is even imported. A world-size violation also says how many processes to start."""
     from megatron_bridge.errors import LayoutError
-    from megatron_bridge.parallel.dims import validate
+    from megatron_bridge.parallel.dims import ParallelDims, validate
 
     launcher = os.environ.get("WORLD_SIZE")
     world = int(launcher) if launcher else 1
@@ -134,15 +134,15 @@ def validate_for_launch(cfg):
         return validate(cfg, world)[0]
     except LayoutError as e:
         if any(v.rule == "world-size" for v in e.violations):
-            p = cfg.parallel
-            need = p.tp * p.pp * p.cp * (p.dp if p.dp > 0 else 1)
+            d = ParallelDims.from_config(cfg, world)
+            need = d.model_parallel * (1 if d.dp_inferred else max(d.dp, 1))
             started = (
                 f"the launcher started WORLD_SIZE={world} process(es)"
                 if launcher
                 else "it runs without a launcher, as 1 process"
             )
             e.args = (
-                f"{e}\n  Launch: {started}; this layout needs {'a multiple of ' if p.dp < 1 else ''}{need}. "
+                f"{e}\n  Launch: {started}; this layout needs {'a multiple of ' if d.dp_inferred else ''}{need}. "
                 f"Start {need} processes (e.g. `torchrun --nproc-per-node {need} -m megatron_bridge.train ...` "
                 "on one node, or `mbr launch` for several), or change the degrees.",
             )
