@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from math import lcm
 from typing import Any
 
@@ -139,6 +140,14 @@ def model_architecture(d, cfg):
             f"model.family={m.family!r} is not a family the builder knows",
             f"use one of {', '.join(sorted(known))}",
         )
+    if m.hf_path:
+        refusal = _hf_refusal(m.hf_path, m.make_vocab_size_divisible_by)
+        if refusal:
+            out += _v(
+                "hf-model",
+                f"model.hf_path={m.hf_path}: {refusal}",
+                "use a model whose features the bridge reproduces (`mbr verify --list`)",
+            )
     for key, want in fam.fixed.items():
         if getattr(m, key) != want:
             out += _v(
@@ -148,6 +157,20 @@ def model_architecture(d, cfg):
                 f"drop the override, or use model.family=gpt (megatron GPT without HF weights) for {key}={getattr(m, key)!r}",
             )
     return out
+
+
+@lru_cache(maxsize=64)
+def _hf_refusal(path: str, divisible_by: int) -> str | None:
+    """Why the builder would refuse this HF config (None if it builds it); read once per
+    path, since the planner runs the rules for thousands of candidates."""
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.errors import UserError
+
+    try:
+        load_spec(path, make_vocab_size_divisible_by=divisible_by)
+    except UserError as e:
+        return str(e)
+    return None
 
 
 @rule

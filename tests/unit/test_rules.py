@@ -224,3 +224,20 @@ def test_moe_with_tp_turns_sequence_parallel_on_with_a_note():
     assert not dims.sequence_parallel and not any("automatically" in n for n in notes)
     got, msg = violations("parallel.tp=2", "parallel.sequence_parallel=false", recipe="tiny_mixtral")
     assert got == {"moe-tp-sp"} and "pinned" in msg
+
+
+def test_hf_model_the_builder_refuses_is_refused_by_check(tmp_path):
+    """Training builds from the HF config through the bridge; what the bridge refuses there,
+    `mbr check` refuses too (rule hf-model), instead of passing a layout that cannot train."""
+    import json
+
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    good = make_tiny("llama", tmp_path / "llama")
+    cfg = json.loads((good / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "attention_bias": True}))
+    assert violations(f"model.hf_path={good}", "parallel.tp=1", "parallel.pp=1", recipe="default")[0] == set()
+    got, msg = violations(f"model.hf_path={bad}", "parallel.tp=1", "parallel.pp=1", recipe="default")
+    assert got == {"hf-model"} and "o_proj bias" in msg
