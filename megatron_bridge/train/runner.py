@@ -66,6 +66,10 @@ def preflight(cfg, dims) -> None:
             ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest, _ckpt_meta(cfg, dims))
     if cfg.export_to and Path(cfg.export_to).exists() and any(Path(cfg.export_to).iterdir()):
         raise UserError(f"export_to={cfg.export_to} exists and is not empty; choose a new directory.")
+    if cfg.export_to:  # a family without HF weights cannot be exported: say so before training
+        from megatron_bridge.bridge.registry import weight_family
+
+        weight_family(cfg.model.family)
 
 
 def _ckpt_meta(cfg, dims) -> dict[str, Any]:

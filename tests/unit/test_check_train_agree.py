@@ -268,3 +268,22 @@ def test_check_plan_train_convert_verify_accept_the_same_layouts(family, tmp_pat
         assert len(set(got.values())) == 1, (d, got, capsys.readouterr().err[-2000:])
         verdicts.append(got["check"])
     assert any(verdicts) and not all(verdicts), verdicts  # the grid has both kinds
+
+
+def test_gpt_family_export_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from megatron_bridge.train.runner import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = main(
+        [
+            "recipe=tiny_llama",
+            *GPT_STYLE,
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "cluster.gpus_per_node=1",
+            f"export_to={tmp_path / 'hf'}",
+            f"run_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert code == 2 and "no Hugging Face counterpart" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
