@@ -190,7 +190,7 @@ def training_layout(spec: Any, layout: Layout) -> Layout:
     checks of MoE models at tp > 1 turn SP on."""
     import dataclasses
 
-    if spec.is_moe and layout.tp > 1 and not layout.sequence_parallel:
+    if layout.sequence_parallel_required(spec.is_moe, layout.tp) and not layout.sequence_parallel:
         return dataclasses.replace(layout, sequence_parallel=True)
     return layout
 

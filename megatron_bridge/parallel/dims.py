@@ -115,6 +115,12 @@ class ParallelDims:
             f"mbs={self.micro_batch_size} gbs={self.global_batch_size} accum={self.grad_accum or '?'}"
         )
 
+    @staticmethod
+    def sequence_parallel_required(moe: bool, tp: int) -> bool:
+        """megatron-core refuses to train an MoE layer with TP but without SP (the expert
+        weight gradients would be wrong): where `parallel.sequence_parallel=null` turns it on."""
+        return moe and tp > 1
+
     def with_world(self, world_size: int) -> ParallelDims:
         """This layout on `world_size` processes of one node, the rest data parallel (what
         `mbr verify` and the parity tests run)."""
@@ -156,7 +162,7 @@ class ParallelDims:
         p, t, c = cfg.parallel, cfg.train, cfg.cluster
         sp = p.sequence_parallel
         if sp is None:
-            sp = bool(cfg.model.num_moe_experts) and p.tp > 1
+            sp = cls.sequence_parallel_required(bool(cfg.model.num_moe_experts), p.tp)
         degrees = cls(
             tp=p.tp,
             pp=p.pp,

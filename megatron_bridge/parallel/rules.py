@@ -250,7 +250,7 @@ def moe_tp_sp(d, cfg):
     # parallel.sequence_parallel=null (auto) turns SP on here; only a pinned false gets this far.
     # A run rule: the weights' layout does not depend on SP, and forward-only use (mbr verify's
     # logits) works without it; training is what megatron-core refuses.
-    if cfg.model.num_moe_experts and d.tp > 1 and not d.sequence_parallel:
+    if d.sequence_parallel_required(bool(cfg.model.num_moe_experts), d.tp) and not d.sequence_parallel:
         return _v(
             "moe-tp-sp",
             f"MoE with tp={d.tp} needs sequence parallelism, but parallel.sequence_parallel=false is "
