@@ -202,7 +202,7 @@ def pipeline_layers(d, cfg):
         return _v(
             "layers-uneven",
             "uneven pipeline split of num_layers=" + f"{n} over pp={p}: " + "; ".join(problems),
-            "adjust parallel.layers_first_stage/layers_last_stage (or pp, vpp)",
+            "adjust layers_first_stage/layers_last_stage (or pp, vpp)",
         )
     return []
 
@@ -256,7 +256,7 @@ def moe_tp_sp(d, cfg):
             f"MoE with tp={d.tp} needs sequence parallelism, but parallel.sequence_parallel=false is "
             "pinned: megatron-core's MoE layer refuses to train with TP but without SP (the expert "
             "weight gradients would come out wrong)",
-            "drop parallel.sequence_parallel=false (auto turns it on for MoE with TP), or set it to true",
+            "drop the pin (auto turns it on for MoE with TP), or set parallel.sequence_parallel=true",
         )
     return []
 
