@@ -260,3 +260,29 @@ def test_spec_from_a_recipe_model_group():
         spec_from_model_config(ModelConfig(family="gpt2"))
     with pytest.raises(UserError, match="no Hugging Face counterpart"):
         spec_to_hf_config(spec_from_model_config(ModelConfig(family="gpt")))
+
+
+def test_every_model_field_reaches_the_spec():
+    """ModelConfig -> BridgeSpec copies by name: a model field the builder would not see
+    must be named as such (and then be resolved into the spec under another name)."""
+    import dataclasses
+
+    from megatron_bridge.bridge.hf_config import NOT_SPEC_FIELDS, BridgeSpec, spec_from_model_config
+    from megatron_bridge.config.schema import ModelConfig
+
+    spec_fields = {f.name for f in dataclasses.fields(BridgeSpec)}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert model_fields - spec_fields <= set(NOT_SPEC_FIELDS)
+    m = ModelConfig(
+        family="gpt",
+        normalization="LayerNorm",
+        gated_linear_unit=False,
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+        kv_channels=32,
+        num_query_groups=2,
+    )
+    spec = spec_from_model_config(m)
+    for name in model_fields & spec_fields - {"family"}:
+        assert getattr(spec, name) == getattr(m, name), name
+    assert (spec.head_dim, spec.num_query_groups) == (32, 2)
