@@ -20,7 +20,7 @@ from megatron_bridge.bridge.hf_config import (
     spec_to_hf_config,
     transformer_config,
 )
-from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, problems, stage_layers, to_local_name
+from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, stage_layers, to_local_name
 from megatron_bridge.bridge.loader import (
     Coords,
     HFCheckpoint,
@@ -43,7 +43,6 @@ __all__ = [
     "transformer_config",
     "gpt_model_kwargs",
     "Layout",
-    "problems",
     "stage_layers",
     "local_experts",
     "to_local_name",

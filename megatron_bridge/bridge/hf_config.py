@@ -58,6 +58,12 @@ class BridgeSpec:
     moe_layer_pattern: tuple[int, ...] = ()  # 1 = MoE layer, 0 = dense; () = every layer alike
     make_vocab_size_divisible_by: int = 128
     initializer_range: float = 0.02
+    # What every HF family here is (RMSNorm, SwiGLU, no linear biases, rotary); the `gpt`
+    # family (megatron GPT, no HF weight table) sets the GPT-2/3 values.
+    normalization: str = "RMSNorm"
+    gated_linear_unit: bool = True  # SwiGLU (silu); false = GELU MLP
+    add_bias_linear: bool = False
+    position_embedding_type: str = "rope"
 
     @property
     def is_moe(self) -> bool:
@@ -212,41 +218,36 @@ def load_spec(path: str | Path, *, make_vocab_size_divisible_by: int = 128) -> B
     return spec_from_hf(read_hf_config(path), make_vocab_size_divisible_by=make_vocab_size_divisible_by)
 
 
+# ModelConfig fields that are not architecture (or reach the spec resolved under another name).
+NOT_SPEC_FIELDS = ("name", "hf_path", "kv_channels", "num_query_groups", "moe_ffn_hidden_size")
+
+
 def spec_from_model_config(model_cfg: Any) -> BridgeSpec:
-    """The spec of `cfg.model` (a ModelConfig): from its hf_path when set, else its fields."""
+    """The spec of `cfg.model` (a ModelConfig): from its hf_path when set, else its fields.
+
+    Every ModelConfig field that names architecture is a BridgeSpec field of the same name
+    and is copied by name (a test holds the two field lists together), so nothing the
+    planner counts or the rules check can be dropped on the way to the builder."""
     if model_cfg.hf_path:
         return load_spec(model_cfg.hf_path, make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by)
     from megatron_bridge.bridge.registry import get_family
 
     fam = get_family(model_cfg.family)
-    f = dict(
+    spec_fields = {f.name for f in dataclasses.fields(BridgeSpec)}
+    f = {k: getattr(model_cfg, k) for k in spec_fields if hasattr(model_cfg, k) and k not in NOT_SPEC_FIELDS}
+    f.update(
         family=fam.name,
-        architecture=fam.architectures[0],
-        num_layers=model_cfg.num_layers,
-        hidden_size=model_cfg.hidden_size,
-        ffn_hidden_size=model_cfg.ffn_hidden_size,
-        num_attention_heads=model_cfg.num_attention_heads,
+        architecture=fam.architectures[0] if fam.architectures else "",
         num_query_groups=model_cfg.kv_heads,
         head_dim=model_cfg.head_dim,
-        vocab_size=model_cfg.vocab_size,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        norm_epsilon=model_cfg.norm_epsilon,
-        rotary_base=model_cfg.rotary_base,
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
-        add_qkv_bias=model_cfg.add_qkv_bias,
-        qk_layernorm=model_cfg.qk_layernorm,
-        make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
     )
     f.update(fam.implicit)
     if model_cfg.num_moe_experts:
-        f.update(
-            num_moe_experts=model_cfg.num_moe_experts,
-            moe_router_topk=model_cfg.moe_router_topk,
-            moe_ffn_hidden_size=model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size,
-            moe_shared_expert_intermediate_size=model_cfg.moe_shared_expert_intermediate_size,
-        )
+        f["moe_ffn_hidden_size"] = model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size
         if not model_cfg.moe_shared_expert_intermediate_size:
             f["moe_shared_expert_gate"] = False
+    else:
+        f.update(num_moe_experts=None, moe_shared_expert_intermediate_size=None)
     return BridgeSpec(**f)
 
 
@@ -255,9 +256,9 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
 
     `spec_from_hf(spec_to_hf_config(s)) == s` for every supported spec; the family's
     `hf_names` / `window_key` say where its config spells things differently."""
-    from megatron_bridge.bridge.registry import get_family
+    from megatron_bridge.bridge.registry import weight_family
 
-    fam = get_family(spec.family)
+    fam = weight_family(spec.family)
     names = dict(fam.hf_names)
     cfg: dict[str, Any] = {
         "architectures": [spec.architecture],
@@ -339,14 +340,21 @@ def rope_inv_freq(spec: BridgeSpec):
 
 
 def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
-    """megatron-core TransformerConfig for `spec` under `layout` (a `Layout`).
+    """megatron-core TransformerConfig for `spec` under `layout` (a `Layout`)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**transformer_config_kwargs(spec, layout, **overrides))
+
+
+def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -> dict[str, Any]:
+    """The TransformerConfig arguments: the architecture from `spec`, every degree and the
+    stage split from `layout`, nothing from anywhere else.
 
     CPU-friendly defaults (no fused kernels, cpu initialisation when there is no GPU);
     `overrides` win (params_dtype, bf16, recompute, ...).
     """
     import torch
     import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     kw: dict[str, Any] = dict(
@@ -356,11 +364,11 @@ def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
         num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups,
         kv_channels=spec.head_dim,
-        normalization="RMSNorm",
+        normalization=spec.normalization,
         layernorm_epsilon=spec.norm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        gated_linear_unit=spec.gated_linear_unit,
+        activation_func=F.silu if spec.gated_linear_unit else F.gelu,
+        add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
@@ -372,7 +380,7 @@ def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
         virtual_pipeline_model_parallel_size=layout.vpp if layout.pp > 1 else None,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp_or_tp,
+        expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.sequence_parallel and layout.tp > 1,
         num_layers_in_first_pipeline_stage=layout.layers_first_stage,
         num_layers_in_last_pipeline_stage=layout.layers_last_stage,
@@ -405,7 +413,7 @@ def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
         kw["params_dtype"] = torch.bfloat16
     if "pipeline_dtype" not in kw:
         kw["pipeline_dtype"] = kw.get("params_dtype", torch.float32)
-    return TransformerConfig(**kw)
+    return kw
 
 
 def gpt_model_kwargs(spec: BridgeSpec, layout: Any) -> dict[str, Any]:
@@ -413,7 +421,7 @@ def gpt_model_kwargs(spec: BridgeSpec, layout: Any) -> dict[str, Any]:
     return dict(
         vocab_size=spec.padded_vocab_size(layout.tp),
         max_sequence_length=spec.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type=spec.position_embedding_type,
         rotary_base=spec.rotary_base,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         parallel_output=True,
@@ -428,6 +436,7 @@ __all__ = [
     "spec_from_model_config",
     "rope_inv_freq",
     "transformer_config",
+    "transformer_config_kwargs",
     "gpt_model_kwargs",
     "ROPE_TYPES",
 ]

@@ -1,4 +1,4 @@
-"""`Layout`: the parallel degrees the bridge builds for, and where each weight lives.
+"""Where each weight lives under a layout (`Layout`, i.e. `parallel.dims.ParallelDims`).
 
 Pure functions of (spec, layout, rank coordinates): which global layers a pipeline stage
 (and virtual chunk) holds, which experts an expert-parallel rank holds, and the rank-local
@@ -11,75 +11,12 @@ live model has them.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
+from megatron_bridge.parallel.dims import ParallelDims
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallel; None = tp
-    vpp: int | None = None
-    sequence_parallel: bool = False
-    layers_first_stage: int | None = None
-    layers_last_stage: int | None = None
-
-    def __post_init__(self):
-        if self.pp == 1 or self.vpp == 1:  # interleaving needs pipeline stages; vpp=1 is none
-            object.__setattr__(self, "vpp", None)
-
-    @property
-    def etp_or_tp(self) -> int:
-        return self.etp if self.etp is not None else self.tp
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    @property
-    def vpp_or_1(self) -> int:
-        return self.vpp or 1
-
-    def describe(self) -> str:
-        parts = [f"tp{self.tp}", f"pp{self.pp}"]
-        if self.vpp:
-            parts.append(f"vpp{self.vpp}")
-        parts += [f"cp{self.cp}", f"ep{self.ep}"]
-        if self.etp is not None and self.etp != self.tp:
-            parts.append(f"etp{self.etp}")
-        return "·".join(parts) + (" sp" if self.sequence_parallel else "")
-
-    @classmethod
-    def parse(cls, text: str) -> Layout:
-        """'tp2pp2vpp2', 'tp2·cp2', 'ep2-tp2-sp' -> Layout (degrees default to 1)."""
-        s = text.strip().lower()
-        sp = s.endswith("sp") and not s.endswith("vsp")
-        s = s[:-2] if sp else s
-        kw: dict[str, int] = {}
-        for key, val in re.findall(r"(vpp|etp|tp|pp|cp|ep)(\d+)", s):
-            kw[key] = int(val)
-        rest = re.sub(r"(vpp|etp|tp|pp|cp|ep)\d+|[·.\-_ ]", "", s)
-        if rest or not (kw or sp):
-            raise ValueError(f"cannot parse layout {text!r} (expected e.g. tp2pp2vpp2, cp2tp2, ep2, tp2sp)")
-        return cls(sequence_parallel=sp, **kw)
-
-    @classmethod
-    def from_parallel_config(cls, p: Any) -> Layout:
-        """From `cfg.parallel` (ParallelConfig) or a ParallelDims."""
-        return cls(
-            tp=p.tp,
-            pp=p.pp,
-            cp=p.cp,
-            ep=p.ep,
-            etp=getattr(p, "etp", None),
-            vpp=p.vpp,
-            sequence_parallel=p.sequence_parallel,
-            layers_first_stage=getattr(p, "layers_first_stage", None),
-            layers_last_stage=getattr(p, "layers_last_stage", None),
-        )
+# The bridge's name for the one layout type: same class, same fields, same rules.
+Layout = ParallelDims
 
 
 def stage_layers(tconfig: Any, pp_rank: int, vp_stage: int | None = None) -> range:
@@ -142,32 +79,4 @@ def to_local_name(global_name: str, layers: range, experts: range | None = None)
     return renumber(global_name, -layers.start if m else 0, -(experts.start if (e and experts) else 0))
 
 
-def problems(spec: Any, layout: Layout, world_size: int | None = None, seq_length: int | None = None) -> list:
-    """Why `spec` cannot run under `layout` (empty if it can): the divisibility megatron-core
-    asserts deep inside model construction, said up front with the numbers."""
-    out = []
-    if spec.num_attention_heads % layout.tp:
-        out.append(f"{layout.describe()}: {spec.num_attention_heads} attention heads do not split over tp={layout.tp}")
-    g = spec.num_query_groups
-    if g % layout.tp and layout.tp % g:
-        out.append(f"{layout.describe()}: {g} KV heads must be a multiple or a divisor of tp={layout.tp}")
-    chunks = layout.pp * (layout.vpp_or_1 if layout.pp > 1 else 1)
-    if layout.layers_first_stage is None and layout.layers_last_stage is None and spec.num_layers % chunks:
-        out.append(f"{layout.describe()}: {spec.num_layers} layers do not split over pp·vpp={chunks}")
-    if layout.ep > 1 and not spec.is_moe:
-        out.append(f"{layout.describe()}: ep={layout.ep} needs an MoE model")
-    if spec.is_moe and spec.num_moe_experts % layout.ep:
-        out.append(f"{layout.describe()}: {spec.num_moe_experts} experts do not split over ep={layout.ep}")
-    if world_size is not None:
-        for name, n in (("tp·pp·cp", layout.model_parallel), ("etp·ep·pp", layout.etp_or_tp * layout.ep * layout.pp)):
-            if world_size % n:
-                out.append(f"{layout.describe()}: {name}={n} does not divide the {world_size} processes")
-    if seq_length is not None:
-        if seq_length % (2 * layout.cp) and layout.cp > 1:
-            out.append(f"{layout.describe()}: sequence length {seq_length} is not divisible by 2·cp={2 * layout.cp}")
-        if layout.sequence_parallel and (seq_length // layout.cp) % layout.tp:
-            out.append(f"{layout.describe()}: with sequence parallelism seq/cp must divide by tp={layout.tp}")
-    return out
-
-
-__all__ = ["Layout", "stage_layers", "local_experts", "to_local_name", "renumber", "dist_ckpt_key", "problems"]
+__all__ = ["Layout", "stage_layers", "local_experts", "to_local_name", "renumber", "dist_ckpt_key"]

@@ -27,7 +27,7 @@ from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, local_experts, renumber, stage_layers, to_local_name
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.mapping import Shard
-from megatron_bridge.bridge.registry import get_family
+from megatron_bridge.bridge.registry import weight_family
 from megatron_bridge.bridge.table import Resolved, resolve_hf, resolve_megatron
 from megatron_bridge.convert.formats.safetensors_io import LazySlice, PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.errors import UserError
@@ -89,7 +89,7 @@ class Coords:
 
 
 def table_for(spec: BridgeSpec):
-    return get_family(spec.family).mappings(spec)
+    return weight_family(spec.family).mappings(spec)
 
 
 def resolve_checkpoint(spec: BridgeSpec, keys: Sequence[str]) -> list[Resolved]:
@@ -139,7 +139,7 @@ def chunk_plan(
 def shard_for(row: Resolved, layout: Layout, coords: Coords) -> Shard:
     """Which piece of `row` the rank at `coords` holds: experts split over the expert-TP
     group, everything else over TP (for `Transform.blocks`, or `shard_of` with tensors)."""
-    return Shard(coords.etp_rank, layout.etp_or_tp) if row.mapping.is_expert else Shard(coords.tp_rank, layout.tp)
+    return Shard(coords.etp_rank, layout.etp) if row.mapping.is_expert else Shard(coords.tp_rank, layout.tp)
 
 
 def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: Layout, coords: Coords) -> torch.Tensor:

@@ -218,9 +218,9 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
     shapes = spec.shapes(layout.tp)
     init = _initializer(seed, peft.rank, given, peft.init_from)
     n = 0
-    if layout.etp_or_tp > 1 and any(t.mapping.is_expert for t in targets.values()):
+    if layout.etp > 1 and any(t.mapping.is_expert for t in targets.values()):
         raise UserError(  # the same rule `mbr check` applies (lora.lora_targets)
-            f"LoRA on expert linears needs whole experts per rank (etp=1), the layout has etp={layout.etp_or_tp}."
+            f"LoRA on expert linears needs whole experts per rank (etp=1), the layout has etp={layout.etp}."
         )
     for i, chunk in enumerate(chunks):
         for p in chunk.parameters():

@@ -73,7 +73,7 @@ def check_groups(layout: Layout) -> None:
         etp=ps.get_expert_tensor_parallel_world_size(),
         vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
     )
-    want = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp_or_tp, vpp=layout.vpp)
+    want = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp)
     if (want["vpp"] or 1) == 1 and (have["vpp"] or 1) == 1:
         want["vpp"] = have["vpp"] = None
     bad = {k: (have[k], want[k]) for k in want if have[k] != want[k]}

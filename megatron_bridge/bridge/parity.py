@@ -73,24 +73,11 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     }
 
 
-def dims_for(layout: Layout, world_size: int):
-    from megatron_bridge.parallel.dims import ParallelDims
-
-    mp = layout.tp * layout.pp * layout.cp
+def dims_for(layout: Layout, world_size: int) -> Layout:
+    mp = layout.model_parallel
     if world_size % mp:
         raise ValueError(f"layout {layout.describe()} needs a multiple of {mp} processes, have {world_size}")
-    return ParallelDims(
-        world_size=world_size,
-        gpus_per_node=world_size,
-        tp=layout.tp,
-        pp=layout.pp,
-        cp=layout.cp,
-        ep=layout.ep,
-        etp=layout.etp_or_tp,
-        dp=world_size // mp,
-        vpp=layout.vpp,
-        sequence_parallel=layout.sequence_parallel,
-    )
+    return layout.with_world(world_size)
 
 
 def ensure_groups(layout: Layout, world_size: int) -> None:
@@ -208,7 +195,7 @@ def training_layout(spec: Any, layout: Layout) -> Layout:
     checks of MoE models at tp > 1 turn SP on."""
     import dataclasses
 
-    if spec.is_moe and layout.tp > 1 and not layout.sequence_parallel:
+    if layout.sequence_parallel_required(spec.is_moe, layout.tp) and not layout.sequence_parallel:
         return dataclasses.replace(layout, sequence_parallel=True)
     return layout
 

@@ -15,7 +15,7 @@ from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
 
 _FAMILIES: dict[str, type[FamilyBridge]] = {}
-_FAMILY_MODULES = ("llama", "qwen", "mixtral")  # modules under bridge/families that register classes
+_FAMILY_MODULES = ("llama", "qwen", "mixtral", "gpt")  # modules under bridge/families that register classes
 
 
 class FamilyBridge:
@@ -30,6 +30,10 @@ class FamilyBridge:
       common one (Mixtral's `num_local_experts`), used when writing a config.json.
     - `window_key`: how the family's config.json spells a sliding window: "sliding_window"
       (Mistral, Mixtral) or "layer_types" (Qwen: use_sliding_window + per-layer types).
+    - `fixed`: model fields the HF architecture (and so the weight table) fixes; a config
+      that sets another value is refused by the `model-architecture` rule instead of
+      building a model whose weights cannot be loaded or exported.
+    - `hf_weights`: False for a family with no HF counterpart (trains from scratch only).
     """
 
     name: ClassVar[str] = ""
@@ -40,6 +44,13 @@ class FamilyBridge:
     notes: ClassVar[str] = ""
     hf_names: ClassVar[TMapping[str, str]] = {}
     window_key: ClassVar[str] = "sliding_window"
+    fixed: ClassVar[TMapping[str, Any]] = {
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "add_bias_linear": False,
+        "position_embedding_type": "rope",
+    }
+    hf_weights: ClassVar[bool] = True
 
     @classmethod
     def mappings(cls, spec: Any) -> tuple[Mapping, ...]:
@@ -48,8 +59,8 @@ class FamilyBridge:
 
 
 def register(cls: type[FamilyBridge]) -> type[FamilyBridge]:
-    if not cls.name or not cls.architectures or not cls.table:
-        raise TypeError(f"{cls.__name__}: a family needs name, architectures and table")
+    if not cls.name or (cls.hf_weights and not (cls.architectures and cls.table)):
+        raise TypeError(f"{cls.__name__}: a family needs a name, and architectures and a table for HF weights")
     _FAMILIES[cls.name] = cls
     return cls
 
@@ -99,9 +110,21 @@ def describe() -> str:
     """The table `mbr verify --list` prints."""
     rows = [("family", "HF architectures", "model_type", "notes")]
     for cls in families():
-        rows.append((cls.name, ", ".join(cls.architectures), ", ".join(cls.model_types), cls.notes))
+        rows.append((cls.name, ", ".join(cls.architectures) or "-", ", ".join(cls.model_types) or "-", cls.notes))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:<{w[2]}}  {r[3]}".rstrip() for r in rows)
 
 
-__all__ = ["FamilyBridge", "register", "families", "get_family", "family_for", "describe"]
+def weight_family(name: str) -> type[FamilyBridge]:
+    """The family of `name` for reading or writing HF weights; refuses one without them."""
+    fam = get_family(name)
+    if not fam.hf_weights:
+        raise UserError(
+            f"model.family={name} has no Hugging Face counterpart: it trains from scratch, but its "
+            "weights cannot be loaded from or exported to an HF model. Drop train.init_from/export_to, "
+            f"or use a family with HF weights ({', '.join(sorted(f.name for f in families() if f.hf_weights))})."
+        )
+    return fam
+
+
+__all__ = ["FamilyBridge", "weight_family", "register", "families", "get_family", "family_for", "describe"]

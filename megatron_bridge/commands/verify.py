@@ -52,21 +52,40 @@ class VerifyConfig(Config):
 
 
 def _layouts(cfg) -> list[Any]:
-    from megatron_bridge.bridge.layout import Layout
+    """verify.layouts, or the one layout of parallel.* (resolved as training resolves it)."""
+    from megatron_bridge.parallel.dims import ParallelDims
 
     if cfg.verify.layouts:
         try:
-            return [Layout.parse(x) for x in cfg.verify.layouts]
+            return [ParallelDims.parse(x) for x in cfg.verify.layouts]
         except ValueError as e:
             raise UserError(str(e)) from e
-    return [Layout.from_parallel_config(cfg.parallel)]
+    return [ParallelDims.from_config(cfg, smallest_world=True)]
+
+
+def check_layouts(cfg, layouts: Sequence[Any], world: int | None) -> None:
+    """The layout rules `mbr check` applies, for each layout on `world` processes (default:
+    the fewest they all fit), at the verify sequence length; every violation at once."""
+    from megatron_bridge.errors import LayoutError
+    from megatron_bridge.parallel.dims import validate
+
+    cfg.train.seq_length = cfg.verify.seq_length
+    world = world or _needed_world(layouts)
+    errs: list[str] = []
+    for lay in layouts:
+        try:
+            validate(cfg, dims=lay.with_world(world), layout_only=True)
+        except LayoutError as e:
+            errs += [f"{lay.describe()}: {v}" for v in e.violations]
+    if errs:
+        raise UserError("cannot verify these layouts:\n" + "\n".join(f"  - {e}" for e in errs))
 
 
 def _prepare(cfg, out: Path):
     """(hf_dir, spec, layouts) after every check that needs no process."""
     from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.bridge.layout import problems
     from megatron_bridge.bridge.parity import CHECKS
+    from megatron_bridge.config.hf_model import apply_hf_config
 
     bad = sorted(set(cfg.verify.checks) - set(CHECKS) - {"train"}) or ([] if cfg.verify.checks else ["(none)"])
     if bad:
@@ -83,11 +102,10 @@ def _prepare(cfg, out: Path):
     if not hf_dir:
         raise UserError("mbr verify needs model.hf_path=DIR (an HF model directory) or verify.tiny=FAMILY")
     spec = load_spec(hf_dir, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    apply_hf_config(cfg.model, hf_dir)  # the rules see the model being verified
     layouts = _layouts(cfg)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.verify.nproc
-    errs = [p for lay in layouts for p in problems(spec, lay, world, cfg.verify.seq_length)]
-    if errs:
-        raise UserError("cannot verify these layouts:\n" + "\n".join(f"  - {e}" for e in errs))
+    check_layouts(cfg, layouts, world)
     return hf_dir, spec, layouts
 
 
@@ -182,7 +200,7 @@ def _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) -> bool:
 def _needed_world(layouts) -> int:
     n = 1
     for lay in layouts:
-        n = lcm(n, lay.model_parallel, lay.etp_or_tp * lay.ep * lay.pp)
+        n = lcm(n, lay.smallest_world)
     return n
 
 

@@ -32,8 +32,10 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     make_vocab_size_divisible_by: int = 128
     tie_word_embeddings: bool = False
-    gated_linear_unit: bool = True  # SwiGLU
-    normalization: str = "RMSNorm"
+    gated_linear_unit: bool = True  # SwiGLU; false = a GELU MLP
+    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    add_bias_linear: bool = False  # biases on every linear layer (GPT-2/3)
+    position_embedding_type: str = "rope"  # rope | learned_absolute (GPT-2/3)
     norm_epsilon: float = 1e-5
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
@@ -63,7 +65,9 @@ class ParallelConfig:
     etp: int | None = None  # expert tensor parallel; None = tp
     dp: int = -1
     vpp: int | None = None  # virtual pipeline stages per rank (interleaved 1F1B)
-    sequence_parallel: bool = False
+    # None = auto: on exactly where megatron-core requires it (MoE with tp > 1; printed as a
+    # note by `mbr check`). A pinned false there is refused by the moe-tp-sp rule.
+    sequence_parallel: bool | None = None
     # Uneven pipeline split (megatron-core num_layers_in_{first,last}_pipeline_stage).
     layers_first_stage: int | None = None
     layers_last_stage: int | None = None

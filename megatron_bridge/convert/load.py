@@ -73,8 +73,8 @@ def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path
     from megatron_bridge.bridge.loader import current_coords, layout_of
 
     run, ckpt = layout_of(chunks), man.layout_obj()
-    have = (ckpt.tp, ckpt.pp, ckpt.vpp, ckpt.ep, ckpt.etp_or_tp)
-    want = (run.tp, run.pp, run.vpp, run.ep, run.etp_or_tp)
+    have = (ckpt.tp, ckpt.pp, ckpt.vpp, ckpt.ep, ckpt.etp)
+    want = (run.tp, run.pp, run.vpp, run.ep, run.etp)
     if have != want:
         raise UserError(
             f"train.init_from={path} is a per-rank (format=torch) checkpoint for tp{ckpt.tp}·pp{ckpt.pp}"

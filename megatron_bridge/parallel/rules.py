@@ -4,6 +4,12 @@ Each rule is a small function `(dims, cfg) -> list of Violation` named after wha
 guards; `check_all` runs them all so the user sees every problem at once, not the first
 assert megatron-core or DeepSpeed would hit twenty minutes into a launch. Messages name
 the rule, the numbers, and a fix. docs/config.md lists the rules in the same order.
+
+Two scopes. Layout rules (`@layout_rule`) decide whether the model can be built and split
+under the degrees on the given processes: `mbr check`, `mbr plan`, training, `mbr convert`
+and `mbr verify` all apply exactly these, so the five accept the same layouts. Run rules
+(`@rule`) concern one training run only (batch arithmetic, schedules, ZeRO and engine, node
+placement); a checkpoint conversion or a parity check has none of those.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import lcm
+from typing import Any
 
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
 
@@ -25,13 +32,21 @@ class Violation:
         return f"[{self.rule}] {self.detail}. Fix: {self.fix}."
 
 
-Rule = Callable[[ParallelDims, object], list[Violation]]
+Rule = Callable[[ParallelDims, Any], list[Violation]]
 RULES: list[Rule] = []
+LAYOUT_RULES: list[Rule] = []
 
 
 def rule(fn: Rule) -> Rule:
+    """A run rule: checked by `mbr check`, `mbr plan` and training."""
     RULES.append(fn)
     return fn
+
+
+def layout_rule(fn: Rule) -> Rule:
+    """A layout rule: also checked by `mbr convert` and `mbr verify`."""
+    LAYOUT_RULES.append(fn)
+    return rule(fn)
 
 
 def _v(rule_name: str, detail: str, fix: str) -> list[Violation]:
@@ -62,23 +77,33 @@ def choices(d, cfg):
     return out
 
 
-@rule
+@layout_rule
 def positive_degrees(d, cfg):
     out = []
     for name in ("tp", "pp", "cp", "ep", "etp"):
         v = getattr(d, name)
         if v < 1:
             out += _v("positive-degree", f"parallel.{name}={v} must be >= 1", f"set parallel.{name} to 1 or more")
-    if not d.dp_inferred and d.dp < 1:
-        out += _v("positive-degree", f"parallel.dp={d.dp} must be >= 1 or -1", "use parallel.dp=-1 to infer it")
     if d.vpp is not None and d.vpp < 1:
         out += _v(
             "positive-degree", f"parallel.vpp={d.vpp} must be >= 1", "set parallel.vpp=null to disable interleaving"
         )
+    for key in ("layers_first_stage", "layers_last_stage"):
+        v = getattr(d, key)
+        if v is not None and v < 1:
+            out += _v("positive-degree", f"parallel.{key}={v} must be >= 1", f"set parallel.{key}=null or 1 or more")
+    return out
+
+
+@rule
+def positive_sizes(d, cfg):
+    out = []
+    if not d.dp_inferred and d.dp < 1:
+        out += _v("positive-degree", f"parallel.dp={d.dp} must be >= 1 or -1", "use parallel.dp=-1 to infer it")
     for key, v in (
         ("train.micro_batch_size", d.micro_batch_size),
         ("train.global_batch_size", d.global_batch_size),
-        ("cluster.nodes", d.nodes if d.world_size > 0 else 0),
+        ("cluster.nodes", d.nodes if (d.world_size or 0) > 0 else 0),
         ("cluster.gpus_per_node", d.gpus_per_node),
     ):
         if v < 1:
@@ -89,10 +114,10 @@ def positive_degrees(d, cfg):
 
 
 def _degrees_ok(d) -> bool:
-    return min(d.tp, d.pp, d.cp, d.ep, d.etp) >= 1 and d.world_size >= 1
+    return min(d.tp, d.pp, d.cp, d.ep, d.etp) >= 1 and (d.world_size or 0) >= 1
 
 
-@rule
+@layout_rule
 def world_size(d, cfg):
     if not _degrees_ok(d):
         return []
@@ -116,7 +141,7 @@ def world_size(d, cfg):
     return []
 
 
-@rule
+@layout_rule
 def attention_heads(d, cfg):
     m, out = cfg.model, []
     if d.tp >= 1 and m.num_attention_heads % d.tp:
@@ -143,13 +168,12 @@ def attention_heads(d, cfg):
     return out
 
 
-@rule
+@layout_rule
 def pipeline_layers(d, cfg):
-    L, p = cfg.parallel, d.pp
-    n, v = cfg.model.num_layers, d.vpp_or_1
+    p, n, v = d.pp, cfg.model.num_layers, d.vpp_or_1
     if p < 1 or v < 1:
         return []
-    first, last = L.layers_first_stage, L.layers_last_stage
+    first, last = d.layers_first_stage, d.layers_last_stage
     if first is None and last is None:
         if n % (p * v):
             return _v(
@@ -159,25 +183,33 @@ def pipeline_layers(d, cfg):
                 "layers_last_stage for an uneven split",
             )
         return []
+    # megatron-core's TransformerConfig checks, said up front: the end stages hold a
+    # multiple of vpp layers each, and the middle stages (if any) split the rest evenly
+    # into a multiple of vpp layers per rank.
     fixed = [x for x in (first, last) if x is not None]
-    if p < 1 + len(fixed):
-        return _v(
-            "layers-uneven",
-            f"layers_first_stage/layers_last_stage need pp >= {1 + len(fixed)} (pp={p})",
-            "raise pp or drop the uneven split",
-        )
     rest, stages = n - sum(fixed), p - len(fixed)
-    if min(fixed) < 1 or rest < stages * v or rest % (stages * v):
+    problems = []
+    if stages < 0:
+        problems.append(f"layers_first_stage and layers_last_stage need pp >= 2 (pp={p})")
+    if min(fixed) < 1 or any(x % v for x in fixed):
+        problems.append(f"the first/last stages' layers ({first}/{last}) must each be >= 1 and a multiple of vpp={v}")
+    if stages > 0 and (rest < stages * v or rest % (stages * v)):
+        problems.append(
+            f"the remaining {rest} layers must split evenly over the {stages} middle stage(s), "
+            f"a multiple of vpp={v} layers each"
+        )
+    if stages == 0 and rest != 0:
+        problems.append(f"{rest} layers are left over but there is no middle stage (pp={p})")
+    if problems:
         return _v(
             "layers-uneven",
-            f"after first/last stages ({first}/{last} layers) the remaining {rest} layers "
-            f"must split evenly over {stages} stage(s)·vpp {v}",
-            "adjust layers_first_stage/layers_last_stage",
+            "uneven pipeline split of num_layers=" + f"{n} over pp={p}: " + "; ".join(problems),
+            "adjust layers_first_stage/layers_last_stage (or pp, vpp)",
         )
     return []
 
 
-@rule
+@layout_rule
 def sequence_length(d, cfg):
     s, out = cfg.train.seq_length, []
     if s < 1:
@@ -199,7 +231,7 @@ def sequence_length(d, cfg):
     return out
 
 
-@rule
+@layout_rule
 def experts(d, cfg):
     e = cfg.model.num_moe_experts
     if d.ep > 1 and not e:
@@ -217,17 +249,21 @@ def experts(d, cfg):
 
 @rule
 def moe_tp_sp(d, cfg):
-    if cfg.model.num_moe_experts and d.tp > 1 and not d.sequence_parallel:
+    # parallel.sequence_parallel=null (auto) turns SP on here; only a pinned false gets this far.
+    # A run rule: the weights' layout does not depend on SP, and forward-only use (mbr verify's
+    # logits) works without it; training is what megatron-core refuses.
+    if d.sequence_parallel_required(bool(cfg.model.num_moe_experts), d.tp) and not d.sequence_parallel:
         return _v(
             "moe-tp-sp",
-            f"MoE with tp={d.tp} needs sequence parallelism: megatron-core's MoE layer refuses "
-            "to train with TP but without SP",
-            "add parallel.sequence_parallel=true",
+            f"MoE with tp={d.tp} needs sequence parallelism, but parallel.sequence_parallel=false is "
+            "pinned: megatron-core's MoE layer refuses to train with TP but without SP (the expert "
+            "weight gradients would come out wrong)",
+            "drop the pin (auto turns it on for MoE with TP), or set parallel.sequence_parallel=true",
         )
     return []
 
 
-@rule
+@layout_rule
 def expert_grid(d, cfg):
     if not _degrees_ok(d) or not cfg.model.num_moe_experts:
         return []
@@ -265,6 +301,13 @@ def batch(d, cfg):
     return []
 
 
+@layout_rule
+def interleaving(d, cfg):
+    if d.vpp is not None and d.vpp > 1 and d.pp < 2:
+        return _v("vpp-pp", f"parallel.vpp={d.vpp} needs pp > 1 (pp={d.pp})", "set parallel.vpp=null or raise pp")
+    return []
+
+
 @rule
 def microbatches(d, cfg):
     out, m = [], d.grad_accum
@@ -274,10 +317,8 @@ def microbatches(d, cfg):
             f"{m} microbatch(es) per step < pp={d.pp}: the pipeline never fills",
             f"raise train.global_batch_size to at least {d.pp * d.micro_batch_size * max(d.dp, 1)}",
         )
-    if d.vpp is not None and d.vpp > 1:
-        if d.pp < 2:
-            out += _v("vpp-pp", f"parallel.vpp={d.vpp} needs pp > 1 (pp={d.pp})", "set parallel.vpp=null or raise pp")
-        elif m % d.pp:
+    if d.vpp is not None and d.vpp > 1 and d.pp > 1:
+        if m % d.pp:
             out += _v(
                 "vpp-microbatches",
                 f"interleaved 1F1B needs microbatches % pp == 0 ({m} % {d.pp} != 0)",
@@ -391,6 +432,10 @@ def node_placement(d, cfg):
     return out
 
 
+# The model rules live in model_rules.py; importing it registers them (after the degree rules).
+from megatron_bridge.parallel import model_rules  # noqa: E402, F401
+
+
 def notes(d: ParallelDims, cfg) -> list[str]:
     """Non-fatal findings, printed with the rank map."""
     m, out = cfg.model, []
@@ -405,18 +450,24 @@ def notes(d: ParallelDims, cfg) -> list[str]:
             f"KV heads ({m.kv_heads}) < tp ({d.tp}): each TP rank holds part of one KV group; "
             "megatron-core gathers the K/V activations"
         )
+    if cfg.parallel.sequence_parallel is None and d.sequence_parallel:
+        out.append(
+            f"sequence_parallel turned on automatically: MoE with tp={d.tp} needs it (megatron-core refuses "
+            "to train MoE with TP otherwise); pin parallel.sequence_parallel=true to say so explicitly"
+        )
     if d.sequence_parallel and d.tp == 1:
         out.append("sequence_parallel has no effect at tp=1 (megatron disables it)")
-    if cfg.parallel.allow_cross_node_tp and d.gpus_per_node % max(d.tp * d.cp, 1):
+    if cfg.parallel.allow_cross_node_tp and (d.gpus_per_node or 1) % max(d.tp * d.cp, 1):
         out.append("warning: TP/CP groups cross node boundaries (allowed by parallel.allow_cross_node_tp)")
     return out + values.notes(cfg)
 
 
-def check_all(d: ParallelDims, cfg) -> tuple[list[Violation], list[str]]:
+def check_all(d: ParallelDims, cfg, *, layout_only: bool = False) -> tuple[list[Violation], list[str]]:
+    """Every rule (or only the layout rules), and the notes when nothing is violated."""
     import megatron_bridge.bridge.lora  # noqa: F401 - registers the LoRA rules (peft=lora)
 
     violations: list[Violation] = []
-    for r in RULES:
+    for r in LAYOUT_RULES if layout_only else RULES:
         violations += r(d, cfg)
     return violations, (notes(d, cfg) if not violations else [])
 

@@ -53,6 +53,17 @@ def rank_groups(sizes: dict[str, int], axes: tuple) -> np.ndarray:
 class Topology:
     dims: ParallelDims
 
+    @property
+    def world_size(self) -> int:
+        """The run's processes: a rank map exists only for dims resolved against a world."""
+        assert self.dims.world_size is not None, "a rank map needs a world size (ParallelDims.with_world)"
+        return self.dims.world_size
+
+    @property
+    def gpus_per_node(self) -> int:
+        assert self.dims.gpus_per_node is not None, "a rank map needs the GPUs per node"
+        return self.dims.gpus_per_node
+
     @cached_property
     def _sizes(self) -> dict[str, dict[str, int]]:
         d = self.dims
@@ -69,7 +80,7 @@ class Topology:
     @cached_property
     def coords(self) -> dict[str, np.ndarray]:
         """Per-rank coordinate along each axis, arrays of length world_size."""
-        r = np.arange(self.dims.world_size)
+        r = np.arange(self.world_size)
         out = {}
         for grid, prefix in (("dense", ""), ("expert", "e")):
             s, stride = self._sizes[grid], 1
@@ -80,13 +91,13 @@ class Topology:
                     continue
                 out[key] = (r // stride) % s[n]
                 stride *= s[n]
-        out["node"] = r // self.dims.gpus_per_node
-        out["local"] = r % self.dims.gpus_per_node
+        out["node"] = r // self.gpus_per_node
+        out["local"] = r % self.gpus_per_node
         return out
 
     def intra_node(self, name: str) -> bool:
         """True when every group of this kind lies inside one node."""
-        nodes = self.groups(name) // self.dims.gpus_per_node
+        nodes = self.groups(name) // self.gpus_per_node
         return bool((nodes == nodes[:, :1]).all())
 
     def span_summary(self, moe: bool = True) -> dict[str, str]:
@@ -123,7 +134,7 @@ class Topology:
                 lines.append(f"... {node - shown[i - 1] - 1} more node(s) ...")
             lines.append(f"node {node}:")
             lines.append(head)
-            for r in range(node * d.gpus_per_node, (node + 1) * d.gpus_per_node):
+            for r in range(node * self.gpus_per_node, (node + 1) * self.gpus_per_node):
                 grp = " ".join(f"{k}={_short(member[k][r])}" for k in kinds)
                 lines.append(
                     f"{r:>6} {int(c['local'][r]):>5}  {int(c['tp'][r]):>3} {int(c['cp'][r]):>3} "

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_bridge.plan import memory as M
-from megatron_bridge.plan.search import Context, Evaluation, SearchResult, evaluate, search
+from megatron_bridge.plan.search import Candidate, Context, Evaluation, SearchResult, evaluate, search
 
 
 def smallest_cluster(ctx: Context, max_gpus: int = 1 << 20) -> tuple[int, Evaluation] | None:
@@ -44,7 +44,7 @@ def why_lost(alt: Evaluation, best: Evaluation, ctx: Context | None = None) -> s
     t = f"est. step {alt.step_s:.2f} s vs {best.step_s:.2f} s"
     if i == 0:
         return (
-            f"fits only because ZeRO-{a.zero} shards its model states over dp·cp={a.dp * a.cp}: the replica "
+            f"fits only because ZeRO-{a.dims.zero_stage} shards its model states over dp·cp={a.dims.dp * a.dims.cp}: the replica "
             f"alone needs {_gib(alt.alone_total)} of {_gib(alt.capacity)}; the framework sizes TP×PP so one "
             f"replica holds the model and keeps DP for throughput ({t})"
         )
@@ -53,8 +53,8 @@ def why_lost(alt: Evaluation, best: Evaluation, ctx: Context | None = None) -> s
         if ctx is not None:
             other = min(
                 (
-                    evaluate(ctx, replace(a, recompute=b.recompute, vpp=v), alt.dims, with_comm=False)
-                    for v in {a.vpp, None}
+                    evaluate(ctx, Candidate(replace(a.dims, vpp=v), b.recompute), with_comm=False)
+                    for v in {a.dims.vpp, None}
                 ),
                 key=lambda e: e.alone_total,
             )
@@ -63,11 +63,11 @@ def why_lost(alt: Evaluation, best: Evaluation, ctx: Context | None = None) -> s
     if i == 2:
         return (
             f"{a.replica} GPUs per replica where {b.replica} suffice: more model parallelism than the model "
-            f"needs (dp {a.dp} vs {b.dp}, bubble {alt.bubble:.1%} vs {best.bubble:.1%}; {t})"
+            f"needs (dp {a.dims.dp} vs {b.dims.dp}, bubble {alt.bubble:.1%} vs {best.bubble:.1%}; {t})"
         )
     if i == 3:
-        instead = "pp" if a.pp > b.pp else ("cp" if a.cp > b.cp else "pp/cp")
-        return f"tp{a.tp} < tp{b.tp} at the same replica size: {instead} does what NVLink TP does inside the node ({t})"
+        instead = "pp" if a.dims.pp > b.dims.pp else ("cp" if a.dims.cp > b.dims.cp else "pp/cp")
+        return f"tp{a.dims.tp} < tp{b.dims.tp} at the same replica size: {instead} does what NVLink TP does inside the node ({t})"
     if i == 4:
         diffs = {"bubble": (alt.compute_s * alt.bubble) - (best.compute_s * best.bubble)}
         for dim in set(alt.comm) | set(best.comm):
@@ -75,16 +75,18 @@ def why_lost(alt: Evaluation, best: Evaluation, ctx: Context | None = None) -> s
         worst = max(diffs, key=diffs.__getitem__)
         return f"slower: {t}, mostly {worst} (+{diffs[worst]:.2f} s)"
     if i == 5:
-        return f"smaller micro batch ({a.mbs} vs {b.mbs}) at equal estimated step time"
+        return (
+            f"smaller micro batch ({a.dims.micro_batch_size} vs {b.dims.micro_batch_size}) at equal estimated step time"
+        )
     return f"less headroom ({_gib(alt.headroom)} vs {_gib(best.headroom)})"
 
 
 def why_ruled_out(ev: Evaluation) -> str:
     s = ev.binding
-    where = "first" if s.stage == 0 else ("last" if s.stage == ev.layout.pp - 1 else f"#{s.stage}")
+    where = "first" if s.stage == 0 else ("last" if s.stage == ev.layout.dims.pp - 1 else f"#{s.stage}")
     return (
         f"does not fit: {_gib(s.total)} > {_gib(ev.capacity)} on the {where} stage even with ZeRO-"
-        f"{ev.layout.zero} and {ev.layout.recompute} recompute (states {_gib(s.weights + s.grads + s.optimizer)}, "
+        f"{ev.layout.dims.zero_stage} and {ev.layout.recompute} recompute (states {_gib(s.weights + s.grads + s.optimizer)}, "
         f"activations {_gib(s.activations)})"
     )
 
@@ -98,14 +100,14 @@ def diagnose(ctx: Context, res: SearchResult) -> dict[str, object]:
     relaxed = search(replace(ctx, gbs=ctx.world * ctx.model.num_layers), memory_only=True)
     if relaxed.best is not None:  # memory is fine once the batch can fill the pipeline
         lo = relaxed.best.layout
-        need = lo.mbs * lo.dp * max(lo.pp, 1)
+        need = lo.dims.micro_batch_size * lo.dims.dp * max(lo.dims.pp, 1)
         out["min_global_batch"] = need
         out["kind"] = "batch"
         out["reason"] = (
             f"layouts fit in memory on this cluster (e.g. {lo.short()}), but none can run "
             f"train.global_batch_size={ctx.gbs}: the layout rules refused every candidate ({rules_txt}). "
-            f"{lo.short()} needs a global batch that is a multiple of micro·dp = {lo.mbs * lo.dp} with at "
-            f"least pp={lo.pp} microbatches, i.e. >= {need}: pass train.global_batch_size={need} or more."
+            f"{lo.short()} needs a global batch that is a multiple of micro·dp = {lo.dims.micro_batch_size * lo.dims.dp} with at "
+            f"least pp={lo.dims.pp} microbatches, i.e. >= {need}: pass train.global_batch_size={need} or more."
         )
         return out
     if res.valid == 0 and relaxed.valid == 0:
@@ -133,12 +135,12 @@ def diagnose(ctx: Context, res: SearchResult) -> dict[str, object]:
             "nodes": nodes,
             "gpus": nodes * ctx.gpn,
             "layout": lo.short(),
-            "min_global_batch": lo.mbs * lo.dp * max(lo.pp, 1),
+            "min_global_batch": lo.dims.micro_batch_size * lo.dims.dp * max(lo.dims.pp, 1),
         }
         parts.append(
             f"The smallest cluster that fits (doubling cluster.nodes) is {nodes} node(s) = {nodes * ctx.gpn} "
-            f"GPUs, e.g. {lo.short()} ZeRO-{lo.zero} {lo.recompute} recompute at {_gib(ev.binding.total)} "
-            f"per GPU, with a global batch >= {lo.mbs * lo.dp * max(lo.pp, 1)}: pass cluster.nodes={nodes}."
+            f"GPUs, e.g. {lo.short()} ZeRO-{lo.dims.zero_stage} {lo.recompute} recompute at {_gib(ev.binding.total)} "
+            f"per GPU, with a global batch >= {lo.dims.micro_batch_size * lo.dims.dp * max(lo.dims.pp, 1)}: pass cluster.nodes={nodes}."
         )
     else:
         parts.append(

@@ -16,9 +16,10 @@ Mixtral/Qwen2-MoE ≙ their HF classes):
   model      word embedding (vocab-parallel) · [learned positions, GPT] · final norm ·
              output layer (vocab-parallel; absent when tied)
 
-Biases: GPT-family models (GPT-2/3, the 1T GPT) have biases on every linear layer
-(megatron's `add_bias_linear=True`); the Llama-style families have none except Qwen2's
-QKV bias (`model.add_qkv_bias`). How a tensor is split over TP decides whether it is
+Biases: GPT-2/3-style models (`model.add_bias_linear`, as the `gpt` model groups set it)
+have biases on every linear layer; the Llama-style families have none except Qwen2's QKV
+bias (`model.add_qkv_bias`). Learned absolute positions: `model.position_embedding_type`.
+These are the same fields the builder passes to megatron-core, so what is counted is built. How a tensor is split over TP decides whether it is
 divided by `tp` (column/row-parallel weights, column-parallel biases, the vocabulary) or
 replicated (norms, row-parallel biases, the router, learned positions).
 """
@@ -33,8 +34,8 @@ from megatron_bridge.parallel.dims import padded_vocab_size
 
 
 def linear_bias(m) -> bool:
-    """GPT-family models carry biases on every linear layer (megatron add_bias_linear)."""
-    return m.family == "gpt"
+    """Biases on every linear layer (megatron add_bias_linear: GPT-2/3)."""
+    return bool(m.add_bias_linear)
 
 
 def _norm(m, width: int) -> int:
@@ -75,6 +76,7 @@ class LayerShards:
 
 
 def layer_shards(m) -> LayerShards:
+    m = _Frozen.of(m)
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
     bias = linear_bias(m)
     qkv_out = (a + 2 * g) * d
@@ -98,8 +100,8 @@ def layer_shards(m) -> LayerShards:
     fs = m.moe_shared_expert_intermediate_size
     if fs:
         tp_part += h * fs * _glu(m) + fs * h
-        if m.family == "qwen2_moe":
-            rep += h  # shared-expert gate (1 × h)
+        if m.moe_shared_expert_gate:
+            rep += h  # shared-expert gate (1 × h, Qwen2-MoE)
     expert_etp = h * fm * _glu(m) + fm * h + (fm * _glu(m) if bias else 0)
     return LayerShards(tp=tp_part, rep=rep, expert_etp=expert_etp, expert_rep=h if bias else 0, num_experts=E)
 
@@ -114,8 +116,8 @@ def active_layer_params(m) -> int:
 
 
 def learned_positions(m) -> int:
-    """GPT-family models use learned absolute position embeddings (replicated over TP)."""
-    return m.max_position_embeddings * m.hidden_size if m.family == "gpt" else 0
+    """Learned absolute position embeddings (GPT-2/3; replicated over TP)."""
+    return m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class ParamCount:
 def count(m) -> ParamCount:
     """The whole model's parameters. Embedding/output use the true vocabulary, as HF
     counts them; per-rank shards (`rank_params`) use megatron's padded vocabulary."""
+    m = _Frozen.of(m)
     h, V = m.hidden_size, m.vocab_size
     layer = layer_shards(m).total
     emb = V * h + learned_positions(m) + (0 if m.tie_word_embeddings else V * h)
@@ -178,6 +181,7 @@ def rank_params(m, *, tp: int, ep: int = 1, etp: int = 1, layers: int, first: bo
 def largest_layer(m, *, tp: int, ep: int = 1, etp: int = 1) -> float:
     """The biggest single weight on one rank (what ZeRO-3 gathers at once): the
     vocab-parallel embedding/output layer, QKV, fc1, or one expert's fc1."""
+    m = _Frozen.of(m)
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     cands = [vocab * h / tp, h * (a + 2 * g) * d / tp]
@@ -209,12 +213,15 @@ class _Frozen:
     tie_word_embeddings: bool
     gated_linear_unit: bool
     normalization: str
+    add_bias_linear: bool
+    position_embedding_type: str
     add_qkv_bias: bool
     qk_layernorm: bool
     num_moe_experts: int
     moe_router_topk: int
     moe_ffn_hidden_size: int
     moe_shared_expert_intermediate_size: int
+    moe_shared_expert_gate: bool
 
     # Same derived sizes as the config it copies (one definition, in config/schema.py).
     kv_heads = ModelConfig.kv_heads
@@ -222,9 +229,17 @@ class _Frozen:
 
     @classmethod
     def of(cls, m) -> _Frozen:
+        """The counted model is the one the builder builds: the spec of the ModelConfig
+        (`bridge.hf_config.spec_from_model_config`, family settings such as Qwen2's QKV bias
+        included), with the ModelConfig's name."""
         if isinstance(m, cls):
             return m
-        return cls(**{f: getattr(m, f) for f in cls.__dataclass_fields__})
+        from megatron_bridge.bridge.hf_config import spec_from_model_config
+
+        spec = spec_from_model_config(m)
+        vals = {f: getattr(spec, f) if hasattr(spec, f) else getattr(m, f) for f in cls.__dataclass_fields__}
+        vals.update(num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim)
+        return cls(**vals)
 
 
 def frozen(m) -> _Frozen:

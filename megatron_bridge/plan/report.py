@@ -24,38 +24,41 @@ SCHEMA = "mbr.plan/1"
 def _layout(ev: Evaluation) -> dict[str, object]:
     lo = ev.layout
     return {
-        "tp": lo.tp,
-        "pp": lo.pp,
-        "vpp": lo.vpp,
-        "cp": lo.cp,
-        "ep": lo.ep,
-        "etp": lo.etp,
-        "dp": lo.dp,
-        "zero_stage": lo.zero,
-        "sequence_parallel": lo.sp,
+        "tp": lo.dims.tp,
+        "pp": lo.dims.pp,
+        "vpp": lo.dims.vpp,
+        "cp": lo.dims.cp,
+        "ep": lo.dims.ep,
+        "etp": lo.dims.etp,
+        "dp": lo.dims.dp,
+        "zero_stage": lo.dims.zero_stage,
+        "sequence_parallel": lo.dims.sequence_parallel,
         "recompute": lo.recompute,
-        "micro_batch_size": lo.mbs,
-        "grad_accum": lo.num_micro,
-        "layers_first_stage": lo.first,
-        "layers_last_stage": lo.last,
+        "micro_batch_size": lo.dims.micro_batch_size,
+        "grad_accum": lo.dims.grad_accum,
+        "layers_first_stage": lo.dims.layers_first_stage,
+        "layers_last_stage": lo.dims.layers_last_stage,
     }
 
 
 def overrides(ev: Evaluation) -> str:
     """The command-line overrides that set this layout (for `mbr check` / training)."""
     lo = ev.layout
-    out = [f"parallel.tp={lo.tp}", f"parallel.pp={lo.pp}", f"parallel.cp={lo.cp}"]
-    if lo.vpp:
-        out.append(f"parallel.vpp={lo.vpp}")
-    if lo.ep > 1 or lo.etp != lo.tp:
-        out += [f"parallel.ep={lo.ep}", f"parallel.etp={lo.etp}"]
-    if lo.first is not None:
-        out += [f"parallel.layers_first_stage={lo.first}", f"parallel.layers_last_stage={lo.last}"]
+    out = [f"parallel.tp={lo.dims.tp}", f"parallel.pp={lo.dims.pp}", f"parallel.cp={lo.dims.cp}"]
+    if lo.dims.vpp:
+        out.append(f"parallel.vpp={lo.dims.vpp}")
+    if lo.dims.ep > 1 or lo.dims.etp != lo.dims.tp:
+        out += [f"parallel.ep={lo.dims.ep}", f"parallel.etp={lo.dims.etp}"]
+    if lo.dims.layers_first_stage is not None:
+        out += [
+            f"parallel.layers_first_stage={lo.dims.layers_first_stage}",
+            f"parallel.layers_last_stage={lo.dims.layers_last_stage}",
+        ]
     out += [
-        f"parallel.sequence_parallel={str(lo.sp).lower()}",
-        f"zero.stage={lo.zero}",
+        f"parallel.sequence_parallel={str(lo.dims.sequence_parallel).lower()}",
+        f"zero.stage={lo.dims.zero_stage}",
         f"train.recompute={lo.recompute}",
-        f"train.micro_batch_size={lo.mbs}",
+        f"train.micro_batch_size={lo.dims.micro_batch_size}",
     ]
     return " ".join(out)
 
@@ -80,8 +83,8 @@ def _plan(ev: Evaluation, ctx: Context, rank_map: dict[str, str]) -> dict[str, o
         },
         "pipeline": {
             "bubble_fraction": ev.bubble,
-            "num_microbatches": lo.num_micro,
-            "vpp": lo.vpp or 1,
+            "num_microbatches": lo.dims.grad_accum,
+            "vpp": lo.dims.vpp or 1,
             "formula": "(pp-1)/(vpp*microbatches)",
         },
         "communication": ev.comm,
@@ -99,12 +102,12 @@ def _plan(ev: Evaluation, ctx: Context, rank_map: dict[str, str]) -> dict[str, o
 def _spans_words(ev: Evaluation) -> dict[str, str]:
     lo = ev.layout
     sizes = {
-        "tp": lo.tp,
-        "cp": lo.cp,
-        "dp": lo.dp,
-        "dp_cp": lo.dp * lo.cp,
-        "pp": lo.pp,
-        "ep": lo.ep,
+        "tp": lo.dims.tp,
+        "cp": lo.dims.cp,
+        "dp": lo.dims.dp,
+        "dp_cp": lo.dims.dp * lo.dims.cp,
+        "pp": lo.dims.pp,
+        "ep": lo.dims.ep,
         "edp": ev.dims.expert_dp,
     }
     return {k: ("intra-node" if v else "inter-node") for k, v in ev.spans.items() if sizes.get(k, 1) > 1}
@@ -178,14 +181,17 @@ def _fewer_stages(ctx: Context, res: SearchResult, best: Evaluation) -> list[dic
     """The framework's "why not fewer stages" (docs/plan.md): the same tp/cp/ep with the next smaller pp values,
     whether they fit (and lost) or not."""
     b = best.layout
-    same = lambda e: (e.layout.tp, e.layout.cp, e.layout.ep, e.layout.etp) == (b.tp, b.cp, b.ep, b.etp)  # noqa: E731
-    found = [(e, True) for e in res.ranked if same(e) and e.layout.pp < b.pp]
-    found += [(e, False) for e in res.ruled_out if same(e) and e.layout.pp < b.pp]
-    found.sort(key=lambda x: -x[0].layout.pp)
+
+    def same(e: Evaluation) -> bool:
+        return (e.dims.tp, e.dims.cp, e.dims.ep, e.dims.etp) == (b.dims.tp, b.dims.cp, b.dims.ep, b.dims.etp)
+
+    found = [(e, True) for e in res.ranked if same(e) and e.layout.dims.pp < b.dims.pp]
+    found += [(e, False) for e in res.ruled_out if same(e) and e.layout.dims.pp < b.dims.pp]
+    found.sort(key=lambda x: -x[0].layout.dims.pp)
     return [
         {
             "describe": e.layout.short(),
-            "pp": e.layout.pp,
+            "pp": e.layout.dims.pp,
             "fits": fits,
             "why": X.why_lost(e, best, ctx) if fits else X.why_ruled_out(e),
         }

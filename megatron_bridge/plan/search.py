@@ -74,41 +74,34 @@ def pinned_from_overrides(overrides: Sequence[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    dp: int
-    vpp: int | None
-    sp: bool
-    zero: int
+class Candidate:
+    """One layout the planner evaluates: the `ParallelDims` the rules accepted (the type
+    `mbr check` and training resolve, so what is planned is what is checked and built) and
+    the recompute policy, the one knob the layout itself does not carry."""
+
+    dims: ParallelDims
     recompute: str
-    mbs: int
-    num_micro: int
-    first: int | None = None  # layers on the first / last stage (uneven split)
-    last: int | None = None
 
     @property
     def replica(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.dims.model_parallel
 
     @property
     def structure(self) -> tuple[int, ...]:
-        return (self.tp, self.pp, self.cp, self.ep, self.etp)
+        d = self.dims
+        return (d.tp, d.pp, d.cp, d.ep, d.etp)
 
     def short(self) -> str:
-        s = f"tp{self.tp}·pp{self.pp}" + (f"·vpp{self.vpp}" if self.vpp else "") + f"·cp{self.cp}"
-        if self.ep > 1 or self.etp != self.tp:
-            s += f"·ep{self.ep}·etp{self.etp}"
-        return s + f"·dp{self.dp}"
+        d = self.dims
+        s = f"tp{d.tp}·pp{d.pp}" + (f"·vpp{d.vpp}" if d.vpp else "") + f"·cp{d.cp}"
+        if d.ep > 1 or d.etp != d.tp:
+            s += f"·ep{d.ep}·etp{d.etp}"
+        return s + f"·dp{d.dp}"
 
 
 @dataclass
 class Evaluation:
-    layout: Layout
-    dims: ParallelDims
+    layout: Candidate
     stages: list[M.StageMemory]
     binding: M.StageMemory
     alone_total: float  # the binding stage's total without ZeRO sharding
@@ -118,6 +111,10 @@ class Evaluation:
     compute_s: float = 0.0
     step_s: float = 0.0
     spans: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def dims(self) -> ParallelDims:
+        return self.layout.dims
 
     @property
     def fits(self) -> bool:
@@ -137,9 +134,9 @@ class Evaluation:
             0 if self.fits_alone else 1,
             M.RECOMPUTE.index(lo.recompute),
             lo.replica,
-            -lo.tp,
+            -lo.dims.tp,
             round(self.step_s, 6),
-            -lo.mbs,
+            -lo.dims.micro_batch_size,
             -self.headroom,
         )
 
@@ -216,7 +213,7 @@ def _options(ctx: Context, name: str, default: list) -> list:
         "recompute": t.recompute,
         "mbs": t.micro_batch_size,
     }[name]
-    return [value]
+    return default if value is None else [value]  # a pinned null (sp: auto) searches
 
 
 def _stage_plan(L: int, pp: int, first: int | None, last: int | None) -> list[tuple[int, int, bool, bool]]:
@@ -225,7 +222,8 @@ def _stage_plan(L: int, pp: int, first: int | None, last: int | None) -> list[tu
     ones) and the last (output layer, logits)."""
     if pp == 1:
         return [(0, L, True, True)]
-    mid = (L - (first or 0) - (last or 0)) // (pp - (first is not None) - (last is not None))
+    middle = pp - (first is not None) - (last is not None)
+    mid = (L - (first or 0) - (last or 0)) // middle if middle else 0
     out = [(0, first if first is not None else mid, True, False)]
     if pp > 2:
         out.append((1, mid, False, False))
@@ -233,43 +231,44 @@ def _stage_plan(L: int, pp: int, first: int | None, last: int | None) -> list[tu
     return out
 
 
-def evaluate(ctx: Context, lo: Layout, dims: ParallelDims, *, with_comm: bool = True) -> Evaluation:
+def evaluate(ctx: Context, lo: Candidate, *, with_comm: bool = True) -> Evaluation:
     """Memory of every binding stage; with_comm adds bubble, communication and step time."""
-    m = ctx.model
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, lo.tp)
+    m, dims = ctx.model, lo.dims
+    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, lo.dims.tp)
     edp = dims.expert_dp
     stages = [
         M.stage_memory(
             m,
             stage=idx,
-            p=lo.pp,
+            p=lo.dims.pp,
             layers=layers,
             first=first,
             last=last,
-            tp=lo.tp,
-            cp=lo.cp,
-            ep=lo.ep,
-            etp=lo.etp,
-            dp=lo.dp,
+            tp=lo.dims.tp,
+            cp=lo.dims.cp,
+            ep=lo.dims.ep,
+            etp=lo.dims.etp,
+            dp=lo.dims.dp,
             edp=edp,
-            zero=lo.zero,
+            zero=lo.dims.zero_stage,
             engine=ctx.engine,
             precision=ctx.precision,
             recompute=lo.recompute,
-            sp=lo.sp,
+            sp=lo.dims.sequence_parallel,
             s=ctx.seq,
-            b=lo.mbs,
-            num_micro=lo.num_micro,
-            vpp=lo.vpp or 1,
+            b=lo.dims.micro_batch_size,
+            num_micro=lo.dims.grad_accum,
+            vpp=lo.dims.vpp or 1,
             vocab=vocab,
             peft=getattr(ctx.cfg, "peft", None),
         )
-        for idx, layers, first, last in _stage_plan(m.num_layers, lo.pp, lo.first, lo.last)
+        for idx, layers, first, last in _stage_plan(
+            m.num_layers, lo.dims.pp, lo.dims.layers_first_stage, lo.dims.layers_last_stage
+        )
     ]
     binding = max(stages, key=lambda x: x.total)
     ev = Evaluation(
         layout=lo,
-        dims=dims,
         stages=stages,
         binding=binding,
         alone_total=max(x.alone for x in stages),
@@ -284,27 +283,31 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
     """Bubble, per-dimension communication and the step-time estimate of a layout."""
     m, lo, stages, edp = ctx.model, ev.layout, ev.stages, ev.dims.expert_dp
     c = ctx.cfg.cluster
-    ev.spans = C.group_spans(tp=lo.tp, cp=lo.cp, dp=lo.dp, pp=lo.pp, ep=lo.ep, etp=lo.etp, gpn=ctx.gpn)
-    ev.bubble = C.bubble_fraction(lo.pp, lo.vpp or 1, lo.num_micro)
+    ev.spans = C.group_spans(
+        tp=lo.dims.tp, cp=lo.dims.cp, dp=lo.dims.dp, pp=lo.dims.pp, ep=lo.dims.ep, etp=lo.dims.etp, gpn=ctx.gpn
+    )
+    ev.bubble = C.bubble_fraction(lo.dims.pp, lo.dims.vpp or 1, lo.dims.grad_accum)
     first = stages[0]
-    rp = P.rank_params(m, tp=lo.tp, ep=lo.ep, etp=lo.etp, layers=first.layers, first=True, last=lo.pp == 1)
+    rp = P.rank_params(
+        m, tp=lo.dims.tp, ep=lo.dims.ep, etp=lo.dims.etp, layers=first.layers, first=True, last=lo.dims.pp == 1
+    )
     ab = 4 if ctx.precision == "fp32" else 2
     ev.comm = C.step_comm(
         m,
-        tp=lo.tp,
-        cp=lo.cp,
-        dp=lo.dp,
-        pp=lo.pp,
-        ep=lo.ep,
-        etp=lo.etp,
+        tp=lo.dims.tp,
+        cp=lo.dims.cp,
+        dp=lo.dims.dp,
+        pp=lo.dims.pp,
+        ep=lo.dims.ep,
+        etp=lo.dims.etp,
         edp=edp,
-        vpp=lo.vpp or 1,
-        sp=lo.sp,
-        zero=lo.zero,
+        vpp=lo.dims.vpp or 1,
+        sp=lo.dims.sequence_parallel,
+        zero=lo.dims.zero_stage,
         recompute=lo.recompute,
         s=ctx.seq,
-        b=lo.mbs,
-        num_micro=lo.num_micro,
+        b=lo.dims.micro_batch_size,
+        num_micro=lo.dims.grad_accum,
         layers=max(s.layers for s in stages),
         dense_params=rp["dense"],
         expert_params=rp["expert"],
@@ -436,7 +439,6 @@ def _search_mbs(
     ctx, res, best_fit, best_miss, par, train_d, zero_d, ep, etp, sp, zero, mbss, vpps, recomputes, memory_only
 ) -> None:
     cfg = ctx.cfg
-    tp, pp, cp = par["tp"], par["pp"], par["cp"]
     for mbs in mbss:
         any_fit = False
         for vpp in vpps:
@@ -454,23 +456,8 @@ def _search_mbs(
                 continue
             res.valid += 1
             for rc in recomputes:
-                lo = Layout(
-                    tp=tp,
-                    pp=pp,
-                    cp=cp,
-                    ep=ep,
-                    etp=etp,
-                    dp=dims.dp,
-                    vpp=vpp,
-                    sp=sp,
-                    zero=zero,
-                    recompute=rc,
-                    mbs=mbs,
-                    num_micro=dims.grad_accum,
-                    first=par["layers_first_stage"],
-                    last=par["layers_last_stage"],
-                )
-                ev = evaluate(ctx, lo, dims, with_comm=False)
+                lo = Candidate(dims, rc)
+                ev = evaluate(ctx, lo, with_comm=False)
                 st = lo.structure
                 if ev.fits:
                     any_fit = True

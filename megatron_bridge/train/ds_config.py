@@ -26,7 +26,7 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 def build_ds_config(cfg, dims: ParallelDims, *, bf16: bool, on_gpu: bool) -> dict[str, Any]:
     z, o = cfg.zero, cfg.optimizer
     zero: dict[str, Any] = {
-        "stage": z.stage,
+        "stage": dims.zero_stage,
         "overlap_comm": z.overlap_comm,
         "contiguous_gradients": z.contiguous_gradients,
         "reduce_bucket_size": z.reduce_bucket_size,

@@ -72,6 +72,10 @@ def preflight(cfg, dims) -> None:
     for key, out in (("export_to", cfg.export_to), ("export_adapter_to", cfg.export_adapter_to)):
         if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
             raise UserError(f"{key}={out} exists and is not empty; choose a new directory.")
+    if cfg.export_to:  # a family without HF weights cannot be exported: say so before training
+        from megatron_bridge.bridge.registry import weight_family
+
+        weight_family(cfg.model.family)
     _preflight_peft(cfg)
 
 
@@ -103,7 +107,9 @@ def _run_dir(cfg, recipe: str) -> Path:
     return Path(obj[0])
 
 
-def _model_overrides(cfg) -> dict[str, Any]:
+def model_overrides(cfg) -> dict[str, Any]:
+    """TransformerConfig settings of this run (precision, recompute) on top of what the
+    model spec and the layout give (`bridge.hf_config.transformer_config_kwargs`)."""
     import torch
 
     t = cfg.train
@@ -122,7 +128,7 @@ def validate_for_launch(cfg):
     """Every layout rule against the launcher's real world size (1 without a launcher), before
     torch is even imported. A world-size violation also says how many processes to start."""
     from megatron_bridge.errors import LayoutError
-    from megatron_bridge.parallel.dims import validate
+    from megatron_bridge.parallel.dims import ParallelDims, validate
 
     launcher = os.environ.get("WORLD_SIZE")
     world = int(launcher) if launcher else 1
@@ -130,15 +136,15 @@ def validate_for_launch(cfg):
         return validate(cfg, world)[0]
     except LayoutError as e:
         if any(v.rule == "world-size" for v in e.violations):
-            p = cfg.parallel
-            need = p.tp * p.pp * p.cp * (p.dp if p.dp > 0 else 1)
+            d = ParallelDims.from_config(cfg, world)
+            need = d.model_parallel * (1 if d.dp_inferred else max(d.dp, 1))
             started = (
                 f"the launcher started WORLD_SIZE={world} process(es)"
                 if launcher
                 else "it runs without a launcher, as 1 process"
             )
             e.args = (
-                f"{e}\n  Launch: {started}; this layout needs {'a multiple of ' if p.dp < 1 else ''}{need}. "
+                f"{e}\n  Launch: {started}; this layout needs {'a multiple of ' if d.dp_inferred else ''}{need}. "
                 f"Start {need} processes (e.g. `torchrun --nproc-per-node {need} -m megatron_bridge.train ...` "
                 "on one node, or `mbr launch` for several), or change the degrees.",
             )
@@ -181,7 +187,6 @@ def _build(cfg, dims, recipe: str) -> _Run:
     import torch
 
     from megatron_bridge.bridge.hf_config import spec_from_model_config
-    from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.model import build_model
     from megatron_bridge.data.loader import build_datasets
     from megatron_bridge.parallel import groups
@@ -196,8 +201,8 @@ def _build(cfg, dims, recipe: str) -> _Run:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
     spec = spec_from_model_config(cfg.model)
-    overrides = _model_overrides(cfg)
-    chunks = build_model(spec, Layout.from_parallel_config(dims), **overrides)
+    overrides = model_overrides(cfg)
+    chunks = build_model(spec, dims, **overrides)
     init_weights(chunks, spec, cfg)
     engine = make_engine(cfg, dims, chunks, mpu, bf16=overrides["bf16"])
 

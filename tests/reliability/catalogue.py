@@ -195,7 +195,7 @@ CASES: list[Case] = [
     C(
         "rule-moe-tp-sp",
         "config",
-        "mbr check recipe=tiny_mixtral parallel.tp=2 parallel.pp=1",
+        "mbr check recipe=tiny_mixtral parallel.tp=2 parallel.pp=1 parallel.sequence_parallel=false",
         "moe-tp-sp",
         "needs sequence parallelism",
         "parallel.sequence_parallel=true",

@@ -19,7 +19,7 @@ from megatron_bridge.bridge.hf_config import (
     spec_to_hf_config,
     transformer_config,
 )
-from megatron_bridge.bridge.layout import Layout, problems, renumber, stage_layers
+from megatron_bridge.bridge.layout import Layout, renumber, stage_layers
 from megatron_bridge.bridge.loader import Coords, HFCheckpoint, rank_shards, resolve_checkpoint
 from megatron_bridge.bridge.mapping import Shard
 from megatron_bridge.bridge.tiny import TINY, make_tiny
@@ -173,7 +173,7 @@ def test_table_consumes_checkpoint_and_shards_round_trip(tiny, fam):
     rows = resolve_checkpoint(spec, ck.keys())
     assert {h for r in rows for h in r.hf} == set(ck.keys())
     for tp in (1, 2, 4):
-        if problems(spec, Layout(tp=tp)):
+        if layout_violations(tiny[fam], Layout(tp=tp), world=tp):
             continue
         shapes = spec.shapes(tp)
         for r in rows:
@@ -183,15 +183,24 @@ def test_table_consumes_checkpoint_and_shards_round_trip(tiny, fam):
             assert all(torch.equal(a, b) for a, b in zip(back, src)), (fam, tp, r.megatron)
 
 
-def test_layout_problems_are_spelled_out(tiny):
-    spec = load_spec(tiny["mixtral"])
-    assert problems(spec, Layout(tp=2, pp=2, ep=2), world_size=8) == []
-    assert problems(spec, Layout(tp=2, pp=2, ep=2, etp=1), world_size=4) == []
-    msgs = problems(spec, Layout(tp=3, pp=3, ep=3, cp=2), world_size=4, seq_length=30)
-    text = "\n".join(msgs)
-    for needle in ("attention heads", "KV heads", "layers", "experts", "processes", "2·cp"):
-        assert needle in text
-    assert problems(load_spec(tiny["llama"]), Layout(ep=2))
+def layout_violations(hf_dir, layout, world, seq_length=128):
+    """The layout rules (`mbr check`'s, convert's and verify's) for an HF model."""
+    from megatron_bridge.config.hf_model import apply_hf_config
+    from megatron_bridge.config.schema import Config
+    from megatron_bridge.parallel.rules import check_all
+
+    cfg = Config()
+    apply_hf_config(cfg.model, hf_dir)
+    cfg.train.seq_length = seq_length
+    return check_all(layout.with_world(world), cfg, layout_only=True)[0]
+
+
+def test_layout_rules_are_spelled_out(tiny):
+    assert layout_violations(tiny["mixtral"], Layout(tp=2, pp=2, ep=2), world=8) == []
+    assert layout_violations(tiny["mixtral"], Layout(tp=2, pp=2, ep=2, etp=1), world=4) == []
+    bad = layout_violations(tiny["mixtral"], Layout(tp=3, pp=3, ep=3, cp=2), world=4, seq_length=30)
+    assert {v.rule for v in bad} >= {"heads-tp", "kv-heads-tp", "layers-pp", "experts-ep", "world-size", "seq-cp"}
+    assert [v.rule for v in layout_violations(tiny["llama"], Layout(ep=2), world=2)] == ["ep-dense"]
 
 
 def test_transformer_config_and_stage_split(tiny):
@@ -248,4 +257,32 @@ def test_spec_from_a_recipe_model_group():
     assert spec.add_qkv_bias and spec.num_query_groups == 2 and spec.architecture == "Qwen2ForCausalLM"
     assert spec_from_hf(spec_to_hf_config(spec)) == spec
     with pytest.raises(UserError, match="no bridge family"):
-        spec_from_model_config(ModelConfig(family="gpt"))
+        spec_from_model_config(ModelConfig(family="gpt2"))
+    with pytest.raises(UserError, match="no Hugging Face counterpart"):
+        spec_to_hf_config(spec_from_model_config(ModelConfig(family="gpt")))
+
+
+def test_every_model_field_reaches_the_spec():
+    """ModelConfig -> BridgeSpec copies by name: a model field the builder would not see
+    must be named as such (and then be resolved into the spec under another name)."""
+    import dataclasses
+
+    from megatron_bridge.bridge.hf_config import NOT_SPEC_FIELDS, BridgeSpec, spec_from_model_config
+    from megatron_bridge.config.schema import ModelConfig
+
+    spec_fields = {f.name for f in dataclasses.fields(BridgeSpec)}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert model_fields - spec_fields <= set(NOT_SPEC_FIELDS)
+    m = ModelConfig(
+        family="gpt",
+        normalization="LayerNorm",
+        gated_linear_unit=False,
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+        kv_channels=32,
+        num_query_groups=2,
+    )
+    spec = spec_from_model_config(m)
+    for name in model_fields & spec_fields - {"family"}:
+        assert getattr(spec, name) == getattr(m, name), name
+    assert (spec.head_dim, spec.num_query_groups) == (32, 2)

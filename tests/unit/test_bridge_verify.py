@@ -30,7 +30,7 @@ def test_needs_a_model(capsys):
 def test_bad_layout_is_refused_before_launching(capsys, tmp_path):
     assert main(["verify", "verify.tiny=llama", f"verify.out={tmp_path}", "verify.layouts=[tp3,ep2]"]) == 2
     err = capsys.readouterr().err
-    assert "attention heads do not split over tp=3" in err and "needs an MoE model" in err
+    assert "[heads-tp] num_attention_heads=4 is not divisible by tp=3" in err and "[ep-dense]" in err
 
 
 def test_unknown_check_and_unsupported_model(capsys, tmp_path):

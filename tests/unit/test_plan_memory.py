@@ -35,6 +35,8 @@ def gpt(h=1024, a=16, L=4, V=1000):
         max_position_embeddings=4096,
         gated_linear_unit=False,
         normalization="LayerNorm",
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
         tie_word_embeddings=True,
     )
 

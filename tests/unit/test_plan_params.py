@@ -119,6 +119,8 @@ def test_count_equals_gpt2_numel():
         tie_word_embeddings=True,
         gated_linear_unit=False,
         normalization="LayerNorm",
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
     )
     assert P.count(mc).total == sum(p.numel() for p in model.parameters())
 

@@ -56,7 +56,28 @@ CASES = [  # (rule, breaking overrides, passing overrides, recipe)
         ["parallel.tp=4", "parallel.pp=1", "model.num_query_groups=2"],
         "tiny_llama",
     ),  # kv < tp, tp % kv == 0: fine
-    ("moe-tp-sp", ["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"], "tiny_mixtral"),
+    (
+        "moe-tp-sp",
+        ["parallel.tp=2", "parallel.sequence_parallel=false"],
+        ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        "tiny_mixtral",
+    ),
+    (
+        "layers-uneven",
+        ["parallel.pp=2", "model.num_layers=5", "parallel.layers_first_stage=0"],
+        ["parallel.pp=2", "model.num_layers=5", "parallel.layers_first_stage=1"],
+        "tiny_llama",
+    ),
+    (
+        "model-architecture",
+        ["model.normalization=LayerNorm"],
+        ["model.family=gpt", "model.normalization=LayerNorm"],
+        "tiny_llama",
+    ),
+    ("model-architecture", ["model.add_bias_linear=true"], [], "tiny_llama"),
+    ("choice", ["model.family=gpt", "model.normalization=ScaleNorm"], ["model.family=gpt"], "tiny_llama"),
+    ("model-family", ["model.family=gpt2"], ["model.family=gpt"], "tiny_llama"),
+    ("hf-weights", ["model.family=gpt", "train.init_from=/tmp"], ["train.init_from=/tmp"], "tiny_llama"),
     ("hidden-heads", ["model.hidden_size=66"], ["model.hidden_size=68"], "tiny_llama"),
     ("layers-pp", ["model.num_layers=5"], ["model.num_layers=6"], "tiny_llama"),
     ("layers-pp", ["parallel.vpp=2", "model.num_layers=6"], ["parallel.vpp=2", "model.num_layers=8"], "tiny_llama"),
@@ -205,3 +226,33 @@ def test_dims_frozen():
     d = ParallelDims(world_size=4, gpus_per_node=4, tp=2, dp=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         d.tp = 4  # type: ignore[misc]
+
+
+def test_moe_with_tp_turns_sequence_parallel_on_with_a_note():
+    """parallel.sequence_parallel unset (auto): on for MoE with tp > 1, said as a note; off
+    for dense models; a pinned false stays an error naming the pin."""
+    cfg, _ = compose(["recipe=tiny_mixtral", "parallel.tp=2"])
+    dims, notes = validate(cfg)
+    assert dims.sequence_parallel and any("turned on automatically" in n for n in notes)
+    cfg, _ = compose(["recipe=tiny_llama", "parallel.tp=2"])
+    dims, notes = validate(cfg)
+    assert not dims.sequence_parallel and not any("automatically" in n for n in notes)
+    got, msg = violations("parallel.tp=2", "parallel.sequence_parallel=false", recipe="tiny_mixtral")
+    assert got == {"moe-tp-sp"} and "pinned" in msg
+
+
+def test_hf_model_the_builder_refuses_is_refused_by_check(tmp_path):
+    """Training builds from the HF config through the bridge; what the bridge refuses there,
+    `mbr check` refuses too (rule hf-model), instead of passing a layout that cannot train."""
+    import json
+
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    good = make_tiny("llama", tmp_path / "llama")
+    cfg = json.loads((good / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**cfg, "attention_bias": True}))
+    assert violations(f"model.hf_path={good}", "parallel.tp=1", "parallel.pp=1", recipe="default")[0] == set()
+    got, msg = violations(f"model.hf_path={bad}", "parallel.tp=1", "parallel.pp=1", recipe="default")
+    assert got == {"hf-model"} and "o_proj bias" in msg

@@ -48,17 +48,27 @@ def crc_hex(value: int) -> str:
 
 class LayoutRecord(TypedDict):
     """The layout as a manifest stores it (`vpp` None without virtual stages; manifests of
-    dense models written before EP support have no `ep` / `etp`)."""
+    dense models written before EP support have no `ep` / `etp`, older ones no stage split)."""
 
     tp: int
     pp: int
     vpp: NotRequired[int | None]
     ep: NotRequired[int]
-    etp: NotRequired[int]
+    etp: NotRequired[int | None]
+    layers_first_stage: NotRequired[int | None]
+    layers_last_stage: NotRequired[int | None]
 
 
 def layout_dict(layout: Layout) -> LayoutRecord:
-    return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "ep": layout.ep, "etp": layout.etp_or_tp}
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "vpp": layout.vpp,
+        "ep": layout.ep,
+        "etp": layout.etp,
+        "layers_first_stage": layout.layers_first_stage,
+        "layers_last_stage": layout.layers_last_stage,
+    }
 
 
 @dataclass
@@ -78,7 +88,15 @@ class Manifest:
     # -- views ------------------------------------------------------------------------
     def layout_obj(self) -> Layout:
         d = self.layout
-        return Layout(tp=d["tp"], pp=d["pp"], vpp=d.get("vpp"), ep=d.get("ep", 1), etp=d.get("etp"))
+        return Layout(
+            tp=d["tp"],
+            pp=d["pp"],
+            vpp=d.get("vpp"),
+            ep=d.get("ep", 1),
+            etp=d.get("etp") or d["tp"],  # older manifests: expert TP = tp
+            layers_first_stage=d.get("layers_first_stage"),
+            layers_last_stage=d.get("layers_last_stage"),
+        )
 
     def spec(self) -> BridgeSpec:
         return spec_from_hf(self.hf_config, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)

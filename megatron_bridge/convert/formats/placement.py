@@ -149,7 +149,7 @@ def megatron_args(spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: s
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp_or_tp,
+        expert_tensor_parallel_size=layout.etp,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,

@@ -4,22 +4,21 @@ Each command composes the usual recipe (`compose(argv, schema=...)`), so `parall
 `model.make_vocab_size_divisible_by` and `recipe=` mean what they mean everywhere; the
 fields below are the command's own top-level keys (`src=... dst=... format=...`).
 
-`checked_layout` applies the layout rules that concern weights (the same rule functions
-`mbr check` runs, minus batch/schedule/engine/node rules, which a checkpoint does not
-depend on) to the model the checkpoint holds, then the bridge's own `problems()`, then
-splits every tensor's shape over rank 0 — so a bad layout is refused with every
-reason before a byte is written.
+`checked_layout` applies the layout rules (`parallel.rules`, the ones `mbr check` and
+training apply, minus the run rules about batches, schedules, engines and node placement,
+which a checkpoint does not depend on) to the model the checkpoint holds, on the fewest
+processes the degrees fit, then splits every tensor's shape over rank 0 — so a bad layout
+is refused with every reason before a byte is written.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import lcm
 from typing import Any, ClassVar
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
-from megatron_bridge.bridge.layout import Layout, problems
+from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.config.hf_model import hf_to_model_fields
 from megatron_bridge.config.schema import Config
@@ -27,9 +26,6 @@ from megatron_bridge.convert.sources.rows import check_layout_shards
 from megatron_bridge.errors import LayoutError, UserError
 
 FORMATS = ("torch_dist", "torch")
-# Rules of parallel/rules.py that constrain how weights split (the others are about batches,
-# schedules, engines and node placement, which a checkpoint does not depend on).
-LAYOUT_RULES = ("positive_degrees", "world_size", "attention_heads", "pipeline_layers", "experts", "expert_grid")
 
 
 @dataclass
@@ -79,40 +75,17 @@ def checked_layout(
     cfg: Any, spec: BridgeSpec, hf_config: dict[str, Any], rows: Sequence[Resolved], tensors: dict[str, Any], fmt: str
 ) -> Layout:
     """The layout of `cfg.parallel`, validated for this checkpoint's model (see module doc)."""
-    from megatron_bridge.parallel.dims import ParallelDims
-    from megatron_bridge.parallel.rules import RULES, Violation
+    from megatron_bridge.parallel.dims import ParallelDims, validate
 
     for k, v in hf_to_model_fields(dict(hf_config)).items():
         setattr(cfg.model, k, v)
     cfg.model.make_vocab_size_divisible_by = spec.make_vocab_size_divisible_by
-    p = cfg.parallel
-    etp = p.etp if p.etp is not None else p.tp
-    degrees = (p.tp, p.pp, p.cp, p.ep, etp)
-    world = lcm(p.tp * p.pp * p.cp, etp * p.ep * p.pp) if min(degrees) >= 1 else 1
-    dims = ParallelDims.from_config(cfg, world)
-    violations = [v for r in RULES if r.__name__ in LAYOUT_RULES for v in r(dims, cfg)]
-    if p.vpp is not None and p.vpp > 1 and p.pp == 1:
-        violations.append(
-            Violation("vpp-pp", f"parallel.vpp={p.vpp} needs pp > 1", "set parallel.vpp=null or raise pp")
-        )
-    if violations:
-        raise LayoutError(
-            violations,
-            header=f"cannot lay the checkpoint out as tp{p.tp}·pp{p.pp}·ep{p.ep}{f'·vpp{p.vpp}' if p.vpp else ''}:",
-        )
-    layout = Layout(
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp,
-        ep=p.ep,
-        etp=p.etp,
-        layers_first_stage=p.layers_first_stage,
-        layers_last_stage=p.layers_last_stage,
-    )
-    bad = problems(spec, layout)
-    if bad:
-        raise UserError("cannot lay the checkpoint out this way:\n" + "\n".join(f"  - {b}" for b in bad))
-    if fmt == "torch" and layout.etp not in (None, layout.tp):
+    layout = ParallelDims.from_config(cfg, smallest_world=True)
+    try:
+        validate(cfg, dims=layout, layout_only=True)
+    except LayoutError as e:
+        raise LayoutError(e.violations, header=f"cannot lay the checkpoint out as {layout.degrees()}:") from None
+    if fmt == "torch" and layout.etp != layout.tp:
         raise UserError(
             f"format=torch stores expert shards by tp rank, so it needs etp = tp (got etp={layout.etp}, "
             f"tp={layout.tp}); use format=torch_dist, which reshards on load"

@@ -1,0 +1,84 @@
+"""Rules about the model description: what the builder builds is what the config says.
+
+Layout rules like every other (`rules.layout_rule`), kept apart because they concern the
+model, not the degrees: a value the builder cannot build, a family whose HF architecture
+(its weight table) the config contradicts, or an HF config the bridge refuses, is refused
+here rather than built differently or refused twenty minutes into a launch.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from megatron_bridge.parallel.rules import _v, layout_rule, rule
+
+MODEL_CHOICES = {
+    "normalization": ("RMSNorm", "LayerNorm"),
+    "position_embedding_type": ("rope", "learned_absolute"),
+}
+
+
+@layout_rule
+def model_architecture(d, cfg):
+    """What the builder builds is what the config says: a value it cannot build, or one the
+    family's HF architecture (its weight table) does not have, is refused, never ignored."""
+    from megatron_bridge.bridge.registry import families
+
+    m, out = cfg.model, []
+    for key, allowed in MODEL_CHOICES.items():
+        if getattr(m, key) not in allowed:
+            out += _v("choice", f"model.{key}={getattr(m, key)!r} is not one of {allowed}", f"set model.{key} to one")
+    known = {f.name: f for f in families()}
+    fam = known.get(m.family)
+    if fam is None:
+        return out + _v(
+            "model-family",
+            f"model.family={m.family!r} is not a family the builder knows",
+            f"use one of {', '.join(sorted(known))}",
+        )
+    if m.hf_path:
+        refusal = _hf_refusal(m.hf_path, m.make_vocab_size_divisible_by)
+        if refusal:
+            out += _v(
+                "hf-model",
+                f"model.hf_path={m.hf_path}: {refusal}",
+                "use a model whose features the bridge reproduces (`mbr verify --list`)",
+            )
+    for key, want in fam.fixed.items():
+        if getattr(m, key) != want:
+            out += _v(
+                "model-architecture",
+                f"model.{key}={getattr(m, key)!r}, but family {m.family} is the HF architecture "
+                f"{fam.architectures[0]} with {key}={want!r} (its weight table maps exactly that)",
+                f"drop the override, or use model.family=gpt (megatron GPT without HF weights) for {key}={getattr(m, key)!r}",
+            )
+    return out
+
+
+@lru_cache(maxsize=64)
+def _hf_refusal(path: str, divisible_by: int) -> str | None:
+    """Why the builder would refuse this HF config (None if it builds it); read once per
+    path, since the planner runs the rules for thousands of candidates."""
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.errors import UserError
+
+    try:
+        load_spec(path, make_vocab_size_divisible_by=divisible_by)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+@rule
+def hf_weights(d, cfg):
+    from megatron_bridge.bridge.registry import families
+
+    fam = {f.name: f for f in families()}.get(cfg.model.family)
+    if cfg.train.init_from and fam is not None and not fam.hf_weights:
+        return _v(
+            "hf-weights",
+            f"train.init_from={cfg.train.init_from} loads HF weights, but model.family={cfg.model.family} has no "
+            "HF counterpart to map them from",
+            "drop train.init_from (train from scratch), or use a family with HF weights",
+        )
+    return []

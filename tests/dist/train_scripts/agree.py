@@ -1,0 +1,57 @@
+"""Per job: build this rank's model as training does and count its parameters against the
+planner's count for this pipeline stage, then train one step with `megatron_bridge.train`.
+
+argv: OUT_DIR then one argument per job: `name:override,override,...` (all jobs in this one
+launch). Every rank reports {name: {"built": n, "planned": n}}; training must return 0.
+"""
+
+import sys
+from pathlib import Path
+
+from megatron_bridge.testing import report
+
+
+def count_job(overrides):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from megatron_bridge.bridge.hf_config import spec_from_model_config
+    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.config.compose import compose
+    from megatron_bridge.parallel import groups
+    from megatron_bridge.plan import params as P
+    from megatron_bridge.plan.search import _stage_plan
+    from megatron_bridge.train.runner import TrainRunConfig, model_overrides, validate_for_launch
+
+    cfg, _ = compose(overrides, schema=TrainRunConfig)
+    dims = validate_for_launch(cfg)
+    groups.initialize(dims, seed=0)
+    chunks = build_model(spec_from_model_config(cfg.model), dims, **model_overrides(cfg))
+    built = sum(p.numel() for c in chunks for p in c.parameters())
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    stages = {idx: (n, first, last) for idx, n, first, last in _stage_plan(
+        cfg.model.num_layers, dims.pp, dims.layers_first_stage, dims.layers_last_stage)}
+    n, first, last = stages[pp_rank]
+    rp = P.rank_params(cfg.model, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=n, first=first, last=last)
+    del chunks
+    ps.destroy_model_parallel()
+    torch.distributed.barrier()
+    return {"built": built, "planned": rp["dense"] + rp["expert"], "pp_rank": pp_rank}
+
+
+def main() -> None:
+    from megatron_bridge.train.runner import train
+
+    out = Path(sys.argv[1])
+    results = {}
+    for job in sys.argv[2:]:
+        name, overrides = job.split(":", 1)
+        overrides = overrides.split(",")
+        results[name] = count_job(overrides)
+        code = train([*overrides, f"run_dir={out / name}"], finalize=False)
+        results[name]["trained"] = code
+    report({"jobs": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,290 @@
+"""What `mbr check` and `mbr plan` report is what training builds, and every command accepts
+the same layouts.
+
+For every recipe, and for a generated set of overrides on the tiny recipes (stage splits,
+vpp, cp, ep/etp, sequence parallelism on/off/auto, recompute, GPT-style normalization and
+MLP), a config the rules accept must: resolve to the same `ParallelDims` under the launcher
+as under `mbr check`; give megatron-core TransformerConfig arguments whose degrees, stage
+split and architecture are exactly those; be a TransformerConfig megatron-core accepts (its
+own assertions run in `__post_init__`: the `layers_first_stage` crash of issue 13 was one);
+and be the layout `mbr plan` evaluates when every knob is pinned. A config the check accepts
+and training refuses fails here. The parameter count of the built megatron model (one
+process, tiny sizes) equals the planner's; tests/dist/test_check_train_agree.py builds a
+sample per pipeline rank and trains one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from megatron_bridge.bridge.hf_config import spec_from_model_config, transformer_config_kwargs
+from megatron_bridge.config.compose import compose
+from megatron_bridge.errors import LayoutError
+from megatron_bridge.parallel.dims import ParallelDims, validate
+from megatron_bridge.plan import params as P
+from megatron_bridge.plan.search import Context, pinned_from_overrides, search
+from megatron_bridge.train.runner import model_overrides, validate_for_launch
+
+RECIPES = sorted(p.stem for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+GPT_STYLE = [
+    "model.family=gpt",
+    "model.normalization=LayerNorm",
+    "model.gated_linear_unit=false",
+    "model.add_bias_linear=true",
+    "model.position_embedding_type=learned_absolute",
+]
+
+
+def generated(n: int = 70, seed: int = 0) -> list[list[str]]:
+    """Override sets on the tiny recipes; the rules decide which are layouts."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        recipe = rng.choice(["tiny_llama", "tiny_mixtral", "gpt_tiny"])
+        tp, pp, cp = rng.choice([1, 2, 4]), rng.choice([1, 2, 3]), rng.choice([1, 2])
+        o = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}"]
+        o.append(f"model.num_layers={rng.choice([4, 5, 6, 8])}")
+        o.append(f"parallel.vpp={rng.choice(['null', 2])}")
+        first, last = rng.choice([(None, None), (1, None), (None, 2), (1, 1), (2, 2)])
+        o += [f"parallel.layers_first_stage={first or 'null'}", f"parallel.layers_last_stage={last or 'null'}"]
+        o.append(f"parallel.sequence_parallel={rng.choice(['null', 'true', 'false'])}")
+        o.append(f"train.recompute={rng.choice(['none', 'selective', 'full'])}")
+        o.append(f"zero.stage={rng.choice([0, 1])}")
+        if recipe == "tiny_mixtral":
+            o += [f"parallel.ep={rng.choice([1, 2, 4])}", f"parallel.etp={rng.choice(['null', 1])}"]
+        base = ["recipe=tiny_llama", *GPT_STYLE] if recipe == "gpt_tiny" else [f"recipe={recipe}"]
+        world = tp * pp * cp * 2
+        out.append(
+            [
+                *base,
+                *o,
+                f"cluster.gpus_per_node={world}",
+                f"train.global_batch_size={8 * world}",
+                "train.micro_batch_size=1",
+                "train.seq_length=64",
+            ]
+        )
+    return out
+
+
+def _check(overrides):
+    cfg, _ = compose(overrides)
+    try:
+        return cfg, validate(cfg)[0]
+    except LayoutError:
+        return cfg, None
+
+
+def _assert_training_builds_what_check_reported(cfg, dims, monkeypatch):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    monkeypatch.setenv("WORLD_SIZE", str(dims.world_size))
+    trained = validate_for_launch(cfg)  # training's own entry check
+    assert trained == dims
+    spec = spec_from_model_config(cfg.model)
+    kw = transformer_config_kwargs(spec, trained, **model_overrides(cfg))
+    m = cfg.model
+    want = dict(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp if dims.pp > 1 else None,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        sequence_parallel=dims.sequence_parallel and dims.tp > 1,
+        num_layers_in_first_pipeline_stage=dims.layers_first_stage,
+        num_layers_in_last_pipeline_stage=dims.layers_last_stage,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.kv_heads,
+        kv_channels=m.head_dim,
+        normalization=m.normalization,
+        gated_linear_unit=m.gated_linear_unit,
+        add_bias_linear=m.add_bias_linear,
+        qk_layernorm=m.qk_layernorm,
+        recompute_granularity=None if cfg.train.recompute == "none" else cfg.train.recompute,
+    )
+    got = {k: kw.get(k) for k in want}
+    assert got == want
+    if m.num_moe_experts:
+        assert (kw["num_moe_experts"], kw["moe_router_topk"]) == (m.num_moe_experts, m.moe_router_topk)
+    TransformerConfig(**kw)  # megatron-core's own validation: it must accept what check accepted
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_builds_what_check_reports(recipe, monkeypatch, tmp_path):
+    base = [f"train.init_from={tmp_path}"] if recipe.startswith("lora_") else []  # the base a LoRA recipe needs
+    cfg, dims = _check([f"recipe={recipe}", *base])
+    assert dims is not None, f"recipe {recipe} does not pass mbr check"
+    _assert_training_builds_what_check_reported(cfg, dims, monkeypatch)
+
+
+def test_issue_13_uneven_first_stage_builds(monkeypatch):
+    o = [
+        "recipe=tiny_llama",
+        "parallel.tp=1",
+        "parallel.pp=2",
+        "model.num_layers=5",
+        "parallel.layers_first_stage=1",
+        "cluster.gpus_per_node=2",
+    ]
+    cfg, dims = _check(o)
+    assert dims is not None and dims.layers_first_stage == 1
+    _assert_training_builds_what_check_reported(cfg, dims, monkeypatch)
+
+
+def test_generated_layouts_check_plan_and_training_agree(monkeypatch):
+    accepted = refused = 0
+    for overrides in generated():
+        cfg, dims = _check(overrides)
+        if dims is None:
+            refused += 1
+            continue
+        accepted += 1
+        _assert_training_builds_what_check_reported(cfg, dims, monkeypatch)
+        # mbr plan with every knob pinned evaluates exactly this layout
+        pinned = pinned_from_overrides(overrides)
+        if cfg.parallel.sequence_parallel is None and dims.tp > 1 and not cfg.model.num_moe_experts:
+            continue  # auto is off here; the planner is free to recommend SP on
+        res = search(Context.from_config(cfg, pinned))
+        seen = [e.dims for e in res.ranked + res.ruled_out]
+        assert res.valid >= 1 and dims in seen, (overrides, res.examples)
+    assert accepted >= 10 and refused >= 10, (accepted, refused)  # the set exercises both sides
+
+
+# -- the built model's parameters are the planner's ---------------------------------------
+MODELS = {
+    "tiny_llama": ["recipe=tiny_llama"],
+    "tiny_mixtral": ["recipe=tiny_mixtral"],
+    "gpt": ["recipe=tiny_llama", *GPT_STYLE, "model.tie_word_embeddings=true"],
+    "qwen2_tied": ["recipe=tiny_llama", "model.family=qwen2", "model.tie_word_embeddings=true"],
+    "qwen3_qknorm": ["recipe=tiny_llama", "model.family=qwen3", "model.kv_channels=32"],
+    "qwen2_moe_shared": [
+        "recipe=tiny_mixtral",
+        "model.family=qwen2_moe",
+        "model.moe_shared_expert_intermediate_size=32",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def one_process_groups():
+    """megatron-core's groups for one process (gloo), torn down and env restored after."""
+    from megatron_bridge.parallel import groups
+
+    env = dict(os.environ)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(k, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    groups.initialize(ParallelDims(world_size=1, gpus_per_node=1), seed=0)
+    yield
+    groups.destroy()
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _free_port() -> int:
+    from megatron_bridge.testing import free_port
+
+    return free_port()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_built_parameter_count_equals_plan(name, one_process_groups):
+    from megatron_bridge.bridge.model import build_model
+
+    cfg, dims = _check([*MODELS[name], "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "cluster.gpus_per_node=1"])
+    assert dims is not None
+    m = cfg.model
+    chunks = build_model(spec_from_model_config(m), dataclasses.replace(dims, world_size=1), **model_overrides(cfg))
+    built = sum(p.numel() for c in chunks for p in c.parameters())
+    planned = P.rank_params(m, tp=1, ep=1, etp=1, layers=m.num_layers, first=True, last=True)
+    assert built == planned["dense"] + planned["expert"]
+    padding = P.count(m).padded_vocab - m.vocab_size
+    assert built == P.count(m).total + padding * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+
+
+# -- every command accepts the same layouts ---------------------------------------------------
+def _layout_grid(moe: bool, n: int = 12, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        d = dict(tp=rng.choice([1, 2, 3]), pp=rng.choice([1, 2, 3]), cp=rng.choice([1, 2]), vpp=rng.choice([None, 2]))
+        d["layers_first_stage"] = rng.choice([None, 1, 2])
+        if moe:
+            d.update(ep=rng.choice([1, 2, 3]), etp=rng.choice([None, 1]))
+        out.append(d)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_check_plan_train_convert_verify_accept_the_same_layouts(family, tmp_path, monkeypatch, capsys):
+    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.cli import main
+    from megatron_bridge.commands.verify import VerifyConfig, check_layouts
+    from megatron_bridge.errors import UserError
+
+    hf = make_tiny(family, tmp_path / family)
+    verdicts = []
+    for i, d in enumerate(_layout_grid(family == "mixtral")):
+        par = [f"parallel.{k}={'null' if v is None else v}" for k, v in d.items()]
+        world = ParallelDims(**{k: v for k, v in d.items() if k != "layers_first_stage"}).smallest_world
+        run = [
+            f"cluster.gpus_per_node={world}",
+            f"train.global_batch_size={8 * world}",
+            "train.micro_batch_size=1",
+            "train.seq_length=32",
+        ]
+        base = ["recipe=default", f"model.hf_path={hf}", *par]
+        got = {}
+        cfg, dims = _check([*base, *run])  # mbr check
+        got["check"] = dims is not None
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        try:
+            validate_for_launch(cfg)  # training
+            got["train"] = True
+        except LayoutError:
+            got["train"] = False
+        monkeypatch.delenv("WORLD_SIZE")
+        res = search(
+            Context.from_config(
+                cfg, pinned_from_overrides([*par, "zero.stage=0", "train.recompute=none", "train.micro_batch_size=1"])
+            )
+        )
+        got["plan"] = res.valid >= 1  # mbr plan with every degree pinned
+        code = main(["convert", f"src={hf}", f"dst={tmp_path / f'c{i}'}", *base[2:], "train.seq_length=32"])
+        got["convert"] = code == 0
+        vcfg, _ = compose([*base, "verify.seq_length=32"], schema=VerifyConfig)
+        try:
+            check_layouts(vcfg, [ParallelDims.from_config(vcfg, smallest_world=True)], None)  # mbr verify
+            got["verify"] = True
+        except UserError:
+            got["verify"] = False
+        assert len(set(got.values())) == 1, (d, got, capsys.readouterr().err[-2000:])
+        verdicts.append(got["check"])
+    assert any(verdicts) and not all(verdicts), verdicts  # the grid has both kinds
+
+
+def test_gpt_family_export_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from megatron_bridge.train.runner import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = main(
+        [
+            "recipe=tiny_llama",
+            *GPT_STYLE,
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "cluster.gpus_per_node=1",
+            f"export_to={tmp_path / 'hf'}",
+            f"run_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert code == 2 and "no Hugging Face counterpart" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
