@@ -1,6 +1,6 @@
 """data=sft samples (data/sft.py) and their packing description (bridge/packing.py), on a chat
 dataset stand-in with known conversations; the end-to-end parity against transformers is
-tests/dist/test_sft.py."""
+tests/dist/test_sft_parity.py."""
 
 import numpy as np
 import pytest
