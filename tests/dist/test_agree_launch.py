@@ -13,7 +13,7 @@ from megatron_bridge.testing import run_torchrun
 
 pytestmark = pytest.mark.dist
 SCRIPT = "tests/dist/train_scripts/agree.py"
-COMMON = ["train.steps=1", "train.seq_length=32", "train.micro_batch_size=1", "train.global_batch_size=4",
+COMMON = ["train.steps=1", "optimizer.warmup_steps=0", "train.seq_length=32", "train.micro_batch_size=1", "train.global_batch_size=4",
           "cluster.gpus_per_node=2", "data=synthetic"]
 GPT = ["model.family=gpt", "model.normalization=LayerNorm", "model.gated_linear_unit=false",
        "model.add_bias_linear=true", "model.position_embedding_type=learned_absolute"]

@@ -82,7 +82,7 @@ def test_sft_loss_matches_transformers_per_conversation(setup, tmp_path):
     valid_convs = [c for i in range(GBS) for c in valid.conversations(i)]
 
     common = ["recipe=default", f"model.hf_path={hf}", "train.steps=1", f"train.seq_length={SEQ}", f"train.seed={SEED}",
-              "data=sft", f"data.paths=[{prefix}]", "data.split=80/20/0", "optimizer.lr=0", "optimizer.min_lr=0"]
+              "data=sft", f"data.paths=[{prefix}]", "data.split=80/20/0", "optimizer.lr=1e-30", "optimizer.min_lr=0", "optimizer.warmup_steps=0"]
 
     def job(name, *overrides):
         return f"{name}:" + ",".join([*common, *overrides])

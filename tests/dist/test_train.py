@@ -126,7 +126,7 @@ def test_resume_reproduces_uninterrupted_run(llama, tmp_path):
 def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_path_factory, tmp_path):
     """`val_loss` (train.eval_iters global batches of the valid split, docs/train.md "Validation"):
     - the same weights give the same value at tp1·dp4, tp2·pp2, cp2·dp2, pp2·vpp2 and DeepSpeed
-      ZeRO-3·dp4 (lr=0 keeps the weights at the HF start; only the reduction order differs, so
+      ZeRO-3·dp4 (lr=1e-30 keeps the weights at the HF start; only the reduction order differs, so
       1e-6 relative);
     - it is logged every train.eval_interval steps and at the end (eval_interval=0: the end only),
       and the same batches are read every time (frozen weights: bit-identical values);
@@ -135,7 +135,7 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_pat
       losses: with evaluation they equal those without, bit for bit, on both engines. Dropout
       also differs per layout, so equal val_loss across layouts also shows eval mode."""
     hf = make_tiny("llama", tmp_path_factory.mktemp("hf") / "llama_dropout", attention_dropout=0.1)
-    ev, frozen = ["train.eval_interval=2", "train.eval_iters=2"], ["optimizer.lr=0", "optimizer.min_lr=0"]
+    ev, frozen = ["train.eval_interval=2", "train.eval_iters=2"], ["optimizer.lr=1e-30", "optimizer.min_lr=0"]  # lr=0 is refused; 1e-30 moves no fp32 weight
     tp2pp2, ds = ["parallel.tp=2", "parallel.pp=2"], ["train.engine=deepspeed", "zero.stage=3"]
     jobs = [
         job("tp1", hf, *ev, *frozen),
