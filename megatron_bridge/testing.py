@@ -111,8 +111,9 @@ def run_torchrun(
         return results
 
 
-def _launch(args, nproc, out_dir, run_env, cwd, timeout):
-    cmd = [
+def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+    """A local torchrun on a free port, no restarts: the command every test launch uses."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -126,6 +127,10 @@ def _launch(args, nproc, out_dir, run_env, cwd, timeout):
         "0",
         *args,
     ]
+
+
+def _launch(args, nproc, out_dir, run_env, cwd, timeout):
+    cmd = torchrun_cmd(nproc, *args)
     log_path = Path(out_dir) / "output.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

@@ -18,13 +18,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_bridge.testing import _kill_tree, _process_tree, free_port
+from megatron_bridge.testing import _kill_tree, _process_tree, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/reliability/scripts/jobs.py"
@@ -91,20 +90,7 @@ def job_env(faults: Path, fault: str = "") -> dict[str, str]:
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "--max-restarts",
-        "0",
-        *args,
-    ]
+    return torchrun_cmd(nproc, *args)
 
 
 def spawn(cmd: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen:
