@@ -117,6 +117,7 @@ def _make_class():
             softmax_scale=None,
             cp_comm_type=None,
             pg_collection=None,
+            window="config",
         ):
             super().__init__(config=config)
             self.layer_number = max(1, layer_number)
@@ -132,8 +133,10 @@ def _make_class():
                 raise ValueError("apply_query_key_layer_scaling is not supported by ContextParallelAttention")
             if getattr(config, "softmax_type", "vanilla") != "vanilla":
                 raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by ContextParallelAttention")
-            use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
-            self.window = config.window_size if use_window else None
+            if window == "config":  # no per-layer value in the ModuleSpec params: megatron's rule
+                use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+                window = config.window_size if use_window else None
+            self.window = window
             self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
             self._causal_types = (AttnMaskType.causal,)
 

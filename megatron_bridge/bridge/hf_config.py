@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.bridge.features.base import features
 from megatron_bridge.bridge.mapping import Shapes
 from megatron_bridge.bridge.registry import family_for
 from megatron_bridge.config.hf_model import HF_KEYS, hf_to_model_fields, read_hf_config
@@ -48,6 +49,7 @@ class BridgeSpec:
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
     sliding_window: int | None = None  # HF semantics: attend to keys with q - k < window
+    window_pattern: tuple[int, ...] = ()  # per layer: 1 = sliding, 0 = full; () = all alike
     attention_dropout: float = 0.0
     num_moe_experts: int | None = None
     moe_router_topk: int = 2
@@ -106,27 +108,6 @@ def _rope(hf: TMapping[str, Any], problems: list[str]) -> tuple[float, str, tupl
     if float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
         problems.append("partial_rotary_factor != 1 (partial rotary) is not supported")
     return float(theta), rtype, tuple(sorted(keep.items()))
-
-
-def _window(hf: TMapping[str, Any], n_layers: int, problems: list[str]) -> int | None:
-    """One window for all layers, or None. HF expresses it three ways across families."""
-    window = hf.get("sliding_window")
-    if hf.get("use_sliding_window") is False:
-        window = None
-    types = hf.get("layer_types")
-    if types:
-        kinds = set(types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds != {"sliding_attention"}:
-            problems.append(
-                f"layer_types mixes {sorted(kinds)}: per-layer attention patterns (e.g. "
-                "max_window_layers < num_hidden_layers) are not supported"
-            )
-            return None
-    if window is None or int(window) <= 0:
-        return None
-    return int(window)
 
 
 def _moe_pattern(hf: TMapping[str, Any], n_layers: int) -> tuple[int, ...]:
@@ -189,7 +170,9 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(key):
             problems.append(f"{key} is not supported")
-    f["sliding_window"] = _window(hf, f["num_layers"], problems)
+    family.read_hf(hf, f, problems)
+    for feat in features():
+        feat.read(hf, f, problems)
 
     if base.get("num_moe_experts"):
         f["num_moe_experts"] = int(base["num_moe_experts"])
@@ -281,17 +264,6 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
     for f, value in (("add_qkv_bias", spec.add_qkv_bias),):
         if f in names:
             cfg[names[f]] = value
-    if fam.window_key == "layer_types":
-        kind = "sliding_attention" if spec.sliding_window else "full_attention"
-        cfg.update(
-            use_sliding_window=bool(spec.sliding_window),
-            layer_types=[kind] * spec.num_layers,
-            sliding_window=spec.sliding_window,
-        )
-        if spec.sliding_window:
-            cfg["max_window_layers"] = 0
-    else:
-        cfg["sliding_window"] = spec.sliding_window
     if spec.is_moe:
         cfg[names.get("num_moe_experts", "num_experts")] = spec.num_moe_experts
         cfg["num_experts_per_tok"] = spec.moe_router_topk
@@ -304,6 +276,8 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
         if spec.moe_layer_pattern:
             cfg["mlp_only_layers"] = [i for i, moe in enumerate(spec.moe_layer_pattern) if not moe]
             cfg["decoder_sparse_step"] = 1
+    for feat in features():
+        feat.to_hf(spec, cfg)
     return cfg
 
 
@@ -374,7 +348,6 @@ def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -
         hidden_dropout=0.0,
         attention_dropout=spec.attention_dropout,
         init_method_std=spec.initializer_range,
-        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window else None,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.pp > 1 else None,
@@ -408,6 +381,8 @@ def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -
             moe_grouped_gemm=False,
             moe_layer_freq=list(spec.moe_layer_pattern) if spec.moe_layer_pattern else 1,
         )
+    for feat in features():
+        feat.config(spec, kw)
     kw.update(overrides)
     if kw.get("bf16") and "params_dtype" not in overrides:
         kw["params_dtype"] = torch.bfloat16

@@ -1,10 +1,10 @@
 """Build the megatron-core GPTModel of a `BridgeSpec` for a `Layout` (this rank's part).
 
-The layer spec is megatron's local spec (`get_gpt_decoder_block_spec(use_transformer_engine
-=False)`: no TE, no Apex, so it runs on CPU) with one substitution: the core attention is
-Transformer Engine's where TE and CUDA are present, else `ContextParallelAttention`, which
-does context parallelism and sliding windows in plain PyTorch. Weight names are therefore
-the local spec's on every machine, which is what the mapping tables speak.
+The layer specs are megatron's local specs edited per layer by the bridge's features
+(`layer_specs.py`, `features/`): the core attention is Transformer Engine's where TE and
+CUDA are present and compute the same thing, else `ContextParallelAttention`; the features
+a family's config turns on (windows, norms, scalings, ...) replace or wrap modules. Weight
+names are the local spec's on every machine, which is what the mapping tables speak.
 
 `build_model` returns one GPTModel per virtual pipeline chunk (a list of one without VPP),
 each with pre_process/post_process set for its stage, rotary frequencies computed exactly as
@@ -13,47 +13,15 @@ transformers does for the family's rope type.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 
-from megatron_bridge.bridge.cp_attention import context_parallel_attention_class
+from megatron_bridge.bridge.features.base import features
 from megatron_bridge.bridge.hf_config import BridgeSpec, gpt_model_kwargs, rope_inv_freq, transformer_config
+from megatron_bridge.bridge.layer_specs import decoder_block_spec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.errors import UserError
-
-
-def core_attention_module():
-    """TE's DotProductAttention on a CUDA host with Transformer Engine, else ours."""
-    if torch.cuda.is_available():
-        try:
-            from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-            return TEDotProductAttention
-        except ImportError:
-            pass
-    return context_parallel_attention_class()
-
-
-def decoder_block_spec(tconfig: Any, vp_stage: int | None, pp_rank: int):
-    """megatron's local block spec for this stage, core attention substituted."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    block = get_gpt_decoder_block_spec(
-        tconfig, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
-    )
-    attn = core_attention_module()
-    copies: dict[int, Any] = {}
-    layers = []
-    for layer in block.layer_specs:
-        if id(layer) not in copies:  # specs are shared module globals: never mutate them
-            c = copy.deepcopy(layer)
-            c.submodules.self_attention.submodules.core_attention = attn
-            copies[id(layer)] = c
-        layers.append(copies[id(layer)])
-    block.layer_specs = layers
-    return block
 
 
 def check_groups(layout: Layout) -> None:
@@ -102,7 +70,7 @@ def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> li
     for vp in range(vpp) if vpp else [None]:
         model = GPTModel(
             config=tconfig,
-            transformer_layer_spec=decoder_block_spec(tconfig, vp, pp_rank),
+            transformer_layer_spec=decoder_block_spec(spec, tconfig, vp, pp_rank),
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             vp_stage=vp,
@@ -115,6 +83,8 @@ def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> li
             model.cuda(torch.cuda.current_device())
         if model.post_process:
             mask_vocab_padding(model, spec.vocab_size)
+        for feat in features():
+            feat.model(spec, model)
         chunks.append(model)
     return chunks
 
@@ -148,4 +118,4 @@ def model_config(chunks: list[Any]):
     return chunks[0].config
 
 
-__all__ = ["build_model", "decoder_block_spec", "core_attention_module", "check_groups", "model_config"]
+__all__ = ["build_model", "check_groups", "model_config"]

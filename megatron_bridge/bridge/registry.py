@@ -53,6 +53,11 @@ class FamilyBridge:
     hf_weights: ClassVar[bool] = True
 
     @classmethod
+    def read_hf(cls, hf: TMapping[str, Any], fields: dict[str, Any], problems: list[str]) -> None:
+        """Family-specific config.json keys -> BridgeSpec fields (runs before the features'
+        readers). Override only where the family's config names something its own way."""
+
+    @classmethod
     def mappings(cls, spec: Any) -> tuple[Mapping, ...]:
         """The rows that apply to this model (conditional rows filtered by the spec)."""
         return tuple(m for m in cls.table if m.active(spec))

@@ -1,16 +1,18 @@
 """`model.hf_path=DIR`: fill the model group from a Hugging Face `config.json`.
 
 Only reads JSON (no transformers import): `mbr check` and `mbr plan` must stay fast. The
-key table below is the one place that knows HF's config names; family-specific defaults
-that HF leaves implicit (Qwen2's QKV bias, Qwen3's QK-norm) come from `FAMILY_DEFAULTS`.
+key table below is the one place that knows HF's common config names; the family (and the
+settings HF leaves implicit, such as Qwen2's QKV bias) comes from the bridge's family registry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.config.schema import ModelConfig
 from megatron_bridge.errors import UserError
 
 # ModelConfig field <- first HF key present.
@@ -35,16 +37,6 @@ HF_KEYS: dict[str, tuple] = {
     "add_qkv_bias": ("qkv_bias",),
 }
 
-# model_type -> (family, implicit settings HF does not write into config.json)
-FAMILY_DEFAULTS: dict[str, tuple] = {
-    "llama": ("llama", {}),
-    "mistral": ("mistral", {}),
-    "qwen2": ("qwen2", {"add_qkv_bias": True}),
-    "qwen3": ("qwen3", {"qk_layernorm": True}),
-    "mixtral": ("mixtral", {}),
-    "qwen2_moe": ("qwen2_moe", {"add_qkv_bias": True}),
-}
-
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     p = Path(path)
@@ -62,15 +54,12 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 def hf_to_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Map an HF config dict to ModelConfig field values."""
-    model_type = hf.get("model_type", "")
-    if model_type not in FAMILY_DEFAULTS:
-        raise UserError(
-            f"unsupported model_type {model_type!r} in config.json: supported families are "
-            f"{', '.join(sorted(FAMILY_DEFAULTS))}. Add a family table to support it."
-        )
-    family, implicit = FAMILY_DEFAULTS[model_type]
-    out: dict[str, Any] = {"family": family, "name": hf.get("_name_or_path") or model_type}
-    out.update(implicit)
+    from megatron_bridge.bridge.registry import family_for
+
+    family = family_for(hf)
+    out: dict[str, Any] = {"family": family.name, "name": hf.get("_name_or_path") or hf.get("model_type", "")}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    out.update({k: v for k, v in family.implicit.items() if k in model_fields})
     for field_name, keys in HF_KEYS.items():
         for k in keys:
             if hf.get(k) is not None:

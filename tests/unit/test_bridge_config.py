@@ -82,7 +82,7 @@ def _base(**kw):
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({"partial_rotary_factor": 0.5}, "partial"),
-        ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4}, "mixes"),
+        ({"layer_types": ["full_attention", "chunked_attention"], "sliding_window": 4}, "chunked_attention"),
     ],
 )
 def test_unsupported_features_are_refused(extra, message):
