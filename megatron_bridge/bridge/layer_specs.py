@@ -44,7 +44,10 @@ def decoder_block_spec(spec: Any, tconfig: Any, vp_stage: int | None, pp_rank: i
     layers = all_layer_specs(spec, tconfig)
     n = get_num_layers_to_build(tconfig, vp_stage=vp_stage, pp_rank=pp_rank)
     offset = get_transformer_layer_offset(tconfig, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=layers[offset : offset + n], layer_norm=LNImpl)
+    block = TransformerBlockSubmodules(layer_specs=layers[offset : offset + n], layer_norm=LNImpl)
+    for feat in features():
+        feat.block(spec, block)
+    return block
 
 
 __all__ = ["decoder_block_spec", "all_layer_specs"]

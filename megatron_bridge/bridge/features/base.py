@@ -9,6 +9,7 @@ feature is one class in one file under `features/`, listed in `FEATURE_MODULES`:
     to_hf(spec, cfg)                BridgeSpec -> config.json (export of a model without source)
     config(spec, kw)                TransformerConfig kwargs
     layer(spec, index, layer_spec)  edit one layer's ModuleSpec (a private copy; global 0-based index)
+    block(spec, block_spec)         edit the block's TransformerBlockSubmodules (final norm)
     model(spec, chunk)              after GPTModel is built (hooks on embedding / output layer)
 
 Shared code calls the hooks of every feature in order and never branches on a family.
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention",)
+FEATURE_MODULES = ("attention", "norms", "sublayer")
 
 _FEATURES: list[type[Feature]] = []
 
@@ -46,6 +47,10 @@ class Feature:
     @classmethod
     def layer(cls, spec: Any, index: int, layer_spec: Any) -> None:
         """Edit the ModuleSpec of global layer `index` (0-based; a private deep copy)."""
+
+    @classmethod
+    def block(cls, spec: Any, block_spec: Any) -> None:
+        """Edit the TransformerBlockSubmodules (its `layer_norm` is the final norm)."""
 
     @classmethod
     def model(cls, spec: Any, chunk: Any) -> None:

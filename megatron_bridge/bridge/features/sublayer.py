@@ -1,0 +1,75 @@
+"""Sublayer outputs before the residual add: post-attention / post-MLP norms (Gemma 2/3's
+"sandwich", GLM-4, OLMo-2) and a residual multiplier (Granite).
+
+megatron's TransformerLayer adds `self_attention(...)` / `mlp(...)` outputs to the residual
+through its bias-dropout-add; it has no slot for a norm after the sublayer. So the sublayer
+module itself is wrapped: `post_processed(SelfAttention)` runs the original forward, folds
+its (row-parallel) bias into the output, applies the norm (`post_layernorm`, megatron name
+`...self_attention.post_layernorm.weight` / `...mlp.post_layernorm.weight`) and the
+multiplier, and returns (output, None). The output is the full hidden size on every TP
+rank (sequence-split under SP), so the norm is per token and needs no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_bridge.bridge.features.base import Feature, register_feature
+from megatron_bridge.bridge.features.norms import norm_module
+
+_WRAPPED: dict[tuple[type, Any], type] = {}
+
+
+def post_processed(base: type, norm: Any) -> type:
+    """`base` (SelfAttention, MLP, MoELayer, ...) with a post-norm and/or output multiplier.
+
+    `norm` is the norm class or None; the multiplier comes in as a constructor param."""
+    key = (base, norm)
+    if key not in _WRAPPED:
+
+        class PostProcessed(base):
+            def __init__(self, *args: Any, output_multiplier: float = 1.0, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.output_multiplier = output_multiplier
+                if norm is not None:
+                    cfg = self.config
+                    self.post_layernorm = norm(config=cfg, hidden_size=cfg.hidden_size, eps=cfg.layernorm_epsilon)
+
+            def forward(self, *args: Any, **kwargs: Any):
+                out, bias = super().forward(*args, **kwargs)
+                if bias is not None:
+                    out = out + bias
+                if norm is not None:
+                    out = self.post_layernorm(out)
+                if self.output_multiplier != 1.0:
+                    out = out * self.output_multiplier
+                return out, None
+
+        PostProcessed.__name__ = PostProcessed.__qualname__ = f"PostProcessed{base.__name__}"
+        _WRAPPED[key] = PostProcessed
+    return _WRAPPED[key]
+
+
+def _wrap(module_spec: Any, norm: Any, multiplier: float) -> None:
+    module_spec.module = post_processed(module_spec.module, norm)
+    if multiplier != 1.0:
+        module_spec.params = {**(module_spec.params or {}), "output_multiplier": multiplier}
+
+
+@register_feature
+class SublayerOutput(Feature):
+    name = "sublayer-output"
+
+    @classmethod
+    def layer(cls, spec: Any, index: int, layer_spec: Any) -> None:
+        sub = layer_spec.submodules
+        mult = float(spec.residual_multiplier)
+        attn_norm = norm_module(spec) if spec.post_attention_norm else None
+        mlp_norm = norm_module(spec) if spec.post_mlp_norm else None
+        if attn_norm is not None or mult != 1.0:
+            _wrap(sub.self_attention, attn_norm, mult)
+        if mlp_norm is not None or mult != 1.0:
+            _wrap(sub.mlp, mlp_norm, mult)
+
+
+__all__ = ["SublayerOutput", "post_processed"]
