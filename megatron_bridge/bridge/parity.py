@@ -217,6 +217,39 @@ def compare_dirs(got: str | Path, want: str | Path) -> dict[str, Any]:
     return res
 
 
+def fold(per_rank: Sequence[dict[str, Any]], key: str, ref: dict[str, Any]) -> dict[str, Any] | None:
+    """Every rank's findings for `key` (one model under one layout) as numbers: logits come
+    from the last pipeline stage, grads from the writing replicas (their counts add up to the
+    number of HF tensors), the round trip from rank 0. None when no rank reported."""
+    found = [r[key] for r in per_rank if key in r]
+    if not found:
+        return None
+    out: dict[str, Any] = {}
+    got = [f["logits"] for f in found if "logits" in f]
+    if got:
+        out.update(
+            logits_max=max(g["max_abs"] for g in got),
+            logits_mean=max(g["mean_abs"] for g in got),
+            padded_vocab=got[0]["padded_vocab"],
+        )
+    losses = [f["loss"]["value"] for f in found if "loss" in f]
+    if "loss" in ref and losses:
+        out.update(loss=losses[0], loss_delta=max(abs(v - ref["loss"]) for v in losses))
+    g = [f["grads"] for f in found if f.get("grads", {}).get("n")]
+    if g:
+        out.update(
+            grads_n=sum(x["n"] for x in g),
+            grads_want=len(ref.get("grads", {})),
+            grads_max=max(x["max_abs"] for x in g),
+            grads_bad=[b for x in g for b in x["bad"]],
+        )
+    out["grad_layout"] = next((f["grad_layout"] for f in found if "grad_layout" in f), None)
+    rt = [f["roundtrip"] for f in found if "roundtrip" in f]
+    if rt:
+        out.update(rt_ok=bool(rt[0]["ok"]), rt_n=rt[0]["n"], rt_bad=rt[0]["bad"])
+    return out
+
+
 def summarize(
     per_rank: Sequence[dict[str, Any]],
     key: str,
@@ -225,54 +258,41 @@ def summarize(
     tol: float = 1e-4,
     grad_tol: float = 1e-5,
 ) -> tuple[list[str], bool]:
-    """Fold every rank's findings for `key` (one model under one layout) into report lines
-    and a verdict. Logits come from the last pipeline stage, grads from the writing
-    replicas (their counts add up to the number of HF tensors), the round trip from rank 0."""
-    found = [r[key] for r in per_rank if key in r]
-    lines, ok = [], True
-    if not found:
+    """`fold`'s numbers as report lines and a verdict."""
+    f = fold(per_rank, key, ref)
+    if f is None:
         return [f"{key}: no rank reported"], False
+    lines, ok = [], True
     if "logits" in checks:
-        got = [f["logits"] for f in found if "logits" in f]
-        if got:
-            mx, mean = max(g["max_abs"] for g in got), max(g["mean_abs"] for g in got)
-            good = mx <= tol
+        good = "logits_max" in f and f["logits_max"] <= tol
+        if "logits_max" in f:
             lines.append(
-                f"logits      max-abs {mx:.3e}  mean-abs {mean:.3e}  (tol {tol:g}, padded vocab "
-                f"{got[0]['padded_vocab']})  {'OK' if good else 'FAIL'}"
+                f"logits      max-abs {f['logits_max']:.3e}  mean-abs {f['logits_mean']:.3e}  (tol {tol:g}, "
+                f"padded vocab {f['padded_vocab']})  {'OK' if good else 'FAIL'}"
             )
         else:
-            good = False
             lines.append("logits      no rank produced logits  FAIL")
         ok &= good
-    if "grads" in checks or "train" in checks:
-        losses = [f["loss"]["value"] for f in found if "loss" in f]
-        if "loss" in ref and losses:
-            d = max(abs(v - ref["loss"]) for v in losses)
-            good = d <= grad_tol
-            lines.append(
-                f"loss        {losses[0]:.6f} vs transformers {ref['loss']:.6f} (|Δ| {d:.2e})  "
-                f"{'OK' if good else 'FAIL'}"
-            )
-            ok &= good
+    if ("grads" in checks or "train" in checks) and "loss" in f:
+        good = f["loss_delta"] <= grad_tol
+        lines.append(
+            f"loss        {f['loss']:.6f} vs transformers {ref['loss']:.6f} (|Δ| {f['loss_delta']:.2e})  "
+            f"{'OK' if good else 'FAIL'}"
+        )
+        ok &= good
     if "grads" in checks:
-        g = [f["grads"] for f in found if f.get("grads", {}).get("n")]
-        n = sum(x["n"] for x in g)
-        worst = max((x["max_abs"] for x in g), default=float("inf"))
-        bad = [b for x in g for b in x["bad"]]
-        want = len(ref.get("grads", {}))
+        n, want = f.get("grads_n", 0), len(ref.get("grads", {}))
+        worst, bad = f.get("grads_max", float("inf")), f.get("grads_bad", [])
         good = n == want and worst <= grad_tol and not bad
-        layout_note = next((f["grad_layout"] for f in found if "grad_layout" in f), None)
+        note = f["grad_layout"]
         lines.append(
             f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g}"
-            f"{', run as ' + layout_note if layout_note else ''})  {'OK' if good else 'FAIL'}"
-            + (f"  {bad[:3]}" if bad else "")
+            f"{', run as ' + note if note else ''})  {'OK' if good else 'FAIL'}" + (f"  {bad[:3]}" if bad else "")
         )
         ok &= good
     if "roundtrip" in checks:
-        rt = [f["roundtrip"] for f in found if "roundtrip" in f]
-        good = bool(rt) and rt[0]["ok"]
-        detail = f"{rt[0]['n']} tensors bit-exact" if good else (rt[0]["bad"][:3] if rt else "not run")
+        good = bool(f.get("rt_ok"))
+        detail = f"{f['rt_n']} tensors bit-exact" if good else (f["rt_bad"][:3] if "rt_bad" in f else "not run")
         lines.append(f"round trip  {detail}  {'OK' if good else 'FAIL'}")
         ok &= good
     return lines, ok
@@ -289,4 +309,5 @@ __all__ = [
     "load_dir",
     "training_layout",
     "summarize",
+    "fold",
 ]

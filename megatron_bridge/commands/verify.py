@@ -4,6 +4,7 @@
     mbr verify model.hf_path=DIR 'verify.layouts=[tp1,tp2pp2,cp2tp2,ep2]' 'verify.checks=[logits,roundtrip,grads]'
     mbr verify verify.tiny=mixtral 'verify.layouts=[ep2tp2]'      # a tiny random model of a family
     mbr verify --list                                              # supported families
+    mbr verify --matrix                                            # every family x layout, measured
 
 Two phases. (1) transformers, one process, fp32 on CPU: logits (and, for `grads`, loss and
 every tensor's gradient) for a fixed random batch. (2) megatron under torchrun (gloo on CPU,
@@ -41,6 +42,7 @@ class VerifyOptions:
     seq_length: int = 32
     seed: int = 0
     tiny: str | None = None  # build a tiny random model of this family instead of model.hf_path
+    families: list[str] = field(default_factory=list)  # --matrix: these families (default: every tiny model)
     nproc: int | None = None  # local processes to start; default: what the layouts need
     out: str | None = None  # keep exports (and the reference) here; default: a temp dir
     timeout_s: float = 1800.0
@@ -205,6 +207,10 @@ def _needed_world(layouts) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
+    if "--matrix" in argv and "WORLD_SIZE" not in os.environ:
+        from megatron_bridge.commands import verify_matrix
+
+        return verify_matrix.main(argv)
     if "--list" in argv:
         from megatron_bridge.bridge.registry import describe
 

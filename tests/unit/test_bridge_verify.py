@@ -65,3 +65,28 @@ def test_summarize_verdicts():
     assert not summarize([_rank(0.0, ok_roundtrip=False)], "L", ["roundtrip"], ref)[1]
     assert not summarize([_rank(0.0, n=2)], "L", ["grads"], ref)[1]  # a tensor without gradient check
     assert not summarize([{}], "L", ["logits"], ref)[1]
+
+
+def test_matrix_lists_refused_layouts_with_the_rule(capsys, tmp_path):
+    """A layout the rules refuse is a row naming the rule, not a missing row (no launch)."""
+    args = ["verify", "--matrix", "verify.families=[qwen2]", "verify.layouts=[ep2]", f"verify.out={tmp_path}"]
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| family | layout | logits max-abs")
+    assert out[2].startswith("| qwen2 | tp1·pp1·cp1·ep2 |") and "refused: [ep-dense]" in out[2]
+    assert main(["verify", "--matrix", "verify.families=[nosuch]"]) == 2
+
+
+def test_matrix_row_verdict():
+    from types import SimpleNamespace
+
+    from megatron_bridge.commands.verify_matrix import _row
+
+    cfg = SimpleNamespace(verify=SimpleNamespace(tol=1e-4, grad_tol=1e-5))
+    good = dict(logits_max=1e-6, loss_delta=0.0, grads_n=3, grads_want=3, grads_max=1e-7, grads_bad=[])
+    good.update(grad_layout=None, rt_ok=True, rt_n=3)
+    assert _row("f", "tp2", good, cfg).endswith("| 3 bit-exact | OK |")
+    assert _row("f", "tp2", {**good, "grads_n": 2}, cfg).endswith("| FAIL |")
+    assert _row("f", "tp2", {**good, "logits_max": 1e-3}, cfg).endswith("| FAIL |")
+    assert _row("f", "tp2", {**good, "rt_ok": False}, cfg).endswith("| FAIL | FAIL |")
+    assert "no rank reported" in _row("f", "tp2", None, cfg)
