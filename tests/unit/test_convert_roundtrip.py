@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_bridge.cli import main as mbr
-
 from megatron_bridge.bridge.tiny import TINY
+from megatron_bridge.cli import main as mbr
 
 FAMILIES = list(TINY)  # every family with HF weights, each with all of its features on
 

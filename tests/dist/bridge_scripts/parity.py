@@ -5,7 +5,8 @@
 
 DIR holds one tiny HF model per family (DIR/<family>) and its transformers reference
 (DIR/refs/<family>.pt: input_ids, labels, logits, loss, grads). A layout may name its own
-checks after a colon (default --checks). Layouts with ep > 1 run for MoE families only.
+checks after a colon (default --checks). Layouts with ep > 1 run for MoE families only;
+--skip names family/layout pairs a rule refuses.
 Every rank reports
 {"<family>/<layout>/<check>": findings} through megatron_bridge.testing.report.
 """
@@ -24,6 +25,7 @@ def main() -> None:
     ap.add_argument("--layouts", required=True)
     ap.add_argument("--checks", default="logits")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--skip", default="", help="family/layout pairs the rules refuse (comma-separated)")
     a = ap.parse_args()
 
     from megatron_bridge.bridge.hf_config import load_spec
@@ -40,7 +42,7 @@ def main() -> None:
         checks = (only or a.checks).replace("+", ",").split(",")
         layout = Layout.parse(text)
         for fam in families:
-            if layout.ep > 1 and not moe[fam]:
+            if layout.ep > 1 and not moe[fam] or f"{fam}/{text}" in a.skip.split(","):
                 continue
             t0 = time.perf_counter()
             ref = refs[fam]
