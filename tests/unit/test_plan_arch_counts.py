@@ -317,3 +317,57 @@ def test_stage_layer_ids_equal_the_converters_split():
         for stage in range(pp):
             want = [i for v in range(vpp) for i in stage_layers(L, lo, stage, v if vpp > 1 else None)]
             assert list(P.stage_layer_ids(L, pp, stage, vpp, lf, ll)) == want
+
+
+# -- memory: MLA widths and per-stage layer mixes -------------------------------------------
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_mla_attention_widths_are_what_attention_receives(q_lora_rank, monkeypatch):
+    """The planner's Q/K/V widths for MLA are the tensors core attention gets (the
+    up-projected heads, the rotary part of k broadcast to every head), recorded from a
+    transformers DeepSeek-V3 forward."""
+    import torch
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mod
+
+    cfg, spec = _deepseek(3, q_lora_rank)
+    cfg._attn_implementation = "eager"
+    seen = []
+    real = mod.eager_attention_forward
+
+    def spy(module, q, k, v, *a, **kw):
+        seen.append(tuple(x.shape[1] * x.shape[3] for x in (q, k, v)))  # heads · width
+        return real(module, q, k, v, *a, **kw)
+
+    monkeypatch.setattr(mod, "eager_attention_forward", spy)
+    cfg.num_hidden_layers = 1  # the dense first layer: shapes only, on the meta device
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(cfg)
+        model(torch.zeros(1, 5, dtype=torch.long))
+    assert seen and all(w == P.attention_widths(spec) for w in seen)
+
+
+def test_stage_memory_sums_the_kinds_of_its_layers():
+    """DeepSeek's dense first layer: at pp2 stage 0 holds one dense and one MoE layer,
+    stage 1 two MoE layers; activations and parameters follow the layers held."""
+    from megatron_bridge.plan import comm as C
+    from megatron_bridge.plan import memory as M
+
+    _, spec = _deepseek(3, 24)
+    kw = dict(p=2, tp=1, cp=1, ep=2, etp=1, dp=1, edp=1, zero=0, engine="megatron", precision="bf16")
+    kw.update(recompute="selective", sp=False, s=64, b=1, num_micro=4, vocab=256)
+    act = {moe: M.layer_activations(spec, recompute="selective", s=64, b=1, moe=moe, etp=1) for moe in (True, False)}
+    assert act[True] != act[False]
+    for stage, ids in ((0, (0, 1)), (1, (2, 3))):
+        assert P.stage_layer_ids(4, 2, stage) == ids
+        sm = M.stage_memory(spec, stage=stage, layers=ids, first=stage == 0, last=stage == 1, **kw)
+        flight = M.in_flight(stage, 2, 4)
+        assert sm.activations == pytest.approx(flight * sum(act[P.is_moe_layer(spec, i)] for i in ids) + (
+            flight * 64 * spec.hidden_size if stage == 0 else 0))  # fmt: skip
+        rp = P.rank_params(spec, tp=1, ep=2, etp=1, layers=ids, first=stage == 0, last=stage == 1)
+        assert sm.params == rp["dense"] + rp["expert"]
+    # CP exchanges the up-projected K and V of every head (not the latent).
+    cp = C.step_comm(
+        spec, tp=1, cp=2, dp=1, pp=1, ep=1, etp=1, edp=1, vpp=1, sp=False, zero=0, recompute="none", s=64, b=1,
+        num_micro=1, layers=1, dense_params=0, expert_params=0, spans={}, intra_gbps=1, inter_gbps=1,
+    )["cp"]  # fmt: skip
+    _, k, v = P.attention_widths(spec)
+    assert cp["volume_bytes"] == 3 * 1 * 32 * (k + v) * 2
