@@ -163,7 +163,8 @@ def _layer_shards(m, moe: bool) -> LayerShards:
         t, r = _mlp(m, m.ffn_hidden_size)
         return LayerShards(tp=tp + t, rep=rep + r)
     E = m.num_moe_experts
-    rep += h * E + (E if m.moe_router_bias else 0)  # router, replicated over TP and EP
+    # Router, replicated over TP and EP; megatron's TopKRouter has a bias with add_bias_linear.
+    rep += h * E + (E if m.moe_router_bias or linear_bias(m) else 0)
     fs = m.moe_shared_expert_intermediate_size
     if fs:
         t, r = _mlp(m, fs)

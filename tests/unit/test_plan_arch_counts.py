@@ -141,6 +141,12 @@ def _gpt_oss():
     )
 
 
+def _gpt_oss_add_bias_linear():
+    """GPT-OSS described with megatron's add_bias_linear (every linear and the router biased)."""
+    cfg, _ = _gpt_oss()
+    return cfg, _hand_spec(cfg, add_bias_linear=True, attention_sinks=True, **_moe(cfg, 4))
+
+
 def _glm4():
     cfg = _dense(T.Glm4Config, attention_bias=True, partial_rotary_factor=0.5)
     return cfg, _hand_spec(
@@ -185,6 +191,7 @@ HAND = {
     "gemma2": lambda: _gemma(2),
     "gemma3": lambda: _gemma(3),
     "gpt_oss": _gpt_oss,
+    "gpt_oss_add_bias_linear": _gpt_oss_add_bias_linear,
     "glm4": _glm4,
     "glm4_moe": _glm4_moe,
     "phi3": lambda: (c := _dense(T.Phi3Config, partial_rotary_factor=0.5), _hand_spec(c, rotary_percent=0.5)),
