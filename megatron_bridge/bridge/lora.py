@@ -217,10 +217,12 @@ def layer_adapter_params(m: Any, peft: Any, *, tp: int = 1, etp: int = 1) -> tup
     the planner: column-parallel adapters keep A whole and split B's rows, row-parallel ones
     split A's columns and keep B whole (as `lora_modules` lays them out). The HF modules'
     shapes follow from the megatron linear holding them (q/k/v rows, fc1's gate/up, ...).
-    MoE models count every layer as MoE (as `plan.params` does)."""
+    MoE models count every layer as MoE (plan.params counts a dense-first layer as dense;
+    the adapters of those few layers are approximated)."""
     from megatron_bridge.bridge.registry import get_family
 
-    h, a, g, d, r = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim, peft.rank
+    h, a, d, r = m.hidden_size, m.num_attention_heads, m.head_dim, peft.rank
+    g = m.num_query_groups or a  # a ModelConfig (None = MHA) or a BridgeSpec (the planner)
     f, moe = m.ffn_hidden_size, bool(m.num_moe_experts)
     dense = expert = 0.0
     for t in resolve_targets(get_family(m.family).table, list(peft.target_modules), m.family):

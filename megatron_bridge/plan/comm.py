@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_bridge.plan.params import attention_widths, moe_layers
+
 ASSUMED_MFU = 0.5  # fraction of peak the compute achieves (for the step-time estimate)
 
 
@@ -149,13 +151,15 @@ def step_comm(
                 bandwidth_gbps=inter_gbps if inter else intra_gbps,
             )
     if cp > 1:
-        kv = 2 * seq * b * m.kv_heads * m.head_dim * act_bytes / tp
+        _, k_width, v_width = attention_widths(m)  # MLA: the up-projected heads, not the latent
+        kv = seq * b * (k_width + v_width) * act_bytes / tp
         per_layer = (3 + (1 if full else 0)) * (cp - 1) * kv
         put("cp", per_layer * layers * num_micro, "cp", "ring K/V exchange per layer")
     if moe and ep > 1:
         tokens = seq * b * min(m.moe_router_topk, m.num_moe_experts) / (tp if sp else 1)
         per_layer = (4 + (2 if full else 0)) * (ep - 1) / ep * tokens * h * act_bytes
-        put("ep", per_layer * layers * num_micro, "ep", "all-to-all per MoE layer")
+        moe_share = moe_layers(m) / m.num_layers  # dense-first layers have no all-to-all
+        put("ep", per_layer * layers * moe_share * num_micro, "ep", "all-to-all per MoE layer")
     return out
 
 
@@ -170,7 +174,8 @@ def step_flops(m, count, *, s: int, global_batch: int, recompute: str) -> float:
     """Model FLOPs of one step (forward + backward = 3× forward; recompute adds forward
     work: all of it for full, the attention core for selective)."""
     L = m.num_layers
-    attn_core = 4 * s * m.num_attention_heads * m.head_dim * L  # QK^T and ·V per token
+    q_width, _, v_width = attention_widths(m)
+    attn_core = 2 * s * (q_width + v_width) * L  # QK^T and ·V per token
     matmul = 2 * (count.active - count.embedding + m.vocab_size * m.hidden_size)  # layers + logits
     fwd = matmul + attn_core
     extra = {"none": 0.0, "selective": attn_core, "full": fwd}[recompute]

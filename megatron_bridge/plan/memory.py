@@ -37,6 +37,7 @@ Capacity: `cluster.gpu_memory_gb` read as GiB (an "80 GB" H100 has 80 GiB of HBM
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -129,7 +130,7 @@ def layer_activation_terms(
     """One layer's stored activations for one microbatch, bytes, split into
     `base` (kept under selective recompute) and `scores` (the a·s² attention terms that
     selective recompute drops). Korthikanti's terms with the model's real widths."""
-    h, a, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
+    h, a = m.hidden_size, m.num_attention_heads
     s = s / cp
     sbh = s * b * h
     ab, mask = act_bytes, 1
@@ -137,7 +138,13 @@ def layer_activation_terms(
     # Attention: QKV input, attention-dropout mask (replicated without SP);
     # Q, K, V, projection input (TP-sharded: heads split).
     rep = ab * sbh + mask * sbh
-    shard = ab * s * b * (a * d + 2 * g * d + a * d)
+    q, k, v = P.attention_widths(m)
+    proj_in = a * (m.v_head_dim if m.multi_latent_attention else m.head_dim)  # every head's value
+    shard = ab * s * b * (q + k + v + proj_in)
+    if m.multi_latent_attention:
+        # The latents: q_down / kv_down outputs, each stored as its norm's and its up
+        # projection's input (sequence-sharded under SP, like the other replicated terms).
+        rep += ab * s * b * (2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim)
     scores = (2 * ab + mask) * a * s * s * b / t  # softmax out, its dropout mask and output
     rep += 2 * ab * sbh  # the two norms' inputs
     if not moe:
@@ -179,8 +186,9 @@ def layer_activations(
     etp: int = 1,
     act_bytes: int = 2,
 ) -> float:
-    """Stored bytes of one layer for one microbatch under a recompute policy."""
-    return _layer_activations(P.frozen(m), recompute, s, b, t, sp, cp, moe, etp, act_bytes)
+    """Stored bytes of one layer (`moe`: a MoE layer) for one microbatch under a recompute
+    policy."""
+    return _layer_activations(P.spec_of(m), recompute, s, b, t, sp, cp, moe, etp, act_bytes)
 
 
 def in_flight(stage: int, p: int, m: int, v: int = 1) -> float:
@@ -223,7 +231,7 @@ def stage_memory(
     *,
     stage: int,
     p: int,
-    layers: int,
+    layers: int | Sequence[int],
     first: bool,
     last: bool,
     tp: int,
@@ -244,10 +252,17 @@ def stage_memory(
     vocab: int = 0,
     peft: object = None,
 ) -> StageMemory:
-    """Peak bytes on one rank of pipeline stage `stage`. With `peft.method == "lora"` only
-    the adapters have gradients and optimizer states (the frozen base has weights only)."""
-    fm = P.frozen(m)
-    rp = P.rank_params(fm, tp=tp, ep=ep, etp=etp, layers=layers, first=first, last=last)
+    """Peak bytes on one rank of pipeline stage `stage`, whose transformer layers are
+    `layers` (global indices, `params.stage_layer_ids`; or a count, as `params.rank_params`
+    reads it). Each layer is counted as its kind (MoE or dense, `moe_layer_pattern`). With
+    `peft.method == "lora"` only the adapters have gradients and optimizer states (the
+    frozen base has weights only)."""
+    fm = P.spec_of(m)
+    if isinstance(layers, int):
+        start = 0 if first else fm.num_layers - layers
+        layers = tuple(range(start, start + layers))
+    ids = tuple(layers)
+    rp = P.rank_params(fm, tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
     ll = P.largest_layer(fm, tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
     st = model_states(
         rp["dense"],
@@ -260,17 +275,19 @@ def stage_memory(
         largest_layer=ll,
     )
     if peft is not None and getattr(peft, "method", "none") == "lora":
-        st = _with_adapters(st, m, peft, layers, tp, etp, ep, engine, precision, zero, dp * cp, edp)
+        st = _with_adapters(st, fm, peft, len(ids), tp, etp, ep, engine, precision, zero, dp * cp, edp)
     ab = 4 if precision == "fp32" else 2
-    moe = bool(m.num_moe_experts)
-    per_layer = layer_activations(fm, recompute=recompute, s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp, act_bytes=ab)
+    n_moe = P.moe_layers(fm, ids)
+    kinds = [(moe, n) for moe, n in ((True, n_moe), (False, len(ids) - n_moe)) if n]
     n_flight = in_flight(stage, p, num_micro, vpp)
-    acts = per_layer * layers * n_flight
-    if recompute == "full" and layers:
+
+    def per_layer(policy: str, moe: bool) -> float:
+        return layer_activations(fm, recompute=policy, s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp, act_bytes=ab)
+
+    acts = n_flight * sum(n * per_layer(recompute, moe) for moe, n in kinds)
+    if recompute == "full" and kinds:
         # Backward recomputes one layer at a time: its full (selective-level) activations live.
-        acts += layer_activations(
-            fm, recompute="selective", s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp, act_bytes=ab
-        )
+        acts += max(per_layer("selective", moe) for moe, _ in kinds)
     if first:
         acts += n_flight * (s / cp) * b * m.hidden_size / (tp if sp else 1)  # embedding dropout mask
     lg = logits_bytes(fm, s=s, b=b, t=tp, cp=cp, vocab=vocab, sp=sp) if last else 0.0
@@ -284,7 +301,7 @@ def stage_memory(
         alone = (s0.total + acts + lg) * (1 + FRAGMENTATION)
     return StageMemory(
         stage=stage,
-        layers=layers,
+        layers=len(ids),
         params=rp["dense"] + rp["expert"],
         weights=st.weights,
         grads=st.grads,

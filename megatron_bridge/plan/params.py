@@ -3,34 +3,55 @@
 Why exact and not `12·L·h²`: the planner's memory numbers are compared with real tensors
 (tests build the HF model and slice it as megatron-core does) and with DeepSpeed's
 estimators, and the difference between the rule of thumb and the truth (GQA's smaller K/V,
-SwiGLU's third matrix, untied output layers, 128k vocabularies, MoE routers) is tens of
-GB per GPU at the sizes this tool is for.
+SwiGLU's third matrix, untied output layers, 128k vocabularies, MoE routers, MLA's latent
+projections) is tens of GB per GPU at the sizes this tool is for.
 
-Layout follows megatron-core's GPTModel, which is also the HF layout for the supported
-families (Llama/Mistral/Qwen2/Qwen3 ≙ `LlamaForCausalLM`, GPT ≙ `GPT2LMHeadModel`,
-Mixtral/Qwen2-MoE ≙ their HF classes):
+The one description counted is the `BridgeSpec` (bridge/hf_config.py), the same object the
+builder turns into megatron-core modules: a ModelConfig is turned into its spec first
+(`spec_of`). The spec is frozen and hashable, so it is also the cache key. Layers may differ
+(`moe_layer_pattern`: dense-first DeepSeek layers, Qwen2-MoE's `mlp_only_layers`), so every
+count is per layer kind and a pipeline stage sums the kinds of the layers it really holds.
 
-  per layer  input norm · QKV (fused, column-parallel) · [q/k norm] · output projection
-             (row-parallel) · pre-MLP norm · MLP (fc1 column-, fc2 row-parallel; SwiGLU's
-             fc1 is 2·ffn wide) or MoE (router + E experts + optional shared expert)
+  per layer  [input norm] · attention · [post-attention norm] · [pre-MLP norm] · MLP or MoE ·
+             [post-MLP norm]
+  attention  standard: fused QKV (column-parallel) · [q/k norm: per head, or over the whole
+             projection] · output projection (row-parallel) · [sinks: one logit per head]
+             MLA: q (q_proj, or q_down · q norm · q_up) · kv_down · kv norm · kv_up · output
+  MoE        router (+ bias) · E experts · [shared expert (+ its 1×h gate)]
   model      word embedding (vocab-parallel) · [learned positions, GPT] · final norm ·
              output layer (vocab-parallel; absent when tied)
 
-Biases: GPT-2/3-style models (`model.add_bias_linear`, as the `gpt` model groups set it)
-have biases on every linear layer; the Llama-style families have none except Qwen2's QKV
-bias (`model.add_qkv_bias`). Learned absolute positions: `model.position_embedding_type`.
-These are the same fields the builder passes to megatron-core, so what is counted is built. How a tensor is split over TP decides whether it is
-divided by `tp` (column/row-parallel weights, column-parallel biases, the vocabulary) or
-replicated (norms, row-parallel biases, the router, learned positions).
+Buffers are not parameters: the expert score-correction bias (DeepSeek-V3/GLM-4.5
+`e_score_correction_bias`) is a registered buffer in transformers and megatron-core's
+`router.expert_bias` is one too, so neither side counts it. MTP layers are not counted (the
+loader skips them; transformers does not build them either).
+
+How a tensor is split over TP decides whether it is divided by `tp` (column/row-parallel
+weights, column-parallel biases, per-head tensors, the vocabulary) or replicated (norms over
+h, row-parallel biases, the router, learned positions). MLA follows megatron-core's local
+spec: the down projections are column-parallel (split), the q/kv latent norms replicated.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
-from megatron_bridge.config.schema import ModelConfig
 from megatron_bridge.parallel.dims import padded_vocab_size
+
+
+def spec_of(m: Any):
+    """The BridgeSpec counted: `m` itself, or the spec the builder builds for a ModelConfig
+    (`bridge.hf_config.spec_from_model_config`: family settings such as Qwen2's QKV bias
+    included; read from `hf_path` when set)."""
+    from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_model_config
+
+    return m if isinstance(m, BridgeSpec) else spec_from_model_config(m)
+
+
+frozen = spec_of  # the search caches per-model computations on the (hashable) spec
 
 
 def linear_bias(m) -> bool:
@@ -46,6 +67,19 @@ def _norm(m, width: int) -> int:
 def _glu(m) -> int:
     """fc1 width multiplier: SwiGLU/GeGLU fuses gate and up projections (2·ffn)."""
     return 2 if m.gated_linear_unit else 1
+
+
+def is_moe_layer(m, index: int) -> bool:
+    """Layer `index` has experts: every layer of a MoE model unless its pattern says dense."""
+    if not m.num_moe_experts:
+        return False
+    pattern = m.moe_layer_pattern
+    return not pattern or bool(pattern[index])
+
+
+def moe_layers(m, ids: Sequence[int] | None = None) -> int:
+    """How many of the layers `ids` (default: all) are MoE layers."""
+    return sum(is_moe_layer(m, i) for i in (range(m.num_layers) if ids is None else ids))
 
 
 @dataclass(frozen=True)
@@ -75,44 +109,91 @@ class LayerShards:
         return {"dense": dense, "expert": expert}
 
 
-def layer_shards(m) -> LayerShards:
-    m = _Frozen.of(m)
-    h, a, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
+def _attention(m) -> tuple[int, int]:
+    """(tp-split, replicated) parameters of one attention block."""
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
     bias = linear_bias(m)
-    qkv_out = (a + 2 * g) * d
-    tp_part = h * qkv_out + (a * d) * h  # QKV + output projection
-    if bias or m.add_qkv_bias:
-        tp_part += qkv_out  # column-parallel bias: sharded with its weight
-    rep = 2 * _norm(m, h)  # input norm + pre-MLP norm
-    if bias:
-        rep += h  # row-parallel output-projection bias: replicated
-    if m.qk_layernorm:
-        rep += 2 * _norm(m, d)
-    if not m.num_moe_experts:
-        f = m.ffn_hidden_size
-        tp_part += h * f * _glu(m) + f * h
-        if bias:
-            tp_part += f * _glu(m)
-            rep += h
-        return LayerShards(tp=tp_part, rep=rep)
-    E, fm = m.num_moe_experts, m.moe_ffn_hidden_size or m.ffn_hidden_size
-    rep += h * E  # router (no bias), replicated over TP and EP
+    rep = h if bias or m.attention_out_bias else 0  # row-parallel o_proj bias
+    if m.multi_latent_attention:
+        qd, vd, kv = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_lora_rank
+        if m.q_lora_rank:
+            tp = h * m.q_lora_rank + m.q_lora_rank * a * qd
+            rep += _norm(m, m.q_lora_rank)
+        else:
+            tp = h * a * qd
+        tp += h * (kv + m.qk_pos_emb_head_dim) + kv * a * (m.qk_head_dim + vd) + a * vd * h
+        rep += _norm(m, kv)
+    else:
+        qkv_out = (a + 2 * g) * d
+        tp = h * qkv_out + (a * d) * h  # QKV + output projection
+        if bias or m.add_qkv_bias:
+            tp += qkv_out  # column-parallel bias: sharded with its weight
+        if m.qk_layernorm:
+            if m.qk_norm_type == "full":
+                tp += _norm(m, a * d) + _norm(m, g * d)  # over the projection: split with its heads
+            else:
+                rep += 2 * _norm(m, d)
+    if m.attention_sinks:
+        tp += a  # one sink logit per head
+    return tp, rep
+
+
+def _mlp(m, width: int) -> tuple[int, int]:
+    """(tp-split or etp-split, replicated/ep-only) parameters of one MLP of `width`."""
+    k = _glu(m)
+    split = m.hidden_size * width * k + width * m.hidden_size
+    if linear_bias(m) or m.mlp_bias:
+        return split + width * k, m.hidden_size  # fc1 bias column-, fc2 bias row-parallel
+    return split, 0
+
+
+def layer_shards(m, moe: bool | None = None) -> LayerShards:
+    """One layer's parameters; `moe` picks the kind (default: a MoE layer if the model has
+    any, else dense)."""
+    m = spec_of(m)
+    return _layer_shards(m, moe_layers(m) > 0 if moe is None else moe)
+
+
+@lru_cache(maxsize=4096)
+def _layer_shards(m, moe: bool) -> LayerShards:
+    h = m.hidden_size
+    tp, rep = _attention(m)
+    rep += (2 * _norm(m, h) if m.pre_norms else 0) + _norm(m, h) * (m.post_attention_norm + m.post_mlp_norm)
+    if not moe:
+        t, r = _mlp(m, m.ffn_hidden_size)
+        return LayerShards(tp=tp + t, rep=rep + r)
+    E = m.num_moe_experts
+    # Router, replicated over TP and EP; megatron's TopKRouter has a bias with add_bias_linear.
+    rep += h * E + (E if m.moe_router_bias or linear_bias(m) else 0)
     fs = m.moe_shared_expert_intermediate_size
     if fs:
-        tp_part += h * fs * _glu(m) + fs * h
+        t, r = _mlp(m, fs)
+        tp, rep = tp + t, rep + r
         if m.moe_shared_expert_gate:
             rep += h  # shared-expert gate (1 × h, Qwen2-MoE)
-    expert_etp = h * fm * _glu(m) + fm * h + (fm * _glu(m) if bias else 0)
-    return LayerShards(tp=tp_part, rep=rep, expert_etp=expert_etp, expert_rep=h if bias else 0, num_experts=E)
+    expert_etp, expert_rep = _mlp(m, m.moe_ffn_hidden_size or m.ffn_hidden_size)
+    return LayerShards(tp=tp, rep=rep, expert_etp=expert_etp, expert_rep=expert_rep, num_experts=E)
 
 
-def active_layer_params(m) -> int:
+def active_layer_params(m, moe: bool | None = None) -> int:
     """Parameters a token passes through in one layer: for MoE the router, top-k experts
     and the shared expert instead of all E experts."""
-    s = layer_shards(m)
+    s = layer_shards(m, moe)
     if not s.num_experts:
         return s.total
     return s.tp + s.rep + min(m.moe_router_topk, s.num_experts) * (s.expert_etp + s.expert_rep)
+
+
+def attention_widths(m) -> tuple[int, int, int]:
+    """Widths (all heads) of the Q, K and V that core attention holds. MLA attends with
+    the up-projected heads, not the latent: q/k are heads·(qk_head_dim + qk_pos_emb_head_dim)
+    wide (the rotary part of k broadcast to every head), v heads·v_head_dim; megatron-core
+    materialises these (and CP exchanges them), the latent is only the projections' input."""
+    a = m.num_attention_heads
+    if m.multi_latent_attention:
+        qd = m.qk_head_dim + m.qk_pos_emb_head_dim
+        return a * qd, a * qd, a * m.v_head_dim
+    return a * m.head_dim, m.num_query_groups * m.head_dim, m.num_query_groups * m.head_dim
 
 
 def learned_positions(m) -> int:
@@ -125,38 +206,75 @@ class ParamCount:
     total: int  # architecture count (unpadded vocab), what HF's numel() sums to
     active: int  # per token: = total for dense models
     embedding: int  # word (+ position) embedding, + output layer when untied
-    per_layer: int
+    per_layer: int  # the largest layer kind (a MoE layer in a MoE model)
     padded_vocab: int  # megatron's vocabulary at tp=1
+    moe_layers: int = 0  # how many of the layers have experts
 
     @property
     def non_embedding(self) -> int:
         return self.total - self.embedding
 
 
-def count(m) -> ParamCount:
-    """The whole model's parameters. Embedding/output use the true vocabulary, as HF
-    counts them; per-rank shards (`rank_params`) use megatron's padded vocabulary."""
-    m = _Frozen.of(m)
-    h, V = m.hidden_size, m.vocab_size
-    layer = layer_shards(m).total
+@lru_cache(maxsize=256)
+def _count(m) -> ParamCount:
+    h, V, L = m.hidden_size, m.vocab_size, m.num_layers
+    n_moe = moe_layers(m)
+    kinds = ((True, n_moe), (False, L - n_moe))
     emb = V * h + learned_positions(m) + (0 if m.tie_word_embeddings else V * h)
     final_norm = _norm(m, h)
-    total = m.num_layers * layer + emb + final_norm
-    active = m.num_layers * active_layer_params(m) + emb + final_norm
+    total = sum(n * layer_shards(m, moe).total for moe, n in kinds if n) + emb + final_norm
+    active = sum(n * active_layer_params(m, moe) for moe, n in kinds if n) + emb + final_norm
     return ParamCount(
         total=total,
         active=active,
         embedding=emb,
-        per_layer=layer,
+        per_layer=max(layer_shards(m, moe).total for moe, n in kinds if n) if L else 0,
         padded_vocab=padded_vocab_size(V, m.make_vocab_size_divisible_by, 1),
+        moe_layers=n_moe,
     )
 
 
+def count(m) -> ParamCount:
+    """The whole model's parameters. Embedding/output use the true vocabulary, as HF
+    counts them; per-rank shards (`rank_params`) use megatron's padded vocabulary."""
+    return _count(spec_of(m))
+
+
+def stage_layer_ids(
+    num_layers: int, pp: int, stage: int, vpp: int = 1, first: int | None = None, last: int | None = None
+) -> tuple[int, ...]:
+    """Global indices of the layers pipeline stage `stage` holds, over all its virtual
+    chunks: megatron-core's `get_transformer_layer_offset` split (chunks filled virtual
+    stage major, then pipeline rank; `first`/`last` fix the end stages' layer counts).
+    The same arithmetic as convert/formats/placement.stage_layers (a test holds them equal),
+    repeated here so the planner does not import the converter."""
+    if pp == 1:
+        return tuple(range(num_layers))
+    vpp = vpp or 1
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+
+    def per_chunk(p: int) -> int:
+        if p == 0 and first is not None:
+            return first // vpp
+        if p == pp - 1 and last is not None:
+            return last // vpp
+        return rest // middle // vpp if middle else 0
+
+    row = sum(per_chunk(p) for p in range(pp))
+    before = sum(per_chunk(p) for p in range(stage))
+    return tuple(v * row + before + i for v in range(vpp) for i in range(per_chunk(stage)))
+
+
 @lru_cache(maxsize=8192)
-def _rank_params_cached(m, tp, ep, etp, layers, first, last) -> dict[str, float]:
+def _rank_params_cached(m, tp, ep, etp, ids, first, last) -> dict[str, float]:
     h = m.hidden_size
-    shard = layer_shards(m).on_rank(tp, ep, etp)
-    dense, expert = shard["dense"] * layers, shard["expert"] * layers
+    n_moe = moe_layers(m, ids)
+    dense = expert = 0.0
+    for moe, n in ((True, n_moe), (False, len(ids) - n_moe)):
+        if n:
+            shard = layer_shards(m, moe).on_rank(tp, ep, etp)
+            dense, expert = dense + shard["dense"] * n, expert + shard["expert"] * n
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     word = vocab * h / tp
     if first:
@@ -171,77 +289,50 @@ def _rank_params_cached(m, tp, ep, etp, layers, first, last) -> dict[str, float]
     return {"dense": dense, "expert": expert}
 
 
-def rank_params(m, *, tp: int, ep: int = 1, etp: int = 1, layers: int, first: bool, last: bool) -> dict[str, float]:
-    """Parameters held by one rank of a pipeline stage with `layers` transformer layers
-    (`first`/`last`: the stage holds the embedding / the final norm and output layer).
+def rank_params(
+    m,
+    *,
+    tp: int,
+    ep: int = 1,
+    etp: int = 1,
+    layers: int | Sequence[int],
+    first: bool,
+    last: bool,
+) -> dict[str, float]:
+    """Parameters held by one rank of a pipeline stage (`first`/`last`: the stage holds the
+    embedding / the final norm and output layer). `layers` is the stage's global layer
+    indices (`stage_layer_ids`), or a count of contiguous layers starting at 0 on the first
+    stage and ending at the last layer otherwise (enough when all layers are alike).
     Returns {"dense": n, "expert": n}; a rank's total is their sum. Do not mutate."""
-    return _rank_params_cached(_Frozen.of(m), tp, ep, etp, layers, first, last)
+    m = spec_of(m)
+    if isinstance(layers, int):
+        start = 0 if first else m.num_layers - layers
+        ids = tuple(range(start, start + layers))
+    else:
+        ids = tuple(layers)
+    return _rank_params_cached(m, tp, ep, etp, ids, first, last)
 
 
 def largest_layer(m, *, tp: int, ep: int = 1, etp: int = 1) -> float:
     """The biggest single weight on one rank (what ZeRO-3 gathers at once): the
-    vocab-parallel embedding/output layer, QKV, fc1, or one expert's fc1."""
-    m = _Frozen.of(m)
-    h, a, g, d = m.hidden_size, m.num_attention_heads, m.kv_heads, m.head_dim
+    vocab-parallel embedding/output layer, QKV (MLA: its largest projection), fc1, or one
+    expert's fc1."""
+    m = spec_of(m)
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    cands = [vocab * h / tp, h * (a + 2 * g) * d / tp]
-    if m.num_moe_experts:
-        fm = m.moe_ffn_hidden_size or m.ffn_hidden_size
-        cands.append(h * fm * _glu(m) / etp)
+    cands = [vocab * h / tp]
+    if m.multi_latent_attention:
+        qd = m.qk_head_dim + m.qk_pos_emb_head_dim
+        q_in = m.q_lora_rank or h
+        cands += [q_in * a * qd / tp, m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim) / tp]
+        cands.append(a * m.v_head_dim * h / tp)
+    else:
+        cands.append(h * (a + 2 * g) * d / tp)
+    n_moe = moe_layers(m)
+    if n_moe:
+        cands.append(h * (m.moe_ffn_hidden_size or m.ffn_hidden_size) * _glu(m) / etp)
         if m.moe_shared_expert_intermediate_size:
             cands.append(h * m.moe_shared_expert_intermediate_size * _glu(m) / tp)
-    else:
+    if n_moe < m.num_layers:
         cands.append(h * m.ffn_hidden_size * _glu(m) / tp)
     return max(cands)
-
-
-@dataclass(frozen=True)
-class _Frozen:
-    """Hashable snapshot of the ModelConfig fields the counts read (for lru_cache)."""
-
-    name: str
-    family: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    vocab_size: int
-    max_position_embeddings: int
-    make_vocab_size_divisible_by: int
-    tie_word_embeddings: bool
-    gated_linear_unit: bool
-    normalization: str
-    add_bias_linear: bool
-    position_embedding_type: str
-    add_qkv_bias: bool
-    qk_layernorm: bool
-    num_moe_experts: int
-    moe_router_topk: int
-    moe_ffn_hidden_size: int
-    moe_shared_expert_intermediate_size: int
-    moe_shared_expert_gate: bool
-
-    # Same derived sizes as the config it copies (one definition, in config/schema.py).
-    kv_heads = ModelConfig.kv_heads
-    head_dim = ModelConfig.head_dim
-
-    @classmethod
-    def of(cls, m) -> _Frozen:
-        """The counted model is the one the builder builds: the spec of the ModelConfig
-        (`bridge.hf_config.spec_from_model_config`, family settings such as Qwen2's QKV bias
-        included), with the ModelConfig's name."""
-        if isinstance(m, cls):
-            return m
-        from megatron_bridge.bridge.hf_config import spec_from_model_config
-
-        spec = spec_from_model_config(m)
-        vals = {f: getattr(spec, f) if hasattr(spec, f) else getattr(m, f) for f in cls.__dataclass_fields__}
-        vals.update(num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim)
-        return cls(**vals)
-
-
-def frozen(m) -> _Frozen:
-    """A hashable copy of a ModelConfig (the search caches per-model computations)."""
-    return _Frozen.of(m)

@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 from megatron_bridge.config.schema import Config
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
@@ -42,6 +43,9 @@ from megatron_bridge.parallel.rules import check_all
 from megatron_bridge.plan import comm as C
 from megatron_bridge.plan import memory as M
 from megatron_bridge.plan import params as P
+
+if TYPE_CHECKING:
+    from megatron_bridge.bridge.hf_config import BridgeSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -146,7 +150,7 @@ class Context:
     """Everything the search reads, resolved once from the composed config."""
 
     cfg: Config
-    model: P._Frozen  # params.frozen(cfg.model)
+    model: BridgeSpec  # params.spec_of(cfg.model): what is counted is what is built
     count: P.ParamCount
     world: int
     gpn: int
@@ -163,8 +167,8 @@ class Context:
         precision = t.precision if t.precision != "auto" else ("fp32" if c.backend == "gloo" else "bf16")
         return cls(
             cfg=cfg,
-            model=P.frozen(cfg.model),
-            count=P.count(cfg.model),
+            model=(spec := P.spec_of(cfg.model)),
+            count=P.count(spec),
             world=world or c.nodes * c.gpus_per_node,
             gpn=c.gpus_per_node,
             capacity=int(c.gpu_memory_gb * M.GIB),
@@ -216,19 +220,15 @@ def _options(ctx: Context, name: str, default: list) -> list:
     return default if value is None else [value]  # a pinned null (sp: auto) searches
 
 
-def _stage_plan(L: int, pp: int, first: int | None, last: int | None) -> list[tuple[int, int, bool, bool]]:
-    """(stage index, layers, is_first, is_last) for the stages that can bind: the first
-    (embedding, most microbatches in flight), the second (most in flight among the middle
-    ones) and the last (output layer, logits)."""
-    if pp == 1:
-        return [(0, L, True, True)]
-    middle = pp - (first is not None) - (last is not None)
-    mid = (L - (first or 0) - (last or 0)) // middle if middle else 0
-    out = [(0, first if first is not None else mid, True, False)]
-    if pp > 2:
-        out.append((1, mid, False, False))
-    out.append((pp - 1, last if last is not None else mid, False, True))
-    return out
+def _stage_plan(
+    L: int, pp: int, first: int | None, last: int | None, vpp: int = 1
+) -> list[tuple[int, tuple[int, ...], bool, bool]]:
+    """(stage index, its global layer indices, is_first, is_last) for the stages that can
+    bind: the first (embedding, most microbatches in flight), the second (most in flight
+    among the middle ones) and the last (output layer, logits). The indices matter when
+    layers differ (dense-first MoE models)."""
+    stages = [0, 1, pp - 1] if pp > 2 else list(range(pp))
+    return [(i, P.stage_layer_ids(L, pp, i, vpp, first, last), i == 0, i == pp - 1) for i in stages]
 
 
 def evaluate(ctx: Context, lo: Candidate, *, with_comm: bool = True) -> Evaluation:
@@ -263,7 +263,7 @@ def evaluate(ctx: Context, lo: Candidate, *, with_comm: bool = True) -> Evaluati
             peft=getattr(ctx.cfg, "peft", None),
         )
         for idx, layers, first, last in _stage_plan(
-            m.num_layers, lo.dims.pp, lo.dims.layers_first_stage, lo.dims.layers_last_stage
+            m.num_layers, lo.dims.pp, lo.dims.layers_first_stage, lo.dims.layers_last_stage, lo.dims.vpp or 1
         )
     ]
     binding = max(stages, key=lambda x: x.total)
@@ -287,10 +287,10 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
         tp=lo.dims.tp, cp=lo.dims.cp, dp=lo.dims.dp, pp=lo.dims.pp, ep=lo.dims.ep, etp=lo.dims.etp, gpn=ctx.gpn
     )
     ev.bubble = C.bubble_fraction(lo.dims.pp, lo.dims.vpp or 1, lo.dims.grad_accum)
-    first = stages[0]
-    rp = P.rank_params(
-        m, tp=lo.dims.tp, ep=lo.dims.ep, etp=lo.dims.etp, layers=first.layers, first=True, last=lo.dims.pp == 1
+    ids = P.stage_layer_ids(
+        m.num_layers, lo.dims.pp, 0, lo.dims.vpp or 1, lo.dims.layers_first_stage, lo.dims.layers_last_stage
     )
+    rp = P.rank_params(m, tp=lo.dims.tp, ep=lo.dims.ep, etp=lo.dims.etp, layers=ids, first=True, last=lo.dims.pp == 1)
     ab = 4 if ctx.precision == "fp32" else 2
     ev.comm = C.step_comm(
         m,
@@ -383,7 +383,7 @@ def search(ctx: Context, *, memory_only: bool = False) -> SearchResult:
             for pp in pps:
                 if pin_dp != -1 and tp * cp * pp * pin_dp != world:
                     continue
-                eps = _options(ctx, "ep", _divisors(m.num_moe_experts) if moe else [1])
+                eps = _options(ctx, "ep", _divisors(m.num_moe_experts or 0) if moe else [1])
                 etps = [e if e is not None else tp for e in _options(ctx, "etp", sorted({tp, 1}) if moe else [tp])]
                 sps = _options(ctx, "sp", [True, False] if tp > 1 else [False])
                 for first, last in _splits(ctx, pp):

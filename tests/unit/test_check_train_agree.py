@@ -210,6 +210,24 @@ def test_built_parameter_count_equals_plan(name, one_process_groups):
     assert built == P.count(m).total + padding * m.hidden_size * (1 if m.tie_word_embeddings else 2)
 
 
+def test_built_moe_layer_mix_equals_plan(one_process_groups, tmp_path):
+    """Qwen2-MoE's tiny model has mlp_only_layers=[1] (one dense layer among MoE layers): the
+    megatron model built from its spec has exactly the planner's parameters."""
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.parallel.dims import ParallelDims
+
+    spec = load_spec(make_tiny("qwen2_moe", tmp_path / "m"))
+    assert spec.moe_layer_pattern and not all(spec.moe_layer_pattern)
+    chunks = build_model(spec, ParallelDims(world_size=1, gpus_per_node=1))
+    built = sum(p.numel() for c in chunks for p in c.parameters())
+    planned = P.rank_params(spec, tp=1, ep=1, etp=1, layers=spec.num_layers, first=True, last=True)
+    assert built == planned["dense"] + planned["expert"]
+    padding = P.count(spec).padded_vocab - spec.vocab_size
+    assert built == P.count(spec).total + padding * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+
+
 # -- every command accepts the same layouts ---------------------------------------------------
 def _layout_grid(moe: bool, n: int = 12, seed: int = 1) -> list[dict]:
     rng = random.Random(seed)

@@ -29,10 +29,14 @@ def count_job(overrides):
     chunks = build_model(spec_from_model_config(cfg.model), dims, **model_overrides(cfg))
     built = sum(p.numel() for c in chunks for p in c.parameters())
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    stages = {idx: (n, first, last) for idx, n, first, last in _stage_plan(
-        cfg.model.num_layers, dims.pp, dims.layers_first_stage, dims.layers_last_stage)}
-    n, first, last = stages[pp_rank]
-    rp = P.rank_params(cfg.model, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=n, first=first, last=last)
+    stages = {
+        idx: (ids, first, last)
+        for idx, ids, first, last in _stage_plan(
+            cfg.model.num_layers, dims.pp, dims.layers_first_stage, dims.layers_last_stage, dims.vpp or 1
+        )
+    }
+    ids, first, last = stages[pp_rank]
+    rp = P.rank_params(cfg.model, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)
     del chunks
     ps.destroy_model_parallel()
     torch.distributed.barrier()
