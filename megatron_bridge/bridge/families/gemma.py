@@ -6,11 +6,12 @@ per-head qk-norm (Gemma 3).
 Gemma's pre_feedforward_layernorm is megatron's pre_mlp_layernorm; its post_attention /
 post_feedforward norms are the sublayer post-norms of `features/sublayer.py`.
 
-Gemma 3's text checkpoints come in two key layouts: `model.layers...` (Gemma3ForCausalLM)
-and `model.language_model.layers...` (the text part of Gemma3ForConditionalGeneration as
-transformers 5 saves it; transformers' Gemma3ForCausalLM loads neither prefix-less nor
-prefixed from the other). The table reads both (`GEMMA3_PREFIXED` rows, export=False) and
-writes the first.
+Gemma 3 text weights come in three key layouts: `model.layers...` (Gemma3ForCausalLM),
+`model.language_model.layers...` (Gemma3ForConditionalGeneration as transformers 5 saves
+it) and `language_model.model.layers...` (the original multimodal Hub checkpoints). A text
+checkpoint cut out of a multimodal one keeps its prefix, and transformers 5's
+Gemma3ForCausalLM loads neither prefixed layout (it reports every key missing), so the
+gemma3_text table reads all three (prefixed rows: export=False) and writes the first.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def gemma_rows(model: str, qk_norm: bool, export: bool = True) -> tuple[Mapping,
                 f"{L}.self_attention.k_layernorm.weight", f"{H}.self_attn.k_norm.weight", REPLICATED, export=export
             ),
         )
-    return rows + mlp + (Mapping("output_layer.weight", "lm_head.weight", VOCAB, when="!tie_word_embeddings"),)
+    return rows + mlp
+
+
+LM_HEAD = (Mapping("output_layer.weight", "lm_head.weight", VOCAB, when="!tie_word_embeddings"),)
 
 
 class _Gemma(FamilyBridge):
@@ -94,7 +98,7 @@ class Gemma2(_Gemma):
     name = "gemma2"
     model_types = ("gemma2",)
     architectures = ("Gemma2ForCausalLM",)
-    table = gemma_rows("model", qk_norm=False)
+    table = gemma_rows("model", qk_norm=False) + LM_HEAD
     notes = "zero-centred sandwich norms, GeGLU, logit soft-capping, alternating sliding window"
 
 
@@ -104,7 +108,12 @@ class Gemma3Text(_Gemma):
     model_types = ("gemma3_text",)
     architectures = ("Gemma3ForCausalLM",)
     implicit = {**GEMMA_IMPLICIT, "qk_layernorm": True}
-    table = gemma_rows("model", qk_norm=True) + gemma_rows("model.language_model", qk_norm=True, export=False)
+    table = (
+        gemma_rows("model", qk_norm=True)
+        + gemma_rows("model.language_model", qk_norm=True, export=False)
+        + gemma_rows("language_model.model", qk_norm=True, export=False)
+        + LM_HEAD
+    )
     notes = "as gemma2 plus zero-centred qk-norm; local rope base = global only (for now)"
 
     @classmethod
