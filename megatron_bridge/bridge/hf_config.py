@@ -174,6 +174,7 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     """Build (and validate) the spec of an HF config dict. Raises UserError listing every
     unsupported feature."""
     family = family_for(hf)
+    hf = family.complete_hf(hf)
     base = hf_to_model_fields(dict(hf))
     problems: list[str] = []
     f: dict[str, Any] = {}

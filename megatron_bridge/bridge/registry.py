@@ -65,6 +65,12 @@ class FamilyBridge:
         readers). Override only where the family's config names something its own way."""
 
     @classmethod
+    def complete_hf(cls, hf: TMapping[str, Any]) -> TMapping[str, Any]:
+        """config.json with the keys the family's transformers config class derives when they
+        are absent (Gemma 2's default layer_types), before anything reads it."""
+        return hf
+
+    @classmethod
     def write_hf(cls, spec: Any, cfg: dict[str, Any]) -> None:
         """BridgeSpec -> the family's own config.json keys (runs after the features' writers);
         the inverse of `read_hf`."""

@@ -216,3 +216,35 @@ def test_gemma2_packed_sequences_equal_transformers_per_sequence(tmp_path, one_p
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         want = torch.cat([hf(part).logits for part in ids.split(list(lengths), dim=1)], dim=1)
     torch.testing.assert_close(got.reshape(want.shape), want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family, cls", [("gemma2", "Gemma2Config"), ("gemma3_text", "Gemma3TextConfig")])
+def test_pre_v5_gemma_configs_get_transformers_default_layer_types(family, cls):
+    """Hub configs written before transformers 5 have no layer_types and a stale hidden_act;
+    the window pattern is the one transformers' config class derives."""
+    import transformers
+
+    from megatron_bridge.bridge.registry import get_family
+
+    arch = {"gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[family]
+    hf = dict(
+        architectures=[arch],
+        model_type=family,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=100,
+        sliding_window=8,
+        hidden_act="gelu",  # Gemma reads hidden_activation
+        hidden_activation="gelu_pytorch_tanh",
+        rope_theta=10000.0,
+        rope_local_base_freq=10000.0,
+        sliding_window_pattern=3,  # Gemma 3 only
+    )
+    want = getattr(transformers, cls)(**{k: v for k, v in hf.items() if k != "architectures"}).layer_types
+    assert get_family(family).complete_hf(hf)["layer_types"] == want
+    spec = spec_from_hf(hf)
+    assert spec.window_pattern == tuple(int(t == "sliding_attention") for t in want) and spec.activation == "gelu_tanh"

@@ -78,6 +78,22 @@ class _Gemma(FamilyBridge):
     hf_names = {"activation": "hidden_activation"}
     window_key = "layer_types"
 
+    sliding_every = 2  # transformers' default layer_types: every n-th layer full, the others sliding
+    pattern_key: str | None = None  # the config key that overrides sliding_every (Gemma 3)
+
+    @classmethod
+    def complete_hf(cls, hf: TMapping[str, Any]) -> TMapping[str, Any]:
+        """Configs written before transformers 5 have no layer_types (the config class derives
+        them) and may carry a stale hidden_act next to the hidden_activation Gemma uses."""
+        out = dict(hf)
+        if "hidden_activation" in out:
+            out["hidden_act"] = out["hidden_activation"]
+        if not out.get("layer_types") and out.get("num_hidden_layers"):
+            n = int((out.get(cls.pattern_key) if cls.pattern_key else None) or cls.sliding_every)
+            kinds = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(out["num_hidden_layers"])]
+            out["layer_types"] = kinds
+        return out
+
     @classmethod
     def read_hf(cls, hf: TMapping[str, Any], fields: dict[str, Any], problems: list[str]) -> None:
         fields["embedding_multiplier"] = float(hf["hidden_size"]) ** 0.5
@@ -108,6 +124,8 @@ class Gemma3Text(_Gemma):
     model_types = ("gemma3_text",)
     architectures = ("Gemma3ForCausalLM",)
     implicit = {**GEMMA_IMPLICIT, "qk_layernorm": True}
+    sliding_every = 6
+    pattern_key = "sliding_window_pattern"
     table = (
         gemma_rows("model", qk_norm=True)
         + gemma_rows("model.language_model", qk_norm=True, export=False)

@@ -35,7 +35,7 @@ def post_processed(base: type, norm: Any) -> type:
                 if dense_mlp:  # TransformerLayer passes these only to a module that *is* MLP
                     from megatron.core import parallel_state
 
-                    cfg = kwargs.get("config", args[0] if args else None)
+                    cfg = kwargs["config"] if "config" in kwargs else args[0]
                     kwargs.setdefault("ffn_hidden_size", cfg.ffn_hidden_size)
                     kwargs.setdefault("tp_group", parallel_state.get_tensor_model_parallel_group())
                 super().__init__(*args, **kwargs)
