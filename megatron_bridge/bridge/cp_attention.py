@@ -98,6 +98,23 @@ def merge_from_cp(parts, seq_dim: int = 1) -> torch.Tensor:
     return torch.cat([a for a, _ in halves] + [b for _, b in reversed(halves)], dim=seq_dim)
 
 
+def capped_attention(q, k, v, allowed, scale: float, cap: float, dropout: float = 0.0) -> torch.Tensor:
+    """Attention with logit soft-capping (Gemma 2), which SDPA cannot do: the scores are
+    computed explicitly, `cap·tanh(scores·scale/cap)` before the mask, softmax in fp32 (as
+    transformers' eager attention). q [b, np, sq, hn], k/v [b, ng, sk, hn] -> [b, np, sq, hn]."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # query head h reads KV head h // rep
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs, v)
+
+
 def _make_class():
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.enums import AttnMaskType
@@ -118,6 +135,7 @@ def _make_class():
             cp_comm_type=None,
             pg_collection=None,
             window="config",
+            softcap=None,
         ):
             super().__init__(config=config)
             self.layer_number = max(1, layer_number)
@@ -137,6 +155,7 @@ def _make_class():
                 use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
                 window = config.window_size if use_window else None
             self.window = window
+            self.softcap = softcap  # attention logit soft-capping: `capped_attention` instead of SDPA
             self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
             self._causal_types = (AttnMaskType.causal,)
 
@@ -186,7 +205,13 @@ def _make_class():
             v = value.permute(1, 2, 0, 3)
             gqa = q.shape[1] != k.shape[1]
             dropout = self.dropout_p if self.training else 0.0
-            if dropout > 0:
+            if self.softcap:
+                if dropout > 0:
+                    with tensor_parallel.get_cuda_rng_tracker().fork():
+                        out = capped_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
+                else:
+                    out = capped_attention(q, k, v, allowed, self.softmax_scale, self.softcap)
+            elif dropout > 0:
                 with tensor_parallel.get_cuda_rng_tracker().fork():
                     out = F.scaled_dot_product_attention(
                         q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa
@@ -211,4 +236,11 @@ def context_parallel_attention_class():
     return _CLASS
 
 
-__all__ = ["context_parallel_attention_class", "cp_positions", "allowed_mask", "split_for_cp", "merge_from_cp"]
+__all__ = [
+    "capped_attention",
+    "context_parallel_attention_class",
+    "cp_positions",
+    "allowed_mask",
+    "split_for_cp",
+    "merge_from_cp",
+]

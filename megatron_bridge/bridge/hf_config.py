@@ -27,6 +27,8 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import padded_vocab_size
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# HF hidden_act -> BridgeSpec.activation (the GLU's gate activation); the first HF name is written back
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,7 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     """Build (and validate) the spec of an HF config dict. Raises UserError listing every
     unsupported feature."""
     family = family_for(hf)
+    hf = family.complete_hf(hf)
     base = hf_to_model_fields(dict(hf))
     problems: list[str] = []
     f: dict[str, Any] = {}
@@ -210,17 +213,16 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
         f["add_qkv_bias"] = bool(hf["qkv_bias"])
 
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
-        problems.append(f"hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")
+    if act in HF_ACTIVATIONS:
+        f["activation"] = HF_ACTIVATIONS[act]
+    else:
+        problems.append(f"hidden_act={act!r}: only SwiGLU (silu) and GeGLU (gelu_pytorch_tanh) MLPs are supported")
     if hf.get("attention_bias"):
         problems.append(
             "attention_bias=true adds an o_proj bias, which the megatron local spec cannot hold (it has qkv bias only)"
         )
     if hf.get("mlp_bias"):
         problems.append("mlp_bias=true (MLP biases) is not supported")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key):
-            problems.append(f"{key} is not supported")
     family.read_hf(hf, f, problems)
     for feat in features():
         feat.read(hf, f, problems)
@@ -297,7 +299,7 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "architectures": [spec.architecture],
         "model_type": fam.model_types[0],
-        "hidden_act": "silu",
+        names.get("activation", "hidden_act"): next(k for k, v in HF_ACTIVATIONS.items() if v == spec.activation),
         "num_hidden_layers": spec.num_layers,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.ffn_hidden_size,
@@ -329,6 +331,7 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
             cfg["decoder_sparse_step"] = 1
     for feat in features():
         feat.to_hf(spec, cfg)
+    fam.write_hf(spec, cfg)
     return cfg
 
 
@@ -364,6 +367,23 @@ def rope_inv_freq(spec: BridgeSpec):
     return inv
 
 
+def gelu_tanh(x):
+    """GeGLU's gate activation: transformers' `gelu_pytorch_tanh` (a module-level function so
+    the TransformerConfig stays picklable)."""
+    import torch.nn.functional as F
+
+    return F.gelu(x, approximate="tanh")
+
+
+def activation_func(spec: BridgeSpec):
+    """The MLP activation: `spec.activation` on the GLU gate; the non-gated GPT MLP is GELU."""
+    import torch.nn.functional as F
+
+    if not spec.gated_linear_unit:
+        return F.gelu
+    return {"silu": F.silu, "gelu_tanh": gelu_tanh, "gelu": F.gelu}[spec.activation]
+
+
 def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
     """megatron-core TransformerConfig for `spec` under `layout` (a `Layout`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -379,7 +399,6 @@ def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -
     `overrides` win (params_dtype, bf16, recompute, ...).
     """
     import torch
-    import torch.nn.functional as F
 
     on_gpu = torch.cuda.is_available()
     kw: dict[str, Any] = dict(
@@ -392,7 +411,7 @@ def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -
         normalization=spec.normalization,
         layernorm_epsilon=spec.norm_epsilon,
         gated_linear_unit=spec.gated_linear_unit,
-        activation_func=F.silu if spec.gated_linear_unit else F.gelu,
+        activation_func=activation_func(spec),
         add_bias_linear=spec.add_bias_linear,
         add_qkv_bias=spec.add_qkv_bias,
         qk_layernorm=spec.qk_layernorm,

@@ -15,7 +15,14 @@ from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
 
 _FAMILIES: dict[str, type[FamilyBridge]] = {}
-_FAMILY_MODULES = ("llama", "qwen", "mixtral", "gpt")  # modules under bridge/families that register classes
+_FAMILY_MODULES = (
+    "llama",
+    "qwen",
+    "mixtral",
+    "gpt",
+    "gemma",
+    "granite",
+)  # modules under bridge/families that register classes
 
 
 class FamilyBridge:
@@ -56,6 +63,17 @@ class FamilyBridge:
     def read_hf(cls, hf: TMapping[str, Any], fields: dict[str, Any], problems: list[str]) -> None:
         """Family-specific config.json keys -> BridgeSpec fields (runs before the features'
         readers). Override only where the family's config names something its own way."""
+
+    @classmethod
+    def complete_hf(cls, hf: TMapping[str, Any]) -> TMapping[str, Any]:
+        """config.json with the keys the family's transformers config class derives when they
+        are absent (Gemma 2's default layer_types), before anything reads it."""
+        return hf
+
+    @classmethod
+    def write_hf(cls, spec: Any, cfg: dict[str, Any]) -> None:
+        """BridgeSpec -> the family's own config.json keys (runs after the features' writers);
+        the inverse of `read_hf`."""
 
     @classmethod
     def mappings(cls, spec: Any) -> tuple[Mapping, ...]:

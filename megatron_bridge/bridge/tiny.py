@@ -57,6 +57,45 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             norm_topk_prob=False,
         ),
     ),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16,  # != hidden / heads
+            query_pre_attn_scalar=24,  # softmax scale != 1/sqrt(head_dim)
+            sliding_window=8,  # alternating sliding / full layers (layer_types default)
+            attn_logit_softcapping=0.5,  # small enough that tanh bends the scores
+            final_logit_softcapping=0.5,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            # one rope base for both layer types until per-layer rope bases are supported
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            # attn_logit_softcapping stays off: transformers' SDPA path refuses it (Gemma 2 covers it)
+            final_logit_softcapping=0.5,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    ),
+    "granite": (
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=12.0,
+            attention_multiplier=0.3,
+            residual_multiplier=0.22,
+            logits_scaling=4.0,
+        ),
+    ),
 }
 
 

@@ -39,6 +39,8 @@ def needs_own_attention(spec: Any) -> list[str]:
     why = []
     if spec.window_pattern and not all(spec.window_pattern):
         why.append("per-layer sliding windows")
+    if spec.attn_logit_softcapping:
+        why.append("attention logit soft-capping")
     return why
 
 

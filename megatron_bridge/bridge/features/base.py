@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention", "norms", "sublayer")
+FEATURE_MODULES = ("attention", "norms", "sublayer", "scaling")
 
 _FEATURES: list[type[Feature]] = []
+_LOADED = False
 
 
 class Feature:
@@ -67,11 +68,13 @@ def register_feature(cls: type[Feature]) -> type[Feature]:
 
 def features() -> list[type[Feature]]:
     """Every feature, in `FEATURE_MODULES` order."""
-    if not _FEATURES:
+    global _LOADED
+    if not _LOADED:  # not `if not _FEATURES`: importing one feature module directly registers it alone
         for mod in FEATURE_MODULES:
             importlib.import_module(f"megatron_bridge.bridge.features.{mod}")
         order = {m: i for i, m in enumerate(FEATURE_MODULES)}
         _FEATURES.sort(key=lambda c: order[c.__module__.rsplit(".", 1)[-1]])
+        _LOADED = True
     return list(_FEATURES)
 
 

@@ -26,9 +26,18 @@ def post_processed(base: type, norm: Any) -> type:
     `norm` is the norm class or None; the multiplier comes in as a constructor param."""
     key = (base, norm)
     if key not in _WRAPPED:
+        from megatron.core.transformer.mlp import MLP
+
+        dense_mlp = base is MLP
 
         class PostProcessed(base):
             def __init__(self, *args: Any, output_multiplier: float = 1.0, **kwargs: Any) -> None:
+                if dense_mlp:  # TransformerLayer passes these only to a module that *is* MLP
+                    from megatron.core import parallel_state
+
+                    cfg = kwargs["config"] if "config" in kwargs else args[0]
+                    kwargs.setdefault("ffn_hidden_size", cfg.ffn_hidden_size)
+                    kwargs.setdefault("tp_group", parallel_state.get_tensor_model_parallel_group())
                 super().__init__(*args, **kwargs)
                 self.output_multiplier = output_multiplier
                 if norm is not None:
