@@ -23,6 +23,7 @@ import pytest
 import transformers as T
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, _moe_pattern, load_spec
+from megatron_bridge.bridge.tiny import TINY, tiny_config
 from megatron_bridge.parallel.dims import padded_vocab_size
 from megatron_bridge.plan import params as P
 
@@ -378,3 +379,12 @@ def test_stage_memory_sums_the_kinds_of_its_layers():
     )["cp"]  # fmt: skip
     _, k, v = P.attention_widths(spec)
     assert cp["volume_bytes"] == 3 * 1 * 32 * (k + v) * 2
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_every_tiny_family_counts_what_transformers_builds(family, tmp_path):
+    """The spec each registered family really produces (bridge/tiny.py: every feature of the
+    family on), through `load_spec`, counts what transformers builds."""
+    cfg = tiny_config(family)
+    cfg.save_pretrained(tmp_path)
+    assert P.count(load_spec(tmp_path)).total == _hf_numel(cfg)

@@ -38,7 +38,7 @@ Tensors = TMapping[str, tuple[Shape, Any]]  # HF name -> (shape, dtype)
 
 def _is_moe_row(template: str) -> bool:
     """Rows of an MoE layer's MLP (router, experts, shared experts) vs a dense layer's MLP."""
-    return ".mlp." in template and ".mlp.linear_fc" not in template
+    return re.search(r"\.mlp\.(router|experts|shared_experts)\.", template) is not None
 
 
 def layer_kinds(spec: BridgeSpec) -> tuple[int, ...]:
