@@ -62,7 +62,7 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
     `convert.load.load_converted`, which prove that they did): the tensor-parallel weights
     are allocated at this rank's shard shape and left uninitialised (`skip_weight_init`),
     instead of drawing each full-size fp32 master weight and keeping a slice — the random
-    init is most of the time of a build and load, and a full weight per rank (benchmarks.md).
+    init was ~80% of a tp2 build + load and a full-size weight per rank (docs/benchmarks.md).
     `config_overrides` go to TransformerConfig (params_dtype, bf16, recompute_granularity, ...).
     """
     from megatron.core import parallel_state as ps
