@@ -1,7 +1,7 @@
 """Hugging Face models ⇄ megatron-core parallel models (see docs/bridge.md).
 
     spec = load_spec(hf_dir)                      # HF config.json -> BridgeSpec (refuses what it can't do)
-    chunks = build_model(spec, Layout(tp=2, pp=2))   # this rank's GPTModel chunk(s); groups initialized first
+    chunks = build_model(spec, Layout(tp=2, pp=2), load_weights=True)   # this rank's chunk(s), no random init
     load_hf_weights(chunks, spec, hf_dir)         # each rank reads only its slices
     export_hf_weights(chunks, spec, out_dir, source_dir=hf_dir)   # back to HF names/shapes
 

@@ -213,22 +213,52 @@ def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoi
     for i, chunk in enumerate(chunks):
         coords = current_coords(_vp(chunks, i))
         plan = chunk_plan(spec, layout, rows, coords, chunk.config)
-        params = {k: p for k, p in chunk.named_parameters() if not is_adapter_param(k)}
-        missing = sorted(set(params) - set(plan))
-        extra = sorted(set(plan) - set(params))
-        if missing or extra:
+        targets = checkpoint_tensors(chunk)
+        missing = sorted(set(targets) - set(plan))
+        extra = sorted(set(plan) - set(targets))
+        if missing or extra:  # before reading anything
             raise UserError(
                 f"HF checkpoint {ckpt.path} does not match the {spec.family} model on this rank: "
                 f"parameters without an HF source {missing[:6]}, HF rows without a parameter {extra[:6]}"
             )
+        written = set()
         for local, row in plan.items():
             t = shard_of(row, [ckpt.slice(h) for h in row.hf], spec, layout, coords)
-            p = params[local]
+            p = targets[local]
             if tuple(t.shape) != tuple(p.shape):
                 raise UserError(f"{local}: HF {row.hf} gives shape {tuple(t.shape)}, the model has {tuple(p.shape)}")
             p.data.copy_(t.to(p.dtype))
-            n += 1
+            written.add(local)
+        require_all_written(targets, written, f"HF checkpoint {ckpt.path}")
+        n += len(written)
     return n
+
+
+def checkpoint_tensors(chunk: Any) -> dict[str, torch.Tensor]:
+    """{name: tensor} of everything a weight checkpoint must fill in `chunk`: every parameter
+    and every persistent buffer (a buffer derived from the config is registered
+    non-persistent), LoRA adapters excepted (`lora_modules` initialises or loads them).
+    A chunk built with `build_model(..., load_weights=True)` holds uninitialised memory in
+    all of them until a loader writes them, which `require_all_written` then proves."""
+    out = {k: p for k, p in chunk.named_parameters() if not is_adapter_param(k)}
+    for mod_name, mod in chunk.named_modules():
+        for b_name, b in mod._buffers.items():
+            if b is not None and b_name not in mod._non_persistent_buffers_set:
+                name = f"{mod_name}.{b_name}" if mod_name else b_name
+                if not is_adapter_param(name):
+                    out.setdefault(name, b)
+    return out
+
+
+def require_all_written(targets: dict[str, Any], written: set[str], source: str) -> None:
+    """The guarantee that makes skipping megatron's random init safe: every tensor of
+    `targets` (`checkpoint_tensors`) was written by the loader, else a UserError naming them."""
+    left = sorted(set(targets) - written)
+    if left:
+        raise UserError(
+            f"{source} left {len(left)} tensor(s) of the model unloaded (they would keep uninitialised "
+            f"memory): {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}"
+        )
 
 
 def _global_names(chunk: Any) -> dict[str, str]:
@@ -372,6 +402,8 @@ __all__ = [
     "chunk_plan",
     "resolve_checkpoint",
     "load_hf_weights",
+    "checkpoint_tensors",
+    "require_all_written",
     "iter_hf_tensors",
     "export_hf_weights",
     "current_coords",

@@ -13,6 +13,8 @@ transformers does for the family's rope type.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -52,11 +54,16 @@ def check_groups(layout: Layout) -> None:
         )
 
 
-def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> list[Any]:
+def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **config_overrides: Any) -> list[Any]:
     """This rank's GPTModel chunks for `spec` under `layout` (groups must be initialized).
 
-    `config_overrides` go to TransformerConfig (params_dtype, bf16, recompute_granularity,
-    ...). Weights are megatron's random init; load real ones with `loader.load_hf_weights`.
+    `load_weights=False` (training from scratch): megatron's random initialisation, unchanged.
+    `load_weights=True`: the caller is about to load every weight (`loader.load_hf_weights`,
+    `convert.load.load_converted`, which prove that they did): the tensor-parallel weights
+    are allocated at this rank's shard shape and left uninitialised (`skip_weight_init`),
+    instead of drawing each full-size fp32 master weight and keeping a slice — the random
+    init was ~80% of a tp2 build + load and a full-size weight per rank (docs/benchmarks.md).
+    `config_overrides` go to TransformerConfig (params_dtype, bf16, recompute_granularity, ...).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -68,14 +75,16 @@ def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> li
     inv_freq = rope_inv_freq(spec)
     chunks = []
     for vp in range(vpp) if vpp else [None]:
-        model = GPTModel(
-            config=tconfig,
-            transformer_layer_spec=decoder_block_spec(spec, tconfig, vp, pp_rank),
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            vp_stage=vp,
-            **gpt_model_kwargs(spec, layout),
-        )
+        layer_spec = decoder_block_spec(spec, tconfig, vp, pp_rank)  # imports what it uses, before patching
+        with skip_weight_init(load_weights):
+            model = GPTModel(
+                config=tconfig,
+                transformer_layer_spec=layer_spec,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                vp_stage=vp,
+                **gpt_model_kwargs(spec, layout),
+            )
         rope = getattr(model, "rotary_pos_emb", None)
         if rope is not None:
             rope.inv_freq = inv_freq.to(rope.inv_freq.device)
@@ -87,6 +96,73 @@ def build_model(spec: BridgeSpec, layout: Layout, **config_overrides: Any) -> li
             feat.model(spec, model)
         chunks.append(model)
     return chunks
+
+
+# megatron-core modules that call its affine-weight initialisers (imported by name there).
+_INIT_MODULES = (
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.extensions.transformer_engine",
+)
+
+
+@contextmanager
+def skip_weight_init(active: bool = True) -> Iterator[None]:
+    """While active, megatron's tensor-parallel weights are created but not initialised.
+
+    Every TP-split weight (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+    GroupedMLP, TE linears) is initialised by `_initialize_affine_weight_cpu` — which draws
+    the *full* master weight in fp32 on every rank, casts it and copies this rank's slice —
+    or by `_initialize_affine_weight_gpu`. Both also set the weight's tensor-parallel
+    attributes (`tensor_model_parallel`, `partition_dim`, `partition_stride`), which the
+    grad-norm, the optimizer and resharding read. `perform_initialization=False` would skip
+    those attributes too (megatron-core 0.16 sets them only inside the initialisers), so a
+    TP-split weight would count as a duplicate; instead both initialisers are replaced by
+    one that sets exactly the attributes megatron would, with megatron's own arguments.
+    The small remaining inits (zero biases, router and gate weights) are untouched."""
+    if not active:
+        yield
+        return
+    import importlib
+    import sys
+
+    layers = importlib.import_module(_INIT_MODULES[0])
+    importlib.import_module(_INIT_MODULES[1])
+    originals = {"_initialize_affine_weight_cpu": layers._initialize_affine_weight_cpu}
+    originals["_initialize_affine_weight_gpu"] = layers._initialize_affine_weight_gpu
+    set_attrs = layers.set_tensor_model_parallel_attributes
+
+    def affine_cpu(
+        weight,
+        output_size,
+        input_size,
+        per_partition_size,
+        partition_dim,
+        init_method,
+        stride=1,
+        return_master_weight=False,
+        *,
+        skip_set_tensor_parallel_attributes=False,
+        **_,
+    ):
+        if not skip_set_tensor_parallel_attributes:
+            set_attrs(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+
+    def affine_gpu(weight, init_method, partition_dim, stride=1, is_expert=False):
+        set_attrs(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
+
+    replacements = {"_initialize_affine_weight_cpu": affine_cpu, "_initialize_affine_weight_gpu": affine_gpu}
+    patched = []
+    for mod in (sys.modules[m] for m in _INIT_MODULES if m in sys.modules):
+        for name, orig in originals.items():
+            if getattr(mod, name, None) is orig:
+                setattr(mod, name, replacements[name])
+                patched.append((mod, name, orig))
+    try:
+        yield
+    finally:
+        for mod, name, orig in patched:
+            setattr(mod, name, orig)
 
 
 def mask_vocab_padding(model: Any, vocab_size: int) -> None:
@@ -118,4 +194,4 @@ def model_config(chunks: list[Any]):
     return chunks[0].config
 
 
-__all__ = ["build_model", "check_groups", "model_config"]
+__all__ = ["build_model", "check_groups", "model_config", "skip_weight_init"]

@@ -148,7 +148,7 @@ def check_layout(
     out: dict[str, Any] = {}
     if "logits" in checks or "roundtrip" in checks:
         spec = load_spec(hf_dir, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-        chunks = build_model(spec, layout)
+        chunks = build_model(spec, layout, load_weights=True)
         load_hf_weights(chunks, spec, hf_dir)
         if "logits" in checks:
             assert input_ids is not None and ref is not None, "the logits check needs input_ids and ref"
@@ -168,7 +168,7 @@ def check_layout(
         glayout = training_layout(spec, layout)
         if glayout != layout:
             out["grad_layout"] = glayout.describe()
-        chunks = build_model(spec, glayout)
+        chunks = build_model(spec, glayout, load_weights=True)
         load_hf_weights(chunks, spec, hf_dir)
         ddp = wrap_ddp(chunks)
         assert input_ids is not None and labels is not None, "the grads and train checks need input_ids and labels"

@@ -66,7 +66,17 @@ def _load_dist(chunks: Sequence[Any], ckpt_dir: Path) -> None:
     with torch.serialization.safe_globals([argparse.Namespace]):
         loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
     for i, c in enumerate(chunks):
-        c.load_state_dict(loaded[f"model{i}"], strict=True)
+        _load_chunk(c, loaded[f"model{i}"], f"train.init_from={ckpt_dir.parent}")
+
+
+def _load_chunk(chunk: Any, state: dict[str, Any], source: str) -> None:
+    """Strict load, after proving the state covers every parameter and persistent buffer
+    (the chunk may be built without random init: `build_model(load_weights=True)`)."""
+    from megatron_bridge.bridge.loader import checkpoint_tensors, require_all_written
+
+    targets = checkpoint_tensors(chunk)
+    require_all_written(targets, {k for k in state if k in targets}, source)
+    chunk.load_state_dict(state, strict=True)
 
 
 def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path) -> None:
@@ -96,7 +106,7 @@ def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path
     for i, chunk in enumerate(chunks):
         key = chunk_key(ckpt, i if ckpt.vpp else None)
         try:
-            chunk.load_state_dict(state[key], strict=True)
+            _load_chunk(chunk, state[key], str(f))
         except (KeyError, RuntimeError) as e:
             raise UserError(
                 f"{f}: does not fit this rank's model chunk {key}: {str(e).splitlines()[0][:400]}"

@@ -14,15 +14,25 @@ from typing import Any
 from megatron_bridge.errors import UserError
 
 
+def loads_weights(cfg: Any) -> bool:
+    """Whether `init_weights` loads every weight of the base model: `train.init_from` when set,
+    else the recipe's `model.hf_path` — unless the run resumes, where the checkpoint brings
+    the weights (reading the HF files first would only cost time). With `peft=lora` the base
+    is always loaded (checkpoints hold only the adapters). The one place that decides it: the
+    runner builds the model with `build_model(..., load_weights=loads_weights(cfg))`, which
+    skips megatron's random init exactly when it would be overwritten."""
+    lora = cfg.peft.method == "lora"
+    return bool(cfg.train.init_from) or bool(cfg.model.hf_path and (lora or not cfg.checkpoint.resume))
+
+
 def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
-    """Load the starting weights into freshly built chunks: `train.init_from` when set, else the
-    recipe's `model.hf_path` — unless the run resumes, where the checkpoint brings the weights
-    (reading the HF files first would only cost time). Random init otherwise. With `peft=lora`
-    the base is always loaded (checkpoints hold only the adapters) and then frozen."""
+    """Load the starting weights into freshly built chunks (`loads_weights` says when);
+    megatron's random init otherwise. With `peft=lora` the loaded base is then frozen and
+    the adapters are added."""
     lora = cfg.peft.method == "lora"
     if cfg.train.init_from:
         load_initial_weights(chunks, spec, cfg.train.init_from)
-    elif cfg.model.hf_path and (lora or not cfg.checkpoint.resume):  # a LoRA checkpoint holds no base
+    elif loads_weights(cfg):
         from megatron_bridge.bridge.loader import load_hf_weights
 
         load_hf_weights(chunks, spec, cfg.model.hf_path)

@@ -191,7 +191,7 @@ def _build(cfg, dims, recipe: str) -> _Run:
     from megatron_bridge.data.loader import build_datasets
     from megatron_bridge.parallel import groups
     from megatron_bridge.train.engines import make_engine
-    from megatron_bridge.train.init import init_weights
+    from megatron_bridge.train.init import init_weights, loads_weights
 
     mpu = groups.initialize(dims, timeout_minutes=cfg.train.timeout_minutes, seed=cfg.train.seed)
     rank = torch.distributed.get_rank()
@@ -202,7 +202,7 @@ def _build(cfg, dims, recipe: str) -> _Run:
 
     spec = spec_from_model_config(cfg.model)
     overrides = model_overrides(cfg)
-    chunks = build_model(spec, dims, **overrides)
+    chunks = build_model(spec, dims, load_weights=loads_weights(cfg), **overrides)
     init_weights(chunks, spec, cfg)
     engine = make_engine(cfg, dims, chunks, mpu, bf16=overrides["bf16"])
 

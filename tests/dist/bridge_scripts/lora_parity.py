@@ -58,7 +58,7 @@ def main() -> None:
             ensure_groups(layout, world)
             world = torch.distributed.get_world_size()
             glayout = training_layout(spec, layout)
-            chunks = build_model(spec, glayout)
+            chunks = build_model(spec, glayout, load_weights=True)
             load_hf_weights(chunks, spec, hf_dir)
             n_linears = apply_lora(chunks, spec, peft)
             ddp = wrap_ddp(chunks)

@@ -49,9 +49,9 @@ def main() -> None:
         hf = root / family
         ckpt = root / "ckpt" / f"{family}-{fmt}-{text}"
         spec = load_spec(hf, make_vocab_size_divisible_by=a.vocab_divisor)
-        chunks = build_model(spec, layout)
+        chunks = build_model(spec, layout, load_weights=True)
         load_initial_weights(chunks, spec, str(ckpt))
-        ref_chunks = build_model(spec, layout)
+        ref_chunks = build_model(spec, layout, load_weights=True)
         load_hf_weights(ref_chunks, spec, hf)
         same = all(torch.equal(p, q) for c, r in zip(chunks, ref_chunks)
                    for p, q in zip(c.state_dict().values(), r.state_dict().values()) if torch.is_tensor(p))
