@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention", "norms", "sublayer")
+FEATURE_MODULES = ("attention", "norms", "sublayer", "qk_norm")
 
 _FEATURES: list[type[Feature]] = []
+_IMPORTED: list[bool] = []  # non-empty once every FEATURE_MODULES module is imported
 
 
 class Feature:
@@ -67,11 +68,14 @@ def register_feature(cls: type[Feature]) -> type[Feature]:
 
 def features() -> list[type[Feature]]:
     """Every feature, in `FEATURE_MODULES` order."""
-    if not _FEATURES:
+    # every module, once (not "if none registered yet": importing one feature module
+    # directly, as a test does, registers that one only); import_module is cached
+    if not _IMPORTED:
         for mod in FEATURE_MODULES:
             importlib.import_module(f"megatron_bridge.bridge.features.{mod}")
         order = {m: i for i, m in enumerate(FEATURE_MODULES)}
         _FEATURES.sort(key=lambda c: order[c.__module__.rsplit(".", 1)[-1]])
+        _IMPORTED.append(True)
     return list(_FEATURES)
 
 
