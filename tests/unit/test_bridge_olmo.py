@@ -148,3 +148,20 @@ def test_olmoe_and_qwen3_moe_layer_specs():
     for layer in layers:
         attn = layer.submodules.self_attention
         assert attn.module is SelfAttention and attn.submodules.q_layernorm is not full_qk_norm_class()
+
+
+def test_wrapped_sublayers_get_their_base_constructor_arguments():
+    """TransformerLayer picks an MLP's kwargs by `spec.module in (MoELayer, ...)` / `== MLP`:
+    a post-processed MLP / MoELayer must pass those checks (no 'Unknown MLP type')."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_bridge.bridge.features.norms import norm_module
+    from megatron_bridge.bridge.features.sublayer import post_processed
+
+    spec = spec_from_hf(tiny_config("olmo2").to_dict())
+    mlp, moe = post_processed(MLP, norm_module(spec)), post_processed(MoELayer, None)
+    assert mlp == MLP and mlp is not MLP and issubclass(mlp, MLP) and mlp != MoELayer
+    assert moe in (MoELayer, SequentialMLP) and moe != MLP and MLP == mlp
+    assert len({mlp, MLP, moe, MoELayer}) == 4  # hashing stays by identity

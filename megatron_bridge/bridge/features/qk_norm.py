@@ -117,6 +117,8 @@ def clipped_attention_class(base: type) -> type:
                 self.clip_qkv = float(clip_qkv)
 
             def get_query_key_value_tensors(self, *args: Any, **kwargs: Any):
+                if kwargs.get("split_qkv") is False:  # megatron's fused single-qkv rope
+                    raise NotImplementedError("clip_qkv needs q, k, v apart: turn fused_single_qkv_rope off")
                 out = super().get_query_key_value_tensors(*args, **kwargs)
                 c = self.clip_qkv
                 q, k, v = (t.clamp(-c, c) for t in out[:3])

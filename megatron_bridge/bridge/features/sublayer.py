@@ -18,6 +18,26 @@ from megatron_bridge.bridge.features.base import Feature, register_feature
 from megatron_bridge.bridge.features.norms import norm_module
 
 _WRAPPED: dict[tuple[type, Any], type] = {}
+_METAS: dict[type, type] = {}
+
+
+def _same_kind_meta(base: type) -> type:
+    """The metaclass of a wrapped sublayer class: `base`'s own (type, ABCMeta, ...) except
+    that the wrapped class compares equal to the class it wraps.
+
+    TransformerLayer chooses the MLP's constructor arguments by `spec.module in (MoELayer,
+    SequentialMLP, ...)` / `spec.module == MLP` (pg_collection for MoE, tp_group for MLP)
+    and, for any other class, warns once per layer and passes neither. A wrapped MoELayer /
+    MLP takes exactly the base's arguments, so only identity tells it from its base; hashing
+    stays by identity (dict keys are unaffected)."""
+    meta = type(base)
+    if meta not in _METAS:
+
+        def __eq__(cls, other: object) -> bool:
+            return cls is other or other is getattr(cls, "_wrapped_base", None)
+
+        _METAS[meta] = type(f"SameKind{meta.__name__}", (meta,), {"__eq__": __eq__, "__hash__": meta.__hash__})
+    return _METAS[meta]
 
 
 def post_processed(base: type, norm: Any) -> type:
@@ -26,8 +46,11 @@ def post_processed(base: type, norm: Any) -> type:
     `norm` is the norm class or None; the multiplier comes in as a constructor param."""
     key = (base, norm)
     if key not in _WRAPPED:
+        meta = _same_kind_meta(base)
 
-        class PostProcessed(base):
+        class PostProcessed(base, metaclass=meta):  # type: ignore[metaclass]
+            _wrapped_base = base
+
             def __init__(self, *args: Any, output_multiplier: float = 1.0, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
                 self.output_multiplier = output_multiplier
