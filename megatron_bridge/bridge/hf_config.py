@@ -80,6 +80,7 @@ class BridgeSpec:
     qk_norm_type: str = (
         "head"  # with qk_layernorm: "head" = RMSNorm per head, "full" = over the whole q/k projection (OLMo-2, OLMoE)
     )
+    clip_qkv: float | None = None  # q, k (after qk-norm) and v clamped to [-c, c] (OLMoE clip_qkv)
     attention_out_bias: bool = False  # o_proj bias without MLP biases (HF attention_bias=true also sets add_qkv_bias)
     # rotary position embedding
     rotary_percent: float = 1.0  # partial_rotary_factor: the first rotary_percent·head_dim dims rotate

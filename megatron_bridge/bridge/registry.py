@@ -22,6 +22,7 @@ _FAMILY_MODULES = (
     "gpt",
     "gemma",
     "granite",
+    "olmo",
 )  # modules under bridge/families that register classes
 
 

@@ -96,6 +96,31 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             logits_scaling=4.0,
         ),
     ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            use_sliding_window=True,
+            sliding_window=8,
+        ),
+    ),
+    "olmo2": ("Olmo2Config", dict(eos_token_id=None)),
+    "olmoe": (
+        "OlmoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            norm_topk_prob=False,
+            clip_qkv=1.0,
+            eos_token_id=None,
+        ),
+    ),
 }
 
 

@@ -1,4 +1,5 @@
-"""Qwen2 (qkv bias), Qwen3 (qk-norm) and Qwen2-MoE (routed + gated shared expert)."""
+"""Qwen2 (qkv bias), Qwen3 (qk-norm), Qwen2-MoE (routed + gated shared expert) and Qwen3-MoE
+(qk-norm + routed experts, dense layers from mlp_only_layers / decoder_sparse_step)."""
 
 from megatron_bridge.bridge.families.common import ATTENTION, DENSE_MLP, EMBEDDINGS, QK_NORM, H, L, experts, swiglu
 from megatron_bridge.bridge.mapping import REPLICATED
@@ -50,3 +51,22 @@ class Qwen2Moe(FamilyBridge):
         + (Mapping(f"{L}.mlp.shared_experts.gate_weight", f"{H}.mlp.shared_expert_gate.weight", REPLICATED),)
     )
     notes = "MoE (softmax top-k) + sigmoid-gated shared expert, qkv bias, dense layers allowed"
+
+
+@register
+class Qwen3Moe(FamilyBridge):
+    name = "qwen3_moe"
+    model_types = ("qwen3_moe",)
+    architectures = ("Qwen3MoeForCausalLM",)
+    implicit = {"qk_layernorm": True}
+    hf_names = {"num_moe_experts": "num_experts", "moe_ffn_hidden_size": "moe_intermediate_size"}
+    # Qwen3-MoE has no layer_types: use_sliding_window turns the window on for every layer
+    window_key = "layer_types"
+    table = (
+        EMBEDDINGS
+        + ATTENTION
+        + QK_NORM
+        + DENSE_MLP  # layers listed in mlp_only_layers / off decoder_sparse_step
+        + experts("mlp.experts", "gate_proj", "up_proj", "down_proj", "mlp.gate.weight")
+    )
+    notes = "qk-norm per head + MoE (softmax top-k, norm_topk_prob), dense layers allowed"

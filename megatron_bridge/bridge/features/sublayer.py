@@ -18,6 +18,26 @@ from megatron_bridge.bridge.features.base import Feature, register_feature
 from megatron_bridge.bridge.features.norms import norm_module
 
 _WRAPPED: dict[tuple[type, Any], type] = {}
+_METAS: dict[type, type] = {}
+
+
+def _same_kind_meta(base: type) -> type:
+    """The metaclass of a wrapped sublayer class: `base`'s own (type, ABCMeta, ...) except
+    that the wrapped class compares equal to the class it wraps.
+
+    TransformerLayer chooses the MLP's constructor arguments by `spec.module in (MoELayer,
+    SequentialMLP, ...)` / `spec.module == MLP` (pg_collection for MoE, tp_group for MLP)
+    and, for any other class, warns once per layer and passes neither. A wrapped MoELayer /
+    MLP takes exactly the base's arguments, so only identity tells it from its base; hashing
+    stays by identity (dict keys are unaffected)."""
+    meta = type(base)
+    if meta not in _METAS:
+
+        def __eq__(cls, other: object) -> bool:
+            return cls is other or other is getattr(cls, "_wrapped_base", None)
+
+        _METAS[meta] = type(f"SameKind{meta.__name__}", (meta,), {"__eq__": __eq__, "__hash__": meta.__hash__})
+    return _METAS[meta]
 
 
 def post_processed(base: type, norm: Any) -> type:
@@ -28,16 +48,16 @@ def post_processed(base: type, norm: Any) -> type:
     if key not in _WRAPPED:
         from megatron.core.transformer.mlp import MLP
 
+        meta = _same_kind_meta(base)
         dense_mlp = base is MLP
 
-        class PostProcessed(base):
-            def __init__(self, *args: Any, output_multiplier: float = 1.0, **kwargs: Any) -> None:
-                if dense_mlp:  # TransformerLayer passes these only to a module that *is* MLP
-                    from megatron.core import parallel_state
+        class PostProcessed(base, metaclass=meta):  # type: ignore[metaclass]
+            _wrapped_base = base
 
+            def __init__(self, *args: Any, output_multiplier: float = 1.0, **kwargs: Any) -> None:
+                if dense_mlp:  # megatron warns (from this frame) when a dense MLP is not given its width
                     cfg = kwargs["config"] if "config" in kwargs else args[0]
                     kwargs.setdefault("ffn_hidden_size", cfg.ffn_hidden_size)
-                    kwargs.setdefault("tp_group", parallel_state.get_tensor_model_parallel_group())
                 super().__init__(*args, **kwargs)
                 self.output_multiplier = output_multiplier
                 if norm is not None:

@@ -103,8 +103,10 @@ _SHAPES: Sequence[tuple[str, Callable[[BridgeSpec, int], Shape]]] = (
 
 def megatron_shape(name: str, spec: BridgeSpec, padded_vocab: int) -> Shape | None:
     """The shape megatron-core gives global parameter `name` (None: not known here)."""
-    if re.search(r"\.(q|k)_layernorm\.weight$", name):
-        return (spec.head_dim,)
+    qk = re.search(r"\.(q|k)_layernorm\.weight$", name)
+    if qk:  # per head, or over the whole q / k projection (qk_norm_type "full")
+        heads = spec.num_attention_heads if qk.group(1) == "q" else spec.num_query_groups
+        return (spec.head_dim * (heads if spec.qk_norm_type == "full" else 1),)
     for pattern, fn in _SHAPES:
         if re.search(pattern, name):
             return tuple(fn(spec, padded_vocab))
