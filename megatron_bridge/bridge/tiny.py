@@ -57,6 +57,59 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             norm_topk_prob=False,
         ),
     ),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            sliding_window=8,
+            original_max_position_embeddings=16,  # < the 32-token test batch: the long factors and
+            rope_parameters=dict(  # the attention factor are in use
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.7],
+                long_factor=[1.5, 4.0],
+            ),
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "smollm3": (
+        "SmolLM3Config",
+        dict(
+            no_rope_layers=[1, 0, 1, 0],
+            use_sliding_window=True,
+            sliding_window=8,  # transformers puts it on the NoPE layers
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "ministral": (
+        "MinistralConfig",
+        dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, head_dim=16),
+    ),
+    "ministral3": (
+        "Ministral3Config",
+        dict(
+            head_dim=8,
+            sliding_window=8,
+            max_position_embeddings=128,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=8.0,
+                original_max_position_embeddings=16,  # < 32: Llama-4 query scaling is active
+                beta_fast=32.0,
+                beta_slow=1.0,
+                llama_4_scaling_beta=0.1,
+            ),
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 
 

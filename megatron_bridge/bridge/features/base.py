@@ -21,9 +21,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention",)
+FEATURE_MODULES = ("attention", "rope")
 
 _FEATURES: list[type[Feature]] = []
+_LOADED: list[bool] = []
 
 
 class Feature:
@@ -62,9 +63,10 @@ def register_feature(cls: type[Feature]) -> type[Feature]:
 
 def features() -> list[type[Feature]]:
     """Every feature, in `FEATURE_MODULES` order."""
-    if not _FEATURES:
+    if not _LOADED:  # not `if not _FEATURES`: importing one feature module directly registers only it
         for mod in FEATURE_MODULES:
             importlib.import_module(f"megatron_bridge.bridge.features.{mod}")
+        _LOADED.append(True)
         order = {m: i for i, m in enumerate(FEATURE_MODULES)}
         _FEATURES.sort(key=lambda c: order[c.__module__.rsplit(".", 1)[-1]])
     return list(_FEATURES)
