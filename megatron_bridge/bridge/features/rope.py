@@ -105,7 +105,9 @@ def read_rope(hf: Mapping[str, Any], fields: dict[str, Any], problems: list[str]
     fields["rotary_percent"] = float(partial) if partial is not None else 1.0
     fields["rotary_base"], fields["rope_type"] = float(theta), rtype
     fields["rope_params"] = tuple(sorted(keep.items()))
-    fields["rope_local_base"] = float(local) if local is not None and float(local) != float(theta) else None
+    # sliding layers run *default* rope at their base: the same as the model's only when that is default too
+    same = local is not None and float(local) == float(theta) and rtype == "default"
+    fields["rope_local_base"] = float(local) if local is not None and not same else None
 
 
 def read_nope(hf: Mapping[str, Any], fields: dict[str, Any], problems: list[str]) -> None:
