@@ -244,3 +244,35 @@ def test_layers_with_their_own_rope_base_compute_transformers_logits(tmp_path, o
         load_hf_weights(chunks, s, path)
         logits = forward_logits(chunks, ids)[..., : s.vocab_size]
         assert torch.allclose(logits, ref, atol=1e-4) == close
+
+
+@pytest.mark.parametrize("family", ["ministral3", "ministral-local"])
+def test_packed_sequences_restart_every_per_layer_rotary(tmp_path, family, one_process_groups):
+    """THD packing: the per-layer rotary (own base; yarn factor and Llama-4 query scaling,
+    which depend on the position) restarts at every sequence, so a packed row gives the
+    logits of its sequences run one by one."""
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.bridge.loader import load_hf_weights
+    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.bridge.packing import packed_seq_params
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    local = family == "ministral-local"
+    extra = {"layer_types": ["sliding_attention", "full_attention"] * 2} if local else {}
+    path = make_tiny(family.split("-")[0], tmp_path / family, **extra)
+    spec = load_spec(path, make_vocab_size_divisible_by=8)
+    if local:
+        spec = spec.replace(rope_local_base=500.0)
+    assert any(layer_rope(spec, i) for i in range(4))
+    (model,) = build_model(spec, Layout())
+    load_hf_weights([model], spec, path)
+    model.eval()
+    lengths = (20, 12)  # the first passes original_max_position_embeddings (16) of ministral3
+    ids = torch.randint(0, spec.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(0))
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(ids, pos, None, packed_seq_params=packed_seq_params(seg))
+        alone = [model(x, torch.arange(x.shape[1])[None], None) for x in ids.split(lengths, dim=1)]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=0, atol=1e-5)
