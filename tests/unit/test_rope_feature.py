@@ -276,3 +276,43 @@ def test_packed_sequences_restart_every_per_layer_rotary(tmp_path, family, one_p
         packed = model(ids, pos, None, packed_seq_params=packed_seq_params(seg))
         alone = [model(x, torch.arange(x.shape[1])[None], None) for x in ids.split(lengths, dim=1)]
     torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family, overrides, seq, plain",
+    [
+        ("phi3", {}, 12, False),  # longrope: 12 <= original 16, the short factors (verify covers the long ones)
+        (
+            "llama",
+            {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+            24,
+            False,
+        ),
+        (
+            "llama",
+            {"max_position_embeddings": 64, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+            24,
+            True,
+        ),
+    ],
+)
+def test_length_dependent_rope_gives_transformers_logits(tmp_path, family, overrides, seq, plain, one_process_groups):
+    """The frequencies megatron's rotary gets for the batch's length are transformers' for
+    the same batch (dynamic NTK rescales past max_position_embeddings, a fresh model)."""
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.bridge.loader import load_hf_weights
+    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.bridge.parity import hf_reference, make_batch
+    from megatron_bridge.bridge.runtime import forward_logits
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    path = make_tiny(family, tmp_path / family, **overrides)
+    spec = load_spec(path, make_vocab_size_divisible_by=8)
+    ids, _ = make_batch(spec.vocab_size, seq=seq)
+    ref = hf_reference(path, ids)["logits"]
+    for s, close in ((spec, True), (spec.replace(rope_type="default", rope_params=()), plain)):
+        chunks = build_model(s, Layout())
+        load_hf_weights(chunks, s, path)
+        logits = forward_logits(chunks, ids)[..., : s.vocab_size]
+        assert torch.allclose(logits, ref, rtol=0, atol=1e-4) == close  # plain rope only up to the original length
