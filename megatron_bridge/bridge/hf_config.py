@@ -3,8 +3,8 @@
 `BridgeSpec` is the architecture as the bridge understands it: every field either maps to a
 megatron-core setting or to a weight-table condition. Reading an HF config refuses, with
 every reason at once, the features the megatron local spec cannot reproduce (o_proj bias,
-yarn rope, mixed sliding/full layers, ...): a silently dropped feature would give a model
-that loads fine and computes something else.
+multimodal rope, ...): a silently dropped feature would give a model that loads fine and
+computes something else. Rotary settings are read and written by features/rope.py.
 
 The common HF key names come from `config/hf_model.py` (one place knows them); the extra
 keys only the bridge needs (rope scaling, windows, router details) are read here.
@@ -13,7 +13,6 @@ keys only the bridge needs (rope scaling, windows, router details) are read here
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping as TMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,6 @@ from megatron_bridge.config.hf_model import HF_KEYS, hf_to_model_fields, read_hf
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import padded_vocab_size
 
-ROPE_TYPES = ("default", "linear", "llama3")
 # HF hidden_act -> BridgeSpec.activation (the GLU's gate activation); the first HF name is written back
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -142,28 +140,6 @@ class BridgeSpec:
 # ----------------------------------------------------------------------------------------
 
 
-def _rope(hf: TMapping[str, Any], problems: list[str]) -> tuple[float, str, tuple[tuple[str, Any], ...]]:
-    """(theta, rope_type, params) from transformers-5 `rope_parameters` or v4 `rope_scaling`."""
-    params = dict(hf.get("rope_parameters") or {})
-    params.update(hf.get("rope_scaling") or {})
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    rtype = params.get("rope_type") or params.get("type") or "default"
-    keep: dict[str, Any] = {}
-    if rtype not in ROPE_TYPES:
-        problems.append(f"rope_type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    elif rtype == "linear":
-        keep["factor"] = params["factor"]
-    elif rtype == "llama3":
-        for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if k not in params:
-                problems.append(f"llama3 rope scaling without {k!r}")
-            else:
-                keep[k] = params[k]
-    if float(hf.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-        problems.append("partial_rotary_factor != 1 (partial rotary) is not supported")
-    return float(theta), rtype, tuple(sorted(keep.items()))
-
-
 def _moe_pattern(hf: TMapping[str, Any], n_layers: int) -> tuple[int, ...]:
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = set(hf.get("mlp_only_layers") or ())
@@ -205,7 +181,6 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     f["num_query_groups"] = int(base.get("num_query_groups") or heads)
     f["head_dim"] = int(base.get("kv_channels") or base["hidden_size"] // heads)
     f["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
-    f["rotary_base"], f["rope_type"], f["rope_params"] = _rope(hf, problems)
     f["attention_dropout"] = float(hf.get("attention_dropout") or 0.0)
     f["initializer_range"] = float(hf.get("initializer_range") or 0.02)
     f["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
@@ -313,7 +288,7 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
         "tie_word_embeddings": spec.tie_word_embeddings,
         "attention_dropout": spec.attention_dropout,
         "initializer_range": spec.initializer_range,
-        "rope_parameters": {"rope_theta": spec.rotary_base, "rope_type": spec.rope_type, **dict(spec.rope_params)},
+        "pad_token_id": None,  # no tokenizer known; some config classes default to ids past a small vocab (Phi-3)
     }
     for f, value in (("add_qkv_bias", spec.add_qkv_bias),):
         if f in names:
@@ -339,33 +314,6 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------
 # spec -> megatron-core
 # ----------------------------------------------------------------------------------------
-
-
-def rope_inv_freq(spec: BridgeSpec):
-    """Rotary inverse frequencies exactly as transformers computes them for this rope type
-    (megatron's own llama3 scaling hard-codes low/high factors and 8192 original length)."""
-    import torch
-
-    d = spec.head_dim
-    inv = 1.0 / (spec.rotary_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    p = dict(spec.rope_params)
-    if spec.rope_type == "linear":
-        inv = inv / p["factor"]
-    elif spec.rope_type == "llama3":
-        factor, lo, hi, old = (
-            p["factor"],
-            p["low_freq_factor"],
-            p["high_freq_factor"],
-            p["original_max_position_embeddings"],
-        )
-        low_wl, high_wl = old / lo, old / hi
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-        inv = torch.where(medium, smoothed, scaled)
-    return inv
 
 
 def gelu_tanh(x):
@@ -480,9 +428,7 @@ __all__ = [
     "spec_to_hf_config",
     "load_spec",
     "spec_from_model_config",
-    "rope_inv_freq",
     "transformer_config",
     "transformer_config_kwargs",
     "gpt_model_kwargs",
-    "ROPE_TYPES",
 ]

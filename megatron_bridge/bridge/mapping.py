@@ -277,8 +277,46 @@ class FusedGateUp(Transform):
         return torch.cat(gates, dim=0), torch.cat(ups, dim=0)
 
 
+class StackedQKV(Transform):
+    """One HF tensor holding [q (all heads); k; v] along its rows (Phi-3 `qkv_proj`) -> the
+    per-query-group fused layout of `FusedQKV`: the same blocks, offset into the one input."""
+
+    def _blocks(self, hf_shapes, s, shapes):
+        (sh,) = hf_shapes
+        q, kv = shapes.num_attention_heads * shapes.head_dim, shapes.num_query_groups * shapes.head_dim
+        if sh[0] != q + 2 * kv:
+            raise ValueError(f"stacked qkv has {sh[0]} rows, heads/kv groups/head_dim give {q} + 2·{kv}")
+        parts = FusedQKV()._blocks([(q, *sh[1:]), (kv, *sh[1:]), (kv, *sh[1:])], s, shapes)
+        at = (0, q, q + kv)  # where q, k, v start in the stacked tensor
+        return _joined([Block(0, (b.rows[0] + at[b.src or 0], b.rows[1] + at[b.src or 0]), b.cols) for b in parts])
+
+    def merge(self, shards, shapes):
+        import torch
+
+        return (torch.cat(FusedQKV().merge(shards, shapes), dim=0),)
+
+
+class StackedGateUp(Transform):
+    """One HF tensor [gate; up] (Phi-3 `gate_up_proj`) -> each rank holds [gate_r; up_r], as
+    `FusedGateUp`; unsplit it is the tensor itself."""
+
+    def _blocks(self, hf_shapes, s, shapes):
+        (sh,) = hf_shapes
+        if sh[0] % 2:
+            raise ValueError(f"stacked gate/up has an odd number of rows ({sh[0]})")
+        half = sh[0] // 2
+        a, b = _split(half, s, "gate/up rows")
+        return _joined([Block(0, (a, b)), Block(0, (half + a, half + b))])
+
+    def merge(self, shards, shapes):
+        import torch
+
+        return (torch.cat(FusedGateUp().merge(shards, shapes), dim=0),)
+
+
 REPLICATED, COLUMN, ROW, VOCAB = Replicated(), Column(), Row(), VocabParallel()
 QKV, GATE_UP = FusedQKV(), FusedGateUp()
+STACKED_QKV, STACKED_GATE_UP = StackedQKV(), StackedGateUp()
 
 
 __all__ = [
@@ -295,10 +333,14 @@ __all__ = [
     "VocabParallel",
     "FusedQKV",
     "FusedGateUp",
+    "StackedQKV",
+    "StackedGateUp",
     "REPLICATED",
     "COLUMN",
     "ROW",
     "VOCAB",
     "QKV",
     "GATE_UP",
+    "STACKED_QKV",
+    "STACKED_GATE_UP",
 ]

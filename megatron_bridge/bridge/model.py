@@ -7,8 +7,8 @@ a family's config turns on (windows, norms, scalings, ...) replace or wrap modul
 names are the local spec's on every machine, which is what the mapping tables speak.
 
 `build_model` returns one GPTModel per virtual pipeline chunk (a list of one without VPP),
-each with pre_process/post_process set for its stage, rotary frequencies computed exactly as
-transformers does for the family's rope type.
+each with pre_process/post_process set for its stage; the features' `model` hooks finish it
+(features/rope.py puts in rotary frequencies computed exactly as transformers does).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.bridge.features.base import features
-from megatron_bridge.bridge.hf_config import BridgeSpec, gpt_model_kwargs, rope_inv_freq, transformer_config
+from megatron_bridge.bridge.hf_config import BridgeSpec, gpt_model_kwargs, transformer_config
 from megatron_bridge.bridge.layer_specs import decoder_block_spec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.errors import UserError
@@ -72,7 +72,6 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
     tconfig = transformer_config(spec, layout, **config_overrides)
     pp_rank = ps.get_pipeline_model_parallel_rank()
     vpp = tconfig.virtual_pipeline_model_parallel_size
-    inv_freq = rope_inv_freq(spec)
     chunks = []
     for vp in range(vpp) if vpp else [None]:
         layer_spec = decoder_block_spec(spec, tconfig, vp, pp_rank)  # imports what it uses, before patching
@@ -85,9 +84,6 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
                 vp_stage=vp,
                 **gpt_model_kwargs(spec, layout),
             )
-        rope = getattr(model, "rotary_pos_emb", None)
-        if rope is not None:
-            rope.inv_freq = inv_freq.to(rope.inv_freq.device)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if model.post_process:

@@ -23,6 +23,9 @@ _FAMILY_MODULES = (
     "gemma",
     "granite",
     "olmo",
+    "phi3",
+    "smollm3",
+    "ministral",
 )  # modules under bridge/families that register classes
 
 

@@ -76,9 +76,8 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             query_pre_attn_scalar=24,
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            # one rope base for both layer types until per-layer rope bases are supported
-            rope_parameters={
-                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            rope_parameters={  # sliding layers rotate at their own base
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             },
             # attn_logit_softcapping stays off: transformers' SDPA path refuses it (Gemma 2 covers it)
@@ -121,6 +120,59 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             eos_token_id=None,
         ),
     ),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            sliding_window=8,
+            original_max_position_embeddings=16,  # < the 32-token test batch: the long factors and
+            rope_parameters=dict(  # the attention factor are in use
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.7],
+                long_factor=[1.5, 4.0],
+            ),
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "smollm3": (
+        "SmolLM3Config",
+        dict(
+            no_rope_layers=[1, 0, 1, 0],
+            use_sliding_window=True,
+            sliding_window=8,  # transformers puts it on the NoPE layers
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+    "ministral": (
+        "MinistralConfig",
+        dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2, head_dim=16),
+    ),
+    "ministral3": (
+        "Ministral3Config",
+        dict(
+            head_dim=8,
+            sliding_window=8,
+            max_position_embeddings=128,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=8.0,
+                original_max_position_embeddings=16,  # < 32: Llama-4 query scaling is active
+                beta_fast=32.0,
+                beta_slow=1.0,
+                llama_4_scaling_beta=0.1,
+            ),
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 
 
@@ -133,15 +185,22 @@ def tiny_config(family: str, **overrides: Any):
 
 
 def randomize_(model, seed: int = 0, scale: float = 0.08) -> None:
-    """Deterministic non-trivial weights: norms 1 ± 0.2, everything else N(0, scale)."""
+    """Deterministic non-trivial weights: norms scale by 1 ± 0.2, everything else N(0, scale).
+
+    A zero-centred norm (Gemma: x·(1 + w)) stores w, so its weights are drawn around 0, not 1:
+    weights of 1 would double the activations at every norm and turn fp32 reduction-order
+    noise into differences as large as the tolerances."""
     import torch
 
+    from megatron_bridge.bridge.hf_config import spec_from_hf
+
+    centre = 0.0 if spec_from_hf(model.config.to_dict()).zero_centered_norm else 1.0
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
+                p.copy_(centre + 0.2 * noise)
             else:
                 p.copy_(scale * noise)
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from megatron_bridge.bridge import registry
+from megatron_bridge.bridge.features.rope import rope_inv_freq
 from megatron_bridge.bridge.hf_config import (
     load_spec,
-    rope_inv_freq,
     spec_from_hf,
     spec_to_hf_config,
     transformer_config,
@@ -79,9 +79,9 @@ def _base(**kw):
         ({"attention_bias": True}, "o_proj bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"hidden_act": "gelu"}, "SwiGLU"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
-        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
-        ({"partial_rotary_factor": 0.5}, "partial"),
+        ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "proportional"),
+        ({"rope_scaling": {"type": "yarn"}}, "yarn rope scaling without 'factor'"),
+        ({"rope_parameters": {"rope_type": "default", "mrope_section": [2, 2, 4]}}, "mrope"),
         ({"layer_types": ["full_attention", "chunked_attention"], "sliding_window": 4}, "chunked_attention"),
     ],
 )

@@ -143,16 +143,17 @@ def test_family_configs_round_trip_and_refusals(tmp_path):
     gr = load_spec(make_tiny("granite", tmp_path / "gr"))
     assert (gr.embedding_multiplier, gr.softmax_scale, gr.residual_multiplier, gr.logits_scaling) == (12, 0.3, 0.22, 4)
     g3 = load_spec(make_tiny("gemma3_text", tmp_path / "g3"))
-    assert g3.qk_layernorm and g3.zero_centered_norm and g3.rope_local_base is None
+    assert g3.qk_layernorm and g3.zero_centered_norm and (g3.rotary_base, g3.rope_local_base) == (1e6, 1e4)
     hf3 = spec_to_hf_config(g3)
-    assert hf3["rope_parameters"]["sliding_attention"]["rope_theta"] == g3.rotary_base
+    assert hf3["rope_parameters"]["sliding_attention"]["rope_theta"] == 1e4
+    assert hf3["rope_parameters"]["full_attention"]["rope_theta"] == 1e6
     for spec in (g2, gr, g3):
         assert spec_from_hf(spec_to_hf_config(spec)) == spec
     # v4-style Gemma 3 config: rope_theta 1e6 and rope_local_base_freq 1e4 (the real models)
     v4 = {k: v for k, v in hf3.items() if k != "rope_parameters"}
-    with pytest.raises(UserError, match="rope_local_base_freq=10000 != rope_theta=1e"):
-        spec_from_hf({**v4, "rope_theta": 1e6, "rope_local_base_freq": 1e4})
-    assert spec_from_hf({**v4, "rope_theta": 1e4, "rope_local_base_freq": 1e4}) == g3
+    assert spec_from_hf({**v4, "rope_theta": 1e6, "rope_local_base_freq": 1e4}) == g3
+    same = spec_from_hf({**v4, "rope_theta": 1e4, "rope_local_base_freq": 1e4})
+    assert (same.rotary_base, same.rope_local_base) == (1e4, None)
     with pytest.raises(UserError, match="bidirectional"):
         spec_from_hf({**hf3, "use_bidirectional_attention": True})
     with pytest.raises(UserError, match="gelu_new"):

@@ -22,6 +22,8 @@ from megatron_bridge.bridge.mapping import (
     QKV,
     REPLICATED,
     ROW,
+    STACKED_GATE_UP,
+    STACKED_QKV,
     VOCAB,
     Block,
     Shapes,
@@ -51,7 +53,26 @@ CASES = [
     ("qkv-mqa", QKV, qkv_shapes(MQA), MQA, [1, 2, 4, 8]),
     ("qkv-mha", QKV, qkv_shapes(MHA), MHA, [1, 2, 4, 8]),
     ("gate-up", GATE_UP, [(8, 5), (8, 5)], SHAPES, [1, 2, 4, 8]),
+    ("stacked-qkv", STACKED_QKV, [(48, 3)], SHAPES, [1, 2, 4, 8, 16]),  # Phi-3 qkv_proj: [q; k; v]
+    ("stacked-qkv-mqa", STACKED_QKV, [(40, 3)], MQA, [1, 2, 4, 8]),
+    ("stacked-gate-up", STACKED_GATE_UP, [(16, 5)], SHAPES, [1, 2, 4, 8]),  # Phi-3 gate_up_proj
 ]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_stacked_tensors_shard_as_their_separate_parts(tp):
+    """A stacked HF tensor gives exactly the shards its separate parts give (so the fused
+    megatron layout is the one verified for Llama), one block per contiguous range."""
+    _, (qkv,) = inputs([(48, 3)])
+    q, k, v = qkv[:32], qkv[32:40], qkv[40:]
+    _, (gu,) = inputs([(16, 5)])
+    for r in range(tp):
+        s = Shard(r, tp)
+        assert torch.equal(STACKED_QKV.shard([qkv], s, SHAPES), QKV.shard([q, k, v], s, SHAPES))
+        assert torch.equal(STACKED_GATE_UP.shard([gu], s, SHAPES), GATE_UP.shard([gu[:8], gu[8:]], s, SHAPES))
+    assert STACKED_GATE_UP.blocks([(16, 5)], Shard(0, 1), SHAPES) == [Block(0, (0, 16))]
+    with pytest.raises(ValueError, match="stacked qkv has 47 rows"):
+        STACKED_QKV.blocks([(47, 3)], Shard(0, 1), SHAPES)
 
 
 def np_assemble(blocks, hf):

@@ -132,35 +132,13 @@ class Gemma3Text(_Gemma):
         + gemma_rows("language_model.model", qk_norm=True, export=False)
         + LM_HEAD
     )
-    notes = "as gemma2 plus zero-centred qk-norm; local rope base = global only (for now)"
-
-    @classmethod
-    def read_hf(cls, hf: TMapping[str, Any], fields: dict[str, Any], problems: list[str]) -> None:
-        """transformers 5 nests rope per layer type (`rope_parameters.full_attention` /
-        `.sliding_attention`); v4 configs have rope_theta / rope_scaling / rope_local_base_freq."""
-        from megatron_bridge.bridge.hf_config import _rope
-
-        super().read_hf(hf, fields, problems)
-        params = hf.get("rope_parameters") or {}
-        if "full_attention" in params:
-            full = {"rope_parameters": params["full_attention"]}
-            local = dict(params.get("sliding_attention") or {})
-        else:
-            full = dict(hf)
-            local = {"rope_theta": hf.get("rope_local_base_freq", 10000.0)}
-        fields["rotary_base"], fields["rope_type"], fields["rope_params"] = _rope(full, problems)
-        if (local.get("rope_type") or "default") != "default" or fields["rope_type"] != "default":
-            problems.append("Gemma 3 rope scaling (per layer type) is not supported yet")
-        local_base = float(local.get("rope_theta", 10000.0))
-        if local_base != fields["rotary_base"]:
-            problems.append(
-                f"rope_local_base_freq={local_base:g} != rope_theta={fields['rotary_base']:g}: a rope base per "
-                "layer type (sliding layers) is not supported yet"
-            )
+    notes = "as gemma2 plus zero-centred qk-norm, a rope base per layer type (rope_local_base_freq)"
 
     @classmethod
     def write_hf(cls, spec: Any, cfg: dict[str, Any]) -> None:
+        """Gemma 3 configs always nest rope per layer type (features/rope.py nests it only
+        when the sliding layers' base differs)."""
         super().write_hf(spec, cfg)
-        full = cfg.pop("rope_parameters")
-        local = {"rope_type": "default", "rope_theta": spec.rope_local_base or spec.rotary_base}
-        cfg["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+        if "full_attention" not in cfg["rope_parameters"]:
+            local = {"rope_type": "default", "rope_theta": spec.rope_local_base or spec.rotary_base}
+            cfg["rope_parameters"] = {"full_attention": cfg["rope_parameters"], "sliding_attention": local}

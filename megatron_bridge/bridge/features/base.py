@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention", "norms", "sublayer", "scaling", "qk_norm")
+FEATURE_MODULES = ("attention", "rope", "norms", "sublayer", "scaling", "qk_norm")
 
 _FEATURES: list[type[Feature]] = []
 _LOADED = False
