@@ -212,12 +212,6 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act={act!r}: only SwiGLU (silu) MLPs are supported")
-    if hf.get("attention_bias"):
-        problems.append(
-            "attention_bias=true adds an o_proj bias, which the megatron local spec cannot hold (it has qkv bias only)"
-        )
-    if hf.get("mlp_bias"):
-        problems.append("mlp_bias=true (MLP biases) is not supported")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if hf.get(key):
             problems.append(f"{key} is not supported")

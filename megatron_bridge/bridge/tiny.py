@@ -57,6 +57,20 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             norm_topk_prob=False,
         ),
     ),
+    # every GPT-OSS feature except yarn rope (default rope until features/rope.py has yarn)
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=16,
+            head_dim=8,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            swiglu_limit=0.2,  # small: the random tiny activations must reach the clamp
+        ),
+    ),
 }
 
 

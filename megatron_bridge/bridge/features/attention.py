@@ -39,6 +39,8 @@ def needs_own_attention(spec: Any) -> list[str]:
     why = []
     if spec.window_pattern and not all(spec.window_pattern):
         why.append("per-layer sliding windows")
+    if spec.attention_sinks:
+        why.append("attention sinks")
     return why
 
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention",)
+FEATURE_MODULES = ("attention", "sinks", "bias", "glu")
 
 _FEATURES: list[type[Feature]] = []
 
