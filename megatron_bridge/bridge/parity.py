@@ -267,6 +267,7 @@ def summarize(
             f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g}"
             f"{', run as ' + layout_note if layout_note else ''})  {'OK' if good else 'FAIL'}"
             + (f"  {bad[:3]}" if bad else "")
+            + (f"  worst {max(g, key=lambda x: x['max_abs'])['worst']}" if g and worst > grad_tol else "")
         )
         ok &= good
     if "roundtrip" in checks:

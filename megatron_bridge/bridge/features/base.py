@@ -60,13 +60,17 @@ def register_feature(cls: type[Feature]) -> type[Feature]:
     return cls
 
 
+_LOADED: list[bool] = []  # set once every module is imported (one imported directly must not stop the rest)
+
+
 def features() -> list[type[Feature]]:
     """Every feature, in `FEATURE_MODULES` order."""
-    if not _FEATURES:
+    if not _LOADED:
         for mod in FEATURE_MODULES:
             importlib.import_module(f"megatron_bridge.bridge.features.{mod}")
         order = {m: i for i, m in enumerate(FEATURE_MODULES)}
         _FEATURES.sort(key=lambda c: order[c.__module__.rsplit(".", 1)[-1]])
+        _LOADED.append(True)
     return list(_FEATURES)
 
 

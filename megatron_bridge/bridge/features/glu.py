@@ -4,8 +4,9 @@ out = (up + offset) · gate·sigmoid(alpha·gate)  (c = swiglu_limit 7, alpha 1.
 megatron-core 0.16's unfused GLU (`MLP.forward`, also per expert in SequentialMLP) computes
 act(x_glu.clamp(max=c)) · (x_linear.clamp(-c, c) + glu_linear_offset) with
 `activation_func_clamp_value` and `glu_linear_offset`; with act = x·sigmoid(alpha·x)
-(megatron's `quick_gelu` for alpha 1.702) that is HF's expression term for term, so the
-feature only sets config. The interleaved gate/up layout on disk is the table's business
+that is HF's expression term for term (bit-exact), so the feature only sets config.
+megatron's own `quick_gelu` (alpha 1.702) is not used: it is `jit_fuser`-compiled, which
+costs minutes of compile on CPU and rounds differently. The interleaved gate/up layout on disk is the table's business
 (`mapping.ExpertsStacked`).
 """
 
@@ -45,15 +46,12 @@ class ClampedGLU(Feature):
 
     @classmethod
     def config(cls, spec: Any, kw: dict[str, Any]) -> None:
-        from megatron.core.activations import quick_gelu
-
         if spec.glu_clamp is not None:
             kw["activation_func_clamp_value"] = spec.glu_clamp
         if spec.glu_linear_offset:
             kw["glu_linear_offset"] = spec.glu_linear_offset
         if spec.glu_alpha != 1.0:
-            alpha = spec.glu_alpha
-            kw["activation_func"] = quick_gelu if alpha == 1.702 else functools.partial(sigmoid_gate, alpha=alpha)
+            kw["activation_func"] = functools.partial(sigmoid_gate, alpha=spec.glu_alpha)
 
 
 __all__ = ["ClampedGLU", "sigmoid_gate"]
