@@ -206,3 +206,17 @@ def test_gpt_oss_spec_and_megatron_config():
     tc = transformer_config(s, Layout(ep=2))
     assert tc.softmax_type == "learnable" and tc.add_bias_linear and tc.activation_func_clamp_value == 0.2
     assert tc.glu_linear_offset == 1.0
+
+
+def test_offline_convert_refuses_gpt_oss_with_the_reason(tmp_path):
+    from safetensors import safe_open
+
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.convert.sources.rows import resolve_rows
+
+    path = make_tiny("gpt_oss", tmp_path / "gpt_oss")
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    with pytest.raises(UserError, match="cannot be converted offline: .*not row ranges"):
+        resolve_rows(load_spec(path), tensors)
