@@ -9,7 +9,8 @@ rather than build a model with biases HF lacks. megatron also refuses biased exp
 under expert-TP > 1 (`moe-bias-etp` rule). Expert biases scale with the routing
 probability exactly as HF's (W·x + b)·p; megatron adds that bias in place onto the
 expert fc2 output, which autograd forbids when the TP reduce hands its input back as is
-(etp 1), so biased experts get an fc2 whose output is a fresh tensor (`expert_fc2_class`).
+(etp 1), so biased experts get an fc2 whose output is a fresh tensor and whose bias is not
+summed over TP a second time (`expert_fc2_class`).
 """
 
 from __future__ import annotations
@@ -69,12 +70,22 @@ def expert_fc2_class(base: Any) -> type:
     so megatron's in-place `output += bias·prob` (MLP.forward, experts) is legal."""
     if base not in _FC2:
 
+        def __init__(self, *args, **kwargs):
+            base.__init__(self, *args, **kwargs)
+            if getattr(self, "bias", None) is not None:
+                # megatron marks the bias `sequence_parallel`, so finalize_model_grads sums its
+                # grad over TP; an expert's grad is already summed over the expert-DP group,
+                # which holds those same ranks at etp 1: it would count twice (measured 2x).
+                self.bias.sequence_parallel = False
+
         def forward(self, *args, **kwargs):
             out, bias = base.forward(self, *args, **kwargs)
             return out.clone(), bias
 
         _FC2[base] = type(
-            f"{base.__name__}FreshOutput", (base,), {"forward": forward, "__doc__": expert_fc2_class.__doc__}
+            f"{base.__name__}FreshOutput",
+            (base,),
+            {"__init__": __init__, "forward": forward, "__doc__": expert_fc2_class.__doc__},
         )
     return _FC2[base]
 
