@@ -220,3 +220,21 @@ def test_offline_convert_refuses_gpt_oss_with_the_reason(tmp_path):
         tensors = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     with pytest.raises(UserError, match="cannot be converted offline: .*not row ranges"):
         resolve_rows(load_spec(path), tensors)
+
+
+def test_biased_experts_need_etp1(tmp_path):
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.config.hf_model import apply_hf_config
+    from megatron_bridge.config.schema import Config
+    from megatron_bridge.parallel.rules import check_all
+
+    cfg = Config()
+    apply_hf_config(cfg.model, make_tiny("gpt_oss", tmp_path / "g"))
+    cfg.train.seq_length = 32
+
+    def rules(layout, world):
+        return [v.rule for v in check_all(layout.with_world(world), cfg, layout_only=True)[0]]
+
+    assert "moe-bias-etp" in rules(Layout(tp=2, ep=2), 4)
+    assert rules(Layout(tp=2, ep=2, etp=1), 4) == [] and rules(Layout(ep=2), 2) == []
