@@ -208,29 +208,34 @@ def test_gpt_oss_spec_and_megatron_config():
     assert tc.glu_linear_offset == 1.0
 
 
-def test_offline_convert_refuses_gpt_oss_with_the_reason(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from megatron_bridge.bridge.tiny import make_tiny
+
+    return make_tiny("gpt_oss", tmp_path_factory.mktemp("tiny") / "gpt_oss")
+
+
+def test_offline_convert_refuses_gpt_oss_with_the_reason(tiny):
     from safetensors import safe_open
 
     from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.convert.sources.rows import resolve_rows
 
-    path = make_tiny("gpt_oss", tmp_path / "gpt_oss")
+    path = tiny
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         tensors = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
     with pytest.raises(UserError, match="cannot be converted offline: .*not row ranges"):
         resolve_rows(load_spec(path), tensors)
 
 
-def test_biased_experts_need_etp1(tmp_path):
+def test_biased_experts_need_etp1(tiny):
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.config.hf_model import apply_hf_config
     from megatron_bridge.config.schema import Config
     from megatron_bridge.parallel.rules import check_all
 
     cfg = Config()
-    apply_hf_config(cfg.model, make_tiny("gpt_oss", tmp_path / "g"))
+    apply_hf_config(cfg.model, tiny)
     cfg.train.seq_length = 32
 
     def rules(layout, world):
