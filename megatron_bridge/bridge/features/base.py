@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention", "sinks", "bias", "glu")
+FEATURE_MODULES = ("attention", "sinks", "bias", "glu", "expert_grads")
 
 _FEATURES: list[type[Feature]] = []
 
