@@ -16,6 +16,8 @@ TEDotProductAttention") and Transformer Engine needs CUDA. This module is a drop
 * GQA/MQA through SDPA's grouped heads (query head h reads KV head h // (heads/groups),
   megatron's and HF's convention), sliding window (`config.window_size = (W-1, 0)`, HF's
   "q - k < W"), attention dropout under the model-parallel RNG tracker.
+* learned attention sinks (`config.softmax_type`, features/sinks.py): an explicit
+  softmax over [scores, sink] instead of SDPA; per query row, so CP and THD need nothing.
 
 Cost: one [sq_local, s] mask and one SDPA call per layer; the all-gather moves
 (cp-1)/cp of the K/V. That is the right trade for CPU tests and for GPUs without TE; on
@@ -149,8 +151,7 @@ def _make_class():
             self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
             if config.apply_query_key_layer_scaling:
                 raise ValueError("apply_query_key_layer_scaling is not supported by ContextParallelAttention")
-            if getattr(config, "softmax_type", "vanilla") != "vanilla":
-                raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by ContextParallelAttention")
+            self.softmax_offset = self._sinks(config, pg_collection)
             if window == "config":  # no per-layer value in the ModuleSpec params: megatron's rule
                 use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
                 window = config.window_size if use_window else None
@@ -158,6 +159,31 @@ def _make_class():
             self.softcap = softcap  # attention logit soft-capping: `capped_attention` instead of SDPA
             self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
             self._causal_types = (AttnMaskType.causal,)
+
+        @staticmethod
+        def _sinks(config, pg_collection):
+            """megatron's `softmax_type`: "learnable" = a sink logit per local head, a parameter
+            named as DotProductAttention names it (`softmax_offset`, split over TP by heads);
+            "off-by-one" = a zero sink; "vanilla" = none (features/sinks.py)."""
+            kind = getattr(config, "softmax_type", "vanilla")
+            if kind == "vanilla":
+                return None
+            tp = (
+                torch.distributed.get_world_size(pg_collection.tp)
+                if pg_collection is not None and hasattr(pg_collection, "tp")
+                else parallel_state.get_tensor_model_parallel_world_size()
+            )
+            heads = config.num_attention_heads // tp
+            if kind == "off-by-one":
+                return torch.zeros(heads, dtype=config.params_dtype)
+            if kind != "learnable":
+                raise ValueError(f"softmax_type={kind!r} is not supported by ContextParallelAttention")
+            p = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+            if config.perform_initialization:
+                with torch.no_grad():
+                    config.init_method(p)
+            tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
+            return p
 
         def forward(
             self,
@@ -205,7 +231,9 @@ def _make_class():
             v = value.permute(1, 2, 0, 3)
             gqa = q.shape[1] != k.shape[1]
             dropout = self.dropout_p if self.training else 0.0
-            if self.softcap:
+            if self.softmax_offset is not None:
+                out = self._sink_attention(q, k, v, allowed, dropout)
+            elif self.softcap:
                 if dropout > 0:
                     with tensor_parallel.get_cuda_rng_tracker().fork():
                         out = capped_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
@@ -221,6 +249,24 @@ def _make_class():
                     q, k, v, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=gqa
                 )
             return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
+
+        def _sink_attention(self, q, k, v, allowed, dropout):
+            """Eager attention with the sink column (transformers' eager_attention_forward):
+            SDPA has no sink, so scores are formed explicitly. Rows stay finite even when
+            every key is masked (the sink takes all the mass)."""
+            from megatron_bridge.bridge.features.sinks import sink_softmax
+
+            rep = q.shape[1] // k.shape[1]
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = sink_softmax(scores, self.softmax_offset.to(q.device))
+            if dropout > 0:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    probs = F.dropout(probs, p=dropout)
+            return torch.matmul(probs.to(v.dtype), v)
 
     return ContextParallelAttention
 

@@ -193,12 +193,6 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
         f["activation"] = HF_ACTIVATIONS[act]
     else:
         problems.append(f"hidden_act={act!r}: only SwiGLU (silu) and GeGLU (gelu_pytorch_tanh) MLPs are supported")
-    if hf.get("attention_bias"):
-        problems.append(
-            "attention_bias=true adds an o_proj bias, which the megatron local spec cannot hold (it has qkv bias only)"
-        )
-    if hf.get("mlp_bias"):
-        problems.append("mlp_bias=true (MLP biases) is not supported")
     family.read_hf(hf, f, problems)
     for feat in features():
         feat.read(hf, f, problems)

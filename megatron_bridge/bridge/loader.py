@@ -94,7 +94,7 @@ def table_for(spec: BridgeSpec):
 
 def resolve_checkpoint(spec: BridgeSpec, keys: Sequence[str]) -> list[Resolved]:
     """Every table row the checkpoint fills; unknown HF tensors are an error, not ignored."""
-    rows, unused = resolve_hf(table_for(spec), keys)
+    rows, unused = resolve_hf(table_for(spec), keys, spec.num_moe_experts)
     if unused:
         raise UserError(
             f"{len(unused)} HF tensor(s) match no row of the {spec.family} table (the checkpoint has "
@@ -143,7 +143,7 @@ def shard_for(row: Resolved, layout: Layout, coords: Coords) -> Shard:
 
 
 def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: Layout, coords: Coords) -> torch.Tensor:
-    return row.mapping.shard(tensors, shard_for(row, layout, coords), spec.shapes(layout.tp))
+    return row.mapping.shard(row.select(tensors), shard_for(row, layout, coords), spec.shapes(layout.tp))
 
 
 def rank_shards(
@@ -287,6 +287,7 @@ def iter_hf_tensors(
     table = table_for(spec)
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
+    stacks: dict[str, dict[int, torch.Tensor]] = {}  # stacked-experts HF tensors being assembled
     dense_writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_writer = ps.get_expert_data_parallel_rank() == 0 if spec.is_moe else False
     for chunk in chunks:
@@ -306,8 +307,38 @@ def iter_hf_tensors(
             shards = _gather((p if value is None else value(p)).detach(), group)
             if shards is None:
                 continue
-            for name, t in zip(row.hf, row.mapping.merge(shards, shapes)):
+            merged = row.mapping.merge(shards, shapes)
+            if row.mapping.transform.stacked:
+                merged = _stack_experts(row, merged, spec, stacks)
+            for name, t in zip(row.hf, merged):
                 yield name, (t if dtype is None else t.to(dtype)).contiguous()
+
+
+def _stack_experts(row: Resolved, slabs: Sequence[torch.Tensor], spec: BridgeSpec, stacks: dict) -> tuple:
+    """Stacked-experts rows (one HF tensor holds every expert): gather this local expert's
+    slab from every EP rank onto EP rank 0 and return the whole HF tensors once the last
+    expert of the layer has arrived (empty until then, and always on other EP ranks). Every
+    EP rank walks the same local names in the same order, so the gathers pair up."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_expert_model_parallel_group()
+    ep = torch.distributed.get_world_size(group)
+    n_all = spec.num_moe_experts
+    assert row.expert is not None and n_all is not None
+    n_local = n_all // ep
+    j = row.expert % n_local
+    got = [_gather(s, group) for s in slabs]
+    if got[0] is None:
+        return ()
+    for name, per_rank in zip(row.hf, got):
+        have = stacks.setdefault(name, {})
+        for r, t in enumerate(per_rank or ()):
+            have[r * n_local + j] = t
+    if len(stacks[row.hf[0]]) < n_all:
+        return ()
+    done = [stacks.pop(n) for n in row.hf]
+    return tuple(torch.cat([d[e] for e in range(n_all)], dim=0) for d in done)
 
 
 def _gather(t: torch.Tensor, group) -> list[torch.Tensor] | None:

@@ -126,10 +126,15 @@ def _joined(blocks: Iterable[Block]) -> list[Block]:
 # --------------------------------------------------------------------------------------
 
 
+class NotBlockwise(ValueError):
+    """A layout that is not row ranges of the HF tensors (offline byte copy cannot do it)."""
+
+
 class Transform:
     """How one megatron tensor is built from HF tensors and split across ranks."""
 
     n_hf = 1  # how many HF tensors it consumes
+    stacked = False  # HF tensors hold every expert along dim 0 (table rows give one expert's slab)
 
     def blocks(self, hf_shapes: Sequence[Shape], s: Shard, shapes: Shapes) -> list[Block]:
         """The rank-local tensor of shard `s` as blocks; raises ValueError when the shapes
@@ -314,6 +319,66 @@ class StackedGateUp(Transform):
         return (torch.cat(FusedGateUp().merge(shards, shapes), dim=0),)
 
 
+class ExpertsStacked(Transform):
+    """One expert of an HF tensor that stacks all experts along dim 0 (GPT-OSS:
+    `gate_up_proj` [E, in, 2·inter] with gate/up interleaved on the last dim, `down_proj`
+    [E, inter, out]: stored transposed relative to nn.Linear), as megatron's per-expert
+    linear. The table hands it one expert's slab [1, ...] (`Resolved.select`, a LazySlice
+    reads just those bytes); `kind` says how the slab becomes `inner`'s HF inputs:
+
+    * "gate_up": x = slab.T (weights) or slab (biases); gate = x[0::2], up = x[1::2] -> GATE_UP
+    * "linear": slab.T (an nn.Linear weight) -> inner (ROW for down_proj)
+    * "same": the slab itself (down_proj_bias) -> inner (REPLICATED)
+
+    Transposed, strided reads are not row ranges, so `blocks` refuses: the offline converter
+    cannot copy these bytes and says so; loading, export and verify use `shard`/`merge`."""
+
+    stacked = True
+
+    def __init__(self, inner: Transform, kind: str):
+        self.inner, self.kind = inner, kind
+
+    def _blocks(self, hf_shapes, s, shapes):
+        raise NotBlockwise(
+            f"{self!r}: experts stacked in one HF tensor, stored transposed (and gate/up interleaved), are not "
+            "row ranges; offline `mbr convert` cannot copy them. Load the HF model with the bridge "
+            "(load_hf_weights / mbr train init_from) instead."
+        )
+
+    def _inputs(self, slab):
+        import torch
+
+        x = slab if isinstance(slab, torch.Tensor) else slab[:]
+        if x.shape[0] != 1:
+            raise ValueError(f"{self!r} takes one expert's slab [1, ...], got shape {list(x.shape)}")
+        x = x[0]
+        if self.kind == "same":
+            return [x]
+        x = x.T if x.dim() == 2 else x
+        return [x[0::2], x[1::2]] if self.kind == "gate_up" else [x]
+
+    def shard(self, hf, s, shapes):
+        (slab,) = hf
+        xs = self._inputs(slab)
+        return self.inner.shard(xs, s, shapes).contiguous()
+
+    def merge(self, shards, shapes):
+        import torch
+
+        parts = self.inner.merge(shards, shapes)
+        if self.kind == "gate_up":
+            gate, up = parts
+            x = torch.stack([gate, up], dim=1).reshape((-1,) + tuple(gate.shape[1:]))
+        else:
+            (x,) = parts
+        if self.kind != "same" and x.dim() == 2:
+            x = x.T
+        return (x.contiguous()[None],)
+
+    def __repr__(self) -> str:
+        return f"ExpertsStacked({self.inner!r}, {self.kind!r})"
+
+
 REPLICATED, COLUMN, ROW, VOCAB = Replicated(), Column(), Row(), VocabParallel()
 QKV, GATE_UP = FusedQKV(), FusedGateUp()
 STACKED_QKV, STACKED_GATE_UP = StackedQKV(), StackedGateUp()
@@ -333,6 +398,8 @@ __all__ = [
     "VocabParallel",
     "FusedQKV",
     "FusedGateUp",
+    "ExpertsStacked",
+    "NotBlockwise",
     "StackedQKV",
     "StackedGateUp",
     "REPLICATED",

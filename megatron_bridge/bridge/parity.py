@@ -242,6 +242,7 @@ def fold(per_rank: Sequence[dict[str, Any]], key: str, ref: dict[str, Any]) -> d
             grads_want=len(ref.get("grads", {})),
             grads_max=max(x["max_abs"] for x in g),
             grads_bad=[b for x in g for b in x["bad"]],
+            grads_worst=max(g, key=lambda x: x["max_abs"]).get("worst"),
         )
     out["grad_layout"] = next((f["grad_layout"] for f in found if "grad_layout" in f), None)
     rt = [f["roundtrip"] for f in found if "roundtrip" in f]
@@ -287,7 +288,9 @@ def summarize(
         note = f["grad_layout"]
         lines.append(
             f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g}"
-            f"{', run as ' + note if note else ''})  {'OK' if good else 'FAIL'}" + (f"  {bad[:3]}" if bad else "")
+            f"{', run as ' + note if note else ''})  {'OK' if good else 'FAIL'}"
+            + (f"  {bad[:3]}" if bad else "")
+            + (f"  worst {f['grads_worst']}" if worst > grad_tol and f.get("grads_worst") else "")
         )
         ok &= good
     if "roundtrip" in checks:

@@ -26,6 +26,7 @@ _FAMILY_MODULES = (
     "phi3",
     "smollm3",
     "ministral",
+    "gpt_oss",
 )  # modules under bridge/families that register classes
 
 

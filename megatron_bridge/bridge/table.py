@@ -125,6 +125,16 @@ class Resolved:
     def expert(self) -> int | None:
         return dict(self.holes).get("expert")
 
+    def select(self, hf: Sequence[Sliceable]) -> list[Sliceable]:
+        """The transform's inputs from the HF tensors: for a row whose HF tensors stack
+        every expert (`Transform.stacked`), this expert's slab [e:e+1] (a LazySlice reads
+        only those bytes); otherwise the tensors themselves."""
+        if not self.mapping.transform.stacked:
+            return list(hf)
+        e = self.expert
+        assert e is not None
+        return [t[e : e + 1] for t in hf]
+
 
 def resolve_megatron(table: Sequence[Mapping], name: str) -> Resolved | None:
     """The row producing global megatron parameter `name` (first match wins)."""
@@ -135,11 +145,15 @@ def resolve_megatron(table: Sequence[Mapping], name: str) -> Resolved | None:
     return None
 
 
-def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> tuple[list[Resolved], list[str]]:
+def resolve_hf(
+    table: Sequence[Mapping], hf_keys: Iterable[str], num_experts: int | None = None
+) -> tuple[list[Resolved], list[str]]:
     """Group a checkpoint's HF tensor names into table rows.
 
     Returns (rows whose HF inputs are all present, HF names no row consumes). A row with
     only some inputs present is an error: the checkpoint is inconsistent with the table.
+    A stacked-experts row (HF name without `{expert}`) gives one row per expert
+    (`num_experts` of them), each reading its slab of the same HF tensor.
     """
     keys = list(hf_keys)
     present = set(keys)
@@ -156,8 +170,16 @@ def resolve_hf(table: Sequence[Mapping], hf_keys: Iterable[str]) -> tuple[list[R
             if missing:
                 raise KeyError(f"{key} maps to {m.megatron} which also needs {missing}, absent from the checkpoint")
             used.add(key)
-            mname = m.megatron_name(**holes)
-            out.setdefault((ti, mname), Resolved(m, mname, names, tuple(sorted(holes.items()))))
+            each = [holes]
+            if m.is_expert and "expert" not in holes:
+                if not m.transform.stacked or not num_experts:
+                    raise ValueError(
+                        f"{m.megatron}: expert row without {{expert}} in its HF names needs stacked experts"
+                    )
+                each = [{**holes, "expert": e} for e in range(num_experts)]
+            for h in each:
+                mname = m.megatron_name(**h)
+                out.setdefault((ti, mname), Resolved(m, mname, names, tuple(sorted(h.items()))))
     order = {id(m): i for i, m in enumerate(table)}
     resolved = sorted(
         out.values(), key=lambda r: (r.layer if r.layer is not None else -1, order[id(r.mapping)], r.expert or 0)

@@ -82,3 +82,39 @@ def hf_weights(d, cfg):
             "drop train.init_from (train from scratch), or use a family with HF weights",
         )
     return []
+
+
+@layout_rule
+def moe_bias_etp(d, cfg):
+    """megatron-core refuses biased experts (GPT-OSS) under expert-TP > 1."""
+    if not cfg.model.num_moe_experts or d.etp == 1 or not _biased_experts(cfg.model):
+        return []
+    return _v(
+        "moe-bias-etp",
+        f"the experts of this model have biases, and megatron-core supports biased experts only with "
+        f"expert tensor parallelism 1 (etp={d.etp}; etp defaults to tp)",
+        "set parallel.etp=1 (experts split by EP only; e.g. layout ep2etp1tp2)",
+    )
+
+
+def _biased_experts(model) -> bool:
+    from megatron_bridge.bridge.hf_config import spec_from_model_config
+    from megatron_bridge.errors import UserError
+
+    if model.hf_path:
+        return _hf_biased(model.hf_path, model.make_vocab_size_divisible_by)
+    try:
+        return bool(spec_from_model_config(model).mlp_bias)
+    except (UserError, TypeError, ValueError):
+        return False
+
+
+@lru_cache(maxsize=64)
+def _hf_biased(path: str, divisible_by: int) -> bool:
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.errors import UserError
+
+    try:
+        return bool(load_spec(path, make_vocab_size_divisible_by=divisible_by).mlp_bias)
+    except UserError:
+        return False

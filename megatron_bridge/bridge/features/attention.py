@@ -41,6 +41,8 @@ def needs_own_attention(spec: Any) -> list[str]:
         why.append("per-layer sliding windows")
     if spec.attn_logit_softcapping:
         why.append("attention logit soft-capping")
+    if spec.attention_sinks:
+        why.append("attention sinks")
     return why
 
 

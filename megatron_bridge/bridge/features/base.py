@@ -22,7 +22,18 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention", "rope", "norms", "sublayer", "scaling", "qk_norm")
+FEATURE_MODULES = (
+    "attention",
+    "rope",
+    "norms",
+    "sublayer",
+    "scaling",
+    "qk_norm",
+    "sinks",
+    "bias",
+    "glu",
+    "expert_grads",
+)
 
 _FEATURES: list[type[Feature]] = []
 _LOADED = False

@@ -28,7 +28,7 @@ from typing import Any
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, resolve_checkpoint, shard_for, table_for
-from megatron_bridge.bridge.mapping import FULL, out_shape
+from megatron_bridge.bridge.mapping import FULL, NotBlockwise, out_shape
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
 
@@ -148,6 +148,8 @@ def resolve_rows(spec: BridgeSpec, tensors: Tensors, tp: int = 1, where: str = "
         hf_shapes = [tuple(tensors[h][0]) for h in r.hf]
         try:
             g = out_shape(r.mapping.transform.blocks(hf_shapes, FULL, shapes), hf_shapes)
+        except NotBlockwise as e:  # a layout the byte copier cannot do (GPT-OSS's stacked experts)
+            raise UserError(f"{where}: {spec.architecture} cannot be converted offline: {e}") from None
         except ValueError as e:
             bad.append(f"{', '.join(r.hf)} {[list(x) for x in hf_shapes]}: {e}")
             continue
