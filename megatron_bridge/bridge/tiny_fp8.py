@@ -123,17 +123,15 @@ def dequantized_reference(fp8_dir: str | Path, dst: str | Path) -> Path:
     """The checkpoint transformers makes of `fp8_dir` (loaded with its FP8 dequantisation,
     saved back): the oracle a converted fp8 checkpoint must equal bit for bit."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     model = AutoModelForCausalLM.from_pretrained(
         fp8_dir, dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(dequantize=True)
     )
-    # save_pretrained would quantise again (transformers' round trip): the state dict is
-    # written as is, so this is for families whose in-memory names are the checkpoint's (dense)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    Path(dst).mkdir(parents=True, exist_ok=True)
-    save_file(state, Path(dst) / "model.safetensors", metadata={"format": "pt"})
+    # without the quantiser and the conversions it added, save_pretrained does not quantise again
+    model.hf_quantizer = model._weight_conversions = None
+    model.config.quantization_config = None
+    model.save_pretrained(dst)
     for f in Path(fp8_dir).iterdir():  # tokenizer / generation config, as the source has them
         if f.is_file() and not f.name.endswith((".safetensors", ".json")) or f.name == "generation_config.json":
             shutil.copy2(f, Path(dst) / f.name)

@@ -171,3 +171,13 @@ def test_inconsistent_checkpoints_are_refused(dirs, tmp_path):
     cfg["quantization_config"]["activation_scheme"] = "static"
     (bad / "config.json").write_text(json.dumps(cfg))
     assert mbr(["convert", f"src={bad}", f"dst={tmp_path / 'o'}", "progress=off"]) == 2
+
+
+def test_verify_fp8_source(dirs, capsys, tmp_path):
+    """`mbr verify` of an fp8 checkpoint: the bridge's logits equal those of transformers'
+    dequantised bf16 model exactly (same weights, same fp32 math), and the round trip gives
+    the dequantised tensors back."""
+    args = [f"model.hf_path={dirs['whole']}", f"verify.out={tmp_path}", "verify.layouts=[tp1]"]
+    assert mbr(["verify", *args, "verify.checks=[logits,roundtrip]"]) == 0
+    out = capsys.readouterr().out
+    assert "logits      max-abs 0.000e+00" in out and "bit-exact  OK" in out, out
