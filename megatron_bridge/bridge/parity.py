@@ -55,7 +55,8 @@ def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tens
             str(hf_dir), dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(dequantize=True)
         )
         model = model.float().eval()
-        model.hf_quantizer = model._weight_conversions = None  # grads are saved below: not re-quantised
+        for attr in ("hf_quantizer", "_weight_conversions"):  # grads are saved below: not re-quantised
+            setattr(model, attr, None)
         model.config.quantization_config = None
     else:
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()

@@ -129,7 +129,8 @@ def dequantized_reference(fp8_dir: str | Path, dst: str | Path) -> Path:
         fp8_dir, dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(dequantize=True)
     )
     # without the quantiser and the conversions it added, save_pretrained does not quantise again
-    model.hf_quantizer = model._weight_conversions = None
+    for attr in ("hf_quantizer", "_weight_conversions"):
+        setattr(model, attr, None)
     model.config.quantization_config = None
     model.save_pretrained(dst)
     for f in Path(fp8_dir).iterdir():  # tokenizer / generation config, as the source has them
