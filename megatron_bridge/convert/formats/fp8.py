@@ -134,13 +134,19 @@ def dequantized_infos(
 
 
 def _tables(scale: float) -> tuple[bytes, bytes]:
-    """Low and high bytes of bf16(fp32(v * scale)) for each fp8 byte v."""
-    f32 = array("f", [v * scale for v in E4M3])  # the double product is exact; one rounding to fp32
+    """Low and high bytes of bf16(fp32(v * scale)) for each fp8 byte v. Computed for the 128
+    positive codes only: rounding to nearest even is symmetric, so a negative code's result
+    is the positive one with the sign bit set (NaN, code 0xFF, excepted)."""
+    f32 = array("f", [v * scale for v in E4M3[:128]])  # the double product is exact; one rounding to fp32
     bits = array("I")
     bits.frombytes(f32.tobytes())
-    # NaN (only from the fp8 NaN bytes 0x7F, 0xFF) comes out as 0xFFFF, as torch's CPU cast makes it
-    out = [0xFFFF if (u & 0x7FFFFFFF) > 0x7F800000 else ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF for u in bits]
-    return bytes(x & 0xFF for x in out), bytes(x >> 8 for x in out)
+    # NaN (only from the fp8 NaN codes 0x7F, 0xFF) comes out as 0xFFFF, as torch's CPU cast makes it
+    half = [0xFFFF if (u & 0x7FFFFFFF) > 0x7F800000 else ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF for u in bits]
+    lo = bytes(x & 0xFF for x in half)
+    hi = bytes(x >> 8 for x in half)
+    neg_hi = bytearray(h ^ 0x80 for h in hi)
+    neg_hi[0x7F] = 0xFF if half[0x7F] == 0xFFFF else neg_hi[0x7F]
+    return lo + lo, hi + bytes(neg_hi)
 
 
 def dequant_rows(raw: bytes, cols: int, scales: array, first_block_row: int, block: tuple[int, int]) -> bytearray:
@@ -149,17 +155,18 @@ def dequant_rows(raw: bytes, cols: int, scales: array, first_block_row: int, blo
     bm, bn = block
     rows = len(raw) // cols if cols else 0
     nbc = ceil(cols / bn)
+    bounds = [(j * bn, min((j + 1) * bn, cols)) for j in range(nbc)]
     lo: list[bytes] = []
     hi: list[bytes] = []
+    put_lo, put_hi = lo.append, hi.append
     for r0 in range(0, rows, bm):
         br = first_block_row + r0 // bm
-        tables = [_tables(scales[br * nbc + j]) for j in range(nbc)]
-        for r in range(r0, min(r0 + bm, rows)):
-            base = r * cols
-            for j, (tl, th) in enumerate(tables):
-                seg = raw[base + j * bn : base + min((j + 1) * bn, cols)]
-                lo.append(seg.translate(tl))
-                hi.append(seg.translate(th))
+        tables = [(a, b, *_tables(scales[br * nbc + j])) for j, (a, b) in enumerate(bounds)]
+        for base in range(r0 * cols, min(r0 + bm, rows) * cols, cols):
+            for a, b, tl, th in tables:
+                seg = raw[base + a : base + b]
+                put_lo(seg.translate(tl))
+                put_hi(seg.translate(th))
     out = bytearray(2 * len(raw))
     out[0::2] = b"".join(lo)
     out[1::2] = b"".join(hi)
@@ -176,10 +183,10 @@ def read_scales(q: Quantized, files: OpenFiles) -> array:
 
 def dequantize(q: Quantized, files: OpenFiles, out: memoryview | None = None, rows_per_read: int = 0) -> bytearray:
     """The whole tensor as bf16 bytes, read one group of block rows at a time (`rows_per_read`,
-    default: about 64 MiB of fp8) — no torch."""
+    default: about 8 MiB of fp8) — no torch."""
     rows, cols = q.shape
     bm = q.block[0]
-    step = rows_per_read or max(bm, (64 * 2**20 // max(cols, 1)) // bm * bm)
+    step = rows_per_read or max(bm, (8 * 2**20 // max(cols, 1)) // bm * bm)
     scales = read_scales(q, files)
     result = bytearray(2 * rows * cols) if out is None else None
     view = memoryview(result) if result is not None else out
