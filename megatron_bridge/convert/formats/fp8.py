@@ -181,22 +181,20 @@ def read_scales(q: Quantized, files: OpenFiles) -> array:
     return out
 
 
-def dequantize(q: Quantized, files: OpenFiles, out: memoryview | None = None, rows_per_read: int = 0) -> bytearray:
+def dequantize(q: Quantized, files: OpenFiles, rows_per_read: int = 0) -> bytearray:
     """The whole tensor as bf16 bytes, read one group of block rows at a time (`rows_per_read`,
     default: about 8 MiB of fp8) — no torch."""
     rows, cols = q.shape
     bm = q.block[0]
     step = rows_per_read or max(bm, (8 * 2**20 // max(cols, 1)) // bm * bm)
     scales = read_scales(q, files)
-    result = bytearray(2 * rows * cols) if out is None else None
-    view = memoryview(result) if result is not None else out
-    assert view is not None
-    buf = bytearray(min(step, rows) * cols)
+    out = bytearray(2 * rows * cols)
+    view, buf = memoryview(out), bytearray(min(step, rows) * cols)
     for r0 in range(0, rows, step):
         n = min(step, rows - r0) * cols
         read_exactly(files(q.weight.file), memoryview(buf)[:n], q.weight.start + r0 * cols, q.weight.file)
         view[2 * r0 * cols : 2 * (r0 * cols + n)] = dequant_rows(bytes(buf[:n]), cols, scales, r0 // bm, q.block)
-    return result if result is not None else bytearray()
+    return out
 
 
 def dequant_torch(
