@@ -29,6 +29,7 @@ from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.mapping import Shard
 from megatron_bridge.bridge.registry import weight_family
 from megatron_bridge.bridge.table import Resolved, resolve_hf, resolve_megatron
+from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.safetensors_io import LazySlice, PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.errors import UserError
 
@@ -48,17 +49,25 @@ class HFCheckpoint:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.infos: dict[str, TensorInfo] = scan_dir(self.path)
+        stored = scan_dir(self.path)
+        # fp8 block-quantised weights read as their bf16 dequantisation; the scales are consumed
+        cfg = self.path / "config.json"
+        block = fp8.block_size(json.loads(cfg.read_text()), str(self.path)) if cfg.is_file() else None
+        self.quant = fp8.pair(stored, block, str(self.path))
+        scales = {q.scale.name for q in self.quant.values()}
+        self.infos: dict[str, TensorInfo] = {k: v for k, v in stored.items() if k not in scales}
         self._reader = PositionedReader()
 
     def keys(self) -> list[str]:
         return list(self.infos)
 
-    def slice(self, name: str) -> LazySlice:
-        return LazySlice(self.infos[name], self._reader)
+    def slice(self, name: str) -> LazySlice | fp8.Fp8Slice:
+        q = self.quant.get(name)
+        return LazySlice(self.infos[name], self._reader) if q is None else fp8.Fp8Slice(q, self._reader.read_bytes)
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self._reader.read(self.infos[name])
+        q = self.quant.get(name)
+        return self._reader.read(self.infos[name]) if q is None else fp8.read_torch(q, self._reader.read_bytes)
 
     def close(self) -> None:
         self._reader.close()
@@ -414,6 +423,7 @@ def _write_config_and_assets(out: Path, spec: BridgeSpec, source_dir, hf_config,
 
         hf_config = spec_to_hf_config(spec)
     cfg = dict(hf_config)
+    cfg.pop("quantization_config", None)  # exported weights are never quantised (an fp8 source reads as bf16)
     if dtype is not None:
         cfg["dtype"] = str(dtype).replace("torch.", "")
         cfg.pop("torch_dtype", None)

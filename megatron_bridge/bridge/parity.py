@@ -16,6 +16,7 @@ HF's unpadded vocab; with no padding beyond a multiple of tp the two losses are 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,7 +46,20 @@ def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tens
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    if json.loads((Path(hf_dir) / "config.json").read_text()).get("quantization_config"):
+        # an fp8 block-quantised source: the reference is transformers' own bf16 dequantisation
+        # (what the bridge loads), computed in fp32 like every other reference
+        from transformers import FineGrainedFP8Config
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(hf_dir), dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(dequantize=True)
+        )
+        model = model.float().eval()
+        for attr in ("hf_quantizer", "_weight_conversions"):  # grads are saved below: not re-quantised
+            setattr(model, attr, None)
+        model.config.quantization_config = None
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     out: dict[str, Any] = {}
     with torch.set_grad_enabled(labels is not None):
         logits = model(input_ids).logits.float()
@@ -208,8 +222,13 @@ def load_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def compare_dirs(got: str | Path, want: str | Path) -> dict[str, Any]:
-    """Bit-exact comparison of two HF directories' tensors (names, shapes, dtypes, values)."""
+    """Bit-exact comparison of two HF directories' tensors (names, shapes, dtypes, values).
+    An fp32 export of a bf16/fp16 source (verify's models are fp32) is compared in the
+    source's dtype: the cast back is exact when the weights came through unchanged."""
     a, b = load_dir(got), load_dir(want)
+    for k, t in a.items():
+        if k in b and t.dtype == torch.float32 and b[k].dtype in (torch.bfloat16, torch.float16):
+            a[k] = t.to(b[k].dtype)
     res = _compare_dict(a, b, exact=True)
     missing = sorted(set(b) - set(a))
     res["bad"] += [f"{k}: missing from export" for k in missing]

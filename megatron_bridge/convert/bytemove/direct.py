@@ -36,6 +36,7 @@ from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.mapping import Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
+from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import crc_hex
 from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
@@ -52,7 +53,7 @@ CRC_CHUNK = 8 * 2**20
 class Span:
     """`nbytes` contiguous bytes of `file` from `start`."""
 
-    file: Path
+    file: Path | Mem
     start: int
     nbytes: int
 
@@ -61,7 +62,7 @@ class Span:
 class Band:
     """Of `rows` rows of `row_bytes` bytes starting at `start`, the bytes [lo, hi) of each row."""
 
-    file: Path
+    file: Path | Mem
     start: int
     rows: int
     row_bytes: int
@@ -94,7 +95,30 @@ class Interleave:
 Piece = Span | Band | Zeros | Interleave
 
 
-def pieces(blocks: Sequence, infos: Sequence[TensorInfo]) -> list[Piece]:
+class Mem:
+    """Bytes held in memory standing in for a file region (an fp8 weight's bf16 dequantisation)."""
+
+    def __init__(self, data: bytearray):
+        self.view = memoryview(data)
+
+
+@dataclass(frozen=True)
+class MemInfo:
+    """A `TensorInfo` whose bytes are a `Mem` (start 0)."""
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    file: Mem
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def pieces(blocks: Sequence, infos: Sequence[TensorInfo | MemInfo]) -> list[Piece]:
     """Byte pieces of a shard given as `Block`s over the HF tensors `infos` (see module doc)."""
     out: list[Piece] = []
     for b in blocks:
@@ -134,7 +158,9 @@ class Copier:
         self.on_read: Callable[[Path, int, memoryview], None] | None = None  # sees each region read
         self._zeros = bytes(2**20)
 
-    def _read(self, path: Path, start: int, nbytes: int) -> memoryview:
+    def _read(self, path: Path | Mem, start: int, nbytes: int) -> memoryview:
+        if isinstance(path, Mem):
+            return path.view[start : start + nbytes]
         key = (path, start, nbytes)
         if self._held != key:  # the tp ranks of a row-parallel tensor read the same rows
             if len(self._buf) < nbytes:
@@ -147,6 +173,9 @@ class Copier:
 
     def _span(self, p: Span, fd: int, at: int) -> None:
         done = 0
+        if isinstance(p.file, Mem):
+            _gather_write(fd, [p.file.view[p.start : p.start + p.nbytes]], at)
+            return
         if self._in_kernel:
             try:
                 while done < p.nbytes:
@@ -258,8 +287,11 @@ class DirectCopy:
         self._band_copier, self._bands = Copier(), ThreadPoolExecutor(1, thread_name_prefix="mbr-bands")
         self._pending: list[Future] = []
         # a band reads its whole source tensor into memory anyway: its CRC is taken there
-        self._whole = {(i.file, i.start, i.nbytes): i.name for i in source.infos.values()}
+        self._whole = {(i.file, i.start, i.nbytes): i.name for i in source.infos.values() if i.name not in source.quant}
         self._band_copier.on_read = self._checksum_region
+        # fp8 weights of the row being written, dequantised to bf16 in memory (formats/fp8.py)
+        self._mem: dict[str, MemInfo] = {}
+        self._files = OpenFiles()
 
     def _checksum_region(self, path: Path, start: int, view: memoryview) -> None:
         name = self._whole.get((path, start, len(view)))
@@ -281,7 +313,7 @@ class DirectCopy:
         return (
             ENABLED
             and isinstance(source, HFSource)
-            and all(source.out_dtype(n) == info.dtype for n, info in source.infos.items())
+            and all(source.out_dtype(n) == dtype for n, (_, dtype) in source.tensors.items())
         )
 
     @classmethod
@@ -300,20 +332,36 @@ class DirectCopy:
             d._bands.shutdown(wait=True, cancel_futures=True)  # on failure: the file objects are still open
             d.copier.close()
             d._band_copier.close()
+            d._files.close()
+            d._mem.clear()
             d.checksums.abandon()
 
     def shard_info(self, row: Resolved, s: Shard, shapes: Shapes) -> tuple[DType, tuple[int, ...]]:
-        infos = [self.source.infos[h] for h in row.hf]
-        return infos[0].dtype, out_shape(
-            row.mapping.transform.blocks([i.shape for i in infos], s, shapes), [i.shape for i in infos]
+        hf_shapes = [self.source.tensors[h][0] for h in row.hf]
+        return self.source.tensors[row.hf[0]][1], out_shape(
+            row.mapping.transform.blocks(hf_shapes, s, shapes), hf_shapes
         )
+
+    def _infos(self, row: Resolved) -> list[TensorInfo | MemInfo]:
+        """The row's source tensors; its fp8 weights dequantised (once per row, whatever the
+        number of shards; only the current row's are held, so memory is one row's bf16)."""
+        quant = [h for h in row.hf if h in self.source.quant]
+        if any(h not in self._mem for h in quant):
+            self._mem.clear()
+            self.drain()  # queued bands may still hold the previous row's buffers
+            for h in quant:
+                data = fp8.dequantize(self.source.quant[h], self._files)
+                self.checksums.values[h] = crc_hex(zlib_ng.crc32(data))
+                shape = self.source.tensors[h][0]
+                self._mem[h] = MemInfo(h, self.source.tensors[h][1], shape, Mem(data), 0, len(data))
+        return [self._mem[h] if h in self._mem else self.source.infos[h] for h in row.hf]
 
     def write(
         self, row: Resolved, s: Shard, shapes: Shapes, out: StreamingTorchSave, shape: tuple[int, ...] | None = None
     ) -> tuple[TensorRef, int]:
         """Shard `s` of `row` as one record of `out` (stored as `shape` if given, e.g. with
         leading unit axes); returns its reference and byte count."""
-        infos = [self.source.infos[h] for h in row.hf]
+        infos = self._infos(row)
         hf_shapes = [i.shape for i in infos]
         blocks = row.mapping.transform.blocks(hf_shapes, s, shapes)
         shape = shape if shape is not None else out_shape(blocks, hf_shapes)
@@ -325,9 +373,24 @@ class DirectCopy:
             raise RuntimeError(f"{row.megatron}: {written} bytes laid out for a {nbytes}-byte shard")
         banded = {(p.file, p.start, p.rows * p.row_bytes) for p in ps if isinstance(p, Band)}
         for i in infos:
-            if (i.file, i.start, i.nbytes) not in banded:  # else its band job checksums it
+            if (
+                isinstance(i, TensorInfo) and (i.file, i.start, i.nbytes) not in banded
+            ):  # else its band job checksums it
                 self.checksums.add(i)
         return ref, nbytes
 
 
-__all__ = ["Span", "Band", "Zeros", "Interleave", "Piece", "pieces", "Copier", "Checksums", "DirectCopy", "ENABLED"]
+__all__ = [
+    "Mem",
+    "MemInfo",
+    "Span",
+    "Band",
+    "Zeros",
+    "Interleave",
+    "Piece",
+    "pieces",
+    "Copier",
+    "Checksums",
+    "DirectCopy",
+    "ENABLED",
+]

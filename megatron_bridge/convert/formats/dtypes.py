@@ -54,6 +54,7 @@ _ALL = [
     DType("int8", "I8", 1, False),
     DType("uint8", "U8", 1, False),
     DType("bool", "BOOL", 1, False),
+    DType("float8_e4m3fn", "F8_E4M3", 1, True),  # fp8 block-quantised weights (formats/fp8.py)
 ]
 BY_ST: dict[str, DType] = {d.st: d for d in _ALL}
 BY_NAME: dict[str, DType] = {d.name: d for d in _ALL}

@@ -10,6 +10,7 @@ and deleted only once the new one is in place.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -147,7 +148,10 @@ def convert(cfg: Any) -> int:
     assets = _assets(src)
 
     def finish(tmp: Path) -> None:
-        shutil.copy2(src / "config.json", tmp / "config.json")
+        if source.quant:  # an fp8 source converts to its bf16 dequantisation: no quantization_config
+            (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        else:
+            shutil.copy2(src / "config.json", tmp / "config.json")
         _copy(src, tmp, assets)
         _manifest(fmt, hf_config, layout, source, tmp, assets, src, "mbr convert")
 

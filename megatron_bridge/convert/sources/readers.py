@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.mapping import Replicated
 from megatron_bridge.bridge.table import Resolved
+from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dist_ckpt import location
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
@@ -202,10 +203,16 @@ class HFSource(Source):
                 f"src={path} is already a converted checkpoint: use `mbr reshard` to change its layout "
                 "or format, `mbr export` to get a Hugging Face directory back"
             )
-        self.hf_config = read_config(path)
+        config = read_config(path)
+        block = fp8.block_size(config, self.where)
+        # An fp8 checkpoint reads as its bf16 dequantisation (formats/fp8.py): the scales are
+        # consumed, and the config written (and recorded) is the dequantised model's.
+        self.hf_config = fp8.without_quantization(config) if block else config
         self.spec = spec_from_hf(self.hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-        self.infos: dict[str, TensorInfo] = scan_dir(path)
-        self.tensors = {k: (v.shape, v.dtype) for k, v in self.infos.items()}
+        stored = scan_dir(path)
+        self.quant: dict[str, fp8.Quantized] = fp8.pair(stored, block, self.where)
+        self.tensors = fp8.dequantized_infos(stored, self.quant)
+        self.infos: dict[str, TensorInfo] = {k: v for k, v in stored.items() if k in self.tensors}
         bad = sorted({str(v.dtype) for v in self.infos.values() if not v.dtype.is_floating_point})
         if bad:
             raise UserError(
@@ -217,11 +224,19 @@ class HFSource(Source):
         files = {f: i for i, f in enumerate(sorted({v.file for v in self.infos.values()}))}
         self.rows = sorted(rows, key=lambda r: min((files[self.infos[h].file], self.infos[h].start) for h in r.hf))
 
+    def _read(self, name: str) -> torch.Tensor:
+        q = self.quant.get(name)
+        return self.io.read(self.infos[name]) if q is None else fp8.read_torch(q, self.io.read_bytes)
+
     def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
-        return self._finish(row.hf, [self.io.read(self.infos[h]) for h in row.hf], self.expected)
+        return self._finish(row.hf, [self._read(h) for h in row.hf], self.expected)
 
     def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
-        return [(self.infos[h].file, self.infos[h].start, self.infos[h].nbytes) for h in row.hf]
+        out: list[tuple[Path, int, int]] = []
+        for h in row.hf:
+            q = self.quant.get(h)
+            out += fp8.read_range(q) if q else [(self.infos[h].file, self.infos[h].start, self.infos[h].nbytes)]
+        return out
 
 
 class CheckpointSource(Source):
