@@ -15,7 +15,7 @@ from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
 
 _FAMILIES: dict[str, type[FamilyBridge]] = {}
-_FAMILY_MODULES = ("llama", "qwen", "mixtral", "gpt")  # modules under bridge/families that register classes
+_FAMILY_MODULES = ("llama", "qwen", "mixtral", "gpt", "deepseek")  # modules under bridge/families that register classes
 
 
 class FamilyBridge:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 # modules under bridge/features that register features, in the order their hooks run
-FEATURE_MODULES = ("attention",)
+FEATURE_MODULES = ("attention", "mla", "moe_routing", "mtp")
 
 _FEATURES: list[type[Feature]] = []
 
@@ -62,7 +62,7 @@ def register_feature(cls: type[Feature]) -> type[Feature]:
 
 def features() -> list[type[Feature]]:
     """Every feature, in `FEATURE_MODULES` order."""
-    if not _FEATURES:
+    if len(_FEATURES) < len(FEATURE_MODULES):  # importing one feature module directly registers only it
         for mod in FEATURE_MODULES:
             importlib.import_module(f"megatron_bridge.bridge.features.{mod}")
         order = {m: i for i, m in enumerate(FEATURE_MODULES)}
