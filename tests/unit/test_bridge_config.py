@@ -162,8 +162,8 @@ def test_config_written_back_reads_the_same(tiny):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
         ck = HFCheckpoint(path)
         saved = set(ck.keys())
-        built = {n for n, _ in model.named_parameters()}
-        assert (saved <= built) or fam in ("mixtral", "qwen2_moe"), fam  # MoE: fused in memory, per expert on disk
+        built = set(model.state_dict())  # persistent buffers too (DeepSeek-V3's correction bias)
+        assert (saved <= built) or spec.is_moe, fam  # MoE: fused in memory, per expert on disk
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
