@@ -146,7 +146,16 @@ def _rope(hf: TMapping[str, Any], problems: list[str]) -> tuple[float, str, tupl
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     rtype = params.get("rope_type") or params.get("type") or "default"
     keep: dict[str, Any] = {}
-    if rtype not in ROPE_TYPES:
+    if rtype == "yarn":  # MLA only (checked in spec_from_hf); features/mla.py computes it
+        from megatron_bridge.bridge.features.mla import YARN_KEYS
+
+        keep = {k: params[k] for k in YARN_KEYS if params.get(k) is not None}
+        for k in ("factor", "original_max_position_embeddings"):
+            if k not in keep:
+                problems.append(f"yarn rope scaling without {k!r}")
+        if params.get("attention_factor") is not None or params.get("truncate") is False:
+            problems.append("yarn with attention_factor or truncate=false is not supported")
+    elif rtype not in ROPE_TYPES:
         problems.append(f"rope_type {rtype!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     elif rtype == "linear":
         keep["factor"] = params["factor"]
@@ -224,6 +233,8 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     family.read_hf(hf, f, problems)
     for feat in features():
         feat.read(hf, f, problems)
+    if f["rope_type"] == "yarn" and not f.get("multi_latent_attention"):
+        problems.append("rope_type 'yarn' is supported with multi-latent attention only")
 
     if base.get("num_moe_experts") and "num_moe_experts" not in f:  # else a feature read the MoE keys
         f["num_moe_experts"] = int(base["num_moe_experts"])

@@ -57,7 +57,7 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             norm_topk_prob=False,
         ),
     ),
-    # MLA with q_lora_rank, sigmoid routing + correction bias, 2 of 4 groups, scaling,
+    # MLA with q_lora_rank and yarn (mscale_all_dim: softmax scale and cos/sin factor), sigmoid routing + correction bias, 2 of 4 groups, scaling,
     # renormalised top-k, one shared expert, layer 0 dense.
     "deepseek_v3": (
         "DeepseekV3Config",
@@ -77,6 +77,16 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             routed_scaling_factor=2.5,
             norm_topk_prob=True,
             first_k_dense_replace=1,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+            ),
         ),
     ),
     # DeepSeek-V2 (softmax, group_limited_greedy, scaling); V2-Lite (no q_lora_rank) is the

@@ -73,7 +73,7 @@ def test_specs_and_megatron_config():
     assert v3.moe_layer_pattern == (0, 1, 1, 1) and v3.moe_shared_expert_intermediate_size == 16
     assert v3.moe_router_topk_scaling_factor == 2.5 and not v3.moe_router_pre_softmax and v3.mtp_num_layers == 1
     tc = transformer_config(v3, Layout(tp=2, ep=2, sequence_parallel=True))
-    assert type(tc).__name__ == "MLATransformerConfig" and tc.rope_type == "rope" and tc.q_lora_rank == 24
+    assert type(tc).__name__ == "MLATransformerConfig" and tc.rope_type == "yarn" and tc.q_lora_rank == 24
     assert not tc.moe_router_enable_expert_bias  # megatron must never update the correction bias
     lite = spec_from_hf(tiny_config("deepseek_v2", q_lora_rank=None).to_dict())
     assert lite.q_lora_rank is None and lite.moe_router_pre_softmax and lite.moe_router_score_function == "softmax"
@@ -87,7 +87,12 @@ def test_specs_and_megatron_config():
         ("deepseek_v3", {"rope_interleave": False}, "rope_interleave"),
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
         ("deepseek_v2", {"norm_topk_prob": True}, "norm_topk_prob"),
-        ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        (
+            "deepseek_v3",
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "attention_factor": 2.0}},
+            "yarn",
+        ),
+        ("deepseek_v3", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}}, "with MLA"),
     ],
 )
 def test_refusals(family, overrides, message):
@@ -119,3 +124,20 @@ def test_v2_lite_table_and_mtp_skip(tmp_path, capsys):
     capsys.readouterr()
     resolve_checkpoint(v3, [k for k in base if "q_a_proj" not in k] + mtp)
     assert "skipping 2 tensor(s) of 1 multi-token-prediction layer(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mscale_all_dim", [None, 0.8])
+def test_yarn_frequencies_match_transformers(mscale_all_dim):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_bridge.bridge.features.mla import yarn_inv_freq
+
+    cfg = tiny_config("deepseek_v3")
+    rope = dict(cfg.rope_parameters, mscale=1.0, mscale_all_dim=mscale_all_dim, beta_fast=16)
+    cfg = tiny_config("deepseek_v3", rope_parameters=rope)
+    spec = spec_from_hf(cfg.to_dict())
+    inv_ref, factor_ref = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    inv, factor = yarn_inv_freq(spec.qk_pos_emb_head_dim, spec.rotary_base, dict(spec.rope_params))
+    assert torch.equal(inv, inv_ref) and factor == factor_ref
+    tc = transformer_config(spec, Layout())
+    assert tc.rope_type == "yarn" and tc.mscale_all_dim == (mscale_all_dim or 0.0)

@@ -11,8 +11,10 @@ attention computes:
   then rotate-half); megatron's MLA de-interleaves, then rotates half. The q·k products
   are the same (q and k get the same permutation). V3's `rope_interleave=false` (rotate-half
   on the stored order) would need a weight permutation and is refused.
-* softmax scale (qk_nope + qk_rope)^-0.5; yarn (whose mscale changes that scale and the
-  cos/sin) is refused by the common rope reader, as every non-default rope type.
+* softmax scale (qk_nope + qk_rope)^-0.5, times mscale(factor, mscale_all_dim)^2 with yarn
+  (megatron's formula and transformers' agree). Yarn's frequencies and cos/sin factor are
+  transformers' (`yarn_inv_freq`): megatron's YarnRotaryEmbedding needs CUDA and differs
+  where only `mscale` is given, so MLA's rotary module is swapped for `HFYarnRotary`.
 * the latent norms: transformers builds q_a_layernorm / kv_a_layernorm with eps 1e-6
   whatever rms_norm_eps says, so they get their own norm with that eps here.
 
@@ -22,6 +24,7 @@ head dim, which `ContextParallelAttention` (SDPA) and TE both accept.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +40,61 @@ class LatentRMSNorm:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
         return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=LATENT_NORM_EPS)
+
+
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(dim: int, base: float, p: Mapping[str, Any]) -> tuple[Any, float]:
+    """(inverse frequencies, cos/sin factor) as transformers' `_compute_yarn_parameters`."""
+    import torch
+
+    factor = p["factor"]
+    mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+    if mscale and mscale_all:
+        attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all))
+    else:
+        attention_factor = _yarn_mscale(factor)
+    fast, slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+    old = p["original_max_position_embeddings"]
+
+    def corr(rot: float) -> float:
+        return (dim * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = max(math.floor(corr(fast)), 0), min(math.ceil(corr(slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extra = 1 - ramp
+    inv = (1.0 / (factor * pos)) * (1 - extra) + (1.0 / pos) * extra
+    return inv, attention_factor
+
+
+def _yarn_class(spec: Any):
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    class HFYarnRotary(RotaryEmbedding):
+        """RotaryEmbedding with transformers' yarn frequencies; returns (emb, cos/sin factor)
+        as MLA's yarn branch expects."""
+
+        def __init__(self, kv_channels: int, rotary_base: float = 10000.0, cp_group: Any = None, **_: Any):
+            on_gpu = torch.cuda.is_available()
+            super().__init__(
+                kv_channels, 1.0, rotary_base=rotary_base, use_cpu_initialization=not on_gpu, cp_group=cp_group
+            )
+            inv, self.attention_factor = yarn_inv_freq(kv_channels, rotary_base, dict(spec.rope_params))
+            self.inv_freq = inv.to(self.inv_freq.device)
+
+        def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False):  # type: ignore[override]
+            return super().forward(max_seq_len, offset, packed_seq), self.attention_factor
+
+    return HFYarnRotary
 
 
 def _allow_without_te() -> None:
@@ -81,6 +139,8 @@ def _mla_class():
             return out, None
 
     class BridgeMLASelfAttention(MLASelfAttention):
+        bridge_spec: Any = None  # set per spec by mla_self_attention_class
+
         """MLASelfAttention with an unsplit kv down-projection.
 
         With the local spec's column-parallel kv down-projection megatron gathers the
@@ -90,6 +150,10 @@ def _mla_class():
 
         def __init__(self, config: Any, *args: Any, **kw: Any):
             super().__init__(config, *args, **kw)
+            if config.rope_type == "yarn":
+                self.rotary_pos_emb = _yarn_class(self.bridge_spec)(
+                    config.qk_pos_emb_head_dim, rotary_base=config.rotary_base, cp_group=self.pg_collection.cp
+                )
             self.linear_kv_down_proj = DuplicatedLinear(
                 config.hidden_size, config.kv_lora_rank + config.qk_pos_emb_head_dim, config, config.init_method
             )
@@ -100,11 +164,12 @@ def _mla_class():
 _MLA: Any = None
 
 
-def mla_self_attention_class():
+def mla_self_attention_class(spec: Any):
+    """The attention class for `spec` (a subclass carrying the spec, for the yarn params)."""
     global _MLA
     if _MLA is None:
         _MLA = _mla_class()
-    return _MLA
+    return type(_MLA.__name__, (_MLA,), {"bridge_spec": spec})
 
 
 @register_feature
@@ -125,6 +190,8 @@ class MultiLatentAttention(Feature):
             v_head_dim=int(hf["v_head_dim"]),
             head_dim=int(hf["qk_rope_head_dim"]),
         )
+        if fields.get("rope_type") not in ("default", "yarn"):
+            problems.append(f"rope_type {fields.get('rope_type')!r} with MLA is not supported (default, yarn are)")
         if hf.get("rope_interleave") is False:
             problems.append(
                 "rope_interleave=false (rotate-half on the stored rope dims) is not supported with MLA: "
@@ -162,13 +229,22 @@ class MultiLatentAttention(Feature):
             rotary_base=spec.rotary_base,
             rotary_percent=1.0,
         )
+        if spec.rope_type == "yarn":
+            p = dict(spec.rope_params)
+            kw.update(
+                rope_type="yarn",
+                rotary_scaling_factor=p["factor"],
+                mscale=p.get("mscale") or 1.0,
+                mscale_all_dim=p.get("mscale_all_dim") or 0.0,  # the softmax scale's factor
+                original_max_position_embeddings=p["original_max_position_embeddings"],
+            )
 
     @classmethod
     def layer(cls, spec: Any, index: int, layer_spec: Any) -> None:
         if not spec.multi_latent_attention:
             return
         _allow_without_te()
-        layer_spec.submodules.self_attention.module = mla_self_attention_class()
+        layer_spec.submodules.self_attention.module = mla_self_attention_class(spec)
         sub = layer_spec.submodules.self_attention.submodules
         sub.q_layernorm = LatentRMSNorm
         sub.kv_layernorm = LatentRMSNorm
