@@ -65,7 +65,8 @@ def yarn_inv_freq(dim: int, base: float, p: Mapping[str, Any]) -> tuple[Any, flo
     def corr(rot: float) -> float:
         return (dim * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(base))
 
-    low, high = max(math.floor(corr(fast)), 0), min(math.ceil(corr(slow)), dim - 1)
+    low: float = max(math.floor(corr(fast)), 0)
+    high: float = min(math.ceil(corr(slow)), dim - 1)
     if low == high:
         high += 0.001
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
@@ -89,9 +90,9 @@ def _yarn_class(spec: Any):
                 kv_channels, 1.0, rotary_base=rotary_base, use_cpu_initialization=not on_gpu, cp_group=cp_group
             )
             inv, self.attention_factor = yarn_inv_freq(kv_channels, rotary_base, dict(spec.rope_params))
-            self.inv_freq = inv.to(self.inv_freq.device)
+            self.inv_freq = inv.to(torch.cuda.current_device() if on_gpu else "cpu")
 
-        def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False):  # type: ignore[override]
+        def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False):
             return super().forward(max_seq_len, offset, packed_seq), self.attention_factor
 
     return HFYarnRotary

@@ -24,6 +24,7 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.mapping import Replicated
 from megatron_bridge.bridge.table import Resolved
@@ -205,6 +206,10 @@ class HFSource(Source):
         self.hf_config = read_config(path)
         self.spec = spec_from_hf(self.hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         self.infos: dict[str, TensorInfo] = scan_dir(path)
+        skip = set(mtp_keys(self.spec, list(self.infos)))  # multi-token prediction: not converted, said so
+        if skip:
+            note_skipped(self.spec, sorted(skip))
+            self.infos = {k: v for k, v in self.infos.items() if k not in skip}
         self.tensors = {k: (v.shape, v.dtype) for k, v in self.infos.items()}
         bad = sorted({str(v.dtype) for v in self.infos.values() if not v.dtype.is_floating_point})
         if bad:
