@@ -141,3 +141,22 @@ def test_yarn_frequencies_match_transformers(mscale_all_dim):
     assert torch.equal(inv, inv_ref) and factor == factor_ref
     tc = transformer_config(spec, Layout())
     assert tc.rope_type == "yarn" and tc.mscale_all_dim == (mscale_all_dim or 0.0)
+
+
+def test_layout_rules_for_mla(tmp_path):
+    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.config.hf_model import apply_hf_config
+    from megatron_bridge.config.schema import Config
+    from megatron_bridge.parallel.rules import check_all
+
+    def rules(hf_dir, layout, world):
+        cfg = Config()
+        apply_hf_config(cfg.model, hf_dir)
+        cfg.model.hf_path = str(hf_dir)
+        cfg.train.seq_length = 64
+        return {v.rule for v in check_all(layout.with_world(world), cfg, layout_only=True)[0]}
+
+    good = make_tiny("deepseek_v3", tmp_path / "v3")
+    assert rules(good, Layout(tp=2, ep=2, cp=2), 8) == set()  # MoE counted from n_routed_experts
+    odd = make_tiny("deepseek_v3", tmp_path / "odd", q_lora_rank=20, num_attention_heads=8, num_key_value_heads=8)
+    assert rules(odd, Layout(tp=8), 8) == {"mla-q-lora-tp"}
