@@ -140,14 +140,14 @@ def _mla_class():
             return out, None
 
     class BridgeMLASelfAttention(MLASelfAttention):
-        bridge_spec: Any = None  # set per spec by mla_self_attention_class
-
-        """MLASelfAttention with an unsplit kv down-projection.
+        """MLASelfAttention with an unsplit kv down-projection (and transformers' yarn).
 
         With the local spec's column-parallel kv down-projection megatron gathers the
         latent and the shared rope key over TP and splits the gradient back, so each rank
         keeps only its own heads' share of the rope key's gradient: wrong grads at tp>1
         (the forward is right)."""
+
+        bridge_spec: Any = None  # set per spec by mla_self_attention_class
 
         def __init__(self, config: Any, *args: Any, **kw: Any):
             super().__init__(config, *args, **kw)
