@@ -138,6 +138,8 @@ def _make_class():
             pg_collection=None,
             window="config",
             softcap=None,
+            k_channels=None,  # MLA: q/k and v head dims differ; SDPA takes them from the tensors
+            v_channels=None,
         ):
             super().__init__(config=config)
             self.layer_number = max(1, layer_number)

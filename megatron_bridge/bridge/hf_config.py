@@ -197,7 +197,7 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     for feat in features():
         feat.read(hf, f, problems)
 
-    if base.get("num_moe_experts"):
+    if base.get("num_moe_experts") and "num_moe_experts" not in f:  # else a feature read the MoE keys
         f["num_moe_experts"] = int(base["num_moe_experts"])
         f["moe_router_topk"] = int(base.get("moe_router_topk", 2))
         f["moe_ffn_hidden_size"] = int(base.get("moe_ffn_hidden_size") or base["ffn_hidden_size"])
@@ -329,9 +329,10 @@ def activation_func(spec: BridgeSpec):
 
 def transformer_config(spec: BridgeSpec, layout: Any, **overrides: Any):
     """megatron-core TransformerConfig for `spec` under `layout` (a `Layout`)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_bridge.bridge.features.mla import mla_config_class
 
-    return TransformerConfig(**transformer_config_kwargs(spec, layout, **overrides))
+    kw = transformer_config_kwargs(spec, layout, **overrides)
+    return mla_config_class(kw)(**kw)
 
 
 def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -> dict[str, Any]:

@@ -102,7 +102,14 @@ def table_for(spec: BridgeSpec):
 
 
 def resolve_checkpoint(spec: BridgeSpec, keys: Sequence[str]) -> list[Resolved]:
-    """Every table row the checkpoint fills; unknown HF tensors are an error, not ignored."""
+    """Every table row the checkpoint fills; unknown HF tensors are an error, not ignored
+    (multi-token-prediction layers, which the bridge does not build, are skipped with a note)."""
+    from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
+
+    skip = set(mtp_keys(spec, keys))
+    if skip:
+        note_skipped(spec, sorted(skip))
+        keys = [k for k in keys if k not in skip]
     rows, unused = resolve_hf(table_for(spec), keys, spec.num_moe_experts)
     if unused:
         raise UserError(
@@ -411,6 +418,10 @@ def export_hf_weights(
         index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _write_config_and_assets(out, spec, source_dir, hf_config, dtype)
+        if spec.mtp_num_layers:
+            from megatron_bridge.bridge.features.mtp import note_skipped
+
+            note_skipped(spec, None)
     torch.distributed.barrier()
     return out
 

@@ -72,10 +72,19 @@ def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tens
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+        saved = model.state_dict()  # saved buffers (DeepSeek-V3's correction bias) are frozen: grad 0
+        for name, b in model.named_buffers():
+            if name in saved and b.is_floating_point():
+                b.zero_()
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         out["grads"] = load_dir(tmp)
     return out
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient; zero for a frozen one (requires_grad=False has no main_grad)."""
+    return p.main_grad if p.requires_grad else torch.zeros_like(p)  # type: ignore[attr-defined]
 
 
 def diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
@@ -191,7 +200,7 @@ def check_layout(
             out["loss"] = {"value": loss, "ref": ref.get("loss") if ref else None}
         if "grads" in checks:
             assert ref is not None, "the grads check needs ref"
-            grads = dict(iter_hf_tensors(unwrap(ddp), spec, value=lambda p: p.main_grad))
+            grads = dict(iter_hf_tensors(unwrap(ddp), spec, value=_grad_of))
             out["grads"] = _compare_dict(grads, ref["grads"], exact=False)
         if "train" in checks:
             assert export_dir is not None, "the train check needs export_dir"

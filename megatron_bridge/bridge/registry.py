@@ -27,6 +27,7 @@ _FAMILY_MODULES = (
     "smollm3",
     "ministral",
     "gpt_oss",
+    "deepseek",
 )  # modules under bridge/families that register classes
 
 

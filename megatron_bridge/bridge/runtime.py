@@ -164,7 +164,8 @@ def forward_backward(
 def sgd_step(ddp_chunks: Sequence[Any], lr: float) -> None:
     for c in ddp_chunks:
         for p in c.parameters():
-            p.data.add_(p.main_grad.to(p.dtype), alpha=-lr)
+            if p.requires_grad:  # frozen tensors (DeepSeek-V3's correction bias) stay, as in megatron's optimizer
+                p.data.add_(p.main_grad.to(p.dtype), alpha=-lr)
 
 
 def unwrap(chunks: Sequence[Any]) -> list[Any]:

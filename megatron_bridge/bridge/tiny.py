@@ -193,6 +193,60 @@ TINY: dict[str, tuple[str, dict[str, Any]]] = {
             swiglu_limit=0.2,  # small: the random tiny activations must reach the clamp
         ),
     ),
+    # MLA with q_lora_rank and yarn (mscale_all_dim: softmax scale and cos/sin factor), sigmoid routing + correction bias, 2 of 4 groups, scaling,
+    # renormalised top-k, one shared expert, layer 0 dense.
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+            ),
+        ),
+    ),
+    # DeepSeek-V2 (softmax, group_limited_greedy, scaling); V2-Lite (no q_lora_rank) is the
+    # override q_lora_rank=None.
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=2.0,
+            first_k_dense_replace=1,
+        ),
+    ),
 }
 
 
@@ -223,6 +277,10 @@ def randomize_(model, seed: int = 0, scale: float = 0.08) -> None:
                 p.copy_(centre + 0.2 * noise)
             else:
                 p.copy_(scale * noise)
+        saved = model.state_dict()  # persistent buffers are weights too (DeepSeek-V3's e_score_correction_bias)
+        for name, b in sorted(model.named_buffers()):
+            if name in saved and b.is_floating_point():
+                b.copy_(scale * torch.randn(b.shape, generator=g, dtype=torch.float32))
 
 
 def make_tiny(family: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

@@ -28,7 +28,7 @@ HF_KEYS: dict[str, tuple] = {
     "tie_word_embeddings": ("tie_word_embeddings",),
     "norm_epsilon": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
     "rotary_base": ("rope_theta",),
-    "num_moe_experts": ("num_local_experts", "num_experts"),
+    "num_moe_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
     "moe_router_topk": ("num_experts_per_tok",),
     "moe_ffn_hidden_size": ("moe_intermediate_size",),
     "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size",),

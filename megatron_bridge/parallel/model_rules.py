@@ -109,12 +109,34 @@ def _biased_experts(model) -> bool:
         return False
 
 
-@lru_cache(maxsize=64)
 def _hf_biased(path: str, divisible_by: int) -> bool:
+    spec = _hf_spec(path, divisible_by)
+    return bool(spec is not None and spec.mlp_bias)
+
+
+@lru_cache(maxsize=64)
+def _hf_spec(path: str, divisible_by: int):
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.errors import UserError
 
     try:
-        return bool(load_spec(path, make_vocab_size_divisible_by=divisible_by).mlp_bias)
+        return load_spec(path, make_vocab_size_divisible_by=divisible_by)
     except UserError:
-        return False
+        return None  # refused by the hf-model rule
+
+
+@layout_rule
+def latent_attention_tp(d, cfg):
+    """MLA's q down-projection (q_a_proj) is column-parallel: tp must divide q_lora_rank."""
+    m = cfg.model
+    if not m.hf_path or d.tp < 2:
+        return []
+    spec = _hf_spec(m.hf_path, m.make_vocab_size_divisible_by)
+    if spec is None or not spec.multi_latent_attention or not spec.q_lora_rank or spec.q_lora_rank % d.tp == 0:
+        return []
+    return _v(
+        "mla-q-lora-tp",
+        f"q_lora_rank={spec.q_lora_rank} (multi-latent attention's q down-projection, split over TP) "
+        f"is not divisible by tp={d.tp}",
+        f"choose tp dividing {spec.q_lora_rank}",
+    )

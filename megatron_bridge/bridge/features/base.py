@@ -25,6 +25,9 @@ from typing import Any, ClassVar
 FEATURE_MODULES = (
     "attention",
     "rope",
+    "mla",
+    "moe_routing",
+    "mtp",
     "norms",
     "sublayer",
     "scaling",

@@ -388,8 +388,8 @@ class Rope(Feature):
         from megatron.core.transformer.spec_utils import ModuleSpec
 
         rope = layer_rope(spec, index)
-        if rope is None or spec.position_embedding_type != "rope":
-            return
+        if rope is None or spec.position_embedding_type != "rope" or spec.multi_latent_attention:
+            return  # MLA rotates its rope dims itself (features/mla.py)
         attn = layer_spec.submodules.self_attention
         params = {**dict(attn.params or {}), "rope": rope, "bridge_spec": spec}
         layer_spec.submodules.self_attention = ModuleSpec(

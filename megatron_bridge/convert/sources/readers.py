@@ -24,6 +24,7 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
 from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
 from megatron_bridge.bridge.mapping import Replicated
 from megatron_bridge.bridge.table import Resolved
@@ -210,6 +211,10 @@ class HFSource(Source):
         self.hf_config = fp8.without_quantization(config) if block else config
         self.spec = spec_from_hf(self.hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         stored = scan_dir(path)
+        skip = set(mtp_keys(self.spec, list(stored)))  # multi-token prediction: not converted, said so
+        if skip:
+            note_skipped(self.spec, sorted(skip))
+            stored = {k: v for k, v in stored.items() if k not in skip}
         self.quant: dict[str, fp8.Quantized] = fp8.pair(stored, block, self.where)
         self.tensors = fp8.dequantized_infos(stored, self.quant)
         self.infos: dict[str, TensorInfo] = {k: v for k, v in stored.items() if k in self.tensors}

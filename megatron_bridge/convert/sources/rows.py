@@ -77,6 +77,25 @@ def expected_names(spec: BridgeSpec) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+# Multi-latent attention (bridge/features/mla.py) and the DeepSeek router's correction bias.
+_MLA_SHAPES: Sequence[tuple[str, Callable[[BridgeSpec], Shape]]] = (
+    (r"self_attention\.q_layernorm\.weight$", lambda s: (s.q_lora_rank or 0,)),
+    (r"self_attention\.kv_layernorm\.weight$", lambda s: (s.kv_lora_rank,)),
+    (
+        r"linear_q_proj\.weight$",
+        lambda s: (s.num_attention_heads * (s.qk_head_dim + s.qk_pos_emb_head_dim), s.hidden_size),
+    ),
+    (r"linear_q_down_proj\.weight$", lambda s: (s.q_lora_rank or 0, s.hidden_size)),
+    (
+        r"linear_q_up_proj\.weight$",
+        lambda s: (s.num_attention_heads * (s.qk_head_dim + s.qk_pos_emb_head_dim), s.q_lora_rank or 0),
+    ),
+    (r"linear_kv_down_proj\.weight$", lambda s: (s.kv_lora_rank + s.qk_pos_emb_head_dim, s.hidden_size)),
+    (r"linear_kv_up_proj\.weight$", lambda s: (s.num_attention_heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank)),
+    (r"self_attention\.linear_proj\.weight$", lambda s: (s.hidden_size, s.num_attention_heads * s.v_head_dim)),
+    (r"mlp\.router\.expert_bias$", lambda s: (_moe(s.num_moe_experts),)),
+)
+
 # megatron-core's parameter shapes at tp=1 (local spec), by name suffix. `V` = padded vocab.
 _SHAPES: Sequence[tuple[str, Callable[[BridgeSpec, int], Shape]]] = (
     (r"(embedding\.word_embeddings|output_layer)\.weight$", lambda s, V: (V, s.hidden_size)),
@@ -103,6 +122,10 @@ _SHAPES: Sequence[tuple[str, Callable[[BridgeSpec, int], Shape]]] = (
 
 def megatron_shape(name: str, spec: BridgeSpec, padded_vocab: int) -> Shape | None:
     """The shape megatron-core gives global parameter `name` (None: not known here)."""
+    if spec.multi_latent_attention:
+        for mla_pattern, mla_fn in _MLA_SHAPES:
+            if re.search(mla_pattern, name):
+                return tuple(mla_fn(spec))
     qk = re.search(r"\.(q|k)_layernorm\.weight$", name)
     if qk:  # per head, or over the whole q / k projection (qk_norm_type "full")
         heads = spec.num_attention_heads if qk.group(1) == "q" else spec.num_query_groups
