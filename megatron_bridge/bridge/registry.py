@@ -28,6 +28,7 @@ _FAMILY_MODULES = (
     "ministral",
     "gpt_oss",
     "deepseek",
+    "glm",
 )  # modules under bridge/families that register classes
 
 
