@@ -57,6 +57,7 @@ def hf_to_model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     from megatron_bridge.bridge.registry import family_for
 
     family = family_for(hf)
+    hf = dict(family.complete_hf(hf))  # keys the family's config class derives (as load_spec sees them)
     out: dict[str, Any] = {"family": family.name, "name": hf.get("_name_or_path") or hf.get("model_type", "")}
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     out.update({k: v for k, v in family.implicit.items() if k in model_fields})
