@@ -15,21 +15,7 @@ from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
 
 _FAMILIES: dict[str, type[FamilyBridge]] = {}
-_FAMILY_MODULES = (
-    "llama",
-    "qwen",
-    "mixtral",
-    "gpt",
-    "gemma",
-    "granite",
-    "olmo",
-    "phi3",
-    "smollm3",
-    "ministral",
-    "gpt_oss",
-    "deepseek",
-    "glm",
-)  # modules under bridge/families that register classes
+_LOADED: list[bool] = []  # set once every module under bridge/families is imported
 
 
 class FamilyBridge:
@@ -48,6 +34,8 @@ class FamilyBridge:
       that sets another value is refused by the `model-architecture` rule instead of
       building a model whose weights cannot be loaded or exported.
     - `hf_weights`: False for a family with no HF counterpart (trains from scratch only).
+    - `tiny`: its tiny random model (config class, overrides of `tiny.COMMON`) with every
+      feature of the family switched on; that entry puts the family into every generic test.
     """
 
     name: ClassVar[str] = ""
@@ -65,6 +53,9 @@ class FamilyBridge:
         "position_embedding_type": "rope",
     }
     hf_weights: ClassVar[bool] = True
+    # the tiny random model tests and `mbr verify verify.tiny=NAME` build (bridge/tiny.py):
+    # (transformers config class, overrides of tiny.COMMON), every feature of the family on
+    tiny: ClassVar[tuple[str, dict[str, Any]] | None] = None
 
     @classmethod
     def read_hf(cls, hf: TMapping[str, Any], fields: dict[str, Any], problems: list[str]) -> None:
@@ -96,9 +87,16 @@ def register(cls: type[FamilyBridge]) -> type[FamilyBridge]:
 
 
 def _load_all() -> None:
-    if len(_FAMILIES) == 0:
-        for mod in _FAMILY_MODULES:
-            importlib.import_module(f"megatron_bridge.bridge.families.{mod}")
+    """Import every module under bridge/families (each registers its classes): a new family
+    is a new file there, with no list to edit. A flag, not `if not _FAMILIES`: importing one
+    family module directly must not stop the others from loading."""
+    if not _LOADED:
+        import pkgutil
+
+        package = importlib.import_module("megatron_bridge.bridge.families")
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+            importlib.import_module(f"{package.__name__}.{info.name}")
+        _LOADED.append(True)
 
 
 def families() -> list[type[FamilyBridge]]:

@@ -21,7 +21,7 @@ from typing import Any
 from megatron_bridge.errors import LayoutError, UserError
 
 DENSE_LAYOUTS = ("tp1", "tp2", "pp2vpp2", "tp2pp2", "cp2")
-MOE_LAYOUTS = ("ep2", "ep2tp2")
+MOE_LAYOUTS = ("ep2", "ep2tp2", "ep2tp2etp1")
 CHECKS = ("logits", "grads", "roundtrip")
 HEADER = "| family | layout | logits max-abs | loss abs-diff | grads max-abs (tensors) | round trip | verdict |"
 

@@ -41,6 +41,28 @@ NAMES = {"num_moe_experts": "n_routed_experts", "moe_ffn_hidden_size": "moe_inte
 @register
 class DeepseekV2(FamilyBridge):
     name = "deepseek_v2"
+    # DeepSeek-V2 (softmax, group_limited_greedy, scaling); V2-Lite (no q_lora_rank) is the
+    # override q_lora_rank=None.
+    tiny = (
+        "DeepseekV2Config",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=2.0,
+            first_k_dense_replace=1,
+        ),
+    )
     model_types = ("deepseek_v2",)
     architectures = ("DeepseekV2ForCausalLM",)
     table = EMBEDDINGS + MLA + MOE
@@ -51,6 +73,38 @@ class DeepseekV2(FamilyBridge):
 @register
 class DeepseekV3(FamilyBridge):
     name = "deepseek_v3"
+    # MLA with q_lora_rank and yarn (mscale_all_dim: softmax scale and cos/sin factor), sigmoid routing + correction bias, 2 of 4 groups, scaling,
+    # renormalised top-k, one shared expert, layer 0 dense.
+    tiny = (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+            ),
+        ),
+    )
     model_types = ("deepseek_v3", "kimi_k2")
     architectures = ("DeepseekV3ForCausalLM",)
     implicit = {"moe_router_score_function": "sigmoid", "moe_router_expert_bias": True}

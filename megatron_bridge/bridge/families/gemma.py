@@ -112,6 +112,18 @@ class _Gemma(FamilyBridge):
 @register
 class Gemma2(_Gemma):
     name = "gemma2"
+    tiny = (
+        "Gemma2Config",
+        dict(
+            head_dim=16,  # != hidden / heads
+            query_pre_attn_scalar=24,  # softmax scale != 1/sqrt(head_dim)
+            sliding_window=8,  # alternating sliding / full layers (layer_types default)
+            attn_logit_softcapping=0.5,  # small enough that tanh bends the scores
+            final_logit_softcapping=0.5,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("gemma2",)
     architectures = ("Gemma2ForCausalLM",)
     table = gemma_rows("model", qk_norm=False) + LM_HEAD
@@ -121,6 +133,23 @@ class Gemma2(_Gemma):
 @register
 class Gemma3Text(_Gemma):
     name = "gemma3_text"
+    tiny = (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={  # sliding layers rotate at their own base
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            # attn_logit_softcapping stays off: transformers' SDPA path refuses it (Gemma 2 covers it)
+            final_logit_softcapping=0.5,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("gemma3_text",)
     architectures = ("Gemma3ForCausalLM",)
     implicit = {**GEMMA_IMPLICIT, "qk_layernorm": True}

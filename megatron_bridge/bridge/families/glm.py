@@ -53,6 +53,11 @@ GLM4_LAYER = (
 @register
 class Glm4(_Glm):
     name = "glm4"
+    # GLM-4: sandwich norms, fused gate_up_proj, partial (0.5) interleaved rotary, q/k/v bias
+    tiny = (
+        "Glm4Config",
+        dict(head_dim=16, attention_bias=True, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=2),
+    )
     model_types = ("glm4",)
     architectures = ("Glm4ForCausalLM",)
     defaults = {"attention_bias": True, "head_dim": 128}
@@ -65,6 +70,27 @@ class Glm4(_Glm):
 @register
 class Glm4Moe(_Glm):
     name = "glm4_moe"
+    # GLM-4.5: partial rotary, qk-norm, q/k/v bias, sigmoid routing + correction bias, 2 of 4
+    # groups, scaling, renormalised top-k, one shared expert, layer 0 dense, one MTP layer.
+    tiny = (
+        "Glm4MoeConfig",
+        dict(
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            num_nextn_predict_layers=1,
+        ),
+    )
     model_types = ("glm4_moe",)
     architectures = ("Glm4MoeForCausalLM",)
     defaults = {

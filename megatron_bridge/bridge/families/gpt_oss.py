@@ -22,6 +22,26 @@ _HE = f"{H}.mlp.experts"
 @register
 class GptOss(FamilyBridge):
     name = "gpt_oss"
+    tiny = (  # every GPT-OSS feature
+        "GptOssConfig",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=16,
+            head_dim=8,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters=dict(  # yarn with its attention factor; 16 < the 32-token test batch
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32.0,
+                beta_slow=1.0,
+            ),
+            swiglu_limit=0.2,  # small: the random tiny activations must reach the clamp
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("gpt_oss",)
     architectures = ("GptOssForCausalLM",)
     implicit = {"attention_sinks": True, "mlp_bias": True, "moe_router_bias": True, "glu_linear_offset": 1.0}

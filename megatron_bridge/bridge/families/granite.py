@@ -18,6 +18,15 @@ SCALARS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 @register
 class Granite(FamilyBridge):
     name = "granite"
+    tiny = (
+        "GraniteConfig",
+        dict(
+            embedding_multiplier=12.0,
+            attention_multiplier=0.3,
+            residual_multiplier=0.22,
+            logits_scaling=4.0,
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("granite",)
     architectures = ("GraniteForCausalLM",)
     table = EMBEDDINGS + ATTENTION + DENSE_MLP

@@ -7,6 +7,19 @@ from megatron_bridge.bridge.registry import FamilyBridge, register
 @register
 class Llama(FamilyBridge):
     name = "llama"
+    tiny = (
+        "LlamaConfig",
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            )
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("llama",)
     architectures = ("LlamaForCausalLM",)
     table = EMBEDDINGS + ATTENTION + DENSE_MLP
@@ -16,6 +29,10 @@ class Llama(FamilyBridge):
 @register
 class Mistral(FamilyBridge):
     name = "mistral"
+    tiny = (
+        "MistralConfig",
+        dict(sliding_window=8, num_key_value_heads=1),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("mistral",)
     architectures = ("MistralForCausalLM",)
     table = EMBEDDINGS + ATTENTION + DENSE_MLP

@@ -7,6 +7,10 @@ from megatron_bridge.bridge.registry import FamilyBridge, register
 @register
 class Mixtral(FamilyBridge):
     name = "mixtral"
+    tiny = (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, tie_word_embeddings=True),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("mixtral",)
     architectures = ("MixtralForCausalLM",)
     table = (

@@ -28,6 +28,7 @@ POST_NORMS: tuple[Mapping, ...] = (
 @register
 class Olmo2(FamilyBridge):
     name = "olmo2"
+    tiny = ("Olmo2Config", dict(eos_token_id=None))  # bridge/tiny.py: every feature of the family on
     model_types = ("olmo2",)
     architectures = ("Olmo2ForCausalLM",)
     implicit = {
@@ -44,6 +45,17 @@ class Olmo2(FamilyBridge):
 @register
 class Olmoe(FamilyBridge):
     name = "olmoe"
+    tiny = (
+        "OlmoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            norm_topk_prob=False,
+            clip_qkv=1.0,
+            eos_token_id=None,
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("olmoe",)
     architectures = ("OlmoeForCausalLM",)
     implicit = {"qk_layernorm": True, "qk_norm_type": "full"}

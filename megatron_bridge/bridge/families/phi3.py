@@ -21,6 +21,23 @@ from megatron_bridge.bridge.table import Mapping
 @register
 class Phi3(FamilyBridge):
     name = "phi3"
+    tiny = (
+        "Phi3Config",
+        dict(
+            sliding_window=8,
+            original_max_position_embeddings=16,  # < the 32-token test batch: the long factors and
+            rope_parameters=dict(  # the attention factor are in use
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.7],
+                long_factor=[1.5, 4.0],
+            ),
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("phi3",)
     architectures = ("Phi3ForCausalLM",)
     table = EMBEDDINGS + (

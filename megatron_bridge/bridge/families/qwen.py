@@ -10,6 +10,7 @@ from megatron_bridge.bridge.table import Mapping
 @register
 class Qwen2(FamilyBridge):
     name = "qwen2"
+    tiny = ("Qwen2Config", dict(tie_word_embeddings=True))  # bridge/tiny.py: every feature of the family on
     model_types = ("qwen2",)
     architectures = ("Qwen2ForCausalLM",)
     implicit = {"add_qkv_bias": True}
@@ -21,6 +22,7 @@ class Qwen2(FamilyBridge):
 @register
 class Qwen3(FamilyBridge):
     name = "qwen3"
+    tiny = ("Qwen3Config", dict(head_dim=16))  # bridge/tiny.py: every feature of the family on
     model_types = ("qwen3",)
     architectures = ("Qwen3ForCausalLM",)
     implicit = {"qk_layernorm": True}
@@ -32,6 +34,17 @@ class Qwen3(FamilyBridge):
 @register
 class Qwen2Moe(FamilyBridge):
     name = "qwen2_moe"
+    tiny = (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("qwen2_moe",)
     architectures = ("Qwen2MoeForCausalLM",)
     implicit = {"add_qkv_bias": True, "moe_shared_expert_gate": True}
@@ -56,6 +69,19 @@ class Qwen2Moe(FamilyBridge):
 @register
 class Qwen3Moe(FamilyBridge):
     name = "qwen3_moe"
+    tiny = (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            use_sliding_window=True,
+            sliding_window=8,
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("qwen3_moe",)
     architectures = ("Qwen3MoeForCausalLM",)
     implicit = {"qk_layernorm": True}

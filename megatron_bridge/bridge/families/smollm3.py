@@ -16,6 +16,18 @@ from megatron_bridge.bridge.registry import FamilyBridge, register
 @register
 class SmolLM3(FamilyBridge):
     name = "smollm3"
+    tiny = (
+        "SmolLM3Config",
+        dict(
+            no_rope_layers=[1, 0, 1, 0],
+            use_sliding_window=True,
+            sliding_window=8,  # transformers puts it on the NoPE layers
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    )  # bridge/tiny.py: every feature of the family on
     model_types = ("smollm3",)
     architectures = ("SmolLM3ForCausalLM",)
     table = EMBEDDINGS + ATTENTION + DENSE_MLP
