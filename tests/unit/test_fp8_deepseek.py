@@ -127,3 +127,25 @@ def test_verify_fp8_deepseek(dirs, capsys, tmp_path):
     out = capsys.readouterr().out
     n = len(load_file(dirs["ref"] / "model.safetensors"))
     assert f"round trip  {n} tensors bit-exact  OK" in out and "all layouts OK" in out, out
+
+
+def test_partial_edge_blocks(tmp_path):
+    """Dimensions past 128 that are not multiples of it (hidden 160, q_lora 136, kv_a 144
+    rows like the hub's 576, experts 144): each edge block uses its own scale, as DeepSeek's
+    `weight_dequant` does (transformers splits rows evenly over the grid there, so the
+    oracle is the definition, `dequantize_dir`); at ep2·tp2 the conversion equals that of
+    the dequantised checkpoint."""
+    from megatron_bridge.bridge.tiny_fp8 import dequantize_dir
+
+    dims = dict(hidden_size=160, q_lora_rank=136, kv_lora_rank=136, moe_intermediate_size=144, intermediate_size=288)
+    src = make_tiny("deepseek_v3", tmp_path / "f32", **dims)
+    add_mtp_layer(src)
+    q = quantize_fp8(src, tmp_path / "fp8")
+    sd = load_file(q / "model.safetensors")
+    assert sd["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (2, 2)
+    assert sd["model.layers.1.mlp.experts.3.gate_proj.weight_scale_inv"].shape == (2, 2)
+    ref = dequantize_dir(q, tmp_path / "ref")
+    args = ["format=torch", "parallel.ep=2", "parallel.tp=2", "progress=off"]
+    assert mbr(["convert", f"src={q}", f"dst={tmp_path / 'a'}", *args]) == 0
+    assert mbr(["convert", f"src={ref}", f"dst={tmp_path / 'b'}", *args]) == 0
+    assert_same_checkpoint(tmp_path / "a", tmp_path / "b")
