@@ -1,15 +1,20 @@
-"""Peak memory and speed of `mbr convert` from an FP8 block-quantised checkpoint.
+"""Peak memory and speed of `mbr convert` from an FP8 block-quantised DeepSeek-V3 checkpoint.
 
-    .venv/bin/python benchmarks/fp8_convert_memory.py [WORKDIR] [LAYERS]
+    .venv/bin/python benchmarks/fp8_convert_memory.py [WORKDIR] [LAYERS] [EXPERTS]
 
-Writes (without torch) a Llama-named checkpoint with DeepSeek-V3's linear shapes — hidden
-7168, dense MLP 18432, 56 heads of 128, 8 KV heads — stored the way the hub stores
-DeepSeek-V3: every linear weight `float8_e4m3fn` with an fp32 `weight_scale_inv` per 128 x 128
-block, embedding / output layer / norms bf16, `quantization_config` in config.json. Two
-layers are ~1.1 GB. Then converts it (torch_dist, and per-rank files at tp2) as a child
-process and prints the child's peak RSS against the bound the converter promises for a
-tensor-path conversion, 2 x the largest (bf16) tensor + 1 GiB, and the throughput in fp8
-source bytes. The numbers in docs/benchmarks.md come from this command.
+Writes (without torch) a deepseek_v3 checkpoint with DeepSeek-V3's names and shapes — hidden
+7168; MLA: q_a 1536 x 7168, q_b 24576 x 1536, kv_a_proj_with_mqa 576 x 7168 (a partial
+block row), kv_b 32768 x 512, o_proj 7168 x 16384 (128 heads); a dense first layer (MLP
+18432); MoE layers of EXPERTS routed experts (2048 x 7168) + one shared expert, router and
+fp32 e_score_correction_bias; one multi-token-prediction layer (model.layers.LAYERS: a MoE
+decoder layer + enorm/hnorm, eh_proj, embed_tokens, shared_head) — stored as the hub stores
+DeepSeek-V3: every decoder linear `float8_e4m3fn` with an fp32 `weight_scale_inv` per 128 x
+128 block; embeddings, lm_head, norms, routers, eh_proj and shared_head.head bf16; the bias
+fp32; `quantization_config` in config.json. The defaults (2 layers, 4 experts) convert
+~1.1 GB of weights (~1.0 G fp8). Then converts it (torch_dist, and per-rank files at tp2) as
+a child process and prints the child's peak RSS against the bound the converter promises, 2
+x the largest (bf16) tensor + 1 GiB, and the throughput in source bytes converted (the MTP
+layer is skipped, so not counted). The numbers in docs/benchmarks.md come from this command.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from array import array
 from math import ceil
 from pathlib import Path
 
-HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 7168, 18432, 56, 8, 128, 4096
+HIDDEN, DENSE_FFN, MOE_FFN, HEADS, VOCAB = 7168, 18432, 2048, 128, 4096
+Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 1536, 512, 128, 64, 128
 BLOCK = 128
 
 
@@ -41,70 +47,105 @@ def bf16_bytes(n: int) -> bytes:
     return bytes(buf)
 
 
-def tensors(layers: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    out = [("model.embed_tokens.weight", "BF16", (VOCAB, HIDDEN))]
+def layer(p: str, moe: bool, experts: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """One decoder layer's tensors (fp8 linears are followed by their scale grids)."""
+    out = [
+        (p + n + ".weight", "BF16", (d,))
+        for n, d in (("input_layernorm", HIDDEN), ("post_attention_layernorm", HIDDEN))
+    ]
+    out += [
+        (p + "self_attn.q_a_layernorm.weight", "BF16", (Q_LORA,)),
+        (p + "self_attn.kv_a_layernorm.weight", "BF16", (KV_LORA,)),
+    ]
     lin = {
-        "self_attn.q_proj": (HEADS * HEAD_DIM, HIDDEN),
-        "self_attn.k_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "self_attn.v_proj": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "self_attn.o_proj": (HIDDEN, HEADS * HEAD_DIM),
-        "mlp.gate_proj": (FFN, HIDDEN),
-        "mlp.up_proj": (FFN, HIDDEN),
-        "mlp.down_proj": (HIDDEN, FFN),
+        "self_attn.q_a_proj": (Q_LORA, HIDDEN),
+        "self_attn.q_b_proj": (HEADS * (NOPE + ROPE), Q_LORA),
+        "self_attn.kv_a_proj_with_mqa": (KV_LORA + ROPE, HIDDEN),
+        "self_attn.kv_b_proj": (HEADS * (NOPE + V_DIM), KV_LORA),
+        "self_attn.o_proj": (HIDDEN, HEADS * V_DIM),
     }
-    for i in range(layers):
-        p = f"model.layers.{i}."
+    mlps = [f"mlp.experts.{e}" for e in range(experts)] + ["mlp.shared_experts"] if moe else ["mlp"]
+    for m in mlps:
+        ffn = MOE_FFN if moe else DENSE_FFN
+        lin.update({f"{m}.gate_proj": (ffn, HIDDEN), f"{m}.up_proj": (ffn, HIDDEN), f"{m}.down_proj": (HIDDEN, ffn)})
+    for name, shape in lin.items():
+        out.append((p + name + ".weight", "F8_E4M3", shape))
+        out.append((p + name + ".weight_scale_inv", "F32", tuple(ceil(n / BLOCK) for n in shape)))
+    if moe:
         out += [
-            (p + "input_layernorm.weight", "BF16", (HIDDEN,)),
-            (p + "post_attention_layernorm.weight", "BF16", (HIDDEN,)),
+            (p + "mlp.gate.weight", "BF16", (experts, HIDDEN)),
+            (p + "mlp.gate.e_score_correction_bias", "F32", (experts,)),
         ]
-        for name, shape in lin.items():
-            out.append((p + name + ".weight", "F8_E4M3", shape))
-            out.append((p + name + ".weight_scale_inv", "F32", tuple(ceil(n / BLOCK) for n in shape)))
-    out += [("model.norm.weight", "BF16", (HIDDEN,)), ("lm_head.weight", "BF16", (VOCAB, HIDDEN))]
     return out
 
 
-def write_checkpoint(root: Path, layers: int) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    entries = tensors(layers)
-    size = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for name, dt, shape in entries:
-        n = size[dt]
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + n]}
-        pos += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(root / "model.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for _, dt, shape in entries:
-            count = 1
-            for d in shape:
-                count *= d
-            if dt == "F8_E4M3":
-                f.write(fp8_bytes(count))
-            elif dt == "F32":  # scales: amax / 448 of weights of magnitude ~0.01-0.1
-                f.write(array("f", [(1 + (i % 7)) * 2e-5 for i in range(count)]).tobytes())
-            else:
-                f.write(bf16_bytes(count))
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def tensors(layers: int, experts: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    out = [("model.embed_tokens.weight", "BF16", (VOCAB, HIDDEN))]
+    for i in range(layers):
+        out += layer(f"model.layers.{i}.", i >= 1, experts)
+    out += [("model.norm.weight", "BF16", (HIDDEN,)), ("lm_head.weight", "BF16", (VOCAB, HIDDEN))]
+    mtp = f"model.layers.{layers}."
+    out += layer(mtp, True, experts) + [
+        (mtp + "enorm.weight", "BF16", (HIDDEN,)),
+        (mtp + "hnorm.weight", "BF16", (HIDDEN,)),
+        (mtp + "eh_proj.weight", "BF16", (HIDDEN, 2 * HIDDEN)),
+        (mtp + "embed_tokens.weight", "BF16", (VOCAB, HIDDEN)),
+        (mtp + "shared_head.norm.weight", "BF16", (HIDDEN,)),
+        (mtp + "shared_head.head.weight", "BF16", (VOCAB, HIDDEN)),
+    ]
+    return out
+
+
+def nbytes(dt: str, shape: tuple[int, ...]) -> int:
+    n = {"BF16": 2, "F32": 4, "F8_E4M3": 1}[dt]
+    for d in shape:
+        n *= d
+    return n
+
+
+def config(layers: int, experts: int) -> dict[str, object]:
+    """DeepSeek-V3's config.json, scaled to `layers` and `experts`."""
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
         "hidden_size": HIDDEN,
-        "intermediate_size": FFN,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
+        "intermediate_size": DENSE_FFN,
+        "moe_intermediate_size": MOE_FFN,
         "num_hidden_layers": layers,
-        "vocab_size": VOCAB,
+        "num_nextn_predict_layers": 1,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "q_lora_rank": Q_LORA,
+        "kv_lora_rank": KV_LORA,
+        "qk_nope_head_dim": NOPE,
+        "qk_rope_head_dim": ROPE,
+        "v_head_dim": V_DIM,
+        "n_routed_experts": experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
         "hidden_act": "silu",
-        "max_position_embeddings": 4096,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 163840,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "attention_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
         "quantization_config": {
@@ -114,7 +155,29 @@ def write_checkpoint(root: Path, layers: int) -> None:
             "weight_block_size": [BLOCK, BLOCK],
         },
     }
-    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def write_checkpoint(root: Path, layers: int, experts: int) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    entries = tensors(layers, experts)
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for name, dt, shape in entries:
+        header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [pos, pos + nbytes(dt, shape)]}
+        pos += nbytes(dt, shape)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(root / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, dt, shape in entries:
+            count = nbytes(dt, shape) // {"BF16": 2, "F32": 4, "F8_E4M3": 1}[dt]
+            if dt == "F8_E4M3":
+                f.write(fp8_bytes(count))
+            elif dt == "F32":  # scales (amax / 448 of weights of magnitude ~0.01-0.1) and the bias
+                f.write(array("f", [(1 + (i % 7)) * 2e-5 for i in range(count)]).tobytes())
+            else:
+                f.write(bf16_bytes(count))
+    (root / "config.json").write_text(json.dumps(config(layers, experts), indent=2))
 
 
 def convert(src: Path, dst: Path, args: list[str]) -> tuple[float, float]:
@@ -136,21 +199,28 @@ def convert(src: Path, dst: Path, args: list[str]) -> tuple[float, float]:
 def main() -> None:
     work = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/mbr-fp8-bench")
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    src = work / "fp8"
+    experts = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    src = work / f"fp8-ds3-{layers}l{experts}e"
     if not (src / "model.safetensors").is_file():
-        write_checkpoint(src, layers)
-    fp8_bytes_total = (src / "model.safetensors").stat().st_size
-    largest = max(2 * max(s[0] * (s[1] if len(s) > 1 else 1) for _, _, s in tensors(layers)), 0)
+        write_checkpoint(src, layers, experts)
+    entries = tensors(layers, experts)
+    mtp = f"model.layers.{layers}."
+    converted = [(n, dt, s) for n, dt, s in entries if not n.startswith(mtp)]
+    read = sum(nbytes(dt, s) for _, dt, s in converted)
+    weights = sum(nbytes(dt, s) for _, dt, s in converted if dt == "F8_E4M3")
+    largest = max(2 * nbytes("F8_E4M3", s) if dt == "F8_E4M3" else nbytes(dt, s) for _, dt, s in converted)
     bound = 2 * largest / 2**30 + 1.0
     print(
-        f"source: {fp8_bytes_total / 1e9:.3f} GB fp8 checkpoint, {layers} layers; largest tensor {largest / 1e9:.3f} GB as bf16"
+        f"source: {(src / 'model.safetensors').stat().st_size / 1e9:.3f} GB deepseek_v3 fp8 checkpoint, {layers} layers "
+        f"(1 dense) + 1 MTP layer, {experts} routed experts + 1 shared; converted: {read / 1e9:.3f} GB "
+        f"({weights / 1e9:.3f} G fp8 weights; the MTP layer is skipped); largest tensor {largest / 1e9:.3f} GB as bf16"
     )
     for args in (["format=torch_dist"], ["format=torch", "parallel.tp=2"]):
         seconds, peak = convert(src, work / "out", args)
         print(
-            f"{' '.join(args):28s} {seconds:6.1f} s  {fp8_bytes_total / seconds / 1e9:.3f} GB/s (fp8 in)  "
-            f"peak RSS {peak:.2f} GiB  bound 2 x largest + 1 GiB = {bound:.2f} GiB  "
-            f"{'OK' if peak <= bound else 'OVER'}"
+            f"{' '.join(args):28s} {seconds:6.1f} s  {read / seconds / 1e9:.3f} GB/s (source in)  "
+            f"{weights / seconds / 1e6:.1f} M fp8 weights/s  peak RSS {peak:.2f} GiB  "
+            f"bound 2 x largest + 1 GiB = {bound:.2f} GiB  {'OK' if peak <= bound else 'OVER'}"
         )
 
 

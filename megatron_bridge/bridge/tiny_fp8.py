@@ -5,7 +5,9 @@ as `float8_e4m3fn` with a `weight_scale_inv` per 128 x 128 block (partial blocks
 when a dimension is not a multiple of 128), the way DeepSeek's own quantiser does:
 `scale_inv = amax(|block|) / 448`, `w8 = (w / scale_inv)` clamped to +-448 and cast; the
 embedding, the output layer, norms and routers stay as saved. config.json gets the hub's
-`quantization_config`.
+`quantization_config`. As on the hub (deepseek-ai/DeepSeek-V3), a multi-token-prediction
+layer's decoder linears are fp8 but its `eh_proj`, `embed_tokens` and `shared_head.head`
+stay bf16, and `e_score_correction_bias` stays fp32.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
     "weight_block_size": list(BLOCK),
 }
-_KEEP = ("embed_tokens", "lm_head", "norm", ".gate.weight", "router")  # not nn.Linear layers of the blocks
+# not quantised: not nn.Linear layers of the blocks, or (eh_proj, shared_head.head) bf16 on the hub
+_KEEP = ("embed_tokens", "lm_head", "norm", ".gate.weight", "router", ".eh_proj.", ".shared_head.head.")
+_FP32 = ("e_score_correction_bias",)  # stored fp32 on the hub (transformers keeps it fp32 too)
 
 
 def is_quantized_name(name: str, ndim: int) -> bool:
@@ -67,7 +71,8 @@ def quantize_fp8(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> P
             if is_quantized_name(name, t.dim()):
                 out[name], out[name + "_scale_inv"] = quantize_block_fp8(t)
             else:
-                out[name] = t.to(getattr(torch, dtype)) if t.is_floating_point() else t
+                to = torch.float32 if any(k in name for k in _FP32) else getattr(torch, dtype)
+                out[name] = t.to(to) if t.is_floating_point() else t
         save_file(out, dst / f.name, metadata={"format": "pt"})
         weight_map.update({k: f.name for k in out})
     if (src / "model.safetensors.index.json").is_file():

@@ -211,12 +211,14 @@ class HFSource(Source):
         self.hf_config = fp8.without_quantization(config) if block else config
         self.spec = spec_from_hf(self.hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         stored = scan_dir(path)
-        skip = set(mtp_keys(self.spec, list(stored)))  # multi-token prediction: not converted, said so
+        quant = fp8.pair(stored, block, self.where)
+        tensors = fp8.dequantized_infos(stored, quant)
+        # multi-token prediction: not converted, said so (counted as the loader counts: scales consumed)
+        skip = set(mtp_keys(self.spec, list(tensors)))
         if skip:
             note_skipped(self.spec, sorted(skip))
-            stored = {k: v for k, v in stored.items() if k not in skip}
-        self.quant: dict[str, fp8.Quantized] = fp8.pair(stored, block, self.where)
-        self.tensors = fp8.dequantized_infos(stored, self.quant)
+        self.quant: dict[str, fp8.Quantized] = {k: v for k, v in quant.items() if k not in skip}
+        self.tensors = {k: v for k, v in tensors.items() if k not in skip}
         self.infos: dict[str, TensorInfo] = {k: v for k, v in stored.items() if k in self.tensors}
         bad = sorted({str(v.dtype) for v in self.infos.values() if not v.dtype.is_floating_point})
         if bad:
