@@ -10,7 +10,10 @@ byte ranges of the source files, so a shard is written without building a tensor
   `copy_file_range` (what `cp` does: the bytes never enter the process);
 * a column band is read once into a reused buffer (the rows in between come with it) and
   written with one gathered `pwritev` per 1024 rows, straight from that buffer;
-* zero rows are written from a zero buffer.
+* zero rows are written from a zero buffer;
+* a strided block (GPT-OSS's stacked experts: transposed, gate/up interleaved) reads the
+  expert's slab once into a reused buffer and gathers its rows with stdlib `memoryview`
+  strided slices, one C-speed slice per row (`Gather`, `strided_copy`).
 
 Every source tensor is still read once for its CRC-32 (the manifest's end-to-end check),
 on a second thread that trails the copies, so it reads from the page cache and runs on the

@@ -8,6 +8,8 @@ holds, so an HF tensor is, read backwards:
   row ranges of the records, each one contiguous byte range — `copy_file_range`;
 * for a row-parallel weight split over TP: row r is row r of every shard in turn — the
   shards are read once and written with gathered writes (`Interleave`).
+* for a stacked-experts tensor: expert by expert, each slab scattered back in memory from
+  its strided blocks' records (`Scatter`; the blocks must tile the slab exactly once).
 
 Possible when no dtype cast is asked for, every record is a plain contiguous tensor, and
 for torch_dist every parameter is one chunk (what `mbr convert` writes; a checkpoint that
