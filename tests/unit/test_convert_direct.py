@@ -36,8 +36,8 @@ CASES = [
     ("llama", ["format=torch_dist"]),
     ("qwen2_moe", ["format=torch_dist"]),
 ]
-# GPT-OSS's stacked experts (strided gathers): the tensor path converts them too, but
-# exports them only as byte copies (test_convert_strided.py), so they are compared here only
+# GPT-OSS's stacked experts: strided gathers / scatters on the byte path, whole stacked
+# tensors put together from every expert on the tensor path
 STACKED = [
     ("gpt_oss", ["format=torch", "parallel.ep=2", "parallel.pp=2"]),
     ("gpt_oss", ["format=torch_dist", "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"]),
@@ -190,7 +190,7 @@ def test_convert_never_imports_torch(tiny, tmp_path):
     run_without_torch(["convert", f"src={tiny['llama']}", f"dst={tmp_path / 'o'}", "format=torch", "parallel.tp=2"])
 
 
-@pytest.mark.parametrize("family,args", CASES, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES])
+@pytest.mark.parametrize("family,args", CASES + STACKED, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES + STACKED])
 def test_direct_export_equals_tensor_path(tiny, tmp_path, monkeypatch, family, args):
     """Export reads HF tensors back out of the records as byte ranges (row-parallel weights
     interleaved from their TP shards): the same files as the tensor path, byte for byte."""
@@ -234,11 +234,3 @@ def test_stacked_experts_convert_and_export_without_torch(tiny, tmp_path):
     a = load_file(str(tiny["gpt_oss"] / "model.safetensors"))
     b = load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"))
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)
-
-
-def test_stacked_experts_tensor_export_is_refused(tiny, tmp_path, monkeypatch, capsys):
-    """The tensor path (a dtype cast on export) cannot write a stacked tensor: it says so."""
-    convert(tiny["gpt_oss"], tmp_path / "c", [], monkeypatch, True)
-    assert mbr(["export", f"src={tmp_path / 'c'}", f"dst={tmp_path / 'hf'}", "dtype=bf16", "progress=off"]) == 2
-    assert "stacked experts (GPT-OSS) are exported as byte copies only" in capsys.readouterr().err
-    assert not (tmp_path / "hf").exists()

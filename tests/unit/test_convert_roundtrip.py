@@ -115,6 +115,23 @@ def test_stacked_experts_torch_dist_at_tp2_ep2_etp1(tiny, tmp_path):
     assert_same(hf_tensors(src), hf_tensors(tmp_path / "hf"))
 
 
+def test_stacked_experts_reshard_round_trip(tiny, tmp_path):
+    """Reshard (tensor path) puts each stacked tensor together from its experts' records."""
+    src = tiny["gpt_oss"]
+    run("convert", f"src={src}", f"dst={tmp_path / 'a'}", "format=torch", "parallel.ep=2", "parallel.pp=2")
+    layout_b = ["format=torch_dist", "parallel.tp=2", "parallel.ep=4", "parallel.etp=1"]
+    run("reshard", f"src={tmp_path / 'a'}", f"dst={tmp_path / 'b'}", *layout_b)
+    run("reshard", f"src={tmp_path / 'b'}", f"dst={tmp_path / 'a2'}", "format=torch", "parallel.ep=2", "parallel.pp=2")
+    a, a2 = rank_files(tmp_path / "a"), rank_files(tmp_path / "a2")
+    assert a.keys() == a2.keys()
+    for f in a:
+        x, y = a[f]["model"], a2[f]["model"]
+        assert list(x) == list(y), f
+        assert all((x[n] is None and y[n] is None) or torch.equal(x[n], y[n]) for n in x), f
+    run("export", f"src={tmp_path / 'b'}", f"dst={tmp_path / 'hf'}")
+    assert_same(hf_tensors(src), hf_tensors(tmp_path / "hf"))
+
+
 def test_a_transform_without_blocks_is_refused(tiny, tmp_path, monkeypatch, capsys):
     """A layout `Transform.blocks` cannot describe (`NotBlockwise`; none in the tables
     today) stops `mbr convert` before anything is written, with the transform's reason."""

@@ -200,11 +200,6 @@ def reshard(cfg: Any) -> int:
     source = open_checkpoint(src, dtype)
     man: Manifest = source.man
     with _closing_on_error(source):
-        if any(r.mapping.transform.stacked for r in source.rows):  # merged per expert, not per tensor
-            raise UserError(
-                f"src={src}: reshard does not handle stacked experts (GPT-OSS) yet; export to HF and convert "
-                "again in the new layout (both are byte copies)"
-            )
         layout = checked_layout(cfg, source.spec, man.hf_config, source.rows, source.tensors, fmt)
     writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout)
 

@@ -47,7 +47,6 @@ from megatron_bridge.convert.formats.safetensors_io import INDEX, SafetensorsWri
 from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
 from megatron_bridge.convert.pipeline.writeback import Writeback
 from megatron_bridge.convert.sources.readers import Source
-from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
     import torch
@@ -262,13 +261,8 @@ class HFOut:
                         direct.write(name, *w.reserve(name), w.path)
                     advance(source.count(row), source.nbytes(row))
             else:
-                if any(r.mapping.transform.stacked for r in _exported(source)):
-                    raise UserError(
-                        f"{source.where}: stacked experts (GPT-OSS) are exported as byte copies only: "
-                        "no dtype cast, and a checkpoint `mbr convert` or `mbr reshard` wrote"
-                    )
                 for row, hf in source.stream(_exported(source)):
-                    for name, t in zip(row.hf, hf):
+                    for name, t in zip(row.hf, hf) if source.count(row) else ():  # stacked: with expert 0
                         w = out.writer(name)
                         w.write(name, t)
                         wb.wrote((w.path,), t.nbytes)
