@@ -6,7 +6,7 @@ One expert of GPT-OSS-120B: `gate_up_proj` slab [hidden, 2·inter] bf16 stored t
 with gate/up interleaved, `down_proj` slab [inter, hidden]. Times, per expert, the convert
 direction (`Copier.write` of `ExpertsStacked.blocks` as `direct.Gather` pieces: read the
 slab, strided-gather the megatron fc1 = [gate; up] / fc2 rows, write) and the export
-direction (`direct.Scatter`: read the record, scatter back, write), on files in /dev/shm
+direction (`strided.Scatter`: read the record, scatter back, write), on files in /dev/shm
 (tmpfs: the page cache, no disk), and checks that export gives the slab back bit for bit.
 Prints MB/s of tensor bytes. The values are random bytes: a byte move does not care.
 """
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from megatron_bridge.bridge.mapping import FULL, GATE_UP, ROW, ExpertsStacked, Shapes
-from megatron_bridge.convert.bytemove import direct
+from megatron_bridge.convert.bytemove import direct, strided
 from megatron_bridge.convert.formats.dtypes import BFLOAT16
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
 
@@ -51,7 +51,7 @@ def bench(name: str, t: ExpertsStacked, slab: tuple[int, int], root: Path, repea
     for b, g in zip(blocks, geo):
         parts.append((rec, pos, *g))
         pos += b.n * (g[1][1] - g[1][0]) * 2
-    piece = direct.Scatter(slab, 2, tuple(parts))
+    piece = strided.Scatter(slab, 2, tuple(parts))
     fd = os.open(back, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     best = float("inf")
     for _ in range(repeats):

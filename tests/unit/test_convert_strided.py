@@ -2,7 +2,7 @@
 
 `ExpertsStacked.blocks` describes one expert's megatron shard as transposed and/or
 stepped views of the expert's slab; the byte copier gathers them with stdlib strided
-slices (`direct.Gather`) and export scatters them back (`direct.Scatter`). Both are
+slices (`direct.Gather`) and export scatters them back (`strided.Scatter`). Both are
 compared here with `ExpertsStacked.shard` / the slab itself, for every kind, every
 expert-TP split the transforms allow, and 1-, 2- and 4-byte elements.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_bridge.bridge.mapping import GATE_UP, REPLICATED, ROW, ExpertsStacked, Shapes, Shard
-from megatron_bridge.convert.bytemove import direct, direct_export
+from megatron_bridge.convert.bytemove import direct, direct_export, strided
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
 
@@ -85,11 +85,11 @@ def test_strided_copy_transposes_both_ways():
     for rows, cols in (((0, C, 1), (0, R)), ((1, C, 2), (1, 4)), ((0, 2, 1), (0, R))):
         n, w = len(range(*rows)), cols[1] - cols[0]
         out = bytearray(n * w)
-        direct.strided_copy(memoryview(out), memoryview(m), (R, C), rows, cols, True, gather=True)
+        strided.strided_copy(memoryview(out), memoryview(m), (R, C), rows, cols, True, gather=True)
         want = [m[i * C + r] for r in range(*rows) for i in range(*cols)]
         assert list(out) == want
         back = bytearray(R * C)
-        direct.strided_copy(memoryview(back), memoryview(out), (R, C), rows, cols, True, gather=False)
+        strided.strided_copy(memoryview(back), memoryview(out), (R, C), rows, cols, True, gather=False)
         assert all(back[i * C + r] == m[i * C + r] for r in range(*rows) for i in range(*cols))
 
 

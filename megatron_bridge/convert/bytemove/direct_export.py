@@ -31,7 +31,8 @@ from megatron_bridge.bridge.loader import shard_for
 from megatron_bridge.bridge.mapping import FULL, Block, Shape, Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove import direct
-from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleave, Piece, Scatter, Span, matrix
+from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleave, Piece, Span
+from megatron_bridge.convert.bytemove.strided import Scatter, matrix
 from megatron_bridge.convert.formats.dist_ckpt import location
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
