@@ -55,21 +55,43 @@ class Shapes:
 @dataclass(frozen=True)
 class Block:
     """One piece of a rank-local tensor: rows [r0, r1) (and columns [c0, c1) of a 2-D
-    tensor) of HF input `src`, or, with `src=None`, r1 - r0 rows of zeros."""
+    tensor) of HF input `src`, or, with `src=None`, r1 - r0 rows of zeros.
+
+    Strided views (GPT-OSS's stacked experts, stored transposed with gate/up interleaved):
+    the input's first `lead` axes are unit axes (one expert's slab) and are dropped; with
+    `transposed` a 2-D input is read as its transpose (rows are its columns); `step` takes
+    every step-th row of [r0, r1). The byte copier gathers such a block in memory."""
 
     src: int | None
     rows: tuple[int, int]
     cols: tuple[int, int] | None = None
+    step: int = 1
+    transposed: bool = False
+    lead: int = 0
 
     @property
     def n(self) -> int:
-        return self.rows[1] - self.rows[0]
+        return len(range(self.rows[0], self.rows[1], self.step))
+
+    @property
+    def strided(self) -> bool:
+        """Not a row range of the input's bytes (a transposed or stepped view)."""
+        return self.step != 1 or self.transposed
+
+    def view_shape(self, shape: Shape) -> Shape:
+        """Shape of the input as this block indexes it (lead axes dropped, maybe transposed)."""
+        x = tuple(shape[self.lead :])
+        if self.transposed:
+            if len(x) != 2:
+                raise ValueError(f"a transposed block needs a 2-D input, got shape {list(shape)}")
+            return (x[1], x[0])
+        return x
 
 
 def out_shape(blocks: Sequence[Block], hf_shapes: Sequence[Shape]) -> Shape:
     """Shape of the tensor `blocks` describe (the transforms keep trailing shapes uniform)."""
     b = next((b for b in blocks if b.src is not None), blocks[0])
-    trail = (b.cols[1] - b.cols[0],) if b.cols else tuple(hf_shapes[b.src or 0][1:])
+    trail = (b.cols[1] - b.cols[0],) if b.cols else b.view_shape(hf_shapes[b.src or 0])[1:]
     return (sum(x.n for x in blocks),) + trail
 
 
@@ -82,6 +104,11 @@ def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> torch.Tensor:
     def take(b: Block):
         assert b.src is not None  # zero blocks (src None) are filled below, never taken
         t = hf[b.src]
+        if b.strided or b.lead:
+            x = t if isinstance(t, torch.Tensor) else t[:]
+            x = x.reshape(tuple(x.shape[b.lead :]))
+            x = (x.T if b.transposed else x)[b.rows[0] : b.rows[1] : b.step]
+            return x if b.cols is None else x[:, b.cols[0] : b.cols[1]]
         if b.cols is not None:
             return t[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]
         if b.rows == (0, t.shape[0]):
@@ -114,7 +141,8 @@ def _joined(blocks: Iterable[Block]) -> list[Block]:
         if b.n <= 0:
             continue
         p = out[-1] if out else None
-        if p is not None and p.src == b.src and p.cols == b.cols and p.rows[1] == b.rows[0]:
+        plain = p is not None and not (p.strided or p.lead or b.strided or b.lead)
+        if plain and p is not None and p.src == b.src and p.cols == b.cols and p.rows[1] == b.rows[0]:
             out[-1] = Block(b.src, (p.rows[0], b.rows[1]), b.cols)
         else:
             out.append(b)
@@ -127,7 +155,8 @@ def _joined(blocks: Iterable[Block]) -> list[Block]:
 
 
 class NotBlockwise(ValueError):
-    """A layout that is not row ranges of the HF tensors (offline byte copy cannot do it)."""
+    """A layout `blocks` cannot describe (the offline byte copier refuses such a transform
+    with this reason; every transform in the tables today is blockwise)."""
 
 
 class Transform:
@@ -324,43 +353,48 @@ class ExpertsStacked(Transform):
     `gate_up_proj` [E, in, 2·inter] with gate/up interleaved on the last dim, `down_proj`
     [E, inter, out]: stored transposed relative to nn.Linear), as megatron's per-expert
     linear. The table hands it one expert's slab [1, ...] (`Resolved.select`, a LazySlice
-    reads just those bytes); `kind` says how the slab becomes `inner`'s HF inputs:
+    reads just those bytes); `kind` says how the slab x (its unit axis dropped) becomes
+    `inner`'s HF inputs:
 
-    * "gate_up": x = slab.T (weights) or slab (biases); gate = x[0::2], up = x[1::2] -> GATE_UP
-    * "linear": slab.T (an nn.Linear weight) -> inner (ROW for down_proj)
-    * "same": the slab itself (down_proj_bias) -> inner (REPLICATED)
+    * "gate_up": v = x.T (weights) or x (biases); gate = v[0::2], up = v[1::2] -> GATE_UP
+    * "linear": x.T (an nn.Linear weight) -> inner (ROW for down_proj)
+    * "same": x itself (down_proj_bias) -> inner (REPLICATED)
 
-    Transposed, strided reads are not row ranges, so `blocks` refuses: the offline converter
-    cannot copy these bytes and says so; loading, export and verify use `shard`/`merge`."""
+    `blocks` maps `inner`'s blocks onto the slab as strided views (`Block.step`,
+    `transposed`, `lead`), so `shard` (torch) and the offline byte copier share them."""
 
     stacked = True
 
     def __init__(self, inner: Transform, kind: str):
+        if kind not in ("gate_up", "linear", "same"):
+            raise ValueError(f"ExpertsStacked kind {kind!r}: one of gate_up, linear, same")
         self.inner, self.kind = inner, kind
 
     def _blocks(self, hf_shapes, s, shapes):
-        raise NotBlockwise(
-            f"{self!r}: experts stacked in one HF tensor, stored transposed (and gate/up interleaved), are not "
-            "row ranges; offline `mbr convert` cannot copy them. Load the HF model with the bridge "
-            "(load_hf_weights / mbr train init_from) instead."
-        )
-
-    def _inputs(self, slab):
-        import torch
-
-        x = slab if isinstance(slab, torch.Tensor) else slab[:]
-        if x.shape[0] != 1:
-            raise ValueError(f"{self!r} takes one expert's slab [1, ...], got shape {list(x.shape)}")
-        x = x[0]
+        (sh,) = hf_shapes
+        if sh[0] != 1:
+            raise ValueError(f"{self!r} takes one expert's slab [1, ...], got shape {list(sh)}")
+        x = sh[1:]
         if self.kind == "same":
-            return [x]
-        x = x.T if x.dim() == 2 else x
-        return [x[0::2], x[1::2]] if self.kind == "gate_up" else [x]
+            return [Block(b.src, b.rows, b.cols, lead=1) for b in self.inner.blocks([x], s, shapes)]
+        t = len(x) == 2  # weights are stored transposed; 1-D biases are not
+        if self.kind == "linear" and not t:
+            raise ValueError(f"{self!r} needs a 2-D slab [1, in, out], got shape {list(sh)}")
+        v = (x[1], x[0]) if t else x
+        if self.kind == "linear":
+            return [Block(b.src, b.rows, b.cols, transposed=True, lead=1) for b in self.inner.blocks([v], s, shapes)]
+        if v[0] % 2:
+            raise ValueError(f"{self!r}: interleaved gate/up has an odd size {v[0]}")
+        half = (v[0] // 2,) + v[1:]
+        out = []
+        for b in self.inner.blocks([half, half], s, shapes):  # src 0 = gate (even rows), 1 = up (odd)
+            assert b.src is not None  # gate/up blocks never pad
+            r0, r1 = b.rows
+            out.append(Block(0, (2 * r0 + b.src, 2 * r1 + b.src), b.cols, step=2, transposed=t, lead=1))
+        return out
 
     def shard(self, hf, s, shapes):
-        (slab,) = hf
-        xs = self._inputs(slab)
-        return self.inner.shard(xs, s, shapes).contiguous()
+        return super().shard(hf, s, shapes).contiguous()
 
     def merge(self, shards, shapes):
         import torch

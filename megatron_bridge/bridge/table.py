@@ -135,6 +135,12 @@ class Resolved:
         assert e is not None
         return [t[e : e + 1] for t in hf]
 
+    def select_shapes(self, shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The shapes of `select`'s result, from the HF tensors' shapes (for `Transform.blocks`)."""
+        if not self.mapping.transform.stacked:
+            return [tuple(x) for x in shapes]
+        return [(1, *x[1:]) for x in shapes]
+
 
 def resolve_megatron(table: Sequence[Mapping], name: str) -> Resolved | None:
     """The row producing global megatron parameter `name` (first match wins)."""

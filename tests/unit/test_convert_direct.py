@@ -36,6 +36,12 @@ CASES = [
     ("llama", ["format=torch_dist"]),
     ("qwen2_moe", ["format=torch_dist"]),
 ]
+# GPT-OSS's stacked experts: strided gathers / scatters on the byte path, whole stacked
+# tensors put together from every expert on the tensor path
+STACKED = [
+    ("gpt_oss", ["format=torch", "parallel.ep=2", "parallel.pp=2"]),
+    ("gpt_oss", ["format=torch_dist", "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"]),
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +49,7 @@ def tiny(tmp_path_factory):
     from megatron_bridge.bridge.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("hf")
-    return {f: make_tiny(f, base / f) for f in ("llama", "qwen2", "mixtral", "qwen2_moe")}
+    return {f: make_tiny(f, base / f) for f in ("llama", "qwen2", "mixtral", "qwen2_moe", "gpt_oss")}
 
 
 def convert(src: Path, dst: Path, args, monkeypatch, direct_on: bool) -> None:
@@ -70,7 +76,7 @@ def assert_same_output(a: Path, b: Path) -> None:
             assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
-@pytest.mark.parametrize("family,args", CASES, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES])
+@pytest.mark.parametrize("family,args", CASES + STACKED, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES + STACKED])
 def test_direct_equals_tensor_path(tiny, tmp_path, monkeypatch, family, args):
     convert(tiny[family], tmp_path / "direct", args, monkeypatch, True)
     convert(tiny[family], tmp_path / "tensors", args, monkeypatch, False)
@@ -184,7 +190,7 @@ def test_convert_never_imports_torch(tiny, tmp_path):
     run_without_torch(["convert", f"src={tiny['llama']}", f"dst={tmp_path / 'o'}", "format=torch", "parallel.tp=2"])
 
 
-@pytest.mark.parametrize("family,args", CASES, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES])
+@pytest.mark.parametrize("family,args", CASES + STACKED, ids=[f"{f}-{'-'.join(a)}" for f, a in CASES + STACKED])
 def test_direct_export_equals_tensor_path(tiny, tmp_path, monkeypatch, family, args):
     """Export reads HF tensors back out of the records as byte ranges (row-parallel weights
     interleaved from their TP shards): the same files as the tensor path, byte for byte."""
@@ -215,3 +221,16 @@ def test_export_never_imports_torch(tiny, tmp_path):
             == 0
         )
         run_without_torch(["export", f"src={tmp_path / fmt}", f"dst={tmp_path / (fmt + '-hf')}"])
+
+
+def test_stacked_experts_convert_and_export_without_torch(tiny, tmp_path):
+    """GPT-OSS's transposed, interleaved expert tensors are gathered and scattered with the
+    standard library: neither direction imports torch or numpy."""
+    layout = ["parallel.ep=2", "parallel.pp=2"]
+    run_without_torch(["convert", f"src={tiny['gpt_oss']}", f"dst={tmp_path / 'c'}", "format=torch", *layout])
+    run_without_torch(["export", f"src={tmp_path / 'c'}", f"dst={tmp_path / 'hf'}"])
+    from safetensors.torch import load_file
+
+    a = load_file(str(tiny["gpt_oss"] / "model.safetensors"))
+    b = load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)

@@ -12,7 +12,7 @@ import torch
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
 from megatron_bridge.bridge.hf_config import spec_from_hf
-from megatron_bridge.bridge.mapping import GATE_UP, REPLICATED, ROW, ExpertsStacked, NotBlockwise, Shapes, Shard
+from megatron_bridge.bridge.mapping import GATE_UP, REPLICATED, ROW, Block, ExpertsStacked, Shapes, Shard
 from megatron_bridge.errors import UserError
 
 SHAPES = Shapes(4, 2, 8, 250, 256)
@@ -58,9 +58,20 @@ def test_stacked_down_is_transposed_linear():
         assert torch.equal(same.merge([same.shard([b[e : e + 1]], Shard(0, 1), SHAPES)], SHAPES)[0], b[e : e + 1])
 
 
-def test_stacked_experts_refuse_offline_blocks_clearly():
-    with pytest.raises(NotBlockwise, match="offline `mbr convert` cannot"):
-        ExpertsStacked(GATE_UP, "gate_up").blocks([(1, HID, 2 * INTER)], Shard(0, 1), SHAPES)
+def test_stacked_experts_are_strided_blocks_of_the_slab():
+    """What the offline byte copier gathers: gate = the slab's even columns, up = its odd
+    ones (transposed, step 2), down = the slab transposed, its bias the slab itself."""
+    gate_up = ExpertsStacked(GATE_UP, "gate_up").blocks([(1, HID, 2 * INTER)], Shard(1, 2), SHAPES)
+    assert gate_up == [
+        Block(0, (INTER, 2 * INTER), step=2, transposed=True, lead=1),
+        Block(0, (INTER + 1, 2 * INTER + 1), step=2, transposed=True, lead=1),
+    ]
+    assert ExpertsStacked(ROW, "linear").blocks([(1, INTER, HID)], Shard(0, 2), SHAPES) == [
+        Block(0, (0, HID), (0, INTER // 2), transposed=True, lead=1)
+    ]
+    assert ExpertsStacked(REPLICATED, "same").blocks([(1, HID)], Shard(0, 2), SHAPES) == [Block(0, (0, HID), lead=1)]
+    with pytest.raises(ValueError, match="one expert's slab"):
+        ExpertsStacked(GATE_UP, "gate_up").blocks([(E, HID, 2 * INTER)], Shard(0, 1), SHAPES)
 
 
 def test_clamped_glu_config_matches_hf_apply_gate():
@@ -215,7 +226,8 @@ def tiny(tmp_path_factory):
     return make_tiny("gpt_oss", tmp_path_factory.mktemp("tiny") / "gpt_oss")
 
 
-def test_offline_convert_refuses_gpt_oss_with_the_reason(tiny):
+def test_offline_convert_checks_gpt_oss_shapes(tiny):
+    """The converter's shape checks run on the stacked tensors (one expert's slab each)."""
     from safetensors import safe_open
 
     from megatron_bridge.bridge.hf_config import load_spec
@@ -224,8 +236,13 @@ def test_offline_convert_refuses_gpt_oss_with_the_reason(tiny):
     path = tiny
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         tensors = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-    with pytest.raises(UserError, match="cannot be converted offline: .*not row ranges"):
-        resolve_rows(load_spec(path), tensors)
+    spec = load_spec(path)
+    rows = resolve_rows(spec, tensors)
+    assert sum(r.mapping.transform.stacked for r in rows) == 4 * spec.num_moe_experts * spec.num_layers
+    key = next(k for k in tensors if k.endswith("experts.down_proj"))
+    (e, *rest), dtype = tensors[key]
+    with pytest.raises(UserError, match="not .* stacked experts"):
+        resolve_rows(spec, {**tensors, key: ((e + 1, *rest), dtype)})
 
 
 def test_biased_experts_need_etp1(tiny):

@@ -10,7 +10,10 @@ byte ranges of the source files, so a shard is written without building a tensor
   `copy_file_range` (what `cp` does: the bytes never enter the process);
 * a column band is read once into a reused buffer (the rows in between come with it) and
   written with one gathered `pwritev` per 1024 rows, straight from that buffer;
-* zero rows are written from a zero buffer.
+* zero rows are written from a zero buffer;
+* a strided block (GPT-OSS's stacked experts: transposed, gate/up interleaved) reads the
+  expert's slab once into a reused buffer and gathers its rows with stdlib `memoryview`
+  strided slices, one C-speed slice per row (`Gather`, `strided_copy`).
 
 Every source tensor is still read once for its CRC-32 (the manifest's end-to-end check),
 on a second thread that trails the copies, so it reads from the page cache and runs on the
@@ -36,6 +39,7 @@ from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.mapping import Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
+from megatron_bridge.convert.bytemove.strided import FORMATS, Gather, Scatter, matrix, strided_copy
 from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import crc_hex
@@ -92,7 +96,7 @@ class Interleave:
         return self.rows * sum(w for _, _, w in self.parts)
 
 
-Piece = Span | Band | Zeros | Interleave
+Piece = Span | Band | Zeros | Interleave | Gather | Scatter
 
 
 class Mem:
@@ -124,9 +128,14 @@ def pieces(blocks: Sequence, infos: Sequence[TensorInfo | MemInfo]) -> list[Piec
     for b in blocks:
         info = infos[0 if b.src is None else b.src]
         size = info.dtype.itemsize
-        row_bytes = prod(info.shape[1:]) * size
+        stored = info.shape[b.lead :]
+        row_bytes = prod(stored[1:]) * size
         r0, r1 = b.rows
-        if b.src is None:
+        if b.src is not None and b.strided:
+            m = matrix(stored)
+            cols = b.cols or (0, m[0] if b.transposed else m[1])
+            out.append(Gather(info.file, info.start, m, size, (r0, r1, b.step), cols, b.transposed))
+        elif b.src is None:
             out.append(Zeros((r1 - r0) * row_bytes))
         elif b.cols is None:
             out.append(Span(info.file, info.start + r0 * row_bytes, (r1 - r0) * row_bytes))
@@ -155,6 +164,7 @@ class Copier:
         self._buf = bytearray()
         self._held: tuple[Path, int, int] | None = None  # which band region _buf holds
         self._parts: list[bytearray] = []  # interleave buffers
+        self._out = bytearray()  # a gathered or scattered matrix
         self.on_read: Callable[[Path, int, memoryview], None] | None = None  # sees each region read
         self._zeros = bytes(2**20)
 
@@ -196,6 +206,30 @@ class Copier:
         region = self._read(p.file, p.start, p.rows * p.row_bytes)
         _gather_write(fd, [region[r * p.row_bytes + p.lo : r * p.row_bytes + p.hi] for r in range(p.rows)], at)
 
+    def gather(self, p: Gather, fd: int, at: int) -> None:
+        f = FORMATS[p.itemsize]
+        src = self._read(p.file, p.start, p.shape[0] * p.shape[1] * p.itemsize).cast(f)
+        if len(self._out) < p.nbytes:
+            self._out = bytearray(p.nbytes)
+        out = memoryview(self._out)[: p.nbytes]
+        strided_copy(out.cast(f), src, p.shape, p.rows, p.cols, p.transposed, gather=True)
+        _gather_write(fd, [out], at)
+
+    def scatter(self, p: Scatter, fd: int, at: int) -> None:
+        f = FORMATS[p.itemsize]
+        if len(self._out) < p.nbytes:
+            self._out = bytearray(p.nbytes)
+        out = memoryview(self._out)[: p.nbytes]
+        for path, start, rows, cols, transposed in p.parts:
+            n = len(range(*rows)) * (cols[1] - cols[0]) * p.itemsize
+            if len(self._buf) < n:
+                self._buf = bytearray(n)
+            part = memoryview(self._buf)[:n]
+            read_exactly(self._fd(path), part, start, path)
+            self._held = None
+            strided_copy(out.cast(f), part.cast(f), p.shape, rows, cols, transposed, gather=False)
+        _gather_write(fd, [out], at)
+
     def interleave(self, p: Interleave, fd: int, at: int) -> None:
         while len(self._parts) < len(p.parts):  # one reused buffer per part (fresh pages are slow)
             self._parts.append(bytearray())
@@ -221,6 +255,10 @@ class Copier:
                 (bands or self.band)(p, fd, at)
             elif isinstance(p, Interleave):
                 self.interleave(p, fd, at)
+            elif isinstance(p, Gather):
+                self.gather(p, fd, at)
+            elif isinstance(p, Scatter):
+                self.scatter(p, fd, at)
             else:
                 for a in range(0, p.nbytes, len(self._zeros)):
                     os.pwrite(fd, memoryview(self._zeros)[: min(len(self._zeros), p.nbytes - a)], at + a)
@@ -229,7 +267,7 @@ class Copier:
 
     def close(self) -> None:
         self._fd.close()
-        self._buf, self._parts = bytearray(), []
+        self._buf, self._parts, self._out = bytearray(), [], bytearray()
 
 
 class Checksums:
@@ -337,7 +375,7 @@ class DirectCopy:
             d.checksums.abandon()
 
     def shard_info(self, row: Resolved, s: Shard, shapes: Shapes) -> tuple[DType, tuple[int, ...]]:
-        hf_shapes = [self.source.tensors[h][0] for h in row.hf]
+        hf_shapes = row.select_shapes([self.source.tensors[h][0] for h in row.hf])
         return self.source.tensors[row.hf[0]][1], out_shape(
             row.mapping.transform.blocks(hf_shapes, s, shapes), hf_shapes
         )
@@ -356,12 +394,30 @@ class DirectCopy:
                 self._mem[h] = MemInfo(h, self.source.tensors[h][1], shape, Mem(data), 0, len(data))
         return [self._mem[h] if h in self._mem else self.source.infos[h] for h in row.hf]
 
+    @staticmethod
+    def _select(row: Resolved, infos: list[TensorInfo | MemInfo]) -> list[TensorInfo | MemInfo]:
+        """`Resolved.select` on byte ranges: a stacked-experts row reads its expert's slab."""
+        e = row.expert
+        if not row.mapping.transform.stacked or e is None:
+            return infos
+        out: list[TensorInfo | MemInfo] = []
+        for i in infos:
+            n = i.nbytes // i.shape[0]
+            shape = (1, *i.shape[1:])
+            start = i.start + e * n
+            if isinstance(i, MemInfo):
+                out.append(MemInfo(i.name, i.dtype, shape, i.file, start, start + n))
+            else:
+                out.append(TensorInfo(i.name, i.dtype, shape, i.file, start, start + n))
+        return out
+
     def write(
         self, row: Resolved, s: Shard, shapes: Shapes, out: StreamingTorchSave, shape: tuple[int, ...] | None = None
     ) -> tuple[TensorRef, int]:
         """Shard `s` of `row` as one record of `out` (stored as `shape` if given, e.g. with
         leading unit axes); returns its reference and byte count."""
-        infos = self._infos(row)
+        whole = self._infos(row)
+        infos = self._select(row, whole)
         hf_shapes = [i.shape for i in infos]
         blocks = row.mapping.transform.blocks(hf_shapes, s, shapes)
         shape = shape if shape is not None else out_shape(blocks, hf_shapes)
@@ -372,7 +428,7 @@ class DirectCopy:
         if written != nbytes:
             raise RuntimeError(f"{row.megatron}: {written} bytes laid out for a {nbytes}-byte shard")
         banded = {(p.file, p.start, p.rows * p.row_bytes) for p in ps if isinstance(p, Band)}
-        for i in infos:
+        for i in whole:  # a stacked tensor's checksum covers every expert (taken once)
             if (
                 isinstance(i, TensorInfo) and (i.file, i.start, i.nbytes) not in banded
             ):  # else its band job checksums it

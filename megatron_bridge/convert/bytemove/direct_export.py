@@ -8,6 +8,8 @@ holds, so an HF tensor is, read backwards:
   row ranges of the records, each one contiguous byte range — `copy_file_range`;
 * for a row-parallel weight split over TP: row r is row r of every shard in turn — the
   shards are read once and written with gathered writes (`Interleave`).
+* for a stacked-experts tensor: expert by expert, each slab scattered back in memory from
+  its strided blocks' records (`Scatter`; the blocks must tile the slab exactly once).
 
 Possible when no dtype cast is asked for, every record is a plain contiguous tensor, and
 for torch_dist every parameter is one chunk (what `mbr convert` writes; a checkpoint that
@@ -18,6 +20,7 @@ manifest: a damaged checkpoint still fails the export, after the copy instead of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -29,6 +32,7 @@ from megatron_bridge.bridge.mapping import FULL, Block, Shape, Shapes, Shard, ou
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove import direct
 from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleave, Piece, Span
+from megatron_bridge.convert.bytemove.strided import Scatter, matrix
 from megatron_bridge.convert.formats.dist_ckpt import location
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
@@ -80,6 +84,7 @@ def _pieces(
     """HF tensor `i` of `row` as pieces of the shard records (None: a layout this can't copy)."""
     spans: list[tuple[Block, Path, int, int]] = []  # (block, file, start of its rows, bytes per row)
     bands: list[tuple[tuple[int, int], Block, Path, int, int]] = []  # (columns, ...as spans)
+    strided: list[tuple[Block, Path, int]] = []  # (block, file, start of its rows)
     for s, (path, start, shape) in shards:
         blocks = row.mapping.transform.blocks(hf_shapes, s, shapes)
         if tuple(shape) != out_shape(blocks, hf_shapes):
@@ -90,12 +95,17 @@ def _pieces(
         rec_row = prod(shape[1:]) * itemsize
         pos = 0
         for b in blocks:
-            if b.src == i and b.cols is None:
+            if b.src == i and b.strided:
+                strided.append((b, path, start + pos * rec_row))
+            elif b.src == i and b.cols is None:
                 spans.append((b, path, start + pos * rec_row, rec_row))
             elif b.src == i and b.cols is not None:
                 bands.append((b.cols, b, path, start + pos * rec_row, rec_row))
             pos += b.n
-    rows = hf_shapes[i][0]
+    lead = next((b.lead for b, *_ in spans + strided), 0) if not bands else 0
+    if strided:
+        return _scatter(hf_shapes[i], strided, itemsize) if not (spans or bands) else None
+    rows = hf_shapes[i][lead]
     if spans and not bands:
         spans.sort(key=lambda x: x[0].rows[0])
         ends = [0] + [b.rows[1] for b, *_ in spans]
@@ -108,6 +118,46 @@ def _pieces(
             return None
         return [Interleave(rows, tuple((path, at, rec_row) for _, _, path, at, rec_row in bands))]
     return None
+
+
+def _scatter(shape: Shape, parts: list[tuple[Block, Path, int]], itemsize: int) -> list[Piece] | None:
+    """A tensor made of strided blocks (one expert of a stacked tensor), if they tile it."""
+    lead = {b.lead for b, *_ in parts}
+    if len(lead) != 1:
+        return None
+    stored = shape[lead.pop() :]
+    m = matrix(stored)
+    geo = []
+    for b, _, _ in parts:
+        cols = b.cols or (0, m[0] if b.transposed else m[1])
+        geo.append(((b.rows[0], b.rows[1], b.step), cols, b.transposed))
+    if not _tiles(m, tuple(geo)):
+        return None
+    return [Scatter(m, itemsize, tuple((path, at, *g) for (_, path, at), g in zip(parts, geo)))]
+
+
+@functools.lru_cache(maxsize=64)
+def _tiles(m: tuple[int, int], geo: tuple) -> bool:
+    """Whether the views `geo` ((rows, cols, transposed), ...) cover matrix `m` exactly once
+    (every expert of a stacked tensor has the same geometry: checked once)."""
+    seen = bytearray(m[0] * m[1])
+    mark = memoryview(bytearray(b"\x01" * max(m)))
+    for rows, cols, transposed in geo:
+        vr, vc = (m[1], m[0]) if transposed else m
+        if rows[0] < 0 or not 0 <= cols[0] <= cols[1] <= vc:
+            return False
+        for r in range(*rows):
+            if r >= vr:
+                return False
+            at = (
+                slice(cols[0] * m[1] + r, cols[1] * m[1], m[1])
+                if transposed
+                else slice(r * vc + cols[0], r * vc + cols[1])
+            )
+            if seen[at].count(0) != cols[1] - cols[0]:  # already covered
+                return False
+            seen[at] = mark[: cols[1] - cols[0]]
+    return seen.count(0) == 0
 
 
 class DirectExport:
@@ -133,6 +183,7 @@ class DirectExport:
             return None
         shapes = source.shapes
         plan: dict[str, list[Piece]] = {}
+        experts: dict[str, dict[int, list[Piece]]] = {}
         for row in (r for r in source.rows if r.mapping.export):
             dtypes = {source.tensors[h][1] for h in row.hf}
             if len(dtypes) != 1 or any(source.out_dtype(h) != source.tensors[h][1] for h in row.hf):
@@ -141,12 +192,19 @@ class DirectExport:
             shards = _shards(source, row, dtype)
             if shards is None:
                 return None
-            hf_shapes = [tuple(source.tensors[h][0]) for h in row.hf]
+            hf_shapes = row.select_shapes([source.tensors[h][0] for h in row.hf])
             for i, name in enumerate(row.hf):
                 ps = _pieces(row, i, hf_shapes, shards, dtype.itemsize, shapes)
                 if ps is None:
                     return None
-                plan[name] = ps
+                if row.mapping.transform.stacked:  # one expert's slab of the HF tensor
+                    experts.setdefault(name, {})[row.expert or 0] = ps
+                else:
+                    plan[name] = ps
+        for name, slabs in experts.items():  # the slabs one after another, in expert order
+            if sorted(slabs) != list(range(source.tensors[name][0][0])):
+                return None
+            plan[name] = [p for e in sorted(slabs) for p in slabs[e]]
         return plan
 
     @classmethod
@@ -185,7 +243,7 @@ class DirectExport:
             copier.write(ps, fd, at)
             self.checksums.add(info)
 
-        if any(isinstance(p, Interleave) for p in ps):
+        if any(isinstance(p, (Interleave, Scatter)) for p in ps):
             self._pending.append(self._pool.submit(run, self._user_copier))
         else:
             run(self.copier)

@@ -81,13 +81,13 @@ class DistOut:
 
     def total(self, source: Source) -> tuple[int, int]:
         rows = _exported(source)
-        return sum(len(r.hf) for r in rows), sum(source.nbytes(r) for r in rows)
+        return sum(source.count(r) for r in rows), sum(source.nbytes(r) for r in rows)
 
     def _tensors(self, source: Source, w: DistWriter) -> Iterator[tuple[Resolved, int]]:
         shapes = self.spec.shapes(self.layout.tp)
 
         def to_global(row: Resolved, hf: list[torch.Tensor]) -> torch.Tensor:  # runs on the read-ahead thread
-            return compact(row.mapping.to_global(hf, shapes))
+            return compact(row.mapping.to_global(row.select(hf), shapes))
 
         for row, g in source.stream(_exported(source), to_global):
 
@@ -116,7 +116,7 @@ class DistOut:
                 extra = extra_state_location(row.megatron, self.spec)
                 if extra is not None:
                     w.add_object(extra)
-                advance(len(row.hf), source.nbytes(row))
+                advance(source.count(row), source.nbytes(row))
                 wb.wrote((w.path,), nbytes)
             if direct:
                 direct.drain()
@@ -140,7 +140,7 @@ class TorchOut:
         n = b = 0
         for _, targets in self._stages(source):
             rows = [r for r in source.rows if r.megatron in targets]
-            n += sum(len(r.hf) for r in rows)
+            n += sum(source.count(r) for r in rows)
             b += sum(source.nbytes(r) for r in rows)
         return n, b
 
@@ -189,7 +189,7 @@ class TorchOut:
                     for row, shards in made:
                         for t, ref, _ in shards:
                             chunks[t.file][t.chunk][t.local] = (source.order[row.megatron], ref)
-                        advance(len(row.hf), source.nbytes(row))
+                        advance(source.count(row), source.nbytes(row))
                         wb.wrote({files[t.file].path for t, _, _ in shards}, sum(n for _, _, n in shards))
                 if direct:
                     direct.drain()
@@ -243,10 +243,11 @@ class HFOut:
 
     def total(self, source: Source) -> tuple[int, int]:
         rows = _exported(source)
-        return sum(len(r.hf) for r in rows), sum(source.nbytes(r) for r in rows)
+        return sum(source.count(r) for r in rows), sum(source.nbytes(r) for r in rows)
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
-        entries = [(h, source.out_dtype(h), source.tensors[h][0]) for r in _exported(source) for h in r.hf]
+        names_in_order = dict.fromkeys(h for r in _exported(source) for h in r.hf)  # stacked experts: once
+        entries = [(h, source.out_dtype(h), source.tensors[h][0]) for h in names_in_order]
         files = plan_shards(entries, self.max_shard_bytes)
         n = len(files)
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -255,17 +256,17 @@ class HFOut:
             out = _ShardFiles(root, names, files, where, wb, direct.drain if direct else lambda: None)
             if direct is not None:
                 for row in _exported(source):
-                    for name in row.hf:
+                    for name in row.hf if source.count(row) else ():  # a stacked tensor with its expert 0
                         w = out.writer(name)
                         direct.write(name, *w.reserve(name), w.path)
-                    advance(len(row.hf), source.nbytes(row))
+                    advance(source.count(row), source.nbytes(row))
             else:
                 for row, hf in source.stream(_exported(source)):
-                    for name, t in zip(row.hf, hf):
+                    for name, t in zip(row.hf, hf) if source.count(row) else ():  # stacked: with expert 0
                         w = out.writer(name)
                         w.write(name, t)
                         wb.wrote((w.path,), t.nbytes)
-                    advance(len(row.hf), source.nbytes(row))
+                    advance(source.count(row), source.nbytes(row))
                     del hf
             out.close()
         total = sum(prod(e[2]) * e[1].itemsize for e in entries)

@@ -87,8 +87,14 @@ class Source:
     def out_dtype(self, name: str) -> DType:
         return self.dtype or self.tensors[name][1]
 
+    def count(self, row: Resolved) -> int:
+        """HF tensors the row stands for (a stacked tensor counts with its expert 0 only)."""
+        return len(row.hf) if not row.mapping.transform.stacked or not row.expert else 0
+
     def nbytes(self, row: Resolved) -> int:
-        return sum(prod(self.tensors[h][0]) * self.out_dtype(h).itemsize for h in row.hf)
+        """Bytes of the row's HF inputs (a stacked-experts row: its expert's share)."""
+        n = sum(prod(self.tensors[h][0]) * self.out_dtype(h).itemsize for h in row.hf)
+        return n // self.tensors[row.hf[0]][0][0] if row.mapping.transform.stacked else n
 
     def _finish(
         self, names: Sequence[str], tensors: Sequence[torch.Tensor], expected: dict[str, str]
@@ -262,6 +268,41 @@ class CheckpointSource(Source):
         self.shapes = self.spec.shapes(self.layout.tp)
         self.expected = {k: v["crc32"] for k, v in man.tensors.items()}
 
+        # stacked-experts tensors (GPT-OSS): the rows of their experts, in expert order
+        self._experts: dict[tuple[str, ...], list[Resolved]] = {}
+        for r in self.rows:
+            if r.mapping.transform.stacked and r.mapping.export:
+                self._experts.setdefault(r.hf, []).append(r)
+        for rs in self._experts.values():
+            rs.sort(key=lambda r: r.expert or 0)
+        self._stack: tuple[tuple[str, ...], list[torch.Tensor]] | None = None
+
+    def source_row(self, row: Resolved) -> Resolved:
+        """The exported row that stores `row`'s HF tensors: itself, or for the tied output
+        layer the embedding (the experts of a stacked tensor share its name: not a key)."""
+        return row if row.mapping.export else self.producer[row.hf]
+
+    def merged(self, row: Resolved) -> list[torch.Tensor]:
+        """The HF tensors exported row `row` stores (a stacked row: its expert's slabs)."""
+        raise NotImplementedError
+
+    def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
+        """A stacked-experts row gets the whole stacked tensors (what `Resolved.select`
+        takes its slab from), put together from every expert's records once and kept
+        while that tensor's expert rows follow each other."""
+        src = self.source_row(row)
+        if not src.mapping.transform.stacked:
+            return self._finish(src.hf, self.merged(src), self.expected)
+        if self._stack is None or self._stack[0] != src.hf:
+            import torch
+
+            self._stack = None
+            slabs = [self.merged(r) for r in self._experts[src.hf]]
+            whole = [torch.cat([s[k] for s in slabs], dim=0) for k in range(len(src.hf))]
+            del slabs
+            self._stack = (src.hf, self._finish(src.hf, whole, self.expected))
+        return self._stack[1]
+
 
 class DistSource(CheckpointSource):
     """A torch_dist checkpoint: each row is one global tensor, merged back to HF as one shard."""
@@ -270,13 +311,12 @@ class DistSource(CheckpointSource):
         super().__init__(path, man, dtype)
         self.reader = DistReader(path / RELEASE, self.io)
 
-    def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
-        src = self.producer[row.hf]  # the tied output layer reads the embedding's tensor
-        g = self.reader.read(location(src.megatron, self.spec))
-        return self._finish(src.hf, src.mapping.merge([g], self.shapes), self.expected)
+    def merged(self, row: Resolved) -> list[torch.Tensor]:
+        g = self.reader.read(location(row.megatron, self.spec))
+        return list(row.mapping.merge([g], self.shapes))
 
     def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
-        return self.reader.ranges(location(self.producer[row.hf].megatron, self.spec))
+        return self.reader.ranges(location(self.source_row(row).megatron, self.spec))
 
 
 class TorchSource(CheckpointSource):
@@ -319,18 +359,18 @@ class TorchSource(CheckpointSource):
 
     def replica(self, row: Resolved) -> tuple[Resolved, list[Target]]:
         """The exported row behind `row` and the shards of one replica of it, in TP order."""
-        src = self.producer[row.hf]
+        src = self.source_row(row)
         targets = self.targets.get(src.megatron, [])
         if src.mapping.is_expert:
             replica = sorted(targets, key=lambda t: t.coords.etp_rank)
         else:
             replica = sorted((t for t in targets if t.coords.ep_rank == 0), key=lambda t: t.coords.tp_rank)
-        return src, replica[:1] if isinstance(src.mapping.transform, Replicated) else replica
+        t = src.mapping.transform
+        return src, replica[:1] if isinstance(getattr(t, "inner", t), Replicated) else replica  # stacked: its inner
 
-    def hf_tensors(self, row: Resolved) -> list[torch.Tensor]:
+    def merged(self, row: Resolved) -> list[torch.Tensor]:
         src, replica = self.replica(row)
-        shards = [self._read(t) for t in replica]
-        return self._finish(src.hf, src.mapping.merge(shards, self.shapes), self.expected)
+        return list(src.mapping.merge([self._read(t) for t in replica], self.shapes))
 
     def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
         out = []

@@ -168,10 +168,14 @@ def resolve_rows(spec: BridgeSpec, tensors: Tensors, tp: int = 1, where: str = "
         if len(dtypes) > 1:
             bad.append(f"{', '.join(r.hf)} mix dtypes {sorted(map(str, dtypes))}")
             continue
-        hf_shapes = [tuple(tensors[h][0]) for h in r.hf]
+        hf_shapes = r.select_shapes([tensors[h][0] for h in r.hf])
+        stacked = [tuple(tensors[h][0]) for h in r.hf if r.mapping.transform.stacked]
+        if any(x[:1] != (spec.num_moe_experts,) for x in stacked):
+            bad.append(f"{', '.join(r.hf)} {[list(x) for x in stacked]}: not {spec.num_moe_experts} stacked experts")
+            continue
         try:
             g = out_shape(r.mapping.transform.blocks(hf_shapes, FULL, shapes), hf_shapes)
-        except NotBlockwise as e:  # a layout the byte copier cannot do (GPT-OSS's stacked experts)
+        except NotBlockwise as e:  # a layout the byte copier cannot describe (none in the tables today)
             raise UserError(f"{where}: {spec.architecture} cannot be converted offline: {e}") from None
         except ValueError as e:
             bad.append(f"{', '.join(r.hf)} {[list(x) for x in hf_shapes]}: {e}")
@@ -198,7 +202,8 @@ def check_layout_shards(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolve
     bad = []
     for r in rows:
         try:
-            r.mapping.transform.blocks([tensors[h][0] for h in r.hf], shard_for(r, layout, Coords()), shapes)
+            hf_shapes = r.select_shapes([tensors[h][0] for h in r.hf])
+            r.mapping.transform.blocks(hf_shapes, shard_for(r, layout, Coords()), shapes)
         except ValueError as e:
             bad.append(f"{r.megatron}: {e}")
     if bad:
