@@ -11,6 +11,7 @@ ordered by rank. A script can be a path or `-m module` (any torchrun script argu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_process_groups(seed: int = 0):
+    """megatron-core's process groups for this one process (gloo, world size 1), for tests
+    that build a model in-process; torn down and the environment restored after."""
+    from megatron_bridge.parallel import groups
+    from megatron_bridge.parallel.dims import ParallelDims
+
+    env = dict(os.environ)
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(k, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    groups.initialize(ParallelDims(world_size=1, gpus_per_node=1), seed=seed)
+    try:
+        yield
+    finally:
+        groups.destroy()
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def report(data: Mapping, *, rank: int | None = None) -> None:

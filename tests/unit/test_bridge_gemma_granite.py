@@ -176,21 +176,10 @@ def test_gemma3_reads_language_model_prefixed_checkpoints(tmp_path, prefix):
 @pytest.fixture
 def one_process_groups():
     """megatron-core's groups for one process (gloo), torn down and env restored after."""
-    import os
+    from megatron_bridge.testing import one_process_groups
 
-    from megatron_bridge.parallel import groups
-    from megatron_bridge.parallel.dims import ParallelDims
-    from megatron_bridge.testing import free_port
-
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        os.environ.pop(k, None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    groups.initialize(ParallelDims(world_size=1, gpus_per_node=1), seed=0)
-    yield
-    groups.destroy()
-    os.environ.clear()
-    os.environ.update(env)
+    with one_process_groups():
+        yield
 
 
 def test_gemma2_packed_sequences_equal_transformers_per_sequence(tmp_path, one_process_groups):

@@ -3,7 +3,6 @@ proven loaded (one process, tp1; tp2 builds run in the dist tests' verify and lo
 
 from __future__ import annotations
 
-import os
 import shutil
 from types import SimpleNamespace
 
@@ -17,19 +16,10 @@ from megatron_bridge.errors import UserError
 @pytest.fixture(scope="module")
 def groups1():
     """megatron-core's groups for one process (gloo), torn down and env restored after."""
-    from megatron_bridge.parallel import groups
-    from megatron_bridge.parallel.dims import ParallelDims
-    from megatron_bridge.testing import free_port
+    from megatron_bridge.testing import one_process_groups
 
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        os.environ.pop(k, None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    groups.initialize(ParallelDims(world_size=1, gpus_per_node=1), seed=0)
-    yield
-    groups.destroy()
-    os.environ.clear()
-    os.environ.update(env)
+    with one_process_groups():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ sample per pipeline rank and trains one step.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 from pathlib import Path
 
@@ -176,17 +175,10 @@ MODELS = {
 @pytest.fixture(scope="module")
 def one_process_groups():
     """megatron-core's groups for one process (gloo), torn down and env restored after."""
-    from megatron_bridge.parallel import groups
+    from megatron_bridge.testing import one_process_groups
 
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        os.environ.pop(k, None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    groups.initialize(ParallelDims(world_size=1, gpus_per_node=1), seed=0)
-    yield
-    groups.destroy()
-    os.environ.clear()
-    os.environ.update(env)
+    with one_process_groups():
+        yield
 
 
 def _free_port() -> int:

@@ -203,21 +203,10 @@ def test_rope_refusals(extra, message):
 @pytest.fixture(scope="module")
 def one_process_groups():
     """megatron-core's groups for one process (gloo), torn down and env restored after."""
-    import os
+    from megatron_bridge.testing import one_process_groups
 
-    from megatron_bridge.parallel import groups
-    from megatron_bridge.parallel.dims import ParallelDims
-    from megatron_bridge.testing import free_port
-
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        os.environ.pop(k, None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    groups.initialize(ParallelDims(world_size=1, gpus_per_node=1), seed=0)
-    yield
-    groups.destroy()
-    os.environ.clear()
-    os.environ.update(env)
+    with one_process_groups():
+        yield
 
 
 def test_layers_with_their_own_rope_base_compute_transformers_logits(tmp_path, one_process_groups):
