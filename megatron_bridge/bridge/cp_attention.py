@@ -187,6 +187,25 @@ def _make_class():
             tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
             return p
 
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """The learnable sinks split over TP by heads, as DotProductAttention declares them
+            (MegatronModule's default would call them replicated: a torch_dist checkpoint
+            written at one TP could not be loaded at another)."""
+            from megatron.core.transformer.utils import (
+                ensure_metadata_has_dp_cp_group,
+                make_sharded_tensors_for_checkpoint,
+            )
+
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True),
+                prefix,
+                {"softmax_offset": 0},
+                sharded_offsets,
+                tp_group=parallel_state.get_tensor_model_parallel_group(),
+                dp_cp_group=metadata["dp_cp_group"],
+            )
+
         def forward(
             self,
             query,

@@ -61,7 +61,11 @@ DIST_CKPT_KEY_MAP: tuple[tuple[str, str], ...] = (
 )
 
 
-def dist_ckpt_key(megatron_name: str) -> str:
+def dist_ckpt_key(megatron_name: str, fused_norm_names: bool = True) -> str:
+    """`fused_norm_names=False` for multi-latent attention: megatron's MLA layer spec has no
+    keys map, so its norms keep their module names in the checkpoint."""
+    if not fused_norm_names:
+        return megatron_name
     for a, b in DIST_CKPT_KEY_MAP:
         megatron_name = megatron_name.replace("." + a, "." + b)
     return megatron_name

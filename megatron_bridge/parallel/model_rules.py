@@ -140,3 +140,62 @@ def latent_attention_tp(d, cfg):
         f"is not divisible by tp={d.tp}",
         f"choose tp dividing {spec.q_lora_rank}",
     )
+
+
+@rule
+def model_fields(d, cfg):
+    """A model given by its fields (no `model.hf_path`) trains and exports as the family's HF
+    architecture, so the config.json the export writes must describe the very model that was
+    trained. Families whose HF defaults carry what the model group has no field for (Gemma's
+    attention scale and embedding multiplier, GPT-OSS's biases) would be exported as another
+    model: refused, with the fix of giving their config.json."""
+    m = cfg.model
+    if m.hf_path:
+        return []
+    from megatron_bridge.bridge.hf_config import spec_from_model_config
+    from megatron_bridge.bridge.registry import families
+    from megatron_bridge.errors import UserError
+
+    fam = {f.name: f for f in families()}.get(m.family)
+    if fam is None or not fam.hf_weights:  # unknown: model-family's; no HF counterpart: nothing to export
+        return []
+    try:
+        problem = _fields_problem(spec_from_model_config(m))
+    except (UserError, TypeError, ValueError) as e:
+        problem = str(e)
+    if not problem:
+        return []
+    return _v(
+        "model-fields",
+        f"model.family={m.family} without model.hf_path: {problem}",
+        f"set model.hf_path=DIR (a {fam.architectures[0]} config.json; `mbr verify verify.tiny={m.family}` "
+        "shows a tiny one), or use model.family=llama / mixtral for a model described by its fields",
+    )
+
+
+@lru_cache(maxsize=64)
+def _fields_problem(spec) -> str | None:
+    """Why the HF config written for `spec` would describe another model (None if it does not)."""
+    from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
+    from megatron_bridge.errors import UserError
+
+    try:
+        back = spec_from_hf(spec_to_hf_config(spec), make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by)
+    except UserError as e:
+        return f"its HF config cannot be written ({' '.join(str(e).split())[:240]})"
+    a, b = _scaled(spec), _scaled(back)
+    diff = [k for k in spec.__dataclass_fields__ if getattr(a, k) != getattr(b, k)]
+    if not diff:
+        return None
+    shown = ", ".join(f"{k}={getattr(spec, k)!r} would read back as {getattr(back, k)!r}" for k in diff[:3])
+    return f"the model group cannot express this architecture: its exported config.json would differ ({shown})"
+
+
+def _scaled(spec):
+    """`spec` with an unset attention scale spelled out (1/sqrt(head_dim), what None means), so
+    a config that writes the default explicitly (Granite's attention_multiplier) is the same."""
+    import dataclasses
+
+    if spec.softmax_scale is not None or spec.multi_latent_attention:
+        return spec
+    return dataclasses.replace(spec, softmax_scale=spec.head_dim**-0.5)

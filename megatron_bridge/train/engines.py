@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.bridge.lora_modules import load_model_state, model_state
+from megatron_bridge.bridge.lora_modules import adapters, load_model_state, model_state
 from megatron_bridge.train.ds_config import build_ds_config
 
 MakeIterators = Callable[[int], list[Any]]
@@ -295,7 +295,9 @@ class DeepSpeedEngine(Engine):
         )
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.scheduler.step(0)
-        self._frozen = any(not p.requires_grad for p in module.parameters())  # LoRA: save trainable only
+        # LoRA: save the adapters only (the base comes back from the base model). Not "any frozen
+        # parameter": a model's own frozen weights (DeepSeek-V3's correction bias) must be saved.
+        self._frozen = any(True for _ in adapters(module))
 
     def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
         from megatron.core import parallel_state as ps

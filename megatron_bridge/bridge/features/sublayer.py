@@ -74,6 +74,27 @@ def post_processed(base: type, norm: Any) -> type:
                     out = out * self.output_multiplier
                 return out, None
 
+            def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None):
+                """The base's, plus the post-norm as a tensor replicated over TP. megatron's MLP
+                calls `sharded_state_dict` on each child, which a torch norm does not have, and
+                SelfAttention's default passes its `tp_group` (None here: every rank would be
+                replica 0) — `mbr convert` torch_dist output loaded by `train.init_from`."""
+                from megatron.core import parallel_state
+                from megatron.core.transformer.utils import sharded_state_dict_default
+
+                post = self._modules.pop("post_layernorm", None)
+                try:
+                    out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+                finally:
+                    if post is not None:
+                        self._modules["post_layernorm"] = post  # back in its place: registered last
+                if post is not None:
+                    # the TP group named: without it every TP rank would claim the main replica
+                    tp = parallel_state.get_tensor_model_parallel_group()
+                    key = f"{prefix}post_layernorm."
+                    out.update(sharded_state_dict_default(post, key, sharded_offsets, metadata, tp_group=tp))
+                return out
+
         PostProcessed.__name__ = PostProcessed.__qualname__ = f"PostProcessed{base.__name__}"
         _WRAPPED[key] = PostProcessed
     return _WRAPPED[key]

@@ -80,7 +80,7 @@ class DistLocation:
 
 def location(name: str, spec: BridgeSpec) -> DistLocation:
     """Where global megatron parameter `name` is stored."""
-    name = dist_ckpt_key(name)
+    name = dist_ckpt_key(name, fused_norm_names=not spec.multi_latent_attention)
     m = _LAYER.match(name)
     if not m:
         return DistLocation(name)

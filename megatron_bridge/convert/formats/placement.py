@@ -33,7 +33,18 @@ from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, DType
 RELEASE = "release"
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
-LINEAR_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# megatron linears (an `_extra_state` each); MLA's too, except its kv down-projection, which
+# the bridge keeps whole on every TP rank in a plain module (features/mla.py: no extra state)
+LINEAR_MODULES = (
+    "linear_qkv",
+    "linear_proj",
+    "linear_fc1",
+    "linear_fc2",
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_up_proj",
+)
 
 
 def stage_layers(num_layers: int, layout: Layout, pp_rank: int, vp_stage: int | None = None) -> range:
