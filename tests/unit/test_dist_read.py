@@ -178,7 +178,7 @@ class _Exploit:
         (lambda d: d[: len(d) // 2], "not a readable torch_dist checkpoint"),
         (lambda d: b"not a pickle at all", "not a readable torch_dist checkpoint"),
         (lambda d: pickle.dumps({"a": 1}), "does not hold DCP's Metadata"),
-        (lambda d: d.replace(b"torch\nfloat32\n", b"torch\nfloat8_e4m3fn\n"), "unsupported dtype torch.float8_e4m3fn"),
+        (lambda d: d.replace(b"torch\nfloat32\n", b"torch\ncomplex64\n"), "unsupported dtype torch.complex64"),
         (lambda d: pickle.dumps([_Exploit()]), "unexpected object posix.system"),
         (
             lambda d: d.replace(b"\n_StorageInfo\n", b"\nFileSystemReader\n"),
