@@ -117,7 +117,10 @@ def test_second_job_on_a_held_directory_is_refused(tmp_path):
         codes = torchrun_failures(out)
         assert 2 in codes.values() and set(codes.values()) <= {2, -15}, out[-4000:]
         msg = f"checkpoint.dir={ck} is in use by another training job (host {holder['host']}, pid {holder['pid']}"
-        assert out.count(msg) == list(codes.values()).count(2), out[-4000:]
+        # every rank that exited 2 printed the paragraph once; a rank SIGTERMed by torchrun may
+        # have printed it too just before the signal (a race, not a fault), none prints it twice
+        refused = list(codes.values()).count(2)
+        assert refused <= out.count(msg) <= len(codes), out[-4000:]
         assert "give this job its own checkpoint.dir=NEW_DIR" in out
         assert not (tmp_path / "b").exists()  # no run directory: nothing started
         (faults / "continue").write_text("")
