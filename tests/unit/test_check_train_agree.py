@@ -181,12 +181,6 @@ def one_process_groups():
         yield
 
 
-def _free_port() -> int:
-    from megatron_bridge.testing import free_port
-
-    return free_port()
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_built_parameter_count_equals_plan(name, one_process_groups):
     from megatron_bridge.bridge.model import build_model
