@@ -26,7 +26,7 @@ def main():
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge.parallel import cpu
+    from megatron_bridge.runtime import cpu
 
     cuda = torch.cuda.is_available()
     if not cuda:

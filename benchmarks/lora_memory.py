@@ -19,12 +19,12 @@ def measure(hidden: int, layers: int, rank: int, lora: bool) -> dict:
 
     from megatron_bridge.bridge.hf_config import spec_from_model_config
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.lora_modules import apply_lora
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.bridge.parity import ensure_groups, make_batch
-    from megatron_bridge.bridge.runtime import forward_backward, wrap_ddp
     from megatron_bridge.config.compose import compose
     from megatron_bridge.config.schema import PeftConfig
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.lora_modules import apply_lora
+    from megatron_bridge.runtime.parity import ensure_groups, make_batch
+    from megatron_bridge.runtime.schedule import forward_backward, wrap_ddp
 
     cfg, _ = compose(
         [

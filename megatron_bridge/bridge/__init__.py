@@ -13,12 +13,10 @@ transforms in `mapping.py`), shared by online loading, export and offline conver
 
 from megatron_bridge.bridge.hf_config import (
     BridgeSpec,
-    gpt_model_kwargs,
     load_spec,
     spec_from_hf,
     spec_from_model_config,
     spec_to_hf_config,
-    transformer_config,
 )
 from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, stage_layers, to_local_name
 from megatron_bridge.bridge.loader import (
@@ -40,8 +38,6 @@ __all__ = [
     "spec_from_hf",
     "spec_to_hf_config",
     "spec_from_model_config",
-    "transformer_config",
-    "gpt_model_kwargs",
     "Layout",
     "stage_layers",
     "local_experts",
@@ -69,7 +65,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "build_model":  # torch + megatron-core: only when asked for
-        from megatron_bridge.bridge.model import build_model
+        from megatron_bridge.runtime.build import build_model
 
         return build_model
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -167,7 +167,7 @@ def rank_shards(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pure: (local name, tensor) of every parameter of the chunk at `coords`, one at a time."""
     if tconfig is None:
-        from megatron_bridge.bridge.hf_config import transformer_config
+        from megatron_bridge.runtime.tconfig import transformer_config
 
         tconfig = transformer_config(spec, layout)
     for local, row in chunk_plan(spec, layout, resolve_checkpoint(spec, ckpt.keys()), coords, tconfig).items():

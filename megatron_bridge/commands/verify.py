@@ -86,8 +86,8 @@ def check_layouts(cfg, layouts: Sequence[Any], world: int | None) -> None:
 def _prepare(cfg, out: Path):
     """(hf_dir, spec, layouts) after every check that needs no process."""
     from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.bridge.parity import CHECKS
     from megatron_bridge.config.hf_model import apply_hf_config
+    from megatron_bridge.runtime.parity import CHECKS
 
     bad = sorted(set(cfg.verify.checks) - set(CHECKS) - {"train"}) or ([] if cfg.verify.checks else ["(none)"])
     if bad:
@@ -114,7 +114,7 @@ def _prepare(cfg, out: Path):
 def _reference(hf_dir: str, spec, cfg, path: Path) -> dict[str, Any]:
     import torch
 
-    from megatron_bridge.bridge.parity import hf_reference, make_batch
+    from megatron_bridge.runtime.parity import hf_reference, make_batch
 
     ids, labels = make_batch(spec.vocab_size, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
     ref = dict(
@@ -129,8 +129,8 @@ def _launched(cfg, worker: bool) -> int:
     import torch
 
     from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.bridge.parity import check_layout, dims_for
-    from megatron_bridge.parallel import groups
+    from megatron_bridge.runtime import groups
+    from megatron_bridge.runtime.parity import check_layout, dims_for
 
     layouts = _layouts(cfg)
     world = int(os.environ["WORLD_SIZE"])
@@ -181,7 +181,7 @@ def _launched(cfg, worker: bool) -> int:
 
 
 def _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) -> bool:
-    from megatron_bridge.bridge.parity import summarize
+    from megatron_bridge.runtime.parity import summarize
 
     print(
         f"verify {spec.architecture} ({spec.family}) from {hf_dir}: batch {cfg.verify.batch_size}×"

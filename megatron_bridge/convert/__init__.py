@@ -3,7 +3,6 @@
     mbr convert src=HF dst=OUT [format=torch_dist|torch] [parallel.tp=..] ...   pipeline.run.convert
     mbr export  src=OUT dst=HF                                                  pipeline.run.export
     mbr reshard src=OUT dst=OUT2 parallel.tp=.. parallel.pp=..                  pipeline.run.reshard
-    train.init_from=OUT                                                         load.load_converted
 
 One process, CPU, no process group, no megatron-core import. Four layers, each importing
 only from the ones above it in this list (tests/unit/test_convert_layers.py checks it):
@@ -20,6 +19,6 @@ only from the ones above it in this list (tests/unit/test_convert_layers.py chec
 * `pipeline/` — the commands: options and layout check, writers (tensor path, or the byte
   path where possible), atomic output, progress.
 
-`command.py` is the commands' shared body (huge pages and read-ahead first); `load.py` loads a
-converted checkpoint into a live model (torch and megatron-core).
+`command.py` is the commands' shared body (huge pages and read-ahead first). Loading a converted
+checkpoint into a live model (`train.init_from=OUT`) is runtime work: `runtime/load_converted.py`.
 """

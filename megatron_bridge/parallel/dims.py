@@ -4,7 +4,7 @@ The one type that says how a model is laid out. `from_config` builds it from a c
 config (and, under a launcher, the real world size) and is the only place that reads
 `cfg.parallel`; everything downstream is derived from the object, one function each:
 the rank grid and process groups (`topology`, `groups`), megatron-core's TransformerConfig
-(`bridge.hf_config.transformer_config`), DeepSpeed's config (`train.ds_config`), the
+(`runtime.tconfig.transformer_config`), DeepSpeed's config (`train.ds_config`), the
 planner's candidates (`plan.search`), and the bridge's weight placement (`bridge.layout`,
 which calls this type `Layout`). Nothing re-reads the config, so a degree the config check
 saw is the degree the model is built with.

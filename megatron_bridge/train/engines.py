@@ -5,13 +5,13 @@ asks which one it holds.
   DistributedOptimizer), pipeline through `get_forward_backward_func` (1F1B, interleaved
   when vpp > 1), LR schedule from megatron-core's `OptimizerParamScheduler`.
 - `DeepSpeedEngine`: `deepspeed.initialize` with ZeRO 0–3 on the same megatron-core model
-  and groups (the `mpu` from parallel/groups.py), ds_config generated from the Hydra config.
+  and groups (the `mpu` from runtime/groups.py), ds_config generated from the Hydra config.
 
 Both compute the same loss — the sum of the loss-masked token cross-entropies over the global
 batch divided by the number of masked tokens in it (across micro-batches, DP and CP ranks; not a
 mean of per-micro-batch means, which weights short SFT batches up) — and its exact gradient, in
 training steps and in forward-only evaluation alike, through the one `_forward_step`/`_loss_func`
-(packed SFT micro-batches through bridge/packing.py's `model_inputs`), and are
+(packed SFT micro-batches through runtime/packing.py's `model_inputs`), and are
 checkpointed through `state_dict()` / `load_state_dict()` (this rank's share only) plus
 `write_extra()` for the files an engine keeps itself (DeepSpeed's ZeRO partitions).
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.bridge.lora_modules import adapters, load_model_state, model_state
+from megatron_bridge.runtime.lora_modules import adapters, load_model_state, model_state
 from megatron_bridge.train.ds_config import build_ds_config
 
 MakeIterators = Callable[[int], list[Any]]
@@ -90,7 +90,7 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 
 
 def _forward_step(device):
-    from megatron_bridge.bridge.packing import model_inputs
+    from megatron_bridge.runtime.packing import model_inputs
 
     def step(data_iterator, model):
         b = _batch_to(next(data_iterator), device)
@@ -147,8 +147,8 @@ class MegatronEngine(Engine):
         the precision from the chunks' TransformerConfig (built with the same `bf16`)."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from megatron_bridge.bridge.model import model_config
-        from megatron_bridge.bridge.runtime import wrap_ddp
+        from megatron_bridge.runtime.build import model_config
+        from megatron_bridge.runtime.schedule import wrap_ddp
 
         super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
         tconf = model_config(self.model_chunks)
@@ -176,8 +176,8 @@ class MegatronEngine(Engine):
         micro-batches (on the last stage)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_bridge.bridge.packing import schedule_shape
-        from megatron_bridge.data.sft import is_packed
+        from megatron_bridge.runtime.packing import schedule_shape
+        from megatron_bridge.train.data.sft import is_packed
 
         d = self.dims
         seq, mbs = schedule_shape(
@@ -302,7 +302,7 @@ class DeepSpeedEngine(Engine):
     def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
         from megatron.core import parallel_state as ps
 
-        from megatron_bridge.bridge.packing import model_inputs
+        from megatron_bridge.runtime.packing import model_inputs
 
         it = make_iterators(1)[0]
         self.engine.train()
@@ -336,7 +336,7 @@ class DeepSpeedEngine(Engine):
         it = make_iterators(1)[0]
         self.engine.eval()
         reports = []
-        from megatron_bridge.bridge.packing import model_inputs
+        from megatron_bridge.runtime.packing import model_inputs
 
         for _ in range(iters * self.dims.grad_accum):
             b = _batch_to(next(it), self.device)

@@ -37,7 +37,7 @@ def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
 
         load_hf_weights(chunks, spec, cfg.model.hf_path)
     if lora:  # frozen base + adapters (peft.init_from's, or HF PEFT's initial ones)
-        from megatron_bridge.bridge.lora_modules import apply_lora
+        from megatron_bridge.runtime.lora_modules import apply_lora
 
         apply_lora(chunks, spec, cfg.peft, seed=cfg.train.seed)
 
@@ -50,7 +50,7 @@ def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:
         load_hf_weights(chunks, spec, p)
         return
     if (p / "mbr_manifest.json").is_file():
-        from megatron_bridge.convert.load import load_converted
+        from megatron_bridge.runtime.load_converted import load_converted
 
         load_converted(chunks, spec, p)
         return

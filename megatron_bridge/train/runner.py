@@ -109,7 +109,7 @@ def _run_dir(cfg, recipe: str) -> Path:
 
 def model_overrides(cfg) -> dict[str, Any]:
     """TransformerConfig settings of this run (precision, recompute) on top of what the
-    model spec and the layout give (`bridge.hf_config.transformer_config_kwargs`)."""
+    model spec and the layout give (`runtime.tconfig.transformer_config_kwargs`)."""
     import torch
 
     t = cfg.train
@@ -187,9 +187,9 @@ def _build(cfg, dims, recipe: str) -> _Run:
     import torch
 
     from megatron_bridge.bridge.hf_config import spec_from_model_config
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.data.loader import build_datasets
-    from megatron_bridge.parallel import groups
+    from megatron_bridge.runtime import groups
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.train.data.loader import build_datasets
     from megatron_bridge.train.engines import make_engine
     from megatron_bridge.train.init import init_weights, loads_weights
 
@@ -289,7 +289,7 @@ def _iterators(run: _Run, dataset, consumed: int):
     evaluation at 0 of the valid split."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.data.loader import make_iterator
+    from megatron_bridge.train.data.loader import make_iterator
 
     dp_rank, cp_rank = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
     return lambda n: [
@@ -332,7 +332,7 @@ def _save(run: _Run, step: int) -> None:
         run.engine.write_extra(directory)
         if run.cfg.peft.method == "lora":
             from megatron_bridge.bridge.lora import ADAPTER_DIR, base_of
-            from megatron_bridge.bridge.lora_modules import export_adapter
+            from megatron_bridge.runtime.lora_modules import export_adapter
 
             export_adapter(run.engine.model_chunks, run.cfg.peft, str(directory / ADAPTER_DIR), base_of(run.cfg))
 
@@ -343,7 +343,7 @@ def _export(run: _Run) -> None:
     """The trained weights as a Hugging Face model, when `export_to` is set (LoRA adapters
     merged in), and the adapter alone in HF PEFT's format when `export_adapter_to` is."""
     cfg = run.cfg
-    from megatron_bridge.bridge.lora_modules import export_adapter, merged
+    from megatron_bridge.runtime.lora_modules import export_adapter, merged
 
     chunks = run.engine.model_chunks
     if cfg.export_adapter_to:
@@ -365,7 +365,7 @@ def _export(run: _Run) -> None:
 def _teardown(finalize: bool) -> None:
     """All groups down, or (`finalize=False`) megatron's only, for the next job in this process."""
     if finalize:
-        from megatron_bridge.parallel import groups
+        from megatron_bridge.runtime import groups
 
         groups.destroy()
     else:

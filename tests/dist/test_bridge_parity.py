@@ -38,7 +38,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    from megatron_bridge.bridge.parity import hf_reference, make_batch
+    from megatron_bridge.runtime.parity import hf_reference, make_batch
     from megatron_bridge.bridge.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("bridge")
@@ -142,7 +142,7 @@ def test_train_step_tp2pp2_matches_tp1(root, tmp_path):
     """One SGD step (train mode, megatron DDP + pipeline schedule) then export: tp2·pp2 gives
     the same weights as tp1, and both equal the oracle's `w - lr·grad` (untied llama and
     tied qwen2, whose embedding grads are summed across the first and last stage)."""
-    from megatron_bridge.bridge.parity import load_dir
+    from megatron_bridge.runtime.parity import load_dir
 
     fams, layouts = ["llama", "qwen2"], ["tp1:train", "tp2pp2:train"]
     merged = _launch(root, tmp_path, fams, layouts)

@@ -102,8 +102,7 @@ def test_rng_trackers_follow_the_layout(results, overrides):
 def test_world_size_mismatch_is_a_user_error(monkeypatch):
     """Checked before any process group exists, with a message naming both numbers."""
     from megatron_bridge.errors import UserError
-    from megatron_bridge.parallel import groups
-
+    from megatron_bridge.runtime import groups
     cfg, _ = compose(["recipe=tiny_llama", "cluster.gpus_per_node=8"])
     dims = ParallelDims.from_config(cfg, 8)
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -52,7 +52,7 @@ def _peft_reference(hf_dir: Path, adapter_dir: Path, family: str) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from megatron_bridge.bridge.parity import make_batch
+    from megatron_bridge.runtime.parity import make_batch
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
@@ -83,7 +83,7 @@ def _merged_reference(hf_dir: Path, adapter_dir: Path, family: str) -> dict:
     from safetensors.torch import load_file, save_file
 
     from megatron_bridge.bridge.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, matches, peft_key
-    from megatron_bridge.bridge.parity import hf_reference, make_batch
+    from megatron_bridge.runtime.parity import hf_reference, make_batch
     from megatron_bridge.config.schema import PeftConfig
 
     peft = PeftConfig(method="lora", rank=RANK, alpha=ALPHA, target_modules=TARGETS[family])

@@ -67,7 +67,7 @@ def close(got, want, rel, what):
 
 def test_sft_loss_matches_transformers_per_conversation(setup, tmp_path):
     from megatron_bridge.data.chat_dataset import ChatDataset
-    from megatron_bridge.data.sft import SFTDataset, split_ranges
+    from megatron_bridge.train.data.sft import SFTDataset, split_ranges
 
     hf, prefix = setup
     chat = ChatDataset(prefix)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_bridge.bridge.cp_attention import allowed_mask, cp_positions, merge_from_cp, split_for_cp
+from megatron_bridge.runtime.cp_attention import allowed_mask, cp_positions, merge_from_cp, split_for_cp
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from megatron_bridge.bridge.features.moe_routing import route
-from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config, transformer_config
+from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint
 from megatron_bridge.bridge.tiny import tiny_config
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.tconfig import transformer_config
 
 
 def _hf_router(family: str, **overrides):

@@ -11,19 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.bridge.cp_attention import (
+from megatron_bridge.bridge.features.scaling import scale_and_cap_logits, scale_embedding
+from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config
+from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint
+from megatron_bridge.bridge.tiny import make_tiny
+from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.cp_attention import (
     allowed_mask,
     capped_attention,
     cp_positions,
     merge_from_cp,
     split_for_cp,
 )
-from megatron_bridge.bridge.features.scaling import scale_and_cap_logits, scale_embedding
-from megatron_bridge.bridge.hf_config import activation_func, load_spec, spec_from_hf, spec_to_hf_config
-from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint
-from megatron_bridge.bridge.packing import segment_mask
-from megatron_bridge.bridge.tiny import make_tiny
-from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.packing import segment_mask
+from megatron_bridge.runtime.tconfig import activation_func
 
 
 def _qkv(s=12, heads=4, groups=2, d=8, seed=0):
@@ -189,8 +190,8 @@ def test_gemma2_packed_sequences_equal_transformers_per_sequence(tmp_path, one_p
 
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.bridge.packing import packed_seq_params
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.packing import packed_seq_params
 
     path = make_tiny("gemma2", tmp_path / "g2")
     spec = load_spec(path, make_vocab_size_divisible_by=8)

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from megatron_bridge.bridge.features.moe_routing import route
-from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config, transformer_config
+from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import resolve_checkpoint
 from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.bridge.tiny import tiny_config
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.tconfig import transformer_config
 
 
 @pytest.mark.parametrize(
@@ -132,7 +133,7 @@ def test_glm4_sandwich_norm_table_and_layer_specs():
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
-    from megatron_bridge.bridge.layer_specs import all_layer_specs
+    from megatron_bridge.runtime.layer_specs import all_layer_specs
 
     spec = spec_from_hf(tiny_config("glm4").to_dict())
     rows = {m.hf[0]: m.megatron for m in get_family("glm4").mappings(spec)}
@@ -200,9 +201,9 @@ def one_process_groups():
 )
 def test_logits_are_transformers_and_every_feature_is_live(tiny_dirs, family, off, one_process_groups):
     from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.bridge.parity import hf_reference, make_batch
-    from megatron_bridge.bridge.runtime import forward_logits
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.parity import hf_reference, make_batch
+    from megatron_bridge.runtime.schedule import forward_logits
 
     path = tiny_dirs[family]
     spec = load_spec(path, make_vocab_size_divisible_by=8)

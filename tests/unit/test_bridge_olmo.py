@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from megatron_bridge.bridge.features.qk_norm import clipped_attention_class, full_qk_norm_class
-from megatron_bridge.bridge.hf_config import spec_from_hf, transformer_config
-from megatron_bridge.bridge.layer_specs import all_layer_specs
+from megatron_bridge.bridge.hf_config import spec_from_hf
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.bridge.tiny import tiny_config
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.layer_specs import all_layer_specs
+from megatron_bridge.runtime.tconfig import transformer_config
 
 
 def _cfg(tp: int = 1, heads: int = 4, kv: int = 2):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_bridge.bridge.parity import summarize
 from megatron_bridge.cli import main
+from megatron_bridge.runtime.parity import summarize
 
 
 def test_list_prints_supported_families(capsys):

@@ -33,14 +33,14 @@ def tiny_dirs(tmp_path_factory):
 def _build(hf_dir, load_weights):
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.runtime.build import build_model
 
     spec = load_spec(hf_dir)
     return spec, build_model(spec, Layout(), load_weights=load_weights)
 
 
 def _seed(s=7):
-    from megatron_bridge.parallel import cpu
+    from megatron_bridge.runtime import cpu
 
     torch.manual_seed(s)
     cpu.model_parallel_manual_seed(s)
@@ -135,7 +135,7 @@ def test_require_all_written_names_what_was_left():
 
 def test_converted_state_must_cover_the_chunk(groups1, tiny_dirs):
     """`train.init_from=` a converted checkpoint: the same guarantee before the strict load."""
-    from megatron_bridge.convert.load import _load_chunk
+    from megatron_bridge.runtime.load_converted import _load_chunk
 
     _, (ref,) = _build(tiny_dirs["qwen2"], load_weights=False)
     _, (new,) = _build(tiny_dirs["qwen2"], load_weights=True)

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bridge.bridge.hf_config import spec_from_model_config, transformer_config_kwargs
+from megatron_bridge.bridge.hf_config import spec_from_model_config
 from megatron_bridge.config.compose import compose
 from megatron_bridge.errors import LayoutError
 from megatron_bridge.parallel.dims import ParallelDims, validate
 from megatron_bridge.plan import params as P
 from megatron_bridge.plan.search import Context, pinned_from_overrides, search
+from megatron_bridge.runtime.tconfig import transformer_config_kwargs
 from megatron_bridge.train.runner import model_overrides, validate_for_launch
 
 RECIPES = sorted(p.stem for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml"))
@@ -183,7 +184,7 @@ def one_process_groups():
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_built_parameter_count_equals_plan(name, one_process_groups):
-    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.runtime.build import build_model
 
     cfg, dims = _check([*MODELS[name], "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "cluster.gpus_per_node=1"])
     assert dims is not None
@@ -200,9 +201,9 @@ def test_built_moe_layer_mix_equals_plan(one_process_groups, tmp_path):
     """Qwen2-MoE's tiny model has mlp_only_layers=[1] (one dense layer among MoE layers): the
     megatron model built from its spec has exactly the planner's parameters."""
     from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.bridge.model import build_model
     from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.runtime.build import build_model
 
     spec = load_spec(make_tiny("qwen2_moe", tmp_path / "m"))
     assert spec.moe_layer_pattern and not all(spec.moe_layer_pattern)

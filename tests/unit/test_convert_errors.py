@@ -220,7 +220,7 @@ def test_real_process_exit_code_and_no_traceback(tmp_path):
 
 def test_training_refuses_a_mismatched_or_foreign_checkpoint(tmp_path, llama):
     from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.convert.load import load_converted
+    from megatron_bridge.runtime.load_converted import load_converted
 
     assert mbr(["convert", f"src={llama}", f"dst={tmp_path / 'c'}", "progress=off"]) == 0
     other = load_spec(llama).replace(num_layers=2)

@@ -49,7 +49,7 @@ def test_a_layer_imports_only_itself_and_the_layers_before_it(layer):
 
 
 def test_every_module_is_in_a_layer_or_a_named_entry_point():
-    assert {p.name for p in ROOT.glob("*.py")} == {"__init__.py", "command.py", "load.py"}
+    assert {p.name for p in ROOT.glob("*.py")} == {"__init__.py", "command.py"}
     assert {p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
 
 

@@ -1,4 +1,4 @@
-"""The CPU shim's contract with megatron-core (megatron_bridge/parallel/cpu_targets.py).
+"""The CPU shim's contract with megatron-core (megatron_bridge/runtime/cpu_targets.py).
 
 The shim patches megatron-core internals; these tests fail when an upgrade moves one of
 them, instead of a CPU run failing (or silently computing something else) later."""
@@ -10,8 +10,8 @@ import inspect
 
 import pytest
 
-from megatron_bridge.parallel import cpu_targets
-from megatron_bridge.parallel.cpu_targets import CUDA_VIEW, PATCH_TARGETS, WRITTEN_FOR, missing_targets, resolve
+from megatron_bridge.runtime import cpu_targets
+from megatron_bridge.runtime.cpu_targets import CUDA_VIEW, PATCH_TARGETS, WRITTEN_FOR, missing_targets, resolve
 
 
 @pytest.mark.parametrize("target", PATCH_TARGETS)

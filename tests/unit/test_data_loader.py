@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from megatron_bridge.config.schema import DataConfig
-from megatron_bridge.data.batching import BATCH_KEYS, DataIterator, PretrainingSampler, slice_for_cp
 from megatron_bridge.data.demo import build_demo
-from megatron_bridge.data.loader import build_data_iterators, build_datasets, make_iterator
-from megatron_bridge.data.synthetic import SyntheticGPTDataset
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import ParallelDims
+from megatron_bridge.train.data.batching import BATCH_KEYS, DataIterator, PretrainingSampler, slice_for_cp
+from megatron_bridge.train.data.loader import build_data_iterators, build_datasets, make_iterator
+from megatron_bridge.train.data.synthetic import SyntheticGPTDataset
 
 SEQ = 32
 

@@ -14,8 +14,8 @@ from megatron_bridge.bridge.tiny import TINY, tiny_config
 
 @pytest.fixture(scope="module")
 def groups1():
-    from megatron_bridge.parallel import groups
     from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.runtime import groups
     from megatron_bridge.testing import free_port
 
     env = dict(os.environ)
@@ -33,8 +33,8 @@ def groups1():
 def test_writer_keys_are_megatrons(family, groups1):
     from megatron_bridge.bridge.hf_config import spec_from_hf
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.model import build_model
     from megatron_bridge.convert.formats.dist_ckpt import extra_state_location, location
+    from megatron_bridge.runtime.build import build_model
 
     spec = spec_from_hf(tiny_config(family).to_dict())
     (chunk,) = build_model(spec, Layout())

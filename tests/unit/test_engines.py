@@ -49,4 +49,4 @@ def test_megatron_ddp_wrapping_exists_once():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DistributedDataParallel":
                 calls.append(f"{path.relative_to(PKG)}:{node.lineno}")
-    assert len(calls) == 1 and calls[0].startswith("bridge/runtime.py:"), calls
+    assert len(calls) == 1 and calls[0].startswith("runtime/schedule.py:"), calls

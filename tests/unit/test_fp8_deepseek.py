@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_bridge.bridge.tiny import make_tiny
-from megatron_bridge.bridge.tiny_fp8 import dequantized_reference, quantize_fp8
 from megatron_bridge.cli import main as mbr
+from megatron_bridge.runtime.tiny_fp8 import dequantized_reference, quantize_fp8
 from tests.unit.test_fp8_source import assert_same_checkpoint, bits
 
 LAYERS = 4  # TINY's num_hidden_layers: the MTP layer is model.layers.4
@@ -135,7 +135,7 @@ def test_partial_edge_blocks(tmp_path):
     `weight_dequant` does (transformers splits rows evenly over the grid there, so the
     oracle is the definition, `dequantize_dir`); at ep2·tp2 the conversion equals that of
     the dequantised checkpoint."""
-    from megatron_bridge.bridge.tiny_fp8 import dequantize_dir
+    from megatron_bridge.runtime.tiny_fp8 import dequantize_dir
 
     dims = dict(hidden_size=160, q_lora_rank=136, kv_lora_rank=136, moe_intermediate_size=144, intermediate_size=288)
     src = make_tiny("deepseek_v3", tmp_path / "f32", **dims)

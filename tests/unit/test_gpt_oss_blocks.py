@@ -103,7 +103,7 @@ def _attention(world, window=None, heads=4, groups=2, d=8):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge.bridge.cp_attention import context_parallel_attention_class
+    from megatron_bridge.runtime.cp_attention import context_parallel_attention_class
 
     cfg = TransformerConfig(
         num_layers=1,
@@ -204,9 +204,10 @@ def test_partial_biases_are_refused_all_biases_accepted():
 
 def test_gpt_oss_spec_and_megatron_config():
     from megatron_bridge.bridge.features.attention import needs_own_attention
-    from megatron_bridge.bridge.hf_config import spec_to_hf_config, transformer_config
+    from megatron_bridge.bridge.hf_config import spec_to_hf_config
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.tiny import tiny_config
+    from megatron_bridge.runtime.tconfig import transformer_config
 
     s = spec_from_hf(tiny_config("gpt_oss").to_dict())
     assert s.attention_sinks and s.mlp_bias and s.moe_router_bias and s.attention_out_bias and s.add_qkv_bias

@@ -54,7 +54,7 @@ def test_unknown_targets_are_refused_with_the_family_names(names):
 
 
 def _adapter(family, hf_name_part, shapes, tp, rank, srcs, hf_shapes, r=3):
-    from megatron_bridge.bridge.lora_modules import LoraAdapter
+    from megatron_bridge.runtime.lora_modules import LoraAdapter
 
     row_map = next(m for m in get_family(family).table if m.megatron.endswith(hf_name_part))
     row = Resolved(row_map, row_map.megatron.format(layer=0), row_map.hf_names(layer=0))

@@ -217,10 +217,10 @@ def test_layers_with_their_own_rope_base_compute_transformers_logits(tmp_path, o
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.bridge.parity import hf_reference, make_batch
-    from megatron_bridge.bridge.runtime import forward_logits
     from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.parity import hf_reference, make_batch
+    from megatron_bridge.runtime.schedule import forward_logits
 
     path = make_tiny("ministral", tmp_path / "m", layer_types=["sliding_attention"] * 4)
     spec = load_spec(path, make_vocab_size_divisible_by=8)
@@ -243,9 +243,9 @@ def test_packed_sequences_restart_every_per_layer_rotary(tmp_path, family, one_p
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.bridge.packing import packed_seq_params
     from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.packing import packed_seq_params
 
     local = family == "ministral-local"
     extra = {"layer_types": ["sliding_attention", "full_attention"] * 2} if local else {}
@@ -291,10 +291,10 @@ def test_length_dependent_rope_gives_transformers_logits(tmp_path, family, overr
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.bridge.parity import hf_reference, make_batch
-    from megatron_bridge.bridge.runtime import forward_logits
     from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.parity import hf_reference, make_batch
+    from megatron_bridge.runtime.schedule import forward_logits
 
     path = make_tiny(family, tmp_path / family, **overrides)
     spec = load_spec(path, make_vocab_size_divisible_by=8)

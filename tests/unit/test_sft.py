@@ -1,4 +1,4 @@
-"""data=sft samples (data/sft.py) and their packing description (bridge/packing.py), on a chat
+"""data=sft samples (train/data/sft.py) and their packing description (runtime/packing.py), on a chat
 dataset stand-in with known conversations; the end-to-end parity against transformers is
 tests/dist/test_sft_parity.py."""
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_bridge.bridge.packing import cu_seqlens, model_inputs, schedule_shape, segment_mask
-from megatron_bridge.data.batching import collate
-from megatron_bridge.data.sft import SFTDataset, split_ranges
+from megatron_bridge.runtime.packing import cu_seqlens, model_inputs, schedule_shape, segment_mask
+from megatron_bridge.train.data.batching import collate
+from megatron_bridge.train.data.sft import SFTDataset, split_ranges
 
 SEQ = 16
 

@@ -48,7 +48,7 @@ def needs_own_attention(spec: Any) -> list[str]:
 
 def core_attention_module(spec: Any):
     """The core attention class for `spec` (see module docstring)."""
-    from megatron_bridge.bridge.cp_attention import context_parallel_attention_class
+    from megatron_bridge.runtime.cp_attention import context_parallel_attention_class
 
     te = te_attention_class()
     if te is None:

@@ -315,7 +315,7 @@ def _attention_class():
             token's position (global under CP, restarting per packed sequence)."""
             import torch
 
-            from megatron_bridge.bridge.cp_attention import cp_positions
+            from megatron_bridge.runtime.cp_attention import cp_positions
 
             cp = self.pg_collection.cp
             if self._packed is not None:

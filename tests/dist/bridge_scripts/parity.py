@@ -30,7 +30,7 @@ def main() -> None:
 
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.parity import check_layout
+    from megatron_bridge.runtime.parity import check_layout
     from megatron_bridge.testing import report
 
     root = Path(a.root)

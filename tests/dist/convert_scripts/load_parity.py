@@ -34,9 +34,9 @@ def main() -> None:
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.bridge.parity import ensure_groups
-    from megatron_bridge.bridge.runtime import forward_logits
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.parity import ensure_groups
+    from megatron_bridge.runtime.schedule import forward_logits
     from megatron_bridge.testing import report
     from megatron_bridge.train.init import load_initial_weights
 

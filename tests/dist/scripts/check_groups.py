@@ -11,7 +11,7 @@ import sys
 import torch
 
 from megatron_bridge.config.compose import compose
-from megatron_bridge.parallel import cpu, groups
+from megatron_bridge.runtime import cpu, groups
 from megatron_bridge.testing import report
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_bridge.config.compose import compose
-from megatron_bridge.parallel import groups
+from megatron_bridge.runtime import groups
 from megatron_bridge.testing import report
 
 SEQ, GBS, MBS, STEPS, SEED = 32, 8, 2, 6, 1234

@@ -16,9 +16,9 @@ def count_job(overrides):
     from megatron.core import parallel_state as ps
 
     from megatron_bridge.bridge.hf_config import spec_from_model_config
-    from megatron_bridge.bridge.model import build_model
+    from megatron_bridge.runtime.build import build_model
     from megatron_bridge.config.compose import compose
-    from megatron_bridge.parallel import groups
+    from megatron_bridge.runtime import groups
     from megatron_bridge.plan import params as P
     from megatron_bridge.plan.search import _stage_plan
     from megatron_bridge.train.runner import TrainRunConfig, model_overrides, validate_for_launch

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from megatron_bridge.config.compose import compose
-from megatron_bridge.parallel import groups
+from megatron_bridge.runtime import groups
 from megatron_bridge.testing import report
 from megatron_bridge.train.runner import train
 

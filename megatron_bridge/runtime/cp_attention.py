@@ -11,7 +11,7 @@ TEDotProductAttention") and Transformer Engine needs CUDA. This module is a drop
   holds chunks r and 2·cp-1-r (`get_batch_on_this_cp_rank`). The gathered keys stay in
   rank order; the causal (and sliding-window) mask is computed from the *global* positions
   of each query and key, so no reordering is needed.
-* packed sequences (THD, `PackedSeqParams` from bridge/packing.py): the causal mask is confined
+* packed sequences (THD, `PackedSeqParams` from runtime/packing.py): the causal mask is confined
   to each cu_seqlens sequence (block-diagonal), without context parallelism.
 * GQA/MQA through SDPA's grouped heads (query head h reads KV head h // (heads/groups),
   megatron's and HF's convention), sliding window (`config.window_size = (W-1, 0)`, HF's
@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megatron_bridge.bridge.packing import segment_mask
+from megatron_bridge.runtime.packing import segment_mask
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -217,7 +217,7 @@ def _make_class():
             packed_seq_params=None,
         ):
             """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn]; packed
-            (THD, bridge/packing.py): query [t, np, hn], key/value [t, ng, hn] -> [t, 1, np·hn],
+            (THD, runtime/packing.py): query [t, np, hn], key/value [t, ng, hn] -> [t, 1, np·hn],
             attention causal within each cu_seqlens sequence."""
             if attention_bias is not None:
                 raise NotImplementedError("attention bias needs TEDotProductAttention")

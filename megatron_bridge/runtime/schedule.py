@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.bridge.cp_attention import merge_from_cp, split_for_cp
+from megatron_bridge.runtime.cp_attention import merge_from_cp, split_for_cp
 
 
 def _cp():

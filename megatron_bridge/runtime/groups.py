@@ -101,7 +101,7 @@ def initialize(
     import numpy as np
     from megatron.core import parallel_state
 
-    from megatron_bridge.parallel import cpu
+    from megatron_bridge.runtime import cpu
 
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")

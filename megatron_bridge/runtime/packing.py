@@ -1,4 +1,4 @@
-"""Packed sequences (several conversations in one row, data/sft.py) as megatron-core runs them.
+"""Packed sequences (several conversations in one row, train/data/sft.py) as megatron-core runs them.
 
 megatron-core's packed format is THD: the micro-batch flattened into one row of t = mbs·seq
 tokens, described by `PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv, max_seqlen_q/kv)`.
@@ -11,7 +11,7 @@ description drives both, and nothing here depends on the device. The TE path was
 megatron-core 0.16's interface but has not been run on a GPU in this project's tests.
 
 A batch's packing comes from its `segment_ids` [mbs, seq] (which conversation each position
-belongs to; data/sft.py): a new sequence starts wherever the id changes or a row begins.
+belongs to; train/data/sft.py): a new sequence starts wherever the id changes or a row begins.
 """
 
 from __future__ import annotations

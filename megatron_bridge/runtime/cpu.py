@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from megatron_bridge.parallel.cpu_targets import CUDA_VIEW, check_megatron, resolve
+from megatron_bridge.runtime.cpu_targets import CUDA_VIEW, check_megatron, resolve
 
 _CPU = torch.device("cpu")
 _INSTALLED = False

@@ -106,9 +106,9 @@ def dims_for(layout: Layout, world_size: int) -> Layout:
 def ensure_groups(layout: Layout, world_size: int) -> None:
     """Initialize the layout's process groups unless the current ones already match
     (sequence parallelism needs no groups of its own)."""
-    from megatron_bridge.bridge.model import check_groups
     from megatron_bridge.errors import UserError
-    from megatron_bridge.parallel import groups
+    from megatron_bridge.runtime import groups
+    from megatron_bridge.runtime.build import check_groups
 
     try:
         check_groups(layout)
@@ -154,8 +154,8 @@ def check_layout(
     findings (empty entries on ranks that hold nothing to compare)."""
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.loader import export_hf_weights, iter_hf_tensors, load_hf_weights
-    from megatron_bridge.bridge.model import build_model
-    from megatron_bridge.bridge.runtime import forward_backward, forward_logits, sgd_step, unwrap, wrap_ddp
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.schedule import forward_backward, forward_logits, sgd_step, unwrap, wrap_ddp
 
     unknown = set(checks) - set(CHECKS)
     if unknown:

@@ -16,7 +16,7 @@ seeded by train.seed and the epoch; samples are then built in that order:
   one starts. Deterministic, and sample k's conversations follow sample k-1's, so the first n
   samples hold a prefix of the permutation. Each sample carries `segment_ids` (which conversation
   a position belongs to; the padded tail is a segment of its own), from which the model builds
-  the cumulative sequence lengths of the block-diagonal causal attention (bridge/packing.py), and
+  the cumulative sequence lengths of the block-diagonal causal attention (runtime/packing.py), and
   position ids restart at 0 for every conversation.
 * `packing=false`: one conversation per sample, padded to seq_length (loss mask 0 on the pads).
 

@@ -16,7 +16,7 @@ the same operation with explicit sizes).
 
 Batches are dicts with megatron's keys: tokens, labels, loss_mask, position_ids ([mbs, seq]
 each) and attention_mask (None: causal masking is left to the attention kernel, unless
-`create_attention_mask`); segment_ids [mbs, seq] only for packed SFT samples (data/sft.py), else None.
+`create_attention_mask`); segment_ids [mbs, seq] only for packed SFT samples (train/data/sft.py), else None.
 """
 
 from __future__ import annotations

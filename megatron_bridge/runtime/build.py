@@ -20,20 +20,21 @@ from typing import Any
 import torch
 
 from megatron_bridge.bridge.features.base import features
-from megatron_bridge.bridge.hf_config import BridgeSpec, gpt_model_kwargs, transformer_config
-from megatron_bridge.bridge.layer_specs import decoder_block_spec
+from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.layer_specs import decoder_block_spec
+from megatron_bridge.runtime.tconfig import gpt_model_kwargs, transformer_config
 
 
 def check_groups(layout: Layout) -> None:
-    """The initialized megatron groups must be the layout's (built by parallel.groups)."""
+    """The initialized megatron groups must be the layout's (built by runtime.groups)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         raise UserError(
             "megatron-core parallel groups are not initialized; call "
-            "megatron_bridge.parallel.groups.initialize(dims) first"
+            "megatron_bridge.runtime.groups.initialize(dims) first"
         )
     have = dict(
         tp=ps.get_tensor_model_parallel_world_size(),
@@ -59,7 +60,7 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
 
     `load_weights=False` (training from scratch): megatron's random initialisation, unchanged.
     `load_weights=True`: the caller is about to load every weight (`loader.load_hf_weights`,
-    `convert.load.load_converted`, which prove that they did): the tensor-parallel weights
+    `runtime.load_converted.load_converted`, which prove that they did): the tensor-parallel weights
     are allocated at this rank's shard shape and left uninitialised (`skip_weight_init`),
     instead of drawing each full-size fp32 master weight and keeping a slice — the random
     init was ~80% of a tp2 build + load and a full-size weight per rank (docs/benchmarks.md).

@@ -77,7 +77,7 @@ def version_warning(version: str) -> str | None:
     if version == WRITTEN_FOR or version.startswith(WRITTEN_FOR + "."):
         return None
     return (
-        f"megatron-core {version} is installed; the CPU shim (megatron_bridge/parallel/cpu.py) was "
+        f"megatron-core {version} is installed; the CPU shim (megatron_bridge/runtime/cpu.py) was "
         f"written for {WRITTEN_FOR}.x and its patch targets verified there. They all still exist, but "
         f"their behaviour may have changed: run tests/unit/test_cpu_shim.py and the CPU suite, or "
         f"install megatron-core=={WRITTEN_FOR}.*."
@@ -93,7 +93,7 @@ def check_megatron(targets: tuple[str, ...] | None = None) -> None:
         raise RuntimeError(
             f"megatron-core {version} lacks what the CPU shim patches (written for {WRITTEN_FOR}.x): "
             f"{'; '.join(missing)}. Install megatron-core=={WRITTEN_FOR}.* or update "
-            "megatron_bridge/parallel/cpu_targets.py (PATCH_TARGETS) and cpu.py (install())."
+            "megatron_bridge/runtime/cpu_targets.py (PATCH_TARGETS) and cpu.py (install())."
         )
     message = version_warning(version)
     if message:

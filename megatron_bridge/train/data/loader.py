@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_bridge.data.batching import DataIterator
 from megatron_bridge.data.indexed import check_indexed_data, idx_lengths, parse_split
 from megatron_bridge.data.preprocess import output_paths, read_meta
-from megatron_bridge.data.synthetic import SyntheticGPTDataset
 from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer
 from megatron_bridge.errors import UserError
+from megatron_bridge.train.data.batching import DataIterator
+from megatron_bridge.train.data.synthetic import SyntheticGPTDataset
 
 
 # -- what GPTDatasetConfig needs from a tokenizer -------------------------------------------------
@@ -147,7 +147,7 @@ def build_datasets(
         )
 
     if kind == "sft":
-        from megatron_bridge.data.sft import build_sft_datasets
+        from megatron_bridge.train.data.sft import build_sft_datasets
 
         train, valid, test, vocab, eod = build_sft_datasets(
             data,
