@@ -17,7 +17,7 @@ import torch
 def measure(hidden: int, layers: int, rank: int, lora: bool) -> dict:
     from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 
-    from megatron_bridge.bridge.hf_config import spec_from_model_config
+    from megatron_bridge.backends.describe import describe
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.config.compose import compose
     from megatron_bridge.config.schema import PeftConfig
@@ -39,7 +39,7 @@ def measure(hidden: int, layers: int, rank: int, lora: bool) -> dict:
         ]
     )
     ensure_groups(Layout(), 1)
-    spec = spec_from_model_config(cfg.model)
+    spec = describe(cfg.model)
     chunks = build_model(spec, Layout())
     if lora:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

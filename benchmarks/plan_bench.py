@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose  # noqa: E402
 from megatron_bridge.plan import report  # noqa: E402
 from megatron_bridge.plan.search import Context, pinned_from_overrides, search  # noqa: E402
@@ -60,7 +61,7 @@ def run_once(argv):
     t0 = time.perf_counter()
     cfg, args = compose(argv)
     t1 = time.perf_counter()
-    ctx = Context.from_config(cfg, pinned_from_overrides(args.overrides))
+    ctx = Context.from_config(cfg, describe(cfg.model), pinned_from_overrides(args.overrides))
     res = search(ctx)
     t2 = time.perf_counter()
     doc = report.build(ctx, res)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_bridge.parallel.rules import Violation
+    from megatron_bridge.parallel.rules.base import Violation
 
 EXIT_USER_ERROR = 2
 

@@ -11,13 +11,7 @@ transforms in `mapping.py`), shared by online loading, export and offline conver
 (`mbr convert` never needs them); `build_model` loads both when first asked for.
 """
 
-from megatron_bridge.bridge.hf_config import (
-    BridgeSpec,
-    load_spec,
-    spec_from_hf,
-    spec_from_model_config,
-    spec_to_hf_config,
-)
+from megatron_bridge.bridge.hf_config import load_spec, read_hf_config, spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, stage_layers, to_local_name
 from megatron_bridge.bridge.loader import (
     Coords,
@@ -30,6 +24,7 @@ from megatron_bridge.bridge.loader import (
 )
 from megatron_bridge.bridge.mapping import Shapes, Shard
 from megatron_bridge.bridge.registry import FamilyBridge, describe, families, family_for, get_family, register
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping
 
 __all__ = [
@@ -37,7 +32,7 @@ __all__ = [
     "load_spec",
     "spec_from_hf",
     "spec_to_hf_config",
-    "spec_from_model_config",
+    "read_hf_config",
     "Layout",
     "stage_layers",
     "local_experts",

@@ -1,143 +1,88 @@
 """HF `config.json` ⇄ `BridgeSpec` (megatron-core's TransformerConfig from it: runtime/tconfig.py).
 
-`BridgeSpec` is the architecture as the bridge understands it: every field either maps to a
-megatron-core setting or to a weight-table condition. Reading an HF config refuses, with
-every reason at once, the features the megatron local spec cannot reproduce (o_proj bias,
-multimodal rope, ...): a silently dropped feature would give a model that loads fine and
-computes something else. Rotary settings are read and written by features/rope.py.
-
-The common HF key names come from `config/hf_model.py` (one place knows them); the extra
-keys only the bridge needs (rope scaling, windows, router details) are read here.
+`read_hf_config` is the one place a config.json is parsed. `spec_from_hf` reads the dict into
+the spec and refuses, with every reason at once, the features the megatron local spec cannot
+reproduce (o_proj bias, multimodal rope, ...): a silently dropped feature would give a model
+that loads fine and computes something else. The common HF key names are `HF_KEYS`; the keys
+a building block owns (rope scaling, windows, router details) are read by its feature
+(`features/`), a family's own spellings by its class (`families/`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import json
 from collections.abc import Mapping as TMapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_bridge.bridge.features.base import features
-from megatron_bridge.bridge.mapping import Shapes
-from megatron_bridge.bridge.registry import family_for
-from megatron_bridge.config.hf_model import HF_KEYS, hf_to_model_fields, read_hf_config
+from megatron_bridge.bridge.registry import family_for, weight_family
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
-from megatron_bridge.parallel.dims import padded_vocab_size
+
+# spec field <- the first HF key present (the names HF's configs share)
+HF_KEYS: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_hidden_layers", "n_layer"),
+    "hidden_size": ("hidden_size", "n_embd"),
+    "ffn_hidden_size": ("intermediate_size", "n_inner"),
+    "num_attention_heads": ("num_attention_heads", "n_head"),
+    "num_query_groups": ("num_key_value_heads",),
+    "head_dim": ("head_dim",),
+    "vocab_size": ("vocab_size",),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions"),
+    "norm_epsilon": ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
+    "rotary_base": ("rope_theta",),
+    "num_moe_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "moe_router_topk": ("num_experts_per_tok",),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
+}
+
+
+def read_hf_config(path: str | Path, *, arg: str = "model.hf_path") -> dict[str, Any]:
+    """The parsed config.json of an HF model directory (or of the file itself). `arg` is how
+    the user named the directory (`model.hf_path`, `src`), for the message."""
+    p = Path(path)
+    cfg_file = p / "config.json" if p.is_dir() else p
+    if not cfg_file.is_file():
+        raise UserError(
+            f"{arg}={path}: no config.json there. Point {arg} at a Hugging Face model directory "
+            "(what `save_pretrained` writes)."
+        )
+    try:
+        data = json.loads(cfg_file.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise UserError(f"{cfg_file} is not valid JSON ({e}); re-export the model config.") from None
+    return data
+
+
+def _base_fields(hf: TMapping[str, Any]) -> dict[str, Any]:
+    """The common fields by `HF_KEYS` (absent keys stay absent)."""
+    out: dict[str, Any] = {}
+    for field_name, keys in HF_KEYS.items():
+        for k in keys:
+            if hf.get(k) is not None:
+                out[field_name] = hf[k]
+                break
+    rope = hf.get("rope_parameters") or {}
+    if "rotary_base" not in out and rope.get("rope_theta") is not None:
+        out["rotary_base"] = rope["rope_theta"]
+    return out
+
 
 # HF hidden_act -> BridgeSpec.activation (the GLU's gate activation); the first HF name is written back
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-@dataclass(frozen=True)
-class BridgeSpec:
-    family: str
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int = 2048
-    norm_epsilon: float = 1e-5
-    rotary_base: float = 10000.0
-    rope_type: str = "default"
-    rope_params: tuple[tuple[str, Any], ...] = ()  # factor, low/high_freq_factor, original_max_...
-    tie_word_embeddings: bool = False
-    add_qkv_bias: bool = False
-    qk_layernorm: bool = False
-    sliding_window: int | None = None  # HF semantics: attend to keys with q - k < window
-    window_pattern: tuple[int, ...] = ()  # per layer: 1 = sliding, 0 = full; () = all alike
-    attention_dropout: float = 0.0
-    num_moe_experts: int | None = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int | None = None
-    moe_shared_expert_intermediate_size: int | None = None
-    moe_shared_expert_gate: bool = False
-    moe_router_pre_softmax: bool = False  # softmax over all experts, no top-k renormalisation
-    moe_layer_pattern: tuple[int, ...] = ()  # 1 = MoE layer, 0 = dense; () = every layer alike
-    make_vocab_size_divisible_by: int = 128
-    initializer_range: float = 0.02
-    # What every HF family here is (RMSNorm, SwiGLU, no linear biases, rotary); the `gpt`
-    # family (megatron GPT, no HF weight table) sets the GPT-2/3 values.
-    normalization: str = "RMSNorm"
-    gated_linear_unit: bool = True  # SwiGLU (silu); false = GELU MLP
-    add_bias_linear: bool = False
-    position_embedding_type: str = "rope"
-
-    # ---- building blocks beyond the local spec (bridge/features/); every default is "off".
-    # Field names are the planner's and the rules' vocabulary too: keep one meaning each.
-    # attention
-    softmax_scale: float | None = (
-        None  # None = 1/sqrt(head_dim); Gemma query_pre_attn_scalar^-0.5, Granite attention_multiplier
-    )
-    attn_logit_softcapping: float | None = None  # scores -> cap·tanh(scores/cap) (Gemma 2)
-    attention_sinks: bool = False  # a learned per-head sink logit in the softmax (GPT-OSS `sinks`)
-    qk_norm_type: str = (
-        "head"  # with qk_layernorm: "head" = RMSNorm per head, "full" = over the whole q/k projection (OLMo-2, OLMoE)
-    )
-    clip_qkv: float | None = None  # q, k (after qk-norm) and v clamped to [-c, c] (OLMoE clip_qkv)
-    attention_out_bias: bool = False  # o_proj bias without MLP biases (HF attention_bias=true also sets add_qkv_bias)
-    # rotary position embedding
-    rotary_percent: float = 1.0  # partial_rotary_factor: the first rotary_percent·head_dim dims rotate
-    rotary_interleaved: bool = False  # pairs (2i, 2i+1) rotate (GLM) instead of (i, i + d/2)
-    rope_local_base: float | None = None  # rope base of sliding-window layers (Gemma 3 rope_local_base_freq)
-    nope_pattern: tuple[int, ...] = ()  # per layer: 1 = no rotary (NoPE) layer; () = rotary everywhere (SmolLM3)
-    # norms
-    zero_centered_norm: bool = False  # RMSNorm computes x·(1 + w) (Gemma); weights stored as w
-    pre_norms: bool = True  # input/pre-MLP norms; False = OLMo-2 ordering (norms only on the sublayer outputs)
-    post_attention_norm: bool = (
-        False  # norm of the attention output before the residual add (Gemma 2/3 sandwich, GLM-4, OLMo-2)
-    )
-    post_mlp_norm: bool = False  # norm of the MLP output before the residual add
-    # MLP
-    activation: str = "silu"  # GLU activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma) | gelu
-    mlp_bias: bool = False  # biases on the MLP (and expert) linears without attention biases
-    glu_clamp: float | None = None  # GPT-OSS: gate clamped to (-inf, c], up to [-c, c]
-    glu_alpha: float = 1.0  # GPT-OSS: gate·sigmoid(alpha·gate)
-    glu_linear_offset: float = 0.0  # GPT-OSS: (up + offset)·act(gate)
-    # MoE routing
-    moe_router_score_function: str = "softmax"  # softmax | sigmoid (DeepSeek-V3, GLM-4.5)
-    moe_router_expert_bias: bool = False  # e_score_correction_bias: added for top-k selection only
-    moe_router_num_groups: int | None = None  # n_group: experts in groups, top `group_topk` groups first
-    moe_router_group_topk: int | None = None  # topk_group
-    moe_router_topk_scaling_factor: float | None = None  # routed_scaling_factor
-    moe_router_bias: bool = False  # a learned router bias (GPT-OSS)
-    # Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2)
-    multi_latent_attention: bool = False
-    q_lora_rank: int | None = None  # None = q_proj directly (DeepSeek-V2-Lite)
-    kv_lora_rank: int = 512
-    qk_head_dim: int = 128  # qk_nope_head_dim
-    qk_pos_emb_head_dim: int = 64  # qk_rope_head_dim
-    v_head_dim: int = 128
-    mtp_num_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped on load, noted)
-    # embeddings and head
-    embedding_multiplier: float = 1.0  # input embeddings scaled (Gemma sqrt(hidden), Granite embedding_multiplier)
-    residual_multiplier: float = 1.0  # sublayer outputs scaled before the residual add (Granite)
-    logits_scaling: float = 1.0  # logits divided by this (Granite)
-    final_logit_softcapping: float | None = None  # logits -> cap·tanh(logits/cap) (Gemma 2)
-
-    @property
-    def is_moe(self) -> bool:
-        return bool(self.num_moe_experts)
-
-    def padded_vocab_size(self, tp: int) -> int:
-        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tp)
-
-    def shapes(self, tp: int) -> Shapes:
-        return Shapes(
-            self.num_attention_heads, self.num_query_groups, self.head_dim, self.vocab_size, self.padded_vocab_size(tp)
-        )
-
-    def replace(self, **kw: Any) -> BridgeSpec:
-        return dataclasses.replace(self, **kw)
-
-
 # ----------------------------------------------------------------------------------------
 # HF -> spec
 # ----------------------------------------------------------------------------------------
+
+
+class UnsupportedFeatures(UserError):
+    """An HF config with features the bridge cannot reproduce (one line each in the message)."""
 
 
 def _moe_pattern(hf: TMapping[str, Any], n_layers: int) -> tuple[int, ...]:
@@ -152,7 +97,7 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     unsupported feature."""
     family = family_for(hf)
     hf = family.complete_hf(hf)
-    base = hf_to_model_fields(dict(hf))
+    base = _base_fields(hf)
     problems: list[str] = []
     f: dict[str, Any] = {}
     f["family"] = family.name
@@ -166,20 +111,14 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
         raise UserError(
             f"config.json lacks {', '.join(missing)} (HF names: {', '.join(HF_KEYS[k][0] for k in missing)})"
         )
-    for k in (
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "vocab_size",
-        "max_position_embeddings",
-        "norm_epsilon",
-    ):
-        if base.get(k) is not None:
-            f[k] = base[k]
+    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
+        f[k] = base[k]
+    if base.get("max_position_embeddings") is not None:
+        f["max_position_embeddings"] = base["max_position_embeddings"]
+    f["norm_epsilon"] = float(base.get("norm_epsilon", 1e-5))
     heads = base["num_attention_heads"]
     f["num_query_groups"] = int(base.get("num_query_groups") or heads)
-    f["head_dim"] = int(base.get("kv_channels") or base["hidden_size"] // heads)
+    f["head_dim"] = int(base.get("head_dim") or base["hidden_size"] // heads)
     f["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", False))
     f["attention_dropout"] = float(hf.get("attention_dropout") or 0.0)
     f["initializer_range"] = float(hf.get("initializer_range") or 0.02)
@@ -214,9 +153,10 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
         if float(hf.get("router_jitter_noise") or 0.0) > 0:
             problems.append("router_jitter_noise > 0 (training-time router noise) is not supported; set it to 0")
     if problems:
-        raise UserError(
+        raise UnsupportedFeatures(
             f"{f['architecture']} config cannot be bridged faithfully:\n" + "\n".join(f"  - {p}" for p in problems)
         )
+    f["name"] = hf.get("_name_or_path") or hf.get("model_type", "")
     return BridgeSpec(**f)
 
 
@@ -224,46 +164,11 @@ def load_spec(path: str | Path, *, make_vocab_size_divisible_by: int = 128) -> B
     return spec_from_hf(read_hf_config(path), make_vocab_size_divisible_by=make_vocab_size_divisible_by)
 
 
-# ModelConfig fields that are not architecture (or reach the spec resolved under another name).
-NOT_SPEC_FIELDS = ("name", "hf_path", "kv_channels", "num_query_groups", "moe_ffn_hidden_size")
-
-
-def spec_from_model_config(model_cfg: Any) -> BridgeSpec:
-    """The spec of `cfg.model` (a ModelConfig): from its hf_path when set, else its fields.
-
-    Every ModelConfig field that names architecture is a BridgeSpec field of the same name
-    and is copied by name (a test holds the two field lists together), so nothing the
-    planner counts or the rules check can be dropped on the way to the builder."""
-    if model_cfg.hf_path:
-        return load_spec(model_cfg.hf_path, make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by)
-    from megatron_bridge.bridge.registry import get_family
-
-    fam = get_family(model_cfg.family)
-    spec_fields = {f.name for f in dataclasses.fields(BridgeSpec)}
-    f = {k: getattr(model_cfg, k) for k in spec_fields if hasattr(model_cfg, k) and k not in NOT_SPEC_FIELDS}
-    f.update(
-        family=fam.name,
-        architecture=fam.architectures[0] if fam.architectures else "",
-        num_query_groups=model_cfg.kv_heads,
-        head_dim=model_cfg.head_dim,
-    )
-    f.update(fam.implicit)
-    if model_cfg.num_moe_experts:
-        f["moe_ffn_hidden_size"] = model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size
-        if not model_cfg.moe_shared_expert_intermediate_size:
-            f["moe_shared_expert_gate"] = False
-    else:
-        f.update(num_moe_experts=None, moe_shared_expert_intermediate_size=None)
-    return BridgeSpec(**f)
-
-
 def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
     """A config.json for `spec` (export of a model that has no HF source directory).
 
     `spec_from_hf(spec_to_hf_config(s)) == s` for every supported spec; the family's
     `hf_names` / `window_key` say where its config spells things differently."""
-    from megatron_bridge.bridge.registry import weight_family
-
     fam = weight_family(spec.family)
     names = dict(fam.hf_names)
     cfg: dict[str, Any] = {
@@ -305,4 +210,4 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
     return cfg
 
 
-__all__ = ["BridgeSpec", "spec_from_hf", "spec_to_hf_config", "load_spec", "spec_from_model_config"]
+__all__ = ["HF_KEYS", "UnsupportedFeatures", "read_hf_config", "spec_from_hf", "spec_to_hf_config", "load_spec"]

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout, local_experts, renumber, stage_layers, to_local_name
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.mapping import Shard
 from megatron_bridge.bridge.registry import weight_family
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved, resolve_hf, resolve_megatron
 from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.safetensors_io import LazySlice, PositionedReader, TensorInfo, scan_dir

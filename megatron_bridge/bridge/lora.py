@@ -23,7 +23,6 @@ from typing import Any
 from megatron_bridge.bridge.mapping import Column, FusedGateUp, FusedQKV, Row
 from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
-from megatron_bridge.parallel.rules import _v, rule
 
 # Transforms of megatron linears LoRA can wrap: column-parallel (output rows split, maybe
 # fused from several HF linears) and row-parallel (input columns split).
@@ -120,9 +119,10 @@ def adapter_config(peft: Any, base: str | None) -> dict[str, Any]:
     }
 
 
-def base_of(cfg: Any) -> str | None:
-    """The base model an adapter run needs (a checkpoint refers to it instead of holding it)."""
-    return cfg.train.init_from or cfg.model.hf_path
+def base_of(cfg: Any, spec: Any) -> str | None:
+    """The base model an adapter run needs (a checkpoint refers to it instead of holding it):
+    `train.init_from`, else the HF directory the model was described from."""
+    return cfg.train.init_from or spec.source
 
 
 def check_adapter_dir(path: str | Path, base_dir: str | Path | None, peft: Any) -> dict[str, Any]:
@@ -246,58 +246,6 @@ def layer_adapter_params(m: Any, peft: Any, *, tp: int = 1, etp: int = 1) -> tup
         else:
             dense += n
     return dense, expert
-
-
-# ---------------------------------------------------------------------------------------
-# Rules (run with the layout rules by `mbr check` and before a launch).
-# ---------------------------------------------------------------------------------------
-
-
-@rule
-def lora_settings(d, cfg) -> list:
-    p = getattr(cfg, "peft", None)
-    if p is None or p.method == "none":
-        return []
-    if p.method != "lora":
-        return _v("peft-method", f"peft={p.method!r} is not a method", "use peft=lora or peft=none")
-    out = []
-    if p.rank <= 0:
-        out += _v("lora-rank", f"peft.rank={p.rank} must be >= 1", "set peft.rank to a positive rank, e.g. 8 or 16")
-    if p.alpha <= 0:
-        out += _v("lora-alpha", f"peft.alpha={p.alpha} must be > 0", "set peft.alpha (usually 2 * peft.rank)")
-    if not 0.0 <= p.dropout < 1.0:
-        out += _v("lora-dropout", f"peft.dropout={p.dropout} must be in [0, 1)", "set peft.dropout=0.05 or 0")
-    if not base_of(cfg):
-        out += _v(
-            "lora-base",
-            "peft=lora adapts a pre-trained model but neither model.hf_path nor train.init_from names one",
-            "set model.hf_path=DIR (a Hugging Face model directory)",
-        )
-    return out
-
-
-@rule
-def lora_targets(d, cfg) -> list:
-    p = getattr(cfg, "peft", None)
-    if p is None or p.method != "lora":
-        return []
-    from megatron_bridge.bridge.registry import get_family
-
-    try:
-        fam = get_family(cfg.model.family)
-    except UserError:
-        return []  # the bridge reports unknown families itself
-    try:
-        targets = resolve_targets(fam.table, list(p.target_modules), fam.name)
-    except UserError as e:
-        return _v("lora-targets", str(e).split(". Use ")[0], "use " + str(e).split(". Use ", 1)[1].rstrip("."))
-    if any(t.mapping.is_expert for t in targets) and d.etp > 1:
-        return _v(
-            "lora-experts-etp",
-            f"LoRA on expert linears with expert tensor parallelism etp={d.etp} is not supported",
-            "set parallel.etp=1 (experts whole on each rank), or leave the expert modules out of peft.target_modules",
-        )
-    return []
 
 
 __all__ = [

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose, to_yaml
-from megatron_bridge.parallel.dims import validate
+from megatron_bridge.parallel.rules.registry import validate
 from megatron_bridge.parallel.topology import Topology
 
 
@@ -18,14 +19,14 @@ def main(argv: Sequence[str]) -> int:
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0
-    dims, notes = validate(cfg)
+    model = describe(cfg.model)
+    dims, notes = validate(cfg, model)
     full = "--full" in args.flags
     print(
-        f"recipe {args.recipe}: model {cfg.model.name} on {dims.nodes} node(s) × {dims.gpus_per_node} "
-        f"({cfg.cluster.name})"
+        f"recipe {args.recipe}: model {model.name} on {dims.nodes} node(s) × {dims.gpus_per_node} ({cfg.cluster.name})"
     )
     print(f"layout OK: {dims.describe()}")
     for n in notes:
         print(f"note: {n}")
-    print(Topology(dims).format_rank_map(max_nodes=dims.nodes if full else 4, moe=bool(cfg.model.num_moe_experts)))
+    print(Topology(dims).format_rank_map(max_nodes=dims.nodes if full else 4, moe=model.is_moe))
     return 0

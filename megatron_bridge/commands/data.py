@@ -25,6 +25,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config
 from megatron_bridge.data.demo import DEMO_PREFIX
@@ -140,7 +141,7 @@ def run_demo(cfg: DataCommandConfig) -> int:
         )
     if chat and cfg.tokenizer and cfg.vocab_size is not None:
         raise UserError("vocab_size= sizes the demo tokenizer it trains; with tokenizer=DIR there is none to train")
-    model_vocab = cfg.model.vocab_size
+    model_vocab = describe(cfg.model).vocab_size
     vocab = cfg.vocab_size if cfg.vocab_size is not None else min(model_vocab, DEMO_MAX_VOCAB)
     if vocab > model_vocab:
         raise UserError(

@@ -21,12 +21,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.commands import k8s
 from megatron_bridge.config import search
 from megatron_bridge.config.compose import Args, compose
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
-from megatron_bridge.parallel.dims import validate
+from megatron_bridge.parallel.rules.registry import validate
 from megatron_bridge.parallel.topology import Topology
 
 ENTRY = ["-m", "megatron_bridge.train"]
@@ -158,7 +159,8 @@ def main(argv: Sequence[str]) -> int:
     cfg, args = compose(argv, schema=LaunchConfig)
     if cfg.launcher not in LAUNCHERS:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {LAUNCHERS}.")
-    dims, notes = validate(cfg)
+    model = describe(cfg.model)
+    dims, notes = validate(cfg, model)
     jargs = job_args(args)
     dry = "--dry-run" in args.flags
     if cfg.launcher == "torchrun":
@@ -179,7 +181,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"layout OK: {dims.describe()}")
         for n in notes:
             print(f"note: {n}")
-        spans = Topology(dims).span_summary(moe=bool(cfg.model.num_moe_experts))
+        spans = Topology(dims).span_summary(moe=model.is_moe)
         print("group placement: " + ", ".join(f"{k} {v}" for k, v in spans.items()))
         for name, text in files.items():
             print(f"--- {name} ---\n{text.rstrip()}")

@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_bridge.config import values
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
+from megatron_bridge.parallel.rules.registry import refuse
 from megatron_bridge.plan import explain, report
 from megatron_bridge.plan.search import Context, pinned_from_overrides, search
 
@@ -49,8 +50,9 @@ def plan(argv: Sequence[str]):
         raise UserError("cluster.nodes, cluster.gpus_per_node and cluster.gpu_memory_gb must be positive.")
     if args.cfg:
         return cfg, args, None
-    values.refuse(cfg)  # a bad lr is bad input (exit 2), not a layout that does not fit
-    ctx = Context.from_config(cfg, pinned_from_overrides(args.overrides))
+    model = describe(cfg.model)
+    refuse(model, cfg)  # a bad lr is bad input (exit 2), not a layout that does not fit
+    ctx = Context.from_config(cfg, model, pinned_from_overrides(args.overrides))
     res = search(ctx)
     diagnosis = explain.diagnose(ctx, res) if res.best is None else None
     return cfg, args, report.build(ctx, res, top=cfg.top, diagnosis=diagnosis)

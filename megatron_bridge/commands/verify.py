@@ -27,6 +27,7 @@ from math import lcm
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
@@ -53,7 +54,7 @@ class VerifyConfig(Config):
     verify: VerifyOptions = field(default_factory=VerifyOptions)
 
 
-def _layouts(cfg) -> list[Any]:
+def _layouts(cfg, spec) -> list[Any]:
     """verify.layouts, or the one layout of parallel.* (resolved as training resolves it)."""
     from megatron_bridge.parallel.dims import ParallelDims
 
@@ -62,21 +63,21 @@ def _layouts(cfg) -> list[Any]:
             return [ParallelDims.parse(x) for x in cfg.verify.layouts]
         except ValueError as e:
             raise UserError(str(e)) from e
-    return [ParallelDims.from_config(cfg, smallest_world=True)]
+    return [ParallelDims.from_config(cfg, smallest_world=True, moe=spec.is_moe)]
 
 
-def check_layouts(cfg, layouts: Sequence[Any], world: int | None) -> None:
+def check_layouts(cfg, spec, layouts: Sequence[Any], world: int | None) -> None:
     """The layout rules `mbr check` applies, for each layout on `world` processes (default:
     the fewest they all fit), at the verify sequence length; every violation at once."""
     from megatron_bridge.errors import LayoutError
-    from megatron_bridge.parallel.dims import validate
+    from megatron_bridge.parallel.rules.registry import validate
 
     cfg.train.seq_length = cfg.verify.seq_length
     world = world or _needed_world(layouts)
     errs: list[str] = []
     for lay in layouts:
         try:
-            validate(cfg, dims=lay.with_world(world), layout_only=True)
+            validate(cfg, spec, dims=lay.with_world(world), layout_only=True)
         except LayoutError as e:
             errs += [f"{lay.describe()}: {v}" for v in e.violations]
     if errs:
@@ -85,8 +86,6 @@ def check_layouts(cfg, layouts: Sequence[Any], world: int | None) -> None:
 
 def _prepare(cfg, out: Path):
     """(hf_dir, spec, layouts) after every check that needs no process."""
-    from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.config.hf_model import apply_hf_config
     from megatron_bridge.runtime.parity import CHECKS
 
     bad = sorted(set(cfg.verify.checks) - set(CHECKS) - {"train"}) or ([] if cfg.verify.checks else ["(none)"])
@@ -103,11 +102,10 @@ def _prepare(cfg, out: Path):
             make_tiny(cfg.verify.tiny, hf_dir)
     if not hf_dir:
         raise UserError("mbr verify needs model.hf_path=DIR (an HF model directory) or verify.tiny=FAMILY")
-    spec = load_spec(hf_dir, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    apply_hf_config(cfg.model, hf_dir)  # the rules see the model being verified
-    layouts = _layouts(cfg)
+    spec = describe(cfg.model, hf_path=hf_dir)  # the rules see the model being verified
+    layouts = _layouts(cfg, spec)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.verify.nproc
-    check_layouts(cfg, layouts, world)
+    check_layouts(cfg, spec, layouts, world)
     return hf_dir, spec, layouts
 
 
@@ -128,11 +126,10 @@ def _launched(cfg, worker: bool) -> int:
     """Phase 2 on every rank of a torchrun launch (ours with --worker, or the user's)."""
     import torch
 
-    from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.runtime import groups
     from megatron_bridge.runtime.parity import check_layout, dims_for
 
-    layouts = _layouts(cfg)
+    layouts = _layouts(cfg, describe(cfg.model))  # parallel.* resolved for the model the recipe names
     world = int(os.environ["WORLD_SIZE"])
     out = Path(cfg.verify.out or Path(tempfile.gettempdir()) / f"mbr-verify-{os.environ.get('MASTER_PORT', '0')}")
     groups.initialize(dims_for(layouts[0], world), timeout_minutes=cfg.train.timeout_minutes)
@@ -151,7 +148,7 @@ def _launched(cfg, worker: bool) -> int:
     if shared[0]:
         raise UserError(shared[0])
     hf_dir = shared[1]
-    spec = load_spec(hf_dir, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    spec = describe(cfg.model, hf_path=hf_dir)
     ref = torch.load(out / "reference.pt")
     mine: dict[str, Any] = {}
     for lay in layouts:
@@ -164,7 +161,7 @@ def _launched(cfg, worker: bool) -> int:
             input_ids=ref["input_ids"],
             labels=ref["labels"],
             export_dir=out / lay.describe().replace("·", "").replace(" ", ""),
-            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+            make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
         )
         res["seconds"] = round(time.perf_counter() - t0, 2)
         mine[lay.describe()] = res

@@ -30,14 +30,14 @@ def default_layouts(spec: Any) -> list[str]:
     return list(DENSE_LAYOUTS) + (list(MOE_LAYOUTS) if spec.is_moe else [])
 
 
-def _refusals(cfg: Any, layouts: Sequence[Any], world: int) -> dict[str, str]:
-    from megatron_bridge.parallel.dims import validate
+def _refusals(cfg: Any, spec: Any, layouts: Sequence[Any], world: int) -> dict[str, str]:
+    from megatron_bridge.parallel.rules.registry import validate
 
     cfg.train.seq_length = cfg.verify.seq_length
     out = {}
     for lay in layouts:
         try:
-            validate(cfg, dims=lay.with_world(world), layout_only=True)
+            validate(cfg, spec, dims=lay.with_world(world), layout_only=True)
         except LayoutError as e:
             out[lay.describe()] = "; ".join(f"[{v.rule}] {v.detail}".replace("|", "/") for v in e.violations)
     return out
@@ -61,11 +61,10 @@ def _row(fam: str, key: str, f: dict[str, Any] | None, cfg: Any) -> str:
 
 
 def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]:
-    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.backends.describe import describe
     from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.commands.verify import VerifyConfig, _layouts, _needed_world, _reference
     from megatron_bridge.config.compose import compose
-    from megatron_bridge.config.hf_model import apply_hf_config
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.runtime.parity import fold
     from megatron_bridge.testing import TorchrunError, run_torchrun
@@ -74,11 +73,10 @@ def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]
     cfg.verify.checks = list(CHECKS)
     out = root / fam
     hf_dir = str(make_tiny(fam, out / "tiny"))
-    spec = load_spec(hf_dir, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    apply_hf_config(cfg.model, hf_dir)
-    layouts = _layouts(cfg) if cfg.verify.layouts else [ParallelDims.parse(x) for x in default_layouts(spec)]
+    spec = describe(cfg.model, hf_path=hf_dir)
+    layouts = _layouts(cfg, spec) if cfg.verify.layouts else [ParallelDims.parse(x) for x in default_layouts(spec)]
     world = cfg.verify.nproc or _needed_world(layouts)
-    refused = _refusals(cfg, layouts, world)
+    refused = _refusals(cfg, spec, layouts, world)
     run = [lay for lay in layouts if lay.describe() not in refused]
     rows, ok = [], True
     per_rank: list[dict[str, Any]] = []

@@ -20,7 +20,6 @@ from typing import TypeVar, overload
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_bridge.config import search
-from megatron_bridge.config.hf_model import apply_hf_config
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
 
@@ -158,14 +157,14 @@ S = TypeVar("S", bound=Config)
 
 
 @overload
-def compose(argv: Sequence[str] | Args, *, resolve_hf: bool = ...) -> tuple[Config, Args]: ...
+def compose(argv: Sequence[str] | Args) -> tuple[Config, Args]: ...
 @overload
-def compose(argv: Sequence[str] | Args, schema: type[S], *, resolve_hf: bool = ...) -> tuple[S, Args]: ...
-def compose(
-    argv: Sequence[str] | Args, schema: type[Config] = Config, *, resolve_hf: bool = True
-) -> tuple[Config, Args]:
+def compose(argv: Sequence[str] | Args, schema: type[S]) -> tuple[S, Args]: ...
+def compose(argv: Sequence[str] | Args, schema: type[Config] = Config) -> tuple[Config, Args]:
     """Compose recipe + overrides into an instance of `schema` (a `Config` dataclass or a
-    subclass with a command's own fields). Returns (typed config, parsed args)."""
+    subclass with a command's own fields). Returns (typed config, parsed args). The model
+    group stays as the recipe says: `backends.describe(cfg.model)` turns it (or the config.json
+    `model.hf_path` names) into the model description."""
     import yaml
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -185,8 +184,6 @@ def compose(
     try:
         with initialize_config_dir(config_dir=str(recipe_file.parent), version_base="1.3"):
             dcfg = hydra_compose(config_name=recipe_file.stem, overrides=overrides)
-        if resolve_hf and dcfg.model.hf_path:
-            apply_hf_config(dcfg.model, dcfg.model.hf_path)
         OmegaConf.resolve(dcfg)
         cfg = OmegaConf.to_object(dcfg)
         assert isinstance(cfg, schema)  # a structured config converts back to its dataclass

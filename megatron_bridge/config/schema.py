@@ -13,10 +13,12 @@ from typing import Any, ClassVar
 
 @dataclass
 class ModelConfig:
-    """Architecture facts the layout, the planner and the bridge need.
+    """The recipe's model group: the input `backends.describe` turns into the one model
+    description (`BridgeSpec`) every consumer takes; nothing else reads these fields.
 
-    Filled from a group YAML (`model=llama3_8b`) or, when `hf_path` is set, from that
-    directory's `config.json` (which then wins over the group's values).
+    A group YAML (`model=llama3_8b`) sets the fields; with `hf_path` set, that directory's
+    `config.json` describes the model instead (only `make_vocab_size_divisible_by` still
+    applies, as config.json has no key for it).
     """
 
     name: str = "custom"

@@ -72,7 +72,7 @@ def run_command(argv: Sequence[str], schema: str, command: str) -> int:
     from megatron_bridge.config.compose import compose, to_yaml
     from megatron_bridge.convert.pipeline import options
 
-    cfg, args = compose(argv, schema=getattr(options, schema), resolve_hf=False)
+    cfg, args = compose(argv, schema=getattr(options, schema))
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0

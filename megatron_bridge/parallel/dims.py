@@ -13,8 +13,8 @@ Converter and verifier layouts (`Layout.parse("tp2pp2")`, a checkpoint's manifes
 cluster: their `world_size` is None until a caller gives them one (`with_world`).
 
 `from_config` only fills the inferred numbers (dp, grad accumulation, sequence parallelism
-when left on auto); the rules that accept or refuse a layout live in `rules.py` and run
-through `validate()` before any process group exists.
+when left on auto); the rules that accept or refuse a layout live in `rules/` and run
+through `rules.registry.validate()` before any process group exists.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import re
 from dataclasses import dataclass
 from math import lcm
 from typing import Any
-
-from megatron_bridge.errors import LayoutError
 
 
 @dataclass(frozen=True)
@@ -150,7 +148,9 @@ class ParallelDims:
         return cls(sequence_parallel=sp, **kw)
 
     @classmethod
-    def from_config(cls, cfg, world_size: int | None = None, *, smallest_world: bool = False) -> ParallelDims:
+    def from_config(
+        cls, cfg, world_size: int | None = None, *, moe: bool, smallest_world: bool = False
+    ) -> ParallelDims:
         """Resolve a composed `Config`. `world_size` defaults to the cluster's nodes ×
         gpus_per_node; under a launcher pass the real one. `smallest_world` sizes it to the
         fewest processes the degrees fit (the converter: a checkpoint has no cluster).
@@ -159,11 +159,12 @@ class ParallelDims:
         bad numbers.
 
         `parallel.sequence_parallel=null` (auto) turns sequence parallelism on exactly where
-        megatron-core requires it: an MoE model with tp > 1."""
+        megatron-core requires it: an MoE model with tp > 1 (`moe`: the model description's
+        `is_moe`; the recipe's model group is not read here)."""
         p, t, c = cfg.parallel, cfg.train, cfg.cluster
         sp = p.sequence_parallel
         if sp is None:
-            sp = cls.sequence_parallel_required(bool(cfg.model.num_moe_experts), p.tp)
+            sp = cls.sequence_parallel_required(moe, p.tp)
         degrees = cls(
             tp=p.tp,
             pp=p.pp,
@@ -209,29 +210,10 @@ def _split_parts(d: ParallelDims) -> list[str]:
     return out
 
 
-def validate(
-    cfg, world_size: int | None = None, *, dims: ParallelDims | None = None, layout_only: bool = False
-) -> tuple[ParallelDims, list[str]]:
-    """Resolve (unless `dims` is given) and check a config. Returns (dims, notes); raises
-    `LayoutError` listing every violated rule. `notes` are non-fatal findings (vocab padding,
-    warnings). `layout_only` applies the layout rules alone (conversion, verification)."""
-    from megatron_bridge.parallel.rules import check_all
-
-    if dims is None:
-        dims = ParallelDims.from_config(cfg, world_size)
-    violations, notes = check_all(dims, cfg, layout_only=layout_only)
-    if violations:
-        raise LayoutError(
-            violations,
-            header=f"The layout {dims.describe()} breaks {len(violations)} rule(s):",
-        )
-    return dims, notes
-
-
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     """Megatron's vocab padding: round up to a multiple of divisible_by · tp."""
     m = divisible_by * tp
     return ((vocab + m - 1) // m) * m
 
 
-__all__: list[str] = ["ParallelDims", "validate", "padded_vocab_size"]
+__all__: list[str] = ["ParallelDims", "padded_vocab_size"]

@@ -123,7 +123,7 @@ def diagnose(ctx: Context, res: SearchResult) -> dict[str, object]:
     closest = res.ruled_out[0] if res.ruled_out else (relaxed.ruled_out[0] if relaxed.ruled_out else None)
     found = smallest_cluster(ctx)
     parts = [
-        f"{ctx.cfg.model.name} ({ctx.count.total:,} parameters) does not fit on {ctx.world // ctx.gpn} node(s) × "
+        f"{ctx.model.name} ({ctx.count.total:,} parameters) does not fit on {ctx.world // ctx.gpn} node(s) × "
         f"{ctx.gpn} GPUs of {_gib(ctx.capacity)}."
     ]
     if closest is not None:

@@ -188,7 +188,7 @@ def layer_activations(
 ) -> float:
     """Stored bytes of one layer (`moe`: a MoE layer) for one microbatch under a recompute
     policy."""
-    return _layer_activations(P.spec_of(m), recompute, s, b, t, sp, cp, moe, etp, act_bytes)
+    return _layer_activations(m, recompute, s, b, t, sp, cp, moe, etp, act_bytes)
 
 
 def in_flight(stage: int, p: int, m: int, v: int = 1) -> float:
@@ -257,13 +257,12 @@ def stage_memory(
     reads it). Each layer is counted as its kind (MoE or dense, `moe_layer_pattern`). With
     `peft.method == "lora"` only the adapters have gradients and optimizer states (the
     frozen base has weights only)."""
-    fm = P.spec_of(m)
     if isinstance(layers, int):
-        start = 0 if first else fm.num_layers - layers
+        start = 0 if first else m.num_layers - layers
         layers = tuple(range(start, start + layers))
     ids = tuple(layers)
-    rp = P.rank_params(fm, tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
-    ll = P.largest_layer(fm, tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
+    rp = P.rank_params(m, tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
+    ll = P.largest_layer(m, tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
     st = model_states(
         rp["dense"],
         rp["expert"],
@@ -275,14 +274,14 @@ def stage_memory(
         largest_layer=ll,
     )
     if peft is not None and getattr(peft, "method", "none") == "lora":
-        st = _with_adapters(st, fm, peft, len(ids), tp, etp, ep, engine, precision, zero, dp * cp, edp)
+        st = _with_adapters(st, m, peft, len(ids), tp, etp, ep, engine, precision, zero, dp * cp, edp)
     ab = 4 if precision == "fp32" else 2
-    n_moe = P.moe_layers(fm, ids)
+    n_moe = P.moe_layers(m, ids)
     kinds = [(moe, n) for moe, n in ((True, n_moe), (False, len(ids) - n_moe)) if n]
     n_flight = in_flight(stage, p, num_micro, vpp)
 
     def per_layer(policy: str, moe: bool) -> float:
-        return layer_activations(fm, recompute=policy, s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp, act_bytes=ab)
+        return layer_activations(m, recompute=policy, s=s, b=b, t=tp, sp=sp, cp=cp, moe=moe, etp=etp, act_bytes=ab)
 
     acts = n_flight * sum(n * per_layer(recompute, moe) for moe, n in kinds)
     if recompute == "full" and kinds:
@@ -290,7 +289,7 @@ def stage_memory(
         acts += max(per_layer("selective", moe) for moe, _ in kinds)
     if first:
         acts += n_flight * (s / cp) * b * m.hidden_size / (tp if sp else 1)  # embedding dropout mask
-    lg = logits_bytes(fm, s=s, b=b, t=tp, cp=cp, vocab=vocab, sp=sp) if last else 0.0
+    lg = logits_bytes(m, s=s, b=b, t=tp, cp=cp, vocab=vocab, sp=sp) if last else 0.0
     allocated = st.total + acts + lg
     frag = FRAGMENTATION * allocated
     alone = allocated + frag

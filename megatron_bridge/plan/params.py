@@ -6,9 +6,9 @@ estimators, and the difference between the rule of thumb and the truth (GQA's sm
 SwiGLU's third matrix, untied output layers, 128k vocabularies, MoE routers, MLA's latent
 projections) is tens of GB per GPU at the sizes this tool is for.
 
-The one description counted is the `BridgeSpec` (bridge/hf_config.py), the same object the
-builder turns into megatron-core modules: a ModelConfig is turned into its spec first
-(`spec_of`). The spec is frozen and hashable, so it is also the cache key. Layers may differ
+The one description counted is the `BridgeSpec` (bridge/spec.py), the same object the
+builder turns into megatron-core modules (the native backend's `count`, backends/native.py).
+The spec is frozen and hashable, so it is also the cache key. Layers may differ
 (`moe_layer_pattern`: dense-first DeepSeek layers, Qwen2-MoE's `mlp_only_layers`), so every
 count is per layer kind and a pipeline stage sums the kinds of the layers it really holds.
 
@@ -37,21 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 from megatron_bridge.parallel.dims import padded_vocab_size
-
-
-def spec_of(m: Any):
-    """The BridgeSpec counted: `m` itself, or the spec the builder builds for a ModelConfig
-    (`bridge.hf_config.spec_from_model_config`: family settings such as Qwen2's QKV bias
-    included; read from `hf_path` when set)."""
-    from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_model_config
-
-    return m if isinstance(m, BridgeSpec) else spec_from_model_config(m)
-
-
-frozen = spec_of  # the search caches per-model computations on the (hashable) spec
 
 
 def linear_bias(m) -> bool:
@@ -150,7 +137,6 @@ def _mlp(m, width: int) -> tuple[int, int]:
 def layer_shards(m, moe: bool | None = None) -> LayerShards:
     """One layer's parameters; `moe` picks the kind (default: a MoE layer if the model has
     any, else dense)."""
-    m = spec_of(m)
     return _layer_shards(m, moe_layers(m) > 0 if moe is None else moe)
 
 
@@ -237,7 +223,7 @@ def _count(m) -> ParamCount:
 def count(m) -> ParamCount:
     """The whole model's parameters. Embedding/output use the true vocabulary, as HF
     counts them; per-rank shards (`rank_params`) use megatron's padded vocabulary."""
-    return _count(spec_of(m))
+    return _count(m)
 
 
 def stage_layer_ids(
@@ -304,7 +290,6 @@ def rank_params(
     indices (`stage_layer_ids`), or a count of contiguous layers starting at 0 on the first
     stage and ending at the last layer otherwise (enough when all layers are alike).
     Returns {"dense": n, "expert": n}; a rank's total is their sum. Do not mutate."""
-    m = spec_of(m)
     if isinstance(layers, int):
         start = 0 if first else m.num_layers - layers
         ids = tuple(range(start, start + layers))
@@ -317,7 +302,6 @@ def largest_layer(m, *, tp: int, ep: int = 1, etp: int = 1) -> float:
     """The biggest single weight on one rank (what ZeRO-3 gathers at once): the
     vocab-parallel embedding/output layer, QKV (MLA: its largest projection), fc1, or one
     expert's fc1."""
-    m = spec_of(m)
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     cands = [vocab * h / tp]

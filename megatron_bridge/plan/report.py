@@ -121,14 +121,14 @@ def build(
         "schema": SCHEMA,
         "feasible": res.best is not None,
         "model": {
-            "name": cfg.model.name,
-            "family": cfg.model.family,
+            "name": ctx.model.name,
+            "family": ctx.model.family,
             "params_total": cnt.total,
             "params_active": cnt.active,
             "params_embedding": cnt.embedding,
             "params_per_layer": cnt.per_layer,
-            "num_layers": cfg.model.num_layers,
-            "moe": bool(cfg.model.num_moe_experts),
+            "num_layers": ctx.model.num_layers,
+            "moe": ctx.model.is_moe,
         },
         "cluster": {
             "name": cfg.cluster.name,
@@ -161,7 +161,7 @@ def build(
     }
     best = res.best
     if best is not None:
-        topo = Topology(best.dims).span_summary(moe=bool(cfg.model.num_moe_experts))
+        topo = Topology(best.dims).span_summary(moe=ctx.model.is_moe)
         doc["choice"] = _plan(best, ctx, topo)
         doc["alternatives"] = [
             dict(_plan(e, ctx, _spans_words(e)), rank=i + 2, why_lost=X.why_lost(e, best, ctx))

@@ -35,17 +35,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
+from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.config.schema import Config
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
-from megatron_bridge.parallel.rules import check_all
+from megatron_bridge.parallel.rules.registry import check_all
 from megatron_bridge.plan import comm as C
 from megatron_bridge.plan import memory as M
 from megatron_bridge.plan import params as P
-
-if TYPE_CHECKING:
-    from megatron_bridge.bridge.hf_config import BridgeSpec
 
 MICRO_BATCHES = (1, 2, 4, 8)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -150,7 +148,7 @@ class Context:
     """Everything the search reads, resolved once from the composed config."""
 
     cfg: Config
-    model: BridgeSpec  # params.spec_of(cfg.model): what is counted is what is built
+    model: BridgeSpec  # the one description (backends.describe): what is counted is what is built
     count: P.ParamCount
     world: int
     gpn: int
@@ -162,13 +160,15 @@ class Context:
     pinned: list[str]
 
     @classmethod
-    def from_config(cls, cfg, pinned: Sequence[str] = (), world: int | None = None, gbs: int | None = None) -> Context:
+    def from_config(
+        cls, cfg, model: BridgeSpec, pinned: Sequence[str] = (), world: int | None = None, gbs: int | None = None
+    ) -> Context:
         c, t = cfg.cluster, cfg.train
         precision = t.precision if t.precision != "auto" else ("fp32" if c.backend == "gloo" else "bf16")
         return cls(
             cfg=cfg,
-            model=(spec := P.spec_of(cfg.model)),
-            count=P.count(spec),
+            model=model,
+            count=backend_of(model).count(model),
             world=world or c.nodes * c.gpus_per_node,
             gpn=c.gpus_per_node,
             capacity=int(c.gpu_memory_gb * M.GIB),
@@ -341,7 +341,6 @@ class SearchResult:
 
 def _proxy(cfg, parallel: SimpleNamespace, train: SimpleNamespace, zero: SimpleNamespace) -> SimpleNamespace:
     return SimpleNamespace(
-        model=cfg.model,
         parallel=parallel,
         train=train,
         zero=zero,
@@ -447,8 +446,8 @@ def _search_mbs(
             train = SimpleNamespace(**{**train_d, "micro_batch_size": mbs})
             zcfg = SimpleNamespace(**{**zero_d, "stage": zero})
             proxy = _proxy(cfg, parallel, train, zcfg)
-            dims = ParallelDims.from_config(proxy, ctx.world)
-            violations, _ = check_all(dims, proxy)
+            dims = ParallelDims.from_config(proxy, ctx.world, moe=ctx.model.is_moe)
+            violations, _ = check_all(dims, ctx.model, proxy)
             if violations:
                 for v in violations:
                     res.violations[v.rule] = res.violations.get(v.rule, 0) + 1

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from megatron_bridge.bridge.features.base import features
-from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.layer_specs import decoder_block_spec
 from megatron_bridge.runtime.tconfig import gpt_model_kwargs, transformer_config

@@ -19,6 +19,7 @@ import torch
 
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import ParallelDims
+from megatron_bridge.parallel.rules.registry import validate as validate_layout
 
 ORDER = "tp-cp-ep-dp-pp"
 PP_SEED_STRIDE = 10007  # > megatron's largest per-rank seed offset (1024 + 100·ep + etp, 2718 + tp)
@@ -30,15 +31,14 @@ def launcher_world_size() -> int | None:
     return int(value) if value else None
 
 
-def dims_from_env(cfg, *, validate: bool = True) -> ParallelDims:
-    """ParallelDims for a composed `Config`, with the launcher's real world size (1 outside a
-    launcher). With `validate`, every layout rule is checked (`LayoutError` lists them all)."""
-    from megatron_bridge.parallel.dims import validate as validate_layout
-
+def dims_from_env(cfg, spec, *, validate: bool = True) -> ParallelDims:
+    """ParallelDims for a composed `Config` whose model `spec` describes, with the launcher's
+    real world size (1 outside a launcher). With `validate`, every rule is checked
+    (`LayoutError` lists them all)."""
     world = launcher_world_size() or 1
     if validate:
-        return validate_layout(cfg, world)[0]
-    return ParallelDims.from_config(cfg, world)
+        return validate_layout(cfg, spec, world)[0]
+    return ParallelDims.from_config(cfg, world, moe=spec.is_moe)
 
 
 def _free_port() -> int:

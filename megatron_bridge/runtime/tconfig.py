@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megatron_bridge.bridge.features.base import features
 from megatron_bridge.bridge.features.mla import mla_config_class
-from megatron_bridge.bridge.hf_config import BridgeSpec
+from megatron_bridge.bridge.spec import BridgeSpec
 
 
 def gelu_tanh(x):

@@ -1,4 +1,4 @@
-"""The weights training starts from: `model.hf_path`, or `train.init_from=DIR`.
+"""The weights training starts from: `model.hf_path` (`spec.source`), or `train.init_from=DIR`.
 
 An HF directory (config.json + safetensors) goes through the bridge's mapping tables, each
 rank reading only its shard. `mbr convert` outputs are read by the converter's loader
@@ -14,15 +14,15 @@ from typing import Any
 from megatron_bridge.errors import UserError
 
 
-def loads_weights(cfg: Any) -> bool:
+def loads_weights(cfg: Any, spec: Any) -> bool:
     """Whether `init_weights` loads every weight of the base model: `train.init_from` when set,
-    else the recipe's `model.hf_path` — unless the run resumes, where the checkpoint brings
+    else the HF directory the model was described from (`model.hf_path`) — unless the run resumes, where the checkpoint brings
     the weights (reading the HF files first would only cost time). With `peft=lora` the base
     is always loaded (checkpoints hold only the adapters). The one place that decides it: the
-    runner builds the model with `build_model(..., load_weights=loads_weights(cfg))`, which
+    runner builds the model with `build_model(..., load_weights=loads_weights(cfg, spec))`, which
     skips megatron's random init exactly when it would be overwritten."""
     lora = cfg.peft.method == "lora"
-    return bool(cfg.train.init_from) or bool(cfg.model.hf_path and (lora or not cfg.checkpoint.resume))
+    return bool(cfg.train.init_from) or bool(spec.source and (lora or not cfg.checkpoint.resume))
 
 
 def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
@@ -32,10 +32,10 @@ def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
     lora = cfg.peft.method == "lora"
     if cfg.train.init_from:
         load_initial_weights(chunks, spec, cfg.train.init_from)
-    elif loads_weights(cfg):
+    elif loads_weights(cfg, spec):
         from megatron_bridge.bridge.loader import load_hf_weights
 
-        load_hf_weights(chunks, spec, cfg.model.hf_path)
+        load_hf_weights(chunks, spec, spec.source)
     if lora:  # frozen base + adapters (peft.init_from's, or HF PEFT's initial ones)
         from megatron_bridge.runtime.lora_modules import apply_lora
 

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_bridge.backends.registry import backend_of
+
 TB_TAGS = {"val_loss": "valid/loss"}
 """TensorBoard tags that are not `train/<name>`."""
 
@@ -100,16 +102,14 @@ def _fmt(v: float) -> str:
     return f"{v:.3e}" if (a and (a < 1e-3 or a >= 1e5)) else f"{v:.4f}"
 
 
-def gpu_metrics(cfg, dims, dt: float) -> dict[str, float]:
+def gpu_metrics(cfg, dims, dt: float, spec) -> dict[str, float]:
     """MFU and memory of a step that took `dt` seconds, on GPU only (peak from cluster.peak_tflops)."""
     import torch
 
     if not torch.cuda.is_available():
         return {}
-    from megatron_bridge.plan.params import count  # exact parameter count
-
-    n = count(cfg.model).active
-    s, L, h = cfg.train.seq_length, cfg.model.num_layers, cfg.model.hidden_size
+    n = backend_of(spec).count(spec).active  # exact parameter count
+    s, L, h = cfg.train.seq_length, spec.num_layers, spec.hidden_size
     flops_per_token = 6 * n + 12 * L * h * s  # dense matmuls + attention (Chinchilla / PaLM appendix)
     achieved = flops_per_token * dims.global_batch_size * s / dt / dims.world_size
     return {"mfu": achieved / (cfg.cluster.peak_tflops * 1e12), "mem_gb": torch.cuda.max_memory_allocated() / 2**30}

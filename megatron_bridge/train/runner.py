@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_bridge.backends.describe import describe
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.config.compose import compose, to_yaml
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
@@ -41,7 +43,7 @@ class TrainRunConfig(Config):
     export_adapter_to: str | None = None  # peft=lora: write the adapter here in HF PEFT's format
 
 
-def preflight(cfg, dims) -> None:
+def preflight(cfg, dims, spec) -> None:
     """Cheap checks of everything on disk the run will need. Raises UserError."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local and int(local) != cfg.cluster.gpus_per_node:
@@ -53,7 +55,7 @@ def preflight(cfg, dims) -> None:
     if cfg.data.kind in ("indexed", "sft"):  # sft: chat data, checked as indexed data (vocab, splits)
         from megatron_bridge.data.indexed import check_indexed_data
 
-        check_indexed_data(cfg.data, model_vocab_size=cfg.model.vocab_size)
+        check_indexed_data(cfg.data, model_vocab_size=spec.vocab_size)
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
         raise UserError(
             f"train.init_from={cfg.train.init_from} does not exist. Point it at a Hugging Face model "
@@ -68,34 +70,34 @@ def preflight(cfg, dims) -> None:
 
         it, manifest = ckpt.peek(cfg.checkpoint.dir)
         if it is not None and manifest is not None:  # both or neither
-            ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest, _ckpt_meta(cfg, dims))
+            ckpt.check_meta(ckpt.iter_dir(cfg.checkpoint.dir, it), manifest, _ckpt_meta(cfg, dims, spec))
     for key, out in (("export_to", cfg.export_to), ("export_adapter_to", cfg.export_adapter_to)):
         if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
             raise UserError(f"{key}={out} exists and is not empty; choose a new directory.")
-    if cfg.export_to:  # a family without HF weights cannot be exported: say so before training
-        from megatron_bridge.bridge.registry import weight_family
-
-        weight_family(cfg.model.family)
-    _preflight_peft(cfg)
+    if cfg.export_to:  # a model without HF weights cannot be exported: say so before training
+        backend_of(spec).table(spec)
+    _preflight_peft(cfg, spec)
 
 
-def _preflight_peft(cfg) -> None:
+def _preflight_peft(cfg, spec) -> None:
     """LoRA inputs on disk: the adapter to start from must fit the base model."""
     from megatron_bridge.bridge.lora import base_of, check_adapter_dir
 
     if cfg.export_adapter_to and cfg.peft.method != "lora":
         raise UserError("export_adapter_to=DIR writes a LoRA adapter, but this run trains no adapter. Add peft=lora.")
     if cfg.peft.method == "lora" and cfg.peft.init_from:
-        check_adapter_dir(cfg.peft.init_from, base_of(cfg), cfg.peft)
+        check_adapter_dir(cfg.peft.init_from, base_of(cfg, spec), cfg.peft)
 
 
-def _ckpt_meta(cfg, dims) -> dict[str, Any]:
+def _ckpt_meta(cfg, dims, spec) -> dict[str, Any]:
     """What a checkpoint must have been written with to be resumed (per-rank shards)."""
     meta = {"layout": dims.describe(), "engine": cfg.train.engine}
     if cfg.peft.method != "none":  # adapters only: the checkpoint refers to its base model
         from megatron_bridge.bridge.lora import base_of
 
-        meta.update(peft=f"{cfg.peft.method} r={cfg.peft.rank} {sorted(cfg.peft.target_modules)}", base=base_of(cfg))
+        meta.update(
+            peft=f"{cfg.peft.method} r={cfg.peft.rank} {sorted(cfg.peft.target_modules)}", base=base_of(cfg, spec)
+        )
     return meta
 
 
@@ -124,19 +126,20 @@ def model_overrides(cfg) -> dict[str, Any]:
     return out
 
 
-def validate_for_launch(cfg):
+def validate_for_launch(cfg, spec):
     """Every layout rule against the launcher's real world size (1 without a launcher), before
     torch is even imported. A world-size violation also says how many processes to start."""
     from megatron_bridge.errors import LayoutError
-    from megatron_bridge.parallel.dims import ParallelDims, validate
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.parallel.rules.registry import validate
 
     launcher = os.environ.get("WORLD_SIZE")
     world = int(launcher) if launcher else 1
     try:
-        return validate(cfg, world)[0]
+        return validate(cfg, spec, world)[0]
     except LayoutError as e:
         if any(v.rule == "world-size" for v in e.violations):
-            d = ParallelDims.from_config(cfg, world)
+            d = ParallelDims.from_config(cfg, world, moe=spec.is_moe)
             need = d.model_parallel * (1 if d.dp_inferred else max(d.dp, 1))
             started = (
                 f"the launcher started WORLD_SIZE={world} process(es)"
@@ -160,7 +163,7 @@ class _Run:
     recipe: str
     rank: int
     run_dir: Path
-    spec: Any  # the bridge's model description (export reads it)
+    spec: Any  # the one model description (backends.describe)
     engine: Engine
     datasets: Any
 
@@ -170,11 +173,12 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     default process group alive (tests that run several layouts in one launch)."""
     die_with_launcher()  # a rank ends itself when its launcher dies (orphans.py)
     cfg, args = compose(argv, schema=TrainRunConfig)
-    dims = validate_for_launch(cfg)  # every layout rule, before anything starts
-    preflight(cfg, dims)
+    spec = describe(cfg.model)  # the one model description (config.json read here, once)
+    dims = validate_for_launch(cfg, spec)  # every layout rule, before anything starts
+    preflight(cfg, dims, spec)
     lease.acquire(cfg)  # one job per checkpoint.dir, refused before any process group (lease.py)
 
-    run = _build(cfg, dims, args.recipe)
+    run = _build(cfg, dims, args.recipe, spec)
     start = _resume(run)
     _loop(run, start)
     _export(run)
@@ -182,11 +186,10 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     return 0
 
 
-def _build(cfg, dims, recipe: str) -> _Run:
+def _build(cfg, dims, recipe: str, spec) -> _Run:
     """Process groups, run directory, model (with its initial weights), engine and data."""
     import torch
 
-    from megatron_bridge.bridge.hf_config import spec_from_model_config
     from megatron_bridge.runtime import groups
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.train.data.loader import build_datasets
@@ -200,9 +203,8 @@ def _build(cfg, dims, recipe: str) -> _Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
 
-    spec = spec_from_model_config(cfg.model)
     overrides = model_overrides(cfg)
-    chunks = build_model(spec, dims, load_weights=loads_weights(cfg), **overrides)
+    chunks = build_model(spec, dims, load_weights=loads_weights(cfg, spec), **overrides)
     init_weights(chunks, spec, cfg)
     engine = make_engine(cfg, dims, chunks, mpu, bf16=overrides["bf16"])
 
@@ -212,7 +214,7 @@ def _build(cfg, dims, recipe: str) -> _Run:
         seq_length=cfg.train.seq_length,
         seed=cfg.train.seed,
         train_steps=cfg.train.steps,
-        model_vocab_size=cfg.model.vocab_size,
+        model_vocab_size=spec.vocab_size,
         valid_samples=cfg.train.eval_iters * dims.global_batch_size,  # the batches every evaluation reads
     )
     return _Run(cfg, dims, recipe, rank, run_dir, spec, engine, datasets)
@@ -226,7 +228,7 @@ def _resume(run: _Run) -> int:
     cfg = run.cfg
     if not cfg.checkpoint.resume:
         return 0
-    it, state = ckpt.load(cfg.checkpoint.dir, _ckpt_meta(cfg, run.dims))
+    it, state = ckpt.load(cfg.checkpoint.dir, _ckpt_meta(cfg, run.dims, run.spec))
     if it is None or state is None:  # no checkpoint yet: this run starts it
         return 0
     run.engine.load_state_dict(state["engine"], Path(state["_dir"]))
@@ -263,7 +265,7 @@ def _loop(run: _Run, start: int) -> None:
             loss, grad_norm, lr = run.engine.step(iterators)
             dt = time.perf_counter() - t0
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt}
-            metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt))
+            metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt, run.spec))
             if _eval_due(cfg, step + 1, last=step + 1 == stop):
                 phase = f"evaluation at step {step + 1}"
                 watchdog.arm(phase)
@@ -334,9 +336,11 @@ def _save(run: _Run, step: int) -> None:
             from megatron_bridge.bridge.lora import ADAPTER_DIR, base_of
             from megatron_bridge.runtime.lora_modules import export_adapter
 
-            export_adapter(run.engine.model_chunks, run.cfg.peft, str(directory / ADAPTER_DIR), base_of(run.cfg))
+            export_adapter(
+                run.engine.model_chunks, run.cfg.peft, str(directory / ADAPTER_DIR), base_of(run.cfg, run.spec)
+            )
 
-    ckpt.save(run.cfg.checkpoint.dir, step, state, _ckpt_meta(run.cfg, run.dims), extra=extra)
+    ckpt.save(run.cfg.checkpoint.dir, step, state, _ckpt_meta(run.cfg, run.dims, run.spec), extra=extra)
 
 
 def _export(run: _Run) -> None:
@@ -349,7 +353,7 @@ def _export(run: _Run) -> None:
     if cfg.export_adapter_to:
         from megatron_bridge.bridge.lora import base_of
 
-        export_adapter(chunks, cfg.peft, cfg.export_adapter_to, base_of(cfg))
+        export_adapter(chunks, cfg.peft, cfg.export_adapter_to, base_of(cfg, run.spec))
         if run.rank == 0:
             print(f"exported the LoRA adapter (HF PEFT format) to {cfg.export_adapter_to}", flush=True)
     if not cfg.export_to:
@@ -357,7 +361,7 @@ def _export(run: _Run) -> None:
     from megatron_bridge.bridge.loader import export_hf_weights
 
     with merged(chunks):  # a no-op without adapters
-        export_hf_weights(chunks, run.spec, cfg.export_to, source_dir=cfg.model.hf_path)
+        export_hf_weights(chunks, run.spec, cfg.export_to, source_dir=run.spec.source)
     if run.rank == 0:
         print(f"exported Hugging Face model to {cfg.export_to}", flush=True)
 

@@ -175,16 +175,15 @@ def _refused(root: Path, fam: str, layouts: List[str]) -> List[str]:
     checks them); each refusal must name its rule."""
     from megatron_bridge.commands.verify import VerifyConfig, check_layouts
     from megatron_bridge.config.compose import compose
-    from megatron_bridge.config.hf_model import apply_hf_config
+    from megatron_bridge.backends.describe import describe
     from megatron_bridge.errors import UserError
 
     out = []
     for item in layouts:
         text = item.partition(":")[0]
         cfg, _ = compose([f"model.hf_path={root / fam}"], schema=VerifyConfig)
-        apply_hf_config(cfg.model, str(root / fam))
         try:
-            check_layouts(cfg, [Layout.parse(text)], 4)
+            check_layouts(cfg, describe(cfg.model), [Layout.parse(text)], 4)
         except UserError as e:
             if Layout.parse(text).ep > 1 and "[ep-dense]" in str(e):
                 continue  # ep layouts are for MoE families

@@ -5,6 +5,7 @@ All layouts run in ONE torchrun launch (startup of 8 processes dominates)."""
 
 import pytest
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.topology import GROUPS, Topology
@@ -24,7 +25,7 @@ MPU_KINDS = ("mp", "tp", "pp", "dp", "cp", "dp_cp", "ep")
 
 def _topology(overrides: str) -> Topology:
     cfg, _ = compose(overrides.split() + [f"cluster.gpus_per_node={WORLD}"])
-    return Topology(ParallelDims.from_config(cfg, WORLD))
+    return Topology(ParallelDims.from_config(cfg, WORLD, moe=describe(cfg.model).is_moe))
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +105,7 @@ def test_world_size_mismatch_is_a_user_error(monkeypatch):
     from megatron_bridge.errors import UserError
     from megatron_bridge.runtime import groups
     cfg, _ = compose(["recipe=tiny_llama", "cluster.gpus_per_node=8"])
-    dims = ParallelDims.from_config(cfg, 8)
+    dims = ParallelDims.from_config(cfg, 8, moe=False)
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(UserError, match=r"started 4 processes \(WORLD_SIZE=4\).*world_size=8"):
         groups.initialize(dims)
@@ -112,4 +113,4 @@ def test_world_size_mismatch_is_a_user_error(monkeypatch):
     with pytest.raises(UserError, match="torchrun --nproc-per-node 8"):
         groups.initialize(dims)
     monkeypatch.setenv("WORLD_SIZE", "6")
-    assert groups.dims_from_env(cfg, validate=False).world_size == 6
+    assert groups.dims_from_env(cfg, describe(cfg.model), validate=False).world_size == 6

@@ -51,12 +51,11 @@ def test_bad_input_is_rejected_cleanly(case, catalogue):
 
 
 def test_catalogue_covers_every_layout_rule_and_area():
-    from megatron_bridge.config import values
-    from megatron_bridge.parallel import rules
+    from megatron_bridge.parallel.rules import degrees, run, shapes, values
 
     names = {c.rule for c in CASES}
-    # every Violation rule name that rules.py / values.py can produce is exercised by a case
-    source = Path(rules.__file__).read_text() + Path(values.__file__).read_text()
+    # every Violation rule name the layout, run and value rules can produce is exercised by a case
+    source = "".join(Path(m.__file__).read_text() for m in (degrees, shapes, run, values))
     produced = set(re.findall(r'_v\("([a-z-]+)"', source))
     assert produced <= names, f"layout rules without a catalogue case: {sorted(produced - names)}"
     assert len(CASES) >= 30

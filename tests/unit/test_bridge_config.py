@@ -188,14 +188,13 @@ def test_table_consumes_checkpoint_and_shards_round_trip(tiny, fam):
 
 def layout_violations(hf_dir, layout, world, seq_length=128):
     """The layout rules (`mbr check`'s, convert's and verify's) for an HF model."""
-    from megatron_bridge.config.hf_model import apply_hf_config
+    from megatron_bridge.backends.describe import describe
     from megatron_bridge.config.schema import Config
-    from megatron_bridge.parallel.rules import check_all
+    from megatron_bridge.parallel.rules.registry import check_all
 
     cfg = Config()
-    apply_hf_config(cfg.model, hf_dir)
     cfg.train.seq_length = seq_length
-    return check_all(layout.with_world(world), cfg, layout_only=True)[0]
+    return check_all(layout.with_world(world), describe(cfg.model, hf_path=hf_dir), cfg, layout_only=True)[0]
 
 
 def test_layout_rules_are_spelled_out(tiny):
@@ -245,8 +244,9 @@ def test_offline_rank_shards_rebuild_every_tensor(tiny):
 
 def test_spec_from_a_recipe_model_group():
     """A model defined by a recipe (no HF source) gets a spec and a config.json to export with."""
-    from megatron_bridge.bridge.hf_config import spec_from_model_config
+    from megatron_bridge.backends.describe import describe
     from megatron_bridge.config.schema import ModelConfig
+    from megatron_bridge.errors import LayoutError
 
     m = ModelConfig(
         family="qwen2",
@@ -256,13 +256,13 @@ def test_spec_from_a_recipe_model_group():
         num_query_groups=2,
         tie_word_embeddings=True,
     )
-    spec = spec_from_model_config(m)
+    spec = describe(m)
     assert spec.add_qkv_bias and spec.num_query_groups == 2 and spec.architecture == "Qwen2ForCausalLM"
     assert spec_from_hf(spec_to_hf_config(spec)) == spec
-    with pytest.raises(UserError, match="no bridge family"):
-        spec_from_model_config(ModelConfig(family="gpt2"))
+    with pytest.raises(LayoutError, match="model-family"):
+        describe(ModelConfig(family="gpt2"))
     with pytest.raises(UserError, match="no Hugging Face counterpart"):
-        spec_to_hf_config(spec_from_model_config(ModelConfig(family="gpt")))
+        spec_to_hf_config(describe(ModelConfig(family="gpt")))
 
 
 def test_every_model_field_reaches_the_spec():
@@ -270,7 +270,9 @@ def test_every_model_field_reaches_the_spec():
     must be named as such (and then be resolved into the spec under another name)."""
     import dataclasses
 
-    from megatron_bridge.bridge.hf_config import NOT_SPEC_FIELDS, BridgeSpec, spec_from_model_config
+    from megatron_bridge.backends.describe import describe
+    from megatron_bridge.backends.native import NOT_SPEC_FIELDS
+    from megatron_bridge.bridge.spec import BridgeSpec
     from megatron_bridge.config.schema import ModelConfig
 
     spec_fields = {f.name for f in dataclasses.fields(BridgeSpec)}
@@ -285,7 +287,7 @@ def test_every_model_field_reaches_the_spec():
         kv_channels=32,
         num_query_groups=2,
     )
-    spec = spec_from_model_config(m)
+    spec = describe(m)
     for name in model_fields & spec_fields - {"family"}:
         assert getattr(spec, name) == getattr(m, name), name
     assert (spec.head_dim, spec.num_query_groups) == (32, 2)

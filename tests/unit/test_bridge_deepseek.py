@@ -145,17 +145,16 @@ def test_yarn_frequencies_match_transformers(mscale_all_dim):
 
 
 def test_layout_rules_for_mla(tmp_path):
+    from megatron_bridge.backends.describe import describe
     from megatron_bridge.bridge.tiny import make_tiny
-    from megatron_bridge.config.hf_model import apply_hf_config
     from megatron_bridge.config.schema import Config
-    from megatron_bridge.parallel.rules import check_all
+    from megatron_bridge.parallel.rules.registry import check_all
 
     def rules(hf_dir, layout, world):
         cfg = Config()
-        apply_hf_config(cfg.model, hf_dir)
         cfg.model.hf_path = str(hf_dir)
         cfg.train.seq_length = 64
-        return {v.rule for v in check_all(layout.with_world(world), cfg, layout_only=True)[0]}
+        return {v.rule for v in check_all(layout.with_world(world), describe(cfg.model), cfg, layout_only=True)[0]}
 
     good = make_tiny("deepseek_v3", tmp_path / "v3")
     assert rules(good, Layout(tp=2, ep=2, cp=2), 8) == set()  # MoE counted from n_routed_experts

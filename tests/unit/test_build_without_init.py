@@ -163,8 +163,7 @@ def test_one_decision_for_build_and_load(init_from, hf_path, resume, peft, loads
 
     cfg = SimpleNamespace(
         train=SimpleNamespace(init_from=init_from),
-        model=SimpleNamespace(hf_path=hf_path),
         checkpoint=SimpleNamespace(resume=resume),
         peft=SimpleNamespace(method=peft),
     )
-    assert loads_weights(cfg) is loads
+    assert loads_weights(cfg, SimpleNamespace(source=hf_path)) is loads

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bridge.bridge.hf_config import spec_from_model_config
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.errors import LayoutError
-from megatron_bridge.parallel.dims import ParallelDims, validate
+from megatron_bridge.parallel.dims import ParallelDims
+from megatron_bridge.parallel.rules.registry import validate
 from megatron_bridge.plan import params as P
 from megatron_bridge.plan.search import Context, pinned_from_overrides, search
 from megatron_bridge.runtime.tconfig import transformer_config_kwargs
@@ -75,7 +76,7 @@ def generated(n: int = 70, seed: int = 0) -> list[list[str]]:
 def _check(overrides):
     cfg, _ = compose(overrides)
     try:
-        return cfg, validate(cfg)[0]
+        return cfg, validate(cfg, describe(cfg.model))[0]
     except LayoutError:
         return cfg, None
 
@@ -84,11 +85,11 @@ def _assert_training_builds_what_check_reported(cfg, dims, monkeypatch):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     monkeypatch.setenv("WORLD_SIZE", str(dims.world_size))
-    trained = validate_for_launch(cfg)  # training's own entry check
+    spec = describe(cfg.model)
+    trained = validate_for_launch(cfg, spec)  # training's own entry check
     assert trained == dims
-    spec = spec_from_model_config(cfg.model)
     kw = transformer_config_kwargs(spec, trained, **model_overrides(cfg))
-    m = cfg.model
+    m = cfg.model  # what the recipe says is what is built
     want = dict(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -150,9 +151,10 @@ def test_generated_layouts_check_plan_and_training_agree(monkeypatch):
         _assert_training_builds_what_check_reported(cfg, dims, monkeypatch)
         # mbr plan with every knob pinned evaluates exactly this layout
         pinned = pinned_from_overrides(overrides)
-        if cfg.parallel.sequence_parallel is None and dims.tp > 1 and not cfg.model.num_moe_experts:
+        spec = describe(cfg.model)
+        if cfg.parallel.sequence_parallel is None and dims.tp > 1 and not spec.is_moe:
             continue  # auto is off here; the planner is free to recommend SP on
-        res = search(Context.from_config(cfg, pinned))
+        res = search(Context.from_config(cfg, spec, pinned))
         seen = [e.dims for e in res.ranked + res.ruled_out]
         assert res.valid >= 1 and dims in seen, (overrides, res.examples)
     assert accepted >= 10 and refused >= 10, (accepted, refused)  # the set exercises both sides
@@ -188,8 +190,8 @@ def test_built_parameter_count_equals_plan(name, one_process_groups):
 
     cfg, dims = _check([*MODELS[name], "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "cluster.gpus_per_node=1"])
     assert dims is not None
-    m = cfg.model
-    chunks = build_model(spec_from_model_config(m), dataclasses.replace(dims, world_size=1), **model_overrides(cfg))
+    m = describe(cfg.model)
+    chunks = build_model(m, dataclasses.replace(dims, world_size=1), **model_overrides(cfg))
     built = sum(p.numel() for c in chunks for p in c.parameters())
     planned = P.rank_params(m, tp=1, ep=1, etp=1, layers=m.num_layers, first=True, last=True)
     assert built == planned["dense"] + planned["expert"]
@@ -252,14 +254,16 @@ def test_check_plan_train_convert_verify_accept_the_same_layouts(family, tmp_pat
         got["check"] = dims is not None
         monkeypatch.setenv("WORLD_SIZE", str(world))
         try:
-            validate_for_launch(cfg)  # training
+            validate_for_launch(cfg, describe(cfg.model))  # training
             got["train"] = True
         except LayoutError:
             got["train"] = False
         monkeypatch.delenv("WORLD_SIZE")
         res = search(
             Context.from_config(
-                cfg, pinned_from_overrides([*par, "zero.stage=0", "train.recompute=none", "train.micro_batch_size=1"])
+                cfg,
+                describe(cfg.model),
+                pinned_from_overrides([*par, "zero.stage=0", "train.recompute=none", "train.micro_batch_size=1"]),
             )
         )
         got["plan"] = res.valid >= 1  # mbr plan with every degree pinned
@@ -267,7 +271,8 @@ def test_check_plan_train_convert_verify_accept_the_same_layouts(family, tmp_pat
         got["convert"] = code == 0
         vcfg, _ = compose([*base, "verify.seq_length=32"], schema=VerifyConfig)
         try:
-            check_layouts(vcfg, [ParallelDims.from_config(vcfg, smallest_world=True)], None)  # mbr verify
+            vspec = describe(vcfg.model)
+            check_layouts(vcfg, vspec, [ParallelDims.from_config(vcfg, smallest_world=True, moe=vspec.is_moe)], None)
             got["verify"] = True
         except UserError:
             got["verify"] = False

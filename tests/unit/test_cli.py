@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose, list_group, list_recipes, parse_args
 
 
@@ -99,7 +100,7 @@ def test_model_from_hf_path(tmp_path):
     )
     hf.save_pretrained(tmp_path)
     cfg, _ = compose([f"model.hf_path={tmp_path}"])
-    m = cfg.model
+    m = describe(cfg.model)
     assert (m.family, m.num_layers, m.hidden_size, m.ffn_hidden_size) == ("qwen2", 6, 96, 192)
     assert (m.num_attention_heads, m.num_query_groups, m.vocab_size, m.rotary_base) == (6, 2, 1000, 12345.0)
     assert m.add_qkv_bias  # implicit in Qwen2, not written to config.json

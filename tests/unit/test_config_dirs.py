@@ -240,7 +240,7 @@ def test_src_is_model_hf_path_for_model_commands(tmp_path):
 def test_model_hf_path_is_src_for_convert():
     from megatron_bridge.convert.pipeline.options import ConvertConfig, ExportConfig
 
-    a, _ = compose(["model.hf_path=/some/hf", "dst=/out"], schema=ConvertConfig, resolve_hf=False)
+    a, _ = compose(["model.hf_path=/some/hf", "dst=/out"], schema=ConvertConfig)
     assert a.src == "/some/hf" and a.model.hf_path is None
-    b, _ = compose(["src=/some/ckpt", "dst=/out"], schema=ExportConfig, resolve_hf=False)
+    b, _ = compose(["src=/some/ckpt", "dst=/out"], schema=ExportConfig)
     assert b.src == "/some/ckpt" and b.model.hf_path is None  # export's src is its own field

@@ -30,8 +30,8 @@ def _valid(n, pp, vpp, first, last) -> bool:
 
 
 def test_stage_layers_match_megatron_core():
-    from megatron_bridge.bridge.hf_config import BridgeSpec
     from megatron_bridge.bridge.layout import stage_layers as megatron_stage_layers
+    from megatron_bridge.bridge.spec import BridgeSpec
     from megatron_bridge.runtime.tconfig import transformer_config
 
     spec = BridgeSpec(

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.schema import DataConfig
 from megatron_bridge.data.demo import build_demo
 from megatron_bridge.errors import UserError
@@ -227,8 +228,11 @@ def test_build_data_iterators_from_a_composed_config(demo, tmp_path):
             "cluster.gpus_per_node=2",
         ]
     )
-    d = ParallelDims.from_config(cfg)
-    ds, train, valid = build_data_iterators(cfg, d, dp_rank=1, consumed_samples=8, cache_dir=str(tmp_path / "cache"))
+    spec = describe(cfg.model)
+    d = ParallelDims.from_config(cfg, moe=spec.is_moe)
+    ds, train, valid = build_data_iterators(
+        cfg, d, spec, dp_rank=1, consumed_samples=8, cache_dir=str(tmp_path / "cache")
+    )
     assert d.dp == 2 and train.consumed_samples == 8 and valid is not None
     assert next(train)["tokens"].shape == (2, 32) and next(valid)["tokens"].shape == (2, 32)
 

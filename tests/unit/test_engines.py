@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bridge.parallel.rules import CHOICES
+from megatron_bridge.parallel.rules.degrees import CHOICES
 from megatron_bridge.train.engines import ENGINES, Engine
 
 PKG = Path(__file__).resolve().parents[2] / "megatron_bridge"

@@ -247,17 +247,17 @@ def test_offline_convert_checks_gpt_oss_shapes(tiny):
 
 
 def test_biased_experts_need_etp1(tiny):
+    from megatron_bridge.backends.describe import describe
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.config.hf_model import apply_hf_config
     from megatron_bridge.config.schema import Config
-    from megatron_bridge.parallel.rules import check_all
+    from megatron_bridge.parallel.rules.registry import check_all
 
     cfg = Config()
-    apply_hf_config(cfg.model, tiny)
     cfg.train.seq_length = 32
+    spec = describe(cfg.model, hf_path=tiny)
 
     def rules(layout, world):
-        return [v.rule for v in check_all(layout.with_world(world), cfg, layout_only=True)[0]]
+        return [v.rule for v in check_all(layout.with_world(world), spec, cfg, layout_only=True)[0]]
 
     assert "moe-bias-etp" in rules(Layout(tp=2, ep=2), 4)
     assert rules(Layout(tp=2, ep=2, etp=1), 4) == [] and rules(Layout(ep=2), 2) == []

@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.bridge.lora import Target, resolve_targets
 from megatron_bridge.bridge.mapping import Shapes, Shard
 from megatron_bridge.bridge.registry import get_family
@@ -21,7 +22,7 @@ from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import PeftConfig
 from megatron_bridge.errors import LayoutError, UserError
-from megatron_bridge.parallel.dims import validate
+from megatron_bridge.parallel.rules.registry import validate
 
 
 def _targets(family, names):
@@ -99,7 +100,7 @@ def test_merged_fc1_and_row_parallel_updates(tp):
 def _rules(*overrides):
     cfg, _ = compose(["recipe=tiny_llama", "train.init_from=/base", "peft=lora", *overrides])
     try:
-        validate(cfg)
+        validate(cfg, describe(cfg.model))
     except LayoutError as e:
         return {v.rule for v in e.violations}
     return set()
@@ -127,9 +128,9 @@ def test_expert_adapters_need_whole_experts():
     ]
     cfg, _ = compose([*base, "peft.target_modules=[w1,q_proj]"])
     with pytest.raises(LayoutError, match="lora-experts-etp"):
-        validate(cfg)
+        validate(cfg, describe(cfg.model))
     cfg, _ = compose([*base, "peft.target_modules=[w1,q_proj]", "parallel.etp=1"])
-    validate(cfg)
+    validate(cfg, describe(cfg.model))
 
 
 @pytest.mark.parametrize(
@@ -150,10 +151,11 @@ def test_planner_adapter_count_equals_hf_peft(tmp_path, family, targets):
     peft = PeftConfig(method="lora", rank=4, target_modules=targets)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(hf)), LoraConfig(r=4, target_modules=targets))
     trainable, _ = model.get_nb_trainable_parameters()
-    dense, expert = layer_adapter_params(cfg.model, peft)
+    spec = describe(cfg.model)
+    dense, expert = layer_adapter_params(spec, peft)
     assert (dense, expert) != (0, 0) and expert == 0
-    assert dense * cfg.model.num_layers == trainable
-    d2, _ = layer_adapter_params(cfg.model, peft, tp=2)
+    assert dense * spec.num_layers == trainable
+    d2, _ = layer_adapter_params(spec, peft, tp=2)
     assert dense / 2 < d2 < dense
     # an adapter HF PEFT saved for this base passes the peft.init_from preflight; another rank does not
     model.save_pretrained(str(tmp_path / "adapter"))
@@ -164,7 +166,6 @@ def test_planner_adapter_count_equals_hf_peft(tmp_path, family, targets):
 
 def test_plan_counts_gradients_and_optimizer_of_adapters_only():
     from megatron_bridge.plan import memory as M
-    from megatron_bridge.plan import params as P
 
     cfg, _ = compose(["recipe=llama3_8b", "train.init_from=/base", "peft=lora"])
     kw = dict(
@@ -188,7 +189,7 @@ def test_plan_counts_gradients_and_optimizer_of_adapters_only():
         b=1,
         num_micro=8,
     )
-    full = M.stage_memory(P.frozen(cfg.model), **kw)
-    lora = M.stage_memory(P.frozen(cfg.model), peft=cfg.peft, **kw)
+    full = M.stage_memory(describe(cfg.model), **kw)
+    lora = M.stage_memory(describe(cfg.model), peft=cfg.peft, **kw)
     assert lora.weights > full.weights  # base + adapters
     assert lora.grads + lora.optimizer < 0.01 * (full.grads + full.optimizer)

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.errors import LayoutError
-from megatron_bridge.parallel.dims import validate
+from megatron_bridge.parallel.rules.registry import validate
 
 
 def _rules(*overrides):
     cfg, _ = compose(["recipe=default", *overrides])
     try:
-        validate(cfg)
+        validate(cfg, describe(cfg.model))
     except LayoutError as e:
         return {v.rule: str(e) for v in e.violations}
     return {}
@@ -38,12 +39,12 @@ def test_families_described_by_their_fields_are_accepted(family):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_bridge.bridge.hf_config import spec_from_hf, spec_from_model_config, spec_to_hf_config
-    from megatron_bridge.parallel.model_rules import _scaled
+    from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
+    from megatron_bridge.parallel.rules.model import _scaled
 
     assert _rules(f"model.family={family}") == {}
     cfg, _ = compose(["recipe=default", f"model.family={family}", "model.num_layers=1", "model.vocab_size=256"])
-    spec = spec_from_model_config(cfg.model)
+    spec = describe(cfg.model)
     hf = spec_to_hf_config(spec)
     assert _scaled(spec_from_hf(hf, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by)) == _scaled(spec)
     conf = AutoConfig.for_model(**hf)

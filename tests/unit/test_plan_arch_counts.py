@@ -22,7 +22,8 @@ from __future__ import annotations
 import pytest
 import transformers as T
 
-from megatron_bridge.bridge.hf_config import BridgeSpec, _moe_pattern, load_spec
+from megatron_bridge.bridge.hf_config import _moe_pattern, load_spec
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.tiny import TINY, tiny_config
 from megatron_bridge.parallel.dims import padded_vocab_size
 from megatron_bridge.plan import params as P

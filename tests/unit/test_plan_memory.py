@@ -18,6 +18,7 @@ import re
 
 import pytest
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import ModelConfig
 from megatron_bridge.plan import memory as M
@@ -25,19 +26,21 @@ from megatron_bridge.plan import params as P
 
 
 def gpt(h=1024, a=16, L=4, V=1000):
-    return ModelConfig(
-        family="gpt",
-        num_layers=L,
-        hidden_size=h,
-        ffn_hidden_size=4 * h,
-        num_attention_heads=a,
-        vocab_size=V,
-        max_position_embeddings=4096,
-        gated_linear_unit=False,
-        normalization="LayerNorm",
-        add_bias_linear=True,
-        position_embedding_type="learned_absolute",
-        tie_word_embeddings=True,
+    return describe(
+        ModelConfig(
+            family="gpt",
+            num_layers=L,
+            hidden_size=h,
+            ffn_hidden_size=4 * h,
+            num_attention_heads=a,
+            vocab_size=V,
+            max_position_embeddings=4096,
+            gated_linear_unit=False,
+            normalization="LayerNorm",
+            add_bias_linear=True,
+            position_embedding_type="learned_absolute",
+            tie_word_embeddings=True,
+        )
     )
 
 
@@ -77,7 +80,7 @@ def test_swiglu_gqa_terms():
     fc2 input. Per layer without parallelism: replicated 10sbh, Q + proj 4sbh, K+V 4sb·g·d,
     MLP 2·3·sb·ffn bytes."""
     cfg, _ = compose(["model=llama3_8b"])
-    m = cfg.model
+    m = describe(cfg.model)
     s, b, h, f, g, d = 4096, 1, 4096, 14336, 8, 128
     expect = s * b * (10 * h + 4 * h + 4 * g * d + 6 * f)
     assert M.layer_activations(m, recompute="selective", s=s, b=b) == expect
@@ -134,7 +137,7 @@ def _ds():
 
 def _planner_states(model, zero, nodes, gpn):
     cfg, _ = compose([f"model={model}"])
-    m = P.frozen(cfg.model)
+    m = describe(cfg.model)
     rp = P.rank_params(m, tp=1, layers=m.num_layers, first=True, last=True)
     n = nodes * gpn
     ll = P.largest_layer(m, tp=1)

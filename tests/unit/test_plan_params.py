@@ -20,8 +20,9 @@
 
 import pytest
 
+from megatron_bridge.backends.describe import describe, describe_hf
+from megatron_bridge.bridge.hf_config import UnsupportedFeatures
 from megatron_bridge.config.compose import compose
-from megatron_bridge.config.hf_model import hf_to_model_fields
 from megatron_bridge.config.schema import ModelConfig
 from megatron_bridge.plan import memory as M
 from megatron_bridge.plan import params as P
@@ -40,7 +41,7 @@ from megatron_bridge.plan import params as P
 )
 def test_published_sizes(model, total, active):
     cfg, _ = compose([f"model={model}"])
-    c = P.count(cfg.model)
+    c = P.count(describe(cfg.model))
     assert (c.total, c.active) == (total, active)
 
 
@@ -70,10 +71,9 @@ def _hf_model(kind, **kw):
     return hf_cfg, cls[1](hf_cfg)
 
 
-def _model_config(hf_cfg, **extra) -> ModelConfig:
-    fields = hf_to_model_fields(hf_cfg.to_dict())
-    fields.update(extra)
-    return ModelConfig(**fields)
+def _model_config(hf_cfg, **extra):
+    """The description of an HF config (as `model.hf_path` gives it)."""
+    return describe_hf(hf_cfg.to_dict(), **extra)
 
 
 @pytest.mark.parametrize(
@@ -122,7 +122,7 @@ def test_count_equals_gpt2_numel():
         add_bias_linear=True,
         position_embedding_type="learned_absolute",
     )
-    assert P.count(mc).total == sum(p.numel() for p in model.parameters())
+    assert P.count(describe(mc)).total == sum(p.numel() for p in model.parameters())
 
 
 # -- per-rank shards -----------------------------------------------------------------------
@@ -202,7 +202,7 @@ def test_rank_shards_tp2_pp2_match_real_tensors(tied):
     tp, pp, L = 2, 2, mc.num_layers
     for pp_rank in range(pp):
         first, last = pp_rank == 0, pp_rank == pp - 1
-        planner = P.rank_params(P.frozen(mc), tp=tp, ep=1, etp=tp, layers=L // pp, first=first, last=last)
+        planner = P.rank_params(mc, tp=tp, ep=1, etp=tp, layers=L // pp, first=first, last=last)
         for tp_rank in range(tp):
             shards = _rank_tensors(model, mc, tp, pp, tp_rank, pp_rank)
             real = _real_state_bytes(shards)
@@ -237,25 +237,33 @@ def test_rank_params_sum_over_ranks_is_the_padded_model():
     """Summed over all TP ranks and stages, the shards are the whole model with megatron's
     padded vocabulary (replicated tensors counted once per TP rank)."""
     cfg, _ = compose(["model=llama3_70b"])
-    m = P.frozen(cfg.model)
+    m = describe(cfg.model)
     tp, pp, L = 8, 4, m.num_layers
     total = sum(P.rank_params(m, tp=tp, layers=L // pp, first=s == 0, last=s == pp - 1)["dense"] for s in range(pp))
     layer = P.layer_shards(m)
     replicated_extra = (tp - 1) * (layer.rep * L + m.hidden_size)  # norms on every TP rank; final norm
     padding = (129024 - 128256) * m.hidden_size * 2  # vocab -> multiple of 128·8, embedding + output layer
-    assert total * tp == P.count(cfg.model).total + replicated_extra + padding
+    assert total * tp == P.count(describe(cfg.model)).total + replicated_extra + padding
 
 
 def test_largest_layer_is_the_vocab_shard_for_llama():
     cfg, _ = compose(["model=llama3_8b"])
-    assert P.largest_layer(P.frozen(cfg.model), tp=1) == 128256 * 4096
-    assert P.largest_layer(P.frozen(cfg.model), tp=8) == 129024 * 4096 / 8  # vocab padded to 128·8
+    assert P.largest_layer(describe(cfg.model), tp=1) == 128256 * 4096
+    assert P.largest_layer(describe(cfg.model), tp=8) == 129024 * 4096 / 8  # vocab padded to 128·8
 
 
 def test_qkv_bias_fields_follow_the_bridge():
-    """HF's attention_bias (q/k/v *and* o_proj biases, refused by the bridge) is not a qkv
-    bias; Qwen2 has one implicitly, Qwen2-MoE says so with qkv_bias — as the bridge reads them."""
-    base = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100}
-    assert not hf_to_model_fields({**base, "model_type": "llama", "attention_bias": True}).get("add_qkv_bias")
-    assert hf_to_model_fields({**base, "model_type": "qwen2"})["add_qkv_bias"]
-    assert not hf_to_model_fields({**base, "model_type": "qwen2_moe", "qkv_bias": False})["add_qkv_bias"]
+    """HF's attention_bias (q/k/v *and* o_proj biases) is refused by the bridge, not read as a
+    qkv bias; Qwen2 has one implicitly, Qwen2-MoE says so with qkv_bias."""
+    base = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "vocab_size": 100,
+    }
+    with pytest.raises(UnsupportedFeatures, match="o_proj bias"):
+        describe_hf({**base, "model_type": "llama", "attention_bias": True})
+    assert describe_hf({**base, "model_type": "qwen2"}).add_qkv_bias
+    qwen2_moe = {**base, "model_type": "qwen2_moe", "num_experts": 4, "moe_intermediate_size": 32}
+    assert not describe_hf({**qwen2_moe, "qkv_bias": False}).add_qkv_bias

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.commands.plan import plan
 from megatron_bridge.config.compose import compose
 from megatron_bridge.parallel.dims import ParallelDims
@@ -191,7 +192,7 @@ def test_405b_on_16384_gpus_under_2s():
     from megatron_bridge.plan import report
 
     t0 = time.perf_counter()
-    ctx = Context.from_config(cfg, pinned_from_overrides(args.overrides))
+    ctx = Context.from_config(cfg, describe(cfg.model), pinned_from_overrides(args.overrides))
     res = search(ctx)
     doc = report.build(ctx, res)
     elapsed = time.perf_counter() - t0

@@ -9,15 +9,17 @@ import dataclasses
 
 import pytest
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.errors import LayoutError
-from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size, validate
+from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
+from megatron_bridge.parallel.rules.registry import validate
 
 
 def violations(*overrides, recipe="tiny_llama"):
     cfg, _ = compose([f"recipe={recipe}", *overrides])
     try:
-        validate(cfg)
+        validate(cfg, describe(cfg.model))
     except LayoutError as e:
         return {v.rule for v in e.violations}, str(e)
     return set(), ""
@@ -201,24 +203,24 @@ def test_all_violations_reported_at_once():
 def test_cross_node_tp_override_turns_error_into_warning():
     ov = ["parallel.tp=4", "parallel.pp=1", "cluster.nodes=2", "cluster.gpus_per_node=2", "model.num_query_groups=4"]
     cfg, _ = compose(["recipe=tiny_llama", *ov, "parallel.allow_cross_node_tp=true"])
-    dims, notes = validate(cfg)
+    dims, notes = validate(cfg, describe(cfg.model))
     assert dims.tp == 4 and any("cross node" in n for n in notes)
 
 
 def test_inference_of_dp_and_grad_accum():
     cfg, _ = compose(["recipe=gpt_1t"])
-    dims, _ = validate(cfg)
+    dims, _ = validate(cfg, describe(cfg.model))
     assert (dims.tp, dims.pp, dims.dp, dims.world_size) == (8, 64, 8, 4096)
     assert dims.grad_accum == 3072 // 8 and dims.dp_inferred
     cfg, _ = compose(["recipe=tiny_llama", "parallel.pp=1", "parallel.tp=1"])
-    dims, _ = validate(cfg, world_size=2)  # a launcher's WORLD_SIZE wins over the cluster
+    dims, _ = validate(cfg, describe(cfg.model), world_size=2)  # a launcher's WORLD_SIZE wins over the cluster
     assert (dims.dp, dims.grad_accum) == (2, 2)
 
 
 def test_vocab_padding_reported():
     assert padded_vocab_size(50257, 128, 8) == 51200
     cfg, _ = compose(["recipe=tiny_llama", "model.vocab_size=500"])
-    _, notes = validate(cfg)
+    _, notes = validate(cfg, describe(cfg.model))
     assert any("vocab 500 padded to 512" in n for n in notes)
 
 
@@ -232,10 +234,10 @@ def test_moe_with_tp_turns_sequence_parallel_on_with_a_note():
     """parallel.sequence_parallel unset (auto): on for MoE with tp > 1, said as a note; off
     for dense models; a pinned false stays an error naming the pin."""
     cfg, _ = compose(["recipe=tiny_mixtral", "parallel.tp=2"])
-    dims, notes = validate(cfg)
+    dims, notes = validate(cfg, describe(cfg.model))
     assert dims.sequence_parallel and any("turned on automatically" in n for n in notes)
     cfg, _ = compose(["recipe=tiny_llama", "parallel.tp=2"])
-    dims, notes = validate(cfg)
+    dims, notes = validate(cfg, describe(cfg.model))
     assert not dims.sequence_parallel and not any("automatically" in n for n in notes)
     got, msg = violations("parallel.tp=2", "parallel.sequence_parallel=false", recipe="tiny_mixtral")
     assert got == {"moe-tp-sp"} and "pinned" in msg

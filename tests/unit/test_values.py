@@ -1,19 +1,19 @@
-"""Optimizer, schedule and interval values (config/values.py): each bad value is refused by
+"""Optimizer, schedule and interval values (parallel/rules/values.py): each bad value is refused by
 `validate` (what `mbr check` and the trainer run) naming its rule, and its valid neighbour
 passes; every shipped recipe passes; `mbr plan` refuses a bad value as bad input (exit 2)."""
 
 import pytest
 
-from megatron_bridge.config import values
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose, list_recipes
 from megatron_bridge.errors import LayoutError, UserError
-from megatron_bridge.parallel.dims import validate
+from megatron_bridge.parallel.rules.registry import refuse, validate
 
 
 def check(*overrides, recipe="default"):
     cfg, _ = compose([f"recipe={recipe}", *overrides])
     try:
-        _, notes = validate(cfg)
+        _, notes = validate(cfg, describe(cfg.model))
     except LayoutError as e:
         return {v.rule for v in e.violations}, str(e)
     return set(), "\n".join(notes)
@@ -83,10 +83,10 @@ def test_no_shipped_recipe_is_rejected(name):
 def test_refuse_runs_the_value_rules_once():
     cfg, _ = compose(["recipe=default", "optimizer.lr=-1", "optimizer.decay_style=x"])
     with pytest.raises(UserError) as e:
-        values.refuse(cfg)
+        refuse(describe(cfg.model), cfg)
     assert "[lr]" in str(e.value) and "[choice]" in str(e.value)
     cfg, _ = compose(["recipe=default"])
-    values.refuse(cfg)
+    refuse(describe(cfg.model), cfg)
 
 
 def test_plan_refuses_a_bad_value_as_bad_input(capsys):

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import dist_ckpt_key
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.convert.formats.dtypes import DType, dtype_of
 from megatron_bridge.convert.formats.pickling import Global, Instance, Reduce, TorchPickler, torch_size
 from megatron_bridge.convert.formats.placement import LINEAR_MODULES

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from zlib_ng import zlib_ng
 
-from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
+from megatron_bridge.bridge.hf_config import spec_from_hf
 from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import ST_DTYPES, tensor_bytes
 from megatron_bridge.errors import UserError

@@ -24,9 +24,9 @@ import argparse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, owned
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, DType
 

@@ -4,7 +4,7 @@ Each command composes the usual recipe (`compose(argv, schema=...)`), so `parall
 `model.make_vocab_size_divisible_by` and `recipe=` mean what they mean everywhere; the
 fields below are the command's own top-level keys (`src=... dst=... format=...`).
 
-`checked_layout` applies the layout rules (`parallel.rules`, the ones `mbr check` and
+`checked_layout` applies the layout rules (`parallel/rules/`, the ones `mbr check` and
 training apply, minus the run rules about batches, schedules, engines and node placement,
 which a checkpoint does not depend on) to the model the checkpoint holds, on the fewest
 processes the degrees fit, then splits every tensor's shape over rank 0 — so a bad layout
@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.config.hf_model import hf_to_model_fields
 from megatron_bridge.config.schema import Config
 from megatron_bridge.convert.sources.rows import check_layout_shards
 from megatron_bridge.errors import LayoutError, UserError
+from megatron_bridge.parallel.dims import ParallelDims
+from megatron_bridge.parallel.rules.registry import validate
 
 FORMATS = ("torch_dist", "torch")
 
@@ -75,14 +76,9 @@ def checked_layout(
     cfg: Any, spec: BridgeSpec, hf_config: dict[str, Any], rows: Sequence[Resolved], tensors: dict[str, Any], fmt: str
 ) -> Layout:
     """The layout of `cfg.parallel`, validated for this checkpoint's model (see module doc)."""
-    from megatron_bridge.parallel.dims import ParallelDims, validate
-
-    for k, v in hf_to_model_fields(dict(hf_config)).items():
-        setattr(cfg.model, k, v)
-    cfg.model.make_vocab_size_divisible_by = spec.make_vocab_size_divisible_by
-    layout = ParallelDims.from_config(cfg, smallest_world=True)
+    layout = ParallelDims.from_config(cfg, smallest_world=True, moe=spec.is_moe)
     try:
-        validate(cfg, dims=layout, layout_only=True)
+        validate(cfg, spec, dims=layout, layout_only=True)
     except LayoutError as e:
         raise LayoutError(e.violations, header=f"cannot lay the checkpoint out as {layout.degrees()}:") from None
     if fmt == "torch" and layout.etp != layout.tp:

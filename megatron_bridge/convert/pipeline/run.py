@@ -140,7 +140,7 @@ def convert(cfg: Any) -> int:
     """HF directory -> torch_dist or per-rank torch checkpoint (see docs/convert.md)."""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
     fmt, dtype = check_format(cfg.format), parse_dtype(cfg.dtype)
-    source = HFSource(src, dtype, cfg.model.make_vocab_size_divisible_by)
+    source = HFSource(src, dtype, cfg.model)
     hf_config = source.hf_config
     with _closing_on_error(source):
         layout = checked_layout(cfg, source.spec, hf_config, source.rows, source.tensors, fmt)

@@ -23,10 +23,10 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, shard_for, shard_of
 from megatron_bridge.bridge.mapping import FULL
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.direct import DirectCopy
 from megatron_bridge.convert.bytemove.direct_export import DirectExport

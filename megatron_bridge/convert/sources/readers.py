@@ -15,7 +15,6 @@ the new manifest (every source), so exports and reshards verify what they produc
 from __future__ import annotations
 
 import functools
-import json
 import queue
 import threading
 from collections import OrderedDict
@@ -24,9 +23,11 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
-from megatron_bridge.bridge.hf_config import BridgeSpec, spec_from_hf
+from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.mapping import Replicated
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dist_ckpt import location
@@ -46,21 +47,6 @@ DTYPES = {"bf16": BFLOAT16, "fp32": FLOAT32, "fp16": FLOAT16, "source": None}
 TensorTable = dict[str, tuple[tuple[int, ...], DType]]
 PREFETCH_BYTES = 256 * 2**20  # tensors read ahead of the row being written (process memory)
 READ_AHEAD_BYTES = 512 * 2**20  # file ranges announced to the kernel ahead of reading (page cache)
-
-
-def read_config(path: Path) -> dict:
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        raise UserError(
-            f"src={path}: no config.json; point src at a Hugging Face model directory (what save_pretrained writes)"
-        )
-    try:
-        data = json.loads(cfg.read_text())
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as e:
-        raise UserError(f"{cfg} is not valid JSON ({e})") from None
-    return data
 
 
 def parse_dtype(text: str) -> DType | None:
@@ -202,7 +188,9 @@ class Source:
 class HFSource(Source):
     """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
 
-    def __init__(self, path: Path, dtype: DType | None, make_vocab_size_divisible_by: int):
+    def __init__(self, path: Path, dtype: DType | None, model: Any):
+        """`model`: the recipe's model group, which `backends.describe` turns into the
+        description of this directory's config.json (its vocab padding applies)."""
         super().__init__(dtype)
         self.where, self.expected = f"src={path}", {}
         if (path / "mbr_manifest.json").is_file():
@@ -210,12 +198,12 @@ class HFSource(Source):
                 f"src={path} is already a converted checkpoint: use `mbr reshard` to change its layout "
                 "or format, `mbr export` to get a Hugging Face directory back"
             )
-        config = read_config(path)
+        config = read_hf_config(path, arg="src")
         block = fp8.block_size(config, self.where)
         # An fp8 checkpoint reads as its bf16 dequantisation (formats/fp8.py): the scales are
         # consumed, and the config written (and recorded) is the dequantised model's.
         self.hf_config = fp8.without_quantization(config) if block else config
-        self.spec = spec_from_hf(self.hf_config, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        self.spec = describe(model, hf_path=path, hf=self.hf_config, arg="src")
         stored = scan_dir(path)
         quant = fp8.pair(stored, block, self.where)
         tensors = fp8.dequantized_infos(stored, quant)
@@ -395,6 +383,5 @@ __all__ = [
     "TorchSource",
     "open_checkpoint",
     "parse_dtype",
-    "read_config",
     "DTYPES",
 ]

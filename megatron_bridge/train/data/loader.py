@@ -250,6 +250,7 @@ def make_iterator(
 def build_data_iterators(
     cfg,
     dims,
+    spec: Any,
     *,
     dp_rank: int = 0,
     cp_rank: int = 0,
@@ -259,7 +260,8 @@ def build_data_iterators(
     is_built_on_rank: Callable[[], bool] | None = None,
 ):
     """From a composed `Config`: (datasets, train iterator from `consumed_samples`, valid
-    iterator or None). Seeds, sizes and vocab come from cfg.train / cfg.model / cfg.data."""
+    iterator or None). Seeds and sizes come from cfg.train / cfg.data, the vocabulary from the
+    model description `spec`."""
     data = cfg.data
     # Optional DataConfig fields (read when the schema has them; defaults otherwise).
     flags = {
@@ -273,7 +275,7 @@ def build_data_iterators(
         seed=cfg.train.seed,
         train_steps=cfg.train.steps,
         valid_samples=valid_samples,
-        model_vocab_size=cfg.model.vocab_size,
+        model_vocab_size=spec.vocab_size,
         cache_dir=cache_dir or getattr(data, "cache_dir", None),
         is_built_on_rank=is_built_on_rank,
         **flags,

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.runtime import cpu, groups
 from megatron_bridge.testing import report
@@ -98,7 +99,7 @@ def main(layouts):
     out = {}
     for overrides in layouts:
         cfg, _ = compose(overrides.split())
-        dims = groups.dims_from_env(cfg)
+        dims = groups.dims_from_env(cfg, describe(cfg.model))
         mpu = groups.initialize(dims, seed=cfg.train.seed)
         rank = torch.distributed.get_rank()
         entry = {"dims": {k: getattr(dims, k) for k in ("tp", "pp", "cp", "ep", "etp", "dp", "world_size")},

@@ -22,6 +22,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.runtime import groups
 from megatron_bridge.testing import report
@@ -237,7 +238,7 @@ def main():
                      f"train.seq_length={SEQ}", f"train.global_batch_size={GBS}",
                      f"train.micro_batch_size={layout.get('mbs', MBS)}", "model.tie_word_embeddings=true"]
         cfg, _ = compose(overrides)
-        dims = groups.dims_from_env(cfg)
+        dims = groups.dims_from_env(cfg, describe(cfg.model))
         groups.initialize(dims, seed=SEED)
         init_path = os.path.join(args.init, f"{recipe}.pt")
         full_state = None if args.reference else torch.load(init_path)

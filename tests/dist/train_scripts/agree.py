@@ -15,7 +15,7 @@ def count_job(overrides):
     import torch
     from megatron.core import parallel_state as ps
 
-    from megatron_bridge.bridge.hf_config import spec_from_model_config
+    from megatron_bridge.backends.describe import describe
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.config.compose import compose
     from megatron_bridge.runtime import groups
@@ -24,19 +24,20 @@ def count_job(overrides):
     from megatron_bridge.train.runner import TrainRunConfig, model_overrides, validate_for_launch
 
     cfg, _ = compose(overrides, schema=TrainRunConfig)
-    dims = validate_for_launch(cfg)
+    spec = describe(cfg.model)
+    dims = validate_for_launch(cfg, spec)
     groups.initialize(dims, seed=0)
-    chunks = build_model(spec_from_model_config(cfg.model), dims, **model_overrides(cfg))
+    chunks = build_model(spec, dims, **model_overrides(cfg))
     built = sum(p.numel() for c in chunks for p in c.parameters())
     pp_rank = ps.get_pipeline_model_parallel_rank()
     stages = {
         idx: (ids, first, last)
         for idx, ids, first, last in _stage_plan(
-            cfg.model.num_layers, dims.pp, dims.layers_first_stage, dims.layers_last_stage, dims.vpp or 1
+            spec.num_layers, dims.pp, dims.layers_first_stage, dims.layers_last_stage, dims.vpp or 1
         )
     }
     ids, first, last = stages[pp_rank]
-    rp = P.rank_params(cfg.model, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)
+    rp = P.rank_params(spec, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)
     del chunks
     ps.destroy_model_parallel()
     torch.distributed.barrier()

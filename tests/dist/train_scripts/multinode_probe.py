@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
 from megatron_bridge.runtime import groups
 from megatron_bridge.testing import report
@@ -15,7 +16,7 @@ from megatron_bridge.train.runner import train
 def main() -> None:
     run_dir, overrides = sys.argv[1], sys.argv[2:]
     cfg, _ = compose(overrides)
-    groups.initialize(groups.dims_from_env(cfg))
+    groups.initialize(groups.dims_from_env(cfg, describe(cfg.model)))
     import torch
     from megatron.core import parallel_state as ps
 

@@ -1,45 +1,28 @@
-"""Optimizer, schedule and training values, validated like layouts.
+"""Optimizer, schedule and training values, refused like layouts.
 
 A negative learning rate, a warmup longer than the run or a `log_interval` of 0 is as much a
 broken launch as an indivisible world size: megatron-core would accept most of them and
 train something meaningless (or divide by zero at the first log line) minutes later. These
-rules join the layout rules' registry (`parallel/rules.py`'s `@rule`), so `mbr check`, `mbr
-plan` and the trainer refuse them the same way: exit 2, every violation at once, each with
-the rule, the numbers and a fix. The choice of `optimizer.decay_style` is checked with the
-other choices (`rules.CHOICES`). docs/config.md lists these rules after the layout rules.
+rules read no layout, so `mbr plan` checks them once before its search (`registry.refuse`).
+The choice of `optimizer.decay_style` is checked with the other choices (`degrees.CHOICES`).
 
-`notes(cfg)` adds the non-fatal finding: a rotary model trained past its
-`max_position_embeddings`, naming the rope scaling in force (learned absolute positions,
-the GPT family, have no row past it: that is the `seq-positions` error).
+`notes` adds the non-fatal finding: a rotary model trained past its `max_position_embeddings`,
+naming the rope scaling in force (learned absolute positions, the GPT family, have no row
+past it: that is the `seq-positions` error).
 """
 
 from __future__ import annotations
 
-from megatron_bridge.errors import LayoutError
-from megatron_bridge.parallel.rules import Violation, choices, rule
+from megatron_bridge.parallel.rules.base import Facts, RuleSet, Violation
+from megatron_bridge.parallel.rules.base import violation as _v
+from megatron_bridge.plan.params import learned_positions as _position_rows
 
-VALUE_RULES: list = []  # the rules below: they depend on no layout (`refuse` runs them once)
-
-
-def value_rule(fn):
-    VALUE_RULES.append(fn)
-    return rule(fn)
+RULES = RuleSet()
 
 
-def refuse(cfg) -> None:
-    """Raise LayoutError listing every bad value (and bad choice): for callers that validate
-    many layouts of one config (`mbr plan`), which would otherwise reject each layout alike."""
-    found = [v for r in (choices, *VALUE_RULES) for v in r(None, cfg)]
-    if found:
-        raise LayoutError(found, header=f"The config breaks {len(found)} rule(s):")
-
-
-def _v(name: str, detail: str, fix: str) -> list[Violation]:
-    return [Violation(name, detail, fix)]
-
-
-@value_rule
-def learning_rate(d, cfg):
+@RULES.run(reads=("run",))
+def learning_rate(f: Facts) -> list[Violation]:
+    cfg = f.run
     o, out = cfg.optimizer, []
     if not o.lr > 0:
         out += _v(
@@ -55,8 +38,9 @@ def learning_rate(d, cfg):
     return out
 
 
-@value_rule
-def adam(d, cfg):
+@RULES.run(reads=("run",))
+def adam(f: Facts) -> list[Violation]:
+    cfg = f.run
     o, out = cfg.optimizer, []
     if o.weight_decay < 0:
         out += _v(
@@ -87,8 +71,9 @@ def adam(d, cfg):
     return out
 
 
-@value_rule
-def schedule(d, cfg):
+@RULES.run(reads=("run",))
+def schedule(f: Facts) -> list[Violation]:
+    cfg = f.run
     o, t, out = cfg.optimizer, cfg.train, []
     if t.steps <= 0:
         out += _v("train-steps", f"train.steps={t.steps} must be >= 1", "set the number of optimizer steps to train")
@@ -102,8 +87,9 @@ def schedule(d, cfg):
     return out
 
 
-@value_rule
-def intervals(d, cfg):
+@RULES.run(reads=("run",))
+def intervals(f: Facts) -> list[Violation]:
+    cfg = f.run
     # No `eval_interval` exists yet (the trainer has no evaluation loop): nothing to check.
     out = []
     if cfg.train.log_interval < 1:
@@ -129,17 +115,10 @@ def intervals(d, cfg):
     return out
 
 
-def learned_positions(m) -> bool:
-    """Learned absolute position embeddings (a table of max_position_embeddings rows)."""
-    from megatron_bridge.plan.params import learned_positions as rows  # the one place that knows
-
-    return rows(m) > 0
-
-
-@value_rule
-def positions(d, cfg):
-    m, s = cfg.model, cfg.train.seq_length
-    if s > m.max_position_embeddings and learned_positions(m):
+@RULES.run(reads=("model", "run"))
+def positions(f: Facts) -> list[Violation]:
+    m, s = f.model, f.run.train.seq_length
+    if s > m.max_position_embeddings and _position_rows(m):
         return _v(
             "seq-positions",
             f"train.seq_length={s} > model.max_position_embeddings={m.max_position_embeddings}, and model "
@@ -152,33 +131,18 @@ def positions(d, cfg):
 
 
 def rope_in_force(m) -> str:
-    """The rotary scaling the model uses, in words (from its config.json when it has one)."""
-    rtype: str = "default"
-    params: tuple[tuple[str, object], ...] = ()
-    base: float = m.rotary_base
-    if m.hf_path:
-        from megatron_bridge.bridge.hf_config import load_spec
-        from megatron_bridge.errors import UserError
-
-        try:
-            spec = load_spec(m.hf_path, make_vocab_size_divisible_by=m.make_vocab_size_divisible_by)
-            rtype, params, base = spec.rope_type, spec.rope_params, spec.rotary_base
-        except UserError:
-            return f"rope scaling of {m.hf_path}/config.json (not readable by the bridge)"
-    if rtype == "default":
-        return f"no rope scaling (rope_type default, rotary_base {base:g})"
-    detail = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in params)
-    return f"rope scaling {rtype} ({detail}; rotary_base {base:g})"
+    """The rotary scaling the model uses, in words."""
+    if m.rope_type == "default":
+        return f"no rope scaling (rope_type default, rotary_base {m.rotary_base:g})"
+    detail = ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in m.rope_params)
+    return f"rope scaling {m.rope_type} ({detail}; rotary_base {m.rotary_base:g})"
 
 
-def notes(cfg) -> list[str]:
-    m, s = cfg.model, cfg.train.seq_length
-    if s > m.max_position_embeddings and not learned_positions(m):
+def notes(m, cfg) -> list[str]:
+    s = cfg.train.seq_length
+    if s > m.max_position_embeddings and not _position_rows(m):
         return [
             f"warning: train.seq_length={s} > model.max_position_embeddings={m.max_position_embeddings} with rotary "
             f"positions and {rope_in_force(m)}: positions past {m.max_position_embeddings} were never trained"
         ]
     return []
-
-
-__all__ = ["VALUE_RULES", "notes", "refuse", "rope_in_force", "learned_positions"]

@@ -1,0 +1,12 @@
+"""The backend seam: who describes, builds, names and counts a model (docs/contributing.md).
+
+A backend owns four things: describing an HF config (config.json -> `BridgeSpec`), building
+this rank's model chunks (runtime: `runtime/build.py` looks the builder up by
+`spec.backend`), naming and sharding its checkpoint tensors (its weight table), and counting
+its parameters. Shared code — rules, planner, converter, verify, LoRA, engines — asks
+`backend_of(spec)` and never branches on which backend it is. `native` (megatron-core's
+GPTModel from a family's declarations and the building blocks) is the one backend today.
+
+`describe(cfg.model)` (describe.py) is where a recipe's model group becomes the one
+description, right after composition.
+"""
