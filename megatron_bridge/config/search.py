@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
 
 ENV = "MBR_CONFIG_PATH"
@@ -33,7 +34,6 @@ BUILTIN = "built-in"
 
 def groups() -> tuple[str, ...]:
     """The config groups: the sections of the schema that are dataclasses (model, cluster, ...)."""
-    from megatron_bridge.config.schema import Config
 
     cfg = Config()
     return tuple(f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(getattr(cfg, f.name)))

@@ -37,6 +37,7 @@ from megatron_bridge.data.chat import (
     iter_conversations,
     resolve_template,
 )
+from megatron_bridge.data.helpers import quiet_megatron_import
 from megatron_bridge.data.preprocess import check_output_prefix, read_meta
 from megatron_bridge.data.tokenizer import load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
@@ -131,8 +132,6 @@ def _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, me
     vocab = len(tok)
 
     import numpy as np
-
-    from megatron_bridge.data.helpers import quiet_megatron_import
 
     quiet_megatron_import()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -256,8 +255,6 @@ class ChatDataset:
                 f"{paths['meta']} says {self.meta.get('format')!r}. Re-make it with `mbr data mode=chat`."
             )
         import numpy as np
-
-        from megatron_bridge.data.helpers import quiet_megatron_import
 
         quiet_megatron_import()
         from megatron.core.datasets.indexed_dataset import IndexedDataset

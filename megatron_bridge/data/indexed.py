@@ -14,6 +14,7 @@ import os
 import struct
 from collections.abc import Sequence
 
+from megatron_bridge.data.chat import CHAT_FORMAT
 from megatron_bridge.data.preprocess import output_paths, read_meta
 from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
@@ -166,7 +167,6 @@ def check_indexed_data(
 def _check_format(kind: str, metas: dict) -> None:
     """Chat data (`mbr data mode=chat`) trains only with data=sft, and data=sft only on chat data:
     pre-training on it would drop the loss mask and learn the prompts too."""
-    from megatron_bridge.data.chat import CHAT_FORMAT
 
     for p, m in metas.items():
         is_chat = bool(m) and m.get("format") == CHAT_FORMAT

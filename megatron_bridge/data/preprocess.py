@@ -26,6 +26,7 @@ from typing import Any
 
 from megatron_bridge.data._fs import ensure_parent, refuse_existing, remove, temp_path_for
 from megatron_bridge.data.corpus import input_files, iter_documents
+from megatron_bridge.data.helpers import quiet_megatron_import
 from megatron_bridge.data.tokenizer import load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
 
@@ -129,8 +130,6 @@ def preprocess(
     eos = int(tok.eos_token_id)
 
     import numpy as np
-
-    from megatron_bridge.data.helpers import quiet_megatron_import
 
     quiet_megatron_import()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
