@@ -18,7 +18,7 @@ from megatron_bridge.bridge.hf_config import (
     spec_from_model_config,
     spec_to_hf_config,
 )
-from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, stage_layers, to_local_name
+from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, to_local_name
 from megatron_bridge.bridge.loader import (
     Coords,
     HFCheckpoint,
@@ -39,7 +39,6 @@ __all__ = [
     "spec_to_hf_config",
     "spec_from_model_config",
     "Layout",
-    "stage_layers",
     "local_experts",
     "to_local_name",
     "Coords",
