@@ -6,8 +6,10 @@ config (and, under a launcher, the real world size) and is the only place that r
 the rank grid and process groups (`topology`, `groups`), megatron-core's TransformerConfig
 (`runtime.tconfig.transformer_config`), DeepSpeed's config (`train.ds_config`), the
 planner's candidates (`plan.search`), and the bridge's weight placement (`bridge.layout`,
-which calls this type `Layout`). Nothing re-reads the config, so a degree the config check
-saw is the degree the model is built with.
+which calls this type `Layout`). The pipeline split itself is a method here
+(`stage_layers`), the one every consumer uses: the builder, the HF loader, the converter
+and the planner. Nothing re-reads the config, so a degree the config check saw is the
+degree the model is built with.
 
 Converter and verifier layouts (`Layout.parse("tp2pp2")`, a checkpoint's manifest) have no
 cluster: their `world_size` is None until a caller gives them one (`with_world`).

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from megatron_bridge.convert.formats.manifest import Manifest
-from megatron_bridge.convert.formats.placement import RELEASE, RankFile, chunk_key
+from megatron_bridge.convert.placement.manifest_model import manifest_layout, stored_vocab_rows
+from megatron_bridge.convert.placement.rank_files import RELEASE, RankFile, chunk_key
 from megatron_bridge.errors import UserError
 
 _IGNORED = ("make_vocab_size_divisible_by", "initializer_range", "attention_dropout", "max_position_embeddings")
@@ -82,7 +83,7 @@ def _load_chunk(chunk: Any, state: dict[str, Any], source: str) -> None:
 def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path) -> None:
     from megatron_bridge.bridge.loader import current_coords, layout_of
 
-    run, ckpt = layout_of(chunks), man.layout_obj()
+    run, ckpt = layout_of(chunks), manifest_layout(man)
     have = (ckpt.tp, ckpt.pp, ckpt.vpp, ckpt.ep, ckpt.etp)
     want = (run.tp, run.pp, run.vpp, run.ep, run.etp)
     if have != want:
@@ -92,9 +93,9 @@ def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path
             f"Make one for this layout: mbr reshard src={path} dst=NEW parallel.tp={run.tp} "
             f"parallel.pp={run.pp} ... (or convert with format=torch_dist, which loads at any layout)"
         )
-    if spec.padded_vocab_size(run.tp) != man.padded_vocab_size():
+    if spec.padded_vocab_size(run.tp) != stored_vocab_rows(man):
         raise UserError(
-            f"train.init_from={path} pads the vocabulary to {man.padded_vocab_size()} rows "
+            f"train.init_from={path} pads the vocabulary to {stored_vocab_rows(man)} rows "
             f"(make_vocab_size_divisible_by={man.make_vocab_size_divisible_by}), the run to "
             f"{spec.padded_vocab_size(run.tp)}: set model.make_vocab_size_divisible_by="
             f"{man.make_vocab_size_divisible_by}"

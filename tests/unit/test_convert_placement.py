@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.convert.formats.placement import RankFile
+from megatron_bridge.convert.placement.rank_files import RankFile
 
 
 @pytest.mark.parametrize(
