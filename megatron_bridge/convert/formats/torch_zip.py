@@ -427,13 +427,30 @@ class LazyTorchFile:
         return self.path, self._offsets.get(ref.storage.key, 0), ref.storage.numel * ref.dtype.itemsize
 
     def read(self, ref: TensorRef) -> torch.Tensor:
+        return self.read_box(ref, (0,) * len(ref.shape), ref.shape)
+
+    def read_box(self, ref: TensorRef, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+        """The box [lo, hi) of tensor `ref` (the whole tensor: `read`), reading only the
+        record's bytes from the box's first element to its last: a range of rows is one
+        exact read, a range of columns reads its rows whole (as `LazySlice` does)."""
+        import torch
+
         if ref.storage.key not in self._offsets:
             raise UserError(f"{self.path}: record data/{ref.storage.key} is missing (corrupt checkpoint)")
-        nbytes = ref.storage.numel * ref.dtype.itemsize
         dtype = ref.dtype.torch if isinstance(ref.dtype, DType) else ref.dtype
-        raw = self._io.read_bytes(self.path, self._offsets[ref.storage.key], nbytes).view(dtype)
-        t = raw.as_strided(ref.shape, ref.stride, ref.offset)
-        return t if t.numel() == raw.numel() else t.clone()
+        shape = tuple(b - a for a, b in zip(lo, hi))
+        if not all(0 <= a <= b <= n for a, b, n in zip(lo, hi, ref.shape)) or len(shape) != len(ref.shape):
+            raise ValueError(f"box {list(lo)}..{list(hi)} is not inside a tensor of shape {list(ref.shape)}")
+        if prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        first = ref.offset + sum(a * s for a, s in zip(lo, ref.stride))
+        last = ref.offset + sum((b - 1) * s for b, s in zip(hi, ref.stride))
+        if last >= ref.storage.numel:
+            raise UserError(f"{self.path}: record data/{ref.storage.key} is smaller than its tensor (corrupt)")
+        size = ref.dtype.itemsize
+        raw = self._io.read_bytes(self.path, self._offsets[ref.storage.key] + first * size, (last - first + 1) * size)
+        t = raw.view(dtype).as_strided(shape, ref.stride, 0)
+        return t if t.numel() == last - first + 1 else t.clone()
 
 
 __all__ = ["StreamingTorchSave", "LazyTorchFile", "TensorRef", "StorageRef", "contiguous_stride", "ALIGN"]
