@@ -23,7 +23,7 @@ from megatron_bridge.cli import main as mbr
 from megatron_bridge.convert.formats.dist_ckpt import MEGATRON_METADATA, DistLocation
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader
-from megatron_bridge.convert.formats.torch_zip import LazyTorchFile
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
 from megatron_bridge.errors import UserError
 
 
@@ -238,7 +238,7 @@ def test_finding_chunk_bytes_never_imports_torch(converted):
         "from megatron_bridge.convert.formats.dist_ckpt import DistLocation; "
         "from megatron_bridge.convert.formats.dist_read import DistReader; "
         "from megatron_bridge.convert.formats.safetensors_io import PositionedReader; "
-        "from megatron_bridge.convert.formats.torch_zip import LazyTorchFile; "
+        "from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile; "
         f"pr = PositionedReader(); r = DistReader(Path({str(converted)!r}), pr); "
         "L = r.md.state_dict_metadata['decoder.layers.mlp.linear_fc2.weight'].size[0]; "
         "locs = [DistLocation('embedding.word_embeddings.weight')] + "

@@ -35,7 +35,8 @@ from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleav
 from megatron_bridge.convert.bytemove.strided import Scatter, matrix
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
-from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef, contiguous_stride
+from megatron_bridge.convert.formats.torch_zip import TensorRef, contiguous_stride
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
 from megatron_bridge.convert.placement.dist_keys import location
 from megatron_bridge.convert.sources.readers import DistSource, Source, TorchSource
 from megatron_bridge.errors import UserError

@@ -27,7 +27,8 @@ from megatron_bridge.convert.formats.dist_ckpt import DCP, PLANNER, DistLocation
 from megatron_bridge.convert.formats.dtypes import BY_NAME, DType
 from megatron_bridge.convert.formats.pickling import Record
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader
-from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef
+from megatron_bridge.convert.formats.torch_zip import TensorRef
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it

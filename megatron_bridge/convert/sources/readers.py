@@ -33,7 +33,8 @@ from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.manifest import Manifest, crc32
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
-from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef
+from megatron_bridge.convert.formats.torch_zip import TensorRef
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
 from megatron_bridge.convert.placement.dist_keys import location
 from megatron_bridge.convert.placement.manifest_model import manifest_layout, manifest_spec
 from megatron_bridge.convert.placement.rank_files import RELEASE, RankFile, Target, all_targets
