@@ -12,7 +12,7 @@ transforms in `mapping.py`), shared by online loading, export and offline conver
 """
 
 from megatron_bridge.bridge.hf_config import load_spec, read_hf_config, spec_from_hf, spec_to_hf_config
-from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, stage_layers, to_local_name
+from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, to_local_name
 from megatron_bridge.bridge.loader import (
     Coords,
     HFCheckpoint,
@@ -34,7 +34,6 @@ __all__ = [
     "spec_to_hf_config",
     "read_hf_config",
     "Layout",
-    "stage_layers",
     "local_experts",
     "to_local_name",
     "Coords",

@@ -1,36 +1,20 @@
 """Where each weight lives under a layout (`Layout`, i.e. `parallel.dims.ParallelDims`).
 
-Pure functions of (spec, layout, rank coordinates): which global layers a pipeline stage
-(and virtual chunk) holds, which experts an expert-parallel rank holds, and the rank-local
-name (and dist_checkpointing key) of a global megatron parameter. The layer split is
-megatron-core's own arithmetic (`get_transformer_layer_offset` / `get_num_layers_to_build`),
-evaluated for the given coordinates, so an offline converter places layers exactly where a
-live model has them.
+Pure functions of (spec, layout, rank coordinates): which experts an expert-parallel rank
+holds, and the rank-local name (and dist_checkpointing key) of a global megatron parameter.
+Which global layers a pipeline stage (and virtual chunk) holds is the layout's own
+`ParallelDims.stage_layers` (megatron-core's split as arithmetic), so an offline converter
+places layers exactly where a live model has them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from megatron_bridge.parallel.dims import ParallelDims
 
 # The bridge's name for the one layout type: same class, same fields, same rules.
 Layout = ParallelDims
-
-
-def stage_layers(tconfig: Any, pp_rank: int, vp_stage: int | None = None) -> range:
-    """Global layer indices built on pipeline rank `pp_rank`, virtual chunk `vp_stage`."""
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    if tconfig.virtual_pipeline_model_parallel_size is None:
-        vp_stage = None
-    elif vp_stage is None:
-        vp_stage = 0
-    n = get_num_layers_to_build(tconfig, vp_stage=vp_stage, pp_rank=pp_rank)
-    off = get_transformer_layer_offset(tconfig, vp_stage=vp_stage, pp_rank=pp_rank)
-    return range(off, off + n)
 
 
 def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
@@ -83,4 +67,4 @@ def to_local_name(global_name: str, layers: range, experts: range | None = None)
     return renumber(global_name, -layers.start if m else 0, -(experts.start if (e and experts) else 0))
 
 
-__all__ = ["Layout", "stage_layers", "local_experts", "to_local_name", "renumber", "dist_ckpt_key"]
+__all__ = ["Layout", "local_experts", "to_local_name", "renumber", "dist_ckpt_key"]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_bridge.bridge.layout import Layout, local_experts, renumber, stage_layers, to_local_name
+from megatron_bridge.bridge.layout import Layout, local_experts, renumber, to_local_name
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.mapping import Shard
 from megatron_bridge.bridge.registry import weight_family
@@ -139,11 +139,9 @@ def owned(row: Resolved, spec: BridgeSpec, layout: Layout, coords: Coords, layer
     return to_local_name(name, layers, experts)
 
 
-def chunk_plan(
-    spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], coords: Coords, tconfig: Any
-) -> dict[str, Resolved]:
+def chunk_plan(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], coords: Coords) -> dict[str, Resolved]:
     """{rank-local megatron name: row} for the chunk at `coords`."""
-    layers = stage_layers(tconfig, coords.pp_rank, coords.vp_stage)
+    layers = layout.stage_layers(spec.num_layers, coords.pp_rank, coords.vp_stage)
     plan = {}
     for r in rows:
         local = owned(r, spec, layout, coords, layers)
@@ -163,14 +161,10 @@ def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: La
 
 
 def rank_shards(
-    spec: BridgeSpec, layout: Layout, ckpt: HFCheckpoint, coords: Coords, tconfig: Any = None
+    spec: BridgeSpec, layout: Layout, ckpt: HFCheckpoint, coords: Coords
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pure: (local name, tensor) of every parameter of the chunk at `coords`, one at a time."""
-    if tconfig is None:
-        from megatron_bridge.runtime.tconfig import transformer_config
-
-        tconfig = transformer_config(spec, layout)
-    for local, row in chunk_plan(spec, layout, resolve_checkpoint(spec, ckpt.keys()), coords, tconfig).items():
+    for local, row in chunk_plan(spec, layout, resolve_checkpoint(spec, ckpt.keys()), coords).items():
         yield local, shard_of(row, [ckpt.slice(n) for n in row.hf], spec, layout, coords)
 
 
@@ -228,7 +222,7 @@ def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoi
     n = 0
     for i, chunk in enumerate(chunks):
         coords = current_coords(_vp(chunks, i))
-        plan = chunk_plan(spec, layout, rows, coords, chunk.config)
+        plan = chunk_plan(spec, layout, rows, coords)
         targets = checkpoint_tensors(chunk)
         missing = sorted(set(targets) - set(plan))
         extra = sorted(set(plan) - set(targets))

@@ -4,13 +4,15 @@
     mbr export  src=OUT dst=HF                                                  pipeline.run.export
     mbr reshard src=OUT dst=OUT2 parallel.tp=.. parallel.pp=..                  pipeline.run.reshard
 
-One process, CPU, no process group, no megatron-core import. Four layers, each importing
+One process, CPU, no process group, no megatron-core import. Five layers, each importing
 only from the ones above it in this list (tests/unit/test_convert_layers.py checks it):
 
-* `formats/` — the files, torch-free: safetensors (headers, positioned reads, streaming
-  writer; the one reader `bridge.loader` uses too), `torch.save` zips record by record,
-  torch's pickles and dtypes without torch, torch_dist (DCP + megatron metadata), Megatron's
-  per-rank layout, and the manifest.
+* `formats/` — the files, torch-free and model-free: safetensors (headers, positioned reads,
+  streaming writer; the one reader `bridge.loader` uses too), `torch.save` zips record by
+  record, torch's pickles and dtypes without torch, torch_dist (DCP + megatron metadata; the
+  one reader of it, `train.init_from` included), and the manifest.
+* `placement/` — where a model's tensors go in those files: Megatron's per-rank layout,
+  torch_dist keys, the manifest's model and layout as bridge objects.
 * `sources/` — a checkpoint read as bridge table rows: which rows an HF directory,
   torch_dist or per-rank checkpoint fills (validated against config.json), and "the HF
   tensors of this row" from each.

@@ -6,8 +6,10 @@ config (and, under a launcher, the real world size) and is the only place that r
 the rank grid and process groups (`topology`, `groups`), megatron-core's TransformerConfig
 (`runtime.tconfig.transformer_config`), DeepSpeed's config (`train.ds_config`), the
 planner's candidates (`plan.search`), and the bridge's weight placement (`bridge.layout`,
-which calls this type `Layout`). Nothing re-reads the config, so a degree the config check
-saw is the degree the model is built with.
+which calls this type `Layout`). The pipeline split itself is a method here
+(`stage_layers`), the one every consumer uses: the builder, the HF loader, the converter
+and the planner. Nothing re-reads the config, so a degree the config check saw is the
+degree the model is built with.
 
 Converter and verifier layouts (`Layout.parse("tp2pp2")`, a checkpoint's manifest) have no
 cluster: their `world_size` is None until a caller gives them one (`with_world`).
@@ -88,6 +90,41 @@ class ParallelDims:
     @property
     def vpp_or_1(self) -> int:
         return self.vpp or 1
+
+    # -- the pipeline split ----------------------------------------------------------------
+    def stage_layers(self, num_layers: int, pp_rank: int, vp_stage: int | None = None) -> range:
+        """Global indices of the transformer layers chunk (`pp_rank`, `vp_stage`) holds: the one
+        stage split, used by the builder, the HF loader, the converter and the planner.
+
+        megatron-core 0.16's `get_transformer_layer_offset` / `get_num_layers_to_build` as plain
+        arithmetic (no megatron import; tests/unit/test_stage_split.py holds them equal for every
+        layout the rules accept): chunks are filled in schedule order, virtual stage major,
+        then pipeline rank; each stage's layers split evenly over its `vpp` chunks, and
+        `layers_first_stage` / `layers_last_stage` fix the end stages' counts (the middle
+        stages share the rest). Without pipelining every layer is on the one stage. For a
+        layout the rules refuse (layers not divisible) the counts are the floor of the split."""
+        if self.pp == 1:
+            return range(num_layers)
+        sizes = self._chunk_sizes(num_layers)
+        start = (vp_stage or 0) * sum(sizes) + sum(sizes[:pp_rank])
+        return range(start, start + sizes[pp_rank])
+
+    def stage_layer_ids(self, num_layers: int, pp_rank: int) -> tuple[int, ...]:
+        """Every global layer pipeline stage `pp_rank` holds, over all its virtual chunks."""
+        chunks = range(self.vpp) if self.vpp and self.pp > 1 else [None]
+        return tuple(i for vp in chunks for i in self.stage_layers(num_layers, pp_rank, vp))
+
+    def _chunk_sizes(self, num_layers: int) -> list[int]:
+        """Layers in one virtual chunk of each pipeline stage (the same for every chunk of a stage)."""
+        pp, vpp, first, last = self.pp, self.vpp_or_1, self.layers_first_stage, self.layers_last_stage
+        middle = pp - (first is not None) - (last is not None)
+        per_middle = (num_layers - (first or 0) - (last or 0)) // middle // vpp if middle > 0 else 0
+        sizes = [per_middle] * pp
+        if first is not None:
+            sizes[0] = first // vpp
+        if last is not None:
+            sizes[-1] = last // vpp
+        return sizes
 
     def degrees(self) -> str:
         """'tp2·pp2·vpp2·cp1·ep1' (+ etp when it differs from tp, the stage split, sp)."""

@@ -253,7 +253,7 @@ def stage_memory(
     peft: object = None,
 ) -> StageMemory:
     """Peak bytes on one rank of pipeline stage `stage`, whose transformer layers are
-    `layers` (global indices, `params.stage_layer_ids`; or a count, as `params.rank_params`
+    `layers` (global indices, `ParallelDims.stage_layer_ids`; or a count, as `params.rank_params`
     reads it). Each layer is counted as its kind (MoE or dense, `moe_layer_pattern`). With
     `peft.method == "lora"` only the adapters have gradients and optimizer states (the
     frozen base has weights only)."""

@@ -226,32 +226,6 @@ def count(m) -> ParamCount:
     return _count(m)
 
 
-def stage_layer_ids(
-    num_layers: int, pp: int, stage: int, vpp: int = 1, first: int | None = None, last: int | None = None
-) -> tuple[int, ...]:
-    """Global indices of the layers pipeline stage `stage` holds, over all its virtual
-    chunks: megatron-core's `get_transformer_layer_offset` split (chunks filled virtual
-    stage major, then pipeline rank; `first`/`last` fix the end stages' layer counts).
-    The same arithmetic as convert/formats/placement.stage_layers (a test holds them equal),
-    repeated here so the planner does not import the converter."""
-    if pp == 1:
-        return tuple(range(num_layers))
-    vpp = vpp or 1
-    middle = pp - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-
-    def per_chunk(p: int) -> int:
-        if p == 0 and first is not None:
-            return first // vpp
-        if p == pp - 1 and last is not None:
-            return last // vpp
-        return rest // middle // vpp if middle else 0
-
-    row = sum(per_chunk(p) for p in range(pp))
-    before = sum(per_chunk(p) for p in range(stage))
-    return tuple(v * row + before + i for v in range(vpp) for i in range(per_chunk(stage)))
-
-
 @lru_cache(maxsize=8192)
 def _rank_params_cached(m, tp, ep, etp, ids, first, last) -> dict[str, float]:
     h = m.hidden_size
@@ -287,7 +261,7 @@ def rank_params(
 ) -> dict[str, float]:
     """Parameters held by one rank of a pipeline stage (`first`/`last`: the stage holds the
     embedding / the final norm and output layer). `layers` is the stage's global layer
-    indices (`stage_layer_ids`), or a count of contiguous layers starting at 0 on the first
+    indices (`ParallelDims.stage_layer_ids`), or a count of contiguous layers starting at 0 on the first
     stage and ending at the last layer otherwise (enough when all layers are alike).
     Returns {"dense": n, "expert": n}; a rank's total is their sum. Do not mutate."""
     if isinstance(layers, int):

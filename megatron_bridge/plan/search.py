@@ -220,15 +220,14 @@ def _options(ctx: Context, name: str, default: list) -> list:
     return default if value is None else [value]  # a pinned null (sp: auto) searches
 
 
-def _stage_plan(
-    L: int, pp: int, first: int | None, last: int | None, vpp: int = 1
-) -> list[tuple[int, tuple[int, ...], bool, bool]]:
+def _stage_plan(L: int, dims: ParallelDims) -> list[tuple[int, tuple[int, ...], bool, bool]]:
     """(stage index, its global layer indices, is_first, is_last) for the stages that can
     bind: the first (embedding, most microbatches in flight), the second (most in flight
     among the middle ones) and the last (output layer, logits). The indices matter when
     layers differ (dense-first MoE models)."""
+    pp = dims.pp
     stages = [0, 1, pp - 1] if pp > 2 else list(range(pp))
-    return [(i, P.stage_layer_ids(L, pp, i, vpp, first, last), i == 0, i == pp - 1) for i in stages]
+    return [(i, dims.stage_layer_ids(L, i), i == 0, i == pp - 1) for i in stages]
 
 
 def evaluate(ctx: Context, lo: Candidate, *, with_comm: bool = True) -> Evaluation:
@@ -262,9 +261,7 @@ def evaluate(ctx: Context, lo: Candidate, *, with_comm: bool = True) -> Evaluati
             vocab=vocab,
             peft=getattr(ctx.cfg, "peft", None),
         )
-        for idx, layers, first, last in _stage_plan(
-            m.num_layers, lo.dims.pp, lo.dims.layers_first_stage, lo.dims.layers_last_stage, lo.dims.vpp or 1
-        )
+        for idx, layers, first, last in _stage_plan(m.num_layers, lo.dims)
     ]
     binding = max(stages, key=lambda x: x.total)
     ev = Evaluation(
@@ -287,9 +284,7 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
         tp=lo.dims.tp, cp=lo.dims.cp, dp=lo.dims.dp, pp=lo.dims.pp, ep=lo.dims.ep, etp=lo.dims.etp, gpn=ctx.gpn
     )
     ev.bubble = C.bubble_fraction(lo.dims.pp, lo.dims.vpp or 1, lo.dims.grad_accum)
-    ids = P.stage_layer_ids(
-        m.num_layers, lo.dims.pp, 0, lo.dims.vpp or 1, lo.dims.layers_first_stage, lo.dims.layers_last_stage
-    )
+    ids = lo.dims.stage_layer_ids(m.num_layers, 0)
     rp = P.rank_params(m, tp=lo.dims.tp, ep=lo.dims.ep, etp=lo.dims.etp, layers=ids, first=True, last=lo.dims.pp == 1)
     ab = 4 if ctx.precision == "fp32" else 2
     ev.comm = C.step_comm(

@@ -75,7 +75,8 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
     vpp = tconfig.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp) if vpp else [None]:
-        layer_spec = decoder_block_spec(spec, tconfig, vp, pp_rank)  # imports what it uses, before patching
+        layers = layout.stage_layers(spec.num_layers, pp_rank, vp)
+        layer_spec = decoder_block_spec(spec, tconfig, layers)  # imports what it uses, before patching
         with skip_weight_init(load_weights):
             model = GPTModel(
                 config=tconfig,

@@ -6,7 +6,7 @@ and MoE layer specs of the whole model (no TE, no Apex, so they build on CPU; we
 are the local spec's on every machine, which is what the family tables speak). Each layer
 gets its own deep copy — the specs are shared module globals and must never be mutated —
 so a feature can vary a layer (window, rope base, NoPE, norms) by its global index. The
-slice for this pipeline stage / virtual chunk is taken exactly as megatron takes it.
+slice for this pipeline stage / virtual chunk is the layout's split (megatron's, as arithmetic).
 """
 
 from __future__ import annotations
@@ -32,19 +32,15 @@ def all_layer_specs(spec: Any, tconfig: Any) -> list[Any]:
     return out
 
 
-def decoder_block_spec(spec: Any, tconfig: Any, vp_stage: int | None, pp_rank: int):
-    """This stage's (and virtual chunk's) TransformerBlockSubmodules."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        LNImpl,
-        get_num_layers_to_build,
-        get_transformer_layer_offset,
-    )
+def decoder_block_spec(spec: Any, tconfig: Any, layers: range):
+    """The TransformerBlockSubmodules of one stage's (and virtual chunk's) global `layers`
+    (`ParallelDims.stage_layers`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import LNImpl
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layers = all_layer_specs(spec, tconfig)
-    n = get_num_layers_to_build(tconfig, vp_stage=vp_stage, pp_rank=pp_rank)
-    offset = get_transformer_layer_offset(tconfig, vp_stage=vp_stage, pp_rank=pp_rank)
-    block = TransformerBlockSubmodules(layer_specs=layers[offset : offset + n], layer_norm=LNImpl)
+    block = TransformerBlockSubmodules(
+        layer_specs=all_layer_specs(spec, tconfig)[layers.start : layers.stop], layer_norm=LNImpl
+    )
     for feat in features():
         feat.block(spec, block)
     return block

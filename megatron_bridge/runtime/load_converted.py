@@ -1,9 +1,12 @@
 """`train.init_from=OUT` for `mbr convert` / `mbr reshard` outputs: weights into a live model.
 
-* torch_dist: megatron-core's own `dist_checkpointing.load` with the chunks'
-  `sharded_state_dict()`, so any TP/PP/VPP/EP/CP layout reshards on load; `common.pt`
-  holds Megatron's `args` (an `argparse.Namespace`), allowlisted for the weights-only
-  unpickler as Megatron-LM does.
+* torch_dist: each chunk's `sharded_state_dict()` — megatron-core's own statement of which
+  box of which stored global tensor each of its parameters is (so any TP/PP/VPP/EP/CP
+  layout reshards on load, SwiGLU's split fc1 and a different vocabulary padding included)
+  — is filled by the converter's reader (`formats.dist_read`, the one torch_dist reader):
+  each rank reads only the bytes its shards span, straight into the parameters, with no
+  collective and no `torch.load(weights_only=False)` of stored objects, which megatron's
+  `dist_checkpointing.load` (torch DCP) would do; the result is the same, bit for bit.
 * torch (per-rank files): this rank's `release/mp_rank_.../model_optim_rng.pt`, loaded
   strictly into each chunk. The run's layout must be the checkpoint's; `mbr reshard` makes
   another one.
@@ -22,22 +25,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
+from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.manifest import Manifest
-from megatron_bridge.convert.formats.placement import RELEASE, RankFile, chunk_key
+from megatron_bridge.convert.formats.safetensors_io import PositionedReader
+from megatron_bridge.convert.placement.manifest_model import manifest_layout, stored_vocab_rows
+from megatron_bridge.convert.placement.rank_files import RELEASE, RankFile, chunk_key
 from megatron_bridge.errors import UserError
 
 _IGNORED = ("make_vocab_size_divisible_by", "initializer_range", "attention_dropout", "max_position_embeddings")
 
 
 def _check_model(spec: Any, man: Manifest, path: Path) -> None:
-    from megatron_bridge.bridge.hf_config import spec_from_hf
+    from megatron_bridge.backends.describe import describe_hf  # TODO(runtime merge): top
 
-    mine = spec_from_hf(man.hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by)
+    mine = describe_hf(man.hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by)
     diff = [
         f"{f.name}={getattr(spec, f.name)!r} (checkpoint: {getattr(mine, f.name)!r})"
         for f in dataclasses.fields(spec)
-        if f.name not in _IGNORED and getattr(spec, f.name) != getattr(mine, f.name)
+        if f.compare and f.name not in _IGNORED and getattr(spec, f.name) != getattr(mine, f.name)
     ]
     if diff:
         raise UserError(
@@ -48,7 +57,7 @@ def _check_model(spec: Any, man: Manifest, path: Path) -> None:
 
 
 def load_converted(chunks: Sequence[Any], spec: Any, path: str | Path) -> None:
-    """Load a converted checkpoint into this rank's model chunks (collective for torch_dist)."""
+    """Load a converted checkpoint into this rank's model chunks (rank-local: no collective)."""
     path = Path(path)
     man = Manifest.read(path)
     man.check_files(path)
@@ -60,13 +69,47 @@ def load_converted(chunks: Sequence[Any], spec: Any, path: str | Path) -> None:
 
 
 def _load_dist(chunks: Sequence[Any], ckpt_dir: Path) -> None:
-    from megatron.core import dist_checkpointing
+    io = PositionedReader()
+    try:
+        reader = DistReader(ckpt_dir, io)
+        for c in chunks:
+            _load_chunk(c, dist_state(c, reader), f"train.init_from={ckpt_dir.parent}")
+    finally:
+        io.close()
 
-    sharded = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
-    for i, c in enumerate(chunks):
-        _load_chunk(c, loaded[f"model{i}"], f"train.init_from={ckpt_dir.parent}")
+
+def dist_state(chunk: Any, reader: DistReader) -> dict[str, Any]:
+    """`chunk`'s state dict read from a torch_dist checkpoint: what megatron-core's
+    `dist_checkpointing.load(chunk.sharded_state_dict(), ...)` returns, its steps kept
+    (factories applied, every sharded tensor and object read, factory merges applied)."""
+    sharded, nonpersistent, factories = load_preprocess(chunk.sharded_state_dict())
+    with torch.no_grad():
+        dict_list_map_inplace(lambda x: _read_sharded(x, reader), sharded)
+    merge(sharded, nonpersistent)
+    return apply_factory_merges(sharded, factories)
+
+
+def _read_sharded(x: Any, reader: DistReader) -> Any:
+    if isinstance(x, ShardedObject):
+        return reader.read_object(x.unique_key)
+    if not isinstance(x, ShardedTensor):
+        return x
+    if x.flattened_range is not None:
+        raise UserError(f"{reader.dir}: {x.key} is asked for as a flattened range (an optimizer state, not a weight)")
+    stored, p = reader.size(x.key), x.prepend_axis_num
+    if stored != tuple(x.global_shape) and not x.allow_shape_mismatch:
+        raise UserError(
+            f"{reader.dir}: {x.key} is stored with shape {list(stored)}, the model's is {list(x.global_shape)}"
+        )
+    data = torch.empty(x.local_shape, dtype=x.dtype) if x.data is None else x.data.detach()
+    lo = tuple(x.global_offset)
+    hi = tuple(min(o + n, s) for o, n, s in zip(lo, (1,) * p + tuple(x.local_shape), stored))
+    if x.allow_shape_mismatch:  # the rows the checkpoint does not have (vocabulary padding) read as zeros
+        data.zero_()
+    if all(a < b for a, b in zip(lo, hi)):
+        box = reader.read_box(x.key, lo, hi)
+        data[tuple(slice(0, b - a) for a, b in zip(lo[p:], hi[p:]))] = box.reshape(box.shape[p:])
+    return data
 
 
 def _load_chunk(chunk: Any, state: dict[str, Any], source: str) -> None:
@@ -82,7 +125,7 @@ def _load_chunk(chunk: Any, state: dict[str, Any], source: str) -> None:
 def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path) -> None:
     from megatron_bridge.bridge.loader import current_coords, layout_of
 
-    run, ckpt = layout_of(chunks), man.layout_obj()
+    run, ckpt = layout_of(chunks), manifest_layout(man)
     have = (ckpt.tp, ckpt.pp, ckpt.vpp, ckpt.ep, ckpt.etp)
     want = (run.tp, run.pp, run.vpp, run.ep, run.etp)
     if have != want:
@@ -92,9 +135,9 @@ def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path
             f"Make one for this layout: mbr reshard src={path} dst=NEW parallel.tp={run.tp} "
             f"parallel.pp={run.pp} ... (or convert with format=torch_dist, which loads at any layout)"
         )
-    if spec.padded_vocab_size(run.tp) != man.padded_vocab_size():
+    if spec.padded_vocab_size(run.tp) != stored_vocab_rows(man):
         raise UserError(
-            f"train.init_from={path} pads the vocabulary to {man.padded_vocab_size()} rows "
+            f"train.init_from={path} pads the vocabulary to {stored_vocab_rows(man)} rows "
             f"(make_vocab_size_divisible_by={man.make_vocab_size_divisible_by}), the run to "
             f"{spec.padded_vocab_size(run.tp)}: set model.make_vocab_size_divisible_by="
             f"{man.make_vocab_size_divisible_by}"

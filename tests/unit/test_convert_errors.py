@@ -183,7 +183,7 @@ def test_damaged_converted_checkpoints(capsys, tmp_path, llama):
     rank.write_bytes(bytes(data[:-64]))
     refused(capsys, "export", f"src={ckpt}", f"dst={tmp_path / 'x'}", match="truncated or modified")
     from megatron_bridge.convert.formats.safetensors_io import PositionedReader
-    from megatron_bridge.convert.formats.torch_zip import LazyTorchFile
+    from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
 
     rank.write_bytes(bytes(data))
     lazy = LazyTorchFile(rank, PositionedReader())

@@ -1,6 +1,7 @@
-"""convert/ in layers (megatron_bridge/convert/__init__.py): formats <- sources <- bytemove <-
-pipeline, each sub-package importing only from itself and the layers before it, and no
-`__init__.py` with behaviour (a docstring, imports and `__all__` only)."""
+"""convert/ in layers (megatron_bridge/convert/__init__.py): formats <- placement <- sources <-
+bytemove <- pipeline, each sub-package importing only from itself and the layers before it;
+formats/ knows no model (it imports no megatron_bridge module outside itself but `errors`);
+no `__init__.py` with behaviour (a docstring, imports and `__all__` only)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import pytest
 import megatron_bridge.convert
 
 ROOT = Path(megatron_bridge.convert.__file__).parent
-LAYERS = ("formats", "sources", "bytemove", "pipeline")
+LAYERS = ("formats", "placement", "sources", "bytemove", "pipeline")
 PREFIX = "megatron_bridge.convert."
 
 
-def convert_imports(path: Path) -> set[str]:
-    """The `megatron_bridge.convert.*` modules `path` imports, anywhere in the file (inside
-    functions and `if TYPE_CHECKING:` too); `from PKG import mod` counts as PKG.mod."""
+def imports(path: Path) -> set[str]:
+    """The modules `path` imports, anywhere in the file (inside functions and `if
+    TYPE_CHECKING:` too); `from PKG import mod` counts as PKG.mod."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -26,7 +27,11 @@ def convert_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             assert node.level == 0, f"{path}: relative import"
             out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in out if m.startswith(PREFIX)}
+    return out
+
+
+def convert_imports(path: Path) -> set[str]:
+    return {m for m in imports(path) if m.startswith(PREFIX)}
 
 
 def layer_of(module: str) -> str | None:
@@ -44,6 +49,18 @@ def test_a_layer_imports_only_itself_and_the_layers_before_it(layer):
         for f in files
         for m in sorted(convert_imports(f))
         if layer_of(m) not in allowed
+    ]
+    assert not bad, bad
+
+
+def test_formats_know_no_model():
+    """The files alone: no bridge (model tables, spec, layout names), no config, no parallel."""
+    own = ("megatron_bridge.convert.formats", "megatron_bridge.errors")
+    bad = [
+        f"{f.relative_to(ROOT)} imports {m}"
+        for f in sorted((ROOT / "formats").glob("*.py"))
+        for m in sorted(imports(f))
+        if m.split(".")[0] == "megatron_bridge" and not m.startswith(own)
     ]
     assert not bad, bad
 

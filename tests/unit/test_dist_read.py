@@ -23,7 +23,7 @@ from megatron_bridge.cli import main as mbr
 from megatron_bridge.convert.formats.dist_ckpt import MEGATRON_METADATA, DistLocation
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader
-from megatron_bridge.convert.formats.torch_zip import LazyTorchFile
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
 from megatron_bridge.errors import UserError
 
 
@@ -159,6 +159,41 @@ def test_part_of_a_stacked_chunk_is_not_single(dcp_saved):
     assert reader.single_chunk(loc) is None and reader.read(loc).item() == 2
 
 
+@pytest.mark.parametrize("which", ["converted", "dcp_saved"])
+def test_any_box_reads_what_torch_loads_and_only_its_span(request, which, monkeypatch):
+    """`read_box` (what `train.init_from` reads a rank's shard with): every box of a grid
+    over each tensor, across chunk borders (dcp_saved's "w" is two column chunks), equals
+    that box of torch's own load; a row range of a chunk reads just its bytes."""
+    import itertools
+
+    import torch
+
+    path = request.getfixturevalue(which)
+    _, full = reference(path)
+    pr = PositionedReader()
+    reader = DistReader(path, pr)
+    boxes = 0
+    for key, want in full.items():
+        cuts = [sorted({0, n // 3, n // 2, n}) for n in want.shape]
+        for bounds in itertools.product(*[list(itertools.combinations(c, 2)) for c in cuts]):
+            lo, hi = [a for a, _ in bounds], [b for _, b in bounds]
+            got = reader.read_box(key, lo, hi)
+            assert torch.equal(got, want[tuple(slice(a, b) for a, b in bounds)]), (key, lo, hi)
+            boxes += 1
+    assert boxes > 40
+    key, lo, hi = ("i", [2], [5]) if which == "dcp_saved" else ("decoder.layers.mlp.linear_fc1.weight", None, None)
+    size = reader.size(key)
+    if lo is None:  # the first half of one layer's rows
+        lo, hi = [0, 0, 0], [1, size[1] // 2, size[2]]
+    seen = []
+    real = pr.read_bytes
+    monkeypatch.setattr(pr, "read_bytes", lambda p, start, n: (seen.append(n), real(p, start, n))[1])
+    reader.read_box(key, lo, hi)
+    assert seen == [torch.Size(b - a for a, b in zip(lo, hi)).numel() * full[key].element_size()], seen
+    with pytest.raises(UserError, match="no box"):
+        reader.read_box(key, lo, [n + 1 for n in size])
+
+
 def damaged(tmp_path: Path, src: Path, data: bytes) -> Path:
     out = tmp_path / "bad"
     out.mkdir()
@@ -203,7 +238,7 @@ def test_finding_chunk_bytes_never_imports_torch(converted):
         "from megatron_bridge.convert.formats.dist_ckpt import DistLocation; "
         "from megatron_bridge.convert.formats.dist_read import DistReader; "
         "from megatron_bridge.convert.formats.safetensors_io import PositionedReader; "
-        "from megatron_bridge.convert.formats.torch_zip import LazyTorchFile; "
+        "from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile; "
         f"pr = PositionedReader(); r = DistReader(Path({str(converted)!r}), pr); "
         "L = r.md.state_dict_metadata['decoder.layers.mlp.linear_fc2.weight'].size[0]; "
         "locs = [DistLocation('embedding.word_embeddings.weight')] + "

@@ -25,7 +25,7 @@ import transformers as T
 from megatron_bridge.bridge.hf_config import _moe_pattern, load_spec
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.tiny import TINY, tiny_config
-from megatron_bridge.parallel.dims import padded_vocab_size
+from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
 from megatron_bridge.plan import params as P
 
 BASE = dict(vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4)
@@ -308,24 +308,15 @@ def test_rank_shards_match_hf_tensors_per_stage(name, tmp_path):
     for tp, pp, vpp, ep, etp, lf, ll in LAYOUTS:
         seen = []
         for stage in range(pp):
-            ids = P.stage_layer_ids(spec.num_layers, pp, stage, vpp, lf, ll)
+            ids = ParallelDims(pp=pp, vpp=vpp, layers_first_stage=lf, layers_last_stage=ll).stage_layer_ids(
+                spec.num_layers, stage
+            )
             seen += ids
             first, last = stage == 0, stage == pp - 1
             got = P.rank_params(spec, tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
             want = _expected_rank(cfg, spec, named, ids, first, last, tp, ep, etp)
             assert got["dense"] + got["expert"] == pytest.approx(want, rel=1e-12), (tp, pp, vpp, ep, etp, stage)
         assert sorted(seen) == list(range(spec.num_layers))
-
-
-def test_stage_layer_ids_equal_the_converters_split():
-    from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.convert.formats.placement import stage_layers
-
-    for L, pp, vpp, lf, ll in [(8, 2, 2, None, None), (12, 4, 1, 2, 2), (10, 3, 2, 2, 2), (6, 3, 1, None, 2)]:
-        lo = Layout(pp=pp, vpp=vpp if vpp > 1 else None, layers_first_stage=lf, layers_last_stage=ll)
-        for stage in range(pp):
-            want = [i for v in range(vpp) for i in stage_layers(L, lo, stage, v if vpp > 1 else None)]
-            assert list(P.stage_layer_ids(L, pp, stage, vpp, lf, ll)) == want
 
 
 # -- memory: MLA widths and per-stage layer mixes -------------------------------------------
@@ -366,7 +357,7 @@ def test_stage_memory_sums_the_kinds_of_its_layers():
     act = {moe: M.layer_activations(spec, recompute="selective", s=64, b=1, moe=moe, etp=1) for moe in (True, False)}
     assert act[True] != act[False]
     for stage, ids in ((0, (0, 1)), (1, (2, 3))):
-        assert P.stage_layer_ids(4, 2, stage) == ids
+        assert ParallelDims(pp=2).stage_layer_ids(4, stage) == ids
         sm = M.stage_memory(spec, stage=stage, layers=ids, first=stage == 0, last=stage == 1, **kw)
         flight = M.in_flight(stage, 2, 4)
         assert sm.activations == pytest.approx(flight * sum(act[P.is_moe_layer(spec, i)] for i in ids) + (

@@ -33,14 +33,12 @@ from megatron_bridge.convert.formats.safetensors_io import PositionedReader
 from megatron_bridge.convert.formats.torch_zip import (
     _STORAGE_TYPE,
     ALIGN,
-    LazyTorchFile,
     StorageRef,
     StreamingTorchSave,
     TensorRef,
-    _StubUnpickler,
-    _zip_records,
     contiguous_stride,
 )
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile, _StubUnpickler, _zip_records
 from megatron_bridge.errors import UserError
 
 Record = tuple[str, int, int]  # name inside the archive, data offset in the file, size
@@ -354,7 +352,8 @@ def test_module_writer_and_reader_need_no_torch(tmp_path):
     torch.save(megatron_like(tensors()), tmp_path / "saved.pt")
     code = (
         "import os, sys; from pathlib import Path; "
-        "from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, StreamingTorchSave; "
+        "from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave; "
+        "from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile; "
         "from megatron_bridge.convert.formats.safetensors_io import PositionedReader; "
         "from megatron_bridge.convert.formats.dtypes import BFLOAT16; "
         f"w = StreamingTorchSave({str(tmp_path / 'n.pt')!r}); r, at = w.reserve(4, BFLOAT16, (2,)); "

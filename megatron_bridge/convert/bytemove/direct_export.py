@@ -33,10 +33,11 @@ from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove import direct
 from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleave, Piece, Span
 from megatron_bridge.convert.bytemove.strided import Scatter, matrix
-from megatron_bridge.convert.formats.dist_ckpt import location
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
-from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef, contiguous_stride
+from megatron_bridge.convert.formats.torch_zip import TensorRef, contiguous_stride
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
+from megatron_bridge.convert.placement.dist_keys import location
 from megatron_bridge.convert.sources.readers import DistSource, Source, TorchSource
 from megatron_bridge.errors import UserError
 

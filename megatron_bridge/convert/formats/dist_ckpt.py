@@ -1,20 +1,13 @@
-"""megatron-core `dist_checkpointing` ("torch_dist") checkpoints, written and read offline.
+"""megatron-core `dist_checkpointing` ("torch_dist") checkpoints, written offline (read: `dist_read`).
 
 The format is PyTorch Distributed Checkpoint (DCP) plus two megatron files:
 `metadata.json` (which backends) and `common.pt` (the non-tensor state). In the DCP part,
 `.metadata` is a pickled `torch.distributed.checkpoint.metadata.Metadata` (per key: global
 shape, dtype, chunk list; per chunk: file, byte offset, length) and each chunk is one
-`torch.save`d tensor inside a `.distcp` file. Keys, global shapes and chunking are those of
-`GPTModel.sharded_state_dict()`:
-
-* layers of a homogeneous stack share a key with a leading layer axis,
-  `decoder.layers.<name>` of shape [L, ...] (one chunk per layer — one stacked chunk loads
-  several times slower); with MoE and dense layers mixed, keys keep the layer index
-  (`decoder.layers.<i>.<name>`), as megatron does for non-homogeneous stacks;
-* experts add an expert axis: `...mlp.experts.experts.linear_fc1.weight` [L, E, ...];
-* norms use the local spec's fused names (`bridge.layout.dist_ckpt_key`);
-* every linear layer in a layer has an `_extra_state` ShardedObject (value None), which a
-  strict load expects.
+`torch.save`d tensor inside a `.distcp` file. A chunk is addressed by a `DistLocation`: its
+key and its position on the key's leading (layer[, expert]) axes. Which key and axes a
+model's parameter has is the model's business (`convert.placement.dist_keys`, the names
+megatron's `GPTModel.sharded_state_dict()` gives); this module only writes what it is given.
 
 megatron's own `dist_checkpointing.save` needs every tensor in memory at once and a process
 group; writing the same files directly streams one chunk at a time. The data is global
@@ -29,23 +22,15 @@ chunk's bytes and move them without importing torch or `torch.distributed.checkp
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from megatron_bridge.bridge.layout import dist_ckpt_key
-from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.convert.formats.dtypes import DType, dtype_of
 from megatron_bridge.convert.formats.pickling import Global, Instance, Reduce, TorchPickler, torch_size
-from megatron_bridge.convert.formats.placement import LINEAR_MODULES
 from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave
-from megatron_bridge.errors import UserError
-
-if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
-    pass
 
 DATA_FILE = "__0_0.distcp"
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENTDCP_VERSION (a test holds them equal)
@@ -59,8 +44,6 @@ MEGATRON_METADATA = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^(.*\.experts)\.local_experts\.(\d+)\.(.*)$")
 
 
 @dataclass(frozen=True)
@@ -76,34 +59,6 @@ class DistLocation:
         """ShardedObject.unique_key of an `_extra_state` at this location."""
         offs, axes = self.offsets or (0,), self.axes or (1,)
         return f"{self.key}/shard_{'.'.join(map(str, offs))}_{'.'.join(map(str, axes))}"
-
-
-def location(name: str, spec: BridgeSpec) -> DistLocation:
-    """Where global megatron parameter `name` is stored."""
-    name = dist_ckpt_key(name, fused_norm_names=not spec.multi_latent_attention)
-    m = _LAYER.match(name)
-    if not m:
-        return DistLocation(name)
-    layer, rest = int(m.group(1)), m.group(2)
-    stacked = not spec.moe_layer_pattern  # megatron: moe_layer_freq as a list -> non-homogeneous layers
-    key = "decoder.layers." if stacked else f"decoder.layers.{layer}."
-    offsets: tuple[int, ...] = (layer,) if stacked else ()
-    axes: tuple[int, ...] = (spec.num_layers,) if stacked else ()
-    e = _EXPERT.match(rest)
-    if e:
-        if not spec.num_moe_experts:
-            raise UserError(f"{name} is an expert's parameter, but the config has no experts")
-        rest = f"{e.group(1)}.experts.{e.group(3)}"
-        offsets, axes = offsets + (int(e.group(2)),), axes + (spec.num_moe_experts,)
-    return DistLocation(key + rest, offsets, axes)
-
-
-def extra_state_location(name: str, spec: BridgeSpec) -> DistLocation | None:
-    """The `_extra_state` object that goes with a linear layer's weight (inside the layers)."""
-    module, _, leaf = name.rpartition(".")
-    if leaf != "weight" or module.rsplit(".", 1)[-1] not in LINEAR_MODULES or not _LAYER.match(name):
-        return None
-    return location(f"{module}._extra_state", spec)
 
 
 class DistWriter:
@@ -205,4 +160,4 @@ class DistWriter:
         (self.dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
 
 
-__all__ = ["DistLocation", "location", "extra_state_location", "DistWriter", "DATA_FILE", "MEGATRON_METADATA"]
+__all__ = ["DistLocation", "DistWriter", "DATA_FILE", "MEGATRON_METADATA"]

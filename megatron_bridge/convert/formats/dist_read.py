@@ -3,9 +3,13 @@
 DCP's `.metadata` is a pickle of `torch.distributed.checkpoint` dataclasses; it is loaded
 into the `Record` stand-ins below by an unpickler that allows exactly the globals such a
 file names, so finding a chunk's file, offset and length needs neither torch nor
-`torch.distributed.checkpoint` (~2 s of imports). Only `DistReader.read`, which builds
-tensors, imports torch. The reader assembles any chunking: one chunk per layer as `mbr
-convert` writes it, or megatron-core's own TP-split or stacked chunks.
+`torch.distributed.checkpoint` (~2 s of imports). Only the methods that build tensors
+import torch. The reader assembles any box of a global tensor from any chunking: one chunk
+per layer as `mbr convert` writes it, or megatron-core's own TP-split or stacked chunks.
+
+The one torch_dist reader: export and reshard read whole tensors with it, and
+`train.init_from` (`runtime/load_converted.py`) each rank's shards, reading only the bytes
+those span; objects are unpickled by an allowlist, never by `torch.load(weights_only=False)`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import pickle
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from math import prod
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -22,7 +27,8 @@ from megatron_bridge.convert.formats.dist_ckpt import DCP, PLANNER, DistLocation
 from megatron_bridge.convert.formats.dtypes import BY_NAME, DType
 from megatron_bridge.convert.formats.pickling import Record
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader
-from megatron_bridge.convert.formats.torch_zip import LazyTorchFile
+from megatron_bridge.convert.formats.torch_zip import TensorRef
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
@@ -177,30 +183,35 @@ class DistReader:
             raise UserError(f"{self.dir}: {key} is stored with transforms {info.transform_descriptors} (unsupported)")
         return info
 
-    def _chunk(self, key: str, chunk: _Chunk) -> torch.Tensor:
-        info = self._item(key, chunk)
-        item = LazyTorchFile(self.dir / info.relative_path, self._io, info.offset, info.length)
-        return item.read(item.obj)
-
-    def _covering(self, loc: DistLocation):
-        """(metadata, region lo, region hi, [(chunk, overlap lo, overlap hi)]) for `loc`."""
-        tmd = self.md.state_dict_metadata.get(loc.key)
+    def _entry(self, key: str) -> _TensorEntry:
+        tmd = self.md.state_dict_metadata.get(key)
         if not isinstance(tmd, _TensorEntry):
-            raise UserError(f"{self.dir}: the checkpoint has no tensor {loc.key}")
+            raise UserError(f"{self.dir}: the checkpoint has no tensor {key}")
+        return tmd
+
+    def size(self, key: str) -> tuple[int, ...]:
+        """The global shape of tensor `key`."""
+        return tuple(self._entry(key).size)
+
+    def _region(self, loc: DistLocation) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The box of `loc` in its key's global tensor: one index on each leading axis, all of the rest."""
+        size = self._entry(loc.key).size
         n = len(loc.offsets)
-        lo = loc.offsets + (0,) * (len(tmd.size) - n)
-        hi = tuple(o + 1 for o in loc.offsets) + tuple(tmd.size[n:])
+        return loc.offsets + (0,) * (len(size) - n), tuple(o + 1 for o in loc.offsets) + tuple(size[n:])
+
+    def _covering(self, key: str, lo: Sequence[int], hi: Sequence[int]) -> list[tuple[_Chunk, tuple, tuple]]:
+        """[(chunk, overlap lo, overlap hi)] of the chunks of `key` that meet the box [lo, hi)."""
         hits = []
-        for c in tmd.chunks:
+        for c in self._entry(key).chunks:
             a = tuple(max(x, y) for x, y in zip(lo, c.offsets))
             b = tuple(min(x, o + s) for x, o, s in zip(hi, c.offsets, c.sizes))
             if all(x < y for x, y in zip(a, b)):
                 hits.append((c, a, b))
-        return tmd, lo, hi, hits
+        return hits
 
     def ranges(self, loc: DistLocation) -> list[tuple[Path, int, int]]:
         try:
-            hits = self._covering(loc)[3]
+            hits = self._covering(loc.key, *self._region(loc))
         except UserError:
             return []
         infos = [self._storage.get((loc.key, tuple(c.offsets))) for c, _, _ in hits]
@@ -210,34 +221,72 @@ class DistReader:
         """The item holding exactly the region of `loc`, when one chunk is that region (always
         so in our own checkpoints), for moving its bytes; None when the region takes several
         chunks or a part of one (megatron's TP-split or stacked chunks): `read` assembles those."""
-        tmd, lo, hi, hits = self._covering(loc)
+        lo, hi = self._region(loc)
+        hits = self._covering(loc.key, lo, hi)
         c = hits[0][0] if len(hits) == 1 else None
         if c is None or (tuple(c.offsets), tuple(o + s for o, s in zip(c.offsets, c.sizes))) != (lo, hi):
             return None
         info = self._item(loc.key, c)
         return ChunkRegion(
-            self.dir / info.relative_path, info.offset, info.length, tuple(c.sizes), tmd.properties.dtype
+            self.dir / info.relative_path,
+            info.offset,
+            info.length,
+            tuple(c.sizes),
+            self._entry(loc.key).properties.dtype,
         )
 
     def read(self, loc: DistLocation) -> torch.Tensor:
+        """The tensor at `loc` (its leading layer/expert axes dropped)."""
+        lo, hi = self._region(loc)
+        return self.read_box(loc.key, lo, hi).reshape(self.size(loc.key)[len(loc.offsets) :])
+
+    def read_box(self, key: str, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+        """The box [lo, hi) of global tensor `key`, put together from the chunks that cover it;
+        of each chunk only the bytes spanning its part of the box are read
+        (`LazyTorchFile.read_box`), so a rank loading its shard reads about its share."""
         import torch
 
-        tmd, lo, hi, hits = self._covering(loc)
-        inner = tuple(tmd.size[len(loc.offsets) :])
+        lo, hi = tuple(lo), tuple(hi)
+        tmd = self._entry(key)
+        shape = tuple(b - a for a, b in zip(lo, hi))
+        if len(shape) != len(tmd.size) or not all(0 <= a <= b <= n for a, b, n in zip(lo, hi, tmd.size)):
+            raise UserError(f"{self.dir}: {key} has shape {list(tmd.size)}, no box {list(lo)}..{list(hi)}")
+        if prod(shape) == 0:
+            return torch.empty(shape, dtype=tmd.properties.dtype.torch)
         out, filled = None, 0
-        for c, a, b in hits:
-            data = self._chunk(loc.key, c)
-            c_lo = tuple(c.offsets)
-            if (c_lo, tuple(o + s for o, s in zip(c.offsets, c.sizes))) == (lo, hi):
-                return data.reshape(inner)
+        for c, a, b in self._covering(key, lo, hi):
+            part = self._chunk_box(key, c, a, b)
+            if (a, b) == (lo, hi):
+                return part
             if out is None:
-                out = torch.empty(tuple(y - x for x, y in zip(lo, hi)), dtype=data.dtype)
-            src = data[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, c_lo))]
-            out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))] = src
+                out = torch.empty(shape, dtype=part.dtype)
+            out[tuple(slice(x - o, y - o) for x, y, o in zip(a, b, lo))] = part
             filled += prod(y - x for x, y in zip(a, b))
         if out is None or filled != out.numel():
-            raise UserError(f"{self.dir}: the chunks of {loc.key} do not cover position {loc.offsets} (incomplete)")
-        return out.reshape(inner)
+            raise UserError(f"{self.dir}: the chunks of {key} do not cover {list(lo)}..{list(hi)} (incomplete)")
+        return out
+
+    def _chunk_box(self, key: str, chunk: _Chunk, lo: tuple[int, ...], hi: tuple[int, ...]) -> torch.Tensor:
+        """The part [lo, hi) (global coordinates) of one chunk."""
+        info = self._item(key, chunk)
+        item = LazyTorchFile(self.dir / info.relative_path, self._io, info.offset, info.length)
+        ref = item.obj
+        if not isinstance(ref, TensorRef) or ref.shape != tuple(chunk.sizes):
+            raise UserError(f"{self.dir}: the chunk of {key} at {tuple(chunk.offsets)} is not its tensor (damaged)")
+        at = tuple(chunk.offsets)
+        return item.read_box(ref, [x - o for x, o in zip(lo, at)], [y - o for y, o in zip(hi, at)])
+
+    def read_object(self, key: str) -> Any:
+        """A stored object (megatron's ShardedObject, e.g. a linear layer's `_extra_state`),
+        unpickled by the allowlisting reader (torch's DCP would `torch.load` it with
+        weights_only=False): megatron stores `[value]`, this returns `value`."""
+        info = self._storage.get((key, ()))
+        if type(self.md.state_dict_metadata.get(key)) is not Record or info is None:  # BytesStorageMetadata
+            raise UserError(f"{self.dir}: the checkpoint has no object {key}")
+        obj = LazyTorchFile(self.dir / info.relative_path, self._io, info.offset, info.length).obj
+        if not (isinstance(obj, list) and len(obj) == 1) or isinstance(obj[0], TensorRef):
+            raise UserError(f"{self.dir}: object {key} is not a stored value (unsupported: {type(obj).__name__})")
+        return obj[0]
 
 
 __all__ = ["DistReader", "ChunkRegion"]

@@ -11,6 +11,9 @@ checkpoint, and `train.init_from` recognises the directory by it). It records:
   HF tensor and compare, so a round trip is checked bit for bit, and a corrupted or
   tampered file is reported by tensor name;
 * every written file and its size: a truncated file is refused before reading it.
+
+The model and layout fields are stored as they are given (plain JSON: the HF config, tp/pp/...,
+the vocabulary divisor); reading them as a model and a layout is `convert.placement.manifest_model`'s.
 """
 
 from __future__ import annotations
@@ -22,9 +25,6 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from zlib_ng import zlib_ng
 
-from megatron_bridge.bridge.hf_config import spec_from_hf
-from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import ST_DTYPES, tensor_bytes
 from megatron_bridge.errors import UserError
@@ -60,18 +60,6 @@ class LayoutRecord(TypedDict):
     layers_last_stage: NotRequired[int | None]
 
 
-def layout_dict(layout: Layout) -> LayoutRecord:
-    return {
-        "tp": layout.tp,
-        "pp": layout.pp,
-        "vpp": layout.vpp,
-        "ep": layout.ep,
-        "etp": layout.etp,
-        "layers_first_stage": layout.layers_first_stage,
-        "layers_last_stage": layout.layers_last_stage,
-    }
-
-
 @dataclass
 class Manifest:
     format: str
@@ -87,26 +75,8 @@ class Manifest:
     version: int = VERSION
 
     # -- views ------------------------------------------------------------------------
-    def layout_obj(self) -> Layout:
-        d = self.layout
-        return Layout(
-            tp=d["tp"],
-            pp=d["pp"],
-            vpp=d.get("vpp"),
-            ep=d.get("ep", 1),
-            etp=d.get("etp") or d["tp"],  # older manifests: expert TP = tp
-            layers_first_stage=d.get("layers_first_stage"),
-            layers_last_stage=d.get("layers_last_stage"),
-        )
-
-    def spec(self) -> BridgeSpec:
-        return spec_from_hf(self.hf_config, make_vocab_size_divisible_by=self.make_vocab_size_divisible_by)
-
     def tensor_table(self) -> dict[str, tuple[tuple[int, ...], DType]]:
         return {k: (tuple(v["shape"]), ST_DTYPES[v["dtype"]]) for k, v in self.tensors.items()}
-
-    def padded_vocab_size(self) -> int:
-        return self.spec().padded_vocab_size(self.layout["tp"])
 
     # -- io ---------------------------------------------------------------------------
     def write(self, directory: Path) -> None:
@@ -158,4 +128,4 @@ def list_files(directory: Path) -> dict[str, int]:
     }
 
 
-__all__ = ["Manifest", "MANIFEST", "crc32", "crc_hex", "layout_dict", "dtype_name", "list_files", "FORMATS"]
+__all__ = ["Manifest", "LayoutRecord", "MANIFEST", "crc32", "crc_hex", "dtype_name", "list_files", "FORMATS"]

@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.bridge.loader import WEIGHT_FILE_SUFFIXES, _write_config_and_assets
-from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, layout_dict, list_files
-from megatron_bridge.convert.formats.placement import RELEASE, TRACKER
+from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
 from megatron_bridge.convert.pipeline.options import check_format, checked_layout, describe
 from megatron_bridge.convert.pipeline.progress import Progress
 from megatron_bridge.convert.pipeline.writers import DistOut, HFOut, TorchOut
+from megatron_bridge.convert.placement.manifest_model import layout_record, manifest_layout
+from megatron_bridge.convert.placement.rank_files import RELEASE, TRACKER
 from megatron_bridge.convert.sources.readers import HFSource, Source, open_checkpoint, parse_dtype
 from megatron_bridge.errors import UserError
 
@@ -125,7 +126,7 @@ def _manifest(
     Manifest(
         format=fmt,
         hf_config=hf_config,
-        layout=layout_dict(layout),
+        layout=layout_record(layout),
         dtype=dtype_name(source.out_dtype(n) for n in source.tensors),
         make_vocab_size_divisible_by=source.spec.make_vocab_size_divisible_by,
         tensors=tensors,
@@ -209,7 +210,7 @@ def reshard(cfg: Any) -> int:
         _manifest(fmt, man.hf_config, layout, source, tmp, man.assets, Path(man.source or src), "mbr reshard")
 
     prog = _run(source, writer, dst, "resharded", cfg.progress, finish)
-    old = man.layout_obj()
+    old = manifest_layout(man)
     print(prog.summary(str(dst), f"{man.format} tp{old.tp}·pp{old.pp} -> {fmt}, {describe(layout, dtype)}"), flush=True)
     return 0
 

@@ -30,9 +30,13 @@ from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.direct import DirectCopy
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
-from megatron_bridge.convert.formats.dist_ckpt import DistWriter, extra_state_location, location
+from megatron_bridge.convert.formats.dist_ckpt import DistWriter
 from megatron_bridge.convert.formats.dtypes import DType
-from megatron_bridge.convert.formats.placement import (
+from megatron_bridge.convert.formats.safetensors_io import INDEX, SafetensorsWriter, plan_shards
+from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
+from megatron_bridge.convert.pipeline.writeback import Writeback
+from megatron_bridge.convert.placement.dist_keys import extra_state_location, location
+from megatron_bridge.convert.placement.rank_files import (
     RELEASE,
     TRACKER,
     RankFile,
@@ -43,9 +47,6 @@ from megatron_bridge.convert.formats.placement import (
     stage_coords,
     stage_targets,
 )
-from megatron_bridge.convert.formats.safetensors_io import INDEX, SafetensorsWriter, plan_shards
-from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
-from megatron_bridge.convert.pipeline.writeback import Writeback
 from megatron_bridge.convert.sources.readers import Source
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it

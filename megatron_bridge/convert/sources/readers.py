@@ -30,13 +30,15 @@ from megatron_bridge.bridge.mapping import Replicated
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats import fp8
-from megatron_bridge.convert.formats.dist_ckpt import location
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.manifest import Manifest, crc32
-from megatron_bridge.convert.formats.placement import RELEASE, RankFile, Target, all_targets
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
-from megatron_bridge.convert.formats.torch_zip import LazyTorchFile, TensorRef
+from megatron_bridge.convert.formats.torch_zip import TensorRef
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
+from megatron_bridge.convert.placement.dist_keys import location
+from megatron_bridge.convert.placement.manifest_model import manifest_layout, manifest_spec
+from megatron_bridge.convert.placement.rank_files import RELEASE, RankFile, Target, all_targets
 from megatron_bridge.convert.sources.rows import producers, resolve_rows
 from megatron_bridge.errors import UserError
 
@@ -247,8 +249,8 @@ class CheckpointSource(Source):
         super().__init__(dtype)
         self.where, self.man = f"src={path}", man
         man.check_files(path)
-        self.spec = man.spec()
-        self.layout = man.layout_obj()
+        self.spec = manifest_spec(man)
+        self.layout = manifest_layout(man)
         self.tensors = man.tensor_table()
         self.rows = resolve_rows(self.spec, self.tensors, tp=self.layout.tp, where=self.where)
         self.order = {r.megatron: i for i, r in enumerate(self.rows)}

@@ -32,9 +32,7 @@ def count_job(overrides):
     pp_rank = ps.get_pipeline_model_parallel_rank()
     stages = {
         idx: (ids, first, last)
-        for idx, ids, first, last in _stage_plan(
-            spec.num_layers, dims.pp, dims.layers_first_stage, dims.layers_last_stage, dims.vpp or 1
-        )
+        for idx, ids, first, last in _stage_plan(spec.num_layers, dims)
     }
     ids, first, last = stages[pp_rank]
     rp = P.rank_params(spec, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)

@@ -11,11 +11,10 @@ ep > 1, exactly as `megatron.training.checkpointing.get_checkpoint_name` builds 
 (iteration reset to 0, no optimizer or RNG state expected).
 
 Which parameter a rank holds is the bridge's decision (`loader.owned`: embedding on the first
-chunk, output layer and final norm on the last, experts by EP rank); this module only
-supplies the layer range of each (pp, vp) chunk. `stage_layers` is megatron-core's split
-(`get_transformer_layer_offset` / `get_num_layers_to_build`) written as plain arithmetic, so
-the converter does not import megatron-core (its slowest import; docs/benchmarks.md); a unit
-test holds it equal to megatron's for a grid of layouts.
+chunk, output layer and final norm on the last, experts by EP rank) and each (pp, vp)
+chunk's layers are the layout's (`ParallelDims.stage_layers`: megatron-core's split as
+arithmetic, so the converter does not import megatron-core); this module names the files
+and chunks they go to.
 """
 
 from __future__ import annotations
@@ -45,29 +44,6 @@ LINEAR_MODULES = (
     "linear_q_up_proj",
     "linear_kv_up_proj",
 )
-
-
-def stage_layers(num_layers: int, layout: Layout, pp_rank: int, vp_stage: int | None = None) -> range:
-    """Global layer indices of chunk (pp_rank, vp_stage): chunks are filled in schedule order
-    (virtual stage major, then pipeline rank), each stage's layers split evenly over its
-    virtual chunks; `layers_first_stage` / `layers_last_stage` fix the end stages."""
-    pp, vpp = layout.pp, (layout.vpp or 1)
-    if pp == 1:
-        return range(num_layers)
-    first, last = layout.layers_first_stage, layout.layers_last_stage
-    middle = pp - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-
-    def per_chunk(p: int) -> int:
-        if p == 0 and first is not None:
-            return first // vpp
-        if p == pp - 1 and last is not None:
-            return last // vpp
-        return rest // middle // vpp
-
-    vp = vp_stage or 0
-    start = vp * sum(per_chunk(p) for p in range(pp)) + sum(per_chunk(p) for p in range(pp_rank))
-    return range(start, start + per_chunk(pp_rank))
 
 
 @dataclass(frozen=True, order=True)
@@ -111,7 +87,7 @@ def stage_targets(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], pp
     """{global megatron name: its copies in stage `pp_rank`'s rank files}, in row order."""
     out: dict[str, list[Target]] = {}
     for coords in stage_coords(layout, pp_rank):
-        layers = stage_layers(spec.num_layers, layout, pp_rank, coords.vp_stage)
+        layers = layout.stage_layers(spec.num_layers, pp_rank, coords.vp_stage)
         f = RankFile(coords.tp_rank, pp_rank, coords.ep_rank)
         for r in rows:
             local = owned(r, spec, layout, coords, layers)
@@ -203,7 +179,6 @@ def common_state(args: argparse.Namespace) -> dict[str, object]:
 
 
 __all__ = [
-    "stage_layers",
     "RankFile",
     "Target",
     "stage_coords",

@@ -1,0 +1,205 @@
+"""`torch.save` files read back one tensor at a time, without torch (the format: `torch_zip`).
+
+The reader unpickles `data.pkl` with stubs in place of storages (an allowlist of globals,
+as `weights_only` loading has), finds the records with its own zip reader (central
+directory, then each record's local header for its data offset) and reads one record, or
+the span of one box of it, with one positioned read when asked. Only the methods that build
+tensors import torch: listing the records and unpickling the stubs is plain Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import io
+import os
+import pickle
+import struct
+from collections.abc import Sequence
+from math import prod
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_bridge.convert.formats.dtypes import BY_NAME, DType
+from megatron_bridge.convert.formats.torch_zip import (
+    STORAGE_DTYPE,
+    ZIP64_END,
+    ZIP64_LOCATOR,
+    ZIP_CENTRAL,
+    ZIP_END,
+    ZIP_LOCAL,
+    ZIP_U32,
+    StorageRef,
+    TensorRef,
+)
+from megatron_bridge.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_bridge.convert.formats.safetensors_io import PositionedReader
+
+
+class _StubUnpickler(pickle.Unpickler):
+    """Unpickles a torch.save pickle into TensorRefs; refuses any global outside the allowlist.
+    dtypes come back as `DType`s."""
+
+    SAFE = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("argparse", "Namespace"): argparse.Namespace,
+        ("torch._utils", "_rebuild_tensor_v2"): lambda s, o, size, stride, *rest: TensorRef(
+            s, o, tuple(size), tuple(stride)
+        ),
+    }
+
+    def find_class(self, module, name):
+        if (module, name) in self.SAFE:
+            return self.SAFE[(module, name)]
+        if module == "torch" and name in STORAGE_DTYPE:
+            return STORAGE_DTYPE[name]
+        if module == "torch" and name in BY_NAME:
+            return BY_NAME[name]
+        if module == "torch":  # a dtype outside DType's table (complex, quantized): torch's own
+            import torch
+
+            by_storage = {storage: d for d, storage in torch.storage._dtype_to_storage_type_map().items()}
+            if name in by_storage:
+                return by_storage[name]
+            if isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+        raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+
+    def persistent_load(self, pid):
+        kind, dtype, key, _location, numel = pid
+        if kind != "storage":
+            raise pickle.UnpicklingError(f"unexpected persistent id {kind!r}")
+        return StorageRef(str(key), dtype, int(numel))
+
+
+def _pread(fd: int, n: int, at: int) -> bytes:
+    """`n` bytes at `at`; a file that ends first is truncated (no zip field may point past it)."""
+    got = os.pread(fd, n, at)
+    if len(got) != n:
+        raise ValueError(f"truncated: {n} bytes wanted at byte {at}, the file ends first")
+    return got
+
+
+def _zip64(extra: bytes, fields: list[int]) -> list[int]:
+    """`fields` (size, size, local header offset) with each one that reads 0xFFFFFFFF
+    replaced by the next value of the zip64 extended information field (tag 1)."""
+    i = 0
+    while i + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, i)
+        if tag == 1:
+            values = list(struct.unpack_from(f"<{n // 8}Q", extra, i + 4))
+            if fields.count(ZIP_U32) > len(values):
+                raise ValueError("zip64 extra field too short")
+            return [values.pop(0) if v == ZIP_U32 else v for v in fields]
+        i += 4 + n
+    return fields
+
+
+def _zip_records(fd: int, start: int, length: int) -> dict[str, tuple[int, int]]:
+    """{name: (absolute data offset, size)} of the records of the zip at [start, start +
+    length) of `fd`, names without the archive's folder: what `torch._C.PyTorchFileReader`
+    lists (`get_all_records`, `get_record_offset`), without importing torch.
+
+    Offsets inside the zip count from `start`, as torch writes a DCP item. A record's data
+    follows its local header, whose extra field is not the central directory's (torch pads
+    it to align the data), so each local header is read."""
+    tail_len = min(length, ZIP_END.size + 0xFFFF)  # the end record and the longest comment it can have
+    tail = _pread(fd, tail_len, start + length - tail_len)
+    at = tail.rfind(b"PK\x05\x06", 0, tail_len - ZIP_END.size + 4)
+    if at < 0:
+        raise ValueError("no zip end-of-central-directory record: not a zip file, or truncated")
+    end_at = length - tail_len + at
+    _, _, _, _, n, size, ofs, _ = ZIP_END.unpack_from(tail, at)
+    if end_at >= ZIP64_LOCATOR.size:  # torch always writes the zip64 locator and end record
+        locator = _pread(fd, ZIP64_LOCATOR.size, start + end_at - ZIP64_LOCATOR.size)
+        sig, _, end64_at, _ = ZIP64_LOCATOR.unpack(locator)
+        if sig == 0x07064B50:
+            end64 = ZIP64_END.unpack(_pread(fd, ZIP64_END.size, start + end64_at))
+            if end64[0] != 0x06064B50:
+                raise ValueError("corrupt zip64 end-of-central-directory record")
+            n, size, ofs = end64[7:]
+    if ofs + size > end_at:
+        raise ValueError("the central directory runs past its end record: truncated or corrupt")
+    central, pos, out, folder = _pread(fd, size, start + ofs), 0, {}, None
+    for _ in range(n):
+        (sig, _, _, _, method, _, _, _, csize, usize, name_len, extra_len, comment_len, _, _, _, local) = (
+            ZIP_CENTRAL.unpack_from(central, pos)
+        )
+        name_at, pos = pos + ZIP_CENTRAL.size, pos + ZIP_CENTRAL.size + name_len + extra_len + comment_len
+        if sig != 0x02014B50 or pos > size:
+            raise ValueError("corrupt zip central directory")
+        name = central[name_at : name_at + name_len].decode("utf-8")
+        usize, csize, local = _zip64(
+            central[name_at + name_len : name_at + name_len + extra_len], [usize, csize, local]
+        )
+        if method != 0 or csize != usize:
+            raise ValueError(f"record {name} is compressed (method {method}); torch.save stores records as they are")
+        folder = folder or name[: name.find("/") + 1]
+        if not folder or not name.startswith(folder):
+            raise ValueError(f"record {name} is not in the archive's folder {folder or '(none)'}")
+        head = ZIP_LOCAL.unpack(_pread(fd, ZIP_LOCAL.size, start + local))
+        data = local + ZIP_LOCAL.size + head[-2] + head[-1]
+        if head[0] != 0x04034B50 or data + usize > ofs:
+            raise ValueError(f"record {name}: corrupt local header or data past the central directory")
+        out[name[len(folder) :]] = (start + data, usize)
+    return out
+
+
+class LazyTorchFile:
+    """Random access to the tensors of a torch.save zip (a whole file, or the byte range
+    [start, start + length) of one), one positioned read per tensor. Only `read` imports
+    torch: listing the records and unpickling the stubs is plain Python."""
+
+    def __init__(self, path: Path, reader: PositionedReader, start: int = 0, length: int | None = None):
+        self.path, self._io = path, reader
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                records = _zip_records(fd, start, os.fstat(fd).st_size - start if length is None else length)
+                if "data.pkl" not in records:
+                    raise ValueError("no data.pkl record")
+                at, size = records["data.pkl"]
+                self.obj = _StubUnpickler(io.BytesIO(_pread(fd, size, at))).load()
+            finally:
+                os.close(fd)
+            self._offsets = {r[len("data/") :]: at for r, (at, _) in records.items() if r.startswith("data/")}
+        except (struct.error, pickle.UnpicklingError, ValueError, EOFError, OSError) as e:
+            where = f"{path}" if length is None else f"{path} bytes {start}..{start + length}"
+            raise UserError(f"{where}: not a readable torch checkpoint ({str(e).splitlines()[0]})") from None
+
+    def range(self, ref: TensorRef) -> tuple[Path, int, int]:
+        """(file, start, length) of a tensor's record."""
+        return self.path, self._offsets.get(ref.storage.key, 0), ref.storage.numel * ref.dtype.itemsize
+
+    def read(self, ref: TensorRef) -> torch.Tensor:
+        return self.read_box(ref, (0,) * len(ref.shape), ref.shape)
+
+    def read_box(self, ref: TensorRef, lo: Sequence[int], hi: Sequence[int]) -> torch.Tensor:
+        """The box [lo, hi) of tensor `ref` (the whole tensor: `read`), reading only the
+        record's bytes from the box's first element to its last: a range of rows is one
+        exact read, a range of columns reads its rows whole (as `LazySlice` does)."""
+        import torch
+
+        if ref.storage.key not in self._offsets:
+            raise UserError(f"{self.path}: record data/{ref.storage.key} is missing (corrupt checkpoint)")
+        dtype = ref.dtype.torch if isinstance(ref.dtype, DType) else ref.dtype
+        shape = tuple(b - a for a, b in zip(lo, hi))
+        if not all(0 <= a <= b <= n for a, b, n in zip(lo, hi, ref.shape)) or len(shape) != len(ref.shape):
+            raise ValueError(f"box {list(lo)}..{list(hi)} is not inside a tensor of shape {list(ref.shape)}")
+        if prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        first = ref.offset + sum(a * s for a, s in zip(lo, ref.stride))
+        last = ref.offset + sum((b - 1) * s for b, s in zip(hi, ref.stride))
+        if last >= ref.storage.numel:
+            raise UserError(f"{self.path}: record data/{ref.storage.key} is smaller than its tensor (corrupt)")
+        size = ref.dtype.itemsize
+        raw = self._io.read_bytes(self.path, self._offsets[ref.storage.key] + first * size, (last - first + 1) * size)
+        t = raw.view(dtype).as_strided(shape, ref.stride, 0)
+        return t if t.numel() == last - first + 1 else t.clone()
+
+
+__all__ = ["LazyTorchFile"]
