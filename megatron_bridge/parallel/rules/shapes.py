@@ -66,6 +66,10 @@ def pipeline_layers(f: Facts) -> list[Violation]:
         )
     if stages == 0 and rest != 0:
         problems.append(f"{rest} layers are left over but there is no middle stage (pp={p})")
+    if stages == 0 and v > 1:  # megatron-core 0.16 divides by the middle stages' count
+        problems.append(
+            f"with vpp={v}, megatron-core needs a middle stage when both end stages are fixed (pp={p} leaves none)"
+        )
     if problems:
         return _v(
             "layers-uneven",
