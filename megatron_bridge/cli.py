@@ -2,8 +2,11 @@
 
 Subcommands are looked up lazily in `COMMANDS` (module path, function) so that `mbr check`
 imports neither torch nor megatron-core. Each command function takes the remaining argv
-(Hydra-style `key=value` overrides plus `--flags`) and returns an exit code; user errors
-are raised as `UserError` and printed by `run_cli` without a traceback.
+and reads it one way, `config.compose.parse_command(argv, schema, doc=__doc__)`: `key=value`
+fields of the command's typed schema (composed with a recipe for the commands that run one)
+plus `--flags`, the schema's declared other spellings, and `-h`/`--help` for its docstring.
+It returns an exit code; user errors are raised as `UserError` and printed by `run_cli`
+without a traceback.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ commands:
 Every key of every config group can be overridden: parallel.tp=4 parallel.pp=2 zero.stage=1
 model=llama3_70b cluster=dgx_h100 cluster.nodes=8. `--cfg job` prints the resolved config.
 Your own recipes and group options: `--config-dir DIR` or $MBR_CONFIG_PATH (`mbr init DIR`).
+`mbr <command> --help` shows a command's own fields and examples.
 """
 
 

@@ -35,6 +35,15 @@ class LayoutError(UserError):
         super().__init__("\n".join(lines))
 
 
+class HelpRequested(Exception):
+    """`-h`/`--help` on a command line (config.compose.parse_command): `run_cli` prints the
+    text it carries, the command's docstring, and exits 0."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
 def _debug_requested(argv: Sequence[str]) -> bool:
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return True
@@ -42,9 +51,13 @@ def _debug_requested(argv: Sequence[str]) -> bool:
 
 
 def run_cli(fn: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
-    """Run `fn(argv)`; map `UserError` to a clean message and its exit code."""
+    """Run `fn(argv)`; map `UserError` to a clean message and its exit code, `HelpRequested`
+    to its text and exit 0."""
     try:
         return int(fn(argv) or 0)
+    except HelpRequested as e:
+        print(e.text)
+        return 0
     except UserError as e:
         if _debug_requested(argv):
             raise

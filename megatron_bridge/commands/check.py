@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from megatron_bridge.backends.describe import describe
-from megatron_bridge.config.compose import compose, to_yaml
+from megatron_bridge.config.compose import parse_command, to_yaml
+from megatron_bridge.config.schema import Config
 from megatron_bridge.parallel.rules.registry import validate
 from megatron_bridge.parallel.topology import Topology
 
 
 def main(argv: Sequence[str]) -> int:
-    cfg, args = compose(argv)
+    cfg, args = parse_command(argv, Config, doc=__doc__)
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0

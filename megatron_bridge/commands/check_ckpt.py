@@ -1,8 +1,12 @@
-"""`mbr check-ckpt DIR [--all]`: verify a training checkpoint against its manifest.
+"""`mbr check-ckpt dir=DIR [all=true]`: verify a training checkpoint against its manifest.
 
-DIR is either a checkpoint root (what `checkpoint.dir=` names: `latest_checkpointed_iteration.txt`
+    mbr check-ckpt dir=runs/ckpt               # or, the same: mbr check-ckpt runs/ckpt
+    mbr check-ckpt dir=runs/ckpt all=true      # or: mbr check-ckpt runs/ckpt --all
+    mbr check-ckpt dir=runs/ckpt/iter_0000400
+
+DIR (`dir=`, a bare word, or `checkpoint.dir=` as in the recipe) is either a checkpoint root (what `checkpoint.dir=` names: `latest_checkpointed_iteration.txt`
 plus `iter_*/`) — then the iteration `latest` names is verified, or every complete one with
-`--all` — or one `iter_N/` directory. Every file listed in the manifest is re-hashed (sha256)
+`all=true` (`--all`) — or one `iter_N/` directory. Every file listed in the manifest is re-hashed (sha256)
 and its size checked. Exit 0 when all is well, 2 naming every missing, truncated or corrupt
 file otherwise. Leftovers of interrupted saves (`iter_N.tmp/`, which resuming ignores and the
 next save removes) and complete iterations newer than `latest` are reported, not errors.
@@ -13,11 +17,32 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
+from omegaconf import MISSING
+
+from megatron_bridge.config.compose import CommandArgs, parse_command
 from megatron_bridge.errors import UserError
 
 USAGE = "usage: mbr check-ckpt DIR [--all]   (DIR: a checkpoint.dir root, or one iter_N directory)"
+
+
+@dataclass
+class CheckCkptArgs(CommandArgs):
+    """`mbr check-ckpt`'s fields. `mbr check-ckpt PATH --all` is `mbr check-ckpt dir=PATH all=true`,
+    and `checkpoint.dir=PATH` (the recipe's key) is `dir=PATH`."""
+
+    CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("dir",)
+    CLI_FLAGS: ClassVar[dict[str, str]] = {"--all": "all=true"}
+    CLI_ALIASES: ClassVar[dict[str, str]] = {"checkpoint.dir": "dir"}
+    CLI_USAGE: ClassVar[str] = USAGE
+
+    dir: str = MISSING  # a checkpoint.dir root, or one iter_N directory
+    all: bool = False  # verify every complete iteration, not only the one `latest` names
+
+
 _ITER = re.compile(r"^iter_(\d+)$")
 
 
@@ -44,17 +69,8 @@ def _verify_one(d: Path) -> str:
 def main(argv: Sequence[str]) -> int:
     from megatron_bridge.train.checkpoint import LATEST, MANIFEST, iter_dir, latest_iteration
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    flags = [a for a in argv if a.startswith("-")]
-    paths = [a for a in argv if not a.startswith("-")]
-    unknown = [f for f in flags if f != "--all"]
-    if unknown or len(paths) != 1:
-        what = f"unknown flag(s) {' '.join(unknown)}" if unknown else f"expected one directory, got {len(paths)}"
-        raise UserError(f"{what}. {USAGE}")
-    arg = paths[0]
-    root = Path(arg.split("=", 1)[1] if arg.startswith(("checkpoint.dir=", "dir=")) else arg)
+    args, _ = parse_command(argv, CheckCkptArgs, doc=__doc__)
+    root = Path(args.dir)
     if not root.exists():
         raise UserError(f"{root} does not exist. {USAGE}")
     if not root.is_dir():
@@ -99,7 +115,7 @@ def main(argv: Sequence[str]) -> int:
         notes.append(
             f"note: {', '.join(newer)} newer than latest (iteration {latest}) but never published: resume ignores them"
         )
-    targets = [p for _, p in iters if (p / MANIFEST).is_file()] if "--all" in flags else [d]
+    targets = [p for _, p in iters if (p / MANIFEST).is_file()] if args.all else [d]
     if d not in targets:
         targets.append(d)
     bad: list[str] = []

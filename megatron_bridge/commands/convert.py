@@ -19,4 +19,4 @@ from collections.abc import Sequence
 def main(argv: Sequence[str]) -> int:
     from megatron_bridge.convert.command import run_command
 
-    return run_command(argv, "ConvertConfig", "convert")
+    return run_command(argv, "ConvertConfig", "convert", __doc__)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_bridge.backends.describe import describe
-from megatron_bridge.config.compose import compose, to_yaml
+from megatron_bridge.config.compose import parse_command, to_yaml
 from megatron_bridge.config.schema import Config
 from megatron_bridge.data.demo import DEMO_PREFIX
 from megatron_bridge.data.tokenizer import check_vocab  # noqa: F401  (re-exported for the trainer)
@@ -169,10 +169,7 @@ def run_demo(cfg: DataCommandConfig) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
-    cfg, args = compose(argv, schema=DataCommandConfig)
+    cfg, args = parse_command(argv, DataCommandConfig, doc=__doc__)
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0

@@ -17,4 +17,4 @@ from collections.abc import Sequence
 def main(argv: Sequence[str]) -> int:
     from megatron_bridge.convert.command import run_command
 
-    return run_command(argv, "ExportConfig", "export")
+    return run_command(argv, "ExportConfig", "export", __doc__)

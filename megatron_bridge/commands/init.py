@@ -1,6 +1,6 @@
-"""`mbr init DIR`: start a user config dir with a commented recipe and cluster file to edit.
+"""`mbr init dir=DIR`: start a user config dir with a commented recipe and cluster file to edit.
 
-    mbr init ~/my-configs
+    mbr init dir=~/my-configs        # or, the same: mbr init ~/my-configs
     mbr check recipe=my_recipe --config-dir ~/my-configs     # or: export MBR_CONFIG_PATH=~/my-configs
 
 Refuses to overwrite: if either file exists, nothing is written.
@@ -9,9 +9,28 @@ Refuses to overwrite: if either file exists, nothing is written.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
+from omegaconf import MISSING
+
+from megatron_bridge.config.compose import CommandArgs, parse_command
 from megatron_bridge.errors import UserError
+
+
+@dataclass
+class InitArgs(CommandArgs):
+    """`mbr init`'s fields. A bare word is `dir=` (`mbr init DIR` is `mbr init dir=DIR`)."""
+
+    CLI_POSITIONAL: ClassVar[tuple[str, ...]] = ("dir",)
+    CLI_USAGE: ClassVar[str] = (
+        "usage: `mbr init DIR` (or `mbr init dir=DIR`): writes DIR/recipes/my_recipe.yaml and "
+        "DIR/cluster/my_cluster.yaml."
+    )
+
+    dir: str = MISSING  # the config dir to create
+
 
 RECIPE = """\
 # A recipe: one option per config group, then this recipe's own values (`_self_`, last, wins).
@@ -65,9 +84,8 @@ master_port: 29500
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) != 1 or argv[0].startswith("-") or "=" in argv[0]:
-        raise UserError("usage: `mbr init DIR`: writes DIR/recipes/my_recipe.yaml and DIR/cluster/my_cluster.yaml.")
-    root = Path(argv[0]).expanduser()
+    args, _ = parse_command(argv, InitArgs, doc=__doc__)
+    root = Path(args.dir).expanduser()
     files = {
         root / "recipes" / "my_recipe.yaml": RECIPE.format(dir=root),
         root / "cluster" / "my_cluster.yaml": CLUSTER,

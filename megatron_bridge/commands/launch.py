@@ -24,7 +24,7 @@ from pathlib import Path
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.commands import k8s
 from megatron_bridge.config import search
-from megatron_bridge.config.compose import Args, compose
+from megatron_bridge.config.compose import Args, parse_command
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.registry import validate
@@ -156,7 +156,7 @@ def sbatch_script(cfg, args: list[str]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    cfg, args = compose(argv, schema=LaunchConfig)
+    cfg, args = parse_command(argv, LaunchConfig, doc=__doc__)
     if cfg.launcher not in LAUNCHERS:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {LAUNCHERS}.")
     model = describe(cfg.model)

@@ -1,4 +1,4 @@
-"""`mbr plan`: which layout to use and why, before anyone spends a GPU-hour.
+r"""`mbr plan`: which layout to use and why, before anyone spends a GPU-hour.
 
     mbr plan model=llama3_70b cluster=dgx_h100 cluster.nodes=8 train.seq_length=8192 \
         train.global_batch_size=512 [parallel.tp=8] [format=json] [top=5]
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_bridge.backends.describe import describe
-from megatron_bridge.config.compose import compose, to_yaml
+from megatron_bridge.config.compose import parse_command, to_yaml
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.registry import refuse
@@ -41,7 +41,7 @@ class PlanConfig(Config):
 
 def plan(argv: Sequence[str]):
     """Compose and search; returns (config, args, document). Library entry point."""
-    cfg, args = compose(argv, schema=PlanConfig)
+    cfg, args = parse_command(argv, PlanConfig, doc=__doc__)
     if cfg.format not in FORMATS:
         raise UserError(f"format={cfg.format!r} is not one of {', '.join(FORMATS)}; use format=table or format=json.")
     if cfg.top < 0:

@@ -2,17 +2,30 @@
 
     mbr recipes                          # built-ins and $MBR_CONFIG_PATH's dirs
     mbr recipes --config-dir ~/my-configs
+    mbr recipes recipe=path/to/mine.yaml       # adds the dir that recipe file is in
 
 User dirs come first and win (megatron_bridge/config/search.py); an entry that hides one
-of the same name further down the path says so, so an override is never silent.
+of the same name further down the path says so, so an override is never silent. It composes
+no recipe and has no fields of its own: it takes only the search path (`--config-dir`,
+`recipe=`), through the same parser as every command.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 from megatron_bridge.config import search
-from megatron_bridge.config.compose import parse_args
+from megatron_bridge.config.compose import CommandArgs, parse_command
+
+
+@dataclass
+class RecipesArgs(CommandArgs):
+    """`mbr recipes` has no fields: only the config search path."""
+
+    CLI_SEARCH_PATH: ClassVar[bool] = True
+    CLI_USAGE: ClassVar[str] = "usage: mbr recipes [--config-dir DIR ...] [recipe=PATH.yaml]"
 
 
 def render(sources: Sequence[search.Source]) -> str:
@@ -33,6 +46,6 @@ def render(sources: Sequence[search.Source]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = parse_args(argv)
+    _, args = parse_command(argv, RecipesArgs, doc=__doc__)
     print(render(args.sources()))
     return 0

@@ -16,4 +16,4 @@ from collections.abc import Sequence
 def main(argv: Sequence[str]) -> int:
     from megatron_bridge.convert.command import run_command
 
-    return run_command(argv, "ReshardConfig", "reshard")
+    return run_command(argv, "ReshardConfig", "reshard", __doc__)

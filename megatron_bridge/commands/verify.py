@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.backends.describe import describe
-from megatron_bridge.config.compose import compose
+from megatron_bridge.config.compose import parse_command
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
 
@@ -213,7 +213,7 @@ def main(argv: Sequence[str]) -> int:
 
         print(describe())
         return 0
-    cfg, args = compose(argv, schema=VerifyConfig)
+    cfg, args = parse_command(argv, VerifyConfig, doc=__doc__)
     if "WORLD_SIZE" in os.environ:
         return _launched(cfg, worker="--worker" in args.flags)
     with tempfile.TemporaryDirectory(prefix="mbr-verify-") as tmp:

@@ -64,12 +64,12 @@ def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]
     from megatron_bridge.backends.describe import describe
     from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.commands.verify import VerifyConfig, _layouts, _needed_world, _reference
-    from megatron_bridge.config.compose import compose
+    from megatron_bridge.config.compose import parse_command
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.runtime.parity import fold
     from megatron_bridge.testing import TorchrunError, run_torchrun
 
-    cfg, _ = compose(list(argv), schema=VerifyConfig)
+    cfg, _ = parse_command(argv, VerifyConfig, doc=None)
     cfg.verify.checks = list(CHECKS)
     out = root / fam
     hf_dir = str(make_tiny(fam, out / "tiny"))
@@ -108,11 +108,11 @@ def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]
 def main(argv: Sequence[str]) -> int:
     """Print the matrix (markdown); exit 1 when any verified layout is over tolerance."""
     from megatron_bridge.bridge.tiny import TINY
-    from megatron_bridge.commands.verify import VerifyConfig
-    from megatron_bridge.config.compose import compose
+    from megatron_bridge.commands import verify
+    from megatron_bridge.config.compose import parse_command
 
     argv = [a for a in argv if a != "--matrix"]
-    cfg, _ = compose(list(argv), schema=VerifyConfig)
+    cfg, _ = parse_command(argv, verify.VerifyConfig, doc=verify.__doc__)
     fams = list(cfg.verify.families) or list(TINY)
     unknown = [f for f in fams if f not in TINY]
     if unknown:

@@ -1,4 +1,14 @@
-"""Compose a recipe + CLI overrides into one typed `Config`.
+"""Every `mbr` command's argv -> one typed object, one way: `parse_command`.
+
+A command's arguments are `key=value` fields of a typed schema (a dataclass: unknown keys and
+wrong types are one `error:` paragraph, exit 2) plus `--flags`. For a command that runs a
+recipe the schema is `Config` (or a subclass adding the command's own top-level fields) and
+the fields are composed with the recipe (`compose`); for one that needs no recipe (`init`,
+`check-ckpt`, `recipes`) the schema is just the command's own fields (`CommandArgs`).
+`-h`/`--help` prints the command's docstring. Other spellings are declared on the schema, so
+they are documented and mean exactly one `key=value`: `CLI_ALIASES` (another key for a field),
+`CLI_POSITIONAL` (bare words name these fields in order: `mbr init DIR` is `dir=DIR`) and
+`CLI_FLAGS` (a flag that is a field's value: `--all` is `all=true`).
 
 A recipe (`recipes/NAME.yaml`) is a Hydra primary config whose defaults list picks one
 option per group (`conf/<group>/`, or a user config dir's `<group>/`: config/search.py) and
@@ -15,13 +25,14 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar, overload
+from typing import Any, ClassVar, TypeVar, overload
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_bridge.config import search
 from megatron_bridge.config.schema import Config
-from megatron_bridge.errors import UserError
+from megatron_bridge.errors import HelpRequested, UserError
 
 DEFAULT_RECIPE = "default"
 
@@ -49,10 +60,14 @@ class Args:
         return search.search_path(self.recipe, self.config_dirs)
 
 
-def parse_args(argv: Sequence[str]) -> Args:
+def parse_args(argv: Sequence[str], schema: type | None = None) -> Args:
     """Split argv. Drops DeepSpeed's `--local_rank=N` (its launcher appends it; the env
-    variable LOCAL_RANK carries the same value), which Hydra would reject."""
+    variable LOCAL_RANK carries the same value), which Hydra would reject. `schema`'s
+    `CLI_POSITIONAL` and `CLI_FLAGS` spellings become the `key=value` they stand for."""
     args = Args()
+    positional = list(getattr(schema, "CLI_POSITIONAL", ()))
+    flag_fields: dict[str, str] = getattr(schema, "CLI_FLAGS", {})
+    spelled: dict[str, tuple[str, str]] = {}  # key -> (the word or flag that named it, its value)
     it = iter(argv)
     for a in it:
         if a.startswith("--local_rank") or a.startswith("--local-rank"):
@@ -70,18 +85,51 @@ def parse_args(argv: Sequence[str]) -> Args:
             args.cfg = next(it, "job")
         elif a.startswith("--cfg="):
             args.cfg = a.split("=", 1)[1]
+        elif a in flag_fields:
+            key, value = flag_fields[a].split("=", 1)
+            spelled[key] = (a, value)
+            args.overrides.append(flag_fields[a])
         elif a.startswith("-"):
             args.flags.append(a)
         elif a.startswith("recipe="):
             args.recipe = a.split("=", 1)[1]
         elif "=" in a:
             args.overrides.append(a)
+        elif positional:
+            spelled[positional[0]] = (a, a)
+            args.overrides.append(f"{positional.pop(0)}={a}")
         else:
+            usage = getattr(schema, "CLI_USAGE", "")
             raise UserError(
-                f"unexpected argument {a!r}: arguments are Hydra overrides `key=value` "
-                "(e.g. `parallel.tp=2`), `recipe=NAME`, or flags starting with `--`."
+                f"unexpected argument {a!r}: "
+                + (
+                    usage
+                    if usage
+                    else "arguments are Hydra overrides `key=value` (e.g. `parallel.tp=2`), `recipe=NAME`, "
+                    "or flags starting with `--`."
+                )
             )
+    args.overrides = _once(args.overrides, spelled)
     return args
+
+
+def _once(overrides: list[str], spelled: dict[str, tuple[str, str]]) -> list[str]:
+    """A key named by a word or flag is kept once; given again as `key=value` with another
+    value, it is an error."""
+    out: list[str] = []
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if key in spelled:
+            word, meant = spelled[key]
+            if value != meant:
+                raise UserError(
+                    f"{word} and {key}={value} name the same thing ({word} is another spelling of "
+                    f"{key}={meant}) with different values. Give it once."
+                )
+            if any(x == o for x in out):
+                continue
+        out.append(o)
+    return out
 
 
 def apply_aliases(overrides: Sequence[str], schema: type) -> list[str]:
@@ -171,9 +219,8 @@ def compose(argv: Sequence[str] | Args, schema: type[Config] = Config) -> tuple[
     from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
-    args = argv if isinstance(argv, Args) else parse_args(argv)
+    args = argv if isinstance(argv, Args) else parse_args(argv, schema)
     args.overrides = apply_aliases(args.overrides, schema)
     sources = args.sources()
     recipe_file = search.find_recipe(args.recipe, sources)
@@ -196,6 +243,73 @@ def compose(argv: Sequence[str] | Args, schema: type[Config] = Config) -> tuple[
     finally:
         GlobalHydra.instance().clear()
     return cfg, args
+
+
+HELP = ("-h", "--help")
+
+
+@dataclasses.dataclass
+class CommandArgs:
+    """The schema of a command that needs no recipe: subclass it with the command's own fields
+    (a field without a default is `MISSING`: required). `CLI_USAGE` ends every argument error;
+    `CLI_SEARCH_PATH` lets the command take `recipe=` and `--config-dir` (the config search
+    path, without composing anything)."""
+
+    CLI_USAGE: ClassVar[str] = ""
+    CLI_SEARCH_PATH: ClassVar[bool] = False
+
+    debug: bool = False  # show the traceback of a user error (errors.run_cli), as for every command
+
+
+COMMON = {f.name for f in dataclasses.fields(CommandArgs)}
+C = TypeVar("C", bound=CommandArgs)
+
+
+@overload
+def parse_command(argv: Sequence[str], schema: type[S], *, doc: str | None) -> tuple[S, Args]: ...
+@overload
+def parse_command(argv: Sequence[str], schema: type[C], *, doc: str | None) -> tuple[C, Args]: ...
+def parse_command(argv: Sequence[str], schema: type[Any], *, doc: str | None) -> tuple[Any, Args]:
+    """The one way an `mbr` command reads its argv: `-h`/`--help` shows `doc` (the command's
+    docstring); otherwise returns (an instance of `schema`, the parsed args). A `Config` schema
+    is composed with its recipe; a `CommandArgs` schema is filled from the `key=value`s alone."""
+    if any(a in HELP for a in argv):
+        raise HelpRequested((doc or "").strip())
+    args = parse_args(argv, schema)
+    if issubclass(schema, Config):
+        return compose(args, schema)
+    return _fields(args, schema), args
+
+
+def _fields(args: Args, schema: type[C]) -> C:
+    """`schema` filled from `args.overrides` (each value given to its field as a string, which
+    OmegaConf converts to the field's type); flags, `--cfg` and a recipe are not its to take."""
+    usage = schema.CLI_USAGE
+    if args.flags:
+        raise UserError(f"unknown flag(s) {' '.join(args.flags)}. {usage}".strip())
+    if args.cfg is not None:
+        raise UserError(f"--cfg prints a composed recipe, and this command composes none. {usage}".strip())
+    if not schema.CLI_SEARCH_PATH and (args.recipe != DEFAULT_RECIPE or args.config_dirs):
+        raise UserError(f"this command takes no recipe= or --config-dir. {usage}".strip())
+    node = OmegaConf.structured(schema)
+    for o in apply_aliases(args.overrides, schema):
+        key, value = o.split("=", 1)
+        try:
+            OmegaConf.update(node, key, None if value == "null" else value, merge=True)
+        except OmegaConfBaseException as e:
+            what = str(e).split("\n")[0].strip().rstrip(".")
+            own = [f for f in dataclasses.fields(schema) if f.name not in COMMON]
+            keys = ", ".join(
+                f"{f.name}= ({f.type})" for f in own + [f for f in dataclasses.fields(schema) if f.name in COMMON]
+            )
+            fix = "Give the value the field's type" if "Key '" not in what else "Check the spelling of the key"
+            raise UserError(f"invalid argument {o}: {what}. {fix}: the keys are {keys}. {usage}".strip()) from e
+    missing = sorted(OmegaConf.missing_keys(node))
+    if missing:
+        raise UserError(f"missing {', '.join(k + '=' for k in missing)}. {usage}".strip())
+    obj = OmegaConf.to_object(node)
+    assert isinstance(obj, schema)
+    return obj
 
 
 def to_yaml(cfg: object) -> str:

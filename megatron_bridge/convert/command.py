@@ -63,16 +63,16 @@ def use_huge_pages() -> None:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def run_command(argv: Sequence[str], schema: str, command: str) -> int:
+def run_command(argv: Sequence[str], schema: str, command: str, doc: str | None) -> int:
     """The body of `mbr convert` / `export` / `reshard`: huge pages and the source's
     read-ahead first (before anything heavy is imported), then compose `options.<schema>`
-    (`--cfg job` prints it) and run `pipeline.run.<command>`."""
+    (`--cfg job` prints it, `--help` prints `doc`) and run `pipeline.run.<command>`."""
     use_huge_pages()
     read_ahead_source(argv)
-    from megatron_bridge.config.compose import compose, to_yaml
+    from megatron_bridge.config.compose import parse_command, to_yaml
     from megatron_bridge.convert.pipeline import options
 
-    cfg, args = compose(argv, schema=getattr(options, schema))
+    cfg, args = parse_command(argv, getattr(options, schema), doc=doc)
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0
