@@ -1,11 +1,11 @@
 """The decoder block spec of a `BridgeSpec`: megatron's local layer specs, one private copy
-per layer, edited by every feature's `layer` hook (features/).
+per layer, edited by every block's `layer` hook (runtime/blocks/).
 
 megatron-core's `get_gpt_decoder_layer_specs(use_transformer_engine=False)` gives the dense
 and MoE layer specs of the whole model (no TE, no Apex, so they build on CPU; weight names
 are the local spec's on every machine, which is what the family tables speak). Each layer
 gets its own deep copy — the specs are shared module globals and must never be mutated —
-so a feature can vary a layer (window, rope base, NoPE, norms) by its global index. The
+so a block can vary a layer (window, rope base, NoPE, norms) by its global index. The
 slice for this pipeline stage / virtual chunk is taken exactly as megatron takes it.
 """
 
@@ -14,40 +14,39 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from megatron_bridge.bridge.features.base import features
+from megatron.core.models.gpt.gpt_layer_specs import (
+    LNImpl,
+    get_gpt_decoder_layer_specs,
+    get_num_layers_to_build,
+    get_transformer_layer_offset,
+)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_bridge.runtime.blocks.base import blocks
 
 
 def all_layer_specs(spec: Any, tconfig: Any) -> list[Any]:
     """One edited ModuleSpec per global layer."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
-
     shared = get_gpt_decoder_layer_specs(tconfig, use_transformer_engine=False, normalization=tconfig.normalization)
-    feats = features()
+    hooks = blocks()
     out = []
     for index, layer in enumerate(shared):
         mine = copy.deepcopy(layer)
-        for feat in feats:
-            feat.layer(spec, index, mine)
+        for block in hooks:
+            block.layer(spec, index, mine)
         out.append(mine)
     return out
 
 
 def decoder_block_spec(spec: Any, tconfig: Any, vp_stage: int | None, pp_rank: int):
     """This stage's (and virtual chunk's) TransformerBlockSubmodules."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        LNImpl,
-        get_num_layers_to_build,
-        get_transformer_layer_offset,
-    )
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
     layers = all_layer_specs(spec, tconfig)
     n = get_num_layers_to_build(tconfig, vp_stage=vp_stage, pp_rank=pp_rank)
     offset = get_transformer_layer_offset(tconfig, vp_stage=vp_stage, pp_rank=pp_rank)
-    block = TransformerBlockSubmodules(layer_specs=layers[offset : offset + n], layer_norm=LNImpl)
-    for feat in features():
-        feat.block(spec, block)
-    return block
+    submodules = TransformerBlockSubmodules(layer_specs=layers[offset : offset + n], layer_norm=LNImpl)
+    for block in blocks():
+        block.block(spec, submodules)
+    return submodules
 
 
 __all__ = ["decoder_block_spec", "all_layer_specs"]
