@@ -30,7 +30,7 @@ def _human(n: float) -> str:
 
 
 def _verify_one(d: Path) -> str:
-    from megatron_bridge.train.checkpoint import verify
+    from megatron_bridge.train.manifest import verify
 
     m = verify(d)
     size = sum(int(e.get("bytes", 0)) for e in m["files"])
@@ -42,7 +42,7 @@ def _verify_one(d: Path) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.train.checkpoint import LATEST, MANIFEST, iter_dir, latest_iteration
+    from megatron_bridge.train.manifest import LATEST, MANIFEST, iter_dir, latest_iteration
 
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__.strip())

@@ -62,12 +62,12 @@ def _row(fam: str, key: str, f: dict[str, Any] | None, cfg: Any) -> str:
 
 def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]:
     from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.commands.verify import VerifyConfig, _layouts, _needed_world, _reference
     from megatron_bridge.config.compose import compose
     from megatron_bridge.config.hf_model import apply_hf_config
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.runtime.parity import fold
+    from megatron_bridge.runtime.tiny import make_tiny
     from megatron_bridge.testing import TorchrunError, run_torchrun
 
     cfg, _ = compose(list(argv), schema=VerifyConfig)

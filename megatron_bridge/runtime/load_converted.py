@@ -22,17 +22,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import dist_checkpointing
 
+from megatron_bridge.bridge.hf_config import spec_from_hf
 from megatron_bridge.convert.formats.manifest import Manifest
 from megatron_bridge.convert.formats.placement import RELEASE, RankFile, chunk_key
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.weights import checkpoint_tensors, current_coords, layout_of, require_all_written
 
 _IGNORED = ("make_vocab_size_divisible_by", "initializer_range", "attention_dropout", "max_position_embeddings")
 
 
 def _check_model(spec: Any, man: Manifest, path: Path) -> None:
-    from megatron_bridge.bridge.hf_config import spec_from_hf
-
     mine = spec_from_hf(man.hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by)
     diff = [
         f"{f.name}={getattr(spec, f.name)!r} (checkpoint: {getattr(mine, f.name)!r})"
@@ -60,8 +61,6 @@ def load_converted(chunks: Sequence[Any], spec: Any, path: str | Path) -> None:
 
 
 def _load_dist(chunks: Sequence[Any], ckpt_dir: Path) -> None:
-    from megatron.core import dist_checkpointing
-
     sharded = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
     with torch.serialization.safe_globals([argparse.Namespace]):
         loaded = dist_checkpointing.load(sharded, str(ckpt_dir))
@@ -72,16 +71,12 @@ def _load_dist(chunks: Sequence[Any], ckpt_dir: Path) -> None:
 def _load_chunk(chunk: Any, state: dict[str, Any], source: str) -> None:
     """Strict load, after proving the state covers every parameter and persistent buffer
     (the chunk may be built without random init: `build_model(load_weights=True)`)."""
-    from megatron_bridge.bridge.loader import checkpoint_tensors, require_all_written
-
     targets = checkpoint_tensors(chunk)
     require_all_written(targets, {k for k in state if k in targets}, source)
     chunk.load_state_dict(state, strict=True)
 
 
 def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path) -> None:
-    from megatron_bridge.bridge.loader import current_coords, layout_of
-
     run, ckpt = layout_of(chunks), man.layout_obj()
     have = (ckpt.tp, ckpt.pp, ckpt.vpp, ckpt.ep, ckpt.etp)
     want = (run.tp, run.pp, run.vpp, run.ep, run.etp)

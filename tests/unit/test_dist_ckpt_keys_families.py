@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from megatron_bridge.bridge.tiny import TINY, tiny_config
+from megatron_bridge.bridge.tiny import TINY
+from megatron_bridge.runtime.tiny import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,10 @@ import pytest
 import transformers as T
 
 from megatron_bridge.bridge.hf_config import BridgeSpec, _moe_pattern, load_spec
-from megatron_bridge.bridge.tiny import TINY, tiny_config
+from megatron_bridge.bridge.tiny import TINY
 from megatron_bridge.parallel.dims import padded_vocab_size
 from megatron_bridge.plan import params as P
+from megatron_bridge.runtime.tiny import tiny_config
 
 BASE = dict(vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4)
 MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)
