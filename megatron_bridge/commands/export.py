@@ -21,10 +21,10 @@ from typing import Any
 
 def _export(cfg: Any) -> int:
     if cfg.adapter:  # a LoRA training checkpoint's adapter instead
-        from megatron_bridge.runtime.lora_files import export_checkpoint_adapter
+        from megatron_bridge.runtime.lora_files import export_checkpoint_adapter  # adapter=true only
 
         return export_checkpoint_adapter(cfg)
-    from megatron_bridge.convert.pipeline.run import export
+    from megatron_bridge.convert.pipeline.run import export  # after run_command's huge pages and read-ahead
 
     return export(cfg)
 
