@@ -72,10 +72,10 @@ def worker(hf: Path, load_weights: bool, tp: int, out: Path) -> None:
 
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.loader import load_hf_weights
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.runtime import groups
     from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.weights import load_hf_weights
 
     world = int(os.environ["WORLD_SIZE"])
     groups.initialize(ParallelDims(tp=tp, world_size=world, gpus_per_node=world), seed=0)

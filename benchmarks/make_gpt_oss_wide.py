@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megatron_bridge.bridge.tiny import make_tiny
+from megatron_bridge.runtime.tiny import make_tiny
 
 d, experts = Path(sys.argv[1]), int(sys.argv[2])
 make_tiny("gpt_oss", d)

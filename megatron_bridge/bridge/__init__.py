@@ -1,27 +1,24 @@
-"""Hugging Face models ⇄ megatron-core parallel models (see docs/bridge.md).
+"""Hugging Face models ⇄ megatron-core parallel models: the description (see docs/bridge.md).
 
     spec = load_spec(hf_dir)                      # HF config.json -> BridgeSpec (refuses what it can't do)
-    chunks = build_model(spec, Layout(tp=2, pp=2), load_weights=True)   # this rank's chunk(s), no random init
-    load_hf_weights(chunks, spec, hf_dir)         # each rank reads only its slices
-    export_hf_weights(chunks, spec, out_dir, source_dir=hf_dir)   # back to HF names/shapes
 
 The weight tables (`families/`, rows of `table.Mapping`) are pure tensor functions (the
 transforms in `mapping.py`), shared by online loading, export and offline conversion
 (`loader.rank_shards`). Importing this package imports neither megatron-core nor torch
-(`mbr convert` never needs them); `build_model` loads both when first asked for.
+(`mbr convert` never needs them). Building, loading and exporting a live model is the
+runtime's:
+
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.weights import export_hf_weights, load_hf_weights
+
+    chunks = build_model(spec, Layout(tp=2, pp=2), load_weights=True)   # this rank's chunk(s), no random init
+    load_hf_weights(chunks, spec, hf_dir)         # each rank reads only its slices
+    export_hf_weights(chunks, spec, out_dir, source_dir=hf_dir)   # back to HF names/shapes
 """
 
 from megatron_bridge.bridge.hf_config import load_spec, read_hf_config, spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, to_local_name
-from megatron_bridge.bridge.loader import (
-    Coords,
-    HFCheckpoint,
-    export_hf_weights,
-    iter_hf_tensors,
-    load_hf_weights,
-    rank_shards,
-    resolve_checkpoint,
-)
+from megatron_bridge.bridge.loader import Coords, HFCheckpoint, rank_shards, resolve_checkpoint
 from megatron_bridge.bridge.mapping import Shapes, Shard
 from megatron_bridge.bridge.registry import FamilyBridge, describe, families, family_for, get_family, register
 from megatron_bridge.bridge.spec import BridgeSpec
@@ -40,14 +37,10 @@ __all__ = [
     "HFCheckpoint",
     "rank_shards",
     "resolve_checkpoint",
-    "load_hf_weights",
-    "iter_hf_tensors",
-    "export_hf_weights",
     "Mapping",
     "Shapes",
     "Shard",
     "dist_ckpt_key",
-    "build_model",
     "FamilyBridge",
     "register",
     "families",
@@ -55,11 +48,3 @@ __all__ = [
     "get_family",
     "describe",
 ]
-
-
-def __getattr__(name: str):
-    if name == "build_model":  # torch + megatron-core: only when asked for
-        from megatron_bridge.runtime.build import build_model
-
-        return build_model
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

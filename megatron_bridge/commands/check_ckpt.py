@@ -55,7 +55,7 @@ def _human(n: float) -> str:
 
 
 def _verify_one(d: Path) -> str:
-    from megatron_bridge.train.checkpoint import verify
+    from megatron_bridge.train.manifest import verify
 
     m = verify(d)
     size = sum(int(e.get("bytes", 0)) for e in m["files"])
@@ -67,7 +67,7 @@ def _verify_one(d: Path) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.train.checkpoint import LATEST, MANIFEST, iter_dir, latest_iteration
+    from megatron_bridge.train.manifest import LATEST, MANIFEST, iter_dir, latest_iteration
 
     args, _ = parse_command(argv, CheckCkptArgs, doc=__doc__)
     root = Path(args.dir)

@@ -7,14 +7,29 @@ the tokenizer files kept at conversion; the result loads with
 `transformers.AutoModelForCausalLM.from_pretrained`. Every tensor is rebuilt with the
 bridge's mapping and checked against the CRC-32 recorded at conversion, so a round trip
 HF -> convert -> export is bit-exact or fails loudly. See docs/convert.md.
+
+    mbr export src=CKPT dst=DIR adapter=true
+
+copies the HF PEFT adapter a `peft=lora` training checkpoint carries (runtime/lora_files.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+
+def _export(cfg: Any) -> int:
+    if cfg.adapter:  # a LoRA training checkpoint's adapter instead
+        from megatron_bridge.runtime.lora_files import export_checkpoint_adapter  # adapter=true only
+
+        return export_checkpoint_adapter(cfg)
+    from megatron_bridge.convert.pipeline.run import export  # after run_command's huge pages and read-ahead
+
+    return export(cfg)
 
 
 def main(argv: Sequence[str]) -> int:
     from megatron_bridge.convert.command import run_command
 
-    return run_command(argv, "ExportConfig", "export", __doc__)
+    return run_command(argv, "ExportConfig", _export, __doc__)

@@ -93,7 +93,8 @@ def _prepare(cfg, out: Path):
         raise UserError(f"verify.checks {bad} unknown; choose from logits, roundtrip, grads")
     hf_dir = cfg.model.hf_path
     if cfg.verify.tiny:
-        from megatron_bridge.bridge.tiny import TINY, make_tiny
+        from megatron_bridge.bridge.tiny import TINY
+        from megatron_bridge.runtime.tiny import make_tiny
 
         if cfg.verify.tiny not in TINY:
             raise UserError(f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for {', '.join(TINY)}")

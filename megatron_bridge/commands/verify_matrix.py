@@ -62,11 +62,11 @@ def _row(fam: str, key: str, f: dict[str, Any] | None, cfg: Any) -> str:
 
 def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]:
     from megatron_bridge.backends.describe import describe
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.commands.verify import VerifyConfig, _layouts, _needed_world, _reference
     from megatron_bridge.config.compose import parse_command
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.runtime.parity import fold
+    from megatron_bridge.runtime.tiny import make_tiny
     from megatron_bridge.testing import TorchrunError, run_torchrun
 
     cfg, _ = parse_command(argv, VerifyConfig, doc=None)

@@ -3,8 +3,9 @@ is imported: transparent huge pages for torch's allocator and the source's read-
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 STARTUP_READ_AHEAD = 2**30  # at least this much, or a quarter of the available memory if more
 
@@ -63,10 +64,11 @@ def use_huge_pages() -> None:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
-def run_command(argv: Sequence[str], schema: str, command: str, doc: str | None) -> int:
+def run_command(argv: Sequence[str], schema: str, command: str | Callable[[Any], int], doc: str | None) -> int:
     """The body of `mbr convert` / `export` / `reshard`: huge pages and the source's
     read-ahead first (before anything heavy is imported), then compose `options.<schema>`
-    (`--cfg job` prints it, `--help` prints `doc`) and run `pipeline.run.<command>`."""
+    (`--cfg job` prints it, `--help` prints `doc`) and run `pipeline.run.<command>` (or
+    `command(cfg)` when the caller passes a function)."""
     use_huge_pages()
     read_ahead_source(argv)
     from megatron_bridge.config.compose import parse_command, to_yaml
@@ -76,6 +78,8 @@ def run_command(argv: Sequence[str], schema: str, command: str, doc: str | None)
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0
+    if callable(command):
+        return command(cfg)
     from megatron_bridge.convert.pipeline import run
 
     return getattr(run, command)(cfg)

@@ -1,36 +1,38 @@
 """Build the megatron-core GPTModel of a `BridgeSpec` for a `Layout` (this rank's part).
 
-The layer specs are megatron's local specs edited per layer by the bridge's features
-(`layer_specs.py`, `features/`): the core attention is Transformer Engine's where TE and
-CUDA are present and compute the same thing, else `ContextParallelAttention`; the features
+The layer specs are megatron's local specs edited per layer by the bridge's building blocks
+(`layer_specs.py`, `blocks/`): the core attention is Transformer Engine's where TE and
+CUDA are present and compute the same thing, else `ContextParallelAttention`; the blocks
 a family's config turns on (windows, norms, scalings, ...) replace or wrap modules. Weight
 names are the local spec's on every machine, which is what the mapping tables speak.
 
 `build_model` returns one GPTModel per virtual pipeline chunk (a list of one without VPP),
-each with pre_process/post_process set for its stage; the features' `model` hooks finish it
-(features/rope.py puts in rotary frequencies computed exactly as transformers does).
+each with pre_process/post_process set for its stage; the blocks' `model` hooks finish it
+(blocks/rope.py puts in rotary frequencies computed exactly as transformers does).
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
 
-from megatron_bridge.bridge.features.base import features
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.blocks.base import blocks
 from megatron_bridge.runtime.layer_specs import decoder_block_spec
 from megatron_bridge.runtime.tconfig import gpt_model_kwargs, transformer_config
 
 
 def check_groups(layout: Layout) -> None:
     """The initialized megatron groups must be the layout's (built by runtime.groups)."""
-    from megatron.core import parallel_state as ps
-
     if not ps.model_parallel_is_initialized():
         raise UserError(
             "megatron-core parallel groups are not initialized; call "
@@ -66,9 +68,6 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
     init was ~80% of a tp2 build + load and a full-size weight per rank (docs/benchmarks.md).
     `config_overrides` go to TransformerConfig (params_dtype, bf16, recompute_granularity, ...).
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-
     check_groups(layout)
     tconfig = transformer_config(spec, layout, **config_overrides)
     pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -76,7 +75,7 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
     chunks = []
     for vp in range(vpp) if vpp else [None]:
         layers = layout.stage_layers(spec.num_layers, pp_rank, vp)
-        layer_spec = decoder_block_spec(spec, tconfig, layers)  # imports what it uses, before patching
+        layer_spec = decoder_block_spec(spec, tconfig, layers)
         with skip_weight_init(load_weights):
             model = GPTModel(
                 config=tconfig,
@@ -90,8 +89,8 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
             model.cuda(torch.cuda.current_device())
         if model.post_process:
             mask_vocab_padding(model, spec.vocab_size)
-        for feat in features():
-            feat.model(spec, model)
+        for block in blocks():
+            block.model(spec, model)
         chunks.append(model)
     return chunks
 
@@ -121,9 +120,6 @@ def skip_weight_init(active: bool = True) -> Iterator[None]:
     if not active:
         yield
         return
-    import importlib
-    import sys
-
     layers = importlib.import_module(_INIT_MODULES[0])
     importlib.import_module(_INIT_MODULES[1])
     originals = {"_initialize_affine_weight_cpu": layers._initialize_affine_weight_cpu}
@@ -170,8 +166,6 @@ def mask_vocab_padding(model: Any, vocab_size: int) -> None:
     padding rows would otherwise take part in the softmax, so the loss would differ from the
     Hugging Face model's and — because the padding depends on tp — between layouts. With the
     mask the loss and its gradients equal the unpadded model's at every tp."""
-    from megatron.core import parallel_state as ps
-
     layer = model.output_layer
     per_rank = layer.output_size_per_partition
     first_pad = vocab_size - ps.get_tensor_model_parallel_rank() * per_rank  # local column index

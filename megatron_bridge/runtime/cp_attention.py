@@ -16,12 +16,12 @@ TEDotProductAttention") and Transformer Engine needs CUDA. This module is a drop
 * GQA/MQA through SDPA's grouped heads (query head h reads KV head h // (heads/groups),
   megatron's and HF's convention), sliding window (`config.window_size = (W-1, 0)`, HF's
   "q - k < W"), attention dropout under the model-parallel RNG tracker.
-* learned attention sinks (`config.softmax_type`, features/sinks.py): an explicit
+* learned attention sinks (`config.softmax_type`, runtime/blocks/sinks.py): an explicit
   softmax over [scores, sink] instead of SDPA; per query row, so CP and THD need nothing.
 
 Cost: one [sq_local, s] mask and one SDPA call per layer; the all-gather moves
 (cp-1)/cp of the K/V. That is the right trade for CPU tests and for GPUs without TE; on
-GPUs with TE, `model.py` uses TE's attention instead.
+GPUs with TE, runtime/blocks/attention.py uses TE's attention instead.
 """
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    is_layer_window_attention,
+    make_sharded_tensors_for_checkpoint,
+)
 
 from megatron_bridge.runtime.packing import segment_mask
 
@@ -117,195 +125,187 @@ def capped_attention(q, k, v, allowed, scale: float, cap: float, dropout: float 
     return torch.matmul(probs, v)
 
 
-def _make_class():
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.utils import is_layer_window_attention
+def sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """softmax over [scores, sink] with the sink column dropped: scores [b, np, sq, sk]
+    (masked entries -inf), sink [np] (runtime/blocks/sinks.py)."""
+    col = sink.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    return torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
 
-    class ContextParallelAttention(MegatronModule):
-        """Pure-PyTorch core attention, any context-parallel size (see module docstring)."""
 
-        def __init__(
-            self,
-            config,
-            layer_number,
-            attn_mask_type,
-            attention_type,
-            attention_dropout=None,
-            softmax_scale=None,
-            cp_comm_type=None,
-            pg_collection=None,
-            window="config",
-            softcap=None,
-            k_channels=None,  # MLA: q/k and v head dims differ; SDPA takes them from the tensors
-            v_channels=None,
-        ):
-            super().__init__(config=config)
-            self.layer_number = max(1, layer_number)
-            self.attn_mask_type = attn_mask_type
-            cp = (
-                pg_collection.cp
-                if pg_collection is not None and hasattr(pg_collection, "cp")
-                else parallel_state.get_context_parallel_group()
+def sink_attention(q, k, v, allowed, scale: float, sink: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+    """Eager attention with the sink column (transformers' eager_attention_forward): SDPA has
+    no sink, so scores are formed explicitly. Rows stay finite even when every key is masked
+    (the sink takes all the mass). Shapes as `capped_attention`."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = sink_softmax(scores, sink.to(q.device))
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+class ContextParallelAttention(MegatronModule):
+    """Pure-PyTorch core attention, any context-parallel size (see module docstring)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        window="config",
+        softcap=None,
+        k_channels=None,  # MLA: q/k and v head dims differ; SDPA takes them from the tensors
+        v_channels=None,
+    ):
+        super().__init__(config=config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        cp = (
+            pg_collection.cp
+            if pg_collection is not None and hasattr(pg_collection, "cp")
+            else parallel_state.get_context_parallel_group()
+        )
+        self.cp_group = cp
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("apply_query_key_layer_scaling is not supported by ContextParallelAttention")
+        self.softmax_offset = self._sinks(config, pg_collection)
+        if window == "config":  # no per-layer value in the ModuleSpec params: megatron's rule
+            use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+            window = config.window_size if use_window else None
+        self.window = window
+        self.softcap = softcap  # attention logit soft-capping: `capped_attention` instead of SDPA
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self._causal_types = (AttnMaskType.causal,)
+
+    @staticmethod
+    def _sinks(config, pg_collection):
+        """megatron's `softmax_type`: "learnable" = a sink logit per local head, a parameter
+        named as DotProductAttention names it (`softmax_offset`, split over TP by heads);
+        "off-by-one" = a zero sink; "vanilla" = none (runtime/blocks/sinks.py)."""
+        kind = getattr(config, "softmax_type", "vanilla")
+        if kind == "vanilla":
+            return None
+        tp = (
+            torch.distributed.get_world_size(pg_collection.tp)
+            if pg_collection is not None and hasattr(pg_collection, "tp")
+            else parallel_state.get_tensor_model_parallel_world_size()
+        )
+        heads = config.num_attention_heads // tp
+        if kind == "off-by-one":
+            return torch.zeros(heads, dtype=config.params_dtype)
+        if kind != "learnable":
+            raise ValueError(f"softmax_type={kind!r} is not supported by ContextParallelAttention")
+        p = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+        if config.perform_initialization:
+            with torch.no_grad():
+                config.init_method(p)
+        tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
+        return p
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The learnable sinks split over TP by heads, as DotProductAttention declares them
+        (MegatronModule's default would call them replicated: a torch_dist checkpoint
+        written at one TP could not be loaded at another)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn]; packed
+        (THD, runtime/packing.py): query [t, np, hn], key/value [t, ng, hn] -> [t, 1, np·hn],
+        attention causal within each cu_seqlens sequence."""
+        if attention_bias is not None:
+            raise NotImplementedError("attention bias needs TEDotProductAttention")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        cp_size = torch.distributed.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        cp_rank = torch.distributed.get_rank(self.cp_group) if cp_size > 1 else 0
+        if packed_seq_params is not None:
+            query, key, value, attention_mask = self._unpack(
+                query, key, value, attention_mask, packed_seq_params, cp_size
             )
-            self.cp_group = cp
-            self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
-            if config.apply_query_key_layer_scaling:
-                raise ValueError("apply_query_key_layer_scaling is not supported by ContextParallelAttention")
-            self.softmax_offset = self._sinks(config, pg_collection)
-            if window == "config":  # no per-layer value in the ModuleSpec params: megatron's rule
-                use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
-                window = config.window_size if use_window else None
-            self.window = window
-            self.softcap = softcap  # attention logit soft-capping: `capped_attention` instead of SDPA
-            self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-            self._causal_types = (AttnMaskType.causal,)
+        sq = query.shape[0]
+        key, value, k_pos = self._gather_kv(key, value, attention_mask, cp_size, query.device)
+        allowed = allowed_mask(
+            cp_positions(sq, cp_size, cp_rank, query.device), k_pos, mask_type in self._causal_types, self.window
+        )
+        if attention_mask is not None:  # megatron convention: True = masked out
+            keep = ~attention_mask.bool()
+            allowed = keep if allowed is None else keep & allowed
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        dropout = self.dropout_p if self.training else 0.0
+        if dropout > 0:  # attention dropout draws from megatron's model-parallel RNG
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = self._attend(q, k, v, allowed, dropout)
+        else:
+            out = self._attend(q, k, v, allowed, dropout)
+        return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
 
-        @staticmethod
-        def _sinks(config, pg_collection):
-            """megatron's `softmax_type`: "learnable" = a sink logit per local head, a parameter
-            named as DotProductAttention names it (`softmax_offset`, split over TP by heads);
-            "off-by-one" = a zero sink; "vanilla" = none (features/sinks.py)."""
-            kind = getattr(config, "softmax_type", "vanilla")
-            if kind == "vanilla":
-                return None
-            tp = (
-                torch.distributed.get_world_size(pg_collection.tp)
-                if pg_collection is not None and hasattr(pg_collection, "tp")
-                else parallel_state.get_tensor_model_parallel_world_size()
-            )
-            heads = config.num_attention_heads // tp
-            if kind == "off-by-one":
-                return torch.zeros(heads, dtype=config.params_dtype)
-            if kind != "learnable":
-                raise ValueError(f"softmax_type={kind!r} is not supported by ContextParallelAttention")
-            p = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
-            if config.perform_initialization:
-                with torch.no_grad():
-                    config.init_method(p)
-            tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
-            return p
+    @staticmethod
+    def _unpack(query, key, value, attention_mask, packed_seq_params, cp_size):
+        """THD inputs as a batch of one, with the block-diagonal mask of their sequences."""
+        if packed_seq_params.qkv_format != "thd" or cp_size > 1 or attention_mask is not None:
+            raise NotImplementedError("packed sequences: THD format without context parallelism only")
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        mask = ~segment_mask(packed_seq_params.cu_seqlens_q, query.shape[0], query.device)
+        return query, key, value, mask
 
-        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-            """The learnable sinks split over TP by heads, as DotProductAttention declares them
-            (MegatronModule's default would call them replicated: a torch_dist checkpoint
-            written at one TP could not be loaded at another)."""
-            from megatron.core.transformer.utils import (
-                ensure_metadata_has_dp_cp_group,
-                make_sharded_tensors_for_checkpoint,
-            )
+    def _gather_kv(self, key, value, attention_mask, cp_size: int, device):
+        """(keys, values, their global positions): the whole sequence's under CP."""
+        if cp_size == 1:
+            return key, value, torch.arange(key.shape[0], device=device)
+        if attention_mask is not None:
+            raise NotImplementedError("an explicit attention_mask with cp > 1 is not supported")
+        if key.shape[0] % 2:
+            raise ValueError(f"local sequence length {key.shape[0]} must be even under cp={cp_size}")
+        key = _GatherSeq.apply(key, self.cp_group)
+        value = _GatherSeq.apply(value, self.cp_group)
+        local = key.shape[0] // cp_size
+        return key, value, torch.cat([cp_positions(local, cp_size, r, device) for r in range(cp_size)])
 
-            metadata = ensure_metadata_has_dp_cp_group(metadata)
-            return make_sharded_tensors_for_checkpoint(
-                self.state_dict(prefix="", keep_vars=True),
-                prefix,
-                {"softmax_offset": 0},
-                sharded_offsets,
-                tp_group=parallel_state.get_tensor_model_parallel_group(),
-                dp_cp_group=metadata["dp_cp_group"],
-            )
-
-        def forward(
-            self,
-            query,
-            key,
-            value,
-            attention_mask=None,
-            attn_mask_type=None,
-            attention_bias=None,
-            packed_seq_params=None,
-        ):
-            """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np·hn]; packed
-            (THD, runtime/packing.py): query [t, np, hn], key/value [t, ng, hn] -> [t, 1, np·hn],
-            attention causal within each cu_seqlens sequence."""
-            if attention_bias is not None:
-                raise NotImplementedError("attention bias needs TEDotProductAttention")
-            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-            cp_size = torch.distributed.get_world_size(self.cp_group) if self.cp_group is not None else 1
-            cp_rank = torch.distributed.get_rank(self.cp_group) if cp_size > 1 else 0
-            if packed_seq_params is not None:
-                if packed_seq_params.qkv_format != "thd" or cp_size > 1 or attention_mask is not None:
-                    raise NotImplementedError("packed sequences: THD format without context parallelism only")
-                query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-                t = query.shape[0]
-                attention_mask = ~segment_mask(packed_seq_params.cu_seqlens_q, t, query.device)
-            sq = query.shape[0]
-            if cp_size > 1:
-                if attention_mask is not None:
-                    raise NotImplementedError("an explicit attention_mask with cp > 1 is not supported")
-                if sq % 2:
-                    raise ValueError(f"local sequence length {sq} must be even under cp={cp_size}")
-                key = _GatherSeq.apply(key, self.cp_group)
-                value = _GatherSeq.apply(value, self.cp_group)
-                local = key.shape[0] // cp_size
-                k_pos = torch.cat([cp_positions(local, cp_size, r, query.device) for r in range(cp_size)])
-            else:
-                k_pos = torch.arange(key.shape[0], device=query.device)
-            q_pos = cp_positions(sq, cp_size, cp_rank, query.device)
-            allowed = allowed_mask(q_pos, k_pos, mask_type in self._causal_types, self.window)
-            if attention_mask is not None:  # megatron convention: True = masked out
-                keep = ~attention_mask.bool()
-                allowed = keep if allowed is None else keep & allowed
-            q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-            k = key.permute(1, 2, 0, 3)
-            v = value.permute(1, 2, 0, 3)
-            gqa = q.shape[1] != k.shape[1]
-            dropout = self.dropout_p if self.training else 0.0
-            if self.softmax_offset is not None:
-                out = self._sink_attention(q, k, v, allowed, dropout)
-            elif self.softcap:
-                if dropout > 0:
-                    with tensor_parallel.get_cuda_rng_tracker().fork():
-                        out = capped_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
-                else:
-                    out = capped_attention(q, k, v, allowed, self.softmax_scale, self.softcap)
-            elif dropout > 0:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa
-                    )
-            else:
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=gqa
-                )
-            return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
-
-        def _sink_attention(self, q, k, v, allowed, dropout):
-            """Eager attention with the sink column (transformers' eager_attention_forward):
-            SDPA has no sink, so scores are formed explicitly. Rows stay finite even when
-            every key is masked (the sink takes all the mass)."""
-            from megatron_bridge.bridge.features.sinks import sink_softmax
-
-            rep = q.shape[1] // k.shape[1]
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale
-            if allowed is not None:
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = sink_softmax(scores, self.softmax_offset.to(q.device))
-            if dropout > 0:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    probs = F.dropout(probs, p=dropout)
-            return torch.matmul(probs.to(v.dtype), v)
-
-    return ContextParallelAttention
-
-
-_CLASS = None
-
-
-def context_parallel_attention_class():
-    """The megatron-module class (built lazily so importing this file needs no megatron)."""
-    global _CLASS
-    if _CLASS is None:
-        _CLASS = _make_class()
-    return _CLASS
+    def _attend(self, q, k, v, allowed, dropout: float) -> torch.Tensor:
+        """softmax(q·kᵀ)·v with this layer's options: sinks, soft-cap, else SDPA."""
+        if self.softmax_offset is not None:
+            return sink_attention(q, k, v, allowed, self.softmax_scale, self.softmax_offset, dropout)
+        if self.softcap:
+            return capped_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa
+        )
 
 
 __all__ = [
+    "ContextParallelAttention",
     "capped_attention",
-    "context_parallel_attention_class",
+    "sink_attention",
+    "sink_softmax",
     "cp_positions",
     "allowed_mask",
     "split_for_cp",

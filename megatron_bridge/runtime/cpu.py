@@ -6,7 +6,9 @@ idempotently, before the first model/optimizer is built (`groups.initialize` cal
 attributes it patches are declared in `cpu_targets.PATCH_TARGETS` and all resolved before anything is
 patched: a megatron-core that lacks one is refused with one message naming it (never left
 half-patched), another minor version than `WRITTEN_FOR` gets a warning, and
-tests/unit/test_cpu_shim.py asserts every target exists in the installed version. What and why:
+tests/unit/test_cpu_shim.py asserts every target exists in the installed version. (The modules
+holding them are imported with this one, which patches nothing by being imported; the replacement
+tracker `CpuRNGStatesTracker` is an ordinary class, put in place by `install()` only.) What and why:
 
 1. `torch` as megatron-core's modules see it: every `megatron.core.*` module's global `torch`
    becomes a proxy (all of torch, no lookup overhead) whose `cuda` maps `current_device()` to the
@@ -49,6 +51,11 @@ import types
 from typing import Any
 
 import torch
+from megatron.core.pipeline_parallel import p2p_communication
+from megatron.core.tensor_parallel import mappings
+from megatron.core.tensor_parallel import random as megatron_random
+from megatron.core.transformer import torch_norm
+from megatron.core.transformer.moe import moe_utils
 
 from megatron_bridge.runtime.cpu_targets import CUDA_VIEW, check_megatron, resolve
 
@@ -240,50 +247,50 @@ def _int_list(sizes):
     return [int(s) for s in (sizes.tolist() if hasattr(sizes, "tolist") else sizes)]
 
 
-def _make_cpu_tracker_class(base: Any) -> Any:
-    class CpuRNGStatesTracker(base):
-        """`CudaRNGStatesTracker` for CPU: named CPU-generator states, forked around regions
-        (data-parallel-rng, model-parallel-rng, expert-parallel-rng). Subclasses megatron's
-        tracker so its isinstance checks still hold."""
+# megatron's tracker, resolved without failing here: a megatron-core that lacks it is refused
+# by install()'s `check_megatron()` with one message naming every missing target.
+_TRACKER_BASE: Any = getattr(megatron_random, "CudaRNGStatesTracker", object)
 
-        _current_state_name: str  # set by megatron's reset()
 
-        def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
-            self.reset()
-            self.use_cudagraphable_rng = False
-            self.is_inference_rng_tracker = is_inference_rng_tracker
+class CpuRNGStatesTracker(_TRACKER_BASE):
+    """`CudaRNGStatesTracker` for CPU: named CPU-generator states, forked around regions
+    (data-parallel-rng, model-parallel-rng, expert-parallel-rng). Subclasses megatron's
+    tracker so its isinstance checks still hold; megatron uses it only once `install()` has
+    put it in place of its own (on a host without CUDA)."""
 
-        def add(self, name, seed):
-            if seed in self.seeds_:
-                raise Exception(f"seed {seed} already exists")
-            if name in self.states_:
-                raise Exception(f"rng state {name} already exists")
-            self._is_initialized = True
-            self.seeds_.add(seed)
-            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+    _current_state_name: str  # set by megatron's reset()
 
-        @contextlib.contextmanager
-        def fork(self, name="model-parallel-rng"):
-            if name not in self.states_:
-                raise Exception(f"rng state {name} is not added")
-            orig_state, orig_name = torch.get_rng_state(), self._current_state_name
+    def __init__(self, use_cudagraphable_rng=False, is_inference_rng_tracker=False):
+        self.reset()
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig_state, orig_name = torch.get_rng_state(), self._current_state_name
+        if orig_name != "default-rng":
+            self.states_[orig_name] = orig_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
             if orig_name != "default-rng":
-                self.states_[orig_name] = orig_state
-            torch.set_rng_state(self.states_[name])
-            self._current_state_name = name
-            try:
-                yield
-            finally:
-                self.states_[name] = torch.get_rng_state()
-                if orig_name != "default-rng":
-                    orig_state = self.states_[orig_name]
-                torch.set_rng_state(orig_state)
-                self._current_state_name = orig_name
-
-    return CpuRNGStatesTracker
-
-
-CpuRNGStatesTracker = None  # the class, once install() has run on a CPU host
+                orig_state = self.states_[orig_name]
+            torch.set_rng_state(orig_state)
+            self._current_state_name = orig_name
 
 
 def is_installed() -> bool:
@@ -294,16 +301,12 @@ def is_installed() -> bool:
 def install() -> bool:
     """Patch megatron-core for CPU/gloo. Returns True when the shim is active, False on a
     CUDA host (nothing is patched there). Safe to call any number of times."""
-    global _INSTALLED, _TORCH, CpuRNGStatesTracker
+    global _INSTALLED, _TORCH
     if torch.cuda.is_available():
         return False
     if _INSTALLED:
         return True
-    check_megatron()  # imports the modules patched below; nothing is patched yet if it raises
-    from megatron.core.pipeline_parallel import p2p_communication
-    from megatron.core.tensor_parallel import mappings, random
-    from megatron.core.transformer import torch_norm
-    from megatron.core.transformer.moe import moe_utils
+    check_megatron()  # resolves every target patched below; nothing is patched yet if it raises
 
     # 1. torch.cuda / device="cuda" as seen by megatron.core
     _TORCH = _TorchOnCpu()
@@ -313,11 +316,10 @@ def install() -> bool:
     sys.meta_path.insert(0, _RedirectFinder())
 
     # 2. RNG
-    CpuRNGStatesTracker = _make_cpu_tracker_class(random.CudaRNGStatesTracker)
-    random.CudaRNGStatesTracker = CpuRNGStatesTracker
-    _replace_everywhere(random._get_cuda_rng_state, lambda *a, **k: torch.get_rng_state())
-    _replace_everywhere(random._set_cuda_rng_state, lambda s, *a, **k: torch.set_rng_state(s))
-    random.initialize_rng_tracker(force_reset=True)
+    megatron_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    _replace_everywhere(megatron_random._get_cuda_rng_state, lambda *a, **k: torch.get_rng_state())
+    _replace_everywhere(megatron_random._set_cuda_rng_state, lambda s, *a, **k: torch.set_rng_state(s))
+    megatron_random.initialize_rng_tracker(force_reset=True)
 
     # 3. Tensor.cuda() / Tensor.type() inside the functions that use them
     for target in CUDA_VIEW:
@@ -391,8 +393,6 @@ def model_parallel_manual_seed(seed: int) -> None:
     same seed offsets (data-parallel = seed, model-parallel = seed + 2718 + tp_rank,
     expert-parallel = seed + 1024 + 100·ep_rank + etp_rank) on a fresh `CpuRNGStatesTracker`.
     Call after `initialize_model_parallel`."""
-    from megatron.core.tensor_parallel import random
-
     install()
     torch.manual_seed(seed)
-    random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    megatron_random.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

@@ -15,11 +15,14 @@ import random
 import socket
 from datetime import timedelta
 
+import numpy as np
 import torch
+from megatron.core import parallel_state
 
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate as validate_layout
+from megatron_bridge.runtime import cpu
 
 ORDER = "tp-cp-ep-dp-pp"
 PP_SEED_STRIDE = 10007  # > megatron's largest per-rank seed offset (1024 + 100·ep + etp, 2718 + tp)
@@ -96,13 +99,7 @@ def initialize(
     optimizer's checkpointing and `get_megatron_optimizer(use_gloo_process_groups=True)` need
     them). Calling it again with another layout replaces the model-parallel groups (the default
     process group is kept). Returns the DeepSpeed `mpu` (`MegatronMPU`)."""
-    world = _check_world(dims)  # before importing megatron: a wrong launch fails at once
-
-    import numpy as np
-    from megatron.core import parallel_state
-
-    from megatron_bridge.runtime import cpu
-
+    world = _check_world(dims)  # before any process group: a wrong launch fails at once
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
@@ -148,8 +145,6 @@ def initialize(
 
 def destroy() -> None:
     """Drop megatron's groups and the default process group (tests, layout switches)."""
-    from megatron.core import parallel_state
-
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
@@ -174,11 +169,7 @@ class MegatronMPU:
     its own Ulysses mpu and ignore the model-parallel groups.
     """
 
-    @property
-    def ps(self):
-        from megatron.core import parallel_state
-
-        return parallel_state
+    ps = parallel_state
 
     # model parallel (tp × pp)
     def get_model_parallel_group(self):

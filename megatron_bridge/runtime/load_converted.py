@@ -29,19 +29,19 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, m
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
+from megatron_bridge.backends.describe import describe_hf
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.manifest import Manifest
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader
 from megatron_bridge.convert.placement.manifest_model import manifest_layout, stored_vocab_rows
 from megatron_bridge.convert.placement.rank_files import RELEASE, RankFile, chunk_key
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.weights import checkpoint_tensors, current_coords, layout_of, require_all_written
 
 _IGNORED = ("make_vocab_size_divisible_by", "initializer_range", "attention_dropout", "max_position_embeddings")
 
 
 def _check_model(spec: Any, man: Manifest, path: Path) -> None:
-    from megatron_bridge.backends.describe import describe_hf  # TODO(runtime merge): top
-
     mine = describe_hf(man.hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by)
     diff = [
         f"{f.name}={getattr(spec, f.name)!r} (checkpoint: {getattr(mine, f.name)!r})"
@@ -115,16 +115,12 @@ def _read_sharded(x: Any, reader: DistReader) -> Any:
 def _load_chunk(chunk: Any, state: dict[str, Any], source: str) -> None:
     """Strict load, after proving the state covers every parameter and persistent buffer
     (the chunk may be built without random init: `build_model(load_weights=True)`)."""
-    from megatron_bridge.bridge.loader import checkpoint_tensors, require_all_written
-
     targets = checkpoint_tensors(chunk)
     require_all_written(targets, {k for k in state if k in targets}, source)
     chunk.load_state_dict(state, strict=True)
 
 
 def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path) -> None:
-    from megatron_bridge.bridge.loader import current_coords, layout_of
-
     run, ckpt = layout_of(chunks), manifest_layout(man)
     have = (ckpt.tp, ckpt.pp, ckpt.vpp, ckpt.ep, ckpt.etp)
     want = (run.tp, run.pp, run.vpp, run.ep, run.etp)

@@ -22,17 +22,35 @@ adapters are marked `allreduce=False` (expert-DP grads and optimizer, like exper
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import zlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import mappings as tpm
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from safetensors.torch import load_file, save_file
 
-from megatron_bridge.bridge.lora import ADAPTER_CHILD, Target, is_adapter_param, peft_key, resolve_targets
+from megatron_bridge.bridge.loader import shard_for, table_for
+from megatron_bridge.bridge.lora import (
+    ADAPTER_CHILD,
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    Target,
+    adapter_config,
+    is_adapter_param,
+    peft_key,
+    resolve_targets,
+)
 from megatron_bridge.bridge.mapping import Shard
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.weights import current_coords, gather_shards, global_names, layout_of, vp_stage_of
 
 
 class LoraAdapter(torch.nn.Module):
@@ -80,8 +98,6 @@ class LoraAdapter(torch.nn.Module):
         return out + self.delta(inputs[0]).to(out.dtype), bias
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
-        from megatron.core.tensor_parallel import mappings as tpm
-
         F = torch.nn.functional
         xd = self._dropout(x)
         if not self.column:
@@ -119,8 +135,6 @@ class LoraAdapter(torch.nn.Module):
         if not self.training or isinstance(self.drop, torch.nn.Identity):
             return x
         if (self._sp or not self.column) and not self._explicit:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
             with get_cuda_rng_tracker().fork():
                 return self.drop(x)
         return self.drop(x)
@@ -141,11 +155,9 @@ class LoraAdapter(torch.nn.Module):
     # -- back to HF layout (collective over the TP / expert-TP group) --------------------
     def hf_tensors(self, value, group) -> list[tuple[str, torch.Tensor]] | None:
         """[(peft key, full HF-layout tensor)] on the group's first rank, None elsewhere."""
-        from megatron_bridge.bridge.loader import _gather
-
         tf, hf = self.row.mapping.transform, self.row.hf
         if self.column:
-            shards = _gather(value(self.B).detach(), group)
+            shards = gather_shards(value(self.B).detach(), group)
             if shards is None:
                 return None
             bs = tf.merge(shards, self.shapes)
@@ -153,7 +165,7 @@ class LoraAdapter(torch.nn.Module):
             for i in self.srcs:
                 out += [(peft_key(hf[i], "A"), value(self.A[str(i)]).detach().clone()), (peft_key(hf[i], "B"), bs[i])]
             return out
-        shards = _gather(value(self.A["0"]).detach(), group)
+        shards = gather_shards(value(self.A["0"]).detach(), group)
         if shards is None:
             return None
         return [(peft_key(hf[0], "A"), tf.merge(shards, self.shapes)[0]), (peft_key(hf[0], "B"), value(self.B).clone())]
@@ -203,14 +215,8 @@ def _initializer(seed: int, rank: int, given: dict[str, torch.Tensor] | None, so
 def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) -> int:
     """Freeze every weight of the built (and loaded) chunks and attach adapters to the
     linears `peft.target_modules` names. Returns the number of adapted megatron linears."""
-    from megatron_bridge.bridge.loader import _global_names, _vp, current_coords, layout_of, shard_for, table_for
-
     given = None
     if peft.init_from:
-        from safetensors.torch import load_file
-
-        from megatron_bridge.bridge.lora import ADAPTER_WEIGHTS
-
         given = load_file(f"{peft.init_from}/{ADAPTER_WEIGHTS}")
     table = table_for(spec)
     targets = {id(t.mapping): t for t in resolve_targets(table, list(peft.target_modules), spec.family)}
@@ -225,8 +231,8 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
     for i, chunk in enumerate(chunks):
         for p in chunk.parameters():
             p.requires_grad_(False)
-        coords = current_coords(_vp(chunks, i))
-        names = _global_names(chunk)
+        coords = current_coords(vp_stage_of(chunks, i))
+        names = global_names(chunk)
         for mod_name, mod in list(chunk.named_modules()):
             wname = f"{mod_name}.weight"
             row = resolve_megatron(table, names[wname]) if wname in names else None
@@ -243,8 +249,6 @@ def iter_adapter_tensors(chunks: Sequence[Any], value=None) -> Iterator[tuple[st
     """Collective: (peft key, full HF-layout tensor) of every adapter, on one replica (the
     first DP rank, first rank of its TP / expert-TP group). `value(p)` picks what (default
     the weight; `lambda p: p.main_grad` for gradients)."""
-    from megatron.core import parallel_state as ps
-
     value = value or (lambda p: p)
     dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert = ps.get_expert_data_parallel_rank() == 0
@@ -277,14 +281,6 @@ def merged(chunks: Sequence[Any]):
 def export_adapter(chunks: Sequence[Any], peft: Any, out_dir: str, base: str | None) -> None:
     """Collective: write `adapter_config.json` + `adapter_model.safetensors` (HF PEFT's
     layout and names) into `out_dir`, atomically (a temporary sibling renamed into place)."""
-    import json
-    import os
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    from megatron_bridge.bridge.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config
-
     mine = {k: v.float().cpu().contiguous() for k, v in iter_adapter_tensors(chunks)}
     parts: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(parts, mine)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 
 def cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -33,8 +34,6 @@ def cu_seqlens(segment_ids: torch.Tensor) -> torch.Tensor:
 
 
 def packed_seq_params(segment_ids: torch.Tensor):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cu = cu_seqlens(segment_ids)
     longest = int((cu[1:] - cu[:-1]).max())
     return PackedSeqParams(

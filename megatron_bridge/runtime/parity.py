@@ -16,15 +16,26 @@ HF's unpadded vocab; with no padding beyond a multiple of tp the two losses are 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
+from megatron_bridge.bridge.features.mtp import mtp_keys
+from megatron_bridge.bridge.hf_config import load_spec
 from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.bridge.loader import HFCheckpoint
+from megatron_bridge.errors import UserError
+from megatron_bridge.runtime import groups
+from megatron_bridge.runtime.build import build_model, check_groups
+from megatron_bridge.runtime.schedule import forward_backward, forward_logits, sgd_step, unwrap, wrap_ddp
+from megatron_bridge.runtime.weights import export_hf_weights, iter_hf_tensors, load_hf_weights
 
 CHECKS = ("logits", "grads", "roundtrip", "train")
 
@@ -42,15 +53,9 @@ def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tens
     Grads are keyed by *checkpoint* names: transformers 5 keeps MoE experts fused in memory
     (`experts.gate_up_proj`) but saves them per expert, so the grads are written through
     `save_pretrained` (its own name/layout conversion) and read back."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-
     if json.loads((Path(hf_dir) / "config.json").read_text()).get("quantization_config"):
         # an fp8 block-quantised source: the reference is transformers' own bf16 dequantisation
         # (what the bridge loads), computed in fp32 like every other reference
-        from transformers import FineGrainedFP8Config
-
         model = AutoModelForCausalLM.from_pretrained(
             str(hf_dir), dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(dequantize=True)
         )
@@ -106,10 +111,6 @@ def dims_for(layout: Layout, world_size: int) -> Layout:
 def ensure_groups(layout: Layout, world_size: int) -> None:
     """Initialize the layout's process groups unless the current ones already match
     (sequence parallelism needs no groups of its own)."""
-    from megatron_bridge.errors import UserError
-    from megatron_bridge.runtime import groups
-    from megatron_bridge.runtime.build import check_groups
-
     try:
         check_groups(layout)
         return
@@ -152,11 +153,6 @@ def check_layout(
 ) -> dict[str, Any]:
     """Run `checks` for one (model, layout) on every rank of the launch; returns this rank's
     findings (empty entries on ranks that hold nothing to compare)."""
-    from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.bridge.loader import export_hf_weights, iter_hf_tensors, load_hf_weights
-    from megatron_bridge.runtime.build import build_model
-    from megatron_bridge.runtime.schedule import forward_backward, forward_logits, sgd_step, unwrap, wrap_ddp
-
     unknown = set(checks) - set(CHECKS)
     if unknown:
         raise ValueError(f"unknown checks {sorted(unknown)}; choose from {CHECKS}")
@@ -216,16 +212,12 @@ def training_layout(spec: Any, layout: Layout) -> Layout:
     """megatron-core needs sequence parallelism to train MoE with TP (it refuses training
     mode otherwise, and without SP the expert weight gradients come out wrong), so gradient
     checks of MoE models at tp > 1 turn SP on."""
-    import dataclasses
-
     if layout.sequence_parallel_required(spec.is_moe, layout.tp) and not layout.sequence_parallel:
         return dataclasses.replace(layout, sequence_parallel=True)
     return layout
 
 
 def load_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    from megatron_bridge.bridge.loader import HFCheckpoint
-
     with HFCheckpoint(path) as ck:
         return {k: ck.tensor(k) for k in ck.keys()}
 
@@ -236,8 +228,6 @@ def compare_dirs(got: str | Path, want: str | Path, spec: Any = None) -> dict[st
     source's dtype: the cast back is exact when the weights came through unchanged. With
     `spec`, the source's multi-token-prediction layers are not expected back (the bridge
     skips them on load, with a note, and export says it did not write them)."""
-    from megatron_bridge.bridge.features.mtp import mtp_keys
-
     a, b = load_dir(got), load_dir(want)
     for k in mtp_keys(spec, list(b)) if spec is not None else []:
         del b[k]

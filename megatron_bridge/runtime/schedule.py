@@ -13,13 +13,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_bridge.runtime.cp_attention import merge_from_cp, split_for_cp
 
 
 def _cp():
-    from megatron.core import parallel_state as ps
-
     return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
 
 
@@ -50,8 +51,6 @@ def _run(
     forward_only: bool,
     on_output: Callable[[torch.Tensor, dict[str, torch.Tensor]], Any],
 ) -> None:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     b, s = input_ids.shape
     pp = chunks[0].config.pipeline_model_parallel_size
     if len(chunks) > 1 and b < pp:
@@ -89,8 +88,6 @@ def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
 def forward_logits(chunks: Sequence[Any], input_ids: torch.Tensor) -> torch.Tensor | None:
     """Logits [b, s, padded_vocab] (fp32, CPU) for `input_ids` [b, s]; on ranks of the last
     pipeline stage, None elsewhere. Collective over the whole model-parallel group."""
-    from megatron.core import parallel_state as ps
-
     for c in chunks:
         c.eval()
     pieces: list[torch.Tensor] = []
@@ -121,8 +118,6 @@ def wrap_ddp(chunks: Sequence[Any], *, distributed_optimizer: bool = False) -> l
     model is wrapped: the training engine (`distributed_optimizer` = ZeRO-1, whose buffers
     megatron's DistributedOptimizer shards) and `mbr verify` / the parity tests share it, so
     what verify checks is what training runs."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )
@@ -139,8 +134,6 @@ def forward_backward(
     """One forward/backward of the mean token cross-entropy; grads in `param.main_grad`
     (zeroed first). Returns the loss on last-stage ranks. `train=False` runs the modules in
     eval mode (same math without dropout; MoE with TP but no SP refuses training mode)."""
-    from megatron.core import parallel_state as ps
-
     for c in ddp_chunks:
         c.train(train)
         c.zero_grad_buffer()

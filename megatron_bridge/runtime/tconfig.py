@@ -1,7 +1,8 @@
 """`BridgeSpec` + layout -> megatron-core `TransformerConfig` and the GPTModel arguments.
 
 The architecture comes from the spec, every degree and the stage split from the layout,
-nothing from anywhere else; each building block adds its settings (its `config` hook).
+nothing from anywhere else; each building block adds its settings (its `config` hook,
+runtime/blocks/).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_bridge.bridge.features.base import features
-from megatron_bridge.bridge.features.mla import mla_config_class
 from megatron_bridge.bridge.spec import BridgeSpec
+from megatron_bridge.runtime.blocks.base import blocks
+from megatron_bridge.runtime.blocks.mla import mla_config_class
 
 
 def gelu_tanh(x):
@@ -93,8 +94,8 @@ def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -
             moe_grouped_gemm=False,
             moe_layer_freq=list(spec.moe_layer_pattern) if spec.moe_layer_pattern else 1,
         )
-    for feat in features():
-        feat.config(spec, kw)
+    for block in blocks():
+        block.config(spec, kw)
     kw.update(overrides)
     if kw.get("bf16") and "params_dtype" not in overrides:
         kw["params_dtype"] = torch.bfloat16

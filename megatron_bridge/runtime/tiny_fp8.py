@@ -17,6 +17,10 @@ import shutil
 from math import ceil
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
 FP8_MAX = 448.0
 BLOCK = (128, 128)
 QUANTIZATION_CONFIG = {
@@ -36,8 +40,6 @@ def is_quantized_name(name: str, ndim: int) -> bool:
 
 def quantize_block_fp8(w, block: tuple[int, int] = BLOCK):
     """(fp8 weight, fp32 scale_inv grid) of a 2-D tensor."""
-    import torch
-
     rows, cols = w.shape
     bm, bn = block
     w = w.float()
@@ -56,9 +58,6 @@ def quantize_block_fp8(w, block: tuple[int, int] = BLOCK):
 def quantize_fp8(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> Path:
     """`src` (a saved HF model) re-saved at `dst` as an FP8 block-quantised checkpoint; the
     unquantised tensors are stored as `dtype` (the hub checkpoints keep them in bf16)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -88,9 +87,6 @@ def dequantize_dir(fp8_dir: str | Path, dst: str | Path) -> Path:
     """`fp8_dir` dequantised by the definition, with torch: `bf16(fp32(w) * scale_inv)` per
     128 x 128 block, a partial edge block using its own scale (DeepSeek's `weight_dequant`).
     config.json without `quantization_config`, written as `mbr convert` writes it."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
     src, dst = Path(fp8_dir), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -127,9 +123,6 @@ def dequantize_dir(fp8_dir: str | Path, dst: str | Path) -> Path:
 def dequantized_reference(fp8_dir: str | Path, dst: str | Path) -> Path:
     """The checkpoint transformers makes of `fp8_dir` (loaded with its FP8 dequantisation,
     saved back): the oracle a converted fp8 checkpoint must equal bit for bit."""
-    import torch
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
-
     model = AutoModelForCausalLM.from_pretrained(
         fp8_dir, dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(dequantize=True)
     )

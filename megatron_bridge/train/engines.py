@@ -24,8 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_bridge.runtime.build import model_config
 from megatron_bridge.runtime.lora_modules import adapters, load_model_state, model_state
+from megatron_bridge.runtime.packing import model_inputs, schedule_shape
+from megatron_bridge.runtime.schedule import wrap_ddp
+from megatron_bridge.train.data.sft import is_packed
 from megatron_bridge.train.ds_config import build_ds_config
 
 MakeIterators = Callable[[int], list[Any]]
@@ -90,8 +98,6 @@ def _loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 
 
 def _forward_step(device):
-    from megatron_bridge.runtime.packing import model_inputs
-
     def step(data_iterator, model):
         b = _batch_to(next(data_iterator), device)
         args, kwargs = model_inputs(b)
@@ -104,8 +110,6 @@ def _forward_step(device):
 def make_scheduler(optimizer, cfg):
     """Linear warmup then `optimizer.decay_style` decay to min_lr over train.steps (megatron-
     core's scheduler; works on any optimizer's param_groups). Warmup is capped at steps − 1."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     o, steps = cfg.optimizer, max(cfg.train.steps, 2)
     return OptimizerParamScheduler(
         optimizer,
@@ -125,8 +129,6 @@ def make_scheduler(optimizer, cfg):
 def _reduce_loss(reports: list[dict[str, torch.Tensor]]) -> float:
     """Mean token loss of the micro-batches in `reports` (sum of token losses / token count over
     all of them and all DP·CP ranks), known to every rank afterwards."""
-    from megatron.core import parallel_state as ps
-
     acc = torch.zeros(2, dtype=torch.float64)
     for r in reports:
         acc += r["lm loss"].detach().to(torch.float64).cpu()
@@ -145,11 +147,6 @@ class MegatronEngine(Engine):
     def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
         """`mpu` and `bf16` go unused: megatron-core reads its groups from `parallel_state` and
         the precision from the chunks' TransformerConfig (built with the same `bf16`)."""
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        from megatron_bridge.runtime.build import model_config
-        from megatron_bridge.runtime.schedule import wrap_ddp
-
         super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
         tconf = model_config(self.model_chunks)
         tconf.calculate_per_token_loss = True  # read by the schedule, DDP (built next) and finalize
@@ -174,11 +171,6 @@ class MegatronEngine(Engine):
     def _schedule(self, its: list[Any], *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         """One global batch through megatron-core's pipeline schedule; the loss reports of the
         micro-batches (on the last stage)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        from megatron_bridge.runtime.packing import schedule_shape
-        from megatron_bridge.train.data.sft import is_packed
-
         d = self.dims
         seq, mbs = schedule_shape(
             self.cfg.train.seq_length // d.cp, d.micro_batch_size, packed=is_packed(self.cfg.data)
@@ -219,14 +211,10 @@ class MegatronEngine(Engine):
     # -- checkpoint state (this rank's share) -------------------------------------------
     def _optimizers(self) -> list[Any]:
         """megatron-core chains one optimizer per parameter kind (dense / expert) when needed."""
-        from megatron.core.optimizer import ChainedOptimizer
-
         opt = self.optimizer
         return list(opt.chained_optimizers) if isinstance(opt, ChainedOptimizer) else [opt]
 
     def state_dict(self) -> dict[str, Any]:
-        from megatron.core.optimizer import DistributedOptimizer
-
         opts = []
         for opt in self._optimizers():
             if isinstance(opt, DistributedOptimizer):  # its shard of main params + Adam
@@ -282,7 +270,7 @@ class DeepSpeedEngine(Engine):
     nothing of megatron's pipeline schedule, CP/SP gradient reductions or expert-DP groups."""
 
     def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
-        import deepspeed
+        import deepspeed  # on demand: importing it takes ~1.5 s and logs its accelerator choice on every run
 
         super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
         module = chunks[0]
@@ -300,10 +288,6 @@ class DeepSpeedEngine(Engine):
         self._frozen = any(True for _ in adapters(module))
 
     def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
-        from megatron.core import parallel_state as ps
-
-        from megatron_bridge.runtime.packing import model_inputs
-
         it = make_iterators(1)[0]
         self.engine.train()
         batches = [next(it) for _ in range(self.dims.grad_accum)]
@@ -336,8 +320,6 @@ class DeepSpeedEngine(Engine):
         it = make_iterators(1)[0]
         self.engine.eval()
         reports = []
-        from megatron_bridge.runtime.packing import model_inputs
-
         for _ in range(iters * self.dims.grad_accum):
             b = _batch_to(next(it), self.device)
             args, kwargs = model_inputs(b)

@@ -1,8 +1,8 @@
 """The weights training starts from: `model.hf_path` (`spec.source`), or `train.init_from=DIR`.
 
 An HF directory (config.json + safetensors) goes through the bridge's mapping tables, each
-rank reading only its shard. `mbr convert` outputs are read by the converter's loader
-(megatron_bridge.convert), which shares the same tables.
+rank reading only its shard (runtime/weights.py). `mbr convert` outputs are loaded by
+runtime/load_converted.py, on the converter's formats and the same tables.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.load_converted import load_converted
+from megatron_bridge.runtime.lora_modules import apply_lora
+from megatron_bridge.runtime.weights import load_hf_weights
 
 
 def loads_weights(cfg: Any, spec: Any) -> bool:
@@ -33,25 +36,17 @@ def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
     if cfg.train.init_from:
         load_initial_weights(chunks, spec, cfg.train.init_from)
     elif loads_weights(cfg, spec):
-        from megatron_bridge.bridge.loader import load_hf_weights
-
         load_hf_weights(chunks, spec, spec.source)
     if lora:  # frozen base + adapters (peft.init_from's, or HF PEFT's initial ones)
-        from megatron_bridge.runtime.lora_modules import apply_lora
-
         apply_lora(chunks, spec, cfg.peft, seed=cfg.train.seed)
 
 
 def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:
     p = Path(path)
     if (p / "config.json").is_file() and (any(p.glob("*.safetensors"))):
-        from megatron_bridge.bridge.loader import load_hf_weights
-
         load_hf_weights(chunks, spec, p)
         return
     if (p / "mbr_manifest.json").is_file():
-        from megatron_bridge.runtime.load_converted import load_converted
-
         load_converted(chunks, spec, p)
         return
     raise UserError(

@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron_bridge.errors import UserError
+
 LEASE = "mbr_lease.json"
 LOCK = "mbr_lease.lock"
 JOB_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
@@ -235,8 +237,6 @@ def _mine(h: Holder, me: Holder, rank: int) -> bool:
 def acquire(cfg) -> Lease | None:
     """Take (global rank 0) or check (other ranks) the lease on `cfg.checkpoint.dir`; raises
     UserError when another live job holds it. Call before any process group exists."""
-    from megatron_bridge.errors import UserError
-
     ck = cfg.checkpoint
     if not ck.dir:
         return None

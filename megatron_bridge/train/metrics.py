@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from megatron_bridge.backends.registry import backend_of
 
 TB_TAGS = {"val_loss": "valid/loss"}
@@ -43,19 +45,19 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         if use_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # only when enabled: it loads tensorboard
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         if use_wandb:
             os.environ.setdefault("WANDB_MODE", "offline")
             os.environ.setdefault("WANDB_SILENT", "true")
-            import wandb
+            import wandb  # only when enabled: slow to import
 
             self.wandb = wandb.init(
                 project=project, dir=str(self.run_dir), config=config or {}, reinit="finish_previous"
             )
         if sys.stdout.isatty():
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # on a TTY only
 
             self.progress = Progress(
                 TextColumn("step {task.completed}/{task.total}"),
@@ -104,8 +106,6 @@ def _fmt(v: float) -> str:
 
 def gpu_metrics(cfg, dims, dt: float, spec) -> dict[str, float]:
     """MFU and memory of a step that took `dt` seconds, on GPU only (peak from cluster.peak_tflops)."""
-    import torch
-
     if not torch.cuda.is_available():
         return {}
     n = backend_of(spec).count(spec).active  # exact parameter count

@@ -24,6 +24,7 @@ lease on the checkpoint directory is taken over by the next job (lease.py: its p
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -119,8 +120,6 @@ def die_with_launcher() -> bool:
         return False
     _armed.extend(_chain())
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
         if threading.current_thread() is threading.main_thread():

@@ -39,7 +39,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     from megatron_bridge.runtime.parity import hf_reference, make_batch
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("bridge")
     (base / "refs").mkdir()

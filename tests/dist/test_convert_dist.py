@@ -33,7 +33,7 @@ CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtr
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     from megatron_bridge.runtime.parity import hf_reference, make_batch
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("convert")
     (base / "refs").mkdir()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bridge.bridge.tiny import make_tiny
+from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.testing import RESULT_DIR_ENV, free_port, run_torchrun
 
 pytestmark = pytest.mark.dist

@@ -114,7 +114,7 @@ def _merged_reference(hf_dir: Path, adapter_dir: Path, family: str) -> dict:
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("lora")
     (root / "refs").mkdir()

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from megatron_bridge.bridge.tiny import make_tiny
+from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.testing import run_torchrun
 
 pytestmark = pytest.mark.dist

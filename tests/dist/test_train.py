@@ -11,7 +11,7 @@ gradient reduction or a dropped micro-batch produces.
 
 import pytest
 
-from megatron_bridge.bridge.tiny import make_tiny
+from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.testing import run_torchrun
 
 pytestmark = pytest.mark.dist

@@ -126,7 +126,7 @@ def test_commands_from_outside_the_repository(user, venv):
     assert "CHOSEN" in r.stdout
 
     # convert a tiny HF model, then train from it on 2 processes under torchrun with the user's recipe
-    python("from megatron_bridge.bridge.tiny import make_tiny; make_tiny('llama', 'hf')")
+    python("from megatron_bridge.runtime.tiny import make_tiny; make_tiny('llama', 'hf')")
     r = mbr("convert", "src=hf", "dst=converted")
     assert "converted" in r.stdout and (work / "converted" / "config.json").is_file()
     with socket.socket() as s:

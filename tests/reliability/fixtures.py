@@ -29,7 +29,7 @@ def fake_checkpoint(root: Path, iterations, *, layout: str = LAYOUT_1, world: in
     """A checkpoint root in the trainer's format (checkpoint.py) with small per-rank files."""
     import torch
 
-    from megatron_bridge.train import checkpoint as ck
+    from megatron_bridge.train import manifest as ck
 
     for it in iterations:
         tmp = ck.iter_dir(root, it).with_suffix(".tmp")
@@ -53,7 +53,7 @@ def build(fx: Path) -> None:
     from megatron_bridge.data.corpus import train_tokenizer
     from megatron_bridge.data.demo import build_demo
     from megatron_bridge.data.preprocess import preprocess
-    from megatron_bridge.train import checkpoint as ck
+    from megatron_bridge.train import manifest as ck
 
     fx.mkdir(parents=True, exist_ok=True)
     demo = build_demo(fx / "demo", 320, 60000)
@@ -111,7 +111,7 @@ def build(fx: Path) -> None:
 
     from safetensors import safe_open
 
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     hf = Path(make_tiny("llama", fx / "hf"))
 

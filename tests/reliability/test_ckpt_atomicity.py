@@ -18,6 +18,7 @@ import pytest
 from megatron_bridge import reliability
 from megatron_bridge.cli import main as mbr
 from megatron_bridge.train import checkpoint as ckpt
+from megatron_bridge.train import manifest
 
 SAVE_TWICE = textwrap.dedent("""
     import sys, torch
@@ -53,12 +54,12 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(point, left, tmp_path
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert f"injecting kill:{point}:0:4" in p.stderr
     assert (d / left).is_dir()
-    assert ckpt.latest_iteration(d) == 2
+    assert manifest.latest_iteration(d) == 2
     it, state = ckpt.load(d, {"layout": "x"})
     assert it == 2 and state["w"].tolist() == [1.0, 1.0, 1.0]
     assert mbr(["check-ckpt", str(d), "--all"]) == 0
     ckpt.save(d, 6, {"w": 3}, {"layout": "x"})  # the next save publishes and cleans up
-    assert ckpt.latest_iteration(d) == 6 and not list(d.glob("*.tmp"))
+    assert manifest.latest_iteration(d) == 6 and not list(d.glob("*.tmp"))
 
 
 def test_fault_spec_grammar(monkeypatch):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from megatron_bridge.train import checkpoint as ckpt
+from megatron_bridge.train import manifest
 
 try:  # pytest's default (prepend) import mode puts this directory on sys.path
     from harness import Launch, launch, losses, torchrun_failures
@@ -200,7 +200,7 @@ def chain(tmp_path_factory, request):
             rec, s = records[k], SCENARIOS[k]
             rec.crash = run
             d = root / s.name
-            rec.latest = ckpt.latest_iteration(d)
+            rec.latest = manifest.latest_iteration(d)
             rec.tmp_dirs = sorted(p.name for p in d.glob("iter_*.tmp")) if d.exists() else []
             rec.check_ckpt_rc = mbr(["check-ckpt", str(d)]) if rec.latest is not None else None
             rec.crashed_losses = losses(out / "runs" / s.name)

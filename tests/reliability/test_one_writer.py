@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bridge.train import checkpoint as ckpt
+from megatron_bridge.train import manifest
 from megatron_bridge.train.lease import LEASE
 
 try:  # pytest's default (prepend) import mode puts this directory on sys.path
@@ -92,7 +92,7 @@ def test_second_job_on_a_held_directory_is_refused(tmp_path):
     try:
         _wait(lambda: _faults(faults) == 2, a, log_a)  # A holds the lease, sits in step 4
         holder = json.loads((ck / LEASE).read_text())
-        assert ckpt.latest_iteration(ck) == 2
+        assert manifest.latest_iteration(ck) == 2
         t0 = time.monotonic()
         b = subprocess.run(
             torchrun(
@@ -128,7 +128,7 @@ def test_second_job_on_a_held_directory_is_refused(tmp_path):
     finally:
         if a.poll() is None:
             _kill_tree(a)
-    assert ckpt.latest_iteration(ck) == 6
+    assert manifest.latest_iteration(ck) == 6
     assert mbr(["check-ckpt", str(ck)]) == 0  # every manifest of A verifies
     assert not (ck / LEASE).exists()  # released at A's clean exit
     steps = [json.loads(x)["step"] for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.bridge.features.moe_routing import route
 from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint
-from megatron_bridge.bridge.tiny import tiny_config
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.blocks.moe_routing import route
 from megatron_bridge.runtime.tconfig import transformer_config
+from megatron_bridge.runtime.tiny import tiny_config
 
 
 def _hf_router(family: str, **overrides):
@@ -106,7 +106,7 @@ def test_refusals(family, overrides, message):
 
 
 def test_v2_lite_table_and_mtp_skip(tmp_path, capsys):
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     lite = make_tiny("deepseek_v2", tmp_path / "lite", q_lora_rank=None)
     spec = load_spec(lite)
@@ -131,7 +131,7 @@ def test_v2_lite_table_and_mtp_skip(tmp_path, capsys):
 def test_yarn_frequencies_match_transformers(mscale_all_dim):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from megatron_bridge.bridge.features.mla import yarn_inv_freq
+    from megatron_bridge.runtime.blocks.mla import yarn_inv_freq
 
     cfg = tiny_config("deepseek_v3")
     rope = dict(cfg.rope_parameters, mscale=1.0, mscale_all_dim=mscale_all_dim, beta_fast=16)
@@ -146,9 +146,9 @@ def test_yarn_frequencies_match_transformers(mscale_all_dim):
 
 def test_layout_rules_for_mla(tmp_path):
     from megatron_bridge.backends.describe import describe
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.config.schema import Config
     from megatron_bridge.parallel.rules.registry import check_all
+    from megatron_bridge.runtime.tiny import make_tiny
 
     def rules(hf_dir, layout, world):
         cfg = Config()

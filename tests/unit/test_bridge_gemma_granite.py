@@ -11,11 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.bridge.features.scaling import scale_and_cap_logits, scale_embedding
 from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint
-from megatron_bridge.bridge.tiny import make_tiny
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.blocks.scaling import scale_and_cap_logits, scale_embedding
 from megatron_bridge.runtime.cp_attention import (
     allowed_mask,
     capped_attention,
@@ -25,6 +24,7 @@ from megatron_bridge.runtime.cp_attention import (
 )
 from megatron_bridge.runtime.packing import segment_mask
 from megatron_bridge.runtime.tconfig import activation_func
+from megatron_bridge.runtime.tiny import make_tiny
 
 
 def _qkv(s=12, heads=4, groups=2, d=8, seed=0):
@@ -123,12 +123,12 @@ def test_zero_centred_norm_equals_gemma_rmsnorm():
 
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    from megatron_bridge.bridge.features.norms import bridge_rms_norm_class
+    from megatron_bridge.runtime.blocks.norms import BridgeRMSNorm
 
     hf = Gemma3RMSNorm(16, eps=1e-6)
     torch.nn.init.normal_(hf.weight)
     cfg = SimpleNamespace(params_dtype=torch.float32, sequence_parallel=False)
-    mine = bridge_rms_norm_class()(cfg, 16, eps=1e-6)
+    mine = BridgeRMSNorm(cfg, 16, eps=1e-6)
     mine.weight.data.copy_(hf.weight.data)
     x = torch.randn(5, 16).to(torch.bfloat16)
     assert torch.equal(mine(x), hf(x))
@@ -189,9 +189,9 @@ def test_gemma2_packed_sequences_equal_transformers_per_sequence(tmp_path, one_p
     from transformers import AutoModelForCausalLM
 
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.loader import load_hf_weights
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.packing import packed_seq_params
+    from megatron_bridge.runtime.weights import load_hf_weights
 
     path = make_tiny("gemma2", tmp_path / "g2")
     spec = load_spec(path, make_vocab_size_divisible_by=8)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.bridge.features.moe_routing import route
 from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import resolve_checkpoint
 from megatron_bridge.bridge.registry import get_family
-from megatron_bridge.bridge.tiny import tiny_config
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.blocks.moe_routing import route
 from megatron_bridge.runtime.tconfig import transformer_config
+from megatron_bridge.runtime.tiny import tiny_config
 
 
 @pytest.mark.parametrize(
@@ -150,7 +150,7 @@ def test_glm4_sandwich_norm_table_and_layer_specs():
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("glm")
     return {fam: make_tiny(fam, root / fam) for fam in ("glm4", "glm4_moe")}
@@ -200,10 +200,10 @@ def one_process_groups():
     ],
 )
 def test_logits_are_transformers_and_every_feature_is_live(tiny_dirs, family, off, one_process_groups):
-    from megatron_bridge.bridge.loader import load_hf_weights
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.parity import hf_reference, make_batch
     from megatron_bridge.runtime.schedule import forward_logits
+    from megatron_bridge.runtime.weights import load_hf_weights
 
     path = tiny_dirs[family]
     spec = load_spec(path, make_vocab_size_divisible_by=8)

@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_bridge.bridge.features.qk_norm import clipped_attention_class, full_qk_norm_class
 from megatron_bridge.bridge.hf_config import spec_from_hf
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.registry import get_family
-from megatron_bridge.bridge.tiny import tiny_config
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.blocks.qk_norm import FullQKNorm, clipped_attention_class
 from megatron_bridge.runtime.layer_specs import all_layer_specs
 from megatron_bridge.runtime.tconfig import transformer_config
+from megatron_bridge.runtime.tiny import tiny_config
 
 
 def _cfg(tp: int = 1, heads: int = 4, kv: int = 2):
@@ -30,7 +30,7 @@ def test_full_qk_norm_is_transformers_norm_over_the_projection(which, heads):
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
     d = 8
-    ours = full_qk_norm_class()(_cfg(), hidden_size=d, eps=1e-6, which=which)
+    ours = FullQKNorm(_cfg(), hidden_size=d, eps=1e-6, which=which)
     ref = Olmo2RMSNorm(heads * d, eps=1e-6)
     w = torch.randn(heads * d)
     with torch.no_grad():
@@ -56,7 +56,7 @@ def test_full_qk_norm_is_transformers_norm_over_the_projection(which, heads):
 def test_full_qk_norm_heads_of_each_tp_rank(monkeypatch, tp, kv, which, want):
     from megatron.core import parallel_state as ps
 
-    norm = full_qk_norm_class()(_cfg(tp=tp, kv=kv), hidden_size=8, which=which)
+    norm = FullQKNorm(_cfg(tp=tp, kv=kv), hidden_size=8, which=which)
     assert norm.weight.shape == ((4 if which == "q" else kv) * 8,)  # the whole weight on every rank
     got = []
     for r in range(tp):
@@ -86,7 +86,7 @@ def test_tiny_olmoe_clip_is_live_and_read():
     """The tiny OLMoE's clip_qkv changes transformers' output (so verify exercises it)."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_bridge.bridge.tiny import randomize_
+    from megatron_bridge.runtime.tiny import randomize_
 
     ids = torch.randint(0, 250, (1, 16), generator=torch.Generator().manual_seed(0))
     out = []
@@ -124,7 +124,7 @@ def test_olmo2_layer_specs_norm_the_sublayer_outputs():
         assert issubclass(sub.self_attention.module, SelfAttention) and sub.self_attention.module is not SelfAttention
         assert issubclass(sub.mlp.module, MLP) and sub.mlp.module is not MLP
         qn, kn = sub.self_attention.submodules.q_layernorm, sub.self_attention.submodules.k_layernorm
-        assert qn.module is full_qk_norm_class() and (qn.params, kn.params) == ({"which": "q"}, {"which": "k"})
+        assert qn.module is FullQKNorm and (qn.params, kn.params) == ({"which": "q"}, {"which": "k"})
     names = {m.megatron for m in get_family("olmo2").mappings(spec)}
     assert "decoder.layers.{layer}.mlp.post_layernorm.weight" in names
     assert not any("input_layernorm" in n or "pre_mlp_layernorm" in n for n in names)
@@ -139,7 +139,7 @@ def test_olmoe_and_qwen3_moe_layer_specs():
     for layer in layers:
         attn = layer.submodules.self_attention
         assert issubclass(attn.module, SelfAttention) and attn.params["clip_qkv"] == 1.0
-        assert attn.submodules.q_layernorm.module is full_qk_norm_class()
+        assert attn.submodules.q_layernorm.module is FullQKNorm
         assert layer.submodules.mlp.module is MoELayer
 
     spec, layers = _layers("qwen3_moe")
@@ -148,7 +148,7 @@ def test_olmoe_and_qwen3_moe_layer_specs():
     assert [layer.submodules.mlp.module is MoELayer for layer in layers] == [True, False, True, True]
     for layer in layers:
         attn = layer.submodules.self_attention
-        assert attn.module is SelfAttention and attn.submodules.q_layernorm is not full_qk_norm_class()
+        assert attn.module is SelfAttention and attn.submodules.q_layernorm is not FullQKNorm
 
 
 def test_wrapped_sublayers_get_their_base_constructor_arguments():
@@ -158,8 +158,8 @@ def test_wrapped_sublayers_get_their_base_constructor_arguments():
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from megatron_bridge.bridge.features.norms import norm_module
-    from megatron_bridge.bridge.features.sublayer import post_processed
+    from megatron_bridge.runtime.blocks.norms import norm_module
+    from megatron_bridge.runtime.blocks.sublayer import post_processed
 
     spec = spec_from_hf(tiny_config("olmo2").to_dict())
     mlp, moe = post_processed(MLP, norm_module(spec)), post_processed(MoELayer, None)

@@ -24,7 +24,7 @@ def groups1():
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     root = tmp_path_factory.mktemp("tiny")
     return {fam: make_tiny(fam, root / fam) for fam in TINY}
@@ -51,7 +51,7 @@ def test_uninitialised_build_loads_to_the_same_model(family, groups1, tiny_dirs)
     """Same parameters, buffers and megatron tensor-parallel attributes as the random-init
     build; poisoned with NaN before the load, every tensor equals the random-init build's
     after it (so the loader wrote all of them)."""
-    from megatron_bridge.bridge.loader import checkpoint_tensors, load_hf_weights
+    from megatron_bridge.runtime.weights import checkpoint_tensors, load_hf_weights
 
     spec, ref = _build(tiny_dirs[family], load_weights=False)
     _, new = _build(tiny_dirs[family], load_weights=True)
@@ -97,7 +97,7 @@ def test_no_random_draws_and_megatron_restored(groups1, tiny_dirs):
 def test_a_tensor_missing_from_the_checkpoint_is_named(groups1, tiny_dirs, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from megatron_bridge.bridge.loader import load_hf_weights
+    from megatron_bridge.runtime.weights import load_hf_weights
 
     src = tiny_dirs["llama"]
     dst = tmp_path / "llama"
@@ -113,7 +113,7 @@ def test_a_tensor_missing_from_the_checkpoint_is_named(groups1, tiny_dirs, tmp_p
 def test_persistent_buffers_must_come_from_the_checkpoint(groups1, tiny_dirs):
     """A persistent buffer is checkpoint state: without a table row it is refused, not left
     as built; a non-persistent one (derived from the config) is not the checkpoint's."""
-    from megatron_bridge.bridge.loader import checkpoint_tensors, load_hf_weights
+    from megatron_bridge.runtime.weights import checkpoint_tensors, load_hf_weights
 
     spec, chunks = _build(tiny_dirs["llama"], load_weights=True)
     norm = chunks[0].decoder.final_layernorm
@@ -126,7 +126,7 @@ def test_persistent_buffers_must_come_from_the_checkpoint(groups1, tiny_dirs):
 
 
 def test_require_all_written_names_what_was_left():
-    from megatron_bridge.bridge.loader import require_all_written
+    from megatron_bridge.runtime.weights import require_all_written
 
     require_all_written({"a": 0, "b": 0}, {"a", "b"}, "src")
     with pytest.raises(UserError, match=r"src left 1 tensor\(s\) of the model unloaded .*: b$"):

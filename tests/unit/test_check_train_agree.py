@@ -29,7 +29,8 @@ from megatron_bridge.parallel.rules.registry import validate
 from megatron_bridge.plan import params as P
 from megatron_bridge.plan.search import Context, pinned_from_overrides, search
 from megatron_bridge.runtime.tconfig import transformer_config_kwargs
-from megatron_bridge.train.runner import model_overrides, validate_for_launch
+from megatron_bridge.train.job import model_overrides
+from megatron_bridge.train.runner import validate_for_launch
 
 RECIPES = sorted(p.stem for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 GPT_STYLE = [
@@ -203,9 +204,9 @@ def test_built_moe_layer_mix_equals_plan(one_process_groups, tmp_path):
     """Qwen2-MoE's tiny model has mlp_only_layers=[1] (one dense layer among MoE layers): the
     megatron model built from its spec has exactly the planner's parameters."""
     from megatron_bridge.bridge.hf_config import load_spec
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.tiny import make_tiny
 
     spec = load_spec(make_tiny("qwen2_moe", tmp_path / "m"))
     assert spec.moe_layer_pattern and not all(spec.moe_layer_pattern)
@@ -232,10 +233,10 @@ def _layout_grid(moe: bool, n: int = 12, seed: int = 1) -> list[dict]:
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_check_plan_train_convert_verify_accept_the_same_layouts(family, tmp_path, monkeypatch, capsys):
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.cli import main
     from megatron_bridge.commands.verify import VerifyConfig, check_layouts
     from megatron_bridge.errors import UserError
+    from megatron_bridge.runtime.tiny import make_tiny
 
     hf = make_tiny(family, tmp_path / family)
     verdicts = []

@@ -7,22 +7,23 @@ import torch
 
 from megatron_bridge.errors import UserError
 from megatron_bridge.train import checkpoint as ckpt
+from megatron_bridge.train import manifest
 
 
 def test_save_load_roundtrip_and_latest_pointer(tmp_path):
     s1 = {"w": torch.arange(4.0), "step": 1}
     ckpt.save(tmp_path, 1, s1, {"layout": "tp1"})
     ckpt.save(tmp_path, 2, {"w": torch.ones(3), "step": 2}, {"layout": "tp1"})
-    assert ckpt.latest_iteration(tmp_path) == 2
+    assert manifest.latest_iteration(tmp_path) == 2
     it, state = ckpt.load(tmp_path, {"layout": "tp1"})
     assert it == 2 and state["step"] == 2 and torch.equal(state["w"], torch.ones(3))
-    m = json.loads((ckpt.iter_dir(tmp_path, 2) / ckpt.MANIFEST).read_text())
+    m = json.loads((manifest.iter_dir(tmp_path, 2) / manifest.MANIFEST).read_text())
     assert m["iteration"] == 2 and len(m["files"]) == 1 and len(m["files"][0]["sha256"]) == 64
 
 
 def test_torn_save_is_ignored(tmp_path):
     ckpt.save(tmp_path, 5, {"a": 1}, {})
-    torn = ckpt.iter_dir(tmp_path, 6).with_suffix(".tmp")  # what a kill during save leaves
+    torn = manifest.iter_dir(tmp_path, 6).with_suffix(".tmp")  # what a kill during save leaves
     torn.mkdir()
     (torn / "rank_00000.pt.partial").write_bytes(b"garbage")
     assert ckpt.load(tmp_path, {})[0] == 5
@@ -38,7 +39,7 @@ def test_corruption_named(tmp_path):
         ckpt.load(tmp_path, {})
     f.unlink()
     with pytest.raises(UserError, match="missing"):
-        ckpt.verify(d)
+        manifest.verify(d)
 
 
 def test_layout_mismatch_refused(tmp_path):

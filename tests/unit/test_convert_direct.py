@@ -46,7 +46,7 @@ STACKED = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("hf")
     return {f: make_tiny(f, base / f) for f in ("llama", "qwen2", "mixtral", "qwen2_moe", "gpt_oss")}

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     return make_tiny("llama", tmp_path_factory.mktemp("hf") / "llama")
 

@@ -51,7 +51,7 @@ def test_pool_respects_its_cap_and_skips_small_or_huge_reads():
 def test_round_trips_with_every_read_pooled_are_bit_exact(tmp_path, monkeypatch):
     from test_convert_roundtrip import assert_same, hf_tensors, run
 
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     monkeypatch.setattr(BufferPool, "MIN_BYTES", 0)  # tiny tensors too: reuse happens constantly
     src = make_tiny("llama", tmp_path / "hf")

@@ -51,7 +51,7 @@ def rank_files(d: Path) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> dict[str, Path]:
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("hf")
     out = {f: make_tiny(f, base / f) for f in FAMILIES}

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from megatron_bridge.bridge.tiny import TINY, tiny_config
+from megatron_bridge.bridge.tiny import TINY
+from megatron_bridge.runtime.tiny import tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +64,12 @@ def test_init_from_reads_what_megatron_core_loads(family, divisor, groups1, tmp_
 
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.cli import main as mbr
     from megatron_bridge.convert.formats.dist_read import DistReader
     from megatron_bridge.convert.formats.safetensors_io import PositionedReader
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.load_converted import dist_state
+    from megatron_bridge.runtime.tiny import make_tiny
 
     hf = make_tiny(family, tmp_path / "hf")
     pad = [f"model.make_vocab_size_divisible_by={divisor}"] if divisor else []

@@ -30,7 +30,7 @@ from megatron_bridge.errors import UserError
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
     """The torch_dist directory of `mbr convert` of the tiny llama."""
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("dist")
     hf = make_tiny("llama", base / "hf")

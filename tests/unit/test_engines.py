@@ -25,10 +25,11 @@ def test_engines_implement_the_whole_interface_with_one_constructor(name):
     assert inspect.signature(cls.__init__) == inspect.signature(Engine.__init__), name
 
 
-def test_runner_has_no_engine_branches():
-    """No engine names, engine classes or attribute probes in the runner: what differs between
-    engines lives behind `Engine`."""
-    tree = ast.parse((PKG / "train" / "runner.py").read_text())
+@pytest.mark.parametrize("module", ["runner.py", "job.py"])
+def test_runner_has_no_engine_branches(module):
+    """No engine names, engine classes or attribute probes in the runner (the entry point and
+    the job it runs): what differs between engines lives behind `Engine`."""
+    tree = ast.parse((PKG / "train" / module).read_text())
     engine_classes = {cls.__name__ for cls in ENGINES.values()}
     found = []
     for node in ast.walk(tree):

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_bridge.train.job import _eval_due
 from megatron_bridge.train.metrics import MetricsLogger
-from megatron_bridge.train.runner import _eval_due
 
 
 def cfg(interval, iters):

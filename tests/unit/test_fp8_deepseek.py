@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_bridge.bridge.tiny import make_tiny
 from megatron_bridge.cli import main as mbr
+from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.runtime.tiny_fp8 import dequantized_reference, quantize_fp8
 from tests.unit.test_fp8_source import assert_same_checkpoint, bits
 

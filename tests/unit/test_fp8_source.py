@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_bridge.bridge.loader import HFCheckpoint
-from megatron_bridge.bridge.tiny import make_tiny
 from megatron_bridge.cli import main as mbr
 from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.sources.readers import open_checkpoint
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.runtime.tiny_fp8 import dequantize_dir, dequantized_reference, quantize_fp8
 from tests.unit.test_convert_direct import run_without_torch
 

@@ -75,11 +75,11 @@ def test_stacked_experts_are_strided_blocks_of_the_slab():
 
 
 def test_clamped_glu_config_matches_hf_apply_gate():
-    from megatron_bridge.bridge.features.glu import ClampedGLU
+    from megatron_bridge.runtime.blocks.glu import ClampedGLUBlock
 
     spec = types.SimpleNamespace(glu_clamp=7.0, glu_alpha=1.702, glu_linear_offset=1.0)
     kw: dict = {}
-    ClampedGLU.config(spec, kw)
+    ClampedGLUBlock.config(spec, kw)
     assert kw["activation_func"].keywords == {"alpha": 1.702}
     x = 6 * torch.randn(7, 2 * INTER, generator=_g())  # reaches the clamp
     experts = types.SimpleNamespace(limit=7.0, alpha=1.702)
@@ -103,7 +103,7 @@ def _attention(world, window=None, heads=4, groups=2, d=8):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge.runtime.cp_attention import context_parallel_attention_class
+    from megatron_bridge.runtime.cp_attention import ContextParallelAttention
 
     cfg = TransformerConfig(
         num_layers=1,
@@ -114,7 +114,7 @@ def _attention(world, window=None, heads=4, groups=2, d=8):
         softmax_type="learnable",
         use_cpu_initialization=True,
     )
-    cls = context_parallel_attention_class()
+    cls = ContextParallelAttention
     pgs = types.SimpleNamespace(cp=None, tp=world)
     att = cls(cfg, 1, AttnMaskType.causal, "self", pg_collection=pgs, window=window).eval()
     with torch.no_grad():
@@ -206,8 +206,8 @@ def test_gpt_oss_spec_and_megatron_config():
     from megatron_bridge.bridge.features.attention import needs_own_attention
     from megatron_bridge.bridge.hf_config import spec_to_hf_config
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.tiny import tiny_config
     from megatron_bridge.runtime.tconfig import transformer_config
+    from megatron_bridge.runtime.tiny import tiny_config
 
     s = spec_from_hf(tiny_config("gpt_oss").to_dict())
     assert s.attention_sinks and s.mlp_bias and s.moe_router_bias and s.attention_out_bias and s.add_qkv_bias
@@ -222,7 +222,7 @@ def test_gpt_oss_spec_and_megatron_config():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     return make_tiny("gpt_oss", tmp_path_factory.mktemp("tiny") / "gpt_oss")
 

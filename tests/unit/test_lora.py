@@ -143,8 +143,9 @@ def test_planner_adapter_count_equals_hf_peft(tmp_path, family, targets):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from megatron_bridge.bridge.lora import check_adapter_dir, layer_adapter_params
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.bridge.lora import layer_adapter_params
+    from megatron_bridge.runtime.lora_files import check_adapter_dir
+    from megatron_bridge.runtime.tiny import make_tiny
 
     hf = make_tiny(family, tmp_path / family)
     cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={hf}"])

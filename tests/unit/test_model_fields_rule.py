@@ -53,7 +53,7 @@ def test_families_described_by_their_fields_are_accepted(family):
 
 
 def test_a_config_json_lifts_the_refusal(tmp_path):
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     hf = make_tiny("gemma2", tmp_path / "gemma2")
     assert _rules(f"model.hf_path={hf}") == {}

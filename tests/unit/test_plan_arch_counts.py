@@ -24,9 +24,10 @@ import transformers as T
 
 from megatron_bridge.bridge.hf_config import _moe_pattern, load_spec
 from megatron_bridge.bridge.spec import BridgeSpec
-from megatron_bridge.bridge.tiny import TINY, tiny_config
+from megatron_bridge.bridge.tiny import TINY
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
 from megatron_bridge.plan import params as P
+from megatron_bridge.runtime.tiny import tiny_config
 
 BASE = dict(vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4)
 MOE = dict(moe_intermediate_size=16, num_experts_per_tok=2)

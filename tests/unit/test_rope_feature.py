@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.bridge.features.rope import attention_factor, layer_rope, rope_inv_freq
+from megatron_bridge.bridge.features.rope import attention_factor, layer_rope
 from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.blocks.rope import rope_inv_freq
 
 
 def _hf(**kw):
@@ -132,7 +133,7 @@ def test_local_rope_base_of_sliding_layers_is_gemma3s():
 
 
 def test_local_rope_layers_get_their_own_attention_module():
-    from megatron_bridge.bridge.features.rope import Rope, rope_self_attention_class
+    from megatron_bridge.runtime.blocks.rope import RopeBlock, RopeSelfAttention
 
     class Sub:
         pass
@@ -150,9 +151,9 @@ def test_local_rope_layers_get_their_own_attention_module():
         ls = LayerSpec()
         ls.submodules = Sub()
         ls.submodules.self_attention = ModuleSpec(module=SelfAttention, params={"attn_mask_type": 1}, submodules="qkv")
-        Rope.layer(spec, i, ls)
+        RopeBlock.layer(spec, i, ls)
         attn = ls.submodules.self_attention
-        kinds.append(attn.module is rope_self_attention_class())
+        kinds.append(attn.module is RopeSelfAttention)
         assert attn.submodules == "qkv" and attn.params["attn_mask_type"] == 1
     assert kinds == [True, False, True, False]
 
@@ -169,9 +170,9 @@ def test_nope_layers_follow_transformers_smollm3():
         assert spec.nope_pattern == tuple(1 - x for x in cfg.no_rope_layers)
         assert spec_from_hf(spec_to_hf_config(spec)) == spec
         kw: dict = {}
-        from megatron_bridge.bridge.features.rope import Rope
+        from megatron_bridge.runtime.blocks.rope import RopeBlock
 
-        Rope.config(spec, kw)
+        RopeBlock.config(spec, kw)
         assert kw["no_rope_freq"] == list(spec.nope_pattern)
     all_rope = spec_from_hf({**arch, **base, "no_rope_layers": [1] * 8})
     assert all_rope.nope_pattern == () and spec_to_hf_config(all_rope)["no_rope_layers"] == [1] * 8
@@ -216,11 +217,11 @@ def test_layers_with_their_own_rope_base_compute_transformers_logits(tmp_path, o
     RopeSelfAttention has to replace the model-wide embedding with its own."""
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.parity import hf_reference, make_batch
     from megatron_bridge.runtime.schedule import forward_logits
+    from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights import load_hf_weights
 
     path = make_tiny("ministral", tmp_path / "m", layer_types=["sliding_attention"] * 4)
     spec = load_spec(path, make_vocab_size_divisible_by=8)
@@ -242,10 +243,10 @@ def test_packed_sequences_restart_every_per_layer_rotary(tmp_path, family, one_p
     logits of its sequences run one by one."""
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.packing import packed_seq_params
+    from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights import load_hf_weights
 
     local = family == "ministral-local"
     extra = {"layer_types": ["sliding_attention", "full_attention"] * 2} if local else {}
@@ -290,11 +291,11 @@ def test_length_dependent_rope_gives_transformers_logits(tmp_path, family, overr
     the same batch (dynamic NTK rescales past max_position_embeddings, a fresh model)."""
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.loader import load_hf_weights
-    from megatron_bridge.bridge.tiny import make_tiny
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.parity import hf_reference, make_batch
     from megatron_bridge.runtime.schedule import forward_logits
+    from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights import load_hf_weights
 
     path = make_tiny(family, tmp_path / family, **overrides)
     spec = load_spec(path, make_vocab_size_divisible_by=8)

@@ -248,7 +248,7 @@ def test_hf_model_the_builder_refuses_is_refused_by_check(tmp_path):
     `mbr check` refuses too (rule hf-model), instead of passing a layout that cannot train."""
     import json
 
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     good = make_tiny("llama", tmp_path / "llama")
     cfg = json.loads((good / "config.json").read_text())

@@ -65,7 +65,7 @@ def test_rotary_positions_past_the_table_are_a_warning_naming_the_scaling(tmp_pa
     assert rules == set()
     assert "train.seq_length=512 > model.max_position_embeddings=256" in notes
     assert "no rope scaling (rope_type default, rotary_base 10000)" in notes
-    from megatron_bridge.bridge.tiny import make_tiny
+    from megatron_bridge.runtime.tiny import make_tiny
 
     hf = make_tiny("llama", tmp_path / "hf")  # llama3 rope scaling, max_position_embeddings 128
     rules, notes = check(f"model.hf_path={hf}", "train.seq_length=256", "parallel.tp=1", "parallel.pp=1")

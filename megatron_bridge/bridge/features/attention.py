@@ -1,9 +1,10 @@
 """Core attention: which module computes softmax(QK^T)V, and each layer's sliding window.
 
-* The module: Transformer Engine's `TEDotProductAttention` on a CUDA host with TE when every
-  layer asks only for what it computes (causal, one window for all layers); otherwise our
-  `ContextParallelAttention` (plain PyTorch, any cp, per-layer options passed as ModuleSpec
-  params). The choice is printed once when a GPU run falls back to ours.
+* The module (built by runtime/blocks/attention.py): Transformer Engine's
+  `TEDotProductAttention` on a CUDA host with TE when every layer asks only for what it
+  computes (causal, one window for all layers); otherwise our `ContextParallelAttention`
+  (plain PyTorch, any cp, per-layer options passed as ModuleSpec params). The choice is
+  printed once when a GPU run falls back to ours.
 * Sliding windows: `sliding_window` (HF semantics: a query attends to keys with q - k < W)
   and `window_pattern` (1 = sliding layer, 0 = full layer; () = every layer alike). HF
   spells this three ways — `sliding_window` alone (Mistral), `use_sliding_window` plus
@@ -16,21 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron_bridge.bridge.features.base import Feature, register_feature
-
-_SAID: set[str] = set()
-
-
-def te_attention_class():
-    """TE's DotProductAttention on a CUDA host with Transformer Engine, else None."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-    except ImportError:
-        return None
-    return TEDotProductAttention
+from megatron_bridge.bridge.registry import weight_family
 
 
 def needs_own_attention(spec: Any) -> list[str]:
@@ -44,23 +31,6 @@ def needs_own_attention(spec: Any) -> list[str]:
     if spec.attention_sinks:
         why.append("attention sinks")
     return why
-
-
-def core_attention_module(spec: Any):
-    """The core attention class for `spec` (see module docstring)."""
-    from megatron_bridge.runtime.cp_attention import context_parallel_attention_class
-
-    te = te_attention_class()
-    if te is None:
-        return context_parallel_attention_class()
-    why = needs_own_attention(spec)
-    if not why:
-        return te
-    msg = f"core attention: the bridge's own module (Transformer Engine's cannot do {', '.join(why)})"
-    if msg not in _SAID:
-        _SAID.add(msg)
-        print(msg, flush=True)
-    return context_parallel_attention_class()
 
 
 def layer_window(spec: Any, index: int) -> int | None:
@@ -101,8 +71,6 @@ class CoreAttention(Feature):
 
     @classmethod
     def to_hf(cls, spec: Any, cfg: dict[str, Any]) -> None:
-        from megatron_bridge.bridge.registry import weight_family
-
         n = spec.num_layers
         pattern = spec.window_pattern or ((1,) * n if spec.sliding_window else (0,) * n)
         if weight_family(spec.family).window_key == "layer_types":
@@ -115,21 +83,5 @@ class CoreAttention(Feature):
         else:
             cfg["sliding_window"] = spec.sliding_window
 
-    @classmethod
-    def config(cls, spec: Any, kw: dict[str, Any]) -> None:
-        kw["window_size"] = (spec.sliding_window - 1, 0) if spec.sliding_window else None
 
-    @classmethod
-    def layer(cls, spec: Any, index: int, layer_spec: Any) -> None:
-        from megatron.core.transformer.spec_utils import ModuleSpec
-
-        module = core_attention_module(spec)
-        sub = layer_spec.submodules.self_attention.submodules
-        if spec.window_pattern:
-            w = layer_window(spec, index)
-            sub.core_attention = ModuleSpec(module=module, params={"window": (w - 1, 0) if w else None})
-        else:
-            sub.core_attention = module
-
-
-__all__ = ["CoreAttention", "core_attention_module", "layer_window", "needs_own_attention", "te_attention_class"]
+__all__ = ["CoreAttention", "layer_window", "needs_own_attention"]

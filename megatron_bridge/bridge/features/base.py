@@ -1,18 +1,17 @@
-"""The feature hooks: how one building block reaches config.json, the spec, megatron's
-TransformerConfig, the per-layer module specs and the built model.
+"""The description hooks of the building blocks: how each one's settings travel between
+config.json and the spec.
 
 A family never says *how* a building block is made; its config (or its `implicit` fields)
-turns spec fields on, and every registered feature looks at the spec and does its part. A
-feature is one class in one file under `features/`, listed in `FEATURE_MODULES`:
+turns spec fields on, and every registered feature looks at the config and the spec and does
+its part. A feature is one class in one file under `features/`, listed in `FEATURE_MODULES`:
 
     read(hf, fields, problems)      config.json -> BridgeSpec fields (append refusals to problems)
     to_hf(spec, cfg)                BridgeSpec -> config.json (export of a model without source)
-    config(spec, kw)                TransformerConfig kwargs
-    layer(spec, index, layer_spec)  edit one layer's ModuleSpec (a private copy; global 0-based index)
-    block(spec, block_spec)         edit the block's TransformerBlockSubmodules (final norm)
-    model(spec, chunk)              after GPTModel is built (hooks on embedding / output layer)
 
-Shared code calls the hooks of every feature in order and never branches on a family.
+Torch-free, like the rest of the core. How a block is *built* (TransformerConfig kwargs, the
+per-layer module specs, hooks on the built model, its megatron modules) is the runtime's:
+`runtime/blocks/`, one file per block that has build hooks. Shared code calls the hooks of
+every feature in order and never branches on a family.
 """
 
 from __future__ import annotations
@@ -28,14 +27,10 @@ FEATURE_MODULES = (
     "mla",
     "moe_routing",
     "mtp",
-    "norms",
-    "sublayer",
     "scaling",
     "qk_norm",
-    "sinks",
     "bias",
     "glu",
-    "expert_grads",
 )
 
 _FEATURES: list[type[Feature]] = []
@@ -43,7 +38,7 @@ _LOADED = False
 
 
 class Feature:
-    """Base of a building block; every hook is optional (the default does nothing)."""
+    """Base of a building block's description; every hook is optional (the default does nothing)."""
 
     name: ClassVar[str] = ""
 
@@ -54,22 +49,6 @@ class Feature:
     @classmethod
     def to_hf(cls, spec: Any, cfg: dict[str, Any]) -> None:
         """Write this feature's settings into a config.json dict."""
-
-    @classmethod
-    def config(cls, spec: Any, kw: dict[str, Any]) -> None:
-        """Adjust the TransformerConfig keyword arguments."""
-
-    @classmethod
-    def layer(cls, spec: Any, index: int, layer_spec: Any) -> None:
-        """Edit the ModuleSpec of global layer `index` (0-based; a private deep copy)."""
-
-    @classmethod
-    def block(cls, spec: Any, block_spec: Any) -> None:
-        """Edit the TransformerBlockSubmodules (its `layer_norm` is the final norm)."""
-
-    @classmethod
-    def model(cls, spec: Any, chunk: Any) -> None:
-        """Adjust one built GPTModel chunk (pre_process/post_process tell which ends it has)."""
 
 
 def register_feature(cls: type[Feature]) -> type[Feature]:

@@ -10,7 +10,7 @@ under expert-TP > 1 (`moe-bias-etp` rule). Expert biases scale with the routing
 probability exactly as HF's (W·x + b)·p; megatron adds that bias in place onto the
 expert fc2 output, which autograd forbids when the TP reduce hands its input back as is
 (etp 1), so biased experts get an fc2 whose output is a fresh tensor and whose bias is not
-summed over TP a second time (`expert_fc2_class`).
+summed over TP a second time (runtime/blocks/bias.py, `expert_fc2_class`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron_bridge.bridge.features.base import Feature, register_feature
+from megatron_bridge.bridge.registry import weight_family
 
 
 @register_feature
@@ -40,54 +41,10 @@ class LinearBiases(Feature):
 
     @classmethod
     def to_hf(cls, spec: Any, cfg: dict[str, Any]) -> None:
-        from megatron_bridge.bridge.registry import weight_family
-
         if spec.attention_out_bias:
             cfg["attention_bias"] = True
         if spec.mlp_bias and not weight_family(spec.family).implicit.get("mlp_bias"):
             cfg["mlp_bias"] = True
-
-    @classmethod
-    def config(cls, spec: Any, kw: dict[str, Any]) -> None:
-        if spec.attention_out_bias and spec.mlp_bias:
-            kw["add_bias_linear"] = True
-
-    @classmethod
-    def layer(cls, spec: Any, index: int, layer_spec: Any) -> None:
-        if not (spec.mlp_bias and spec.is_moe):
-            return
-        experts = getattr(getattr(layer_spec.submodules.mlp, "submodules", None), "experts", None)
-        sub = getattr(experts, "submodules", None)
-        if sub is not None and getattr(sub, "linear_fc2", None) is not None:
-            sub.linear_fc2 = expert_fc2_class(sub.linear_fc2)
-
-
-_FC2: dict[Any, type] = {}
-
-
-def expert_fc2_class(base: Any) -> type:
-    """`base` (a row-parallel linear) whose output is never the reduce's input returned as is,
-    so megatron's in-place `output += bias·prob` (MLP.forward, experts) is legal."""
-    if base not in _FC2:
-
-        def __init__(self, *args, **kwargs):
-            base.__init__(self, *args, **kwargs)
-            if getattr(self, "bias", None) is not None:
-                # megatron marks the bias `sequence_parallel`, so finalize_model_grads sums its
-                # grad over TP; an expert's grad is already summed over the expert-DP group,
-                # which holds those same ranks at etp 1: it would count twice (measured 2x).
-                self.bias.sequence_parallel = False
-
-        def forward(self, *args, **kwargs):
-            out, bias = base.forward(self, *args, **kwargs)
-            return out.clone(), bias
-
-        _FC2[base] = type(
-            f"{base.__name__}FreshOutput",
-            (base,),
-            {"__init__": __init__, "forward": forward, "__doc__": expert_fc2_class.__doc__},
-        )
-    return _FC2[base]
 
 
 __all__ = ["LinearBiases"]

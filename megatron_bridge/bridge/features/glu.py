@@ -4,7 +4,8 @@ out = (up + offset) · gate·sigmoid(alpha·gate)  (c = swiglu_limit 7, alpha 1.
 megatron-core 0.16's unfused GLU (`MLP.forward`, also per expert in SequentialMLP) computes
 act(x_glu.clamp(max=c)) · (x_linear.clamp(-c, c) + glu_linear_offset) with
 `activation_func_clamp_value` and `glu_linear_offset`; with act = x·sigmoid(alpha·x)
-that is HF's expression term for term (bit-exact), so the feature only sets config.
+that is HF's expression term for term (bit-exact), so the block (runtime/blocks/glu.py) only
+sets config.
 megatron's own `quick_gelu` (alpha 1.702) is not used: it is `jit_fuser`-compiled, which
 costs minutes of compile on CPU and rounds differently. The interleaved gate/up layout on disk is the table's business
 (`mapping.ExpertsStacked`).
@@ -12,18 +13,10 @@ costs minutes of compile on CPU and rounds differently. The interleaved gate/up 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 from megatron_bridge.bridge.features.base import Feature, register_feature
-
-
-def sigmoid_gate(x, alpha: float = 1.0):
-    """x·sigmoid(alpha·x) (silu at alpha 1)."""
-    import torch
-
-    return x * torch.sigmoid(alpha * x)
 
 
 @register_feature
@@ -44,14 +37,5 @@ class ClampedGLU(Feature):
         if spec.glu_clamp is not None or spec.glu_alpha != 1.0:
             cfg["swiglu_alpha"] = spec.glu_alpha
 
-    @classmethod
-    def config(cls, spec: Any, kw: dict[str, Any]) -> None:
-        if spec.glu_clamp is not None:
-            kw["activation_func_clamp_value"] = spec.glu_clamp
-        if spec.glu_linear_offset:
-            kw["glu_linear_offset"] = spec.glu_linear_offset
-        if spec.glu_alpha != 1.0:
-            kw["activation_func"] = functools.partial(sigmoid_gate, alpha=spec.glu_alpha)
 
-
-__all__ = ["ClampedGLU", "sigmoid_gate"]
+__all__ = ["ClampedGLU"]

@@ -1,5 +1,6 @@
 """DeepSeek-style MoE routing (DeepSeek-V2/V3, Kimi-K2, Moonlight): the router transformers'
-DeepseekV2/V3TopkRouter computes, as a megatron `TopKRouter` subclass.
+DeepseekV2/V3TopkRouter computes, as a megatron `TopKRouter` subclass (built by
+runtime/blocks/moe_routing.py; read and written here).
 
 What the config says (DeepSeek names) and the spec fields it sets:
   n_routed_experts, num_experts_per_tok, moe_intermediate_size  -> experts, top-k, expert size
@@ -25,7 +26,6 @@ than greedy / group_limited_greedy, V2 with norm_topk_prob=true (transformers ig
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,97 +45,6 @@ def uses_hf_router(spec: Any) -> bool:
             or spec.moe_router_topk_scaling_factor
         )
     )
-
-
-def route(
-    logits,
-    *,
-    topk: int,
-    score_function: str,
-    bias=None,
-    num_groups: int | None = None,
-    group_topk: int | None = None,
-    renormalize: bool = True,
-    scaling: float | None = None,
-):
-    """(probs [tokens, experts], routing_map) exactly as transformers' DeepSeek routers."""
-    import torch
-
-    logits = logits.float()
-    n, e = logits.shape
-    sigmoid = score_function == "sigmoid"
-    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
-    choice = scores + bias if bias is not None else scores
-    source = scores
-    if num_groups and group_topk:
-        grouped = choice.view(n, num_groups, e // num_groups)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if sigmoid else grouped.max(dim=-1).values
-        group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        keep = group_mask.unsqueeze(-1).expand(n, num_groups, e // num_groups).reshape(n, e).bool()
-        choice = choice.masked_fill(~keep, float("-inf") if sigmoid else 0.0)
-        if not sigmoid:
-            source = choice  # V2 takes the weights from the masked scores
-    idx = torch.topk(choice, k=topk, dim=-1, sorted=False)[1]
-    weights = source.gather(1, idx)
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    if scaling:
-        weights = weights * scaling
-    probs = torch.zeros_like(scores).scatter(1, idx, weights)
-    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
-    return probs, routing_map
-
-
-def _router_class():
-    import torch
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    class HFTopKRouter(TopKRouter):
-        """TopKRouter whose routing is `route` (see module docstring)."""
-
-        def __init__(self, *args: Any, spec: Any, **kw: Any):
-            super().__init__(*args, **kw)
-            self.spec = spec
-            delattr(self, "expert_bias")
-            bias: Any = None
-            if spec.moe_router_expert_bias:
-                zeros = torch.zeros(self.config.num_moe_experts, dtype=torch.float32, device=self.weight.device)
-                bias = torch.nn.Parameter(zeros, requires_grad=False)
-            self.expert_bias = bias
-
-        def _apply(self, fn, recurse=True):
-            # keep the correction bias float32 through .bfloat16()/.half() (HF keeps it fp32)
-            keep = self.expert_bias.data if self.expert_bias is not None else None
-            out = super()._apply(fn, recurse)
-            if keep is not None:
-                self.expert_bias.data = keep.to(self.expert_bias.device)
-            return out
-
-        def routing(self, logits, padding_mask=None):
-            s = self.spec
-            return route(
-                logits.view(-1, self.config.num_moe_experts),
-                topk=self.topk,
-                score_function=s.moe_router_score_function,
-                bias=self.expert_bias,
-                num_groups=s.moe_router_num_groups,
-                group_topk=s.moe_router_group_topk,
-                renormalize=not s.moe_router_pre_softmax,
-                scaling=s.moe_router_topk_scaling_factor,
-            )
-
-    return HFTopKRouter
-
-
-_ROUTER: Any = None
-
-
-def hf_router_class():
-    global _ROUTER
-    if _ROUTER is None:
-        _ROUTER = _router_class()
-    return _ROUTER
 
 
 @register_feature
@@ -198,14 +107,5 @@ class DeepSeekRouting(Feature):
         if spec.moe_router_score_function == "softmax":
             cfg["topk_method"] = "group_limited_greedy" if spec.moe_router_num_groups else "greedy"
 
-    @classmethod
-    def layer(cls, spec: Any, index: int, layer_spec: Any) -> None:
-        if not uses_hf_router(spec):
-            return
-        mlp = layer_spec.submodules.mlp
-        sub = getattr(mlp, "submodules", None)
-        if sub is not None and hasattr(sub, "router"):
-            sub.router = functools.partial(hf_router_class(), spec=spec)
 
-
-__all__ = ["DeepSeekRouting", "route", "uses_hf_router", "hf_router_class"]
+__all__ = ["DeepSeekRouting", "V2_TOPK_METHODS", "uses_hf_router"]

@@ -1,24 +1,9 @@
-"""qk-norm over the whole projection (OLMo-2, OLMoE) and OLMoE's q/k/v clamp.
+"""qk-norm over the whole projection (OLMo-2, OLMoE) and OLMoE's q/k/v clamp: the description.
 
-`qk_norm_type="head"` is megatron's own q/k layernorm: one RMSNorm of width head_dim applied
-to every head. OLMo-2 and OLMoE instead apply RMSNorm to the whole q projection (width
-heads·head_dim) and the whole k projection (kv_heads·head_dim), so the mean of squares runs
-over all heads and the weight has one entry per (head, dim).
-
-megatron's SelfAttention calls `q_layernorm(query)` on [sq, b, heads_local, head_dim]; with
-tensor parallelism a rank holds a contiguous run of heads (the query heads of its KV groups
-in order, the keys of its groups; with fewer KV heads than ranks, a copy of one group's key).
-`FullQKNorm` sums its local squares and all-reduces the sum over the TP group (backward
-all-reduces the gradient too: every rank's heads depend on the total; duplicated keys are
-divided out). Its weight is the *whole* HF weight on every rank, of which a rank uses its
-heads' rows: megatron's finalize_model_grads sums the gradient of every parameter named
-`q_layernorm`/`k_layernorm` over TP (right for megatron's per-head norms, whose weight every
-rank shares), and for a full weight whose other rows get no gradient on this rank that sum
-is exactly the full gradient — a TP-split weight would be summed with other ranks' rows.
-So the table maps these weights `REPLICATED`, and any kv_heads / tp split works.
-
-`clip_qkv` (OLMoE): q and k clamped to [-c, c] after their norms, v after its projection,
-as transformers does; done by overriding SelfAttention.get_query_key_value_tensors.
+`qk_norm_type` ("head": megatron's own per-head q/k layernorm; "full": RMSNorm over the whole
+q and k projections, OLMo-2 / OLMoE) comes from the family (`implicit`); `clip_qkv` is
+OLMoE's config key (q and k clamped after their norms, v after its projection). The modules
+that compute them: runtime/blocks/qk_norm.py.
 """
 
 from __future__ import annotations
@@ -27,106 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron_bridge.bridge.features.base import Feature, register_feature
-
-_CLASSES: dict[str, Any] = {}
-
-
-def _all_reduce_sum_class():
-    import torch
-
-    class AllReduceSum(torch.autograd.Function):
-        """Sum over `group` in forward and in backward (every rank's output uses the sum)."""
-
-        @staticmethod
-        def forward(ctx, x, group):
-            ctx.group = group
-            x = x.clone()
-            torch.distributed.all_reduce(x, group=group)
-            return x
-
-        @staticmethod
-        def backward(ctx, grad):
-            grad = grad.contiguous().clone()
-            torch.distributed.all_reduce(grad, group=ctx.group)
-            return grad, None
-
-    return AllReduceSum
-
-
-def full_qk_norm_class():
-    """RMSNorm over all heads of q (`which="q"`) or k (`which="k"`), TP-aware (built lazily)."""
-    if "norm" not in _CLASSES:
-        import torch
-
-        reduce = _all_reduce_sum_class()
-
-        class FullQKNorm(torch.nn.Module):
-            """megatron norm signature; `hidden_size` (head_dim, what SelfAttention passes) is
-            the width of one head, the heads come from the config and the TP rank."""
-
-            def __init__(self, config, hidden_size: int, eps: float = 1e-5, which: str = "q", **_: Any):
-                super().__init__()
-                self.eps, self.which, self.head_dim = eps, which, hidden_size
-                self.tp = config.tensor_model_parallel_size
-                self.heads = config.num_attention_heads if which == "q" else config.num_query_groups
-                self.q_heads = config.num_attention_heads
-                # every head's weight on every rank (see the module docstring)
-                self.weight = torch.nn.Parameter(torch.ones(self.heads * hidden_size, dtype=config.params_dtype))
-
-            def local_heads(self) -> tuple[int, int, int]:
-                """(first head, heads, copies): the run of global heads this TP rank holds,
-                and on how many ranks each of them is (keys when kv_heads < tp)."""
-                if self.tp == 1:
-                    return 0, self.heads, 1
-                from megatron.core import parallel_state as ps
-
-                r = ps.get_tensor_model_parallel_rank()
-                if self.which == "q" or self.heads >= self.tp:
-                    n = self.heads // self.tp
-                    return r * n, n, 1
-                copies = self.tp // self.heads  # megatron: rank r computes group r // copies
-                return r // copies, 1, copies
-
-            def forward(self, x):
-                first, n, copies = self.local_heads()
-                if x.shape[-2] != n:
-                    raise RuntimeError(f"full {self.which}-norm: {x.shape[-2]} local heads, expected {n}")
-                xf = x.float()
-                sq = xf.pow(2).sum(dim=(-2, -1), keepdim=True)
-                if self.tp > 1:
-                    from megatron.core import parallel_state as ps
-
-                    sq = reduce.apply(sq, ps.get_tensor_model_parallel_group()) / copies
-                y = xf * torch.rsqrt(sq / (self.heads * self.head_dim) + self.eps)
-                d = self.head_dim
-                w = self.weight[first * d : (first + n) * d].float().view(n, d)
-                return (w * y).to(x.dtype)
-
-        _CLASSES["norm"] = FullQKNorm
-    return _CLASSES["norm"]
-
-
-def clipped_attention_class(base: type) -> type:
-    """`base` (SelfAttention) whose q, k (after their norms) and v are clamped to [-c, c]."""
-    key = f"clip:{base.__module__}.{base.__qualname__}:{id(base)}"
-    if key not in _CLASSES:
-
-        class ClippedQKV(base):
-            def __init__(self, *args: Any, clip_qkv: float, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)
-                self.clip_qkv = float(clip_qkv)
-
-            def get_query_key_value_tensors(self, *args: Any, **kwargs: Any):
-                if kwargs.get("split_qkv") is False:  # megatron's fused single-qkv rope
-                    raise NotImplementedError("clip_qkv needs q, k, v apart: turn fused_single_qkv_rope off")
-                out = super().get_query_key_value_tensors(*args, **kwargs)
-                c = self.clip_qkv
-                q, k, v = (t.clamp(-c, c) for t in out[:3])
-                return (q, k, v, *out[3:])
-
-        ClippedQKV.__name__ = ClippedQKV.__qualname__ = f"ClippedQKV{base.__name__}"
-        _CLASSES[key] = ClippedQKV
-    return _CLASSES[key]
 
 
 @register_feature
@@ -146,18 +31,5 @@ class QKNorm(Feature):
         if spec.clip_qkv is not None:
             cfg["clip_qkv"] = spec.clip_qkv
 
-    @classmethod
-    def layer(cls, spec: Any, index: int, layer_spec: Any) -> None:
-        from megatron.core.transformer.spec_utils import ModuleSpec
 
-        attn = layer_spec.submodules.self_attention
-        if spec.qk_layernorm and spec.qk_norm_type == "full":
-            norm = full_qk_norm_class()
-            attn.submodules.q_layernorm = ModuleSpec(module=norm, params={"which": "q"})
-            attn.submodules.k_layernorm = ModuleSpec(module=norm, params={"which": "k"})
-        if spec.clip_qkv is not None:
-            attn.module = clipped_attention_class(attn.module)
-            attn.params = {**(attn.params or {}), "clip_qkv": spec.clip_qkv}
-
-
-__all__ = ["QKNorm", "full_qk_norm_class", "clipped_attention_class"]
+__all__ = ["QKNorm"]

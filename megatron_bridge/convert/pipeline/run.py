@@ -162,11 +162,8 @@ def convert(cfg: Any) -> int:
 
 
 def export(cfg: Any) -> int:
-    """Converted checkpoint -> HF directory (safetensors + index, config.json, tokenizer files)."""
-    if cfg.adapter:  # a LoRA training checkpoint's adapter instead (bridge/lora.py)
-        from megatron_bridge.bridge.lora import export_checkpoint_adapter
-
-        return export_checkpoint_adapter(cfg)
+    """Converted checkpoint -> HF directory (safetensors + index, config.json, tokenizer files).
+    (`adapter=true`, a LoRA training checkpoint's adapter, is `commands/export.py`'s.)"""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
     dtype = parse_dtype(cfg.dtype)
     if not cfg.max_shard_gb > 0:

@@ -1,6 +1,6 @@
 """Per-rank micro-batches: Megatron's DP-sharded, deterministic, resumable sampling,
 collation, and context-parallel slicing. Independent of how the dataset was built (any
-indexable dataset of sample dicts), so it imports neither megatron-core nor, until used, torch.
+indexable dataset of sample dicts), so it needs torch but not megatron-core.
 
 Sampling is Megatron's: the train dataset is a fixed, seeded permutation of samples
 (`GPTDataset`'s shuffle index, built from `train.seed`); the global sample index of the
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from megatron_bridge.errors import UserError
 
@@ -84,8 +86,6 @@ class PretrainingSampler:
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Stack samples into a micro-batch with megatron's keys (attention_mask None if absent)."""
-    import torch
-
     out: dict[str, Any] = {}
     for key in BATCH_KEYS:
         vals = [s[key] for s in samples if s.get(key) is not None]
@@ -102,8 +102,6 @@ def slice_for_cp(batch: dict[str, Any], cp_size: int, cp_rank: int) -> dict[str,
         return dict(batch)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} not in [0, {cp_size})")
-    import torch
-
     out: dict[str, Any] = {}
     for key, val in batch.items():
         if val is None:
@@ -158,8 +156,6 @@ class DataIterator:
     def _loader(self) -> Iterator:
         if self.num_workers == 0:  # no DataLoader machinery: plain, deterministic, cheap
             return (collate([self.dataset[i] for i in idx]) for idx in self.sampler)
-        import torch
-
         return iter(
             torch.utils.data.DataLoader(
                 self.dataset,

@@ -16,12 +16,19 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from megatron_bridge.data.helpers import ensure_helpers
 from megatron_bridge.data.indexed import check_indexed_data, idx_lengths, parse_split
 from megatron_bridge.data.preprocess import output_paths, read_meta
 from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer
 from megatron_bridge.errors import UserError
 from megatron_bridge.train.data.batching import DataIterator
+from megatron_bridge.train.data.sft import build_sft_datasets
 from megatron_bridge.train.data.synthetic import SyntheticGPTDataset
 
 
@@ -147,8 +154,6 @@ def build_datasets(
         )
 
     if kind == "sft":
-        from megatron_bridge.train.data.sft import build_sft_datasets
-
         train, valid, test, vocab, eod = build_sft_datasets(
             data,
             seq_length=seq_length,
@@ -185,12 +190,7 @@ def build_datasets(
     if not os.access(cache, os.W_OK):
         raise UserError(f"the dataset index cache {cache} is not writable; pass a writable cache directory")
 
-    from megatron_bridge.data.helpers import ensure_helpers
-
-    how = ensure_helpers()
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
+    how = ensure_helpers()  # megatron-core imports its C++ helpers while it builds the indices
     tokenizer = DatasetTokenizer(vocab, eod, name=str(data.tokenizer or ""), fingerprint=_fingerprint(prefixes))
     config = GPTDatasetConfig(
         random_seed=seed,
@@ -220,13 +220,9 @@ def _rank0_without_process_group():
     without checking is_initialized() (GPTDataset does check), so a weighted blend fails in a
     single process with "Default process group has not been initialized". Without a process
     group, answer rank 0 while the datasets are built; with one, change nothing."""
-    import torch
-
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         yield
         return
-    from unittest import mock
-
     with mock.patch.object(torch.distributed, "get_rank", lambda group=None: 0):
         yield
 

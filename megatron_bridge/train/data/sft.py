@@ -30,7 +30,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
+from megatron_bridge.data.chat_dataset import ChatDataset
 from megatron_bridge.data.indexed import SPLITS, check_indexed_data, parse_split
 from megatron_bridge.errors import UserError
 
@@ -104,8 +106,6 @@ class SFTDataset:
         return list(self._samples[i])
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        import torch
-
         s = self.seq_length
         tokens, labels = np.zeros(s, np.int64), np.zeros(s, np.int64)
         mask, pos = np.zeros(s, np.float32), np.zeros(s, np.int64)
@@ -144,8 +144,6 @@ def build_sft_datasets(
 ):
     """(train, valid, test, vocab, eod) for `data.kind=sft`: one chat dataset (data.paths=[PREFIX]),
     checked like indexed data (the vocab against the model, every weighted split non-empty)."""
-    from megatron_bridge.data.chat_dataset import ChatDataset
-
     prefixes, weights, vocab, eod = check_indexed_data(data, model_vocab_size)
     if weights is not None or len(prefixes) != 1:
         raise UserError(
@@ -170,8 +168,6 @@ def build_sft_datasets(
 
 
 def _rank() -> int:
-    import torch
-
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 

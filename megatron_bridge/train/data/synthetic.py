@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
+
 _SPLIT_SALT = {"train": 0, "valid": 1, "test": 2}
 
 
@@ -34,9 +37,6 @@ class SyntheticGPTDataset:
         return self.num_samples
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
-        import numpy as np
-        import torch
-
         if not 0 <= idx < self.num_samples:
             raise IndexError(idx)
         rng = np.random.default_rng([self.seed, _SPLIT_SALT[self.split], int(idx)])

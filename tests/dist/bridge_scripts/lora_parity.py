@@ -31,7 +31,7 @@ def main() -> None:
 
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.loader import export_hf_weights, load_hf_weights
+    from megatron_bridge.runtime.weights import export_hf_weights, load_hf_weights
     from megatron_bridge.runtime.lora_modules import apply_lora, export_adapter, iter_adapter_tensors, merged
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.parity import ensure_groups, training_layout

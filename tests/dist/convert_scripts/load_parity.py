@@ -33,7 +33,7 @@ def main() -> None:
 
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.bridge.loader import load_hf_weights
+    from megatron_bridge.runtime.weights import load_hf_weights
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.parity import ensure_groups
     from megatron_bridge.runtime.schedule import forward_logits

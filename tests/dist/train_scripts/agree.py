@@ -21,7 +21,8 @@ def count_job(overrides):
     from megatron_bridge.runtime import groups
     from megatron_bridge.plan import params as P
     from megatron_bridge.plan.search import _stage_plan
-    from megatron_bridge.train.runner import TrainRunConfig, model_overrides, validate_for_launch
+    from megatron_bridge.train.job import model_overrides
+    from megatron_bridge.train.runner import TrainRunConfig, validate_for_launch
 
     cfg, _ = compose(overrides, schema=TrainRunConfig)
     spec = describe(cfg.model)

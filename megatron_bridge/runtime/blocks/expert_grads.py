@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_bridge.bridge.features.base import Feature, register_feature
+from megatron_bridge.runtime.blocks.base import Block, register_block
 
 
-@register_feature
-class ExpertGradSync(Feature):
+@register_block
+class ExpertGradSyncBlock(Block):
     name = "expert-grad-sync"
 
     @classmethod
@@ -33,4 +33,4 @@ class ExpertGradSync(Feature):
                 p.allreduce = False
 
 
-__all__ = ["ExpertGradSync"]
+__all__ = ["ExpertGradSyncBlock"]

@@ -1,0 +1,58 @@
+"""Tiny but complete HF models of every supported family, built offline from their configs
+(bridge/tiny.py: `TINY`, `COMMON`). Weights are randomised (norms around 1, biases non-zero)
+so a swapped or dropped tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from megatron_bridge.bridge.hf_config import spec_from_hf
+from megatron_bridge.bridge.tiny import COMMON, TINY
+
+
+def tiny_config(family: str, **overrides: Any):
+    """The transformers config object of `family`'s tiny model (`overrides` win)."""
+    cls_name, extra = TINY[family]
+    kw = {**COMMON, **extra, **overrides}
+    return getattr(transformers, cls_name)(**kw)
+
+
+def randomize_(model, seed: int = 0, scale: float = 0.08) -> None:
+    """Deterministic non-trivial weights: norms scale by 1 ± 0.2, everything else N(0, scale).
+
+    A zero-centred norm (Gemma: x·(1 + w)) stores w, so its weights are drawn around 0, not 1:
+    weights of 1 would double the activations at every norm and turn fp32 reduction-order
+    noise into differences as large as the tolerances."""
+    centre = 0.0 if spec_from_hf(model.config.to_dict()).zero_centered_norm else 1.0
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(centre + 0.2 * noise)
+            else:
+                p.copy_(scale * noise)
+        saved = model.state_dict()  # persistent buffers are weights too (DeepSeek-V3's e_score_correction_bias)
+        for name, b in sorted(model.named_buffers()):
+            if name in saved and b.is_floating_point():
+                b.copy_(scale * torch.randn(b.shape, generator=g, dtype=torch.float32))
+
+
+def make_tiny(family: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny randomised HF model of `family` to `out_dir`; returns the path."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize_(model, seed)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+__all__ = ["make_tiny", "randomize_", "tiny_config"]

@@ -1,0 +1,284 @@
+"""HF weights into and out of a live model: this rank's megatron chunks.
+
+* `load_hf_weights(chunks, spec, path)` — coordinates from megatron's parallel_state, one
+  `chunk_plan` per virtual chunk (bridge/loader.py, the converter's plan), names checked
+  both ways (a parameter without a source, or a source without a parameter, is an error),
+  each rank reading only its slices and copying them in.
+* `export_hf_weights(chunks, spec, out_dir, source_dir=...)` — gathers each parameter's
+  TP (or expert-TP) shards onto one replica, merges them back to HF names and shapes with
+  the same table, and every writing rank saves its own safetensors file (no rank holds the
+  whole model); rank 0 writes the index, config.json and copies the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+from safetensors.torch import save_file
+
+from megatron_bridge.bridge.features.mtp import note_skipped
+from megatron_bridge.bridge.hf_config import BridgeSpec
+from megatron_bridge.bridge.layout import Layout, renumber
+from megatron_bridge.bridge.loader import (
+    Coords,
+    HFCheckpoint,
+    _write_config_and_assets,
+    chunk_plan,
+    resolve_checkpoint,
+    shard_of,
+    table_for,
+)
+from megatron_bridge.bridge.lora import is_adapter_param
+from megatron_bridge.bridge.table import Resolved, resolve_megatron
+from megatron_bridge.errors import UserError
+
+
+def current_coords(vp_stage: int | None = None) -> Coords:
+    """This rank's coordinates in the initialized process groups (and virtual chunk)."""
+    return Coords(
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        vp_stage=vp_stage,
+    )
+
+
+def layout_of(chunks: Sequence[Any]) -> Layout:
+    """The layout the chunks were built for (from their TransformerConfig)."""
+    c = chunks[0].config
+    return Layout(
+        tp=c.tensor_model_parallel_size,
+        pp=c.pipeline_model_parallel_size,
+        cp=c.context_parallel_size,
+        ep=c.expert_model_parallel_size,
+        etp=c.expert_tensor_parallel_size,
+        vpp=c.virtual_pipeline_model_parallel_size,
+        sequence_parallel=c.sequence_parallel,
+        layers_first_stage=c.num_layers_in_first_pipeline_stage,
+        layers_last_stage=c.num_layers_in_last_pipeline_stage,
+    )
+
+
+def vp_stage_of(chunks: Sequence[Any], i: int) -> int | None:
+    """The virtual pipeline stage of `chunks[i]` (None without VPP)."""
+    return i if chunks[0].config.virtual_pipeline_model_parallel_size else None
+
+
+def load_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoint) -> int:
+    """Copy HF weights into this rank's model chunks. Returns the number of tensors loaded."""
+    with torch.no_grad():
+        return _load(chunks, spec, path)
+
+
+def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoint) -> int:
+    if not isinstance(path, HFCheckpoint):
+        with HFCheckpoint(path) as ckpt:
+            return _load(chunks, spec, ckpt)
+    ckpt = path
+    layout = layout_of(chunks)
+    rows = resolve_checkpoint(spec, ckpt.keys())
+    n = 0
+    for i, chunk in enumerate(chunks):
+        coords = current_coords(vp_stage_of(chunks, i))
+        plan = chunk_plan(spec, layout, rows, coords)
+        targets = checkpoint_tensors(chunk)
+        missing = sorted(set(targets) - set(plan))
+        extra = sorted(set(plan) - set(targets))
+        if missing or extra:  # before reading anything
+            raise UserError(
+                f"HF checkpoint {ckpt.path} does not match the {spec.family} model on this rank: "
+                f"parameters without an HF source {missing[:6]}, HF rows without a parameter {extra[:6]}"
+            )
+        written = set()
+        for local, row in plan.items():
+            t = shard_of(row, [ckpt.slice(h) for h in row.hf], spec, layout, coords)
+            p = targets[local]
+            if tuple(t.shape) != tuple(p.shape):
+                raise UserError(f"{local}: HF {row.hf} gives shape {tuple(t.shape)}, the model has {tuple(p.shape)}")
+            p.data.copy_(t.to(p.dtype))
+            written.add(local)
+        require_all_written(targets, written, f"HF checkpoint {ckpt.path}")
+        n += len(written)
+    return n
+
+
+def checkpoint_tensors(chunk: Any) -> dict[str, torch.Tensor]:
+    """{name: tensor} of everything a weight checkpoint must fill in `chunk`: every parameter
+    and every persistent buffer (a buffer derived from the config is registered
+    non-persistent), LoRA adapters excepted (`lora_modules` initialises or loads them).
+    A chunk built with `build_model(..., load_weights=True)` holds uninitialised memory in
+    all of them until a loader writes them, which `require_all_written` then proves."""
+    out = {k: p for k, p in chunk.named_parameters() if not is_adapter_param(k)}
+    for mod_name, mod in chunk.named_modules():
+        for b_name, b in mod._buffers.items():
+            if b is not None and b_name not in mod._non_persistent_buffers_set:
+                name = f"{mod_name}.{b_name}" if mod_name else b_name
+                if not is_adapter_param(name):
+                    out.setdefault(name, b)
+    return out
+
+
+def require_all_written(targets: dict[str, Any], written: set[str], source: str) -> None:
+    """The guarantee that makes skipping megatron's random init safe: every tensor of
+    `targets` (`checkpoint_tensors`) was written by the loader, else a UserError naming them."""
+    left = sorted(set(targets) - written)
+    if left:
+        raise UserError(
+            f"{source} left {len(left)} tensor(s) of the model unloaded (they would keep uninitialised "
+            f"memory): {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}"
+        )
+
+
+def global_names(chunk: Any) -> dict[str, str]:
+    """{local param name: global name} for one chunk (layer and expert offsets applied)."""
+    layers = chunk.decoder.layers
+    layer_off = layers[0].layer_number - 1 if len(layers) else 0
+    c = chunk.config
+    expert_off = (
+        ps.get_expert_model_parallel_rank() * (c.num_moe_experts // c.expert_model_parallel_size)
+        if c.num_moe_experts
+        else 0
+    )
+    return {name: renumber(name, layer_off, expert_off) for name, _ in chunk.named_parameters()}
+
+
+def iter_hf_tensors(
+    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None = None, value: Any | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective over all ranks: gather every exported parameter's shards to one replica and
+    yield (HF name, full HF tensor) there. Every rank must iterate it to the end.
+    `value(param)` picks what is exported (default the weight; e.g. `lambda p: p.main_grad`)."""
+    table = table_for(spec)
+    layout = layout_of(chunks)
+    shapes = spec.shapes(layout.tp)
+    stacks: dict[str, dict[int, torch.Tensor]] = {}  # stacked-experts HF tensors being assembled
+    dense_writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_writer = ps.get_expert_data_parallel_rank() == 0 if spec.is_moe else False
+    for chunk in chunks:
+        names = global_names(chunk)
+        for local, p in chunk.named_parameters():
+            if is_adapter_param(local):  # LoRA: exported by lora_modules, merged by `merged`
+                continue
+            row = resolve_megatron(table, names[local])
+            if row is None:
+                raise UserError(f"megatron parameter {names[local]} has no row in the {spec.family} table")
+            if not row.mapping.export:
+                continue
+            expert = row.mapping.is_expert
+            if not (expert_writer if expert else dense_writer):
+                continue
+            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+            shards = gather_shards((p if value is None else value(p)).detach(), group)
+            if shards is None:
+                continue
+            merged = row.mapping.merge(shards, shapes)
+            if row.mapping.transform.stacked:
+                merged = _stack_experts(row, merged, spec, stacks)
+            for name, t in zip(row.hf, merged):
+                yield name, (t if dtype is None else t.to(dtype)).contiguous()
+
+
+def _stack_experts(row: Resolved, slabs: Sequence[torch.Tensor], spec: BridgeSpec, stacks: dict) -> tuple:
+    """Stacked-experts rows (one HF tensor holds every expert): gather this local expert's
+    slab from every EP rank onto EP rank 0 and return the whole HF tensors once the last
+    expert of the layer has arrived (empty until then, and always on other EP ranks). Every
+    EP rank walks the same local names in the same order, so the gathers pair up."""
+    group = ps.get_expert_model_parallel_group()
+    ep = torch.distributed.get_world_size(group)
+    n_all = spec.num_moe_experts
+    assert row.expert is not None and n_all is not None
+    n_local = n_all // ep
+    j = row.expert % n_local
+    got = [gather_shards(s, group) for s in slabs]
+    if got[0] is None:
+        return ()
+    for name, per_rank in zip(row.hf, got):
+        have = stacks.setdefault(name, {})
+        for r, t in enumerate(per_rank or ()):
+            have[r * n_local + j] = t
+    if len(stacks[row.hf[0]]) < n_all:
+        return ()
+    done = [stacks.pop(n) for n in row.hf]
+    return tuple(torch.cat([d[e] for e in range(n_all)], dim=0) for d in done)
+
+
+def gather_shards(t: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """All shards on the group's first rank (None elsewhere)."""
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return [t.clone()]
+    dst = torch.distributed.get_global_rank(group, 0)
+    me = torch.distributed.get_rank()
+    out = [torch.empty_like(t) for _ in range(size)] if me == dst else None
+    torch.distributed.gather(t.contiguous(), out, dst=dst, group=group)
+    return out
+
+
+def export_hf_weights(
+    chunks: Sequence[Any],
+    spec: BridgeSpec,
+    out_dir: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+    hf_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the model as an HF directory loadable by `AutoModelForCausalLM.from_pretrained`.
+
+    Collective (every rank calls it). Weights: one safetensors file per writing rank plus
+    `model.safetensors.index.json`. config.json: `hf_config` if given, else the source's,
+    else generated from the spec (`spec_to_hf_config`).
+    Every non-weight file of `source_dir` (tokenizer, generation config) is copied."""
+    out = Path(out_dir)
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    mine = dict(iter_hf_tensors(chunks, spec, dtype))
+    listing: list[list[tuple[str, int]]] = [[] for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(listing, sorted((k, v.numel() * v.element_size()) for k, v in mine.items()))
+    writers = [r for r, names in enumerate(listing) if names]
+    total = len(writers)
+    seen: dict[str, int] = {}
+    for r in writers:
+        for k, _ in listing[r]:
+            if k in seen:
+                raise RuntimeError(f"{k} exported by ranks {seen[k]} and {r}")
+            seen[k] = r
+    torch.distributed.barrier()
+    if mine:
+        fname = f"model-{writers.index(rank) + 1:05d}-of-{total:05d}.safetensors"
+        save_file(mine, str(out / fname), metadata={"format": "pt"})
+    if rank == 0:
+        weight_map, size = {}, 0
+        for r in writers:
+            fname = f"model-{writers.index(r) + 1:05d}-of-{total:05d}.safetensors"
+            for k, nbytes in listing[r]:
+                weight_map[k] = fname
+                size += nbytes
+        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        _write_config_and_assets(out, spec, source_dir, hf_config, dtype)
+        if spec.mtp_num_layers:
+            note_skipped(spec, None)
+    torch.distributed.barrier()
+    return out
+
+
+__all__ = [
+    "checkpoint_tensors",
+    "current_coords",
+    "export_hf_weights",
+    "gather_shards",
+    "global_names",
+    "iter_hf_tensors",
+    "layout_of",
+    "load_hf_weights",
+    "require_all_written",
+    "vp_stage_of",
+]

@@ -1,0 +1,246 @@
+"""One training job, once runner.py has composed, validated and preflighted its config:
+process groups, run directory, model (with its initial weights), engine and data; resume,
+the training loop (logged, evaluated, checkpointed, under the watchdog), export; teardown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+
+from megatron_bridge.bridge.lora import ADAPTER_DIR, base_of
+from megatron_bridge.config.compose import to_yaml
+from megatron_bridge.errors import UserError
+from megatron_bridge.reliability import Watchdog, failure_message, faulty_iterator, planned
+from megatron_bridge.runtime import groups
+from megatron_bridge.runtime.build import build_model
+from megatron_bridge.runtime.lora_modules import export_adapter, merged
+from megatron_bridge.runtime.weights import export_hf_weights
+from megatron_bridge.train import checkpoint as ckpt
+from megatron_bridge.train.data.loader import build_datasets, make_iterator
+from megatron_bridge.train.engines import Engine, make_engine
+from megatron_bridge.train.init import init_weights, loads_weights
+from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
+
+
+def model_overrides(cfg) -> dict[str, Any]:
+    """TransformerConfig settings of this run (precision, recompute) on top of what the
+    model spec and the layout give (`runtime.tconfig.transformer_config_kwargs`)."""
+    t = cfg.train
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and torch.cuda.is_available())
+    out: dict[str, Any] = {"bf16": bf16}
+    if bf16:
+        out["params_dtype"] = torch.bfloat16
+    if t.recompute == "selective":
+        out["recompute_granularity"] = "selective"
+    elif t.recompute == "full":
+        out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return out
+
+
+@dataclasses.dataclass
+class _Run:
+    """What `_build` sets up for one job and the later phases share."""
+
+    cfg: Any
+    dims: Any
+    recipe: str
+    meta: dict[str, Any]  # what its checkpoints are written with and must be resumed with
+    rank: int
+    run_dir: Path
+    spec: Any  # the one model description (backends.describe)
+    engine: Engine
+    datasets: Any
+
+
+def run(cfg, dims, spec, recipe: str, meta: dict[str, Any], *, finalize: bool = True) -> None:
+    """The job of a composed, validated and preflighted config (runner.train): build → resume
+    → loop → export. `meta` is what its checkpoints carry (`runner.ckpt_meta`); `finalize=False`
+    keeps the default process group alive (tests that run several layouts in one launch)."""
+    job = _build(cfg, dims, spec, recipe, meta)
+    start = _resume(job)
+    _loop(job, start)
+    _export(job)
+    _teardown(finalize)
+
+
+def _run_dir(cfg, recipe: str) -> Path:
+    obj = [cfg.run_dir or f"runs/{recipe}/{time.strftime('%Y%m%d-%H%M%S')}"]
+    torch.distributed.broadcast_object_list(obj, src=0)
+    return Path(obj[0])
+
+
+def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
+    """Process groups, run directory, model (with its initial weights), engine and data."""
+    mpu = groups.initialize(dims, timeout_minutes=cfg.train.timeout_minutes, seed=cfg.train.seed)
+    rank = torch.distributed.get_rank()
+    run_dir = _run_dir(cfg, recipe)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    overrides = model_overrides(cfg)
+    chunks = build_model(spec, dims, load_weights=loads_weights(cfg, spec), **overrides)
+    init_weights(chunks, spec, cfg)
+    engine = make_engine(cfg, dims, chunks, mpu, bf16=overrides["bf16"])
+
+    datasets = build_datasets(
+        cfg.data,
+        dims,
+        seq_length=cfg.train.seq_length,
+        seed=cfg.train.seed,
+        train_steps=cfg.train.steps,
+        model_vocab_size=spec.vocab_size,
+        valid_samples=cfg.train.eval_iters * dims.global_batch_size,  # the batches every evaluation reads
+    )
+    return _Run(cfg, dims, recipe, meta, rank, run_dir, spec, engine, datasets)
+
+
+def _resume(run: _Run) -> int:
+    """The step to start from: the latest checkpoint's when `checkpoint.resume`, else 0.
+    Restores the engine's state and every RNG, so the resumed run continues bit for bit."""
+    cfg = run.cfg
+    if not cfg.checkpoint.resume:
+        return 0
+    it, state = ckpt.load(cfg.checkpoint.dir, run.meta)
+    if it is None or state is None:  # no checkpoint yet: this run starts it
+        return 0
+    run.engine.load_state_dict(state["engine"], Path(state["_dir"]))
+    ckpt.set_rng_state(state["rng"])
+    if run.rank == 0:
+        print(f"resumed from {state['_dir']} (step {it})", flush=True)
+    return it
+
+
+def _loop(run: _Run, start: int) -> None:
+    """Steps `start`+1 … (`train.steps`, or `train.exit_after` more), each logged, evaluated and
+    checkpointed at its interval, under the watchdog; a failing rank names itself and the
+    phase before the launcher's summary."""
+    cfg, dims, rank = run.cfg, run.dims, run.rank
+    logger = MetricsLogger(
+        run.run_dir, cfg.train.steps, enabled=rank == 0, config={"layout": dims.describe(), "recipe": run.recipe}
+    )
+    tokens_per_step = dims.global_batch_size * cfg.train.seq_length
+    watchdog = Watchdog(
+        cfg.train.timeout_minutes * 60, rank, hint=f"train.timeout_minutes={cfg.train.timeout_minutes:g}"
+    )
+    phase = "training"
+    try:
+        stop = cfg.train.steps if cfg.train.exit_after is None else min(cfg.train.steps, start + cfg.train.exit_after)
+        for step in range(start, stop):
+            phase = f"step {step + 1}"
+            watchdog.arm(phase)
+            t0 = time.perf_counter()
+            iterators = _iterators(run, run.datasets.train, step * dims.global_batch_size)
+            if planned("step", step + 1):  # test-only fault injection (MBR_FAULT), see reliability.py
+                iterators = _with_fault(iterators, step + 1, dims.grad_accum)
+            loss, grad_norm, lr = run.engine.step(iterators)
+            dt = time.perf_counter() - t0
+            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt}
+            metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt, run.spec))
+            if _eval_due(cfg, step + 1, last=step + 1 == stop):
+                phase = f"evaluation at step {step + 1}"
+                watchdog.arm(phase)
+                metrics["val_loss"] = _evaluate(run)
+            if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps or "val_loss" in metrics:
+                logger.log(step + 1, metrics)
+            if _save_due(cfg, step + 1, last=step + 1 == stop):
+                phase = f"checkpoint save at step {step + 1}"
+                watchdog.arm(phase)
+                _save(run, step + 1)
+    except Exception as e:  # name the rank and the step before the launcher's summary
+        if not isinstance(e, UserError):
+            print(failure_message(rank, phase, e), file=sys.stderr, flush=True)
+        raise
+    finally:
+        watchdog.close()
+        logger.close()
+
+
+def _iterators(run: _Run, dataset, consumed: int):
+    """`make_iterators` over `dataset` from global sample `consumed`: fresh iterators on this
+    rank's dp/cp share. A step starts at step·global batch (so a resume reads on), an
+    evaluation at 0 of the valid split."""
+    dp_rank, cp_rank = ps.get_data_parallel_rank(), ps.get_context_parallel_rank()
+    return lambda n: [
+        make_iterator(dataset, run.dims, dp_rank=dp_rank, cp_rank=cp_rank, consumed_samples=consumed) for _ in range(n)
+    ]
+
+
+def _eval_due(cfg, step: int, *, last: bool) -> bool:
+    """Every `train.eval_interval` steps and at the last step of this launch, when
+    `train.eval_iters` > 0 (eval_interval=0: at the end only — megatron-LM's convention)."""
+    t = cfg.train
+    return t.eval_iters > 0 and (bool(t.eval_interval and step % t.eval_interval == 0) or last)
+
+
+def _evaluate(run: _Run) -> float:
+    """`val_loss`: the first `train.eval_iters` global batches of the valid split, the same ones
+    at every evaluation. Every generator is put back afterwards (the engines already run eval
+    mode, which draws nothing), so a run with evaluation trains exactly like one without."""
+    rng = ckpt.rng_state()
+    try:
+        return run.engine.evaluate(_iterators(run, run.datasets.valid, 0), run.cfg.train.eval_iters)
+    finally:
+        ckpt.set_rng_state(rng)
+
+
+def _save_due(cfg, step: int, *, last: bool) -> bool:
+    """Every `checkpoint.save_interval` steps and at the last step of this launch."""
+    every = cfg.checkpoint.save_interval
+    return bool(cfg.checkpoint.dir) and (bool(every and step % every == 0) or last)
+
+
+def _save(run: _Run, step: int) -> None:
+    state = {"engine": run.engine.state_dict(), "rng": ckpt.rng_state(), "step": step}
+
+    def extra(directory: Path) -> None:  # engine files; a LoRA run's adapter in HF PEFT format too
+        run.engine.write_extra(directory)
+        if run.cfg.peft.method == "lora":
+            export_adapter(
+                run.engine.model_chunks, run.cfg.peft, str(directory / ADAPTER_DIR), base_of(run.cfg, run.spec)
+            )
+
+    ckpt.save(run.cfg.checkpoint.dir, step, state, run.meta, extra=extra)
+
+
+def _export(run: _Run) -> None:
+    """The trained weights as a Hugging Face model, when `export_to` is set (LoRA adapters
+    merged in), and the adapter alone in HF PEFT's format when `export_adapter_to` is."""
+    cfg = run.cfg
+    chunks = run.engine.model_chunks
+    if cfg.export_adapter_to:
+        export_adapter(chunks, cfg.peft, cfg.export_adapter_to, base_of(cfg, run.spec))
+        if run.rank == 0:
+            print(f"exported the LoRA adapter (HF PEFT format) to {cfg.export_adapter_to}", flush=True)
+    if not cfg.export_to:
+        return
+    with merged(chunks):  # a no-op without adapters
+        export_hf_weights(chunks, run.spec, cfg.export_to, source_dir=run.spec.source)
+    if run.rank == 0:
+        print(f"exported Hugging Face model to {cfg.export_to}", flush=True)
+
+
+def _teardown(finalize: bool) -> None:
+    """All groups down, or (`finalize=False`) megatron's only, for the next job in this process."""
+    if finalize:
+        groups.destroy()
+    else:
+        ps.destroy_model_parallel()
+
+
+def _with_fault(make, step: int, micro_batches: int):
+    """`make_iterators` whose first iterator fires the MBR_FAULT `step` fault mid-step."""
+
+    def wrapped(n: int):
+        its = make(n)
+        its[0] = faulty_iterator(its[0], step, min(1, max(micro_batches - 1, 0)))
+        return its
+
+    return wrapped
