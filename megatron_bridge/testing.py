@@ -48,8 +48,9 @@ def free_port() -> int:
 def one_process_groups(seed: int = 0):
     """megatron-core's process groups for this one process (gloo, world size 1), for tests
     that build a model in-process; torn down and the environment restored after."""
+    # torch and megatron load only for tests that build a model; the launch helpers stay light
     from megatron_bridge.parallel.dims import ParallelDims
-    from megatron_bridge.runtime import groups
+    from megatron_bridge.runtime import groups  # see above
 
     env = dict(os.environ)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

@@ -25,6 +25,7 @@ from omegaconf import MISSING
 
 from megatron_bridge.config.compose import CommandArgs, parse_command
 from megatron_bridge.errors import UserError
+from megatron_bridge.train.manifest import LATEST, MANIFEST, iter_dir, latest_iteration, verify
 
 USAGE = "usage: mbr check-ckpt DIR [--all]   (DIR: a checkpoint.dir root, or one iter_N directory)"
 
@@ -55,8 +56,6 @@ def _human(n: float) -> str:
 
 
 def _verify_one(d: Path) -> str:
-    from megatron_bridge.train.manifest import verify
-
     m = verify(d)
     size = sum(int(e.get("bytes", 0)) for e in m["files"])
     extra = "".join(f", {k} {m[k]}" for k in ("layout", "engine") if k in m)
@@ -67,8 +66,6 @@ def _verify_one(d: Path) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.train.manifest import LATEST, MANIFEST, iter_dir, latest_iteration
-
     args, _ = parse_command(argv, CheckCkptArgs, doc=__doc__)
     root = Path(args.dir)
     if not root.exists():

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron_bridge.convert.command import run_command
+
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.convert.command import run_command
-
     return run_command(argv, "ConvertConfig", "convert", __doc__)

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import parse_command, to_yaml
 from megatron_bridge.config.schema import Config
-from megatron_bridge.data.demo import DEMO_PREFIX
+from megatron_bridge.data.chat_dataset import preprocess_chat
+from megatron_bridge.data.demo import DEMO_PREFIX, build_chat_demo, build_demo
+from megatron_bridge.data.preprocess import preprocess
 from megatron_bridge.data.tokenizer import check_vocab  # noqa: F401  (re-exported for the trainer)
 from megatron_bridge.errors import UserError
 
@@ -66,8 +68,6 @@ def _sft_hint(prefix: str, tokenizer: str) -> str:
 
 
 def run_chat(cfg: DataCommandConfig) -> int:
-    from megatron_bridge.data.chat_dataset import preprocess_chat
-
     if cfg.output_dir is not None or cfg.vocab_size is not None:
         raise UserError("output_dir= and vocab_size= belong to demo=true; mode=chat takes input=, output=, tokenizer=")
     if not cfg.input:
@@ -98,8 +98,6 @@ def run_chat(cfg: DataCommandConfig) -> int:
 
 
 def run_preprocess(cfg: DataCommandConfig) -> int:
-    from megatron_bridge.data.preprocess import preprocess
-
     if cfg.output_dir is not None or cfg.vocab_size is not None:
         raise UserError(
             "output_dir= and vocab_size= belong to demo=true; preprocessing takes input=, output=, tokenizer="
@@ -126,8 +124,6 @@ def run_preprocess(cfg: DataCommandConfig) -> int:
 
 
 def run_demo(cfg: DataCommandConfig) -> int:
-    from megatron_bridge.data.demo import build_chat_demo, build_demo
-
     chat = cfg.mode == "chat"
     if cfg.input or cfg.output or (cfg.tokenizer and not chat):
         raise UserError(

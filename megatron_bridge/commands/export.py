@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_bridge.convert.command import run_command
+
 
 def _export(cfg: Any) -> int:
     if cfg.adapter:  # a LoRA training checkpoint's adapter instead
@@ -30,6 +32,4 @@ def _export(cfg: Any) -> int:
 
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.convert.command import run_command
-
     return run_command(argv, "ExportConfig", _export, __doc__)

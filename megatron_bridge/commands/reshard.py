@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from megatron_bridge.convert.command import run_command
+
 
 def main(argv: Sequence[str]) -> int:
-    from megatron_bridge.convert.command import run_command
-
     return run_command(argv, "ReshardConfig", "reshard", __doc__)

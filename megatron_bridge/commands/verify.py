@@ -22,115 +22,31 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from math import lcm
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_bridge.backends.describe import describe
+from megatron_bridge.bridge.registry import describe as describe_families
+from megatron_bridge.commands import verify_matrix
+from megatron_bridge.commands.verify_setup import (
+    VerifyConfig,
+    layouts_of,
+    needed_world,
+    prepare,
+    reference,
+)
 from megatron_bridge.config.compose import parse_command
-from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
-
-
-@dataclass
-class VerifyOptions:
-    layouts: list[str] = field(default_factory=list)  # e.g. [tp1, tp2pp2vpp2, cp2tp2, ep2]; empty = parallel.*
-    checks: list[str] = field(default_factory=lambda: ["logits", "roundtrip"])  # + grads
-    tol: float = 1e-4  # max-abs logits difference allowed (fp32)
-    grad_tol: float = 1e-5  # max-abs gradient / loss difference allowed
-    batch_size: int = 2
-    seq_length: int = 32
-    seed: int = 0
-    tiny: str | None = None  # build a tiny random model of this family instead of model.hf_path
-    families: list[str] = field(default_factory=list)  # --matrix: these families (default: every tiny model)
-    nproc: int | None = None  # local processes to start; default: what the layouts need
-    out: str | None = None  # keep exports (and the reference) here; default: a temp dir
-    timeout_s: float = 1800.0
-
-
-@dataclass
-class VerifyConfig(Config):
-    verify: VerifyOptions = field(default_factory=VerifyOptions)
-
-
-def _layouts(cfg, spec) -> list[Any]:
-    """verify.layouts, or the one layout of parallel.* (resolved as training resolves it)."""
-    from megatron_bridge.parallel.dims import ParallelDims
-
-    if cfg.verify.layouts:
-        try:
-            return [ParallelDims.parse(x) for x in cfg.verify.layouts]
-        except ValueError as e:
-            raise UserError(str(e)) from e
-    return [ParallelDims.from_config(cfg, smallest_world=True, moe=spec.is_moe)]
-
-
-def check_layouts(cfg, spec, layouts: Sequence[Any], world: int | None) -> None:
-    """The layout rules `mbr check` applies, for each layout on `world` processes (default:
-    the fewest they all fit), at the verify sequence length; every violation at once."""
-    from megatron_bridge.errors import LayoutError
-    from megatron_bridge.parallel.rules.registry import validate
-
-    cfg.train.seq_length = cfg.verify.seq_length
-    world = world or _needed_world(layouts)
-    errs: list[str] = []
-    for lay in layouts:
-        try:
-            validate(cfg, spec, dims=lay.with_world(world), layout_only=True)
-        except LayoutError as e:
-            errs += [f"{lay.describe()}: {v}" for v in e.violations]
-    if errs:
-        raise UserError("cannot verify these layouts:\n" + "\n".join(f"  - {e}" for e in errs))
-
-
-def _prepare(cfg, out: Path):
-    """(hf_dir, spec, layouts) after every check that needs no process."""
-    from megatron_bridge.runtime.parity import CHECKS
-
-    bad = sorted(set(cfg.verify.checks) - set(CHECKS) - {"train"}) or ([] if cfg.verify.checks else ["(none)"])
-    if bad:
-        raise UserError(f"verify.checks {bad} unknown; choose from logits, roundtrip, grads")
-    hf_dir = cfg.model.hf_path
-    if cfg.verify.tiny:
-        from megatron_bridge.bridge.tiny import TINY
-        from megatron_bridge.runtime.tiny import make_tiny
-
-        if cfg.verify.tiny not in TINY:
-            raise UserError(f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for {', '.join(TINY)}")
-        hf_dir = str(out / "tiny" / cfg.verify.tiny)
-        if not (Path(hf_dir) / "config.json").is_file():
-            make_tiny(cfg.verify.tiny, hf_dir)
-    if not hf_dir:
-        raise UserError("mbr verify needs model.hf_path=DIR (an HF model directory) or verify.tiny=FAMILY")
-    spec = describe(cfg.model, hf_path=hf_dir)  # the rules see the model being verified
-    layouts = _layouts(cfg, spec)
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.verify.nproc
-    check_layouts(cfg, spec, layouts, world)
-    return hf_dir, spec, layouts
-
-
-def _reference(hf_dir: str, spec, cfg, path: Path) -> dict[str, Any]:
-    import torch
-
-    from megatron_bridge.runtime.parity import hf_reference, make_batch
-
-    ids, labels = make_batch(spec.vocab_size, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
-    ref = dict(
-        input_ids=ids, labels=labels, **hf_reference(hf_dir, ids, labels if "grads" in cfg.verify.checks else None)
-    )
-    torch.save(ref, path)
-    return ref
+from megatron_bridge.runtime import groups
+from megatron_bridge.runtime.parity import check_layout, dims_for, summarize
+from megatron_bridge.testing import TorchrunError, report, run_torchrun
 
 
 def _launched(cfg, worker: bool) -> int:
     """Phase 2 on every rank of a torchrun launch (ours with --worker, or the user's)."""
-    import torch
-
-    from megatron_bridge.runtime import groups
-    from megatron_bridge.runtime.parity import check_layout, dims_for
-
-    layouts = _layouts(cfg, describe(cfg.model))  # parallel.* resolved for the model the recipe names
+    layouts = layouts_of(cfg, describe(cfg.model))  # parallel.* resolved for the model the recipe names
     world = int(os.environ["WORLD_SIZE"])
     out = Path(cfg.verify.out or Path(tempfile.gettempdir()) / f"mbr-verify-{os.environ.get('MASTER_PORT', '0')}")
     groups.initialize(dims_for(layouts[0], world), timeout_minutes=cfg.train.timeout_minutes)
@@ -139,9 +55,9 @@ def _launched(cfg, worker: bool) -> int:
     if rank == 0:  # one rank builds the tiny model / the reference; the others wait for its verdict
         try:
             out.mkdir(parents=True, exist_ok=True)
-            hf_dir, spec, _ = _prepare(cfg, out)
+            hf_dir, spec, _ = prepare(cfg, out)
             if not (out / "reference.pt").is_file():
-                _reference(hf_dir, spec, cfg, out / "reference.pt")
+                reference(hf_dir, spec, cfg, out / "reference.pt")
             shared = [None, hf_dir]
         except UserError as e:
             shared = [str(e), None]
@@ -167,8 +83,6 @@ def _launched(cfg, worker: bool) -> int:
         res["seconds"] = round(time.perf_counter() - t0, 2)
         mine[lay.describe()] = res
     if worker:
-        from megatron_bridge.testing import report
-
         report({"findings": mine})
         return 0
     everyone: list[Any] = [None] * world
@@ -179,8 +93,6 @@ def _launched(cfg, worker: bool) -> int:
 
 
 def _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) -> bool:
-    from megatron_bridge.runtime.parity import summarize
-
     print(
         f"verify {spec.architecture} ({spec.family}) from {hf_dir}: batch {cfg.verify.batch_size}×"
         f"{cfg.verify.seq_length}, fp32, checks {', '.join(cfg.verify.checks)}"
@@ -197,22 +109,11 @@ def _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) -> bool:
     return all_ok
 
 
-def _needed_world(layouts) -> int:
-    n = 1
-    for lay in layouts:
-        n = lcm(n, lay.smallest_world)
-    return n
-
-
 def main(argv: Sequence[str]) -> int:
     if "--matrix" in argv and "WORLD_SIZE" not in os.environ:
-        from megatron_bridge.commands import verify_matrix
-
         return verify_matrix.main(argv)
     if "--list" in argv:
-        from megatron_bridge.bridge.registry import describe
-
-        print(describe())
+        print(describe_families())
         return 0
     cfg, args = parse_command(argv, VerifyConfig, doc=__doc__)
     if "WORLD_SIZE" in os.environ:
@@ -220,11 +121,9 @@ def main(argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mbr-verify-") as tmp:
         out = Path(cfg.verify.out or tmp)
         out.mkdir(parents=True, exist_ok=True)
-        hf_dir, spec, layouts = _prepare(cfg, out)
-        ref = _reference(hf_dir, spec, cfg, out / "reference.pt")
-        nproc = cfg.verify.nproc or _needed_world(layouts)
-        from megatron_bridge.testing import TorchrunError, run_torchrun
-
+        hf_dir, spec, layouts = prepare(cfg, out)
+        ref = reference(hf_dir, spec, cfg, out / "reference.pt")
+        nproc = cfg.verify.nproc or needed_world(layouts)
         child = [
             a
             for a in argv

@@ -18,7 +18,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.backends.describe import describe
+from megatron_bridge.bridge.tiny import TINY
+from megatron_bridge.commands.verify_setup import VerifyConfig, layouts_of, needed_world, reference
+from megatron_bridge.config.compose import parse_command
 from megatron_bridge.errors import LayoutError, UserError
+from megatron_bridge.parallel.dims import ParallelDims
+from megatron_bridge.parallel.rules.registry import validate
+from megatron_bridge.runtime.parity import fold
+from megatron_bridge.runtime.tiny import make_tiny
+from megatron_bridge.testing import TorchrunError, run_torchrun
 
 DENSE_LAYOUTS = ("tp1", "tp2", "pp2vpp2", "tp2pp2", "cp2")
 MOE_LAYOUTS = ("ep2", "ep2tp2", "ep2tp2etp1")
@@ -31,8 +40,6 @@ def default_layouts(spec: Any) -> list[str]:
 
 
 def _refusals(cfg: Any, spec: Any, layouts: Sequence[Any], world: int) -> dict[str, str]:
-    from megatron_bridge.parallel.rules.registry import validate
-
     cfg.train.seq_length = cfg.verify.seq_length
     out = {}
     for lay in layouts:
@@ -61,27 +68,19 @@ def _row(fam: str, key: str, f: dict[str, Any] | None, cfg: Any) -> str:
 
 
 def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]:
-    from megatron_bridge.backends.describe import describe
-    from megatron_bridge.commands.verify import VerifyConfig, _layouts, _needed_world, _reference
-    from megatron_bridge.config.compose import parse_command
-    from megatron_bridge.parallel.dims import ParallelDims
-    from megatron_bridge.runtime.parity import fold
-    from megatron_bridge.runtime.tiny import make_tiny
-    from megatron_bridge.testing import TorchrunError, run_torchrun
-
     cfg, _ = parse_command(argv, VerifyConfig, doc=None)
     cfg.verify.checks = list(CHECKS)
     out = root / fam
     hf_dir = str(make_tiny(fam, out / "tiny"))
     spec = describe(cfg.model, hf_path=hf_dir)
-    layouts = _layouts(cfg, spec) if cfg.verify.layouts else [ParallelDims.parse(x) for x in default_layouts(spec)]
-    world = cfg.verify.nproc or _needed_world(layouts)
+    layouts = layouts_of(cfg, spec) if cfg.verify.layouts else [ParallelDims.parse(x) for x in default_layouts(spec)]
+    world = cfg.verify.nproc or needed_world(layouts)
     refused = _refusals(cfg, spec, layouts, world)
     run = [lay for lay in layouts if lay.describe() not in refused]
     rows, ok = [], True
     per_rank: list[dict[str, Any]] = []
     if run:
-        ref = _reference(hf_dir, spec, cfg, out / "reference.pt")
+        ref = reference(hf_dir, spec, cfg, out / "reference.pt")
         names = ",".join(lay.describe().replace("·", "") for lay in run)
         child = [
             "-m", "megatron_bridge.cli", "verify", f"verify.layouts=[{names}]",
@@ -107,12 +106,8 @@ def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]
 
 def main(argv: Sequence[str]) -> int:
     """Print the matrix (markdown); exit 1 when any verified layout is over tolerance."""
-    from megatron_bridge.bridge.tiny import TINY
-    from megatron_bridge.commands import verify
-    from megatron_bridge.config.compose import parse_command
-
     argv = [a for a in argv if a != "--matrix"]
-    cfg, _ = parse_command(argv, verify.VerifyConfig, doc=verify.__doc__)
+    cfg, _ = parse_command(argv, VerifyConfig, doc=__doc__)
     fams = list(cfg.verify.families) or list(TINY)
     unknown = [f for f in fams if f not in TINY]
     if unknown:

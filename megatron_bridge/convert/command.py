@@ -71,8 +71,9 @@ def run_command(argv: Sequence[str], schema: str, command: str | Callable[[Any],
     `command(cfg)` when the caller passes a function)."""
     use_huge_pages()
     read_ahead_source(argv)
+    # after the two lines above, by design: Hydra and the pipeline load while the kernel reads ahead
     from megatron_bridge.config.compose import parse_command, to_yaml
-    from megatron_bridge.convert.pipeline import options
+    from megatron_bridge.convert.pipeline import options  # see above: after the read-ahead starts
 
     cfg, args = parse_command(argv, getattr(options, schema), doc=doc)
     if args.cfg:
@@ -80,6 +81,6 @@ def run_command(argv: Sequence[str], schema: str, command: str | Callable[[Any],
         return 0
     if callable(command):
         return command(cfg)
-    from megatron_bridge.convert.pipeline import run
+    from megatron_bridge.convert.pipeline import run  # see above: after the read-ahead starts
 
     return getattr(run, command)(cfg)

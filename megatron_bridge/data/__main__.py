@@ -2,14 +2,8 @@
 
 import sys
 
+from megatron_bridge.commands.data import main
 from megatron_bridge.errors import run_cli
 
-
-def _main(argv):
-    from megatron_bridge.commands.data import main
-
-    return main(argv)
-
-
 if __name__ == "__main__":
-    sys.exit(run_cli(_main, sys.argv[1:]))
+    sys.exit(run_cli(main, sys.argv[1:]))

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_bridge.data._fs import atomic_dir, refuse_existing
+from megatron_bridge.data.chat_dataset import preprocess_chat
+from megatron_bridge.data.corpus import build_docstring_chat_corpus, build_stdlib_corpus, train_tokenizer
+from megatron_bridge.data.preprocess import preprocess
+from megatron_bridge.data.tokenizer import validate_tokenizer_dir
 from megatron_bridge.errors import UserError
 
 DEMO_PREFIX = "stdlib_text_document"
@@ -44,8 +48,6 @@ def build_demo(
 ) -> DemoData:
     """Build DIR/{corpus.jsonl, tokenizer/, stdlib_text_document.*} atomically (the directory
     appears complete or not at all; an existing one is replaced only with overwrite)."""
-    from megatron_bridge.data.corpus import build_stdlib_corpus, train_tokenizer
-    from megatron_bridge.data.preprocess import preprocess
 
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and not out.is_dir():
@@ -103,9 +105,6 @@ def build_chat_demo(
     """Build DIR/{chat.jsonl, tokenizer/, stdlib_chat.*} atomically. Without `tokenizer` the
     demo tokenizer is trained exactly as `build_demo(vocab_size, max_bytes)` trains it (same
     corpus, same result); with one, DIR has no tokenizer/ and the dataset uses the given one."""
-    from megatron_bridge.data.chat_dataset import preprocess_chat
-    from megatron_bridge.data.corpus import build_docstring_chat_corpus, build_stdlib_corpus, train_tokenizer
-    from megatron_bridge.data.tokenizer import validate_tokenizer_dir
 
     out = Path(out_dir).expanduser().absolute()
     if out.exists() and not out.is_dir():

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from megatron_bridge.bridge.lora import layer_adapter_params
 from megatron_bridge.plan import params as P
 
 GIB = 1024**3
@@ -99,8 +100,6 @@ def model_states(
 def _with_adapters(frozen: States, m, peft, layers, tp, etp, ep, engine, precision, zero, dp_shard, edp) -> States:
     """States of a LoRA run: the base's weights plus the adapters' weights, gradients and
     optimizer states (adapter shapes from bridge.lora, split as the adapters are)."""
-    from megatron_bridge.bridge.lora import layer_adapter_params
-
     dense, per_expert = layer_adapter_params(m, peft, tp=tp, etp=etp)
     experts = (m.num_moe_experts or 0) / ep
     ad = model_states(

@@ -298,6 +298,17 @@ def is_installed() -> bool:
     return _INSTALLED
 
 
+class _WithoutSP:
+    """A TransformerConfig seen without sequence parallelism (the torch norms' constructor
+    must not take the SP path on CPU; their parameters are marked for SP by hand)."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return False if name == "sequence_parallel" else getattr(self._config, name)
+
+
 def install() -> bool:
     """Patch megatron-core for CPU/gloo. Returns True when the shim is active, False on a
     CUDA host (nothing is patched there). Safe to call any number of times."""
@@ -332,13 +343,6 @@ def install() -> bool:
 
     # 4. torch norms with sequence parallelism
     norm_new = torch_norm.WrappedTorchNorm.__new__
-
-    class _WithoutSP:
-        def __init__(self, config):
-            self._config = config
-
-        def __getattr__(self, name):
-            return False if name == "sequence_parallel" else getattr(self._config, name)
 
     def wrapped_norm_new(cls, config, *args, **kwargs):
         if not config.sequence_parallel:

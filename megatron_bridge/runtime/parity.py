@@ -17,7 +17,6 @@ HF's unpadded vocab; with no padding beyond a multiple of tp the two losses are 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import tempfile
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from megatron_bridge.bridge.features.mtp import mtp_keys
-from megatron_bridge.bridge.hf_config import load_spec
+from megatron_bridge.bridge.hf_config import load_spec, read_hf_config
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import HFCheckpoint
 from megatron_bridge.errors import UserError
@@ -53,7 +52,7 @@ def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tens
     Grads are keyed by *checkpoint* names: transformers 5 keeps MoE experts fused in memory
     (`experts.gate_up_proj`) but saves them per expert, so the grads are written through
     `save_pretrained` (its own name/layout conversion) and read back."""
-    if json.loads((Path(hf_dir) / "config.json").read_text()).get("quantization_config"):
+    if read_hf_config(hf_dir).get("quantization_config"):
         # an fp8 block-quantised source: the reference is transformers' own bf16 dequantisation
         # (what the bridge loads), computed in fp32 like every other reference
         model = AutoModelForCausalLM.from_pretrained(

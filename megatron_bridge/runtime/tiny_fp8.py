@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
+from megatron_bridge.bridge.hf_config import read_hf_config
+
 FP8_MAX = 448.0
 BLOCK = (128, 128)
 QUANTIZATION_CONFIG = {
@@ -76,7 +78,7 @@ def quantize_fp8(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> P
         weight_map.update({k: f.name for k in out})
     if (src / "model.safetensors.index.json").is_file():
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = read_hf_config(src)
     cfg["quantization_config"] = dict(QUANTIZATION_CONFIG)
     cfg["torch_dtype"] = cfg["dtype"] = dtype
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -114,7 +116,7 @@ def dequantize_dir(fp8_dir: str | Path, dst: str | Path) -> Path:
         weight_map.update({k: f.name for k in out})
     if (src / "model.safetensors.index.json").is_file():
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = read_hf_config(src)
     cfg.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return dst
@@ -135,7 +137,7 @@ def dequantized_reference(fp8_dir: str | Path, dst: str | Path) -> Path:
         if f.is_file() and not f.name.endswith((".safetensors", ".json")) or f.name == "generation_config.json":
             shutil.copy2(f, Path(dst) / f.name)
     # the config as the source's, less quantization_config (what `mbr convert` writes)
-    cfg = json.loads((Path(fp8_dir) / "config.json").read_text())
+    cfg = read_hf_config(fp8_dir)
     cfg.pop("quantization_config", None)
     (Path(dst) / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return Path(dst)

@@ -39,7 +39,7 @@ from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.mapping import Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.bytemove.strided import FORMATS, Gather, Scatter, matrix, strided_copy
+from megatron_bridge.convert.bytemove.strided import FORMATS, Gather, Mem, Scatter, matrix, strided_copy
 from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import crc_hex
@@ -97,13 +97,6 @@ class Interleave:
 
 
 Piece = Span | Band | Zeros | Interleave | Gather | Scatter
-
-
-class Mem:
-    """Bytes held in memory standing in for a file region (an fp8 weight's bf16 dequantisation)."""
-
-    def __init__(self, data: bytearray):
-        self.view = memoryview(data)
 
 
 @dataclass(frozen=True)

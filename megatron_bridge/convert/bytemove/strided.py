@@ -15,10 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from megatron_bridge.convert.bytemove.direct import Mem
+
+class Mem:
+    """Bytes held in memory standing in for a file region (an fp8 weight's bf16 dequantisation)."""
+
+    def __init__(self, data: bytearray):
+        self.view = memoryview(data)
 
 
 @dataclass(frozen=True)

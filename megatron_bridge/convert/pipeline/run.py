@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.loader import WEIGHT_FILE_SUFFIXES, _write_config_and_assets
 from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
@@ -185,7 +186,6 @@ def export(cfg: Any) -> int:
         prog.summary(str(dst), f"HF safetensors, {dtype_name(out_dtypes)}, every tensor checked against the manifest"),
         flush=True,
     )
-    from megatron_bridge.bridge.features.mtp import note_skipped
 
     note_skipped(source.spec, None)  # config.json still names MTP layers the bridge never had
     return 0

@@ -1,0 +1,109 @@
+"""What `mbr verify` and `mbr verify --matrix` share: the command's fields, the layouts to
+check (and the rules that refuse them, before any process starts), the model to verify and
+transformers' fp32 reference."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import lcm
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_bridge.backends.describe import describe
+from megatron_bridge.bridge.tiny import TINY
+from megatron_bridge.config.schema import Config
+from megatron_bridge.errors import LayoutError, UserError
+from megatron_bridge.parallel.dims import ParallelDims
+from megatron_bridge.parallel.rules.registry import validate
+from megatron_bridge.runtime.parity import CHECKS, hf_reference, make_batch
+from megatron_bridge.runtime.tiny import make_tiny
+
+
+@dataclass
+class VerifyOptions:
+    layouts: list[str] = field(default_factory=list)  # e.g. [tp1, tp2pp2vpp2, cp2tp2, ep2]; empty = parallel.*
+    checks: list[str] = field(default_factory=lambda: ["logits", "roundtrip"])  # + grads
+    tol: float = 1e-4  # max-abs logits difference allowed (fp32)
+    grad_tol: float = 1e-5  # max-abs gradient / loss difference allowed
+    batch_size: int = 2
+    seq_length: int = 32
+    seed: int = 0
+    tiny: str | None = None  # build a tiny random model of this family instead of model.hf_path
+    families: list[str] = field(default_factory=list)  # --matrix: these families (default: every tiny model)
+    nproc: int | None = None  # local processes to start; default: what the layouts need
+    out: str | None = None  # keep exports (and the reference) here; default: a temp dir
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class VerifyConfig(Config):
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
+
+
+def layouts_of(cfg, spec) -> list[Any]:
+    """verify.layouts, or the one layout of parallel.* (resolved as training resolves it)."""
+    if cfg.verify.layouts:
+        try:
+            return [ParallelDims.parse(x) for x in cfg.verify.layouts]
+        except ValueError as e:
+            raise UserError(str(e)) from e
+    return [ParallelDims.from_config(cfg, smallest_world=True, moe=spec.is_moe)]
+
+
+def check_layouts(cfg, spec, layouts: Sequence[Any], world: int | None) -> None:
+    """The layout rules `mbr check` applies, for each layout on `world` processes (default:
+    the fewest they all fit), at the verify sequence length; every violation at once."""
+    cfg.train.seq_length = cfg.verify.seq_length
+    world = world or needed_world(layouts)
+    errs: list[str] = []
+    for lay in layouts:
+        try:
+            validate(cfg, spec, dims=lay.with_world(world), layout_only=True)
+        except LayoutError as e:
+            errs += [f"{lay.describe()}: {v}" for v in e.violations]
+    if errs:
+        raise UserError("cannot verify these layouts:\n" + "\n".join(f"  - {e}" for e in errs))
+
+
+def prepare(cfg, out: Path):
+    """(hf_dir, spec, layouts) after every check that needs no process."""
+    bad = sorted(set(cfg.verify.checks) - set(CHECKS) - {"train"}) or ([] if cfg.verify.checks else ["(none)"])
+    if bad:
+        raise UserError(f"verify.checks {bad} unknown; choose from logits, roundtrip, grads")
+    hf_dir = cfg.model.hf_path
+    if cfg.verify.tiny:
+        if cfg.verify.tiny not in TINY:
+            raise UserError(f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for {', '.join(TINY)}")
+        hf_dir = str(out / "tiny" / cfg.verify.tiny)
+        if not (Path(hf_dir) / "config.json").is_file():
+            make_tiny(cfg.verify.tiny, hf_dir)
+    if not hf_dir:
+        raise UserError("mbr verify needs model.hf_path=DIR (an HF model directory) or verify.tiny=FAMILY")
+    spec = describe(cfg.model, hf_path=hf_dir)  # the rules see the model being verified
+    layouts = layouts_of(cfg, spec)
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.verify.nproc
+    check_layouts(cfg, spec, layouts, world)
+    return hf_dir, spec, layouts
+
+
+def reference(hf_dir: str, spec, cfg, path: Path) -> dict[str, Any]:
+    ids, labels = make_batch(spec.vocab_size, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
+    ref = dict(
+        input_ids=ids, labels=labels, **hf_reference(hf_dir, ids, labels if "grads" in cfg.verify.checks else None)
+    )
+    torch.save(ref, path)
+    return ref
+
+
+def needed_world(layouts) -> int:
+    n = 1
+    for lay in layouts:
+        n = lcm(n, lay.smallest_world)
+    return n
+
+
+__all__ = ["VerifyOptions", "VerifyConfig", "layouts_of", "check_layouts", "prepare", "reference", "needed_world"]
