@@ -173,7 +173,7 @@ FAMILY_LAYOUTS = [
 def _refused(root: Path, fam: str, layouts: List[str]) -> List[str]:
     """family/layout pairs the layout rules refuse for this model (checked as `mbr verify`
     checks them); each refusal must name its rule."""
-    from megatron_bridge.commands.verify import VerifyConfig, check_layouts
+    from megatron_bridge.commands.verify_setup import VerifyConfig, check_layouts
     from megatron_bridge.config.compose import compose
     from megatron_bridge.backends.describe import describe
     from megatron_bridge.errors import UserError

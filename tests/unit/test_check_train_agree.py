@@ -234,7 +234,7 @@ def _layout_grid(moe: bool, n: int = 12, seed: int = 1) -> list[dict]:
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_check_plan_train_convert_verify_accept_the_same_layouts(family, tmp_path, monkeypatch, capsys):
     from megatron_bridge.cli import main
-    from megatron_bridge.commands.verify import VerifyConfig, check_layouts
+    from megatron_bridge.commands.verify_setup import VerifyConfig, check_layouts
     from megatron_bridge.errors import UserError
     from megatron_bridge.runtime.tiny import make_tiny
 
