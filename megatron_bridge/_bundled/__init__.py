@@ -5,5 +5,5 @@ are symlinks to `recipes/` and to each group folder of `conf/`, so a source chec
 editable install and a built wheel (where setuptools copies the files they point to) all
 reach the same files through this package: `pkg://megatron_bridge._bundled` on Hydra's
 search path, never by walking up from the source tree. A new group folder in `conf/` needs
-its symlink here (tests/unit/test_config_dirs.py checks). See megatron_bridge/config/search.py.
+its symlink here (tests/unit/config/test_config_dirs.py checks). See megatron_bridge/config/search.py.
 """

@@ -5,7 +5,7 @@
     mbr reshard src=OUT dst=OUT2 parallel.tp=.. parallel.pp=..                  pipeline.run.reshard
 
 One process, CPU, no process group, no megatron-core import. Five layers, each importing
-only from the ones above it in this list (tests/unit/test_convert_layers.py checks it):
+only from the ones above it in this list (tests/unit/convert/test_convert_layers.py checks it):
 
 * `formats/` — the files, torch-free and model-free: safetensors (headers, positioned reads,
   streaming writer; the one reader `bridge.loader` uses too), `torch.save` zips record by

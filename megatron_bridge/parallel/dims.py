@@ -97,7 +97,7 @@ class ParallelDims:
         stage split, used by the builder, the HF loader, the converter and the planner.
 
         megatron-core 0.16's `get_transformer_layer_offset` / `get_num_layers_to_build` as plain
-        arithmetic (no megatron import; tests/unit/test_stage_split.py holds them equal for every
+        arithmetic (no megatron import; tests/unit/parallel/test_stage_split.py holds them equal for every
         layout the rules accept): chunks are filled in schedule order, virtual stage major,
         then pipeline rank; each stage's layers split evenly over its `vpp` chunks, and
         `layers_first_stage` / `layers_last_stage` fix the end stages' counts (the middle

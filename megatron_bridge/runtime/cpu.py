@@ -6,7 +6,7 @@ idempotently, before the first model/optimizer is built (`groups.initialize` cal
 attributes it patches are declared in `cpu_targets.PATCH_TARGETS` and all resolved before anything is
 patched: a megatron-core that lacks one is refused with one message naming it (never left
 half-patched), another minor version than `WRITTEN_FOR` gets a warning, and
-tests/unit/test_cpu_shim.py asserts every target exists in the installed version. (The modules
+tests/unit/runtime/test_cpu_shim.py asserts every target exists in the installed version. (The modules
 holding them are imported with this one, which patches nothing by being imported; the replacement
 tracker `CpuRNGStatesTracker` is an ordinary class, put in place by `install()` only.) What and why:
 

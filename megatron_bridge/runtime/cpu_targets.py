@@ -3,7 +3,7 @@
 The shim replaces or wraps private functions and methods, so it depends on megatron-core's
 internals. Declaring every target here lets `install()` resolve all of them before patching
 anything (a megatron-core that moved one is refused with one message naming it, never left
-half-patched) and lets tests/unit/test_cpu_shim.py assert they all exist in the installed
+half-patched) and lets tests/unit/runtime/test_cpu_shim.py assert they all exist in the installed
 version. Importing this module imports neither torch nor megatron-core.
 """
 
@@ -79,7 +79,7 @@ def version_warning(version: str) -> str | None:
     return (
         f"megatron-core {version} is installed; the CPU shim (megatron_bridge/runtime/cpu.py) was "
         f"written for {WRITTEN_FOR}.x and its patch targets verified there. They all still exist, but "
-        f"their behaviour may have changed: run tests/unit/test_cpu_shim.py and the CPU suite, or "
+        f"their behaviour may have changed: run tests/unit/runtime/test_cpu_shim.py and the CPU suite, or "
         f"install megatron-core=={WRITTEN_FOR}.*."
     )
 

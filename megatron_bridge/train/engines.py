@@ -350,7 +350,7 @@ class DeepSpeedEngine(Engine):
 
 ENGINES: dict[str, type[Engine]] = {"megatron": MegatronEngine, "deepspeed": DeepSpeedEngine}
 """`train.engine` → its engine. `mbr check` validates the name against
-`parallel.rules.CHOICES["train.engine"]` without importing torch; tests/unit/test_engines.py
+`parallel.rules.CHOICES["train.engine"]` without importing torch; tests/unit/train/test_engines.py
 holds the two equal."""
 
 

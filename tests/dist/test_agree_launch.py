@@ -1,5 +1,5 @@
 """Layouts `mbr check` accepts build and train under torchrun, with the parameters per
-pipeline rank that `mbr plan` counts (the sampled part of tests/unit/test_check_train_agree.py).
+pipeline rank that `mbr plan` counts (the sampled part of tests/unit/commands/test_check_train_agree.py).
 
 One launch of 2 processes runs every job: issue 13's uneven first stage (5 layers on pp2,
 1 + 4), an MoE model with TP and sequence parallelism turned on automatically, a GPT-style

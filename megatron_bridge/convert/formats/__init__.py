@@ -5,5 +5,5 @@
 and dtypes by name), `dist_ckpt` / `dist_read` (torch_dist: DCP + megatron metadata, written /
 read), `fp8` (block-quantised safetensors), `manifest` (`mbr_manifest.json`: what was
 written, with checksums). Nothing here imports the bridge or any other model description
-(tests/unit/test_convert_layers.py): which tensor goes where is `placement/`'s.
+(tests/unit/convert/test_convert_layers.py): which tensor goes where is `placement/`'s.
 """

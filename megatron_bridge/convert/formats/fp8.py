@@ -10,7 +10,7 @@ and DeepSeek's `weight_dequant`: `bf16(fp32(w[i, j]) * scale[i // 128, j // 128]
 product in fp32 (rounded to nearest even), then rounded to bf16 (nearest even), as
 `(w.float() * s).to(torch.bfloat16)` does.
 
-Two implementations, bit-identical (tests/unit/test_fp8_source.py):
+Two implementations, bit-identical (tests/unit/convert/test_fp8_source.py):
 
 * `dequant_rows` (no torch, no numpy: `mbr convert` never imports them): for a fixed block
   scale the output is a function of the fp8 byte alone, so each block gets two 256-entry

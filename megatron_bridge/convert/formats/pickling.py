@@ -10,7 +10,7 @@ much as copying a mid-sized model; docs/benchmarks.md).
 The stand-ins below say what to write; `TorchPickler` (the pure-Python pickler with entries
 for them in its dispatch table) writes the same opcodes pickle writes for the real objects,
 so `pickle.loads` of the result gives the real objects, and for the shapes used here the
-bytes are those `torch.save` writes (tests/unit/test_torch_zip.py compares them).
+bytes are those `torch.save` writes (tests/unit/convert/test_torch_zip.py compares them).
 
 Loading is the same in reverse: an `Unpickler` whose `find_class` returns stand-ins for the
 names (`Record`s for the classes) reads such a pickle without the modules that define them.

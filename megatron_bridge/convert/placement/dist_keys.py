@@ -1,7 +1,7 @@
 """Where a model's parameter is stored in a torch_dist checkpoint (the format: `formats.dist_ckpt`).
 
 Keys, global shapes and chunking are those of megatron-core's `GPTModel.sharded_state_dict()`
-(tests/unit/test_dist_ckpt_keys_families.py holds them equal for every family):
+(tests/unit/convert/test_dist_ckpt_keys_families.py holds them equal for every family):
 
 * layers of a homogeneous stack share a key with a leading layer axis,
   `decoder.layers.<name>` of shape [L, ...] (one chunk per layer — one stacked chunk loads

@@ -12,7 +12,7 @@ from megatron_bridge.config import search
 from megatron_bridge.config.compose import compose, list_group, parse_args
 from megatron_bridge.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 RECIPE = """\
 defaults:

@@ -5,7 +5,7 @@ The oracle is transformers' own dequantisation (`FineGrainedFP8Config(dequantize
 saved back). Every weight of the tiny is < 128 in both dimensions, so each is ONE partial
 block (`quantize_block_fp8` takes amax over the whole tensor, a 1 x 1 scale grid); there
 transformers' even split of rows over the grid and DeepSeek's `weight_dequant` agree, so the
-comparison is bit for bit (multi-block partial edges: tests/unit/test_fp8_source.py).
+comparison is bit for bit (multi-block partial edges: tests/unit/convert/test_fp8_source.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from megatron_bridge.cli import main as mbr
 from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.runtime.tiny_fp8 import dequantized_reference, quantize_fp8
-from tests.unit.test_fp8_source import assert_same_checkpoint, bits
+from tests.unit.convert.test_fp8_source import assert_same_checkpoint, bits
 
 LAYERS = 4  # TINY's num_hidden_layers: the MTP layer is model.layers.4
 MTP = f"model.layers.{LAYERS}."

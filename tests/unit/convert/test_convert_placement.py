@@ -1,4 +1,4 @@
-"""Megatron-LM's per-rank file names (the layer split itself: tests/unit/test_stage_split.py)."""
+"""Megatron-LM's per-rank file names (the layer split itself: tests/unit/parallel/test_stage_split.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from megatron_bridge.backends import describe as describe_module
 from megatron_bridge.parallel.rules import base
 from megatron_bridge.parallel.rules.registry import LAYOUT_RULES, RULE_MODULES, RULES
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "config.md"
 
 
 def _produced(fn) -> list[str]:

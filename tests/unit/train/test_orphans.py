@@ -54,7 +54,7 @@ def _wait_file(p: Path, limit: float = 60) -> str:
 
 def run_chain(tmp_path, names, kill: int, env_extra=None):
     """Start launchers `names` (outermost first) and a rank; SIGKILL launcher `kill`."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **(env_extra or {})}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), **(env_extra or {})}
     log = open(tmp_path / "rank.log", "w")
     inner = [sys.executable, "-c", RANK, str(tmp_path / "armed")]
     for i in reversed(range(len(names))):
@@ -102,7 +102,7 @@ def test_nothing_armed_outside_a_launcher(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
     p = subprocess.run(
         [sys.executable, "-c", RANK.replace("time.sleep(60)", ""), str(tmp_path / "armed")],
-        env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
         timeout=60,
     )
     assert p.returncode == 0 and (tmp_path / "armed").read_text() == "not armed"

@@ -20,7 +20,7 @@ import torch
 from megatron_bridge.cli import main as mbr
 from megatron_bridge.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

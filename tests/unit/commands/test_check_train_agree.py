@@ -32,7 +32,7 @@ from megatron_bridge.runtime.tconfig import transformer_config_kwargs
 from megatron_bridge.train.job import model_overrides
 from megatron_bridge.train.runner import validate_for_launch
 
-RECIPES = sorted(p.stem for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+RECIPES = sorted(p.stem for p in (Path(__file__).parents[3] / "recipes").glob("*.yaml"))
 GPT_STYLE = [
     "model.family=gpt",
     "model.normalization=LayerNorm",

@@ -364,7 +364,7 @@ def test_module_writer_and_reader_need_no_torch(tmp_path):
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2], capture_output=True, text=True
+        [sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[3], capture_output=True, text=True
     ).stdout
     n, saved = (LazyTorchFile(tmp_path / f, PositionedReader()) for f in ("n.pt", "saved.pt"))
     assert out.strip() == str(n.range(n.obj["w"])[1:] + saved.range(saved.obj["model"]["decoder"]["fp32"])[1:])

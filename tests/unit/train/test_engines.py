@@ -11,7 +11,7 @@ import pytest
 from megatron_bridge.parallel.rules.degrees import CHOICES
 from megatron_bridge.train.engines import ENGINES, Engine
 
-PKG = Path(__file__).resolve().parents[2] / "megatron_bridge"
+PKG = Path(__file__).resolve().parents[3] / "megatron_bridge"
 
 
 def test_every_accepted_engine_name_has_an_engine():

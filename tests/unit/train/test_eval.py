@@ -1,6 +1,6 @@
 """Validation's bookkeeping: when an evaluation runs and where `val_loss` is written.
 (tests/dist/test_train.py runs it for real: equal across layouts and engines, training
-unchanged bit for bit; tests/unit/test_rules.py holds its config rules.)"""
+unchanged bit for bit; tests/unit/parallel/test_rules.py holds its config rules.)"""
 
 import json
 from types import SimpleNamespace

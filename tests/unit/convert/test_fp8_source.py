@@ -25,7 +25,7 @@ from megatron_bridge.convert.sources.readers import open_checkpoint
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.runtime.tiny_fp8 import dequantize_dir, dequantized_reference, quantize_fp8
-from tests.unit.test_convert_direct import run_without_torch
+from tests.unit.convert.test_convert_direct import run_without_torch
 
 PARTIAL = dict(hidden_size=160, intermediate_size=288, num_attention_heads=10, num_key_value_heads=2, head_dim=16)
 WHOLE = dict(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
