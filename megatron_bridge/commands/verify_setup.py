@@ -74,16 +74,18 @@ def prepare(cfg, out: Path):
     bad = sorted(set(cfg.verify.checks) - set(CHECKS) - {"train"}) or ([] if cfg.verify.checks else ["(none)"])
     if bad:
         raise UserError(f"verify.checks {bad} unknown; choose from logits, roundtrip, grads")
-    hf_dir = cfg.model.hf_path
     if cfg.verify.tiny:
         if cfg.verify.tiny not in TINY:
             raise UserError(f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for {', '.join(TINY)}")
         hf_dir = str(out / "tiny" / cfg.verify.tiny)
         if not (Path(hf_dir) / "config.json").is_file():
             make_tiny(cfg.verify.tiny, hf_dir)
-    if not hf_dir:
-        raise UserError("mbr verify needs model.hf_path=DIR (an HF model directory) or verify.tiny=FAMILY")
-    spec = describe(cfg.model, hf_path=hf_dir)  # the rules see the model being verified
+        spec = describe(cfg.model, hf_path=hf_dir)  # the rules see the model being verified
+    else:
+        spec = describe(cfg.model)
+        if spec.source is None:
+            raise UserError("mbr verify needs model.hf_path=DIR (an HF model directory) or verify.tiny=FAMILY")
+        hf_dir = spec.source
     layouts = layouts_of(cfg, spec)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.verify.nproc
     check_layouts(cfg, spec, layouts, world)

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.backends.describe import describe as describe_model
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.loader import WEIGHT_FILE_SUFFIXES, _write_config_and_assets
 from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_files
@@ -142,7 +143,7 @@ def convert(cfg: Any) -> int:
     """HF directory -> torch_dist or per-rank torch checkpoint (see docs/convert.md)."""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
     fmt, dtype = check_format(cfg.format), parse_dtype(cfg.dtype)
-    source = HFSource(src, dtype, cfg.model)
+    source = HFSource(src, dtype, lambda hf: describe_model(cfg.model, hf_path=src, hf=hf, arg="src"))
     hf_config = source.hf_config
     with _closing_on_error(source):
         layout = checked_layout(cfg, source.spec, hf_config, source.rows, source.tensors, fmt)

@@ -23,7 +23,6 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_bridge.backends.describe import describe
 from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
 from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.mapping import Replicated
@@ -190,9 +189,9 @@ class Source:
 class HFSource(Source):
     """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
 
-    def __init__(self, path: Path, dtype: DType | None, model: Any):
-        """`model`: the recipe's model group, which `backends.describe` turns into the
-        description of this directory's config.json (its vocab padding applies)."""
+    def __init__(self, path: Path, dtype: DType | None, describe: Callable[[dict[str, Any]], BridgeSpec]):
+        """`describe(config)`: the model description of this directory's (dequantised)
+        config.json — the command's `backends.describe` with its recipe's vocab padding."""
         super().__init__(dtype)
         self.where, self.expected = f"src={path}", {}
         if (path / "mbr_manifest.json").is_file():
@@ -205,7 +204,7 @@ class HFSource(Source):
         # An fp8 checkpoint reads as its bf16 dequantisation (formats/fp8.py): the scales are
         # consumed, and the config written (and recorded) is the dequantised model's.
         self.hf_config = fp8.without_quantization(config) if block else config
-        self.spec = describe(model, hf_path=path, hf=self.hf_config, arg="src")
+        self.spec = describe(self.hf_config)
         stored = scan_dir(path)
         quant = fp8.pair(stored, block, self.where)
         tensors = fp8.dequantized_infos(stored, quant)
