@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose  # noqa: E402
 from megatron_bridge.plan import report  # noqa: E402
-from megatron_bridge.plan.search import Context, pinned_from_overrides, search  # noqa: E402
+from megatron_bridge.plan.evaluation import Context  # noqa: E402
+from megatron_bridge.plan.search import pinned_from_overrides, search  # noqa: E402
 
 CASES = {
     "llama3_405b @ 16,384 H100": [

@@ -22,7 +22,8 @@ from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.registry import refuse
 from megatron_bridge.plan import explain, report
-from megatron_bridge.plan.search import Context, pinned_from_overrides, search
+from megatron_bridge.plan.evaluation import Context
+from megatron_bridge.plan.search import pinned_from_overrides, search
 
 FORMATS = ("table", "json")
 

@@ -1,8 +1,8 @@
 """Why: the words around the search's numbers.
 
-`why_lost` names the step of the framework (search.py's ranking) at which a runner-up lost
-to the chosen layout, with the numbers that decided it; `why_ruled_out` says by how much a
-valid layout misses the GPU memory; `diagnose` explains an infeasible request (kind
+`why_lost` names the step of the framework (evaluation.py's ranking, `Evaluation.key`) at
+which a runner-up lost to the chosen layout, with the numbers that decided it;
+`why_ruled_out` says by how much a valid layout misses the GPU memory; `diagnose` explains an infeasible request (kind
 "rules": no candidate passes the layout rules; "batch": layouts fit but the global batch
 cannot fill their pipeline; "memory": nothing fits the GPUs) and finds what would work:
 the global batch the fitting layouts need, or the smallest cluster (by doubling
@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_bridge.plan import memory as M
-from megatron_bridge.plan.search import Candidate, Context, Evaluation, SearchResult, evaluate, search
+from megatron_bridge.plan.evaluation import Candidate, Context, Evaluation, evaluate
+from megatron_bridge.plan.search import SearchResult, search
 
 
 def smallest_cluster(ctx: Context, max_gpus: int = 1 << 20) -> tuple[int, Evaluation] | None:

@@ -16,7 +16,8 @@ from megatron_bridge.parallel.topology import Topology
 from megatron_bridge.plan import comm as C
 from megatron_bridge.plan import explain as X
 from megatron_bridge.plan import memory as M
-from megatron_bridge.plan.search import Context, Evaluation, SearchResult
+from megatron_bridge.plan.evaluation import Context, Evaluation
+from megatron_bridge.plan.search import SearchResult
 
 SCHEMA = "mbr.plan/1"
 

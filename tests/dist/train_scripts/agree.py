@@ -20,7 +20,7 @@ def count_job(overrides):
     from megatron_bridge.config.compose import compose
     from megatron_bridge.runtime import groups
     from megatron_bridge.plan import params as P
-    from megatron_bridge.plan.search import _stage_plan
+    from megatron_bridge.plan.evaluation import stage_plan
     from megatron_bridge.train.job import model_overrides
     from megatron_bridge.train.runner import TrainRunConfig, validate_for_launch
 
@@ -33,7 +33,7 @@ def count_job(overrides):
     pp_rank = ps.get_pipeline_model_parallel_rank()
     stages = {
         idx: (ids, first, last)
-        for idx, ids, first, last in _stage_plan(spec.num_layers, dims)
+        for idx, ids, first, last in stage_plan(spec.num_layers, dims)
     }
     ids, first, last = stages[pp_rank]
     rp = P.rank_params(spec, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)

@@ -27,7 +27,8 @@ from megatron_bridge.errors import LayoutError
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate
 from megatron_bridge.plan import params as P
-from megatron_bridge.plan.search import Context, pinned_from_overrides, search
+from megatron_bridge.plan.evaluation import Context
+from megatron_bridge.plan.search import pinned_from_overrides, search
 from megatron_bridge.runtime.tconfig import transformer_config_kwargs
 from megatron_bridge.train.job import model_overrides
 from megatron_bridge.train.runner import validate_for_launch

@@ -14,7 +14,8 @@ from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.topology import Topology
 from megatron_bridge.plan import comm as C
 from megatron_bridge.plan import memory as M
-from megatron_bridge.plan.search import Context, pinned_from_overrides, search
+from megatron_bridge.plan.evaluation import Context
+from megatron_bridge.plan.search import pinned_from_overrides, search
 
 GIB = 2**30
 ONE_T = [
