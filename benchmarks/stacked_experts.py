@@ -19,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_bridge.bridge.mapping import FULL, GATE_UP, ROW, ExpertsStacked, Shapes
+from megatron_bridge.bridge.mapping import GATE_UP, ROW
+from megatron_bridge.bridge.shards import FULL, Shapes
+from megatron_bridge.bridge.stacked import ExpertsStacked
 from megatron_bridge.convert.bytemove import direct, strided
 from megatron_bridge.convert.formats.dtypes import BFLOAT16
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo

@@ -25,7 +25,7 @@ from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
 from megatron_bridge.bridge.hf_config import read_hf_config, spec_to_hf_config
 from megatron_bridge.bridge.layout import Layout, local_experts, to_local_name
-from megatron_bridge.bridge.mapping import Shard
+from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved, resolve_hf
 from megatron_bridge.convert.formats import fp8

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_bridge.bridge.mapping import Shapes
+from megatron_bridge.bridge.shards import Shapes
 from megatron_bridge.parallel.dims import padded_vocab_size
 
 

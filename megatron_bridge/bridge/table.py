@@ -4,7 +4,8 @@ A family's table (`families/`) is a list of `Mapping`s. Each names a megatron pa
 template with `{layer}` / `{expert}` holes, global indices), the HF tensor(s) it is made of
 and the `mapping.Transform` that lays them out. `resolve_megatron` / `resolve_hf` fill the
 holes for concrete names, so one table serves online loading (`loader.py`), export and the
-offline converter; the transforms themselves (shapes and tensors only) stay in `mapping.py`.
+offline converter; the transforms themselves (shapes and tensors only) stay in `mapping.py` and
+`stacked.py`, the shard coordinates and blocks they speak in `shards.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron_bridge.bridge.mapping import FULL, REPLICATED, Shapes, Shard, Sliceable, Transform
+from megatron_bridge.bridge.mapping import REPLICATED, Transform
+from megatron_bridge.bridge.shards import FULL, Shapes, Shard, Sliceable
 
 if TYPE_CHECKING:
     import torch

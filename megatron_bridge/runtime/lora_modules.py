@@ -47,7 +47,7 @@ from megatron_bridge.bridge.lora import (
     peft_key,
     resolve_targets,
 )
-from megatron_bridge.bridge.mapping import Shard
+from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.weights import current_coords, gather_shards, global_names, layout_of, vp_stage_of

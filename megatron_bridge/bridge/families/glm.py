@@ -24,8 +24,9 @@ from collections.abc import Mapping as TMapping
 from typing import Any, ClassVar
 
 from megatron_bridge.bridge.families.common import ATTENTION, DENSE_MLP, EMBEDDINGS, QK_NORM, H, L, experts, swiglu
-from megatron_bridge.bridge.mapping import REPLICATED, ROW, STACKED_GATE_UP
+from megatron_bridge.bridge.mapping import REPLICATED, ROW
 from megatron_bridge.bridge.registry import FamilyBridge, register
+from megatron_bridge.bridge.stacked import STACKED_GATE_UP
 from megatron_bridge.bridge.table import Mapping
 
 

@@ -4,15 +4,16 @@ The building blocks are features (sinks.py, bias.py, glu.py; sliding windows on 
 layers via `layer_types` in attention.py); this file only declares them and maps names.
 The experts are stored as stacked 3-D tensors ([E, hidden, 2·inter] with gate/up
 interleaved on the last dim, [E, inter, hidden]: transposed relative to nn.Linear), which
-`mapping.ExpertsStacked` turns into megatron's per-expert linears. Routing is top-k on the
+`stacked.ExpertsStacked` turns into megatron's per-expert linears. Routing is top-k on the
 router logits then a softmax over the k (megatron's pre_softmax=False). Real GPT-OSS
 checkpoints store experts as MXFP4 blocks/scales; only dequantised (bf16/fp32) checkpoints,
 as save_pretrained writes them, are read.
 """
 
 from megatron_bridge.bridge.families.common import ATTENTION, EMBEDDINGS, H, L
-from megatron_bridge.bridge.mapping import COLUMN, GATE_UP, REPLICATED, ROW, ExpertsStacked
+from megatron_bridge.bridge.mapping import COLUMN, GATE_UP, REPLICATED, ROW
 from megatron_bridge.bridge.registry import FamilyBridge, register
+from megatron_bridge.bridge.stacked import ExpertsStacked
 from megatron_bridge.bridge.table import Mapping
 
 _E = f"{L}.mlp.experts.local_experts.{{expert}}"

@@ -1,7 +1,7 @@
 """Phi-3 / Phi-3.5 / Phi-4-mini (`Phi3ForCausalLM`): Llama layout with fused projections on disk.
 
 `qkv_proj` stacks [q; k; v] and `gate_up_proj` stacks [gate; up] in one tensor each; the
-stacked transforms (mapping.py) cut them into megatron's per-group QKV and per-rank
+stacked transforms (stacked.py) cut them into megatron's per-group QKV and per-rank
 [gate_r; up_r] fc1, reading only a rank's rows. Rotary is longrope (short/long factors by
 sequence length, attention factor) with partial rotary on Phi-4-mini; features/rope.py does
 both. Phi-3's residual/embedding dropouts have no megatron counterpart here: refused if > 0.
@@ -13,8 +13,9 @@ from collections.abc import Mapping as TMapping
 from typing import Any
 
 from megatron_bridge.bridge.families.common import EMBEDDINGS, H, L
-from megatron_bridge.bridge.mapping import REPLICATED, ROW, STACKED_GATE_UP, STACKED_QKV
+from megatron_bridge.bridge.mapping import REPLICATED, ROW
 from megatron_bridge.bridge.registry import FamilyBridge, register
+from megatron_bridge.bridge.stacked import STACKED_GATE_UP, STACKED_QKV
 from megatron_bridge.bridge.table import Mapping
 
 

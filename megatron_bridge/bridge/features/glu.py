@@ -8,7 +8,7 @@ that is HF's expression term for term (bit-exact), so the block (runtime/blocks/
 sets config.
 megatron's own `quick_gelu` (alpha 1.702) is not used: it is `jit_fuser`-compiled, which
 costs minutes of compile on CPU and rounds differently. The interleaved gate/up layout on disk is the table's business
-(`mapping.ExpertsStacked`).
+(`stacked.ExpertsStacked`).
 """
 
 from __future__ import annotations

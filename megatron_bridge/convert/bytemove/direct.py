@@ -37,7 +37,7 @@ from pathlib import Path
 
 from zlib_ng import zlib_ng
 
-from megatron_bridge.bridge.mapping import Shapes, Shard, out_shape
+from megatron_bridge.bridge.shards import Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.strided import FORMATS, Gather, Mem, Scatter, matrix, strided_copy
 from megatron_bridge.convert.formats import fp8

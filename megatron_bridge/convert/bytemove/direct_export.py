@@ -28,7 +28,7 @@ from math import prod
 from pathlib import Path
 
 from megatron_bridge.bridge.loader import shard_for
-from megatron_bridge.bridge.mapping import FULL, Block, Shape, Shapes, Shard, out_shape
+from megatron_bridge.bridge.shards import FULL, Block, Shape, Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove import direct
 from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleave, Piece, Span

@@ -252,7 +252,7 @@ class LazySlice:
     """One tensor of a safetensors file, read when sliced: `.shape`, `.dtype` (torch's) and
     `[a:b]` / `[a:b, c:d]` that read only rows a..b, so a rank loading its shard reads just
     its part of the file. A column range reads its rows whole (one positioned read) and
-    keeps a contiguous copy of the columns. What `bridge.mapping.assemble` slices."""
+    keeps a contiguous copy of the columns. What `bridge.shards.assemble` slices."""
 
     def __init__(self, info: TensorInfo, reader: PositionedReader):
         self.info, self._reader = info, reader

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, shard_for, shard_of
-from megatron_bridge.bridge.mapping import FULL
+from megatron_bridge.bridge.shards import FULL
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.direct import DirectCopy

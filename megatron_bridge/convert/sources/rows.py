@@ -27,7 +27,8 @@ from typing import Any
 
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords, resolve_checkpoint, shard_for, table_for
-from megatron_bridge.bridge.mapping import FULL, NotBlockwise, out_shape
+from megatron_bridge.bridge.mapping import NotBlockwise
+from megatron_bridge.bridge.shards import FULL, out_shape
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError

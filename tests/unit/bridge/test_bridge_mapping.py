@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_bridge.bridge.layout import Layout, dist_ckpt_key, local_experts, renumber, to_local_name
-from megatron_bridge.bridge.mapping import COLUMN, FULL, GATE_UP, QKV, REPLICATED, ROW, VOCAB, Shapes, Shard
+from megatron_bridge.bridge.mapping import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB
+from megatron_bridge.bridge.shards import FULL, Shapes, Shard
 from megatron_bridge.bridge.table import Mapping, resolve_hf, resolve_megatron
 
 

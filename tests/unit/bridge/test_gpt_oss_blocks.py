@@ -1,5 +1,5 @@
 """GPT-OSS building blocks against transformers' own functions: the stacked / transposed /
-interleaved expert tensors (mapping.ExpertsStacked), learned attention sinks in our core
+interleaved expert tensors (stacked.ExpertsStacked), learned attention sinks in our core
 attention (vs `eager_attention_forward` of modeling_gpt_oss), the clamped SwiGLU config
 (vs `GptOssExperts._apply_gate`), and the refusals that go with them."""
 
@@ -12,7 +12,9 @@ import torch
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
 from megatron_bridge.bridge.hf_config import spec_from_hf
-from megatron_bridge.bridge.mapping import GATE_UP, REPLICATED, ROW, Block, ExpertsStacked, Shapes, Shard
+from megatron_bridge.bridge.mapping import GATE_UP, REPLICATED, ROW
+from megatron_bridge.bridge.shards import Block, Shapes, Shard
+from megatron_bridge.bridge.stacked import ExpertsStacked
 from megatron_bridge.errors import UserError
 
 SHAPES = Shapes(4, 2, 8, 250, 256)

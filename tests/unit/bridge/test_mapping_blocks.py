@@ -15,21 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_bridge.bridge.mapping import (
-    COLUMN,
-    FULL,
-    GATE_UP,
-    QKV,
-    REPLICATED,
-    ROW,
-    STACKED_GATE_UP,
-    STACKED_QKV,
-    VOCAB,
-    Block,
-    Shapes,
-    Shard,
-    out_shape,
-)
+from megatron_bridge.bridge.mapping import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB
+from megatron_bridge.bridge.shards import FULL, Block, Shapes, Shard, out_shape
+from megatron_bridge.bridge.stacked import STACKED_GATE_UP, STACKED_QKV
 
 SHAPES = Shapes(num_attention_heads=8, num_query_groups=2, head_dim=4, vocab_size=10, padded_vocab_size=16)
 MQA = Shapes(num_attention_heads=8, num_query_groups=1, head_dim=4, vocab_size=10, padded_vocab_size=16)
@@ -204,7 +192,8 @@ def spy(name, *args, **kw):
     return real(name, *args, **kw)
 
 builtins.__import__ = spy
-import megatron_bridge.bridge.mapping, megatron_bridge.bridge.table, megatron_bridge.bridge.loader
+import megatron_bridge.bridge.shards, megatron_bridge.bridge.mapping, megatron_bridge.bridge.stacked
+import megatron_bridge.bridge.table, megatron_bridge.bridge.loader
 import megatron_bridge.bridge.hf_config
 import megatron_bridge.bridge.registry, megatron_bridge.bridge.layout, megatron_bridge.convert.sources.rows
 megatron_bridge.bridge.registry.families()

@@ -101,7 +101,8 @@ def test_user_space_fallback(tiny, tmp_path, monkeypatch):
 
 def test_pieces_of_blocks():
     """Row ranges become one contiguous span, column bands a strided band, padding zeros."""
-    from megatron_bridge.bridge.mapping import COLUMN, ROW, VOCAB, Shapes, Shard
+    from megatron_bridge.bridge.mapping import COLUMN, ROW, VOCAB
+    from megatron_bridge.bridge.shards import Shapes, Shard
     from megatron_bridge.convert.formats.dtypes import BFLOAT16
     from megatron_bridge.convert.formats.safetensors_io import TensorInfo
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_bridge.bridge.mapping import GATE_UP, REPLICATED, ROW, ExpertsStacked, Shapes, Shard
+from megatron_bridge.bridge.mapping import GATE_UP, REPLICATED, ROW
+from megatron_bridge.bridge.shards import Shapes, Shard
+from megatron_bridge.bridge.stacked import ExpertsStacked
 from megatron_bridge.convert.bytemove import direct, direct_export, strided
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo

@@ -16,8 +16,8 @@ import torch
 
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.bridge.lora import Target, resolve_targets
-from megatron_bridge.bridge.mapping import Shapes, Shard
 from megatron_bridge.bridge.registry import get_family
+from megatron_bridge.bridge.shards import Shapes, Shard
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import PeftConfig
