@@ -4,7 +4,7 @@
 
 One expert of GPT-OSS-120B: `gate_up_proj` slab [hidden, 2·inter] bf16 stored transposed
 with gate/up interleaved, `down_proj` slab [inter, hidden]. Times, per expert, the convert
-direction (`Copier.write` of `ExpertsStacked.blocks` as `direct.Gather` pieces: read the
+direction (`Copier.write` of `ExpertsStacked.blocks` as `strided.Gather` pieces: read the
 slab, strided-gather the megatron fc1 = [gate; up] / fc2 rows, write) and the export
 direction (`strided.Scatter`: read the record, scatter back, write), on files in /dev/shm
 (tmpfs: the page cache, no disk), and checks that export gives the slab back bit for bit.
@@ -22,7 +22,9 @@ from pathlib import Path
 from megatron_bridge.bridge.mapping import GATE_UP, ROW
 from megatron_bridge.bridge.shards import FULL, Shapes
 from megatron_bridge.bridge.stacked import ExpertsStacked
-from megatron_bridge.convert.bytemove import direct, strided
+from megatron_bridge.convert.bytemove import strided
+from megatron_bridge.convert.bytemove.copier import Copier
+from megatron_bridge.convert.bytemove.pieces import pieces
 from megatron_bridge.convert.formats.dtypes import BFLOAT16
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
 
@@ -35,13 +37,13 @@ def bench(name: str, t: ExpertsStacked, slab: tuple[int, int], root: Path, repea
     src.write_bytes(os.urandom(nbytes))
     info = TensorInfo(name, BFLOAT16, (1, *slab), src, 0, nbytes)
     blocks = t.blocks([info.shape], FULL, SHAPES)
-    copier = direct.Copier()
+    copier = Copier()
     fd = os.open(rec, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
     best = float("inf")
     for _ in range(repeats):
         copier._held = None  # read the slab again each time (from the page cache)
         t0 = time.perf_counter()
-        copier.write(direct.pieces(blocks, [info]), fd, 0)
+        copier.write(pieces(blocks, [info]), fd, 0)
         best = min(best, time.perf_counter() - t0)
     os.close(fd)
     print(f"{name} {list(slab)} bf16 convert (gather): {best * 1e3:7.1f} ms  {nbytes / best / 1e6:7.0f} MB/s")

@@ -31,7 +31,9 @@ from megatron_bridge.bridge.loader import shard_for
 from megatron_bridge.bridge.shards import FULL, Block, Shape, Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove import direct
-from megatron_bridge.convert.bytemove.direct import Checksums, Copier, Interleave, Piece, Span
+from megatron_bridge.convert.bytemove.checksums import Checksums
+from megatron_bridge.convert.bytemove.copier import Copier
+from megatron_bridge.convert.bytemove.pieces import Interleave, Piece, Span
 from megatron_bridge.convert.bytemove.strided import Scatter, matrix
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo

@@ -6,7 +6,7 @@ byte copier reads the slab once into a reused buffer and gathers those rows (`Ga
 export scatters the records back into the slab (`Scatter`). Both go through
 `strided_copy`: stdlib `memoryview` element views, one C-speed strided slice per row, so
 memory is about two expert tensors and the speed up to ~260 MB/s on this 2-core box
-(docs/benchmarks.md, "Stacked experts"). `direct.Copier` runs them.
+(docs/benchmarks.md, "Stacked experts"). `copier.Copier` runs them.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ hits memory). Not a durability promise (that is `fsync`); where the call is miss
 (non-Linux) nothing happens.
 
 Only for the tensor path, whose CPU work leaves the disk idle. The byte-move path
-(`bytemove/direct.py`) keeps the disk busy itself; there the kicks stalled its copies for longer
+(`bytemove/`) keeps the disk busy itself; there the kicks stalled its copies for longer
 than they saved at the final `sync` (docs/benchmarks.md, "Conversion"), so it passes
 `enabled=False`.
 """

@@ -1,4 +1,4 @@
-"""The byte-move conversion (`convert/bytemove/direct.py`) against the tensor path it replaces.
+"""The byte-move conversion (`convert/bytemove/`) against the tensor path it replaces.
 
 `mbr convert` from an HF directory without a dtype cast lays shards out straight from the
 safetensors bytes (copy_file_range, gathered writes, zero rows). The tensor path (read,
@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from megatron_bridge.cli import main as mbr
-from megatron_bridge.convert.bytemove import direct
+from megatron_bridge.convert.bytemove import copier, direct
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
+from megatron_bridge.convert.bytemove.pieces import Band, Span, Zeros, pieces
 from megatron_bridge.convert.sources.readers import open_checkpoint
 
 CASES = [
@@ -91,7 +92,7 @@ def test_user_space_fallback(tiny, tmp_path, monkeypatch):
     def refuse(*_):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(direct.os, "copy_file_range", refuse)
+    monkeypatch.setattr(copier.os, "copy_file_range", refuse)
     args = ["format=torch", "parallel.tp=2", "parallel.pp=2"]
     convert(tiny["llama"], tmp_path / "fallback", args, monkeypatch, True)
     monkeypatch.undo()
@@ -108,11 +109,11 @@ def test_pieces_of_blocks():
 
     w = TensorInfo("w", BFLOAT16, (8, 6), Path("f"), 100, 100 + 8 * 6 * 2)
     shapes = Shapes(num_attention_heads=2, num_query_groups=1, head_dim=3, vocab_size=8, padded_vocab_size=12)
-    assert direct.pieces(COLUMN.blocks([w.shape], Shard(1, 2), shapes), [w]) == [direct.Span(Path("f"), 148, 48)]
-    assert direct.pieces(ROW.blocks([w.shape], Shard(1, 2), shapes), [w]) == [direct.Band(Path("f"), 100, 8, 12, 6, 12)]
-    assert direct.pieces(VOCAB.blocks([w.shape], Shard(1, 2), shapes), [w]) == [
-        direct.Span(Path("f"), 172, 24),
-        direct.Zeros(48),
+    assert pieces(COLUMN.blocks([w.shape], Shard(1, 2), shapes), [w]) == [Span(Path("f"), 148, 48)]
+    assert pieces(ROW.blocks([w.shape], Shard(1, 2), shapes), [w]) == [Band(Path("f"), 100, 8, 12, 6, 12)]
+    assert pieces(VOCAB.blocks([w.shape], Shard(1, 2), shapes), [w]) == [
+        Span(Path("f"), 172, 24),
+        Zeros(48),
     ]
 
 

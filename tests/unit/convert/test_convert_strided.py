@@ -2,7 +2,7 @@
 
 `ExpertsStacked.blocks` describes one expert's megatron shard as transposed and/or
 stepped views of the expert's slab; the byte copier gathers them with stdlib strided
-slices (`direct.Gather`) and export scatters them back (`strided.Scatter`). Both are
+slices (`strided.Gather`) and export scatters them back (`strided.Scatter`). Both are
 compared here with `ExpertsStacked.shard` / the slab itself, for every kind, every
 expert-TP split the transforms allow, and 1-, 2- and 4-byte elements.
 """
@@ -19,7 +19,9 @@ import torch
 from megatron_bridge.bridge.mapping import GATE_UP, REPLICATED, ROW
 from megatron_bridge.bridge.shards import Shapes, Shard
 from megatron_bridge.bridge.stacked import ExpertsStacked
-from megatron_bridge.convert.bytemove import direct, direct_export, strided
+from megatron_bridge.convert.bytemove import direct_export, strided
+from megatron_bridge.convert.bytemove.copier import Copier
+from megatron_bridge.convert.bytemove.pieces import pieces
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
 
@@ -50,7 +52,7 @@ def test_gather_is_the_shard_and_scatter_gives_the_slab_back(tmp_path, kind, sha
     src = tmp_path / "src.bin"
     _write(src, b"\0" * 7 + _bytes(w))  # an odd offset, as in a safetensors file
     slab_bytes = w[0].numel() * dtype.itemsize
-    copier = direct.Copier()
+    copier = Copier()
     for e in range(E):
         info = TensorInfo("w", dtype, (1, *shape[1:]), src, 7 + e * slab_bytes, 7 + (e + 1) * slab_bytes)
         records = []
@@ -60,7 +62,7 @@ def test_gather_is_the_shard_and_scatter_gives_the_slab_back(tmp_path, kind, sha
             out = tmp_path / f"shard{r}.bin"
             fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
             try:
-                assert copier.write(direct.pieces(blocks, [info]), fd, 3) == want.numel() * dtype.itemsize
+                assert copier.write(pieces(blocks, [info]), fd, 3) == want.numel() * dtype.itemsize
             finally:
                 os.close(fd)
             assert out.read_bytes()[3:] == _bytes(want), (e, r)

@@ -1,0 +1,67 @@
+"""CRC-32 of source tensors on a second thread: the manifest's end-to-end check of a byte move.
+
+Every source tensor is still read once for its CRC-32, on a worker thread that trails the
+copies (`Checksums.add` after a tensor's pieces are written), so it reads from the page
+cache and runs on the other core. Kept apart from the copier: the copies never wait on it,
+and export (direct_export.py) checks its output the same way.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from zlib_ng import zlib_ng
+
+from megatron_bridge.convert.formats.manifest import crc_hex
+from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
+
+CRC_CHUNK = 8 * 2**20
+
+
+class Checksums:
+    """CRC-32 of source tensors on a worker thread, in the order they are handed in (after
+    their copies: from the page cache, on the other core). `result()` waits for all."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self._q: queue.Queue[TensorInfo | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._t = threading.Thread(target=self._work, name="mbr-crc", daemon=True)
+        self._t.start()
+
+    def add(self, info: TensorInfo) -> None:
+        if info.name not in self.values:
+            self.values[info.name] = ""  # queued
+            self._q.put(info)
+
+    def _work(self) -> None:
+        buf, files = bytearray(CRC_CHUNK), OpenFiles()
+        try:
+            while (info := self._q.get()) is not None:
+                crc = 0
+                for pos in range(info.start, info.end, CRC_CHUNK):
+                    view = memoryview(buf)[: min(CRC_CHUNK, info.end - pos)]
+                    read_exactly(files(info.file), view, pos, info.file)
+                    crc = zlib_ng.crc32(view, crc)
+                self.values[info.name] = crc_hex(crc)
+        except BaseException as e:  # re-raised by result()
+            self._error = e
+            while self._q.get() is not None:
+                pass
+        finally:
+            files.close()
+
+    def result(self) -> dict[str, str]:
+        self._q.put(None)
+        self._t.join()
+        if self._error is not None:
+            raise self._error
+        return self.values
+
+    def abandon(self) -> None:
+        self._q.put(None)
+        self._t.join()
+
+
+__all__ = ["CRC_CHUNK", "Checksums"]
