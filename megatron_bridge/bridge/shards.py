@@ -9,9 +9,9 @@
     split_range, joined the arithmetic every transform shares: an even split, maximal blocks
 
 A transform (mapping.py, stacked.py) turns HF shapes and a `Shard` into `Block`s; the online
-loader `assemble`s them, the offline converter copies the same ranges as bytes
-(convert/bytemove/) and never needs the transforms' torch `merge`. Kept apart from the
-transforms so the byte movers and the tables read the block vocabulary without them.
+loader `assemble`s them (torch is imported there only), the offline converter copies the
+same ranges as bytes (convert/bytemove/). Kept apart from the transforms so the byte movers,
+the spec and the tables speak the block vocabulary without depending on the transforms.
 """
 
 from __future__ import annotations
