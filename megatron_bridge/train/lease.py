@@ -41,12 +41,21 @@ LOCK = "mbr_lease.lock"
 JOB_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
 
 
-def _proc_start(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (Linux /proc), None where unknown."""
+def _proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first); [] where unknown."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _proc_start(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (Linux /proc), None where unknown."""
+    fields = _proc_stat(pid)
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -114,6 +123,8 @@ class Holder:
             return f"pid {self.pid} is gone"
         except PermissionError:
             pass  # exists, owned by another user
+        if _proc_stat(self.pid)[:1] in (["Z"], ["X"]):  # killed, not yet reaped: signal 0 still reaches it
+            return f"pid {self.pid} is gone (exited, not yet reaped)"
         start = _proc_start(self.pid)
         if self.pid_start is not None and start is not None and start != self.pid_start:
             return f"pid {self.pid} now belongs to another process"

@@ -87,6 +87,22 @@ def test_dead_holder_is_taken_over(tmp_path, sleeper, capsys):
     assert json.loads((d / L.LEASE).read_text())["pid"] == os.getpid()
 
 
+def test_killed_but_unreaped_holder_is_gone(tmp_path, sleeper, capsys):
+    """A holder killed -9 whose parent has not reaped it yet (a zombie) still answers signal 0:
+    it is gone all the same (the crash suite's resume raced one)."""
+    d = tmp_path / "ck"
+    plant(d, pid=sleeper.pid, pid_start=L._proc_start(sleeper.pid))
+    sleeper.kill()
+    for _ in range(200):  # until the kernel shows it as a zombie (we do not wait() for it)
+        if L._proc_stat(sleeper.pid)[:1] == ["Z"]:
+            break
+        time.sleep(0.01)
+    os.kill(sleeper.pid, 0)  # still "exists"
+    L.acquire(cfg(d))
+    assert f"pid {sleeper.pid} is gone (exited, not yet reaped)" in capsys.readouterr().out
+    sleeper.wait()
+
+
 def test_reused_pid_is_not_the_holder(tmp_path, sleeper, capsys):
     d = tmp_path / "ck"
     plant(d, pid=sleeper.pid, pid_start=L._proc_start(sleeper.pid) - 1)  # an older process had that pid
