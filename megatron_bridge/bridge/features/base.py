@@ -16,9 +16,10 @@ every feature in order and never branches on a family.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any, ClassVar
+
+from megatron_bridge.ordered_registry import OrderedRegistry
 
 # modules under bridge/features that register features, in the order their hooks run
 FEATURE_MODULES = (
@@ -32,9 +33,6 @@ FEATURE_MODULES = (
     "bias",
     "glu",
 )
-
-_FEATURES: list[type[Feature]] = []
-_LOADED = False
 
 
 class Feature:
@@ -51,24 +49,11 @@ class Feature:
         """Write this feature's settings into a config.json dict."""
 
 
-def register_feature(cls: type[Feature]) -> type[Feature]:
-    if not cls.name:
-        raise TypeError(f"{cls.__name__}: a feature needs a name")
-    if cls not in _FEATURES:
-        _FEATURES.append(cls)
-    return cls
-
-
-def features() -> list[type[Feature]]:
-    """Every feature, in `FEATURE_MODULES` order."""
-    global _LOADED
-    if not _LOADED:  # not `if not _FEATURES`: importing one feature module directly registers it alone
-        for mod in FEATURE_MODULES:
-            importlib.import_module(f"megatron_bridge.bridge.features.{mod}")
-        order = {m: i for i, m in enumerate(FEATURE_MODULES)}
-        _FEATURES.sort(key=lambda c: order[c.__module__.rsplit(".", 1)[-1]])
-        _LOADED = True
-    return list(_FEATURES)
+_REGISTRY: OrderedRegistry[type[Feature]] = OrderedRegistry(
+    "megatron_bridge.bridge.features", FEATURE_MODULES, "feature"
+)
+register_feature = _REGISTRY.register
+features = _REGISTRY.all  # every feature, in `FEATURE_MODULES` order
 
 
 __all__ = ["Feature", "register_feature", "features", "FEATURE_MODULES"]

@@ -18,8 +18,9 @@ branches on a family.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, ClassVar
+
+from megatron_bridge.ordered_registry import OrderedRegistry
 
 # modules under runtime/blocks that register blocks, in the order their hooks run
 BLOCK_MODULES = (
@@ -36,9 +37,6 @@ BLOCK_MODULES = (
     "glu",
     "expert_grads",
 )
-
-_BLOCKS: list[type[Block]] = []
-_LOADED = False
 
 
 class Block:
@@ -63,24 +61,9 @@ class Block:
         """Adjust one built GPTModel chunk (pre_process/post_process tell which ends it has)."""
 
 
-def register_block(cls: type[Block]) -> type[Block]:
-    if not cls.name:
-        raise TypeError(f"{cls.__name__}: a block needs a name")
-    if cls not in _BLOCKS:
-        _BLOCKS.append(cls)
-    return cls
-
-
-def blocks() -> list[type[Block]]:
-    """Every block, in `BLOCK_MODULES` order."""
-    global _LOADED
-    if not _LOADED:  # not `if not _BLOCKS`: importing one block module directly registers it alone
-        for mod in BLOCK_MODULES:
-            importlib.import_module(f"megatron_bridge.runtime.blocks.{mod}")
-        order = {m: i for i, m in enumerate(BLOCK_MODULES)}
-        _BLOCKS.sort(key=lambda c: order[c.__module__.rsplit(".", 1)[-1]])
-        _LOADED = True
-    return list(_BLOCKS)
+_REGISTRY: OrderedRegistry[type[Block]] = OrderedRegistry("megatron_bridge.runtime.blocks", BLOCK_MODULES, "block")
+register_block = _REGISTRY.register
+blocks = _REGISTRY.all  # every block, in `BLOCK_MODULES` order
 
 
 __all__ = ["Block", "register_block", "blocks", "BLOCK_MODULES"]
