@@ -100,13 +100,52 @@ def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def checkpoint_names(model: Any, names: list[str]) -> dict[str, str]:
+    """{module tensor name: its name in a checkpoint} — what `save_pretrained` writes, by
+    transformers' own conversion mapping run in the saving direction (GPT-NeoX's `lm_head` is
+    saved as `embed_out`). A tensor a converter (not a rename) would rewrite is refused."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+        apply_converters,
+        apply_renamings,
+    )
+
+    conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    saving = [c.reverse_transform() for c in conversions[::-1]]
+    renamings = [c for c in saving if isinstance(c, WeightRenaming)]
+    converters = [c for c in saving if isinstance(c, WeightConverter)]
+    converted = [n for n in names if apply_converters(n, converters)[1] is not None]
+    if converted:
+        raise UnsupportedFeatures(
+            f"{type(model).__name__}: transformers converts {', '.join(converted[:4])} between the checkpoint and "
+            "the model (not a rename), which the hf backend does not do yet"
+        )
+    return {n: apply_renamings(n, renamings) for n in names}
+
+
 @dataclass(frozen=True)
 class Meta:
-    """What the meta-device model says about `spec`: its plan and every checkpoint tensor."""
+    """What the meta-device model says about `spec`: its plan and every checkpoint tensor
+    (shape, TP kind, name in a checkpoint)."""
 
     plan: Plan
     shapes: dict[str, tuple[int, ...]]
     kinds: dict[str, str]
+    saved_as: dict[str, str]
+
+    def hf_template(self, name: str) -> str:
+        """The checkpoint name of module tensor `name` with `{layer}` where its layer index is
+        (the concrete name when a rename moved the index)."""
+        saved = self.saved_as[name]
+        i = self.plan.layer_index(name)
+        if i is None:
+            return saved
+        mine = f"{self.plan.layers}.{i}."
+        return saved.replace(mine, f"{self.plan.layers}.{{layer}}.", 1) if saved.startswith(mine) else saved
 
     def numel(self, name: str) -> int:
         n = 1
@@ -127,7 +166,7 @@ def meta(spec: BridgeSpec) -> Meta:
     plan = model_plan(model)
     shapes = checkpoint_shapes(model)
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
-    return Meta(plan, shapes, kinds)
+    return Meta(plan, shapes, kinds, checkpoint_names(model, list(shapes)))
 
 
 def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
@@ -202,16 +241,17 @@ class HFBackend(Backend):
         )
 
     def table(self, spec: BridgeSpec) -> tuple[Row, ...]:
-        """One row per checkpoint tensor (layer index as `{layer}`), named as transformers names
-        it on both sides; a tied LM head reads the embedding (and is not written back)."""
+        """One row per checkpoint tensor (layer index as `{layer}`): the chunk's name (the
+        module's) <- the checkpoint's (`checkpoint_names`); a tied LM head reads the embedding
+        (and is not written back)."""
         m = meta(spec)
         rows: dict[str, Row] = {}
         for name, kind in m.kinds.items():
             t = m.plan.template(name)
-            rows.setdefault(t, Row(t, t, TRANSFORMS[kind]))
-        head = f"{m.plan.head}.weight"
+            rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], TRANSFORMS[kind]))
+        head, embed = f"{m.plan.head}.weight", f"{m.plan.embed}.weight"
         if spec.tie_word_embeddings and head not in m.shapes:
-            rows[head] = Row(head, f"{m.plan.embed}.weight", VOCAB_T, export=False)
+            rows[head] = Row(head, m.saved_as[embed], VOCAB_T, export=False)
         return tuple(rows.values())
 
     def count(self, spec: BridgeSpec) -> ParamCount:
@@ -251,4 +291,13 @@ class HFBackend(Backend):
         return out
 
 
-__all__ = ["HFBackend", "Meta", "checkpoint_shapes", "config_object", "meta", "model_plan", "transformers_config"]
+__all__ = [
+    "HFBackend",
+    "Meta",
+    "checkpoint_names",
+    "checkpoint_shapes",
+    "config_object",
+    "meta",
+    "model_plan",
+    "transformers_config",
+]
