@@ -56,7 +56,8 @@ def describe(
             raise _refused(
                 "hf-model",
                 f"{arg}={path}: {e}",
-                "use a model whose features the bridge reproduces (`mbr verify --list`, docs/bridge.md)",
+                "use a model whose features its backend reproduces, or the other backend (model.backend=native|hf; "
+                "`mbr verify --list`, docs/bridge.md)",
             ) from None
         return dataclasses.replace(spec, source=None if path is None else str(path))
     if choice == "hf":

@@ -77,6 +77,15 @@ def config_object(hf: Mapping[str, Any]) -> Any:
     return CONFIG_MAPPING[hf["model_type"]].from_dict(dict(hf))
 
 
+def declared(cfg: Any) -> dict[str, Any]:
+    """The config's values for the fields its class declares (defaults filled in): a key the
+    class does not know (`num_key_value_heads` in a GPT-NeoX config.json) is kept by
+    transformers but used by nothing, so it must not describe the model."""
+    cls = type(cfg)
+    known = set(getattr(cls, "attribute_map", {}) or {})
+    return {k: v for k, v in cfg.to_dict().items() if hasattr(cls, k) or k in known}
+
+
 def transformers_config(spec: BridgeSpec) -> Any:
     """The config object the hf backend builds `spec` from."""
     return config_object(json.loads(spec.hf_json))
@@ -172,7 +181,7 @@ def meta(spec: BridgeSpec) -> Meta:
 def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
     mt = cfg.model_type
     out = plan_problems(mt, cfg.base_model_tp_plan, cfg.base_model_pp_plan)
-    experts = base_fields(cfg.to_dict()).get("num_moe_experts")
+    experts = base_fields(declared(cfg)).get("num_moe_experts")
     if experts:
         out.append(
             f"mixture-of-experts layers ({experts} experts): expert parallelism for the hf backend is later work"
@@ -208,7 +217,7 @@ class HFBackend(Backend):
             raise UnsupportedFeatures(
                 f"{arch} cannot run on the hf backend yet:\n" + "\n".join(f"  - {p}" for p in problems)
             )
-        base = base_fields(cfg.to_dict())
+        base = base_fields(declared(cfg))
         missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") if not base.get(k)]
         if missing:
             raise UnsupportedFeatures(f"{arch}: config.json lacks {', '.join(missing)}")

@@ -35,15 +35,28 @@ def _tiny_configs() -> dict[str, tuple[str, dict[str, Any]]]:
 
 TINY: dict[str, tuple[str, dict[str, Any]]] = _tiny_configs()
 
-# Architectures with no native family, which the hf backend runs with transformers' own
-# modeling code (docs/bridge.md, "The hf backend"): config class + overrides of COMMON, each
-# with what is distinctive about it on. Sliding windows are shorter than the test sequences.
+# The hf backend's sample architectures (transformers' own modeling code, docs/bridge.md "The
+# hf backend"): config class + overrides of COMMON, each with what is distinctive about it on;
+# sliding windows are shorter than the test sequences. All but qwen3_swa have no native family
+# (`auto` runs them on hf); qwen3_swa (and any native family's TINY model) runs on hf with
+# `model.backend=hf`.
 HF_TINY: dict[str, tuple[str, dict[str, Any]]] = {
     # per-head qk LayerNorm ([heads, head_dim], split by head), logit scale, parallel
     # attention+MLP block, tied embeddings, padding_idx 0
-    "cohere": ("CohereConfig", dict(use_qk_norm=True, logit_scale=0.25, tie_word_embeddings=True, pad_token_id=0)),
-    # q/k norm replicated_with_grad_allreduce, explicit head_dim, sliding layers from layer 2
-    "qwen3": ("Qwen3Config", dict(head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=2)),
+    "cohere": (
+        "CohereConfig",
+        dict(
+            use_qk_norm=True,
+            logit_scale=0.25,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
+    # Qwen3 on the hf backend: q/k norm replicated_with_grad_allreduce, explicit head_dim,
+    # sliding layers from layer 2 (masks by global layer index)
+    "qwen3_swa": ("Qwen3Config", dict(head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=2)),
     # fused per-head query_key_value, parallel residual, partial rotary, biases, LayerNorm
     "gpt_neox": (
         "GPTNeoXConfig",

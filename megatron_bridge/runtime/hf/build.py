@@ -127,6 +127,7 @@ class Stage:
         self.spec, self.full, self.plan, self.kinds = spec, full, plan, kinds
         self.tconfig, self.device, self.load_weights = tconfig, device, load_weights
         self.tp = tconfig.tensor_model_parallel_size
+        self.tp_group = ps.get_tensor_model_parallel_group()
         self.init = init_method_normal(spec.initializer_range)
 
     def chunk(self, layers: range, pre: bool, post: bool) -> HFChunk:
@@ -174,6 +175,7 @@ class Stage:
                 init_method=self.init,
                 config=self.tconfig,
                 padding_idx=emb.padding_idx,
+                tp_group=self.tp_group,
             )
 
     def _head(self, head: Any, tied_here: bool) -> LMHead:
@@ -188,6 +190,7 @@ class Stage:
                 bias=head.bias is not None,
                 gather_output=False,
                 skip_weight_param_allocation=tied_here,
+                tp_group=self.tp_group,
             )
 
     def _rotary(self) -> tuple[str, torch.nn.Module] | None:
@@ -233,7 +236,7 @@ class Stage:
     def _linear(self, path: str, lin: Any, style: str) -> torch.nn.Module:
         if type(lin) is not torch.nn.Linear:
             raise UserError(f"tp plan entry {path} ({style}) is a {type(lin).__name__}, not nn.Linear")
-        common = dict(config=self.tconfig, init_method=self.init, bias=lin.bias is not None)
+        common = dict(config=self.tconfig, init_method=self.init, bias=lin.bias is not None, tp_group=self.tp_group)
         with skip_weight_init(self.load_weights):
             if style in COLUMN_STYLES:
                 return ColumnLinear(
