@@ -92,17 +92,20 @@ def describe_hf(hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int = 12
     chosen = backend_for(hf) if backend == "auto" else BACKENDS[backend]
     if chosen is None or not chosen.handles(hf):
         raise UnsupportedFeatures(_unhandled(hf, backend))
+    try:
+        spec = chosen.describe(hf, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except UnsupportedFeatures as e:
+        if chosen is native and _hf_runs(hf):
+            raise UnsupportedFeatures(f"{e}\n  model.backend=hf runs it with transformers' own modeling code") from None
+        if backend == "auto" and chosen is not native:
+            raise UnsupportedFeatures(f"{_arch(hf)} has no native family, and {e}") from None
+        raise
     if backend == "auto" and chosen is not native:
         _note_once(
             f"note: {_arch(hf)} has no native family; using the {chosen.name} backend "
             "(transformers' own modeling code under megatron's parallel layers; docs/bridge.md)"
         )
-    try:
-        return chosen.describe(hf, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
-    except UnsupportedFeatures as e:
-        if chosen is native and _hf_runs(hf):
-            raise UnsupportedFeatures(f"{e}\n  model.backend=hf runs it with transformers' own modeling code") from None
-        raise
+    return spec
 
 
 def _arch(hf: Mapping[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """The hf backend's runtime half in one process (tp1, gloo): transformers' modules under
 megatron's layers give transformers' logits, loss and every gradient, the export is bit-exact,
-and a stage holds only its pieces. TP and PP run in tests/dist/test_hf_backend.py."""
+and a stage holds only its pieces. TP and PP run in tests/dist/test_hf_backend_parity.py."""
 
 from __future__ import annotations
 
