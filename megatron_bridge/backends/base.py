@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from megatron_bridge.bridge.registry import FamilyBridge
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
 from megatron_bridge.plan.params import ParamCount
@@ -45,6 +46,16 @@ class Backend(ABC):
     @abstractmethod
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         """The config.json of `spec` (export of a model that has no HF source directory)."""
+
+    def family_of(self, spec: BridgeSpec) -> type[FamilyBridge] | None:
+        """The native family declarations the model rules check (its fixed architecture, HF
+        weights, LoRA targets); None for a model described without one."""
+        return None
+
+    def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
+        """(what this backend cannot build under `layout`, the fix), one per limit: the
+        `backend-layout` rule refuses them before any process group."""
+        return []
 
 
 __all__ = ["Backend"]

@@ -10,12 +10,16 @@ directory (`mbr convert src=`, `mbr verify`) passes it as `hf_path=` (and, when 
 read config.json for its own checks, the parsed dict as `hf=`).
 
 A config the backend cannot reproduce, or a family no backend knows, is refused here as the
-violation of a named rule (`hf-model`, `model-family`, `hidden-heads`), like every other rule.
+violation of a named rule (`hf-model`, `model-family`, `hidden-heads`, `model-backend`), like
+every other rule. `model.backend` (auto | native | hf) picks the backend; `auto` takes the
+native family where one exists, else transformers' own modeling code (`hf`), and says so once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ from megatron_bridge.backends.registry import BACKENDS, backend_for
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, read_hf_config
 from megatron_bridge.bridge.registry import families
 from megatron_bridge.bridge.spec import BridgeSpec
-from megatron_bridge.errors import LayoutError
+from megatron_bridge.errors import LayoutError, UserError
 from megatron_bridge.parallel.rules.base import Violation
 
 
@@ -36,19 +40,32 @@ def describe(
     arg: str = "model.hf_path",
 ) -> BridgeSpec:
     """The description of `model` (a composed `ModelConfig`), or of the HF model `hf_path`
-    (`arg` is how the command line names it) when the command's input is one."""
+    (`arg` is how the command line names it) when the command's input is one. `model.backend`
+    picks the backend (`auto`: the native family where one exists, else `hf`)."""
+    choice = getattr(model, "backend", "auto")
+    if choice not in ("auto", *BACKENDS):
+        raise _refused(
+            "model-backend", f"model.backend={choice!r} is not a backend", f"use one of auto, {', '.join(BACKENDS)}"
+        )
     path = hf_path if hf_path is not None else model.hf_path
     if path is not None or hf is not None:
         config = hf if hf is not None else read_hf_config(path, arg=arg)
         try:
-            spec = describe_hf(config, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by)
+            spec = describe_hf(config, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, backend=choice)
         except UnsupportedFeatures as e:
             raise _refused(
                 "hf-model",
                 f"{arg}={path}: {e}",
-                "use a model whose features the bridge reproduces (`mbr verify --list`)",
+                "use a model whose features its backend reproduces, or the other backend (model.backend=native|hf; "
+                "`mbr verify --list`, docs/bridge.md)",
             ) from None
         return dataclasses.replace(spec, source=None if path is None else str(path))
+    if choice == "hf":
+        raise _refused(
+            "model-backend",
+            "model.backend=hf builds transformers' own model class from a config.json, and no model.hf_path is set",
+            "set model.hf_path=DIR (the recipe's model fields describe native families only)",
+        )
     known = {f.name for f in families()}
     if model.family not in known:
         raise _refused(
@@ -66,10 +83,75 @@ def describe(
     return dataclasses.replace(spec, name=model.name, described_from="model fields")
 
 
-def describe_hf(hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int = 128) -> BridgeSpec:
-    """The description of a parsed config.json, by the backend that handles it (a converted
-    checkpoint's manifest records one; export and reshard describe it with this)."""
-    return backend_for(hf).describe(hf, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+def describe_hf(hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int = 128, backend: str = "auto") -> BridgeSpec:
+    """The description of a parsed config.json by `backend` (`auto`: the first that handles it,
+    native before hf, said once on stderr when it is not native). A converted checkpoint's
+    manifest records one; export and reshard describe it with this. Raises
+    `UnsupportedFeatures` naming what is missing."""
+    native = BACKENDS["native"]
+    chosen = backend_for(hf) if backend == "auto" else BACKENDS[backend]
+    if chosen is None or not chosen.handles(hf):
+        raise UnsupportedFeatures(_unhandled(hf, backend))
+    try:
+        spec = chosen.describe(hf, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    except UnsupportedFeatures as e:
+        if chosen is native and _hf_runs(hf):
+            raise UnsupportedFeatures(f"{e}\n  model.backend=hf runs it with transformers' own modeling code") from None
+        if backend == "auto" and chosen is not native:
+            raise UnsupportedFeatures(f"{_arch(hf)} has no native family, and {e}") from None
+        raise
+    if backend == "auto" and chosen is not native:
+        _note_once(
+            f"note: {_arch(hf)} has no native family; using the {chosen.name} backend "
+            "(transformers' own modeling code under megatron's parallel layers; docs/bridge.md)"
+        )
+    return spec
+
+
+def _arch(hf: Mapping[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    return f"{archs[0] if archs else '(no architectures)'} (model_type {hf.get('model_type', '')!r})"
+
+
+def _hf_runs(hf: Mapping[str, Any]) -> bool:
+    b = BACKENDS["hf"]
+    try:
+        return b.handles(hf) and bool(b.describe(hf, make_vocab_size_divisible_by=1))
+    except UserError:
+        return False
+
+
+def _unhandled(hf: Mapping[str, Any], backend: str) -> str:
+    """Why no backend (or not the one asked for) describes `hf`, naming what is missing."""
+    lines = []
+    if backend in ("auto", "native"):
+        lines.append(
+            f"{_arch(hf)} has no native family: the native backend has no weight table or building blocks "
+            "for it (bridge/families/)"
+        )
+    hf_backend = BACKENDS["hf"]
+    if backend in ("auto", "hf") or hf_backend.handles(hf):
+        if not hf_backend.handles(hf):
+            lines.append(f"transformers has no causal-LM class for model_type {hf.get('model_type', '')!r}")
+        elif _hf_runs(hf):
+            lines.append("model.backend=hf runs it with transformers' own modeling code")
+        else:
+            try:
+                hf_backend.describe(hf, make_vocab_size_divisible_by=1)
+            except UserError as e:
+                lines.append(f"model.backend=hf cannot run it either: {e}")
+    return "\n  ".join(lines)
+
+
+_NOTED: set[str] = set()
+
+
+def _note_once(message: str) -> None:
+    """A note on stderr, once per process (rank 0 only under a launcher)."""
+    if message in _NOTED or os.environ.get("RANK", "0") != "0":
+        return
+    _NOTED.add(message)
+    print(message, file=sys.stderr, flush=True)
 
 
 def _refused(rule: str, detail: str, fix: str) -> LayoutError:

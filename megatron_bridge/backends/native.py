@@ -14,13 +14,13 @@ from typing import Any
 
 from megatron_bridge.backends.base import Backend
 from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
-from megatron_bridge.bridge.registry import families, get_family, weight_family
+from megatron_bridge.bridge.registry import FamilyBridge, families, get_family, weight_family
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
 from megatron_bridge.plan.params import ParamCount, count
 
 # model-group fields that are not architecture, or reach the spec resolved under another name
-NOT_SPEC_FIELDS = ("name", "hf_path", "kv_channels", "num_query_groups", "moe_ffn_hidden_size")
+NOT_SPEC_FIELDS = ("name", "hf_path", "backend", "kv_channels", "num_query_groups", "moe_ffn_hidden_size")
 
 
 class NativeBackend(Backend):
@@ -64,6 +64,9 @@ class NativeBackend(Backend):
 
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return spec_to_hf_config(spec)
+
+    def family_of(self, spec: BridgeSpec) -> type[FamilyBridge]:
+        return get_family(spec.family)
 
 
 __all__ = ["NativeBackend", "NOT_SPEC_FIELDS"]

@@ -6,11 +6,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from megatron_bridge.backends.base import Backend
+from megatron_bridge.backends.hf import HFBackend
 from megatron_bridge.backends.native import NativeBackend
 from megatron_bridge.bridge.spec import BridgeSpec
 
 # in the order `auto` tries them
-BACKENDS: dict[str, Backend] = {b.name: b for b in (NativeBackend(),)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (NativeBackend(), HFBackend())}
 
 
 def backend_of(spec: BridgeSpec) -> Backend:
@@ -18,10 +19,9 @@ def backend_of(spec: BridgeSpec) -> Backend:
     return BACKENDS[spec.backend]
 
 
-def backend_for(hf: Mapping[str, Any]) -> Backend:
-    """The first backend that handles this config.json (`auto`); the native one refuses an
-    architecture it does not know with its own message."""
-    return next((b for b in BACKENDS.values() if b.handles(hf)), BACKENDS["native"])
+def backend_for(hf: Mapping[str, Any]) -> Backend | None:
+    """The first backend that handles this config.json (what `auto` picks), None if none does."""
+    return next((b for b in BACKENDS.values() if b.handles(hf)), None)
 
 
 __all__ = ["BACKENDS", "backend_of", "backend_for"]

@@ -58,7 +58,7 @@ def read_hf_config(path: str | Path, *, arg: str = "model.hf_path") -> dict[str,
     return data
 
 
-def _base_fields(hf: TMapping[str, Any]) -> dict[str, Any]:
+def base_fields(hf: TMapping[str, Any]) -> dict[str, Any]:
     """The common fields by `HF_KEYS` (absent keys stay absent)."""
     out: dict[str, Any] = {}
     for field_name, keys in HF_KEYS.items():
@@ -97,7 +97,7 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
     unsupported feature."""
     family = family_for(hf)
     hf = family.complete_hf(hf)
-    base = _base_fields(hf)
+    base = base_fields(hf)
     problems: list[str] = []
     f: dict[str, Any] = {}
     f["family"] = family.name
@@ -210,4 +210,12 @@ def spec_to_hf_config(spec: BridgeSpec) -> dict[str, Any]:
     return cfg
 
 
-__all__ = ["HF_KEYS", "UnsupportedFeatures", "read_hf_config", "spec_from_hf", "spec_to_hf_config", "load_spec"]
+__all__ = [
+    "HF_KEYS",
+    "base_fields",
+    "UnsupportedFeatures",
+    "read_hf_config",
+    "spec_from_hf",
+    "spec_to_hf_config",
+    "load_spec",
+]

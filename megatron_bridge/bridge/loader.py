@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
-from megatron_bridge.bridge.hf_config import read_hf_config, spec_to_hf_config
+from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.layout import Layout, local_experts, to_local_name
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
@@ -170,7 +170,7 @@ def _write_config_and_assets(out: Path, spec: BridgeSpec, source_dir, hf_config,
     if hf_config is None and source_dir is not None:
         hf_config = read_hf_config(source_dir)
     if hf_config is None:
-        hf_config = spec_to_hf_config(spec)
+        hf_config = backend_of(spec).hf_config(spec)
     cfg = dict(hf_config)
     cfg.pop("quantization_config", None)  # exported weights are never quantised (an fp8 source reads as bf16)
     if dtype is not None:

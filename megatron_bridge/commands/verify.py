@@ -3,6 +3,8 @@
     mbr verify model.hf_path=DIR parallel.tp=2 parallel.pp=2
     mbr verify model.hf_path=DIR 'verify.layouts=[tp1,tp2pp2,cp2tp2,ep2]' 'verify.checks=[logits,roundtrip,grads]'
     mbr verify verify.tiny=mixtral 'verify.layouts=[ep2tp2]'      # a tiny random model of a family
+    mbr verify verify.tiny=cohere 'verify.layouts=[tp2,pp2]'      # ... or of an hf-backend architecture
+    mbr verify model.backend=hf model.hf_path=DIR 'verify.layouts=[tp2,pp2,tp2pp2]'  # transformers' modeling code
     mbr verify --list                                              # supported families
     mbr verify --matrix                                            # every family x layout, measured
 
@@ -79,6 +81,7 @@ def _launched(cfg, worker: bool) -> int:
             labels=ref["labels"],
             export_dir=out / lay.describe().replace("·", "").replace(" ", ""),
             make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
+            backend=spec.backend,
         )
         res["seconds"] = round(time.perf_counter() - t0, 2)
         mine[lay.describe()] = res
@@ -94,7 +97,7 @@ def _launched(cfg, worker: bool) -> int:
 
 def _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) -> bool:
     print(
-        f"verify {spec.architecture} ({spec.family}) from {hf_dir}: batch {cfg.verify.batch_size}×"
+        f"verify {spec.architecture} ({spec.family}, {spec.backend} backend) from {hf_dir}: batch {cfg.verify.batch_size}×"
         f"{cfg.verify.seq_length}, fp32, checks {', '.join(cfg.verify.checks)}"
     )
     all_ok = True

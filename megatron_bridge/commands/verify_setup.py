@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from megatron_bridge.backends.describe import describe
-from megatron_bridge.bridge.tiny import TINY
+from megatron_bridge.bridge.tiny import HF_TINY, TINY
 from megatron_bridge.config.schema import Config
 from megatron_bridge.errors import LayoutError, UserError
 from megatron_bridge.parallel.dims import ParallelDims
@@ -32,7 +32,7 @@ class VerifyOptions:
     batch_size: int = 2
     seq_length: int = 32
     seed: int = 0
-    tiny: str | None = None  # build a tiny random model of this family instead of model.hf_path
+    tiny: str | None = None  # a tiny random model of this family (or hf-backend architecture) instead of model.hf_path
     families: list[str] = field(default_factory=list)  # --matrix: these families (default: every tiny model)
     nproc: int | None = None  # local processes to start; default: what the layouts need
     out: str | None = None  # keep exports (and the reference) here; default: a temp dir
@@ -75,8 +75,11 @@ def prepare(cfg, out: Path):
     if bad:
         raise UserError(f"verify.checks {bad} unknown; choose from logits, roundtrip, grads")
     if cfg.verify.tiny:
-        if cfg.verify.tiny not in TINY:
-            raise UserError(f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for {', '.join(TINY)}")
+        if cfg.verify.tiny not in TINY and cfg.verify.tiny not in HF_TINY:
+            raise UserError(
+                f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for the families {', '.join(TINY)} and, "
+                f"on the hf backend, {', '.join(HF_TINY)}"
+            )
         hf_dir = str(out / "tiny" / cfg.verify.tiny)
         if not (Path(hf_dir) / "config.json").is_file():
             make_tiny(cfg.verify.tiny, hf_dir)

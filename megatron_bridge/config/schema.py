@@ -23,6 +23,9 @@ class ModelConfig:
 
     name: str = "custom"
     hf_path: str | None = None
+    # auto: the native family where one exists, else transformers' own modeling code (hf);
+    # native | hf force one (docs/bridge.md, "The hf backend")
+    backend: str = "auto"
     family: str = "llama"  # bridge family: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, gpt
     num_layers: int = 2
     hidden_size: int = 64

@@ -13,10 +13,7 @@ each with pre_process/post_process set for its stage; the blocks' `model` hooks 
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,39 +22,22 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
-from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.blocks.base import blocks
+from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
+from megatron_bridge.runtime.hf.build import build_hf
 from megatron_bridge.runtime.layer_specs import decoder_block_spec
 from megatron_bridge.runtime.tconfig import gpt_model_kwargs, transformer_config
 
 
-def check_groups(layout: Layout) -> None:
-    """The initialized megatron groups must be the layout's (built by runtime.groups)."""
-    if not ps.model_parallel_is_initialized():
-        raise UserError(
-            "megatron-core parallel groups are not initialized; call "
-            "megatron_bridge.runtime.groups.initialize(dims) first"
-        )
-    have = dict(
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        cp=ps.get_context_parallel_world_size(),
-        ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
-        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
-    )
-    want = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp, vpp=layout.vpp)
-    if (want["vpp"] or 1) == 1 and (have["vpp"] or 1) == 1:
-        want["vpp"] = have["vpp"] = None
-    bad = {k: (have[k], want[k]) for k in want if have[k] != want[k]}
-    if bad:
-        raise UserError(
-            "the initialized process groups do not match the layout: "
-            + ", ".join(f"{k}={h} (layout {w})" for k, (h, w) in bad.items())
-        )
-
-
 def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **config_overrides: Any) -> list[Any]:
+    """This rank's model chunks for `spec` under `layout` (groups must be initialized), built by
+    its backend's builder (`BUILDERS`): megatron-core GPTModels (native) or transformers'
+    modules under megatron's parallel layers (hf, runtime/hf/). Every chunk looks to megatron
+    like a GPTModel (runtime/schedule.py runs either)."""
+    return BUILDERS[spec.backend](spec, layout, load_weights=load_weights, **config_overrides)
+
+
+def build_native(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **config_overrides: Any) -> list[Any]:
     """This rank's GPTModel chunks for `spec` under `layout` (groups must be initialized).
 
     `load_weights=False` (training from scratch): megatron's random initialisation, unchanged.
@@ -95,70 +75,6 @@ def build_model(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False,
     return chunks
 
 
-# megatron-core modules that call its affine-weight initialisers (imported by name there).
-_INIT_MODULES = (
-    "megatron.core.tensor_parallel.layers",
-    "megatron.core.transformer.moe.experts",
-    "megatron.core.extensions.transformer_engine",
-)
-
-
-@contextmanager
-def skip_weight_init(active: bool = True) -> Iterator[None]:
-    """While active, megatron's tensor-parallel weights are created but not initialised.
-
-    Every TP-split weight (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-    GroupedMLP, TE linears) is initialised by `_initialize_affine_weight_cpu` — which draws
-    the *full* master weight in fp32 on every rank, casts it and copies this rank's slice —
-    or by `_initialize_affine_weight_gpu`. Both also set the weight's tensor-parallel
-    attributes (`tensor_model_parallel`, `partition_dim`, `partition_stride`), which the
-    grad-norm, the optimizer and resharding read. `perform_initialization=False` would skip
-    those attributes too (megatron-core 0.16 sets them only inside the initialisers), so a
-    TP-split weight would count as a duplicate; instead both initialisers are replaced by
-    one that sets exactly the attributes megatron would, with megatron's own arguments.
-    The small remaining inits (zero biases, router and gate weights) are untouched."""
-    if not active:
-        yield
-        return
-    layers = importlib.import_module(_INIT_MODULES[0])
-    importlib.import_module(_INIT_MODULES[1])
-    originals = {"_initialize_affine_weight_cpu": layers._initialize_affine_weight_cpu}
-    originals["_initialize_affine_weight_gpu"] = layers._initialize_affine_weight_gpu
-    set_attrs = layers.set_tensor_model_parallel_attributes
-
-    def affine_cpu(
-        weight,
-        output_size,
-        input_size,
-        per_partition_size,
-        partition_dim,
-        init_method,
-        stride=1,
-        return_master_weight=False,
-        *,
-        skip_set_tensor_parallel_attributes=False,
-        **_,
-    ):
-        if not skip_set_tensor_parallel_attributes:
-            set_attrs(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
-
-    def affine_gpu(weight, init_method, partition_dim, stride=1, is_expert=False):
-        set_attrs(tensor=weight, is_parallel=True, dim=partition_dim, stride=stride)
-
-    replacements = {"_initialize_affine_weight_cpu": affine_cpu, "_initialize_affine_weight_gpu": affine_gpu}
-    patched = []
-    for mod in (sys.modules[m] for m in _INIT_MODULES if m in sys.modules):
-        for name, orig in originals.items():
-            if getattr(mod, name, None) is orig:
-                setattr(mod, name, replacements[name])
-                patched.append((mod, name, orig))
-    try:
-        yield
-    finally:
-        for mod, name, orig in patched:
-            setattr(mod, name, orig)
-
-
 def mask_vocab_padding(model: Any, vocab_size: int) -> None:
     """Give the padded vocabulary rows logit -inf on the rank that holds them.
 
@@ -182,8 +98,12 @@ def mask_vocab_padding(model: Any, vocab_size: int) -> None:
     layer.register_forward_hook(hook)
 
 
+# each backend's builder, by `BridgeSpec.backend`
+BUILDERS: dict[str, Callable[..., list[Any]]] = {"native": build_native, "hf": build_hf}
+
+
 def model_config(chunks: list[Any]):
     return chunks[0].config
 
 
-__all__ = ["build_model", "check_groups", "model_config", "skip_weight_init"]
+__all__ = ["BUILDERS", "build_model", "build_native", "check_groups", "model_config", "skip_weight_init"]

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
+from megatron_bridge.backends.describe import describe_hf
 from megatron_bridge.bridge.features.mtp import mtp_keys
-from megatron_bridge.bridge.hf_config import load_spec, read_hf_config
+from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import HFCheckpoint
 from megatron_bridge.errors import UserError
@@ -149,9 +150,11 @@ def check_layout(
     lr: float = 0.5,
     init_groups: bool = True,
     make_vocab_size_divisible_by: int = 8,
+    backend: str = "auto",
 ) -> dict[str, Any]:
     """Run `checks` for one (model, layout) on every rank of the launch; returns this rank's
-    findings (empty entries on ranks that hold nothing to compare)."""
+    findings (empty entries on ranks that hold nothing to compare). `backend` (auto | native
+    | hf) describes the model as `model.backend` does."""
     unknown = set(checks) - set(CHECKS)
     if unknown:
         raise ValueError(f"unknown checks {sorted(unknown)}; choose from {CHECKS}")
@@ -163,9 +166,10 @@ def check_layout(
     if init_groups:
         ensure_groups(layout, world)
     rank = torch.distributed.get_rank()
+    hf = read_hf_config(hf_dir)
     out: dict[str, Any] = {}
     if "logits" in checks or "roundtrip" in checks:
-        spec = load_spec(hf_dir, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        spec = describe_hf(hf, make_vocab_size_divisible_by=make_vocab_size_divisible_by, backend=backend)
         chunks = build_model(spec, layout, load_weights=True)
         load_hf_weights(chunks, spec, hf_dir)
         if "logits" in checks:
@@ -182,7 +186,7 @@ def check_layout(
                 out["roundtrip"] = compare_dirs(dest, hf_dir, spec)
         del chunks
     if "grads" in checks or "train" in checks:
-        spec = load_spec(hf_dir, make_vocab_size_divisible_by=1)
+        spec = describe_hf(hf, make_vocab_size_divisible_by=1, backend=backend)
         glayout = training_layout(spec, layout)
         if glayout != layout:
             out["grad_layout"] = glayout.describe()

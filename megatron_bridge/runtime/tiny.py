@@ -1,4 +1,4 @@
-"""Tiny but complete HF models of every supported family, built offline from their configs
+"""Tiny but complete HF models of every supported family (and of `HF_TINY`), built offline from their configs
 (bridge/tiny.py: `TINY`, `COMMON`). Weights are randomised (norms around 1, biases non-zero)
 so a swapped or dropped tensor changes the logits.
 """
@@ -12,13 +12,15 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from megatron_bridge.backends.registry import BACKENDS
 from megatron_bridge.bridge.hf_config import spec_from_hf
-from megatron_bridge.bridge.tiny import COMMON, TINY
+from megatron_bridge.bridge.tiny import COMMON, HF_TINY, TINY
 
 
 def tiny_config(family: str, **overrides: Any):
-    """The transformers config object of `family`'s tiny model (`overrides` win)."""
-    cls_name, extra = TINY[family]
+    """The transformers config object of `family`'s tiny model (`overrides` win): a native
+    family's (`TINY`) or an hf-backend architecture's (`HF_TINY`, by model_type)."""
+    cls_name, extra = TINY[family] if family in TINY else HF_TINY[family]
     kw = {**COMMON, **extra, **overrides}
     return getattr(transformers, cls_name)(**kw)
 
@@ -29,7 +31,8 @@ def randomize_(model, seed: int = 0, scale: float = 0.08) -> None:
     A zero-centred norm (Gemma: x·(1 + w)) stores w, so its weights are drawn around 0, not 1:
     weights of 1 would double the activations at every norm and turn fp32 reduction-order
     noise into differences as large as the tolerances."""
-    centre = 0.0 if spec_from_hf(model.config.to_dict()).zero_centered_norm else 1.0
+    hf = model.config.to_dict()
+    centre = 0.0 if BACKENDS["native"].handles(hf) and spec_from_hf(hf).zero_centered_norm else 1.0
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

@@ -1,5 +1,8 @@
 """HF weights into and out of a live model: this rank's megatron chunks.
 
+Loading and gathering are per backend (`LOADERS`, `EXPORTERS` by `spec.backend`; the hf
+backend's are runtime/hf/weights.py); writing the directory is shared. The native backend's:
+
 * `load_hf_weights(chunks, spec, path)` — coordinates from megatron's parallel_state, one
   `chunk_plan` per virtual chunk (bridge/loader.py, the converter's plan), names checked
   both ways (a parameter without a source, or a source without a parameter, is an error),
@@ -13,7 +16,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +26,8 @@ from safetensors.torch import save_file
 
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.hf_config import BridgeSpec
-from megatron_bridge.bridge.layout import Layout, renumber
+from megatron_bridge.bridge.layout import renumber
 from megatron_bridge.bridge.loader import (
-    Coords,
     HFCheckpoint,
     _write_config_and_assets,
     chunk_plan,
@@ -36,51 +38,28 @@ from megatron_bridge.bridge.loader import (
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
-
-
-def current_coords(vp_stage: int | None = None) -> Coords:
-    """This rank's coordinates in the initialized process groups (and virtual chunk)."""
-    return Coords(
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        etp_rank=ps.get_expert_tensor_parallel_rank(),
-        vp_stage=vp_stage,
-    )
-
-
-def layout_of(chunks: Sequence[Any]) -> Layout:
-    """The layout the chunks were built for (from their TransformerConfig)."""
-    c = chunks[0].config
-    return Layout(
-        tp=c.tensor_model_parallel_size,
-        pp=c.pipeline_model_parallel_size,
-        cp=c.context_parallel_size,
-        ep=c.expert_model_parallel_size,
-        etp=c.expert_tensor_parallel_size,
-        vpp=c.virtual_pipeline_model_parallel_size,
-        sequence_parallel=c.sequence_parallel,
-        layers_first_stage=c.num_layers_in_first_pipeline_stage,
-        layers_last_stage=c.num_layers_in_last_pipeline_stage,
-    )
-
-
-def vp_stage_of(chunks: Sequence[Any], i: int) -> int | None:
-    """The virtual pipeline stage of `chunks[i]` (None without VPP)."""
-    return i if chunks[0].config.virtual_pipeline_model_parallel_size else None
+from megatron_bridge.runtime.hf import weights as hf_weights
+from megatron_bridge.runtime.weights_base import (
+    checkpoint_tensors,
+    current_coords,
+    gather_shards,
+    layout_of,
+    require_all_written,
+    vp_stage_of,
+)
 
 
 def load_hf_weights(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoint) -> int:
-    """Copy HF weights into this rank's model chunks. Returns the number of tensors loaded."""
+    """Copy HF weights into this rank's model chunks, by the loader of the model's backend
+    (`LOADERS`). Returns the number of tensors loaded."""
     with torch.no_grad():
-        return _load(chunks, spec, path)
-
-
-def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoint) -> int:
-    if not isinstance(path, HFCheckpoint):
+        if isinstance(path, HFCheckpoint):
+            return LOADERS[spec.backend](chunks, spec, path)
         with HFCheckpoint(path) as ckpt:
-            return _load(chunks, spec, ckpt)
-    ckpt = path
+            return LOADERS[spec.backend](chunks, spec, ckpt)
+
+
+def _load_native(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
     layout = layout_of(chunks)
     rows = resolve_checkpoint(spec, ckpt.keys())
     n = 0
@@ -108,33 +87,6 @@ def _load(chunks: Sequence[Any], spec: BridgeSpec, path: str | Path | HFCheckpoi
     return n
 
 
-def checkpoint_tensors(chunk: Any) -> dict[str, torch.Tensor]:
-    """{name: tensor} of everything a weight checkpoint must fill in `chunk`: every parameter
-    and every persistent buffer (a buffer derived from the config is registered
-    non-persistent), LoRA adapters excepted (`lora_modules` initialises or loads them).
-    A chunk built with `build_model(..., load_weights=True)` holds uninitialised memory in
-    all of them until a loader writes them, which `require_all_written` then proves."""
-    out = {k: p for k, p in chunk.named_parameters() if not is_adapter_param(k)}
-    for mod_name, mod in chunk.named_modules():
-        for b_name, b in mod._buffers.items():
-            if b is not None and b_name not in mod._non_persistent_buffers_set:
-                name = f"{mod_name}.{b_name}" if mod_name else b_name
-                if not is_adapter_param(name):
-                    out.setdefault(name, b)
-    return out
-
-
-def require_all_written(targets: dict[str, Any], written: set[str], source: str) -> None:
-    """The guarantee that makes skipping megatron's random init safe: every tensor of
-    `targets` (`checkpoint_tensors`) was written by the loader, else a UserError naming them."""
-    left = sorted(set(targets) - written)
-    if left:
-        raise UserError(
-            f"{source} left {len(left)} tensor(s) of the model unloaded (they would keep uninitialised "
-            f"memory): {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}"
-        )
-
-
 def global_names(chunk: Any) -> dict[str, str]:
     """{local param name: global name} for one chunk (layer and expert offsets applied)."""
     layers = chunk.decoder.layers
@@ -152,8 +104,15 @@ def iter_hf_tensors(
     chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None = None, value: Any | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over all ranks: gather every exported parameter's shards to one replica and
-    yield (HF name, full HF tensor) there. Every rank must iterate it to the end.
-    `value(param)` picks what is exported (default the weight; e.g. `lambda p: p.main_grad`)."""
+    yield (HF name, full HF tensor) there, by the exporter of the model's backend
+    (`EXPORTERS`). Every rank must iterate it to the end. `value(param)` picks what is
+    exported (default the weight; e.g. `lambda p: p.main_grad`)."""
+    return EXPORTERS[spec.backend](chunks, spec, dtype, value)
+
+
+def _iter_native(
+    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None, value: Any | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     table = table_for(spec)
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
@@ -208,16 +167,15 @@ def _stack_experts(row: Resolved, slabs: Sequence[torch.Tensor], spec: BridgeSpe
     return tuple(torch.cat([d[e] for e in range(n_all)], dim=0) for d in done)
 
 
-def gather_shards(t: torch.Tensor, group) -> list[torch.Tensor] | None:
-    """All shards on the group's first rank (None elsewhere)."""
-    size = torch.distributed.get_world_size(group)
-    if size == 1:
-        return [t.clone()]
-    dst = torch.distributed.get_global_rank(group, 0)
-    me = torch.distributed.get_rank()
-    out = [torch.empty_like(t) for _ in range(size)] if me == dst else None
-    torch.distributed.gather(t.contiguous(), out, dst=dst, group=group)
-    return out
+# each backend's rank-local loader and gathering exporter, by `BridgeSpec.backend`
+LOADERS: dict[str, Callable[[Sequence[Any], BridgeSpec, HFCheckpoint], int]] = {
+    "native": _load_native,
+    "hf": hf_weights.load,
+}
+EXPORTERS: dict[str, Callable[..., Iterator[tuple[str, torch.Tensor]]]] = {
+    "native": _iter_native,
+    "hf": hf_weights.iter_tensors,
+}
 
 
 def export_hf_weights(
@@ -271,6 +229,8 @@ def export_hf_weights(
 
 
 __all__ = [
+    "EXPORTERS",
+    "LOADERS",
     "checkpoint_tensors",
     "current_coords",
     "export_hf_weights",

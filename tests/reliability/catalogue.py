@@ -1021,8 +1021,8 @@ CONVERT_CASES: list[Case] = [
         "convert",
         "mbr convert src={FX}/hf_unknown_arch dst=out/cv",
         "unknown architecture",
-        "unsupported architecture FooForCausalLM",
-        "Add a family table",
+        "FooForCausalLM (model_type 'foo') has no native family",
+        "transformers has no causal-LM class for model_type 'foo'",
         out=OUT,
     ),
     C(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.lora import base_of, resolve_targets
-from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.base import Facts, RuleSet, Violation
 from megatron_bridge.parallel.rules.base import violation as _v
@@ -41,7 +41,13 @@ def lora_targets(f: Facts) -> list[Violation]:
     p = getattr(cfg, "peft", None)
     if p is None or p.method != "lora":
         return []
-    fam = get_family(m.family)
+    fam = backend_of(m).family_of(m)
+    if fam is None:
+        return _v(
+            "lora-targets",
+            f"LoRA on a {m.backend}-backend model ({m.architecture}) is not implemented yet",
+            "use a model with a native family (`mbr verify --list`), or peft.method=none",
+        )
     try:
         targets = resolve_targets(fam.table, list(p.target_modules), fam.name)
     except UserError as e:

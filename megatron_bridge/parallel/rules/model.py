@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
-from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.base import Facts, RuleSet, Violation
 from megatron_bridge.parallel.rules.base import violation as _v
@@ -34,7 +34,9 @@ def model_architecture(f: Facts) -> list[Violation]:
     for key, allowed in MODEL_CHOICES.items():
         if getattr(m, key) not in allowed:
             out += _v("choice", f"model.{key}={getattr(m, key)!r} is not one of {allowed}", f"set model.{key} to one")
-    fam = get_family(m.family)
+    fam = backend_of(m).family_of(m)
+    if fam is None:  # no family declarations (the hf backend builds what config.json says)
+        return out
     for key, want in fam.fixed.items():
         if getattr(m, key) != want:
             out += _v(
@@ -49,7 +51,8 @@ def model_architecture(f: Facts) -> list[Violation]:
 @RULES.run(reads=("model", "run"))
 def hf_weights(f: Facts) -> list[Violation]:
     m, cfg = f.model, f.run
-    if cfg.train.init_from and not get_family(m.family).hf_weights:
+    fam = backend_of(m).family_of(m)
+    if cfg.train.init_from and fam is not None and not fam.hf_weights:
         return _v(
             "hf-weights",
             f"train.init_from={cfg.train.init_from} loads HF weights, but model.family={m.family} has no "
@@ -57,6 +60,16 @@ def hf_weights(f: Facts) -> list[Violation]:
             "drop train.init_from (train from scratch), or use a family with HF weights",
         )
     return []
+
+
+@RULES.layout(reads=("layout", "model"))
+def backend_layout(f: Facts) -> list[Violation]:
+    """What the model's backend cannot build under this layout (the hf backend: no context or
+    sequence parallelism yet, whole KV heads per TP rank), refused before any process group."""
+    out = []
+    for what, fix in backend_of(f.model).layout_limits(f.model, f.layout):
+        out += _v("backend-layout", f"{f.model.architecture} ({f.model.backend} backend): {what}", fix)
+    return out
 
 
 @RULES.layout(reads=("layout", "model"))
@@ -95,8 +108,8 @@ def model_fields(f: Facts) -> list[Violation]:
     attention scale and embedding multiplier, GPT-OSS's biases) would be exported as another
     model: refused, with the fix of giving their config.json."""
     m = f.model
-    fam = get_family(m.family)
-    if m.described_from != "model fields" or not fam.hf_weights:  # no HF counterpart: nothing to export
+    fam = backend_of(m).family_of(m)
+    if m.described_from != "model fields" or fam is None or not fam.hf_weights:  # no HF counterpart: nothing to export
         return []
     problem = _fields_problem(m)
     if not problem:

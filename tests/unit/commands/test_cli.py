@@ -106,7 +106,8 @@ def test_model_from_hf_path(tmp_path):
     assert m.add_qkv_bias  # implicit in Qwen2, not written to config.json
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     r = mbr("check", f"model.hf_path={tmp_path}")
-    assert r.returncode == 2 and "unsupported model_type 'bert'" in r.stderr
+    assert r.returncode == 2 and "(model_type 'bert') has no native family" in r.stderr
+    assert "no base_model_tp_plan" in r.stderr  # and what the hf backend lacks to run it
 
 
 def test_deepspeed_local_rank_argument_dropped():

@@ -71,7 +71,13 @@ def test_missing_or_non_hf_source(capsys, tmp_path, src):
 
 def test_unsupported_architecture(capsys, tmp_path, src):
     rewrite_config(src, architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    refused(capsys, "convert", f"src={src}", f"dst={tmp_path / 'o'}", match="unsupported architecture GPT2LMHeadModel")
+    refused(
+        capsys,
+        "convert",
+        f"src={src}",
+        f"dst={tmp_path / 'o'}",
+        match="GPT2LMHeadModel (model_type 'gpt2') has no native family",
+    )
 
 
 def test_corrupt_and_truncated_safetensors(capsys, tmp_path, src):

@@ -1,0 +1,312 @@
+"""`hf`: transformers' own modeling code under megatron's parallel layers and schedules.
+
+For an architecture with no native family: the causal-LM class transformers has for the
+config's `model_type` is built on the meta device, each pipeline stage keeps its pieces of the
+model (`hf_plan.Plan`, from transformers' `base_model_pp_plan`), and every linear the
+`base_model_tp_plan` names becomes megatron's column/row-parallel linear holding its shard
+(runtime/hf/). This slice covers dense decoder-only models at TP and PP (docs/bridge.md, "The
+hf backend"); what it cannot do yet is refused here, one line each.
+
+The description keeps the common dimensions (`bridge.hf_config.HF_KEYS`, read from
+transformers' config object, so its defaults count) for the rules and the planner, and the
+config.json itself (`BridgeSpec.hf_json`) for the builder. The weight table and the parameter
+count come from the meta-device model: exact, with transformers' own names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from megatron_bridge.backends.base import Backend
+from megatron_bridge.backends.hf_plan import (
+    COLUMN,
+    GRAD_ALLREDUCE,
+    HEAD,
+    LAYER_KINDS,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    Plan,
+    forward_refusals,
+    plan_of,
+    plan_problems,
+    tensor_kinds,
+)
+from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
+from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
+from megatron_bridge.bridge.mapping import REPLICATED as REPLICATED_T
+from megatron_bridge.bridge.mapping import ROW as ROW_T
+from megatron_bridge.bridge.mapping import VOCAB as VOCAB_T
+from megatron_bridge.bridge.spec import BridgeSpec
+from megatron_bridge.bridge.table import Mapping as Row
+from megatron_bridge.errors import UserError
+from megatron_bridge.parallel.dims import padded_vocab_size
+from megatron_bridge.plan.params import ParamCount
+
+TRANSFORMS = {
+    VOCAB: VOCAB_T,
+    COLUMN: COLUMN_T,
+    HEAD: COLUMN_T,
+    ROW: ROW_T,
+    GRAD_ALLREDUCE: REPLICATED_T,
+    REPLICATED: REPLICATED_T,
+}
+
+
+def causal_lm_class_name(model_type: str) -> str | None:
+    """transformers' causal-LM class for `model_type`, None if it has none."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) else None
+
+
+def config_object(hf: Mapping[str, Any]) -> Any:
+    """transformers' config object of a parsed config.json (its class's defaults filled in)."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[hf["model_type"]].from_dict(dict(hf))
+
+
+def declared(cfg: Any) -> dict[str, Any]:
+    """The config's values for the fields its class declares (defaults filled in): a key the
+    class does not know (`num_key_value_heads` in a GPT-NeoX config.json) is kept by
+    transformers but used by nothing, so it must not describe the model."""
+    cls = type(cfg)
+    known = set(getattr(cls, "attribute_map", {}) or {})
+    return {k: v for k, v in cfg.to_dict().items() if hasattr(cls, k) or k in known}
+
+
+def transformers_config(spec: BridgeSpec) -> Any:
+    """The config object the hf backend builds `spec` from."""
+    return config_object(json.loads(spec.hf_json))
+
+
+def model_plan(model: Any) -> Plan:
+    """The plan of a built (meta or real) transformers causal LM."""
+    cfg = model.config
+    head = getattr(type(model), "_pp_plan", None) or {}
+    return plan_of(cfg.model_type, model.base_model_prefix, cfg.base_model_tp_plan, cfg.base_model_pp_plan, head)
+
+
+def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of what a checkpoint of `model` holds: its parameters (a tied one once)
+    and its persistent buffers."""
+    out = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for mod_name, mod in model.named_modules():
+        for b_name, b in mod._buffers.items():
+            if b is not None and b_name not in mod._non_persistent_buffers_set:
+                out.setdefault(f"{mod_name}.{b_name}" if mod_name else b_name, tuple(b.shape))
+    return out
+
+
+def checkpoint_names(model: Any, names: list[str]) -> dict[str, str]:
+    """{module tensor name: its name in a checkpoint} — what `save_pretrained` writes, by
+    transformers' own conversion mapping run in the saving direction (GPT-NeoX's `lm_head` is
+    saved as `embed_out`). A tensor a converter (not a rename) would rewrite is refused."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+        apply_converters,
+        apply_renamings,
+    )
+
+    conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    saving = [c.reverse_transform() for c in conversions[::-1]]
+    renamings = [c for c in saving if isinstance(c, WeightRenaming)]
+    converters = [c for c in saving if isinstance(c, WeightConverter)]
+    converted = [n for n in names if apply_converters(n, converters)[1] is not None]
+    if converted:
+        raise UnsupportedFeatures(
+            f"{type(model).__name__}: transformers converts {', '.join(converted[:4])} between the checkpoint and "
+            "the model (not a rename), which the hf backend does not do yet"
+        )
+    return {n: apply_renamings(n, renamings) for n in names}
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What the meta-device model says about `spec`: its plan and every checkpoint tensor
+    (shape, TP kind, name in a checkpoint)."""
+
+    plan: Plan
+    shapes: dict[str, tuple[int, ...]]
+    kinds: dict[str, str]
+    saved_as: dict[str, str]
+
+    def hf_template(self, name: str) -> str:
+        """The checkpoint name of module tensor `name` with `{layer}` where its layer index is
+        (the concrete name when a rename moved the index)."""
+        saved = self.saved_as[name]
+        i = self.plan.layer_index(name)
+        if i is None:
+            return saved
+        mine = f"{self.plan.layers}.{i}."
+        return saved.replace(mine, f"{self.plan.layers}.{{layer}}.", 1) if saved.startswith(mine) else saved
+
+    def numel(self, name: str) -> int:
+        n = 1
+        for d in self.shapes[name]:
+            n *= d
+        return n
+
+
+@lru_cache(maxsize=16)
+def meta(spec: BridgeSpec) -> Meta:
+    """The model built on the meta device (no memory), read once per description."""
+    # torch and transformers imported here: the core imports third-party packages only inside functions
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(transformers_config(spec))
+    plan = model_plan(model)
+    shapes = checkpoint_shapes(model)
+    kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
+    return Meta(plan, shapes, kinds, checkpoint_names(model, list(shapes)))
+
+
+def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
+    mt = cfg.model_type
+    out = plan_problems(mt, cfg.base_model_tp_plan, cfg.base_model_pp_plan)
+    experts = base_fields(declared(cfg)).get("num_moe_experts")
+    if experts:
+        out.append(
+            f"mixture-of-experts layers ({experts} experts): expert parallelism for the hf backend is later work"
+        )
+    kinds = list(getattr(cfg, "layer_types", None) or ())
+    for kind in dict.fromkeys(kinds):
+        if kind not in LAYER_KINDS:
+            where = [i for i, k in enumerate(kinds) if k == kind]
+            out.append(
+                f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}): the hf backend builds {LAYER_KINDS}"
+            )
+    out += forward_refusals(mt, hf)
+    return out
+
+
+class HFBackend(Backend):
+    name = "hf"
+
+    def handles(self, hf: Mapping[str, Any]) -> bool:
+        return causal_lm_class_name(str(hf.get("model_type", ""))) is not None
+
+    def describe(self, hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int) -> BridgeSpec:
+        mt = str(hf.get("model_type", ""))
+        arch = causal_lm_class_name(mt)
+        if arch is None:
+            raise UnsupportedFeatures(f"model_type {mt!r}: transformers has no causal-LM class for it")
+        try:
+            cfg = config_object(hf)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedFeatures(f"{arch}: transformers refuses this config.json ({e})") from None
+        problems = _problems(hf, cfg)
+        if problems:
+            raise UnsupportedFeatures(
+                f"{arch} cannot run on the hf backend yet:\n" + "\n".join(f"  - {p}" for p in problems)
+            )
+        base = base_fields(declared(cfg))
+        missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") if not base.get(k)]
+        if missing:
+            raise UnsupportedFeatures(f"{arch}: config.json lacks {', '.join(missing)}")
+        heads = int(base["num_attention_heads"])
+        f: dict[str, Any] = {k: base[k] for k in ("num_layers", "hidden_size", "vocab_size")}
+        f.update(
+            family=mt,
+            architecture=arch,
+            ffn_hidden_size=int(base.get("ffn_hidden_size") or 4 * base["hidden_size"]),
+            num_attention_heads=heads,
+            num_query_groups=int(base.get("num_query_groups") or heads),
+            head_dim=int(base.get("head_dim") or base["hidden_size"] // heads),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+            initializer_range=float(getattr(cfg, "initializer_range", 0.02) or 0.02),
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            backend=self.name,
+            hf_json=json.dumps(dict(hf), sort_keys=True),
+            name=hf.get("_name_or_path") or mt,
+        )
+        for k in ("max_position_embeddings", "norm_epsilon", "rotary_base"):
+            if base.get(k) is not None:
+                f[k] = base[k]
+        return BridgeSpec(**f)
+
+    def describe_fields(self, fields: Mapping[str, Any]) -> BridgeSpec:
+        raise UserError(
+            "model.backend=hf builds transformers' model class from a config.json: set model.hf_path=DIR "
+            "(the recipe's model fields describe native families only)"
+        )
+
+    def table(self, spec: BridgeSpec) -> tuple[Row, ...]:
+        """One row per checkpoint tensor (layer index as `{layer}`): the chunk's name (the
+        module's) <- the checkpoint's (`checkpoint_names`); a tied LM head reads the embedding
+        (and is not written back)."""
+        m = meta(spec)
+        rows: dict[str, Row] = {}
+        for name, kind in m.kinds.items():
+            t = m.plan.template(name)
+            rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], TRANSFORMS[kind]))
+        head, embed = f"{m.plan.head}.weight", f"{m.plan.embed}.weight"
+        if spec.tie_word_embeddings and head not in m.shapes:
+            rows[head] = Row(head, m.saved_as[embed], VOCAB_T, export=False)
+        return tuple(rows.values())
+
+    def count(self, spec: BridgeSpec) -> ParamCount:
+        m = meta(spec)
+        total = sum(m.numel(n) for n in m.shapes)
+        embedding = sum(m.numel(n) for n, k in m.kinds.items() if k == VOCAB)
+        per_layer: dict[int, int] = {}
+        for n in m.shapes:
+            i = m.plan.layer_index(n)
+            if i is not None:
+                per_layer[i] = per_layer.get(i, 0) + m.numel(n)
+        return ParamCount(
+            total=total,
+            active=total,
+            embedding=embedding,
+            per_layer=max(per_layer.values(), default=0),
+            padded_vocab=padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, 1),
+        )
+
+    def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
+        return dict(json.loads(spec.hf_json))
+
+    def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
+        out = []
+        if layout.cp > 1:
+            out.append((f"context parallelism (cp={layout.cp}) is not implemented for the hf backend yet", "set cp=1"))
+        if layout.sequence_parallel and layout.tp > 1:
+            out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
+        if layout.tp > 1 and spec.num_query_groups % layout.tp:
+            out.append(
+                (
+                    f"the hf backend gives each TP rank whole KV heads: {spec.num_query_groups} KV heads do not "
+                    f"split over tp={layout.tp}",
+                    "choose tp dividing the KV heads",
+                )
+            )
+        return out
+
+
+__all__ = [
+    "HFBackend",
+    "Meta",
+    "checkpoint_names",
+    "checkpoint_shapes",
+    "config_object",
+    "meta",
+    "model_plan",
+    "transformers_config",
+]

@@ -1,0 +1,210 @@
+"""The hf backend's reading of transformers' own parallel plans (torch-free).
+
+A transformers config class declares `base_model_tp_plan` ({module pattern: style}, patterns
+relative to the base model, `*` for a layer index) and `base_model_pp_plan` ({module: (inputs,
+outputs)} in forward order: the embedding, maybe dropouts, the decoder layers, the final norm);
+the causal-LM class adds its head (`_pp_plan`, e.g. `lm_head`). `Plan` is what the hf backend
+takes from them. `tensor_kinds` says how every checkpoint tensor is split over TP from its name
+and shape alone; the weight table (core) and the builder (runtime/hf/) both use it, so what is
+loaded is what is built:
+
+| kind | tensors | split |
+|---|---|---|
+| `vocab` | the embedding, the LM head (weight and bias) | rows over TP after padding the vocab (megatron's VocabParallelEmbedding / column-parallel head) |
+| `column` | weight and bias of a `colwise` / `colwise_gather_output` linear | output rows |
+| `row` | weight of a `rowwise` / `rowwise_split_input` linear | input columns (its bias is `replicated`) |
+| `head` | an unplanned per-head tensor ([heads or kv-heads, head_dim]) next to a split attention | by head |
+| `grad_allreduce` | a `replicated_with_grad_allreduce` module's tensors, and any other unplanned tensor next to a split `colwise` linear | whole on every rank; its gradient summed over TP |
+| `replicated` | everything else (norms, row-parallel biases) | whole on every rank |
+
+`OVERRIDES` is the one table of what a model's forward does outside its modules (a logit scale,
+...): the hf backend rebuilds the forward around the modules, so each such step is declared
+here; a config that turns one on without an entry is refused (`forward_refusals`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+VOCAB, COLUMN, ROW, HEAD, GRAD_ALLREDUCE, REPLICATED = "vocab", "column", "row", "head", "grad_allreduce", "replicated"
+
+# tp plan style -> what megatron layer it becomes (runtime/hf/layers.py)
+COLUMN_STYLES = ("colwise", "colwise_gather_output")
+ROW_STYLES = ("rowwise", "rowwise_split_input")
+STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce")
+# layer kinds (`config.layer_types`) whose masks the stages rebuild
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class Override:
+    """What one model type's forward does outside its modules, that a stage must redo."""
+
+    logit_scale: str | None = None  # config key: logits multiplied by it (Cohere)
+    tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
+
+
+OVERRIDES: dict[str, Override] = {
+    "cohere": Override(logit_scale="logit_scale"),
+    "cohere2": Override(logit_scale="logit_scale"),
+}
+# config keys that switch on forward-level arithmetic; without an override entry they are refused
+FORWARD_KEYS = ("logit_scale", "logits_scaling", "embedding_multiplier", "final_logit_softcapping", "embedding_scale")
+# model types whose forward does arithmetic no config key announces
+FORWARD_MATH = {
+    "gemma": "the model's forward multiplies the embeddings by sqrt(hidden_size)",
+    "gemma2": "the model's forward multiplies the embeddings by sqrt(hidden_size)",
+}
+
+
+def override(model_type: str) -> Override:
+    return OVERRIDES.get(model_type, Override())
+
+
+def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
+    """One line per piece of forward arithmetic the hf backend would drop for this config."""
+    out = []
+    if model_type in FORWARD_MATH:
+        out.append(f"{FORWARD_MATH[model_type]} (no entry in backends/hf_plan.py OVERRIDES)")
+    handled = {override(model_type).logit_scale}
+    for key in FORWARD_KEYS:
+        v = hf.get(key)
+        if key not in handled and v not in (None, 0, 1, 1.0, False):
+            out.append(f"{key}={v!r} is applied in the model's forward (no entry in backends/hf_plan.py OVERRIDES)")
+    return out
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The module paths a stage is made of and every planned linear's style.
+
+    Paths of the base model's pieces are relative to the causal LM (`model.embed_tokens`);
+    `tp` patterns too (`model.layers.*.self_attn.q_proj`)."""
+
+    prefix: str  # the base model's attribute ("model", "gpt_neox")
+    embed: str  # the embedding
+    pre: tuple[str, ...]  # modules between the embedding and the layers (dropouts), in order
+    layers: str  # the ModuleList of decoder layers
+    post: tuple[str, ...]  # modules after the layers (the final norm), in order
+    head: str  # the LM head ("lm_head")
+    tp: tuple[tuple[str, str], ...]  # (module pattern, style)
+
+    def style(self, module: str) -> str | None:
+        """The tp style of the module at `module` (a path in the causal LM), None if unplanned."""
+        for pattern, style in self.tp:
+            if _regex(pattern).match(module):
+                return style
+        return None
+
+    def layer_index(self, name: str) -> int | None:
+        m = re.match(re.escape(self.layers) + r"\.(\d+)\.", name)
+        return int(m.group(1)) if m else None
+
+    def template(self, name: str) -> str:
+        """`name` with its layer index as the table's `{layer}` hole."""
+        return re.sub("^" + re.escape(self.layers) + r"\.\d+\.", self.layers + ".{layer}.", name)
+
+
+def plan_of(
+    model_type: str,
+    prefix: str,
+    tp_plan: Mapping[str, str] | None,
+    pp_plan: Mapping[str, Any] | None,
+    head_plan: Iterable[str],
+) -> Plan:
+    """The plan from the config's `base_model_tp_plan` / `base_model_pp_plan` (and the model
+    type's override entries), the causal-LM class's head plan and its `base_model_prefix`
+    (the caller checked `plan_problems` first)."""
+    assert pp_plan and "layers" in pp_plan, "plan_problems refuses a model without a usable pp plan"
+    full = [f"{prefix}.{n}" for n in pp_plan]
+    i = list(pp_plan).index("layers")
+    head = next(iter(head_plan), "lm_head")
+    entries = {**(tp_plan or {}), **dict(override(model_type).tp_plan)}
+    tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items())
+    return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp)
+
+
+def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: Mapping[str, Any] | None) -> list[str]:
+    """What this slice of the hf backend cannot do with these plans, one line each."""
+    out = []
+    extra = dict(override(model_type).tp_plan)
+    if not tp_plan and not extra:
+        out.append(
+            f"{model_type}: transformers declares no base_model_tp_plan (how to split its linears) and "
+            "backends/hf_plan.py OVERRIDES has no entry for it"
+        )
+    if not pp_plan:
+        out.append(f"{model_type}: transformers declares no base_model_pp_plan (its stage pieces)")
+    elif "layers" not in pp_plan:
+        out.append(f"{model_type}: base_model_pp_plan has no `layers` entry ({', '.join(pp_plan)})")
+    for pattern, style in {**(tp_plan or {}), **extra}.items():
+        if "expert" in pattern or "moe" in style:
+            continue  # a model with experts is refused by its expert count (the modules exist only then)
+        if style not in STYLES:
+            out.append(
+                f"tp plan {pattern}: {style!r} is not supported by the hf backend yet (it maps {', '.join(STYLES)})"
+            )
+    return out
+
+
+def tensor_kinds(
+    plan: Plan, shapes: Mapping[str, tuple[int, ...]], heads: int, kv_heads: int, head_dim: int
+) -> dict[str, str]:
+    """{tensor name: kind} for every parameter / persistent buffer of the causal LM (names as
+    transformers has them, global layer indices). See the module docstring for the kinds."""
+    modules = {n.rpartition(".")[0] for n in shapes}
+    styles = {m: s for m in modules if (s := plan.style(m)) is not None}
+    split_parents = {m.rpartition(".")[0] for m, s in styles.items() if s == "colwise"}
+    per_head = {heads, kv_heads}
+    out = {}
+    for name, shape in shapes.items():
+        module, _, leaf = name.rpartition(".")
+        style = styles.get(module)
+        if module in (plan.embed, plan.head):
+            kind = VOCAB
+        elif style in COLUMN_STYLES:
+            kind = COLUMN
+        elif style in ROW_STYLES:
+            kind = ROW if leaf == "weight" else REPLICATED
+        elif style == "replicated_with_grad_allreduce":
+            kind = GRAD_ALLREDUCE
+        elif any(module == p or module.startswith(p + ".") for p in split_parents) and not any(
+            module.startswith(m + ".") for m in styles
+        ):
+            two_d = len(shape) == 2 and shape[0] in per_head and shape[1] == head_dim
+            one_d = len(shape) == 1 and shape[0] in per_head and shape[0] != head_dim
+            kind = HEAD if two_d or one_d else GRAD_ALLREDUCE
+        else:
+            kind = REPLICATED
+        out[name] = kind
+    return out
+
+
+__all__ = [
+    "COLUMN",
+    "COLUMN_STYLES",
+    "FORWARD_KEYS",
+    "GRAD_ALLREDUCE",
+    "HEAD",
+    "LAYER_KINDS",
+    "OVERRIDES",
+    "Override",
+    "Plan",
+    "REPLICATED",
+    "ROW",
+    "ROW_STYLES",
+    "STYLES",
+    "VOCAB",
+    "forward_refusals",
+    "override",
+    "plan_of",
+    "plan_problems",
+    "tensor_kinds",
+]

@@ -1,0 +1,288 @@
+"""Build this rank's chunks of an hf-backend model (`BridgeSpec.backend == "hf"`).
+
+transformers' causal-LM class is built from the spec's config.json on the meta device (no
+memory). Each chunk keeps its stage's pieces (`hf_plan.Plan`: the embedding and what follows
+it on the first stage, the decoder layers `ParallelDims.stage_layers` gives it, the final norm
+and the head on the last) and the model's rotary module; every linear the tp plan names is
+replaced by megatron's parallel layer holding only its shard (runtime/hf/layers.py), the
+attention modules' head counts are divided by tp, and only then is what is left on the meta
+device materialised (per-head tensors at their shard's shape) and initialised by the model's
+own `_init_weights` (which also recomputes the rotary frequencies). No rank ever holds the
+full model. With `load_weights=True` megatron's layers are allocated without their random
+init (`skip_weight_init`) and the loader proves every tensor was written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer import TransformerConfig
+from megatron.core.utils import init_method_normal
+from transformers import AutoModelForCausalLM
+
+from megatron_bridge.backends.hf import meta, model_plan, transformers_config
+from megatron_bridge.backends.hf_plan import (
+    COLUMN_STYLES,
+    GRAD_ALLREDUCE,
+    HEAD,
+    ROW_STYLES,
+    Plan,
+    override,
+)
+from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.bridge.spec import BridgeSpec
+from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
+from megatron_bridge.runtime.hf.chunk import HFChunk
+from megatron_bridge.runtime.hf.layers import (
+    MEGATRON_LAYERS,
+    ColumnLinear,
+    LMHead,
+    RowLinear,
+    VocabEmbedding,
+    sum_grad_over_tp,
+)
+
+# attention-module attributes that count heads (divided by tp where the q/k/v linears are split)
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+
+
+def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> TransformerConfig:
+    """The TransformerConfig megatron's layers and schedules read: degrees and the stage split
+    from the layout, the sizes megatron checks from the spec (the architecture is the HF model)."""
+    on_gpu = torch.cuda.is_available()
+    kw: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        hidden_dropout=0.0,
+        attention_dropout=spec.attention_dropout,
+        init_method_std=spec.initializer_range,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.pp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=False,
+        num_layers_in_first_pipeline_stage=layout.layers_first_stage,
+        num_layers_in_last_pipeline_stage=layout.layers_last_stage,
+        use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False,
+        batch_p2p_comm=on_gpu,  # gloo: batched p2p is wrong with interleaved schedules (runtime/tconfig.py)
+    )
+    kw.update(overrides)
+    if kw.get("bf16") and "params_dtype" not in overrides:
+        kw["params_dtype"] = torch.bfloat16
+    kw.setdefault("pipeline_dtype", kw.get("params_dtype", torch.float32))
+    return TransformerConfig(**kw)
+
+
+def build_hf(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **config_overrides: Any) -> list[Any]:
+    """This rank's `HFChunk`s for `spec` under `layout` (one per virtual pipeline stage)."""
+    check_groups(layout)
+    tconfig = transformer_config(spec, layout, **config_overrides)
+    for n, what in ((spec.num_attention_heads, "attention heads"), (spec.num_query_groups, "KV heads")):
+        if n % layout.tp:
+            raise UserError(f"{spec.architecture}: {n} {what} do not split over tp={layout.tp} (rule backend-layout)")
+    hf_cfg = transformers_config(spec)
+    with torch.device("meta"):
+        full = AutoModelForCausalLM.from_config(hf_cfg, dtype=tconfig.params_dtype)
+    plan = model_plan(full)
+    kinds = meta(spec).kinds
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    pp_rank, vpp = ps.get_pipeline_model_parallel_rank(), tconfig.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp in range(vpp) if vpp else [None]:
+        stage = Stage(spec, full, plan, kinds, tconfig, device, load_weights)
+        chunks.append(
+            stage.chunk(
+                layout.stage_layers(spec.num_layers, pp_rank, vp),
+                ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            )
+        )
+    return chunks
+
+
+class Stage:
+    """Cuts one chunk out of the meta model: swaps, divides, materialises."""
+
+    def __init__(
+        self,
+        spec: BridgeSpec,
+        full: Any,
+        plan: Plan,
+        kinds: dict[str, str],
+        tconfig: TransformerConfig,
+        device: torch.device,
+        load_weights: bool,
+    ) -> None:
+        self.spec, self.full, self.plan, self.kinds = spec, full, plan, kinds
+        self.tconfig, self.device, self.load_weights = tconfig, device, load_weights
+        self.tp = tconfig.tensor_model_parallel_size
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.init = init_method_normal(spec.initializer_range)
+
+    def chunk(self, layers: range, pre: bool, post: bool) -> HFChunk:
+        plan, full = self.plan, self.full
+        modules: dict[str, torch.nn.Module] = {}
+        tied = bool(self.spec.tie_word_embeddings)
+        if pre:
+            modules[plan.embed] = self._embedding(full.get_submodule(plan.embed))
+            for path in plan.pre:
+                modules[path] = self._keep(path, full.get_submodule(path))
+        layer_list = full.get_submodule(plan.layers)
+        kept = {i: self._keep(f"{plan.layers}.{i}", layer_list[i]) for i in layers}
+        if post:
+            for path in plan.post:
+                modules[path] = self._keep(path, full.get_submodule(path))
+            modules[plan.head] = self._head(full.get_submodule(plan.head), tied and pre)
+        rotary = self._rotary()
+        key = override(self.spec.family).logit_scale
+        chunk = HFChunk(
+            self.tconfig,
+            full.config,
+            plan,
+            modules,
+            kept,
+            rotary,
+            pre_process=pre,
+            post_process=post,
+            vocab_size=self.spec.vocab_size,
+            tied=tied,
+            logit_scale=float(getattr(full.config, key)) if key else None,
+        )
+        if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
+            # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)
+            chunk.shared_embedding_or_output_weight().shared_embedding = True  # type: ignore[attr-defined]
+        return chunk.to(self.device)
+
+    # -- the pieces --------------------------------------------------------------------------
+    def _embedding(self, emb: Any) -> VocabEmbedding:
+        if type(emb) is not torch.nn.Embedding:
+            raise UserError(f"{self.spec.architecture}: its embedding is a {type(emb).__name__}, not nn.Embedding")
+        with skip_weight_init(self.load_weights):
+            return VocabEmbedding(
+                self.spec.padded_vocab_size(self.tp),
+                emb.embedding_dim,
+                init_method=self.init,
+                config=self.tconfig,
+                padding_idx=emb.padding_idx,
+                tp_group=self.tp_group,
+            )
+
+    def _head(self, head: Any, tied_here: bool) -> LMHead:
+        if type(head) is not torch.nn.Linear:
+            raise UserError(f"{self.spec.architecture}: its LM head is a {type(head).__name__}, not nn.Linear")
+        with skip_weight_init(self.load_weights):
+            return LMHead(
+                head.in_features,
+                self.spec.padded_vocab_size(self.tp),
+                config=self.tconfig,
+                init_method=self.init,
+                bias=head.bias is not None,
+                gather_output=False,
+                skip_weight_param_allocation=tied_here,
+                tp_group=self.tp_group,
+            )
+
+    def _rotary(self) -> tuple[str, torch.nn.Module] | None:
+        base = self.full.get_submodule(self.plan.prefix)
+        planned = {p.rpartition(".")[2] for p in (self.plan.embed, *self.plan.pre, self.plan.layers, *self.plan.post)}
+        found = []
+        for name, child in base.named_children():
+            if name in planned:
+                continue
+            if any(True for _ in child.parameters()):
+                raise UserError(
+                    f"{self.spec.architecture}: {self.plan.prefix}.{name} has weights but is not in the pp plan"
+                )
+            if "Rotary" in type(child).__name__:
+                found.append(name)
+        if len(found) > 1:
+            raise UserError(f"{self.spec.architecture}: several rotary modules ({', '.join(found)}) need an override")
+        if not found:
+            return None
+        path = f"{self.plan.prefix}.{found[0]}"
+        return path, self._keep(path, self.full.get_submodule(path))
+
+    def _keep(self, path: str, module: torch.nn.Module) -> torch.nn.Module:
+        """`module` (at `path` in the causal LM) with its planned linears swapped, its heads
+        divided and the rest materialised on this rank's device."""
+        split_parents = set()
+        for name, child in list(module.named_modules()):
+            full = f"{path}.{name}" if name else path
+            style = self.plan.style(full)
+            if style in COLUMN_STYLES or style in ROW_STYLES:
+                if name == "":
+                    raise UserError(f"tp plan entry {full} is a stage piece, not a linear inside one")
+                parent_name, _, leaf = name.rpartition(".")
+                parent = module.get_submodule(parent_name)
+                parent.add_module(leaf, self._linear(full, child, style))
+                if style == "colwise":
+                    split_parents.add(parent)
+        for parent in split_parents:
+            self._divide_heads(parent)
+        self._materialise(path, module)
+        return module
+
+    def _linear(self, path: str, lin: Any, style: str) -> torch.nn.Module:
+        if type(lin) is not torch.nn.Linear:
+            raise UserError(f"tp plan entry {path} ({style}) is a {type(lin).__name__}, not nn.Linear")
+        common = dict(config=self.tconfig, init_method=self.init, bias=lin.bias is not None, tp_group=self.tp_group)
+        with skip_weight_init(self.load_weights):
+            if style in COLUMN_STYLES:
+                return ColumnLinear(
+                    lin.in_features, lin.out_features, gather_output=style == "colwise_gather_output", **common
+                )
+            return RowLinear(
+                lin.in_features,
+                lin.out_features,
+                input_is_parallel=style == "rowwise",
+                skip_bias_add=False,
+                **common,
+            )
+
+    def _divide_heads(self, attention: torch.nn.Module) -> None:
+        for attr in HEAD_ATTRS:
+            n = getattr(attention, attr, None)
+            if isinstance(n, int) and not isinstance(n, bool):
+                if n % self.tp:
+                    raise UserError(f"{type(attention).__name__}.{attr}={n} does not split over tp={self.tp}")
+                setattr(attention, attr, n // self.tp)
+
+    def _materialise(self, path: str, module: torch.nn.Module) -> None:
+        for name, mod in module.named_modules():
+            if isinstance(mod, MEGATRON_LAYERS):
+                continue
+            prefix = f"{path}.{name}" if name else path
+            for key, p in list(mod._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                kind = self.kinds.get(f"{prefix}.{key}")
+                shape = tuple(p.shape)
+                if kind == HEAD:
+                    shape = (shape[0] // self.tp, *shape[1:])
+                new = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device=self.device), p.requires_grad)
+                if kind == HEAD:
+                    set_tensor_model_parallel_attributes(new, True, 0, 1)
+                if kind == GRAD_ALLREDUCE and self.tp > 1:
+                    sum_grad_over_tp(new)
+                mod._parameters[key] = new
+            for key, b in list(mod._buffers.items()):
+                if b is not None and b.is_meta:
+                    mod._buffers[key] = torch.empty(tuple(b.shape), dtype=b.dtype, device=self.device)
+        with torch.no_grad():
+            for mod in reversed(list(module.modules())):
+                if not isinstance(mod, MEGATRON_LAYERS):
+                    self.full._init_weights(mod)
+
+
+__all__ = ["HEAD_ATTRS", "Stage", "build_hf", "transformer_config"]

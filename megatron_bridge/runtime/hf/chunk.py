@@ -1,0 +1,166 @@
+"""`HFChunk`: one pipeline chunk of a transformers causal LM, shaped for megatron's schedules.
+
+To megatron it is a GPTModel: `.config` is a TransformerConfig, `set_input_tensor` takes the
+previous stage's activations, `pre_process` / `post_process` say which end it is, forward
+(input_ids, position_ids, attention_mask, labels=None) returns vocab-parallel logits
+[b, s, V/tp] (or the per-token loss [b, s] with labels) on the last stage and [s, b, h]
+activations elsewhere; a tied embedding is shared with the last stage through megatron's
+embedding group (`shared_embedding_or_output_weight`).
+
+Inside, it is the model's own modules under transformers' names (`model.layers.7.mlp...`,
+global layer indices), so a checkpoint's names are the chunk's. Its forward is the base
+model's, rebuilt per stage: the embedding (first stage), then each decoder layer called with
+the rotary embeddings and mask of its own layer kind (`config.layer_types[i]` by the *global*
+index i), made with the model's own rotary module and transformers' mask functions; the final
+norm and the head (last stage), with the model type's forward arithmetic (`hf_plan.OVERRIDES`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from megatron_bridge.backends.hf_plan import Plan
+
+MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+class Pieces(torch.nn.Module):
+    """A container that gives the kept modules their transformers paths."""
+
+
+class HFChunk(MegatronModule):
+    def __init__(
+        self,
+        config: Any,
+        hf_config: Any,
+        plan: Plan,
+        modules: dict[str, torch.nn.Module],
+        layers: dict[int, torch.nn.Module],
+        rotary: tuple[str, torch.nn.Module] | None,
+        *,
+        pre_process: bool,
+        post_process: bool,
+        vocab_size: int,
+        tied: bool,
+        logit_scale: float | None,
+    ) -> None:
+        super().__init__(config=config)
+        self.hf_config = hf_config
+        self.plan = plan
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = tied
+        self.model_type = ModelType.encoder_or_decoder
+        self.vocab_size = vocab_size
+        self.logit_scale = logit_scale
+        self.input_tensor: torch.Tensor | None = None
+        for path, module in modules.items():
+            self._place(path, module)
+        self._place(plan.layers, torch.nn.ModuleDict({str(i): layer for i, layer in layers.items()}))
+        self.rotary_path = None
+        if rotary is not None:
+            self.rotary_path = rotary[0]
+            self._place(*rotary)
+        fwd = inspect.signature(rotary[1].forward).parameters if rotary is not None else {}
+        self.rotary_by_kind = "layer_type" in fwd
+        kinds = getattr(hf_config, "layer_types", None)
+        sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
+        default = "sliding_attention" if sliding else "full_attention"
+        self.kinds = {i: (kinds[i] if kinds else default) for i in layers}
+
+    def _place(self, path: str, module: torch.nn.Module) -> None:
+        parent: torch.nn.Module = self
+        *outer, leaf = path.split(".")
+        for part in outer:
+            if not hasattr(parent, part):
+                parent.add_module(part, Pieces())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, module)
+
+    # -- what megatron's schedules and finalize_model_grads call --------------------------------
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        if isinstance(input_tensor, list):
+            assert len(input_tensor) == 1, "one input tensor per chunk"
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        if self.pre_process:
+            return self.get_submodule(self.plan.embed).weight
+        return self.get_submodule(self.plan.head).weight
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: Any = None,
+        labels: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        if self.pre_process:
+            h = self.get_submodule(self.plan.embed)(input_ids)
+            for path in self.plan.pre:
+                h = self.get_submodule(path)(h)
+        else:
+            assert self.input_tensor is not None, "a later pipeline stage runs on the previous stage's output"
+            h = self.input_tensor.transpose(0, 1)  # megatron's [s, b, h] -> transformers' [b, s, h]
+        h = self._layers(h, position_ids)
+        if not self.post_process:
+            return h.transpose(0, 1).contiguous()
+        for path in self.plan.post:
+            h = self.get_submodule(path)(h)
+        return self._head(h, labels)
+
+    def _layers(self, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        layers = self.get_submodule(self.plan.layers)
+        if not len(layers):
+            return h
+        rotary = self.get_submodule(self.rotary_path) if self.rotary_path else None
+        masks: dict[str, Any] = {}
+        embeddings: dict[str | None, Any] = {}
+        for i, layer in layers.items():
+            kind = self.kinds[int(i)]
+            if kind not in masks:
+                masks[kind] = MASKS[kind](
+                    config=self.hf_config,
+                    inputs_embeds=h,
+                    attention_mask=None,
+                    past_key_values=None,
+                    position_ids=position_ids,
+                )
+            key = kind if self.rotary_by_kind else None
+            if rotary is not None and key not in embeddings:
+                embeddings[key] = rotary(h, position_ids, kind) if self.rotary_by_kind else rotary(h, position_ids)
+            out = layer(
+                h, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=embeddings.get(key)
+            )
+            h = out[0] if isinstance(out, tuple) else out
+        return h
+
+    def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        head = self.get_submodule(self.plan.head)
+        tied_here = self.share_embeddings_and_output_weights and self.pre_process
+        logits = head(h, weight=self.shared_embedding_or_output_weight() if tied_here else None)
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        first_pad = self.vocab_size - head.output_size_per_partition * ps.get_tensor_model_parallel_rank()
+        if first_pad < logits.shape[-1]:  # padded vocab rows (megatron pads to a multiple of tp): logit -inf
+            pad = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            pad[max(first_pad, 0) :] = True
+            logits = logits.masked_fill(pad, float("-inf"))
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels)
+
+
+__all__ = ["HFChunk", "MASKS", "Pieces"]

@@ -1,0 +1,174 @@
+"""The hf backend's core half: which backend describes a config, what the hf backend refuses
+(one line per missing piece), its weight table (transformers' checkpoint names, how each
+tensor splits over TP) and its exact parameter count — all without building a model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_bridge.backends.describe import describe, describe_hf
+from megatron_bridge.backends.hf import meta
+from megatron_bridge.backends.hf_plan import COLUMN, GRAD_ALLREDUCE, HEAD, REPLICATED, ROW, VOCAB
+from megatron_bridge.backends.registry import BACKENDS, backend_of
+from megatron_bridge.bridge.hf_config import UnsupportedFeatures
+from megatron_bridge.bridge.tiny import HF_TINY
+from megatron_bridge.config.compose import compose
+from megatron_bridge.errors import LayoutError
+
+
+def _config(family: str, **overrides) -> dict:
+    from megatron_bridge.runtime.tiny import tiny_config
+
+    cfg = tiny_config(family, **overrides)
+    out = cfg.to_dict()
+    out["architectures"] = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    return out
+
+
+def _hf(model_type: str, **kw) -> dict:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return {**CONFIG_MAPPING[model_type](**kw).to_dict(), "model_type": model_type}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Every HF_TINY model (and llama) saved by transformers: the checkpoint the table must name."""
+    from megatron_bridge.runtime.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("hf_tiny")
+    return {f: make_tiny(f, root / f) for f in [*HF_TINY, "llama"]}
+
+
+def test_auto_takes_the_native_family_where_one_exists_else_hf(capsys):
+    assert describe_hf(_config("llama")).backend == "native"
+    spec = describe_hf(_config("cohere"))
+    assert (spec.backend, spec.family, spec.architecture) == ("hf", "cohere", "CohereForCausalLM")
+    describe_hf(_config("cohere"))
+    assert capsys.readouterr().err.count("has no native family; using the hf backend") <= 1  # said once
+
+
+@pytest.mark.parametrize("family", list(HF_TINY))
+def test_every_sample_architecture_is_described_by_the_hf_backend(family):
+    hf = _config(family)
+    native = BACKENDS["native"].handles(hf)
+    assert native == (family == "qwen3_swa")  # the others have no native family: auto runs them on hf
+    spec = describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")
+    assert spec.backend == "hf" and backend_of(spec) is BACKENDS["hf"]
+    assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (4, 32, 250)
+    assert spec.num_query_groups == (4 if family == "gpt_neox" else 2)
+    assert backend_of(spec).hf_config(spec) == json.loads(json.dumps(hf))  # what export writes back
+    assert hash(spec) == hash(describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf"))  # frozen, hashable
+
+
+def test_model_backend_forces_one(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_config("llama")))
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={tmp_path}", "model.backend=hf"])
+    spec = describe(cfg.model)
+    assert spec.backend == "hf" and spec.family == "llama" and spec.source == str(tmp_path)
+    assert backend_of(spec).family_of(spec) is None  # no native family declarations
+    cfg.model.backend = "native"
+    assert describe(cfg.model).backend == "native"
+
+
+def test_native_refuses_an_architecture_without_a_family_naming_what_is_missing(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(_config("cohere")))
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={tmp_path}", "model.backend=native"])
+    with pytest.raises(LayoutError) as e:
+        describe(cfg.model)
+    msg = str(e.value)
+    assert [v.rule for v in e.value.violations] == ["hf-model"]
+    assert "has no native family" in msg and "model.backend=hf runs it" in msg
+    assert "MistralForCausalLM" not in msg  # not a list of every supported architecture
+
+
+@pytest.mark.parametrize(
+    "overrides,rule",
+    [(["model.backend=megatron"], "model-backend"), (["model.backend=hf"], "model-backend")],
+)
+def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(overrides, rule):
+    cfg, _ = compose(["recipe=tiny_llama", *overrides])
+    with pytest.raises(LayoutError) as e:
+        describe(cfg.model)
+    assert [v.rule for v in e.value.violations] == [rule]
+
+
+@pytest.mark.parametrize(
+    "model_type,kw,needle",
+    [
+        ("falcon", {}, "no base_model_tp_plan"),
+        ("mixtral", {}, "mixture-of-experts layers (8 experts)"),
+        ("qwen3_next", {}, "layer kind 'linear_attention'"),
+        ("gemma2", {}, "final_logit_softcapping=30.0"),
+        ("gemma", {}, "sqrt(hidden_size)"),
+    ],
+)
+def test_the_hf_backend_refuses_what_it_cannot_do_yet_one_line_each(model_type, kw, needle):
+    with pytest.raises(UnsupportedFeatures) as e:
+        describe_hf(_hf(model_type, **kw), backend="hf")
+    assert needle in str(e.value)
+    assert "Traceback" not in str(e.value)
+
+
+def test_an_architecture_no_backend_handles_is_refused_saying_why():
+    with pytest.raises(UnsupportedFeatures) as e:
+        describe_hf({"model_type": "not_a_model", "architectures": ["NotAModelForCausalLM"]})
+    assert "no native family" in str(e.value) and "transformers has no causal-LM class" in str(e.value)
+
+
+def test_tensor_kinds_follow_the_plan_and_the_shapes():
+    k = {f: meta(describe_hf(_config(f), backend="hf")).kinds for f in HF_TINY}
+    L = "model.layers.1"
+    assert k["cohere"][f"{L}.self_attn.q_proj.weight"] == COLUMN
+    assert k["cohere"][f"{L}.self_attn.o_proj.weight"] == ROW
+    assert k["cohere"][f"{L}.self_attn.q_norm.weight"] == HEAD  # [heads, head_dim], not in the plan
+    assert k["cohere"][f"{L}.self_attn.k_norm.weight"] == HEAD
+    assert k["cohere"]["model.embed_tokens.weight"] == VOCAB
+    assert k["qwen3_swa"][f"{L}.self_attn.q_norm.weight"] == GRAD_ALLREDUCE  # the plan says so
+    assert k["phi"][f"{L}.self_attn.q_layernorm.weight"] == GRAD_ALLREDUCE  # unplanned, next to split q_proj
+    assert k["phi"]["lm_head.bias"] == VOCAB
+    assert k["olmo3"][f"{L}.self_attn.q_norm.weight"] == REPLICATED  # q/k/v gathered: nothing is split
+    assert k["olmo3"][f"{L}.self_attn.q_proj.weight"] == COLUMN
+    assert k["olmo3"][f"{L}.self_attn.o_proj.weight"] == ROW
+    assert k["gpt_neox"]["gpt_neox.layers.1.attention.query_key_value.bias"] == COLUMN
+    assert k["gpt_neox"]["gpt_neox.layers.1.attention.dense.bias"] == REPLICATED
+    assert k["starcoder2"][f"{L}.mlp.c_proj.bias"] == REPLICATED
+
+
+@pytest.mark.parametrize("family", [*HF_TINY, "llama"])
+def test_the_table_names_every_checkpoint_tensor_and_the_count_is_transformers(family, saved):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.bridge.hf_config import read_hf_config
+    from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint
+
+    spec = describe_hf(read_hf_config(saved[family]), backend="hf")
+    with HFCheckpoint(saved[family]) as ck:
+        rows = resolve_checkpoint(spec, ck.keys())  # raises on a tensor no row names
+        assert {h for r in rows for h in r.hf} == set(ck.keys())
+    model = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32)
+    c = backend_of(spec).count(spec)
+    assert c.total == c.active == sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    assert c.embedding == (emb if spec.tie_word_embeddings else emb + model.get_output_embeddings().weight.numel()) + (
+        0 if model.get_output_embeddings().bias is None else model.get_output_embeddings().bias.numel()
+    )
+    if family == "gpt_neox":  # transformers saves GPT-NeoX's lm_head as embed_out
+        assert any(r.hf == ("embed_out.weight",) and r.megatron == "lm_head.weight" for r in rows)
+
+
+def test_the_backend_layout_rule_refuses_what_the_hf_backend_cannot_split(tmp_path):
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.parallel.rules.registry import validate
+
+    (tmp_path / "config.json").write_text(json.dumps(_config("cohere", num_key_value_heads=1)))
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={tmp_path}", "train.seq_length=32"])
+    spec = describe(cfg.model)
+    with pytest.raises(LayoutError) as e:
+        validate(cfg, spec, dims=ParallelDims.parse("cp2tp2").with_world(4), layout_only=True)
+    found = [v for v in e.value.violations if v.rule == "backend-layout"]
+    assert len(found) == 2 and "context parallelism" in str(e.value) and "whole KV heads" in str(e.value)
+    validate(cfg, describe(cfg.model), dims=ParallelDims.parse("pp2").with_world(2), layout_only=True)
