@@ -278,8 +278,8 @@ def survey(model_type: str) -> Facts:
         cov, f.tp_unused = covered(model)
         f.tp_styles = sorted(set(model.tp_plan.values()))
         f.attn_plan = attention_plan(model)
-        pp = model.pp_plan
-        if pp:
+        pp = model.pp_plan  # the head's own `_pp_plan` is always there: the config's plan decides
+        if getattr(cfg.get_text_config(), "base_model_pp_plan", None):
             modules = dict(model.named_modules())
             missing = [k for k in pp if k not in modules]
             f.pp = "yes" if not missing else f"names missing modules: {', '.join(missing)}"

@@ -18,7 +18,8 @@ builds a config from that class by one generic rule, read off the class's own fi
 - layer kinds: every per-layer list of strings the default config holds (`layer_types`,
   `mlp_layer_types`, `indexer_types`, ...) becomes its kinds cycled over the 4 layers; a class
   whose default is all full (or all sliding) attention but whose modeling file knows both
-  `sliding_attention` and `full_attention` gets the two alternating;
+  `sliding_attention` and `full_attention` gets the two alternating, and one whose MLPs are all
+  `sparse` but whose modeling or configuration file knows `dense` gets dense and MoE alternating;
 - composite configs (a text config with vision/audio configs) get the rule in every sub-config;
   token ids beyond the tiny vocabulary are moved into it.
 
@@ -267,11 +268,8 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
         {"interleave_moe_layer_step": 2, "floor_scale": 4},
     ),
     "minimax_m3_vl_text": (
-        "the lightning-indexer sparse layers and dense MLP layers are off by default",
-        {
-            "layer_types": ["minimax_m3_sparse", "full_attention"] * (LAYERS // 2),
-            "mlp_layer_types": ["dense", "sparse"] * (LAYERS // 2),
-        },
+        "the lightning-indexer sparse attention layers are off by default",
+        {"layer_types": ["minimax_m3_sparse", "full_attention"] * (LAYERS // 2)},
     ),
     "phi4_multimodal": (
         "the causal LM holds the audio and vision encoders, whose sizes are their own fields",
@@ -380,6 +378,8 @@ def _generic(cls: type[PretrainedConfig], sources: tuple[str, ...]) -> dict[str,
         if field == "layer_types" and kinds in (["full_attention"], ["sliding_attention"]) and "sliding_window" in have:
             if all(any(f'"{k}"' in src for src in sources) for k in ("sliding_attention", "full_attention")):
                 kinds = ["sliding_attention", "full_attention"]
+        if field == "mlp_layer_types" and kinds == ["sparse"] and any('"dense"' in src for src in sources):
+            kinds = ["dense", "sparse"]  # all MoE by default, but the class builds dense layers too
         kw[field] = list(itertools.islice(itertools.cycle(kinds), LAYERS))
     vocab = kw.get("vocab_size", VOCAB)
     for name in sorted(have):  # token ids past the tiny vocabulary move into it
@@ -401,7 +401,8 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def generic_fields(model_type: str) -> dict[str, Any]:
     """The generic rule's fields for `model_type` (before `OVERRIDES`)."""
-    return _generic(config_class(model_type), (_modeling_source(model_type),))
+    cls = config_class(model_type)
+    return _generic(cls, (_modeling_source(model_type), inspect.getsource(inspect.getmodule(cls))))  # type: ignore[arg-type]
 
 
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
