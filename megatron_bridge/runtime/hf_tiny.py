@@ -1,0 +1,475 @@
+"""Tiny models of every causal-LM architecture transformers ships with a tensor-parallel plan.
+
+The catalogue the `hf` backend's matrix runs over (issue 22, item 7). `architectures()` lists the
+model types from the installed transformers itself: those of MODEL_FOR_CAUSAL_LM_MAPPING whose
+config class declares `base_model_tp_plan` (100 in transformers 5.23). `tiny_config(model_type)`
+builds a config from that class by one generic rule, read off the class's own fields:
+
+- sizes (`SIZES`): every size field the class has gets a small value. Hidden 96 with 4 attention
+  heads and 2 KV heads of head_dim 40, so heads×head_dim (160) and kv×head_dim (80) differ from the
+  hidden size and tp2 splits both; 4 layers; vocab 256; MoE with 4 experts, top-2, one dense layer
+  first and one shared expert; MLA, indexer, linear-attention and Mamba widths to match; sliding
+  windows, attention chunks and indexer top-k of 8 tokens (`WINDOW`: run sequences of 16 or more
+  tokens for them to bite). Multi-head latent attention keeps one KV head per head and head_dim =
+  the rope part, as the released configs do;
+- features (`FEATURES`): optional parts several classes share are switched on where the class has
+  the field: attention/MLP/projection biases, qk norms, qkv clipping, muP-style multipliers;
+  dropouts and router jitter are 0 so runs are deterministic;
+- layer kinds: every per-layer list of strings the default config holds (`layer_types`,
+  `mlp_layer_types`, `indexer_types`, ...) becomes its kinds cycled over the 4 layers; a class
+  whose default is all full (or all sliding) attention but whose modeling file knows both
+  `sliding_attention` and `full_attention` gets the two alternating, and one whose MLPs are all
+  `sparse` but whose modeling or configuration file knows `dense` gets dense and MoE alternating;
+- composite configs (a text config with vision/audio configs) get the rule in every sub-config;
+  token ids beyond the tiny vocabulary are moved into it.
+
+What the rule cannot guess (a feature off by default, a pattern kept in another field, a size that
+must divide another) is in `OVERRIDES`: the exception, one entry per architecture, each with a
+one-line reason.
+
+`build_tiny` counts the parameters on the meta device first (a size the rule missed is refused,
+not built), builds the model with transformers (fp32, CPU, deterministic for a seed) and perturbs
+every weight the initialisation leaves constant (norm weights of 1, biases of 0, zero-initialised
+gates, sinks and routing-correction biases) so a dropped or swapped tensor shows in the logits;
+weights the initialisation draws at random are kept as drawn. `make_tiny` saves it with
+`save_pretrained`. benchmarks/hf_arch_survey.py runs every architecture and writes
+docs/hf_architectures.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+LAYERS = 4
+HIDDEN = 96
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 40
+VOCAB = 256
+EXPERTS = 4
+TOP_K = 2
+MAX_PARAMS = 5_000_000
+WINDOW = 8  # sliding window, attention chunk, indexer top-k, in tokens: run sequences of 16 or more
+
+# The generic rule, sizes: a field the config class has gets this value.
+SIZES: dict[str, Any] = {
+    # widths
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "intermediate_size": 176,
+    "intermediate_size_mlp": 176,
+    "ffn_hidden_size": 176,
+    "dense_intermediate_size": 176,
+    "prefix_dense_intermediate_size": 176,
+    # depth
+    "num_hidden_layers": LAYERS,
+    "num_layers": LAYERS,
+    # mixture of experts
+    "num_experts": EXPERTS,
+    "n_routed_experts": EXPERTS,
+    "num_local_experts": EXPERTS,
+    "moe_num_experts": EXPERTS,
+    "num_experts_per_tok": TOP_K,
+    "moe_topk": TOP_K,
+    "moe_k": TOP_K,
+    "top_k_experts": TOP_K,
+    "n_group": 2,
+    "topk_group": 1,
+    "moe_intermediate_size": 56,
+    "expert_ffn_hidden_size": 56,
+    "shared_expert_intermediate_size": 56,
+    "shared_experts_intermediate_size": 56,
+    "shared_intermediate_size": 56,
+    "moe_shared_expert_intermediate_size": 56,
+    "first_k_dense_replace": 1,
+    "num_dense_layers": 1,
+    "moe_layer_start_index": 1,
+    "mlp_only_layers": [0],
+    "zero_expert_num": 2,
+    # multi-head latent attention
+    "q_lora_rank": 72,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": HEAD_DIM,
+    "o_lora_rank": 72,
+    "o_groups": 2,
+    # sparse-attention indexers
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "index_block_size": 4,
+    "index_topk_blocks": 2,
+    # windows and patterns
+    "sliding_window": WINDOW,
+    "sliding_window_size": WINDOW,
+    "attention_chunk_size": WINDOW,
+    "max_window_layers": 1,
+    "sliding_window_pattern": 2,
+    "global_attn_every_n_layers": 2,
+    "no_rope_layer_interval": 2,
+    "layer_group_size": 2,
+    "block_size": WINDOW,
+    "chunk_size": WINDOW,
+    # linear attention / state-space mixers
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 16,
+    "mamba_d_state": 16,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 24,
+    "mamba_chunk_size": WINDOW,
+    "ssm_state_size": 16,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 24,
+    "n_groups": 2,
+    # other low-rank and auxiliary widths
+    "hidden_size_per_layer_input": 16,
+    "vocab_size_per_layer_input": VOCAB,
+    "laurel_rank": 8,
+    "gated_norm_rank": 8,
+    "hc_lowrank": 16,
+    "swa_num_attention_heads": HEADS,
+    "swa_num_key_value_heads": KV_HEADS,
+    "swa_head_dim": HEAD_DIM,
+    "num_kv_shared_layers": 2,
+    "n_shared_experts": 1,
+    "keep_window_size": WINDOW,
+    "rel_extent": 16,
+    "unpadded_vocab_size": VOCAB,
+    "log_scaling_n_floor": WINDOW,
+    "n_layers_per_attn_res_block": 2,
+    "rotary_dim": 16,
+    "num_shared_experts": 1,
+}
+
+# The generic rule, features: optional parts several classes share, switched on where the class has the field
+# (biases and scales that a parallel implementation can drop or apply twice).
+FEATURES: dict[str, Any] = {
+    "attention_bias": True,
+    "mlp_bias": True,
+    "use_bias": True,
+    "qkv_bias": True,
+    "attention_out_bias": True,
+    "lm_head_bias": True,
+    "mamba_proj_bias": True,
+    "conv_bias": True,
+    "use_qk_norm": True,
+    "qk_layernorm": True,
+    "clip_qkv": 0.5,
+    "embedding_multiplier": 4.0,
+    "logits_scaling": 2.0,
+    "residual_multiplier": 0.5,
+    "attention_multiplier": 0.25,
+    "use_mamba_kernels": False,
+}
+
+_HYBRID = ["linear_attention", "full_attention"] * (LAYERS // 2)
+
+# Per-architecture config tweaks the generic rule cannot guess: model_type -> (reason, fields). The fields
+# win over the generic rule's; a dict value updates a sub-config's fields. Keys the config class does not
+# declare are ones its __post_init__ reads from its keyword arguments.
+OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
+    "afmoe": ("muP scaling is off by default", {"mup_enabled": True}),
+    "cohere_compass_text": (
+        "rope parameters are per layer kind and the default has none; full-attention layers are NoPE",
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": None,
+            }
+        },
+    ),
+    "deepseek_v2": (
+        "the released V2 routes within a limited set of expert groups; the default is plain greedy",
+        {"topk_method": "group_limited_greedy"},
+    ),
+    "deepseek_v4": (
+        "the default heavily-compressed rate (128) leaves no compressed token in a short sequence",
+        {"compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}},
+    ),
+    "doge": ("the cross-domain MoE (product-key experts: a square count) is off by default", {"is_moe": True}),
+    "dots3_note_text": (
+        "sliding layers take their MLA sizes from swa_* keywords (defaults are full size)",
+        {
+            "swa_num_attention_heads": HEADS,
+            "swa_num_key_value_heads": HEADS,
+            "swa_q_lora_rank": 72,
+            "swa_kv_lora_rank": 32,
+            "swa_head_dim": 64,
+            "swa_qk_nope_head_dim": 48,
+            "swa_v_head_dim": HEAD_DIM,
+            "head_dim": 64,
+        },
+    ),
+    "glm_moe_dsa": (
+        "every layer runs its own indexer by default; 'shared' layers reuse the previous layer's top-k",
+        {"indexer_types": ["full", "shared"] * (LAYERS // 2)},
+    ),
+    "gemma3n_text": (
+        "the default makes the first 10 layers sparse only in models deeper than 10 layers",
+        {"activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]},
+    ),
+    "gemma4_text": (
+        "the MoE block and K=V global attention are off by default; global layers keep a wider head (512 by default)",
+        {
+            "enable_moe_block": True,
+            "attention_k_eq_v": True,
+            "use_double_wide_mlp": True,
+            "global_head_dim": 56,
+            "num_global_key_value_heads": 4,
+        },
+    ),
+    "gemma4_unified_text": (
+        "K=V global attention is off by default; global layers keep a wider head (512 by default)",
+        {"attention_k_eq_v": True, "use_double_wide_mlp": True, "global_head_dim": 56, "num_global_key_value_heads": 4},
+    ),
+    "granitemoehybrid": (
+        "the default stack is all Mamba; real checkpoints interleave attention",
+        {"layer_types": _HYBRID},
+    ),
+    "helium": ("o_proj is hidden×hidden, so heads×head_dim must equal the hidden size", {"head_dim": HIDDEN // HEADS}),
+    "jamba": (
+        "attention and expert layers come from period/offset fields (default period 8 misses a 4-layer stack)",
+        {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0},
+    ),
+    "laguna": (
+        "the class takes a head count per layer; the default repeats one",
+        {"num_attention_heads_per_layer": [4, 8, 4, 8]},
+    ),
+    "lfm2_moe": (
+        "layer_types has no default; the model interleaves short convolutions and attention",
+        {"layer_types": ["conv", "full_attention"] * (LAYERS // 2)},
+    ),
+    "llama4": (
+        "composite config: the causal LM runs its text_config; same tweaks as llama4_text",
+        {"text_config": {"interleave_moe_layer_step": 2, "floor_scale": 4}},
+    ),
+    "llama4_text": (
+        "MoE on every other layer as released; a floor_scale of 8192 keeps attention temperature tuning off in short sequences",
+        {"interleave_moe_layer_step": 2, "floor_scale": 4},
+    ),
+    "minimax_m3_vl_text": (
+        "the lightning-indexer sparse attention layers are off by default",
+        {"layer_types": ["minimax_m3_sparse", "full_attention"] * (LAYERS // 2)},
+    ),
+    "phi4_multimodal": (
+        "the causal LM holds the audio and vision encoders, whose sizes are their own fields",
+        {
+            "vision_config": {"image_size": 28, "crop_size": 28, "patch_size": 14},
+            "audio_config": {
+                "num_blocks": 1,
+                "ext_pw_out_channel": 96,
+                "depthwise_separable_out_channel": 96,
+                "nemo_conv_channels": 32,
+            },
+        },
+    ),
+    "qwen4_exp_text": (
+        "the QSA indexer and per-layer n-gram embeddings (which need an eos id) are off by default; the n-gram table has 20M rows",
+        {
+            "indexer_n_heads": 4,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": HEAD_DIM,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 4,
+            "ple_layer_ids": [1],
+            "ple_embed_dim": 48,
+            "ngram_size": 2,
+            "heads_per_ngram": 2,
+            "ngram_vocab_size_base": 97,
+            "make_ngram_vocab_size_divisible_by": 8,
+            "split_ngram_parts": 1,
+            "eos_token_id": 2,
+        },
+    ),
+}
+
+
+def architectures() -> list[str]:
+    """Every causal-LM model type of the installed transformers whose config has a tp plan."""
+    return sorted(
+        mt
+        for mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        if mt in CONFIG_MAPPING and getattr(CONFIG_MAPPING[mt], "base_model_tp_plan", None)
+    )
+
+
+def config_class(model_type: str) -> type[PretrainedConfig]:
+    return CONFIG_MAPPING[model_type]
+
+
+def _fields(cls: type[PretrainedConfig]) -> set[str]:
+    """The keyword fields of a config class (its dataclass fields)."""
+    return {n for n, p in inspect.signature(cls).parameters.items() if p.kind is not p.VAR_KEYWORD}
+
+
+def _get(cfg: PretrainedConfig, name: str) -> Any:
+    """`cfg.name`, or None where the config holds it per layer (heterogeneous configs refuse a global read)."""
+    try:
+        return getattr(cfg, name, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
+
+
+def _kinds(values: list[str] | None) -> list[str]:
+    """The distinct values of a per-layer list, in order of first appearance."""
+    return list(dict.fromkeys(values or []))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' logger silenced: default configs of some classes hold ids past their own vocabulary."""
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+@functools.cache
+def _modeling_source(model_type: str) -> str:
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    model_cls = getattr(transformers, name)
+    return inspect.getsource(inspect.getmodule(model_cls))  # type: ignore[arg-type]
+
+
+def _generic(cls: type[PretrainedConfig], sources: tuple[str, ...]) -> dict[str, Any]:
+    """The generic rule's fields for config class `cls` (sub-configs as nested dicts)."""
+    have = _fields(cls)
+    kw: dict[str, Any] = {k: v for k, v in {**SIZES, **FEATURES}.items() if k in have}
+    kw.update({k: 0.0 for k in have if k.endswith(("dropout", "_pdrop", "jitter_noise"))})  # deterministic runs
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if name in have and isinstance(sub, type) and issubclass(sub, PretrainedConfig):
+            kw[name] = _generic(sub, sources)
+    if "kv_lora_rank" in have:  # multi-head latent attention: one latent for every head, rope part of head_dim
+        kw.update(
+            {k: v for k, v in (("num_key_value_heads", HEADS), ("head_dim", SIZES["qk_rope_head_dim"])) if k in have}
+        )
+    with _quiet():
+        default = cls()
+    if "use_sliding_window" in have:
+        kw["use_sliding_window"] = True
+    depth = _get(default, "num_hidden_layers")
+    for field in sorted(have):  # per-layer kinds: those of the default config, cycled over the tiny depth
+        values = _get(default, field)
+        if not (isinstance(values, list) and len(values) == depth and all(isinstance(v, str) for v in values)):
+            continue
+        kinds = _kinds(values)
+        if field == "layer_types" and kinds in (["full_attention"], ["sliding_attention"]) and "sliding_window" in have:
+            if all(any(f'"{k}"' in src for src in sources) for k in ("sliding_attention", "full_attention")):
+                kinds = ["sliding_attention", "full_attention"]
+        if field == "mlp_layer_types" and kinds == ["sparse"] and any('"dense"' in src for src in sources):
+            kinds = ["dense", "sparse"]  # all MoE by default, but the class builds dense layers too
+        kw[field] = list(itertools.islice(itertools.cycle(kinds), LAYERS))
+    vocab = kw.get("vocab_size", VOCAB)
+    for name in sorted(have):  # token ids past the tiny vocabulary move into it
+        value = _get(default, name) if name.endswith(("_token_id", "_token_index")) else None
+        if isinstance(value, int) and value >= vocab:
+            kw[name] = value % vocab
+        elif isinstance(value, list) and any(isinstance(v, int) and v >= vocab for v in value):
+            kw[name] = [v % vocab for v in value]
+    return kw
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated with `extra`; a dict value updates a dict value (sub-configs) key by key."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def generic_fields(model_type: str) -> dict[str, Any]:
+    """The generic rule's fields for `model_type` (before `OVERRIDES`)."""
+    cls = config_class(model_type)
+    return _generic(cls, (_modeling_source(model_type), inspect.getsource(inspect.getmodule(cls))))  # type: ignore[arg-type]
+
+
+def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+    """The tiny config of `model_type`: the generic rule, then `OVERRIDES`, then `overrides`."""
+    kw = _merge(generic_fields(model_type), OVERRIDES.get(model_type, ("", {}))[1])
+    return config_class(model_type)(**_merge(kw, overrides))
+
+
+def perturb_constants_(
+    model: torch.nn.Module, seed: int = 0, scale: float = 0.1, zero_scale: float = 0.02
+) -> list[str]:
+    """Perturb every parameter and persistent floating buffer whose values are all equal.
+
+    A constant c ≠ 0 becomes c·(1 + scale·N(0, 1)) elementwise (norm weights of 1: 1 ± 0.1); a constant 0
+    becomes zero_scale·N(0, 1) (biases, zero-initialised gates and routing-correction biases: small enough
+    that every expert still gets tokens). Returns the names perturbed, in order."""
+    g = torch.Generator().manual_seed(seed)
+    persistent = set(model.state_dict())
+    tensors: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    tensors += [(n, b) for n, b in model.named_buffers() if n in persistent and b.is_floating_point()]
+    done = []
+    with torch.no_grad():
+        for name, t in sorted(tensors, key=lambda x: x[0]):
+            if t.numel() == 0 or not t.is_floating_point():
+                continue
+            flat = t.detach().reshape(-1)
+            if not bool((flat == flat[0]).all()):
+                continue
+            c = float(flat[0])
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype)
+            t.copy_(c + (scale * abs(c) if c else zero_scale) * noise)
+            done.append(name)
+    return done
+
+
+def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """The tiny model of `model_type` in memory (fp32, CPU, as initialised: train mode), constants perturbed."""
+    cfg = tiny_config(model_type, **overrides)
+    with torch.device("meta"):  # a size the rule missed would build a full-size model: count first
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(
+            f"{model_type}: the tiny config builds {n:,} parameters (> {MAX_PARAMS:,}): a size field is not tiny"
+        )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    perturb_constants_(model, seed)
+    return model
+
+
+def make_tiny(model_type: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny model of `model_type` to `out_dir` with save_pretrained; returns the path."""
+    model = build_tiny(model_type, seed, **overrides)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+__all__ = [
+    "OVERRIDES",
+    "FEATURES",
+    "SIZES",
+    "architectures",
+    "build_tiny",
+    "config_class",
+    "generic_fields",
+    "make_tiny",
+    "perturb_constants_",
+    "tiny_config",
+]
