@@ -57,5 +57,14 @@ class Backend(ABC):
         `backend-layout` rule refuses them before any process group."""
         return []
 
+    def run_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
+        """(what this backend cannot do in a training run, the fix): the `backend-run` rule
+        refuses them (`mbr check`, `mbr plan`, training) before any process group."""
+        return []
+
+    def convert_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
+        """(why `mbr convert` cannot write this model's megatron checkpoint, the fix)."""
+        return []
+
 
 __all__ = ["Backend"]

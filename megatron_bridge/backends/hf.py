@@ -299,6 +299,25 @@ class HFBackend(Backend):
             )
         return out
 
+    def run_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
+        return [
+            (
+                "training runs are not implemented for the hf backend yet (its models are built, loaded, "
+                "verified and exported: `mbr verify`)",
+                "verify it with `mbr verify model.hf_path=DIR`, or train a model with a native family "
+                "(`mbr verify --list`)",
+            )
+        ]
+
+    def convert_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
+        return [
+            (
+                f"{spec.architecture} is an hf-backend model, whose megatron checkpoints `mbr convert` does not "
+                "write yet",
+                "load the HF directory itself (model.hf_path=DIR): the hf backend reads its shards rank-locally",
+            )
+        ]
+
 
 __all__ = [
     "HFBackend",

@@ -72,6 +72,16 @@ def backend_layout(f: Facts) -> list[Violation]:
     return out
 
 
+@RULES.run(reads=("model",))
+def backend_run(f: Facts) -> list[Violation]:
+    """What the model's backend cannot do in a training run (the hf backend: training itself,
+    for now), refused by `mbr check`, `mbr plan` and the trainer before any process group."""
+    out = []
+    for what, fix in backend_of(f.model).run_limits(f.model):
+        out += _v("backend-run", f"{f.model.architecture} ({f.model.backend} backend): {what}", fix)
+    return out
+
+
 @RULES.layout(reads=("layout", "model"))
 def moe_bias_etp(f: Facts) -> list[Violation]:
     """megatron-core refuses biased experts (GPT-OSS) under expert-TP > 1."""

@@ -172,3 +172,23 @@ def test_the_backend_layout_rule_refuses_what_the_hf_backend_cannot_split(tmp_pa
     found = [v for v in e.value.violations if v.rule == "backend-layout"]
     assert len(found) == 2 and "context parallelism" in str(e.value) and "whole KV heads" in str(e.value)
     validate(cfg, describe(cfg.model), dims=ParallelDims.parse("pp2").with_world(2), layout_only=True)
+
+
+def test_training_and_converting_an_hf_model_are_refused_naming_the_backend(tmp_path, saved, capsys):
+    """What the hf backend cannot do yet is refused before anything starts: a training run
+    (`backend-run`, what `mbr check` and the trainer apply) and `mbr convert` (its checkpoints
+    load from the HF directory itself); `mbr verify` still takes the model (layout rules only)."""
+    from megatron_bridge.cli import main
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.parallel.rules.registry import validate
+
+    cohere = saved["cohere"]
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={cohere}", "parallel.tp=1", "parallel.pp=1"])
+    spec = describe(cfg.model)
+    with pytest.raises(LayoutError) as e:
+        validate(cfg, spec, world_size=1)
+    assert [v.rule for v in e.value.violations] == ["backend-run"] and "mbr verify" in str(e.value)
+    validate(cfg, spec, dims=ParallelDims.parse("tp1").with_world(1), layout_only=True)  # what verify applies
+    assert main(["convert", f"src={cohere}", f"dst={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert "hf-backend model" in err and "model.hf_path=DIR" in err and not (tmp_path / "out").exists()
