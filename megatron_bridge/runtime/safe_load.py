@@ -39,8 +39,15 @@ _GLOBAL = re.compile(r"GLOBAL (\S+) was not an allowed global|Unsupported global
 def _extras(allowed: frozenset[Name]) -> list[Any]:
     """The names of `allowed` beyond torch's own allowlist, as `safe_globals` takes them:
     (object, "module.name"). A module not imported yet (deepspeed in a Megatron-engine run)
-    is skipped: its names cannot be in a file this process wrote."""
+    is skipped: its names cannot be in a file this process wrote. With NumPy's names come the
+    classes of its numeric dtypes (`numpy.dtypes.UInt32DType`, ...): a pickled dtype is built
+    by calling `numpy.dtype` and then given its state, which torch admits only for an
+    allowlisted class; they never appear in a pickle by name."""
     out: list[Any] = []
+    if ("numpy", "dtype") in allowed:
+        import numpy as np
+
+        out += sorted({type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDG"}, key=lambda t: t.__name__)
     for module, name in sorted(allowed - TORCH):
         real = _RENAMED.get(module, module)
         top = real.split(".")[0]
@@ -67,12 +74,27 @@ def torch_load(path: str | os.PathLike[str] | Any, allowed: frozenset[Name], **k
     names; a file naming anything else: UserError (`pickle_guard.refusal`), nothing run."""
     kwargs.pop("weights_only", None)
     kwargs.pop("pickle_module", None)  # torch refuses a pickle module with weights_only
-    with torch.serialization.safe_globals(_extras(allowed)):
+    with _exactly(_extras(allowed)):
         try:
             return _TORCH_LOAD(path, weights_only=True, **kwargs)
         except pickle.UnpicklingError as e:
             where = path if isinstance(path, str | os.PathLike) else getattr(path, "name", "a checkpoint file")
             raise refusal(Path(where), _what(e)) from None
+
+
+@contextlib.contextmanager
+def _exactly(extras: list[Any]) -> Iterator[None]:
+    """torch's allowlist plus `extras` and nothing else for the block: megatron-core adds its
+    own classes process-wide at import (`megatron.core.safe_globals`: BytesIO, PosixPath,
+    OptimizerConfig, ...), which this project's checkpoints never hold."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(extras)
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
 
 
 @contextlib.contextmanager

@@ -30,8 +30,8 @@ from megatron_bridge.bridge.loader import hf_assets
 from megatron_bridge.bridge.lora import base_of
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import Config
-from megatron_bridge.convert.formats.manifest import MANIFEST as CONVERTED_MANIFEST
-from megatron_bridge.convert.sources.readers import check_data_only
+from megatron_bridge.convert.formats.safetensors_io import scan_dir
+from megatron_bridge.convert.sources.readers import check_init_source
 from megatron_bridge.data.indexed import check_indexed_data
 from megatron_bridge.errors import LayoutError, UserError, run_cli
 from megatron_bridge.parallel.dims import ParallelDims
@@ -64,8 +64,10 @@ def preflight(cfg, dims, spec) -> None:
             f"train.init_from={cfg.train.init_from} does not exist. Point it at a Hugging Face model "
             "directory or an `mbr convert` output, or drop train.init_from to start from scratch."
         )
-    if cfg.train.init_from and (Path(cfg.train.init_from) / CONVERTED_MANIFEST).is_file():
-        check_data_only(Path(cfg.train.init_from))  # its pickles hold only data, before anything starts
+    if cfg.train.init_from:  # HF headers and names, or a converted checkpoint's pickles: data only
+        check_init_source(cfg.train.init_from)
+    elif spec.source and any(Path(spec.source).glob("*.safetensors")):
+        scan_dir(Path(spec.source))  # model.hf_path's weights: names confined, no FIFO
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise UserError("checkpoint.resume=true needs checkpoint.dir=DIR (the directory the first run saved to).")
     if cfg.checkpoint.resume:

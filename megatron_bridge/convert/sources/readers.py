@@ -398,6 +398,31 @@ def check_data_only(path: Path) -> Manifest:
     return man
 
 
+def init_kind(path: str | Path, arg: str = "train.init_from") -> str:
+    """What a directory to start training from is: "hf" (config.json + safetensors) or
+    "converted" (an `mbr convert` / `mbr reshard` output); UserError for anything else (a
+    directory of pickled `.bin` weights included: those are never loaded)."""
+    p = Path(path)
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return "hf"
+    if (p / "mbr_manifest.json").is_file():
+        return "converted"
+    raise UserError(
+        f"{arg}={path} is neither a Hugging Face model directory (config.json + "
+        "*.safetensors) nor a `mbr convert` output (mbr_manifest.json)."
+    )
+
+
+def check_init_source(path: str | Path, arg: str = "train.init_from") -> None:
+    """The trainer's preflight of the weights it will start from, before any process group:
+    an HF directory's index and headers (names confined, no FIFO: `scan_dir`), a converted
+    checkpoint's manifest and pickles (`check_data_only`). Reads no tensor."""
+    if init_kind(path, arg) == "hf":
+        scan_dir(Path(path))
+    else:
+        check_data_only(Path(path))
+
+
 def open_checkpoint(path: Path, dtype: DType | None) -> CheckpointSource:
     man = Manifest.read(path)
     return (DistSource if man.format == "torch_dist" else TorchSource)(path, man, dtype)
@@ -411,6 +436,8 @@ __all__ = [
     "TorchSource",
     "open_checkpoint",
     "check_data_only",
+    "check_init_source",
+    "init_kind",
     "parse_dtype",
     "DTYPES",
 ]

@@ -136,3 +136,20 @@ def test_resuming_another_models_state_is_one_message():
     with pytest.raises(UserError, match="cannot resume ck: it holds the state of another model.*Resume with the model"):
         with _model_must_fit(Path("ck")):
             torch.nn.Linear(2, 2).load_state_dict({"weight": torch.zeros(3, 2), "bias": torch.zeros(2)})
+
+
+def test_the_allowlist_is_exactly_ours_whatever_megatron_registered(tmp_path):
+    """megatron-core adds classes to torch's allowlist process-wide at import (BytesIO,
+    PosixPath, ...); a checkpoint load admits only torch's own names and pickle_guard's, and
+    leaves megatron's registrations as they were."""
+    import io
+
+    import megatron.core  # noqa: F401 - registers its safe globals
+
+    before = set(map(repr, torch.serialization.get_safe_globals()))
+    assert repr(io.BytesIO) in before
+    f = tmp_path / "bytesio.pt"
+    f.write_bytes(torch_bytes({"x": io.BytesIO(b"abc")}))
+    with pytest.raises(UserError, match="holds a `_io.BytesIO` object"):
+        torch_load(f, TRAINING)
+    assert set(map(repr, torch.serialization.get_safe_globals())) == before
