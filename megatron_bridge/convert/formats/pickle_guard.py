@@ -63,7 +63,6 @@ TORCH: frozenset[Name] = frozenset(
         ("collections", "OrderedDict"),
         ("collections", "Counter"),
         ("builtins", "set"),
-        ("builtins", "frozenset"),
         ("builtins", "bytearray"),
         ("builtins", "complex"),
         ("_codecs", "encode"),  # how protocol 2 stores bytes

@@ -153,3 +153,37 @@ def test_the_allowlist_is_exactly_ours_whatever_megatron_registered(tmp_path):
     with pytest.raises(UserError, match="holds a `_io.BytesIO` object"):
         torch_load(f, TRAINING)
     assert set(map(repr, torch.serialization.get_safe_globals())) == before
+
+
+def test_deepspeed_engine_load_checkpoint_refuses_a_payload(tmp_path):
+    """A real DeepSpeed engine (ZeRO-1, one process) saves, a payload is planted in its ZeRO
+    file, and `load_checkpoint` inside `only_weights` refuses it; the clean one loads."""
+    import deepspeed
+
+    from megatron_bridge.testing import free_port
+
+    env = dict(os.environ)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        config = {
+            "train_batch_size": 1,
+            "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+        }
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+        engine.save_checkpoint(str(tmp_path), tag="t", save_latest=False)
+        with only_weights(TRAINING):
+            engine.load_checkpoint(str(tmp_path), tag="t")
+        marker = tmp_path / "MARKER"
+        (f,) = (tmp_path / "t").glob("*optim_states.pt")
+        sd = torch.load(f, weights_only=False)  # our own file: trusted
+        f.write_bytes(torch_bytes({**sd, "x": MarkerPayload(marker)}))
+        with only_weights(TRAINING), pytest.raises(UserError, match=REFUSED):
+            engine.load_checkpoint(str(tmp_path), tag="t")
+        assert not marker.exists()
+    finally:
+        torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(env)
