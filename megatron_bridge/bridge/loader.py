@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved, resolve_hf
 from megatron_bridge.convert.formats import fp8
+from megatron_bridge.convert.formats.paths import confined
 from megatron_bridge.convert.formats.safetensors_io import LazySlice, PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.errors import UserError
 
@@ -178,14 +179,28 @@ def _write_config_and_assets(out: Path, spec: BridgeSpec, source_dir, hf_config,
         cfg.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if source_dir is not None:
-        for f in sorted(Path(source_dir).iterdir()):
-            if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_FILE_SUFFIXES):
-                shutil.copy2(f, out / f.name)
+        for name in hf_assets(Path(source_dir)):
+            shutil.copy2(Path(source_dir) / name, out / name)
+
+
+def hf_assets(source_dir: Path, skip: Collection[str] = ("config.json",)) -> list[str]:
+    """The files an HF directory ships besides its weights and `skip` (tokenizer, generation
+    config), copied along by convert and export. A symbolic link leading out of the directory
+    is refused (`paths.confined`): its target would be copied into the output."""
+    names = [
+        f.name
+        for f in sorted(source_dir.iterdir())
+        if f.is_file() and f.name not in skip and not f.name.endswith(WEIGHT_FILE_SUFFIXES)
+    ]
+    for n in names:
+        confined(source_dir, n, source=source_dir, what="file", verb="holds", plain=True)
+    return names
 
 
 __all__ = [
     "HFCheckpoint",
     "Coords",
+    "hf_assets",
     "WEIGHT_FILE_SUFFIXES",
     "shard_for",
     "shard_of",

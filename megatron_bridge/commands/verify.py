@@ -68,7 +68,7 @@ def _launched(cfg, worker: bool) -> int:
         raise UserError(shared[0])
     hf_dir = shared[1]
     spec = describe(cfg.model, hf_path=hf_dir)
-    ref = torch.load(out / "reference.pt")
+    ref = torch.load(out / "reference.pt", weights_only=True)  # written by phase 1; still data only
     mine: dict[str, Any] = {}
     for lay in layouts:
         t0 = time.perf_counter()

@@ -7,7 +7,8 @@
   each rank reads only the bytes its shards span, straight into the parameters, with no
   collective and no `torch.load(weights_only=False)` of stored objects, which megatron's
   `dist_checkpointing.load` (torch DCP) would do; the result is the same, bit for bit.
-* torch (per-rank files): this rank's `release/mp_rank_.../model_optim_rng.pt`, loaded
+* torch (per-rank files): this rank's `release/mp_rank_.../model_optim_rng.pt`, loaded as
+  data only (`runtime/safe_load.torch_load`: weights_only plus `argparse.Namespace`) and
   strictly into each chunk. The run's layout must be the checkpoint's; `mbr reshard` makes
   another one.
 
@@ -18,7 +19,6 @@ a load.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,11 +31,14 @@ from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
 from megatron_bridge.backends.describe import describe_hf
 from megatron_bridge.convert.formats.dist_read import DistReader
-from megatron_bridge.convert.formats.manifest import Manifest
+from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest
+from megatron_bridge.convert.formats.paths import confined
+from megatron_bridge.convert.formats.pickle_guard import CONVERTED
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader
 from megatron_bridge.convert.placement.manifest_model import manifest_layout, stored_vocab_rows
 from megatron_bridge.convert.placement.rank_files import RELEASE, RankFile, chunk_key
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.safe_load import torch_load
 from megatron_bridge.runtime.weights import checkpoint_tensors, current_coords, layout_of, require_all_written
 
 _IGNORED = ("make_vocab_size_divisible_by", "initializer_range", "attention_dropout", "max_position_embeddings")
@@ -139,9 +142,11 @@ def _load_rank_files(chunks: Sequence[Any], spec: Any, man: Manifest, path: Path
             f"{man.make_vocab_size_divisible_by}"
         )
     c = current_coords()
-    f = path / RankFile(c.tp_rank, c.pp_rank, c.ep_rank).relpath(ckpt)
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+    rel = RankFile(c.tp_rank, c.pp_rank, c.ep_rank).relpath(ckpt)
+    f = confined(path, rel, source=path / MANIFEST, what="rank file")
+    if not f.is_file():
+        raise UserError(f"train.init_from={path}: {rel} is missing (the checkpoint is incomplete)")
+    state = torch_load(f, CONVERTED, map_location="cpu", mmap=True)  # data only: never code
     for i, chunk in enumerate(chunks):
         key = chunk_key(ckpt, i if ckpt.vpp else None)
         try:

@@ -13,7 +13,9 @@ barrier rank 0 writes the manifest with the gathered checksums, renames the dire
 previous complete checkpoint as `latest` or the new one — never a torn one; leftover
 `.tmp` directories are ignored and removed by the next save. `verify()` re-hashes the files
 (`mbr check-ckpt` runs it from the command line); `peek()` reads the pointer and the manifest
-without hashing (the trainer's preflight); both live in the torch-free `manifest.py`. Test-only fault injection (`MBR_FAULT`, see
+without hashing (the trainer's preflight); both live in the torch-free `manifest.py`. A rank
+file is loaded as data only (`runtime/safe_load.torch_load`: weights_only plus the NumPy RNG
+state's names), never with `weights_only=False`. Test-only fault injection (`MBR_FAULT`, see
 megatron_bridge/reliability.py) can SIGKILL a process at three points of `save`: after its
 file is written, after the manifest, after the rename — tests/reliability kills at each.
 """
@@ -34,7 +36,9 @@ import numpy as np
 import torch
 from megatron.core import tensor_parallel
 
+from megatron_bridge.convert.formats.pickle_guard import TRAINING
 from megatron_bridge.reliability import fault
+from megatron_bridge.runtime.safe_load import torch_load
 from megatron_bridge.train.manifest import (
     LATEST,
     MANIFEST,
@@ -117,7 +121,7 @@ def load(root: str | Path, meta_must_match: dict[str, Any]) -> tuple[int, dict[s
     check_meta(d, manifest, meta_must_match)
     dist = _dist()
     rank = dist.get_rank() if dist else 0
-    state = torch.load(d / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=False)
+    state = torch_load(d / f"rank_{rank:05d}.pt", TRAINING, map_location="cpu")  # data only: never code
     state["_dir"] = str(d)
     return it, state
 

@@ -19,7 +19,8 @@ checkpointed through `state_dict()` / `load_state_dict()` (this rank's share onl
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,12 @@ from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, Opti
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_bridge.convert.formats.pickle_guard import TRAINING
+from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build import model_config
 from megatron_bridge.runtime.lora_modules import adapters, load_model_state, model_state
 from megatron_bridge.runtime.packing import model_inputs, schedule_shape
+from megatron_bridge.runtime.safe_load import only_weights
 from megatron_bridge.runtime.schedule import wrap_ddp
 from megatron_bridge.train.data.sft import is_packed
 from megatron_bridge.train.ds_config import build_ds_config
@@ -228,14 +232,32 @@ class MegatronEngine(Engine):
         }
 
     def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
-        for c, sd in zip(self.model_chunks, state["model"]):
-            load_model_state(c, sd)
+        with _model_must_fit(directory):
+            for c, sd in zip(self.model_chunks, state["model"]):
+                load_model_state(c, sd)
         for opt, st in zip(self._optimizers(), state["optimizer"]):
             if "dist" in st:
                 _load_dist_opt_states(opt, st["dist"])
             else:
                 opt.load_state_dict(st["plain"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+@contextlib.contextmanager
+def _model_must_fit(directory: Path) -> Iterator[None]:
+    """A checkpoint of another model (its layout string and engine match, its tensors do not):
+    one message instead of `load_state_dict`'s traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "Error(s) in loading state_dict" not in str(e):
+            raise
+        detail = " ".join(str(e).split())
+        raise UserError(
+            f"cannot resume {directory}: it holds the state of another model than this run builds "
+            f"({detail[:300]}{'…' if len(detail) > 300 else ''}). Resume with the model it was written "
+            "with (the same model.* settings or model.hf_path), or give this run a new checkpoint.dir."
+        ) from None
 
 
 def _dist_model_params(opt) -> list[torch.nn.Parameter]:
@@ -338,6 +360,12 @@ class DeepSpeedEngine(Engine):
         )
 
     def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
+        # DeepSpeed loads its files with torch.load(weights_only=False): made data-only here
+        with only_weights(TRAINING), _model_must_fit(directory):
+            self._load_checkpoint(directory)
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def _load_checkpoint(self, directory: Path) -> None:
         self.engine.load_checkpoint(
             str(directory),
             tag="deepspeed",
@@ -345,7 +373,6 @@ class DeepSpeedEngine(Engine):
             load_lr_scheduler_states=False,
             load_module_strict=not self._frozen,
         )
-        self.scheduler.load_state_dict(state["scheduler"])
 
 
 ENGINES: dict[str, type[Engine]] = {"megatron": MegatronEngine, "deepspeed": DeepSpeedEngine}

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_bridge.errors import UserError
+from megatron_bridge.convert.sources.readers import init_kind
 from megatron_bridge.runtime.load_converted import load_converted
 from megatron_bridge.runtime.lora_modules import apply_lora
 from megatron_bridge.runtime.weights import load_hf_weights
@@ -42,14 +42,9 @@ def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
 
 
 def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:
-    p = Path(path)
-    if (p / "config.json").is_file() and (any(p.glob("*.safetensors"))):
-        load_hf_weights(chunks, spec, p)
-        return
-    if (p / "mbr_manifest.json").is_file():
-        load_converted(chunks, spec, p)
-        return
-    raise UserError(
-        f"train.init_from={path} is neither a Hugging Face model directory (config.json + "
-        "*.safetensors) nor a `mbr convert` output (mbr_manifest.json)."
-    )
+    """`train.init_from`: an HF directory or a converted checkpoint (`init_kind`; the runner's
+    preflight has checked it with `check_init_source` already)."""
+    if init_kind(path) == "hf":
+        load_hf_weights(chunks, spec, Path(path))
+    else:
+        load_converted(chunks, spec, Path(path))

@@ -6,8 +6,10 @@ verification — everything but the state itself (`checkpoint.py` writes and rea
     DIR/iter_0000010/rank_00003.pt             one file per rank (checkpoint.py)
     DIR/iter_0000010/manifest.json             layout, iteration, sha256 of every rank file
 
-`verify()` re-hashes the files against the manifest; `peek()` reads the pointer and the
-manifest without hashing.
+`verify()` re-hashes the files against the manifest and checks that their pickles name only
+tensors and plain values (`scan_pickles`); `peek()` reads the pointer and the manifest
+without hashing. Every file name a manifest gives must be a regular file inside the checkpoint
+(`convert.formats.paths.confined`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.convert.formats.paths import confined
+from megatron_bridge.convert.formats.pickle_guard import TRAINING
+from megatron_bridge.convert.formats.torch_zip_read import scan_torch_file
 from megatron_bridge.errors import UserError
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -69,7 +74,20 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
             f"{mf} is malformed (no list of files with sha256 checksums). Resume from an earlier "
             f"iteration (edit {LATEST}) or re-create the checkpoint."
         )
+    for entry in files:  # names from the file: relative, inside the directory, regular files
+        confined(d, entry["file"], source=mf, what="file")
     return manifest
+
+
+def scan_pickles(directory: str | Path, manifest: dict[str, Any]) -> None:
+    """Every `torch.save` file of the checkpoint (`*.pt`: the rank files, DeepSpeed's) names
+    only tensors and plain values (`pickle_guard.TRAINING`); UserError naming the first that
+    holds anything else. Reads only the pickles (not the tensors' bytes), runs nothing. A file
+    it cannot parse is left to the load (weights-only as well, runtime/safe_load.py)."""
+    d = Path(directory)
+    for e in manifest["files"]:
+        if str(e["file"]).endswith(".pt") and (d / e["file"]).is_file():
+            scan_torch_file(d / e["file"], TRAINING, strict=False)
 
 
 def peek(root: str | Path) -> tuple[int, dict[str, Any]] | tuple[None, None]:
@@ -109,7 +127,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def verify(directory: str | Path) -> dict[str, Any]:
-    """Check a checkpoint directory against its manifest; raise UserError naming any bad file."""
+    """Check a checkpoint directory against its manifest (sizes, sha256, and that its pickles
+    hold only data: `scan_pickles`); raise UserError naming any bad file."""
     d = Path(directory)
     manifest = read_manifest(d)
     bad = []
@@ -128,6 +147,7 @@ def verify(directory: str | Path) -> dict[str, Any]:
             f"checkpoint {d} is damaged: {', '.join(bad)}. Resume from an earlier iteration "
             "(edit latest_checkpointed_iteration.txt) or re-create it."
         )
+    scan_pickles(d, manifest)
     return manifest
 
 
@@ -140,6 +160,7 @@ __all__ = [
     "latest_iteration",
     "peek",
     "read_manifest",
+    "scan_pickles",
     "sha256_file",
     "verify",
 ]

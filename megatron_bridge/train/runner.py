@@ -26,9 +26,12 @@ from typing import Any
 
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.bridge.loader import hf_assets
 from megatron_bridge.bridge.lora import base_of
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import Config
+from megatron_bridge.convert.formats.safetensors_io import scan_dir
+from megatron_bridge.convert.sources.readers import check_init_source
 from megatron_bridge.data.indexed import check_indexed_data
 from megatron_bridge.errors import LayoutError, UserError, run_cli
 from megatron_bridge.parallel.dims import ParallelDims
@@ -61,19 +64,28 @@ def preflight(cfg, dims, spec) -> None:
             f"train.init_from={cfg.train.init_from} does not exist. Point it at a Hugging Face model "
             "directory or an `mbr convert` output, or drop train.init_from to start from scratch."
         )
+    if cfg.train.init_from:  # HF headers and names, or a converted checkpoint's pickles: data only
+        check_init_source(cfg.train.init_from)
+    elif spec.source and any(Path(spec.source).glob("*.safetensors")):
+        scan_dir(Path(spec.source))  # model.hf_path's weights: names confined, no FIFO
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise UserError("checkpoint.resume=true needs checkpoint.dir=DIR (the directory the first run saved to).")
     if cfg.checkpoint.resume:
-        # The latest pointer, the manifest and the layout it was written with, before anything
-        # starts (the checksums are verified at load, by every rank).
+        # The latest pointer, the manifest and the layout it was written with, and that its
+        # pickles hold only data, before anything starts (the checksums are verified at load,
+        # by every rank, which loads as data only again: runtime/safe_load.py).
         it, written = manifest.peek(cfg.checkpoint.dir)
         if it is not None and written is not None:  # both or neither
-            manifest.check_meta(manifest.iter_dir(cfg.checkpoint.dir, it), written, ckpt_meta(cfg, dims, spec))
+            d = manifest.iter_dir(cfg.checkpoint.dir, it)
+            manifest.check_meta(d, written, ckpt_meta(cfg, dims, spec))
+            manifest.scan_pickles(d, written)
     for key, out in (("export_to", cfg.export_to), ("export_adapter_to", cfg.export_adapter_to)):
         if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
             raise UserError(f"{key}={out} exists and is not empty; choose a new directory.")
     if cfg.export_to:  # a model without HF weights cannot be exported: say so before training
         backend_of(spec).table(spec)
+        if spec.source:  # the files copied along with the export (a link out of the directory is refused)
+            hf_assets(Path(spec.source))
     _preflight_peft(cfg, spec)
 
 

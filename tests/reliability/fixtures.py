@@ -9,7 +9,8 @@ under another layout, and damaged in every way (corrupt/truncated/missing rank f
 `latest` pointer, pointer to a missing iteration, corrupt manifest, only an interrupted save) —
 a checkpoint directory leased by a live job (pid 1), a non-empty directory, and Hugging Face model directories for `mbr convert`: a good tiny Llama
 and one per defect (truncated/corrupt/missing shard, no weights, shapes that disagree with
-config.json, unknown architecture).
+config.json, unknown architecture); and checkpoints from a stranger: a pickle payload on every
+load path, names leading out of their directory, FIFOs where files belong.
 """
 
 from __future__ import annotations
@@ -140,6 +141,74 @@ def build(fx: Path) -> None:
         c = variant(name) / "config.json"
         c.write_text(json.dumps({**json.loads(c.read_text()), **change}))
     _lora_fixtures(fx)
+    _stranger_fixtures(fx, hf)
+
+
+def _stranger_fixtures(fx: Path, hf: Path) -> None:
+    """Checkpoints from a stranger (docs/reliability.md, "A checkpoint from a stranger"): a
+    marker payload (tests/payloads.py: unpickled, it creates `{fx}/PWNED_<name>`, which the
+    catalogue's unchanged-fixtures check would see) on every load path, and names that leave
+    their directory or are not regular files."""
+    import os
+
+    from megatron_bridge.cli import main as mbr
+    from megatron_bridge.convert.formats.safetensors_io import read_header
+    from tests import payloads as pl
+
+    pl.training_checkpoint(fx / "ck_payload", fx / "PWNED_resume", layout=LAYOUT_1)
+    pl.training_checkpoint(fx / "ck_payload_ds", fx / "PWNED_resume_ds", layout=LAYOUT_1, engine="deepspeed")
+    for fmt in ("torch_dist", "torch"):
+        assert mbr(["convert", f"src={hf}", f"dst={fx / f'cv_{fmt}'}", f"format={fmt}", "progress=off"]) == 0
+    shutil.copytree(fx / "cv_torch_dist", fx / "cv_payload_dist")
+    pl.payload_in_extra_state(fx / "cv_payload_dist", fx / "PWNED_init_dist")
+    shutil.copytree(fx / "cv_torch", fx / "cv_payload_torch")
+    pl.payload_in_rank_file(fx / "cv_payload_torch", fx / "PWNED_init_torch")
+    d = fx / "hf_bin_payload"
+    d.mkdir()
+    shutil.copy(hf / "config.json", d / "config.json")
+    pl.pickle_file(d / "pytorch_model.bin", fx / "PWNED_hf_bin")
+    d = fx / "lora_bin_payload"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
+    )
+    pl.pickle_file(d / "adapter_model.bin", fx / "PWNED_lora_bin")
+
+    keys = list(read_header(hf / "model.safetensors"))
+    for name, target in (("hf_index_abs", "/etc/passwd"), ("hf_index_outside", "../hf/model.safetensors")):
+        d = fx / name
+        shutil.copytree(hf, d)
+        (d / "model.safetensors").unlink()
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: target for k in keys}}))
+    d = fx / "hf_fifo"
+    shutil.copytree(hf, d)
+    (d / "model.safetensors").unlink()
+    os.mkfifo(d / "model.safetensors")  # a reader that opens it blocks forever
+    d = fx / "hf_weights_dir"
+    shutil.copytree(hf, d)
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").mkdir()
+    d = fx / "hf_asset_link"
+    shutil.copytree(hf, d)
+    os.symlink("../nonempty/README", d / "notes.txt")  # its target would be copied into dst
+
+    def edited(name: str, src: str, **fields) -> None:
+        shutil.copytree(fx / src, fx / name)
+        mf = fx / name / "mbr_manifest.json"
+        mf.write_text(json.dumps({**json.loads(mf.read_text()), **fields}))
+
+    edited("cv_asset_escape", "cv_torch_dist", assets=["../escaped.txt"])
+    man = json.loads((fx / "cv_torch_dist" / "mbr_manifest.json").read_text())
+    edited("cv_tp0", "cv_torch_dist", layout={**man["layout"], "tp": 0})
+
+    from megatron_bridge.train import manifest as ck
+
+    for name, entry in (("ck_escape", "../../ck_payload/iter_0000002/rank_00000.pt"), ("ck_fifo", "extra.pt")):
+        d = ck.iter_dir(fake_checkpoint(fx / name, [2]), 2)
+        m = json.loads((d / ck.MANIFEST).read_text())
+        m["files"].append({"file": entry, "sha256": "0" * 64, "bytes": 0})
+        (d / ck.MANIFEST).write_text(json.dumps(m))
+    os.mkfifo(ck.iter_dir(fx / "ck_fifo", 2) / "extra.pt")
 
 
 def _lora_fixtures(fx: Path) -> None:

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from megatron_bridge.convert.formats.dist_ckpt import DCP, PLANNER, DistLocation
 from megatron_bridge.convert.formats.dtypes import BY_NAME, DType
+from megatron_bridge.convert.formats.paths import confined, require_regular
+from megatron_bridge.convert.formats.pickle_guard import Refused, refusal
 from megatron_bridge.convert.formats.pickling import Record
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader
 from megatron_bridge.convert.formats.torch_zip import TensorRef
@@ -123,7 +125,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and _TORCH_DTYPE.fullmatch(name):
             raise pickle.UnpicklingError(f"unsupported dtype torch.{name}")
         if (module, name) not in _ALLOWED:
-            raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+            raise Refused(module, name)
         return _ALLOWED[(module, name)]
 
 
@@ -147,6 +149,8 @@ class DistReader:
     def __init__(self, directory: Path, reader: PositionedReader):
         self.dir, self._io = directory, reader
         try:
+            for name in ("metadata.json", ".metadata"):
+                require_regular(directory / name)
             meta = json.loads((directory / "metadata.json").read_text())
             if meta.get("sharded_backend") != "torch_dist":
                 raise ValueError(f"sharded_backend {meta.get('sharded_backend')!r}")
@@ -162,6 +166,8 @@ class DistReader:
             self._storage: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {
                 (i.fqn, tuple(i.offset or ())): info for i, info in self.md.storage_data.items()
             }
+        except Refused as e:
+            raise refusal(directory / ".metadata", e.what) from None
         # a damaged pickle can fail with any of these
         except (
             OSError,
@@ -174,6 +180,9 @@ class DistReader:
             pickle.UnpicklingError,
         ) as e:
             raise UserError(f"{directory}: not a readable torch_dist checkpoint ({e})") from None
+        # the chunk files `.metadata` names: inside the directory, regular files (nothing opened yet)
+        for path in sorted({getattr(info, "relative_path", None) for info in self._storage.values()}, key=str):
+            confined(directory, path, source=directory / ".metadata", what="chunk file")
 
     def _item(self, key: str, chunk: _Chunk) -> _StorageInfo:
         info = self._storage.get((key, tuple(chunk.offsets)))
@@ -275,6 +284,15 @@ class DistReader:
             raise UserError(f"{self.dir}: the chunk of {key} at {tuple(chunk.offsets)} is not its tensor (damaged)")
         at = tuple(chunk.offsets)
         return item.read_box(ref, [x - o for x, o in zip(lo, at)], [y - o for y, o in zip(hi, at)])
+
+    def scan_objects(self) -> None:
+        """Check every stored object (megatron's `_extra_state` and other ShardedObjects)
+        before anything loads: UserError (`pickle_guard.refusal`) if one names anything but
+        data. Reads only those items, builds nothing."""
+        for key, entry in self.md.state_dict_metadata.items():
+            info = self._storage.get((key, ()))
+            if type(entry) is Record and info is not None:  # BytesStorageMetadata
+                LazyTorchFile(self.dir / info.relative_path, self._io, info.offset, info.length)
 
     def read_object(self, key: str) -> Any:
         """A stored object (megatron's ShardedObject, e.g. a linear layer's `_extra_state`),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 from zlib_ng import zlib_ng
 
 from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.paths import confined
 from megatron_bridge.convert.formats.safetensors_io import ST_DTYPES, tensor_bytes
 from megatron_bridge.errors import UserError
 
@@ -85,6 +86,14 @@ class Manifest:
     @classmethod
     def read(cls, directory: Path) -> Manifest:
         path = directory / MANIFEST
+        if not path.is_file() and ((directory / "manifest.json").is_file() or any(directory.glob("iter_*"))):
+            raise UserError(
+                f"{directory} is a training checkpoint (what checkpoint.dir= holds), not an `mbr convert` "
+                "output, which is what this command reads. To get its weights as a Hugging Face model, "
+                "resume it for no further steps with an export: `python -m megatron_bridge.train "
+                "recipe=... checkpoint.dir=DIR checkpoint.resume=true train.steps=ITS_ITERATION "
+                "export_to=HF_DIR`; a LoRA run's adapter: `mbr export src=DIR dst=OUT adapter=true`."
+            )
         if not path.is_file():
             raise UserError(
                 f"{directory} is not an `mbr convert` output (no {MANIFEST}); "
@@ -100,13 +109,58 @@ class Manifest:
                 f"{path}: manifest version {man.version} / format {man.format!r} is not one this "
                 f"mbr reads (version {VERSION}, formats {', '.join(FORMATS)})"
             )
+        bad = man._malformed()
+        if bad:
+            raise UserError(
+                f"{path}: malformed manifest ({'; '.join(bad[:4])}). Re-create the checkpoint with "
+                "`mbr convert`, or use one from a source you trust."
+            )
+        for name in man.assets:  # copied by export and reshard: bare names, regular files inside
+            confined(directory, name, source=path, what="asset", plain=True)
+        for rel in man.files:
+            confined(directory, rel, source=path, what="file")
         return man
 
+    def _malformed(self) -> list[str]:
+        """What is wrong with the types and values of the fields (a stranger's manifest is
+        data to check: a layout degree of 0 would divide by zero deep in a reshard)."""
+        bad = []
+
+        def count(v: Any, zero: bool = False) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool) and (v >= 0 if zero else v > 0)
+
+        if not isinstance(self.hf_config, dict):
+            bad.append("hf_config is not an object")
+        lay = self.layout if isinstance(self.layout, dict) else {}
+        if not isinstance(self.layout, dict) or not all(count(lay.get(k)) for k in ("tp", "pp")):
+            bad.append(f"layout {str(self.layout)[:80]}: tp and pp must be positive integers")
+        else:
+            for k in ("vpp", "ep", "etp", "layers_first_stage", "layers_last_stage"):
+                if lay.get(k) is not None and not count(lay[k]):
+                    bad.append(f"layout.{k}={lay[k]!r} is not a positive integer")
+        if not count(self.make_vocab_size_divisible_by):
+            bad.append(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by!r} is not a positive integer")
+        if not isinstance(self.tensors, dict) or not all(
+            isinstance(v, dict)
+            and isinstance(v.get("shape"), list)
+            and all(count(x, zero=True) for x in v["shape"])
+            and v.get("dtype") in ST_DTYPES
+            and isinstance(v.get("crc32"), str)
+            for v in self.tensors.values()
+        ):
+            bad.append("tensors: each needs a shape (a list of sizes), a safetensors dtype and a crc32")
+        if not isinstance(self.files, dict) or not all(count(v, zero=True) for v in self.files.values()):
+            bad.append("files: expected an object of relative path -> size in bytes")
+        if not isinstance(self.assets, list):
+            bad.append("assets: expected a list of file names")
+        return bad
+
     def check_files(self, directory: Path) -> None:
-        """Every recorded file is there with its recorded size (truncation, deletion)."""
+        """Every recorded file is there with its recorded size (truncation, deletion), each a
+        regular file inside `directory` (`Manifest.read` refused any other name)."""
         bad = []
         for rel, size in self.files.items():
-            p = directory / rel
+            p = confined(directory, rel, source=directory / MANIFEST, what="file")
             if not p.is_file():
                 bad.append(f"{rel} is missing")
             elif p.stat().st_size != size:

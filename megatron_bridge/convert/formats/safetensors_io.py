@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from megatron_bridge.convert.formats.dtypes import BY_ST as ST_DTYPES
 from megatron_bridge.convert.formats.dtypes import DType, dtype_of
+from megatron_bridge.convert.formats.paths import confined, require_regular
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch and numpy are imported where used: the byte paths and `import bridge` never need them
@@ -59,6 +60,7 @@ class TensorInfo:
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one file's header. Raises UserError naming the file and the defect."""
+    require_regular(path, "a safetensors file")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -110,11 +112,13 @@ def scan_dir(path: Path) -> dict[str, TensorInfo]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("weight_map is not an object of tensor name -> file name")
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{index}: corrupt index ({e})") from None
         files = sorted(set(weight_map.values()))
+        for f in files:  # names from the file: relative, inside the directory, regular files
+            confined(path, f, source=index, what="shard")
         missing = [f for f in files if not (path / f).is_file()]
         if missing:
             raise UserError(f"{index} names {len(missing)} file(s) that do not exist: {', '.join(missing)}")
@@ -134,6 +138,7 @@ def scan_dir(path: Path) -> dict[str, TensorInfo]:
             raise UserError(f"{path}: no *.safetensors weights; only safetensors checkpoints are supported{hint}")
         infos = {}
         for f in files:
+            confined(path, f, source=path, what="weight file", verb="holds")  # a FIFO, a link to elsewhere
             for k, info in read_header(path / f).items():
                 if k in infos:
                     raise UserError(

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_bridge.convert.formats.dtypes import BY_NAME, DType
+from megatron_bridge.convert.formats.pickle_guard import Name, Refused, ScanUnpickler, python3_name, refusal
 from megatron_bridge.convert.formats.torch_zip import (
     STORAGE_DTYPE,
     ZIP64_END,
@@ -41,8 +42,8 @@ if TYPE_CHECKING:
 
 
 class _StubUnpickler(pickle.Unpickler):
-    """Unpickles a torch.save pickle into TensorRefs; refuses any global outside the allowlist.
-    dtypes come back as `DType`s."""
+    """Unpickles a torch.save pickle into TensorRefs; refuses any global outside the allowlist
+    (`pickle_guard.Refused`, before it is called). dtypes come back as `DType`s."""
 
     SAFE = {
         ("collections", "OrderedDict"): collections.OrderedDict,
@@ -53,6 +54,7 @@ class _StubUnpickler(pickle.Unpickler):
     }
 
     def find_class(self, module, name):
+        module, name = python3_name(module, name)
         if (module, name) in self.SAFE:
             return self.SAFE[(module, name)]
         if module == "torch" and name in STORAGE_DTYPE:
@@ -67,7 +69,7 @@ class _StubUnpickler(pickle.Unpickler):
                 return by_storage[name]
             if isinstance(getattr(torch, name, None), torch.dtype):
                 return getattr(torch, name)
-        raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
+        raise Refused(module, name)
 
     def persistent_load(self, pid):
         kind, dtype, key, _location, numel = pid
@@ -149,6 +151,44 @@ def _zip_records(fd: int, start: int, length: int) -> dict[str, tuple[int, int]]
     return out
 
 
+def _where(path: Path, start: int, length: int | None) -> str:
+    return f"{path}" if length is None else f"{path} bytes {start}..{start + length}"
+
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickle of a pre-zip `torch.save` file
+
+
+def scan_torch_file(path: Path, allowed: frozenset[Name], *, strict: bool = True) -> None:
+    """Check that a `torch.save` file names only `allowed` globals, building nothing and
+    running nothing (`pickle_guard.ScanUnpickler`): a zip's `data.pkl`, or the pickles of the
+    legacy format (magic number, protocol, system info, the object, its storage keys).
+    UserError naming the file: `pickle_guard.refusal`, or (`strict`) not a torch file at all;
+    `strict=False` leaves a file it cannot parse to the load, which is weights-only too."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if _pread(fd, 4, 0) == b"PK\x03\x04":
+                records = _zip_records(fd, 0, size)
+                if "data.pkl" not in records:
+                    raise ValueError("no data.pkl record")
+                at, n = records["data.pkl"]
+                ScanUnpickler(io.BytesIO(_pread(fd, n, at)), allowed).load()
+                return
+            with os.fdopen(os.dup(fd), "rb") as f:
+                if ScanUnpickler(f, allowed).load() != _LEGACY_MAGIC:
+                    raise ValueError("neither a zip archive nor a legacy torch.save file")
+                for _ in range(4):  # protocol, system info, the object, the storage keys
+                    ScanUnpickler(f, allowed).load()
+        finally:
+            os.close(fd)
+    except Refused as e:
+        raise refusal(path, e.what) from None
+    except (struct.error, pickle.UnpicklingError, ValueError, EOFError, OSError, TypeError, AttributeError) as e:
+        if strict:
+            raise UserError(f"{path}: not a readable torch checkpoint ({str(e).splitlines()[0]})") from None
+
+
 class LazyTorchFile:
     """Random access to the tensors of a torch.save zip (a whole file, or the byte range
     [start, start + length) of one), one positioned read per tensor. Only `read` imports
@@ -167,9 +207,12 @@ class LazyTorchFile:
             finally:
                 os.close(fd)
             self._offsets = {r[len("data/") :]: at for r, (at, _) in records.items() if r.startswith("data/")}
+        except Refused as e:
+            raise refusal(_where(path, start, length), e.what) from None
         except (struct.error, pickle.UnpicklingError, ValueError, EOFError, OSError) as e:
-            where = f"{path}" if length is None else f"{path} bytes {start}..{start + length}"
-            raise UserError(f"{where}: not a readable torch checkpoint ({str(e).splitlines()[0]})") from None
+            raise UserError(
+                f"{_where(path, start, length)}: not a readable torch checkpoint ({str(e).splitlines()[0]})"
+            ) from None
 
     def range(self, ref: TensorRef) -> tuple[Path, int, int]:
         """(file, start, length) of a tensor's record."""
@@ -202,4 +245,4 @@ class LazyTorchFile:
         return t if t.numel() == last - first + 1 else t.clone()
 
 
-__all__ = ["LazyTorchFile"]
+__all__ = ["LazyTorchFile", "scan_torch_file"]

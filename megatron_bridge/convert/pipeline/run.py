@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron_bridge.backends.describe import describe as describe_model
 from megatron_bridge.bridge.features.mtp import note_skipped
-from megatron_bridge.bridge.loader import WEIGHT_FILE_SUFFIXES, _write_config_and_assets
+from megatron_bridge.bridge.loader import _write_config_and_assets, hf_assets
 from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
 from megatron_bridge.convert.pipeline.options import check_format, checked_layout, describe
@@ -81,12 +81,9 @@ def atomic_output(dst: Path) -> Iterator[Path]:
 
 
 def _assets(src: Path) -> list[str]:
-    """Non-weight files an HF directory ships next to the weights (tokenizer, generation config)."""
-    return [
-        f.name
-        for f in sorted(src.iterdir())
-        if f.is_file() and f.name not in RESERVED and not f.name.endswith(WEIGHT_FILE_SUFFIXES)
-    ]
+    """Non-weight files an HF directory ships next to the weights (tokenizer, generation config).
+    A symbolic link leading out of `src` is refused (its target would be copied into `dst`)."""
+    return hf_assets(src, skip=RESERVED)
 
 
 def _copy(src: Path, dst: Path, names: list[str]) -> None:

@@ -32,9 +32,10 @@ from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.manifest import Manifest, crc32
+from megatron_bridge.convert.formats.pickle_guard import CONVERTED
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.convert.formats.torch_zip import TensorRef
-from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
+from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile, scan_torch_file
 from megatron_bridge.convert.placement.dist_keys import location
 from megatron_bridge.convert.placement.manifest_model import manifest_layout, manifest_spec
 from megatron_bridge.convert.placement.rank_files import RELEASE, RankFile, Target, all_targets
@@ -316,6 +317,7 @@ class TorchSource(CheckpointSource):
 
     def __init__(self, path: Path, man: Manifest, dtype: DType | None):
         super().__init__(path, man, dtype)
+        scan_rank_files(path, man)  # refused before anything is written, not mid-way
         self.root = path
         if self.layout.etp not in (None, self.layout.tp):
             raise UserError(f"{self.where}: per-rank checkpoints with etp != tp are not supported")
@@ -371,6 +373,56 @@ class TorchSource(CheckpointSource):
         return out
 
 
+def scan_rank_files(path: Path, man: Manifest) -> None:
+    """Every `torch.save` file of a per-rank checkpoint names only data (`CONVERTED`)."""
+    for rel in man.files:
+        if rel.endswith(".pt"):
+            scan_torch_file(path / rel, CONVERTED)
+
+
+def check_data_only(path: Path) -> Manifest:
+    """A converted checkpoint checked before anything loads it (`train.init_from`'s preflight):
+    its manifest (names confined, sizes), and every pickle in it — the rank files of
+    format=torch, the stored objects (`_extra_state`, ...) of torch_dist — names only data.
+    Reads the pickles, not the tensors; runs nothing."""
+    man = Manifest.read(path)
+    man.check_files(path)
+    if man.format == "torch_dist":
+        io = PositionedReader()
+        try:
+            DistReader(path / RELEASE, io).scan_objects()
+        finally:
+            io.close()
+    else:
+        scan_rank_files(path, man)
+    return man
+
+
+def init_kind(path: str | Path, arg: str = "train.init_from") -> str:
+    """What a directory to start training from is: "hf" (config.json + safetensors) or
+    "converted" (an `mbr convert` / `mbr reshard` output); UserError for anything else (a
+    directory of pickled `.bin` weights included: those are never loaded)."""
+    p = Path(path)
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return "hf"
+    if (p / "mbr_manifest.json").is_file():
+        return "converted"
+    raise UserError(
+        f"{arg}={path} is neither a Hugging Face model directory (config.json + "
+        "*.safetensors) nor a `mbr convert` output (mbr_manifest.json)."
+    )
+
+
+def check_init_source(path: str | Path, arg: str = "train.init_from") -> None:
+    """The trainer's preflight of the weights it will start from, before any process group:
+    an HF directory's index and headers (names confined, no FIFO: `scan_dir`), a converted
+    checkpoint's manifest and pickles (`check_data_only`). Reads no tensor."""
+    if init_kind(path, arg) == "hf":
+        scan_dir(Path(path))
+    else:
+        check_data_only(Path(path))
+
+
 def open_checkpoint(path: Path, dtype: DType | None) -> CheckpointSource:
     man = Manifest.read(path)
     return (DistSource if man.format == "torch_dist" else TorchSource)(path, man, dtype)
@@ -383,6 +435,9 @@ __all__ = [
     "DistSource",
     "TorchSource",
     "open_checkpoint",
+    "check_data_only",
+    "check_init_source",
+    "init_kind",
     "parse_dtype",
     "DTYPES",
 ]
