@@ -31,8 +31,7 @@ tracker `CpuRNGStatesTracker` is an ordinary class, put in place by `install()` 
 4. `WrappedTorchNorm` (local spec without Apex/TE) asserts `not sequence_parallel`; with SP it
    builds the same norm and marks its params `sequence_parallel`, so finalize_model_grads
    all-reduces their grads over the TP group.
-5. MoE: `moe_utils.te_general_gemm` is undefined without TE (NameError, a megatron-core bug);
-   variable split sizes arrive as tensors/numpy (made int lists); gloo has no uneven all_gather
+5. MoE: variable split sizes arrive as tensors/numpy (made int lists); gloo has no uneven all_gather
    (pad to the max and trim).
 6. Pipeline p2p: gloo's `batch_isend_irecv` matches two messages to the same peer by order, so
    at pp=2 (prev == next rank) interleaved 1F1B swaps them (wrong losses, exploding grads). Batched
@@ -55,7 +54,6 @@ from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.transformer import torch_norm
-from megatron.core.transformer.moe import moe_utils
 
 from megatron_bridge.runtime.cpu_targets import CUDA_VIEW, check_megatron, resolve
 
@@ -355,8 +353,6 @@ def install() -> bool:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(wrapped_norm_new)
 
     # 5. MoE
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
     all_to_all_forward = mappings._AllToAll.forward
 
     def all_to_all_forward_int(ctx, group, input, output_split_sizes, input_split_sizes):

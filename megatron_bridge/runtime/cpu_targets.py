@@ -39,8 +39,7 @@ PATCH_TARGETS = CUDA_VIEW + (
     "megatron.core.tensor_parallel.random:initialize_rng_tracker",
     "megatron.core.tensor_parallel.random:model_parallel_cuda_manual_seed",  # called on the patched tracker
     "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__",  # 4.
-    "megatron.core.transformer.moe.moe_utils:",  # 5. (`te_general_gemm` is defined where missing)
-    "megatron.core.tensor_parallel.mappings:_AllToAll.forward",
+    "megatron.core.tensor_parallel.mappings:_AllToAll.forward",  # 5.
     "megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
     "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim",
     "megatron.core.pipeline_parallel.p2p_communication:_p2p_ops",  # 6.

@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate as validate_layout
-from megatron_bridge.runtime import cpu
+from megatron_bridge.runtime import cpu, megatron_fixes
 
 ORDER = "tp-cp-ep-dp-pp"
 PP_SEED_STRIDE = 10007  # > megatron's largest per-rank seed offset (1024 + 100·ep + etp, 2718 + tp)
@@ -121,6 +121,7 @@ def initialize(
             rank=int(os.environ["RANK"]),
             timeout=timedelta(minutes=timeout_minutes),
         )
+    megatron_fixes.apply()
     if not cuda:
         cpu.install()
     if parallel_state.model_parallel_is_initialized():
@@ -141,6 +142,14 @@ def initialize(
     np.random.seed(stage_seed)
     cpu.model_parallel_manual_seed(stage_seed)
     return MegatronMPU()
+
+
+def comm_device() -> torch.device:
+    """Where a tensor for a collective must live: the current GPU when the default group is
+    NCCL (it takes no CPU tensors), the CPU under gloo."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def destroy() -> None:
@@ -264,4 +273,13 @@ class MegatronMPU:
         return self.ps.get_expert_data_parallel_world_size()
 
 
-__all__ = ["initialize", "destroy", "dims_from_env", "launcher_world_size", "MegatronMPU", "ORDER", "PP_SEED_STRIDE"]
+__all__ = [
+    "initialize",
+    "destroy",
+    "comm_device",
+    "dims_from_env",
+    "launcher_world_size",
+    "MegatronMPU",
+    "ORDER",
+    "PP_SEED_STRIDE",
+]

@@ -124,7 +124,7 @@ def _compare_dict(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], e
         if k not in ref:
             bad.append(f"{k}: not in reference")
             continue
-        r = ref[k]
+        r = ref[k].to(t.device)  # the reference is computed on the CPU
         if tuple(t.shape) != tuple(r.shape) or t.dtype != r.dtype and exact:
             bad.append(f"{k}: {tuple(t.shape)}/{t.dtype} vs {tuple(r.shape)}/{r.dtype}")
             continue

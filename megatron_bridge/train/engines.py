@@ -33,6 +33,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_bridge.convert.formats.pickle_guard import TRAINING
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build import model_config
+from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.lora_modules import adapters, load_model_state, model_state
 from megatron_bridge.runtime.packing import model_inputs, schedule_shape
 from megatron_bridge.runtime.safe_load import only_weights
@@ -133,9 +134,9 @@ def make_scheduler(optimizer, cfg):
 def _reduce_loss(reports: list[dict[str, torch.Tensor]]) -> float:
     """Mean token loss of the micro-batches in `reports` (sum of token losses / token count over
     all of them and all DP·CP ranks), known to every rank afterwards."""
-    acc = torch.zeros(2, dtype=torch.float64)
+    acc = torch.zeros(2, dtype=torch.float64, device=comm_device())
     for r in reports:
-        acc += r["lm loss"].detach().to(torch.float64).cpu()
+        acc += r["lm loss"].detach().to(acc.device, torch.float64)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group(with_context_parallel=True))
     else:
@@ -316,17 +317,18 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed divides each backward by grad_accum and averages gradients over DP; scaling the
         # masked sums by grad_accum·dp / (masked tokens of the global batch) leaves the gradient of
         # the global masked mean, as megatron's per-token loss does.
-        tokens = torch.tensor(float(sum(b["loss_mask"].sum() for b in batches)), dtype=torch.float64)
+        dev = comm_device()
+        tokens = torch.tensor(float(sum(b["loss_mask"].sum() for b in batches)), dtype=torch.float64, device=dev)
         torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
         dp = torch.distributed.get_world_size(ps.get_data_parallel_group())
         scale = self.dims.grad_accum * dp / max(float(tokens), 1.0)
-        acc = torch.zeros(2, dtype=torch.float64)
+        acc = torch.zeros(2, dtype=torch.float64, device=dev)
         for b in batches:
             b = _batch_to(b, self.device)
             args, kwargs = model_inputs(b)
             out = self.engine(*args, **kwargs)
             total, n, rep = _loss_func(b["loss_mask"], out)
-            acc += rep["lm loss"].to(torch.float64).cpu()
+            acc += rep["lm loss"].to(dev, torch.float64)
             self.engine.backward(total * scale)
             self.engine.step()
         lr = self.optimizer.param_groups[0]["lr"]

@@ -48,7 +48,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter  # only when enabled: it loads tensorboard
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        if use_wandb:
+        if use_wandb and os.environ.get("WANDB_MODE") != "disabled":  # disabled: wandb is never imported
             os.environ.setdefault("WANDB_MODE", "offline")
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb  # only when enabled: slow to import

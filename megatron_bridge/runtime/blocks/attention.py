@@ -26,11 +26,11 @@ def te_attention_class():
     """TE's DotProductAttention on a CUDA host with Transformer Engine, else None."""
     if not torch.cuda.is_available():
         return None
-    try:  # optional dependency, looked for on CUDA hosts only
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-    except ImportError:
-        return None
-    return TEDotProductAttention
+    # megatron-core imports without Transformer Engine (its TE classes then derive from a
+    # MagicMock), so HAVE_TE, not ImportError, says whether TE is there.
+    from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention  # optional: CUDA hosts only
+
+    return TEDotProductAttention if HAVE_TE else None
 
 
 def core_attention_module(spec: Any):

@@ -9,6 +9,7 @@ import importlib.metadata
 import inspect
 
 import pytest
+import torch
 
 from megatron_bridge.runtime import cpu_targets
 from megatron_bridge.runtime.cpu_targets import CUDA_VIEW, PATCH_TARGETS, WRITTEN_FOR, missing_targets, resolve
@@ -47,3 +48,20 @@ def test_other_versions_are_warned_about_and_missing_targets_refused(monkeypatch
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.17.0")
     with pytest.warns(UserWarning, match="megatron-core 0.17.0 is installed; the CPU shim"):
         cpu_targets.check_megatron()
+
+
+def test_gpu_paths_without_transformer_engine(monkeypatch):
+    """Found on an H100 without TE (docs/benchmarks.md, "GPU"): megatron-core imports its TE
+    wrappers anyway (as MagicMock subclasses), and its MoE router needs `te_general_gemm`."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_bridge.runtime import megatron_fixes
+    from megatron_bridge.runtime.blocks.attention import te_attention_class
+    from megatron_bridge.runtime.groups import comm_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert te_attention_class() is None  # no TE here: never the mock
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    megatron_fixes.apply()
+    assert moe_utils.te_general_gemm is None
+    assert comm_device() == torch.device("cpu")  # no NCCL group here

@@ -1,0 +1,156 @@
+"""The GPU kit: what a lent GPU machine measures, in one short run (docs/benchmarks.md, "GPU").
+
+Every check is a subprocess with its own time limit, so one failure costs its own minutes
+and the rest still run; the report (markdown) goes to stdout and to `--out/gpu_report.md`.
+
+    python benchmarks/gpu/kit.py --out DIR            # on the GPU machine (one GPU)
+    python benchmarks/gpu/kit.py --out DIR --smoke    # the same steps, small, on CPU
+
+Checks, in order of what they prove:
+1. `env`: torch / CUDA / GPU, and whether Transformer Engine and flash-attn are importable.
+2. `verify`: `mbr verify` at tp1 on the device (NCCL, no CPU shim) against transformers
+   (fp32, CPU) for a dense (llama), an MoE (qwen3_moe) and an hf-backend (cohere) model.
+3. `resume`: tiny Llama trains 6 steps on the device, checkpointing at 3; a second run resumes
+   at 3; the loss of steps 4-6 of both is compared (GPU kernels need not be deterministic, so
+   the report prints the difference rather than asserting it).
+4. `overhead`: `benchmarks/train_overhead.py` at tp1 on a ~0.9B-parameter Llama shape (bf16):
+   our step time over a bare megatron-core loop's, and the model TFLOP/s and MFU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, the MFU denominator
+
+ENV_PROBE = r"""
+import importlib.util, json, torch
+d = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": None}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    d.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
+for mod in ("transformer_engine", "flash_attn", "apex", "megatron.core", "transformers", "deepspeed", "peft"):
+    d[mod] = importlib.util.find_spec(mod) is not None
+import megatron.core, transformers
+d["megatron.core"] = megatron.core.__version__; d["transformers"] = transformers.__version__
+print(json.dumps(d))
+"""
+
+
+def run(name: str, cmd: list[str], timeout: int, log: Path) -> tuple[int, str, float]:
+    """Run one check; its whole output goes to `log/name.log`, the tail comes back."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, text = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = 124, f"{e.stdout or ''}{e.stderr or ''}\n[timed out after {timeout} s]"
+        text = text if isinstance(text, str) else str(text)
+    (log / f"{name}.log").write_text(text)
+    return rc, text, time.time() - t0
+
+
+def tail(text: str, n: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def resume_check(log: Path, report: list[str]) -> None:
+    with tempfile.TemporaryDirectory(prefix="kit-resume-") as tmp:
+        common = [
+            "recipe=tiny_llama", "parallel.tp=1", "parallel.pp=1", "cluster.gpus_per_node=1",
+            "checkpoint.save_interval=3", "optimizer.warmup_steps=1",
+        ]  # fmt: skip
+        losses = {}
+        for name, extra in (
+            ("full", ["train.steps=6"]),
+            ("first3", ["train.steps=6", "train.exit_after=3"]),
+            ("resumed", ["train.steps=6", "checkpoint.resume=true"]),
+        ):
+            run_dir = Path(tmp) / name
+            ck = [f"checkpoint.dir={tmp}/ck_{'full' if name == 'full' else 'part'}"]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m", "megatron_bridge.train"]
+            rc, text, secs = run(f"resume_{name}", [*cmd, *common, *ck, *extra, f"run_dir={run_dir}"], 150, log)
+            if rc:
+                report.append(f"- resume/{name}: FAILED rc={rc} after {secs:.0f} s\n```\n{tail(text)}\n```")
+                return
+            rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            losses[name] = {r["step"]: r["loss"] for r in rows if "loss" in r}
+        steps = sorted(losses["resumed"])
+        diffs = [abs(losses["full"][s] - losses["resumed"][s]) for s in steps]
+        report.append(
+            f"- resume: steps {steps} full={[losses['full'][s] for s in steps]} "
+            f"resumed={[losses['resumed'][s] for s in steps]} max |diff| = {max(diffs):.3g}"
+            f"{' (bit-exact)' if max(diffs) == 0 else ''}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_kit_out")
+    ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
+    ap.add_argument("--only", default="env,verify,resume,overhead")
+    ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    only = set(a.only.split(","))
+    report = [f"# GPU kit ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})", ""]
+
+    def say(line: str) -> None:
+        report.append(line)
+        print(line, flush=True)
+        (out / "gpu_report.md").write_text("\n".join(report) + "\n")  # kept if the run is cut off
+
+    if "env" in only:
+        rc, text, _ = run("env", [sys.executable, "-c", ENV_PROBE], 120, out)
+        say(f"- env: {text.strip().splitlines()[-1] if rc == 0 else 'FAILED ' + tail(text)}")
+    if "verify" in only:
+        py = [sys.executable, "-m", "megatron_bridge.cli", "verify"]
+        for name, args in (
+            ("llama", ["verify.tiny=llama"]),
+            ("qwen3_moe", ["verify.tiny=qwen3_moe"]),
+            ("cohere_hf", ["verify.tiny=cohere", "model.backend=hf"]),
+        ):
+            if name not in a.verify.split(","):
+                continue
+            rc, text, secs = run(
+                f"verify_{name}",
+                [*py, *args, "verify.layouts=[tp1]", "verify.checks=[logits,roundtrip,grads]"],
+                150,
+                out,
+            )
+            say(f"- verify {name} tp1: rc={rc} in {secs:.0f} s\n```\n{tail(text, 12)}\n```")
+    if "resume" in only:
+        before = len(report)
+        resume_check(out, report)
+        print("\n".join(report[before:]), flush=True)
+    if "overhead" in only:
+        shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "12"]
+        if not a.smoke:  # ~0.9B parameters at vocab 512: 16 layers x 12 h^2, h = 2048
+            shape = ["--hidden", "2048", "--layers", "16", "--seq", "2048", "--gbs", "16", "--steps", "20"]
+        cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape]
+        rc, text, secs = run("overhead", cmd, 300, out)
+        say(f"- overhead ({' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
+        if rc == 0:
+            h, layers, seq, gbs = (int(shape[i]) for i in (1, 3, 5, 7))
+            step = float(re.search(r"megatron_bridge\.train\s+median step\s+([\d.]+) ms", text).group(1))
+            params = layers * 12 * h * h
+            flops = 6 * params * seq * gbs + 12 * layers * h * seq * seq * gbs  # fwd+bwd, attention
+            tflops = flops / (step / 1e3) / 1e12
+            say(f"- overhead: {tflops:.0f} model TFLOP/s, MFU {tflops / H100_BF16_TFLOPS:.1%} of H100 bf16 peak")
+    (out / "gpu_report.md").write_text("\n".join(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
