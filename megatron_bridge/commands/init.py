@@ -47,6 +47,7 @@ defaults:
   - data: synthetic       # synthetic | indexed (data.paths, data.tokenizer)
   - train: default
   - checkpoint: default
+  - logger: default       # wandb (offline), TensorBoard, MLflow: docs/train.md "Loggers"
   - _self_
 
 # Any field of any group, as on the command line (`parallel.tp=2` there is `parallel: {{tp: 2}}` here).

@@ -195,6 +195,46 @@ class PeftConfig:
 
 
 @dataclass
+class WandbLoggerConfig:
+    """Weights & Biases. Runs offline unless `mode` (or $WANDB_MODE) says otherwise, so it never
+    asks for a login; `WANDB_MODE=disabled` in the environment never imports wandb."""
+
+    enabled: bool = True
+    project: str = "megatron_bridge"
+    entity: str | None = None  # the team or user; null = wandb's default
+    name: str | None = None  # the run's display name; null = wandb's random one
+    group: str | None = None  # groups runs in the UI (e.g. one sweep)
+    tags: list[str] = field(default_factory=list)
+    mode: str | None = None  # offline | online | disabled; null = $WANDB_MODE, else offline
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    enabled: bool = True
+    dir: str | None = None  # null = <run dir>/tensorboard
+
+
+@dataclass
+class MlflowLoggerConfig:
+    """MLflow tracking (the optional `mlflow` extra: `pip install mlflow-skinny`)."""
+
+    enabled: bool = False
+    tracking_uri: str | None = None  # file:DIR, http://host:5000, ...; null = $MLFLOW_TRACKING_URI or ./mlruns
+    experiment: str = "megatron_bridge"  # created when missing
+    run_name: str | None = None  # null = MLflow's generated name
+
+
+@dataclass
+class LoggerConfig:
+    """Where per-step metrics go besides the console and `<run dir>/metrics.jsonl` (always
+    written): wandb, TensorBoard, MLflow, each logged from rank 0 only (docs/train.md)."""
+
+    wandb: WandbLoggerConfig = field(default_factory=WandbLoggerConfig)
+    tensorboard: TensorBoardLoggerConfig = field(default_factory=TensorBoardLoggerConfig)
+    mlflow: MlflowLoggerConfig = field(default_factory=MlflowLoggerConfig)
+
+
+@dataclass
 class Config:
     """The whole resolved recipe."""
 
@@ -212,4 +252,5 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: bool = False

@@ -124,7 +124,11 @@ def _loop(run: _Run, start: int) -> None:
     phase before the launcher's summary."""
     cfg, dims, rank = run.cfg, run.dims, run.rank
     logger = MetricsLogger(
-        run.run_dir, cfg.train.steps, enabled=rank == 0, config={"layout": dims.describe(), "recipe": run.recipe}
+        run.run_dir,
+        cfg.train.steps,
+        enabled=rank == 0,
+        loggers=getattr(cfg, "logger", None),
+        config={"layout": dims.describe(), "recipe": run.recipe},
     )
     tokens_per_step = dims.global_batch_size * cfg.train.seq_length
     watchdog = Watchdog(

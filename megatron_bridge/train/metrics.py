@@ -1,8 +1,11 @@
-"""Per-step metrics to the console, TensorBoard and wandb — from one rank only.
+"""Per-step metrics to the console, `metrics.jsonl`, TensorBoard, wandb and MLflow — from one rank only.
 
 Console: a rich progress bar on a TTY, one plain `step N | loss ...` line per log interval
-otherwise (CI logs stay readable and greppable). TensorBoard writes under the run dir.
-wandb runs offline unless the user set WANDB_MODE, so it never asks for a login.
+otherwise (CI logs stay readable and greppable). `metrics.jsonl` is always written; the
+others follow the recipe's `logger` group (config/schema.py LoggerConfig, docs/train.md).
+TensorBoard writes under the run dir unless `logger.tensorboard.dir` says where. wandb runs
+offline unless `logger.wandb.mode` or WANDB_MODE says otherwise, so it never asks for a login;
+`WANDB_MODE=disabled` never imports it. MLflow (optional package) logs to its tracking URI.
 A step's `val_loss` (when it evaluated) rides in the same row as its training metrics: one
 `metrics.jsonl` line per step; TensorBoard files it under `valid/loss` beside `train/*`.
 """
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.config.schema import LoggerConfig
 
 TB_TAGS = {"val_loss": "valid/loss"}
 """TensorBoard tags that are not `train/<name>`."""
@@ -30,32 +34,51 @@ class MetricsLogger:
         total_steps: int,
         *,
         enabled: bool,
-        use_wandb: bool = True,
-        use_tensorboard: bool = True,
-        project: str = "megatron_bridge",
+        loggers: LoggerConfig | None = None,
         config: dict | None = None,
     ):
         self.enabled = enabled
         self.total = total_steps
         self.run_dir = Path(run_dir)
-        self.tb = self.wandb = self.progress = None
+        self.tb = self.wandb = self.mlflow = self.progress = None
         self.history: list[dict[str, float]] = []
         if not enabled:
             return
+        lg = loggers if loggers is not None else LoggerConfig()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        if use_tensorboard:
+        if lg.tensorboard.enabled:
             from torch.utils.tensorboard import SummaryWriter  # only when enabled: it loads tensorboard
 
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-        if use_wandb and os.environ.get("WANDB_MODE") != "disabled":  # disabled: wandb is never imported
-            os.environ.setdefault("WANDB_MODE", "offline")
+            self.tb = SummaryWriter(lg.tensorboard.dir or str(self.run_dir / "tensorboard"))
+        w = lg.wandb
+        mode = w.mode or os.environ.get("WANDB_MODE") or "offline"
+        if w.enabled and mode != "disabled":  # disabled: wandb is never imported
             os.environ.setdefault("WANDB_SILENT", "true")
             import wandb  # only when enabled: slow to import
 
             self.wandb = wandb.init(
-                project=project, dir=str(self.run_dir), config=config or {}, reinit="finish_previous"
+                project=w.project,
+                entity=w.entity,
+                name=w.name,
+                group=w.group,
+                tags=list(w.tags) or None,
+                mode=mode,  # type: ignore[arg-type]  # checked by the loggers rule (offline | online)
+                dir=str(self.run_dir),
+                config=config or {},
+                reinit="finish_previous",
             )
+        m = lg.mlflow
+        if m.enabled:
+            import mlflow  # optional (the mlflow extra); the loggers rule refuses a recipe without it
+
+            if m.tracking_uri:
+                if m.tracking_uri.startswith("file:"):  # MLflow 3 refuses a file store unless told it is wanted
+                    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+                mlflow.set_tracking_uri(m.tracking_uri)
+            mlflow.set_experiment(m.experiment)
+            self.mlflow = mlflow.start_run(run_name=m.run_name)
+            mlflow.log_params(_flat(config or {}))
         if sys.stdout.isatty():
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # on a TTY only
 
@@ -79,6 +102,10 @@ class MetricsLogger:
                 self.tb.add_scalar(TB_TAGS.get(k, f"train/{k}"), v, step)
         if self.wandb:
             self.wandb.log(metrics, step=step)
+        if self.mlflow:
+            import mlflow  # imported by __init__ already
+
+            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
         line = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
         if self.progress:
             self.progress.update(self.task, completed=step, info=line)
@@ -94,7 +121,23 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+        if self.mlflow:
+            import mlflow  # imported by __init__ already
+
+            mlflow.end_run()
         self.jsonl.close()
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, str]:
+    """A nested config as MLflow params (`layout`, `recipe.train.steps`, ...), values as strings
+    cut to MLflow's 6000-character limit."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)[:6000]
+    return out
 
 
 def _fmt(v: float) -> str:

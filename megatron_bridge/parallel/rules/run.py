@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 from megatron_bridge.data.indexed import parse_split
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.base import Facts, RuleSet, Violation
@@ -165,5 +167,29 @@ def node_placement(f: Facts) -> list[Violation]:
             f"tp·cp = {d.tp * d.cp} does not fit evenly in a node of {d.gpus_per_node} GPUs, "
             "so CP groups would cross nodes",
             "lower cp, or parallel.allow_cross_node_tp=true to accept it",
+        )
+    return out
+
+
+@RULES.run(reads=("run",))
+def loggers(f: Facts) -> list[Violation]:
+    """The logger group: a wandb mode wandb knows, and MLflow only where it is installed (the
+    optional `mlflow` extra), refused before any process starts rather than at rank 0's first step."""
+    lg = getattr(f.run, "logger", None)
+    if lg is None:
+        return []
+    out = []
+    if lg.wandb.enabled and lg.wandb.mode not in (None, "offline", "online", "disabled"):
+        out += _v(
+            "logger-wandb-mode",
+            f"logger.wandb.mode={lg.wandb.mode!r} is not a wandb mode",
+            "use logger.wandb.mode=offline, online or disabled (or null: $WANDB_MODE, else offline)",
+        )
+    if lg.mlflow.enabled and importlib.util.find_spec("mlflow") is None:
+        out += _v(
+            "logger-mlflow",
+            "logger.mlflow.enabled=true but the mlflow package is not installed",
+            "pip install 'mlflow-skinny==3.17.2' (or the project's extra: pip install -e '.[mlflow]'), "
+            "or set logger.mlflow.enabled=false",
         )
     return out

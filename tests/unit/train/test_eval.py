@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_bridge.config.schema import LoggerConfig, WandbLoggerConfig
 from megatron_bridge.train.job import _eval_due
 from megatron_bridge.train.metrics import MetricsLogger
 
@@ -37,7 +38,7 @@ def test_a_launch_that_stops_early_evaluates_at_its_last_step():
 def test_val_loss_rides_in_the_step_row_and_goes_to_valid_loss_in_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    log = MetricsLogger(tmp_path, 4, enabled=True, use_wandb=False)
+    log = MetricsLogger(tmp_path, 4, enabled=True, loggers=LoggerConfig(wandb=WandbLoggerConfig(enabled=False)))
     log.log(1, {"loss": 2.5})
     log.log(2, {"loss": 2.0, "val_loss": 2.25})
     log.close()
