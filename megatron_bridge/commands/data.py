@@ -2,11 +2,12 @@
 
     mbr data input=FILE_OR_DIR output=PREFIX tokenizer=DIR [text_key=text] [overwrite=true]
     mbr data demo=true output_dir=DIR [vocab_size=N] [max_bytes=4000000] [overwrite=true]
-    mbr data mode=chat input=FILE.jsonl output=PREFIX tokenizer=DIR [chat_template=FILE]
+    mbr data mode=chat input=FILE.jsonl output=PREFIX tokenizer=DIR [messages_key=messages] [chat_template=FILE]
              [max_length=N] [overlong=truncate|drop] [overwrite=true]
     mbr data mode=chat demo=true output_dir=DIR [tokenizer=DIR] [max_examples=N] [max_length=N]
 
-The first tokenizes .jsonl/.txt files (or a directory of them) with a local Hugging Face
+The first tokenizes .jsonl/.txt/.parquet/.arrow files (a directory of them, or a directory
+written by datasets' save_to_disk; docs/data.md "Input formats") with a local Hugging Face
 tokenizer into PREFIX.bin/.idx (+ PREFIX.meta.json). The second needs nothing but this
 machine: it builds a corpus from the Python standard library's sources, trains a byte-level
 BPE tokenizer on it (vocab = the recipe's model.vocab_size unless vocab_size=N) and
@@ -41,10 +42,11 @@ DEMO_MAX_VOCAB = 32768
 class DataCommandConfig(Config):
     """`mbr data`'s own keys on top of the recipe (top-level overrides: `input=... output=...`)."""
 
-    input: str | None = None  # .jsonl/.txt file or directory of them
+    input: str | None = None  # .jsonl/.txt/.parquet/.arrow file, a directory of them, or a datasets save_to_disk dir
     output: str | None = None  # output prefix: writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json
     tokenizer: str | None = None  # local HF tokenizer dir (default: data.tokenizer)
-    text_key: str = "text"  # jsonl key holding the document text
+    text_key: str = "text"  # jsonl key (parquet/arrow column) holding the document text
+    messages_key: str = "messages"  # chat: jsonl key (parquet/arrow column) holding the message list
     txt_mode: str = "file"  # .txt: one document per file | line
     append_eos: bool = True
     overwrite: bool = False
@@ -89,6 +91,7 @@ def run_chat(cfg: DataCommandConfig) -> int:
         chat_template=cfg.chat_template,
         max_length=cfg.max_length,
         overlong=cfg.overlong,
+        messages_key=cfg.messages_key,
         overwrite=cfg.overwrite,
         log=print,
     )

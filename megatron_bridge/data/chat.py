@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.data.columnar import COLUMNAR_SUFFIXES, iter_column
 from megatron_bridge.data.corpus import input_files, iter_jsonl
 from megatron_bridge.data.preprocess import output_paths
 from megatron_bridge.errors import UserError
@@ -83,18 +84,28 @@ def _messages(obj: Any, where: str) -> list[dict[str, Any]]:
 
 
 def chat_input_files(inputs: PathLike | Sequence[PathLike]) -> list[Path]:
-    """The jsonl files of `inputs` (files or directories); .txt is refused (no roles in it)."""
+    """The jsonl and columnar files of `inputs` (files or directories); .txt is refused (no roles in it)."""
     files = input_files(inputs)
     for f in files:
-        if f.suffix not in (".jsonl", ".json"):
+        if f.suffix not in (".jsonl", ".json", *COLUMNAR_SUFFIXES):
             raise UserError(f"input {f}: chat data is jsonl (one conversation per line, e.g. {EXAMPLE_LINE})")
     return files
 
 
-def iter_conversations(inputs: PathLike | Sequence[PathLike]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """Stream ("file:line", messages) from jsonl files (or directories of them), validated."""
+def iter_conversations(
+    inputs: PathLike | Sequence[PathLike], messages_key: str = "messages"
+) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """Stream ("file:line", messages) from jsonl or columnar files (or directories of them),
+    validated. Columnar rows (data/columnar.py) give their `messages_key` column; a jsonl line
+    its `messages_key` key when that is not "messages" (else `messages` or prompt/completion)."""
     for f in chat_input_files(inputs):
+        if f.suffix in COLUMNAR_SUFFIXES:
+            for where, msgs in iter_column(f, messages_key):
+                yield where, _messages({"messages": msgs}, where)
+            continue
         for lineno, obj in iter_jsonl(f, EXAMPLE_LINE):
+            if messages_key != "messages" and isinstance(obj, dict) and messages_key in obj:
+                obj = {"messages": obj[messages_key]}
             yield f"{f}:{lineno}", _messages(obj, f"{f}:{lineno}")
 
 

@@ -99,6 +99,7 @@ def preprocess_chat(
     chat_template: PathLike | None = None,
     max_length: int | None = None,
     overlong: str = "truncate",
+    messages_key: str = "messages",
     overwrite: bool = False,
     batch_size: int = 64,
     meta_extra: dict[str, Any] | None = None,
@@ -123,10 +124,12 @@ def preprocess_chat(
     template, source = resolve_template(tok, tok_dir, chat_template)
     renderer = ChatRenderer(tok, template, source)
     with new_parent(prefix):
-        return _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log)
+        return _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log, messages_key)
 
 
-def _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log) -> ChatStats:
+def _write(
+    renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log, messages_key="messages"
+) -> ChatStats:
     tok, template, source = renderer.tok, renderer.template, renderer.source
     prefix = paths["bin"][: -len(".bin")]
     vocab = len(tok)
@@ -166,7 +169,7 @@ def _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, me
                 c["loss_tokens"] += int(sum(mask))
 
         batch: list[tuple[str, list[dict[str, Any]]]] = []
-        for where, msgs in iter_conversations(files):
+        for where, msgs in iter_conversations(files, messages_key):
             if not any(m["content"].strip() for m in msgs):
                 c["empty"] += 1
             elif not any(m["role"] == TRAINED_ROLE for m in msgs):

@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import cast
 
 from megatron_bridge.data._fs import atomic_dir, atomic_file, refuse_existing
+from megatron_bridge.data.columnar import COLUMNAR_SUFFIXES, is_save_to_disk, iter_texts, save_to_disk_files
 from megatron_bridge.errors import UserError
 
 PathLike = str | os.PathLike
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".txt")
+INPUT_SUFFIXES = TEXT_SUFFIXES + COLUMNAR_SUFFIXES  # columnar: data/columnar.py
 # Special tokens of the tokenizers this module trains (ids 0..4 in this order): padding,
 # document begin/end, and ChatML's turn delimiters for CHATML_TEMPLATE.
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<pad>", "<s>", "</s>"
@@ -45,8 +47,9 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "_
 
 # -- reading documents ----------------------------------------------------------------------
 def input_files(inputs: PathLike | Sequence[PathLike]) -> list[Path]:
-    """Expand files and directories (recursively: *.jsonl, *.json, *.txt, sorted) into the
-    list of files to read. UserError for a missing path or a directory without text files."""
+    """Expand files and directories (recursively: *.jsonl, *.json, *.txt, *.parquet, *.arrow,
+    *.feather, sorted; a `datasets` save_to_disk directory: its arrow files in row order) into
+    the list of files to read. UserError for a missing path or a directory without input files."""
     items = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not items:
         raise UserError("no input given: pass input=FILE_OR_DIR (a .jsonl/.txt file or a directory of them)")
@@ -55,21 +58,24 @@ def input_files(inputs: PathLike | Sequence[PathLike]) -> list[Path]:
         p = Path(item).expanduser()
         if not p.exists():
             raise UserError(f"input {p} does not exist")
-        if p.is_dir():
+        if is_save_to_disk(p):
+            files.extend(save_to_disk_files(p))
+        elif p.is_dir():
             found = sorted(
                 f
                 for f in p.rglob("*")
                 if f.is_file()
-                and f.suffix in TEXT_SUFFIXES
+                and f.suffix in INPUT_SUFFIXES
                 and not any(part.startswith(".") for part in f.relative_to(p).parts)
             )
             if not found:
-                raise UserError(f"input directory {p} holds no {'/'.join(TEXT_SUFFIXES)} files")
+                raise UserError(f"input directory {p} holds no {'/'.join(INPUT_SUFFIXES)} files")
             files.extend(found)
-        elif p.suffix not in TEXT_SUFFIXES:
+        elif p.suffix not in INPUT_SUFFIXES:
             raise UserError(
                 f"input {p}: unsupported file type {p.suffix or '(none)'}; expected "
-                f"{', '.join(TEXT_SUFFIXES)} (jsonl: one JSON object per line with a text key)"
+                f"{', '.join(INPUT_SUFFIXES)} (jsonl: one JSON object per line with a text key), "
+                "or a directory written by datasets' save_to_disk"
             )
         else:
             files.append(p)
@@ -87,7 +93,9 @@ def iter_documents(
             "'line' (one document per non-empty line)"
         )
     for f in input_files(inputs):
-        if f.suffix in (".jsonl", ".json"):
+        if f.suffix in COLUMNAR_SUFFIXES:
+            yield from iter_texts(f, text_key)
+        elif f.suffix in (".jsonl", ".json"):
             yield from _iter_jsonl(f, text_key)
         elif txt_mode == "line":
             with open(f, encoding="utf-8", errors="replace") as fh:
