@@ -127,7 +127,7 @@ def _loop(run: _Run, start: int) -> None:
         run.run_dir,
         cfg.train.steps,
         enabled=rank == 0,
-        loggers=getattr(cfg, "logger", None),
+        loggers=cfg.logger,
         config={"layout": dims.describe(), "recipe": run.recipe},
     )
     tokens_per_step = dims.global_batch_size * cfg.train.seq_length
