@@ -25,7 +25,7 @@ from megatron_bridge.runtime.weights import export_hf_weights
 from megatron_bridge.train import checkpoint as ckpt
 from megatron_bridge.train.data.loader import build_datasets, make_iterator
 from megatron_bridge.train.engines import Engine, make_engine
-from megatron_bridge.train.guard import NonFiniteSteps, StopSignals, check_finite_weights
+from megatron_bridge.train.guard import NonFinite, NonFiniteSteps, StopSignals, check_finite_weights
 from megatron_bridge.train.init import init_weights, loads_weights
 from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
 
@@ -66,8 +66,12 @@ def run(cfg, dims, spec, recipe: str, meta: dict[str, Any], *, finalize: bool = 
     keeps the default process group alive (tests that run several layouts in one launch)."""
     job = _build(cfg, dims, spec, recipe, meta)
     start = _resume(job)
-    if _loop(job, start):  # stopped by a signal: saved, nothing exported
-        _export(job)
+    try:
+        if _loop(job, start):  # False: stopped by a signal, saved, nothing exported
+            _export(job)
+    except NonFinite:  # every rank raises it at the same step: the groups can be taken down
+        _teardown(finalize)
+        raise
     _teardown(finalize)
 
 
