@@ -93,7 +93,7 @@ _LARGEST: dict[tuple[str, int, int], int] = {}  # (bin path, size, mtime_ns) -> 
 def largest_token_id(prefix: str) -> int:
     """The largest token id in `prefix`.bin, read from the file itself (not its .meta.json, which a
     hand-made or edited dataset may lack or misstate): a vectorised max over the memory-mapped
-    tokens, 64 Mi tokens at a time — about 1 s per 2 GB from the page cache (docs/train.md)."""
+    tokens, 64 Mi tokens at a time — about 1 GB/s from the page cache (docs/train.md)."""
     import numpy as np
 
     paths = output_paths(prefix)

@@ -148,6 +148,14 @@ def convert(cfg: Any) -> int:
     assets = _assets(src)
 
     def finish(tmp: Path) -> None:
+        if source.nonfinite and not cfg.allow_nonfinite:  # before anything is published
+            bad = sorted(source.nonfinite)
+            raise UserError(
+                f"src={src} holds non-finite weights (NaN or infinity) in {len(bad)} tensor(s): "
+                f"{', '.join(bad[:5])}{' …' if len(bad) > 5 else ''}. Nothing was written. A model with such "
+                "weights computes NaN; use a good copy of the checkpoint, or pass allow_nonfinite=true to "
+                "convert it as it is."
+            )
         if source.quant:  # an fp8 source converts to its bf16 dequantisation: no quantization_config
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         else:
