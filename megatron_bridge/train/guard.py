@@ -95,7 +95,7 @@ class StopSignals:
         self.received = self.received or signum
 
     def requested(self) -> str | None:
-        """Collective: the name of a signal any rank received (the first by number), or None."""
+        """Collective: the name of a signal some rank received (SIGTERM over SIGUSR1), or None."""
         flag = torch.tensor([float(self.received)], device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return signal.Signals(int(flag.item())).name if flag.item() else None
