@@ -23,6 +23,9 @@ from typing import Any
 import torch
 
 from megatron_bridge.errors import UserError
+from megatron_bridge.train.orphans import defer
+
+PREEMPT_GRACE_S = 120.0  # how long a rank that got SIGTERM/SIGUSR1 outlives a dead launcher (orphans.py)
 
 EXIT_NONFINITE = 3
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -93,6 +96,7 @@ class StopSignals:
 
     def _note(self, signum, frame) -> None:
         self.received = self.received or signum
+        defer(PREEMPT_GRACE_S)  # a launcher dying of the same signal must not end the save
 
     def requested(self) -> str | None:
         """Collective: the name of a signal some rank received (SIGTERM over SIGUSR1), or None."""

@@ -82,3 +82,20 @@ def test_non_finite_settings_are_a_rule():
     got = {v.rule: v.detail for v in finite_values(SimpleNamespace(run=cfg))}  # type: ignore[arg-type]
     assert set(got) == {"finite-value", "max-skipped-steps"}
     assert "model.norm_epsilon=nan, optimizer.lr=inf" in got["finite-value"]
+
+
+def test_a_preempted_rank_outlives_a_dead_launcher_while_it_saves(monkeypatch):
+    """SIGTERM noted -> orphans.defer: a launcher gone meanwhile ends the rank only after the
+    grace period (the single-node `deepspeed` runner dies of SIGTERM; Slurm signals it too)."""
+    from megatron_bridge.train import orphans
+
+    exits = []
+    monkeypatch.setattr(orphans, "_gone", lambda: ("deepspeed", 12345))
+    monkeypatch.setattr(orphans.os, "_exit", exits.append)
+    monkeypatch.setattr(orphans, "_grace_until", 0.0)
+    orphans.defer(60)
+    orphans._exit_if_orphaned()
+    assert exits == []
+    monkeypatch.setattr(orphans, "_grace_until", 0.0)
+    orphans._exit_if_orphaned()
+    assert exits == [orphans.EXIT]
