@@ -11,6 +11,7 @@ a building block owns (rope scaling, windows, router details) are read by its fe
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping as TMapping
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,25 @@ def read_hf_config(path: str | Path, *, arg: str = "model.hf_path") -> dict[str,
             raise ValueError("not a JSON object")
     except ValueError as e:
         raise UserError(f"{cfg_file} is not valid JSON ({e}); re-export the model config.") from None
+    bad = _nonfinite_keys(data)
+    if bad:  # Python's json reads NaN/Infinity (and 1e999 as inf); a NaN eps compares false with every bound
+        raise UserError(
+            f"{cfg_file} holds non-finite numbers: {', '.join(bad[:5])}{' …' if len(bad) > 5 else ''}. "
+            "Every number of a model config must be finite: fix the value (e.g. rms_norm_eps: 1e-6) or re-export "
+            "the config."
+        )
     return data
+
+
+def _nonfinite_keys(obj: Any, prefix: str = "") -> list[str]:
+    """`key: value` of every NaN or infinite number in a parsed JSON value (nested keys dotted)."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [f"{prefix or '(top)'}: {obj}"]
+    if isinstance(obj, dict):
+        return [b for k, v in obj.items() for b in _nonfinite_keys(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(obj, list):
+        return [b for i, v in enumerate(obj) for b in _nonfinite_keys(v, f"{prefix}[{i}]")]
+    return []
 
 
 def base_fields(hf: TMapping[str, Any]) -> dict[str, Any]:

@@ -142,6 +142,30 @@ def build(fx: Path) -> None:
         c.write_text(json.dumps({**json.loads(c.read_text()), **change}))
     _lora_fixtures(fx)
     _stranger_fixtures(fx, hf)
+    _numerics_fixtures(fx, hf)
+
+
+def _numerics_fixtures(fx: Path, hf: Path) -> None:
+    """Non-finite numbers and token ids past the vocabulary (docs/reliability.md, section 8)."""
+    d = fx / "hf_nan_eps"
+    shutil.copytree(hf, d)
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "rms_norm_eps": float("nan")}))  # json writes NaN
+    d = fx / "hf_nan_weights"
+    shutil.copytree(hf, d)
+    from megatron_bridge.convert.formats.safetensors_io import read_header
+
+    info = read_header(d / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    b = bytearray((d / "model.safetensors").read_bytes())
+    b[info.start + 40 : info.start + 44] = b"\x00\x00\xc0\x7f"  # a float32 NaN
+    (d / "model.safetensors").write_bytes(bytes(b))
+    oov = fx / "oov"
+    oov.mkdir()
+    for f in (fx / "demo").glob("stdlib_text_document*"):
+        shutil.copy(f, oov / f.name)
+    b = bytearray((oov / "stdlib_text_document.bin").read_bytes())  # uint16 ids (vocab 320)
+    b[10:12] = (700).to_bytes(2, "little")  # past the model's 512; .meta.json still says otherwise
+    (oov / "stdlib_text_document.bin").write_bytes(bytes(b))
 
 
 def _stranger_fixtures(fx: Path, hf: Path) -> None:

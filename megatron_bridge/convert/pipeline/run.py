@@ -56,6 +56,7 @@ def check_paths(src: str | None, dst: str | None, overwrite: bool) -> tuple:
 
 @contextmanager
 def atomic_output(dst: Path) -> Iterator[Path]:
+    created = [d for d in (dst.parent, *dst.parent.parents) if not d.exists()]  # removed again on failure
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     try:
@@ -74,10 +75,21 @@ def atomic_output(dst: Path) -> Iterator[Path]:
             os.rename(tmp, dst)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise UserError(f"{dst}: {e} (stopped; nothing was written)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """The parent directories `atomic_output` created, innermost first, while still empty."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def _assets(src: Path) -> list[str]:
@@ -148,6 +160,14 @@ def convert(cfg: Any) -> int:
     assets = _assets(src)
 
     def finish(tmp: Path) -> None:
+        if source.nonfinite and not cfg.allow_nonfinite:  # before anything is published
+            bad = sorted(source.nonfinite)
+            raise UserError(
+                f"src={src} holds non-finite weights (NaN or infinity) in {len(bad)} tensor(s): "
+                f"{', '.join(bad[:5])}{' …' if len(bad) > 5 else ''}. Nothing was written. A model with such "
+                "weights computes NaN; use a good copy of the checkpoint, or pass allow_nonfinite=true to "
+                "convert it as it is."
+            )
         if source.quant:  # an fp8 source converts to its bf16 dequantisation: no quantization_config
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         else:
