@@ -174,21 +174,24 @@ def test_the_backend_layout_rule_refuses_what_the_hf_backend_cannot_split(tmp_pa
     validate(cfg, describe(cfg.model), dims=ParallelDims.parse("pp2").with_world(2), layout_only=True)
 
 
-def test_training_and_converting_an_hf_model_are_refused_naming_the_backend(tmp_path, saved, capsys):
-    """What the hf backend cannot do yet is refused before anything starts: a training run
-    (`backend-run`, what `mbr check` and the trainer apply) and `mbr convert` (its checkpoints
-    load from the HF directory itself); `mbr verify` still takes the model (layout rules only)."""
+def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(tmp_path, saved, capsys):
+    """A plain training run of an hf-backend model passes every rule; what it cannot do yet is
+    refused before anything starts (`backend-run`, what `mbr check` and the trainer apply):
+    SFT data, activation recomputation (LoRA: `lora-targets`); and `mbr convert` (its
+    checkpoints load from the HF directory itself)."""
     from megatron_bridge.cli import main
-    from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.parallel.rules.registry import validate
 
     cohere = saved["cohere"]
-    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={cohere}", "parallel.tp=1", "parallel.pp=1"])
+    base = ["recipe=tiny_llama", f"model.hf_path={cohere}", "parallel.tp=1", "parallel.pp=1"]
+    cfg, _ = compose(base)
     spec = describe(cfg.model)
+    validate(cfg, spec, world_size=1)  # trains
+    cfg, _ = compose([*base, "peft=lora", "train.recompute=full"])
     with pytest.raises(LayoutError) as e:
         validate(cfg, spec, world_size=1)
-    assert [v.rule for v in e.value.violations] == ["backend-run"] and "mbr verify" in str(e.value)
-    validate(cfg, spec, dims=ParallelDims.parse("tp1").with_world(1), layout_only=True)  # what verify applies
+    assert [v.rule for v in e.value.violations] == ["backend-run", "lora-targets"], str(e.value)
+    assert "recompute" in str(e.value) and "LoRA on a hf-backend model" in str(e.value)
     assert main(["convert", f"src={cohere}", f"dst={tmp_path / 'out'}"]) == 2
     err = capsys.readouterr().err
     assert "hf-backend model" in err and "model.hf_path=DIR" in err and not (tmp_path / "out").exists()
