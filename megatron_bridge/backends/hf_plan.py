@@ -41,23 +41,45 @@ LAYER_KINDS = ("full_attention", "sliding_attention")
 
 @dataclass(frozen=True)
 class Override:
-    """What one model type's forward does outside its modules, that a stage must redo."""
+    """What one model type's forward does outside its modules, that a stage must redo; each
+    field names the config key that holds the constant (checked by `mbr verify --matrix
+    model.backend=hf`, docs/bridge.md)."""
 
-    logit_scale: str | None = None  # config key: logits multiplied by it (Cohere)
+    reason: str = ""  # where transformers' forward does it
+    logit_scale: str | None = None  # config key: logits multiplied by it
+    logit_divide: str | None = None  # config key: logits divided by it
+    logit_softcap: str | None = None  # config key c: logits = c * tanh(logits / c)
+    embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
 
+    def handled(self) -> set[str | None]:
+        return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale}
 
+
+# the Override fields that hold a config key of a constant the chunk's forward applies
+FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
+_SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
 OVERRIDES: dict[str, Override] = {
-    "cohere": Override(logit_scale="logit_scale"),
-    "cohere2": Override(logit_scale="logit_scale"),
+    "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
+    "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
+    "gemma2": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    "vaultgemma": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    "granite": Override(
+        "GraniteModel.forward: embeddings * embedding_multiplier; GraniteForCausalLM: logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "hyperclovax": Override(
+        "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
+        embed_scale="embedding_multiplier",
+        logit_scale="logits_scaling",
+    ),
 }
 # config keys that switch on forward-level arithmetic; without an override entry they are refused
 FORWARD_KEYS = ("logit_scale", "logits_scaling", "embedding_multiplier", "final_logit_softcapping", "embedding_scale")
-# model types whose forward does arithmetic no config key announces
-FORWARD_MATH = {
-    "gemma": "the model's forward multiplies the embeddings by sqrt(hidden_size)",
-    "gemma2": "the model's forward multiplies the embeddings by sqrt(hidden_size)",
-}
+# model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
+# scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
+FORWARD_MATH: dict[str, str] = {}
 
 
 def override(model_type: str) -> Override:
@@ -69,7 +91,7 @@ def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
     out = []
     if model_type in FORWARD_MATH:
         out.append(f"{FORWARD_MATH[model_type]} (no entry in backends/hf_plan.py OVERRIDES)")
-    handled = {override(model_type).logit_scale}
+    handled = override(model_type).handled()
     for key in FORWARD_KEYS:
         v = hf.get(key)
         if key not in handled and v not in (None, 0, 1, 1.0, False):
@@ -190,6 +212,7 @@ def tensor_kinds(
 __all__ = [
     "COLUMN",
     "COLUMN_STYLES",
+    "FORWARD",
     "FORWARD_KEYS",
     "GRAD_ALLREDUCE",
     "HEAD",
@@ -202,6 +225,7 @@ __all__ = [
     "ROW_STYLES",
     "STYLES",
     "VOCAB",
+    "FORWARD",
     "forward_refusals",
     "override",
     "plan_of",

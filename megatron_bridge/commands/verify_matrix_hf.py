@@ -68,6 +68,7 @@ def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
     hf = read_hf_config(hf_dir)
     try:
         spec = describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")
+        HFBackend().table(spec)  # the checkpoint names: a tensor transformers converts is refused here
     except UserError as e:
         return {"*": refusal(e)}
     out = {}
@@ -94,6 +95,7 @@ def worker(argv: Sequence[str]) -> None:
     import torch
 
     from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.errors import UserError
     from megatron_bridge.runtime.parity import check_layout
     from megatron_bridge.testing import report
 
@@ -109,6 +111,8 @@ def worker(argv: Sequence[str]) -> None:
                 res = check_layout(root / arch, Layout.parse(text), list(CHECKS), ref=ref,
                                    input_ids=ref["input_ids"], labels=ref["labels"],
                                    export_dir=root / "out" / arch / text, backend="hf")  # fmt: skip
+            except UserError as e:  # a refusal met while building: its one line
+                res = {"refused": refusal(e)}
             except Exception as e:
                 tb = traceback.extract_tb(e.__traceback__)
                 where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
@@ -125,6 +129,9 @@ def _row(arch: str, text: str, per_rank: list[dict[str, Any]], ref: dict[str, An
     errors = [r[key]["error"] for r in per_rank if key in r and "error" in r[key]]
     if errors:
         return f"| {arch} | {text} | - | - | - | - | FAIL: {errors[0]} |"
+    refused = [r[key]["refused"] for r in per_rank if key in r and "refused" in r[key]]
+    if refused:
+        return f"| {arch} | {text} | - | - | - | - | refused: {refused[0]} |"
     f = fold(per_rank, key, ref)
     if f is None:
         return f"| {arch} | {text} | - | - | - | - | FAIL: no rank reported |"

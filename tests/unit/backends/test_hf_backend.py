@@ -101,8 +101,8 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
         ("falcon", {}, "no base_model_tp_plan"),
         ("mixtral", {}, "mixture-of-experts layers (8 experts)"),
         ("qwen3_next", {}, "layer kind 'linear_attention'"),
-        ("gemma2", {}, "final_logit_softcapping=30.0"),
-        ("gemma", {}, "sqrt(hidden_size)"),
+        ("nanochat", {}, "final_logit_softcapping=15.0"),
+        ("hrm_text", {}, "embedding_scale="),
     ],
 )
 def test_the_hf_backend_refuses_what_it_cannot_do_yet_one_line_each(model_type, kw, needle):
