@@ -51,6 +51,7 @@ class Override:
     logit_softcap: str | None = None  # config key c: logits = c * tanh(logits / c)
     embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
+    pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order, where it declares none
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale}
@@ -58,6 +59,7 @@ class Override:
 
 # the Override fields that hold a config key of a constant the chunk's forward applies
 FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
+_PIECES = ("embed_tokens", "layers", "norm")
 _SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
 OVERRIDES: dict[str, Override] = {
     "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
@@ -68,6 +70,13 @@ OVERRIDES: dict[str, Override] = {
         "GraniteModel.forward: embeddings * embedding_multiplier; GraniteForCausalLM: logits / logits_scaling",
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
+    ),
+    "nemotron": Override("no base_model_pp_plan: its model is embed_tokens, layers, norm", pp_plan=_PIECES),
+    "nanochat": Override(
+        "no base_model_pp_plan: its model norms (weightless RMSNorm) before and after the layers; "
+        "CausalLM.forward softcaps the logits",
+        pp_plan=("embed_tokens", "norm", "layers", "norm"),
+        logit_softcap="final_logit_softcapping",
     ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
@@ -144,9 +153,10 @@ def plan_of(
     """The plan from the config's `base_model_tp_plan` / `base_model_pp_plan` (and the model
     type's override entries), the causal-LM class's head plan and its `base_model_prefix`
     (the caller checked `plan_problems` first)."""
-    assert pp_plan and "layers" in pp_plan, "plan_problems refuses a model without a usable pp plan"
-    full = [f"{prefix}.{n}" for n in pp_plan]
-    i = list(pp_plan).index("layers")
+    pieces = list(pp_plan or override(model_type).pp_plan)
+    assert "layers" in pieces, "plan_problems refuses a model without a usable pp plan"
+    full = [f"{prefix}.{n}" for n in pieces]
+    i = pieces.index("layers")
     head = next(iter(head_plan), "lm_head")
     entries = {**(tp_plan or {}), **dict(override(model_type).tp_plan)}
     tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items())
@@ -162,9 +172,9 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
             f"{model_type}: transformers declares no base_model_tp_plan (how to split its linears) and "
             "backends/hf_plan.py OVERRIDES has no entry for it"
         )
-    if not pp_plan:
+    if not pp_plan and not override(model_type).pp_plan:
         out.append(f"{model_type}: transformers declares no base_model_pp_plan (its stage pieces)")
-    elif "layers" not in pp_plan:
+    elif pp_plan and "layers" not in pp_plan:
         out.append(f"{model_type}: base_model_pp_plan has no `layers` entry ({', '.join(pp_plan)})")
     for pattern, style in {**(tp_plan or {}), **extra}.items():
         if "expert" in pattern or "moe" in style:
