@@ -188,7 +188,7 @@ def run_matrix(
         if failure:  # a crash or hang loses the group's reports: each alone, once
             per_rank = [{} for _ in range(NPROC)]
             for a in group:
-                alone, why = _launch(root, {a: group[a]}, timeout / 2)
+                alone, why = _launch(root, {a: group[a]}, timeout / 4)
                 per_rank = [{**r, **s} for r, s in zip(per_rank, alone or [{}] * NPROC, strict=True)]
                 for t in group[a] if why else ():
                     rows[a, t] = f"| {a} | {t} | - | - | - | - | FAIL: launch failed ({why}) |"
@@ -234,7 +234,7 @@ def main(argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mbr-hf-matrix-") as tmp:
         root = Path(cfg.verify.out or tmp)
         root.mkdir(parents=True, exist_ok=True)
-        counts = run_matrix(archs, layouts, root, tol=TOL, timeout=min(cfg.verify.timeout_s, 900.0))
+        counts = run_matrix(archs, layouts, root, tol=TOL, timeout=min(cfg.verify.timeout_s, 480.0))
     return 1 if counts["FAIL"] else 0
 
 
