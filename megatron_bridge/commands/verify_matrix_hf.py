@@ -71,6 +71,8 @@ def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
         HFBackend().table(spec)  # the checkpoint names: a tensor transformers converts is refused here
     except UserError as e:
         return {"*": refusal(e)}
+    except Exception as e:  # not a refusal: a row, never a traceback that ends the matrix
+        return {"*": f"FAIL: describe: {_one_line(f'{type(e).__name__}: {e}', 160)}"}
     out = {}
     for text in layouts:
         limits = HFBackend().layout_limits(spec, Layout.parse(text))
