@@ -80,7 +80,10 @@ def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
             out[text] = "; ".join(_one_line(w) for w, _ in limits)
     if len(out) < len(layouts):
         ids, labels = make_batch(spec.vocab_size)
-        ref = hf_reference(hf_dir, ids, labels)
+        try:
+            ref = hf_reference(hf_dir, ids, labels)
+        except Exception as e:
+            return {"*": f"FAIL: transformers' reference: {_one_line(f'{type(e).__name__}: {e}', 160)}"}
         torch.save(dict(input_ids=ids, labels=labels, **ref), root / f"{arch}.ref.pt")
     return out
 
