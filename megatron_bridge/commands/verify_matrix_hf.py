@@ -16,7 +16,6 @@ is retried alone once, then FAIL. The output is the table docs/bridge.md carries
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -91,12 +90,7 @@ def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
 def worker(argv: Sequence[str]) -> None:
     """Inside torchrun: every (layout, architecture) of the group; each rank reports its
     findings, or the exception that stopped it, under "<arch>/<layout>"."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--root", required=True)
-    ap.add_argument("--archs", required=True)
-    ap.add_argument("--layouts", required=True)
-    a = ap.parse_args(argv)
-
+    opts = dict(zip(argv[::2], argv[1::2], strict=True))  # --root R --archs A,B --layouts JSON (from _launch)
     import torch
 
     from megatron_bridge.bridge.layout import Layout
@@ -104,10 +98,10 @@ def worker(argv: Sequence[str]) -> None:
     from megatron_bridge.runtime.parity import check_layout
     from megatron_bridge.testing import report
 
-    root = Path(a.root)
-    todo = json.loads(a.layouts)  # {arch: [layouts]}
+    root = Path(opts["--root"])
+    todo = json.loads(opts["--layouts"])  # {arch: [layouts]}
     for text in LAYOUTS:
-        for arch in a.archs.split(","):
+        for arch in opts["--archs"].split(","):
             if text not in todo.get(arch, []):
                 continue
             ref = torch.load(root / f"{arch}.ref.pt")
