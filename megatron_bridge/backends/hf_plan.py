@@ -34,7 +34,10 @@ VOCAB, COLUMN, ROW, HEAD, GRAD_ALLREDUCE, REPLICATED = "vocab", "column", "row",
 # tp plan style -> what megatron layer it becomes (runtime/hf/layers.py)
 COLUMN_STYLES = ("colwise", "colwise_gather_output")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
-STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce")
+# markers with no split of their own: `local_params` (a module whose parameters the plan's other
+# entries already split: Granite-SWA's attention sinks, split by head here as per-head tensors)
+MARKERS = ("local_params",)
+STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", *MARKERS)
 # layer kinds (`config.layer_types`) whose masks the stages rebuild
 LAYER_KINDS = ("full_attention", "sliding_attention")
 
@@ -77,6 +80,11 @@ OVERRIDES: dict[str, Override] = {
         "CausalLM.forward softcaps the logits",
         pp_plan=("embed_tokens", "norm", "layers", "norm"),
         logit_softcap="final_logit_softcapping",
+    ),
+    "granite_swa": Override(
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
     ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
@@ -159,7 +167,7 @@ def plan_of(
     i = pieces.index("layers")
     head = next(iter(head_plan), "lm_head")
     entries = {**(tp_plan or {}), **dict(override(model_type).tp_plan)}
-    tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items())
+    tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items() if v not in MARKERS)
     return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp)
 
 
