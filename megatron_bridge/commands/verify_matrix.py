@@ -107,6 +107,10 @@ def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]
 def main(argv: Sequence[str]) -> int:
     """Print the matrix (markdown); exit 1 when any verified layout is over tolerance."""
     argv = [a for a in argv if a != "--matrix"]
+    if "model.backend=hf" in argv:  # every architecture transformers ships with a tp plan
+        from megatron_bridge.commands import verify_matrix_hf
+
+        return verify_matrix_hf.main(argv)
     cfg, _ = parse_command(argv, VerifyConfig, doc=__doc__)
     fams = list(cfg.verify.families) or list(TINY)
     unknown = [f for f in fams if f not in TINY]

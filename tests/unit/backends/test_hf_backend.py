@@ -101,8 +101,8 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
         ("falcon", {}, "no base_model_tp_plan"),
         ("mixtral", {}, "mixture-of-experts layers (8 experts)"),
         ("qwen3_next", {}, "layer kind 'linear_attention'"),
-        ("gemma2", {}, "final_logit_softcapping=30.0"),
-        ("gemma", {}, "sqrt(hidden_size)"),
+        ("gemma3n_text", {}, "final_logit_softcapping=30.0"),
+        ("hrm_text", {}, "embedding_scale="),
     ],
 )
 def test_the_hf_backend_refuses_what_it_cannot_do_yet_one_line_each(model_type, kw, needle):
@@ -195,3 +195,16 @@ def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(t
     assert main(["convert", f"src={cohere}", f"dst={tmp_path / 'out'}"]) == 2
     err = capsys.readouterr().err
     assert "hf-backend model" in err and "model.hf_path=DIR" in err and not (tmp_path / "out").exists()
+
+
+def test_every_override_entry_is_an_architecture_the_hf_backend_now_describes():
+    """hf_plan.OVERRIDES: each entry names a tp-planned causal LM, says why, and lifts its
+    refusal (the matrix, `mbr verify --matrix model.backend=hf`, checks the numbers)."""
+    from megatron_bridge.backends.hf_plan import OVERRIDES
+    from megatron_bridge.runtime.hf_tiny import architectures, tiny_config
+
+    known = set(architectures())
+    for model_type, entry in OVERRIDES.items():
+        assert model_type in known and entry.reason, model_type
+        hf = {**tiny_config(model_type).to_dict(), "model_type": model_type}
+        assert describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf").backend == "hf"
