@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.bridge.tiny import TINY
+from megatron_bridge.commands import verify_matrix_hf
 from megatron_bridge.commands.verify_setup import VerifyConfig, layouts_of, needed_world, reference
 from megatron_bridge.config.compose import parse_command
 from megatron_bridge.errors import LayoutError, UserError
@@ -108,8 +109,6 @@ def main(argv: Sequence[str]) -> int:
     """Print the matrix (markdown); exit 1 when any verified layout is over tolerance."""
     argv = [a for a in argv if a != "--matrix"]
     if "model.backend=hf" in argv:  # every architecture transformers ships with a tp plan
-        from megatron_bridge.commands import verify_matrix_hf
-
         return verify_matrix_hf.main(argv)
     cfg, _ = parse_command(argv, VerifyConfig, doc=__doc__)
     fams = list(cfg.verify.families) or list(TINY)

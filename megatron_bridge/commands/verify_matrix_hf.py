@@ -17,12 +17,26 @@ is retried alone once, then FAIL. The output is the table docs/bridge.md carries
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.backends.hf import HFBackend
+from megatron_bridge.bridge.hf_config import read_hf_config
+from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.commands.verify_setup import VerifyConfig
+from megatron_bridge.config.compose import parse_command
+from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.hf_tiny import architectures, make_tiny
+from megatron_bridge.runtime.parity import check_layout, fold, hf_reference, make_batch
+from megatron_bridge.testing import TorchrunError, report, run_torchrun
 
 LAYOUTS = ("tp2", "pp2", "tp2pp2")
 CHECKS = ("logits", "grads", "roundtrip")
@@ -49,15 +63,6 @@ def refusal(exc: BaseException) -> str:
 def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
     """Build `arch`'s tiny model and its reference under root/arch; {layout: refusal} for the
     layouts the backend refuses ({"*": reason} when it refuses the model)."""
-    import torch
-
-    from megatron_bridge.backends.describe import describe_hf
-    from megatron_bridge.backends.hf import HFBackend
-    from megatron_bridge.bridge.hf_config import read_hf_config
-    from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.errors import UserError
-    from megatron_bridge.runtime.hf_tiny import make_tiny
-    from megatron_bridge.runtime.parity import hf_reference, make_batch
 
     hf_dir = root / arch
     try:
@@ -91,12 +96,6 @@ def worker(argv: Sequence[str]) -> None:
     """Inside torchrun: every (layout, architecture) of the group; each rank reports its
     findings, or the exception that stopped it, under "<arch>/<layout>"."""
     opts = dict(zip(argv[::2], argv[1::2], strict=True))  # --root R --archs A,B --layouts JSON (from _launch)
-    import torch
-
-    from megatron_bridge.bridge.layout import Layout
-    from megatron_bridge.errors import UserError
-    from megatron_bridge.runtime.parity import check_layout
-    from megatron_bridge.testing import report
 
     root = Path(opts["--root"])
     todo = json.loads(opts["--layouts"])  # {arch: [layouts]}
@@ -122,7 +121,6 @@ def worker(argv: Sequence[str]) -> None:
 
 
 def _row(arch: str, text: str, per_rank: list[dict[str, Any]], ref: dict[str, Any], tol: float) -> str:
-    from megatron_bridge.runtime.parity import fold
 
     key = f"{arch}/{text}"
     errors = [r[key]["error"] for r in per_rank if key in r and "error" in r[key]]
@@ -148,8 +146,6 @@ def _row(arch: str, text: str, per_rank: list[dict[str, Any]], ref: dict[str, An
 
 
 def _launch(root: Path, todo: dict[str, list[str]], timeout: float) -> tuple[list[dict[str, Any]], str]:
-    from megatron_bridge.testing import TorchrunError, run_torchrun
-
     args = ["-m", "megatron_bridge.commands.verify_matrix_hf", "--worker", "--root", str(root),
             "--archs", ",".join(todo), "--layouts", json.dumps(todo)]  # fmt: skip
     try:
@@ -163,7 +159,6 @@ def run_matrix(
     archs: Sequence[str], layouts: Sequence[str], root: Path, *, tol: float, timeout: float, echo=print
 ) -> dict[str, int]:
     """Print the table; return the counts of pass / refused / FAIL rows."""
-    import torch
 
     t0 = time.perf_counter()
     echo(HEADER)
@@ -214,10 +209,6 @@ def run_matrix(
 
 def main(argv: Sequence[str]) -> int:
     """`mbr verify --matrix model.backend=hf [verify.families=[...]] [verify.layouts=[...]]`."""
-    from megatron_bridge.commands.verify_setup import VerifyConfig
-    from megatron_bridge.config.compose import parse_command
-    from megatron_bridge.errors import UserError
-    from megatron_bridge.runtime.hf_tiny import architectures
 
     argv = [a for a in argv if a != "--matrix"]
     cfg, _ = parse_command(argv, VerifyConfig, doc=__doc__)
@@ -238,7 +229,5 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     if sys.argv[1:2] == ["--worker"]:
         worker(sys.argv[2:])
