@@ -1125,6 +1125,14 @@ CONVERT_CASES: list[Case] = [
         "choose a new directory or pass overwrite=true",
     ),
     C(
+        "convert-overwrite-foreign-dst",
+        "convert",
+        "mbr convert src={FX}/hf dst={FX}/nonempty overwrite=true",
+        "overwrite of a directory not ours",
+        "is not an output of mbr convert/reshard/export",
+        "overwrite=true will not delete it",
+    ),
+    C(
         "convert-missing-src",
         "convert",
         "mbr convert src={FX}/nope dst=out/cv",
