@@ -137,6 +137,8 @@ def build(fx: Path) -> None:
     for name, change in (
         ("hf_wrong_shape", {"intermediate_size": 96}),
         ("hf_unknown_arch", {"architectures": ["FooForCausalLM"], "model_type": "foo"}),
+        ("hf_layers_huge", {"num_hidden_layers": 100_000_000}),
+        ("hf_layers_str", {"num_hidden_layers": "4"}),
     ):
         c = variant(name) / "config.json"
         c.write_text(json.dumps({**json.loads(c.read_text()), **change}))
@@ -200,6 +202,7 @@ def _stranger_fixtures(fx: Path, hf: Path) -> None:
     edited("cv_asset_escape", "cv_torch_dist", assets=["../escaped.txt"])
     man = json.loads((fx / "cv_torch_dist" / "mbr_manifest.json").read_text())
     edited("cv_tp0", "cv_torch_dist", layout={**man["layout"], "tp": 0})
+    edited("cv_layers_huge", "cv_torch_dist", hf_config={**man["hf_config"], "num_hidden_layers": 100_000_000})
 
     from megatron_bridge.train import manifest as ck
 
