@@ -525,6 +525,14 @@ CASES: list[Case] = [
         "no candidate layout passes the layout rules",
         "`mbr check` with the same arguments",
     ),
+    C(
+        "cfg-plan-world-huge",
+        "config",
+        "mbr plan recipe=tiny_llama cluster.nodes=1099511627776",
+        "absurd cluster (hang)",
+        "is more than 4194304 GPUs",
+        "give the cluster you have",
+    ),
     # -- data ---------------------------------------------------------------------------
     C(
         "data-missing-files",
