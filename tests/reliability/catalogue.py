@@ -161,6 +161,14 @@ CASES: list[Case] = [
         "set a positive sequence length",
     ),
     C(
+        "rule-seq-length-huge",
+        "config",
+        "mbr check train.seq_length=1099511627776",
+        "seq-length",
+        "train.seq_length=1099511627776 is more than 16777216 tokens",
+        "set the sequence length the model is trained for",
+    ),
+    C(
         "rule-seq-cp",
         "config",
         "mbr check parallel.cp=2 train.seq_length=33",
