@@ -57,6 +57,9 @@ def build(fx: Path) -> None:
     from megatron_bridge.train import manifest as ck
 
     fx.mkdir(parents=True, exist_ok=True)
+    (fx / "recipes").mkdir()
+    (fx / "recipes" / "self_including.yaml").write_text("defaults:\n  - mbr_schema\n  - self_including\n  - _self_\n")
+    (fx / "recipes" / "no_defaults.yaml").write_text("train:\n  steps: 3\n")
     demo = build_demo(fx / "demo", 320, 60000)
     big = fx / "big"
     big.mkdir()
