@@ -1181,6 +1181,15 @@ CONVERT_CASES: list[Case] = [
         "choose a new directory or pass overwrite=true",
     ),
     C(
+        "convert-overlapping-offsets",
+        "convert",
+        "mbr convert src={FX}/hf_overlap dst=out/cv",
+        "overlapping data_offsets",
+        "claim overlapping bytes (data_offsets)",
+        "re-download or re-save the file",
+        out=OUT,
+    ),
+    C(
         "convert-layers-huge",
         "convert",
         "mbr convert src={FX}/hf_layers_huge dst=out/cv",
