@@ -178,6 +178,14 @@ def _stranger_fixtures(fx: Path, hf: Path) -> None:
     pl.training_checkpoint(fx / "ck_payload_ds", fx / "PWNED_resume_ds", layout=LAYOUT_1, engine="deepspeed")
     for fmt in ("torch_dist", "torch"):
         assert mbr(["convert", f"src={hf}", f"dst={fx / f'cv_{fmt}'}", f"format={fmt}", "progress=off"]) == 0
+    for fmt in ("torch_dist", "torch"):  # 4 bytes changed inside the largest file (same size)
+        d = Path(shutil.copytree(fx / f"cv_{fmt}", fx / f"cv_tampered_{fmt}"))
+        big = max(
+            (p for p in d.rglob("*") if p.is_file() and p.name != "mbr_manifest.json"), key=lambda p: p.stat().st_size
+        )
+        b = bytearray(big.read_bytes())
+        b[len(b) // 2 : len(b) // 2 + 4] = bytes(x ^ 0xFF for x in b[len(b) // 2 : len(b) // 2 + 4])
+        big.write_bytes(bytes(b))
     shutil.copytree(fx / "cv_torch_dist", fx / "cv_payload_dist")
     pl.payload_in_extra_state(fx / "cv_payload_dist", fx / "PWNED_init_dist")
     shutil.copytree(fx / "cv_torch", fx / "cv_payload_torch")

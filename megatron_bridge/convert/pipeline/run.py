@@ -22,7 +22,7 @@ from typing import Any
 from megatron_bridge.backends.describe import describe as describe_model
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.loader import _write_config_and_assets, hf_assets
-from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_files
+from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_crc32, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
 from megatron_bridge.convert.pipeline.dst import check_replaceable, dst_lease, publish_mode
 from megatron_bridge.convert.pipeline.options import check_format, checked_layout, describe
@@ -135,7 +135,8 @@ def _manifest(
         dtype=dtype_name(source.out_dtype(n) for n in source.tensors),
         make_vocab_size_divisible_by=source.spec.make_vocab_size_divisible_by,
         tensors=tensors,
-        files=list_files(tmp),
+        files=(files := list_files(tmp)),
+        file_crc32=list_crc32(tmp, files),
         assets=assets,
         source=str(src),
         created_by=created_by,
