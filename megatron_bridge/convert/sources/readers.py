@@ -389,9 +389,10 @@ def check_data_only(path: Path) -> Manifest:
     """A converted checkpoint checked before anything loads it (`train.init_from`'s preflight):
     its manifest (names confined, sizes), and every pickle in it — the rank files of
     format=torch, the stored objects (`_extra_state`, ...) of torch_dist — names only data.
-    Reads the pickles, not the tensors; runs nothing."""
+    Reads the pickles and checksums every file against the CRC-32 written at conversion (a
+    changed byte, same size); runs nothing."""
     man = Manifest.read(path)
-    man.check_files(path)
+    man.check_files(path, checksums=True)
     if man.format == "torch_dist":
         io = PositionedReader()
         try:
