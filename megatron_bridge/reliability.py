@@ -17,6 +17,9 @@ or more comma-separated `ACTION:POINT:RANKS:STEP` entries:
             hang   sleep forever (a rank stuck outside any collective)
             pause  sleep until the file MBR_FAULT_DIR/continue exists (a test holds a job
                    mid-run while it starts another one)
+            nan    (step only) this micro-batch's loss mask becomes NaN: a non-finite loss and
+                   gradient for this one step (train.on_nonfinite)
+            term, usr1  send this process SIGTERM / SIGUSR1 (a scheduler's preemption notice)
     POINT   step          mid-step: when the step draws its second micro-batch (its first
                           has run forward/backward; pipeline peers are mid-schedule)
             ckpt_write    checkpoint STEP: after this rank wrote its file into iter_N.tmp/
@@ -43,7 +46,7 @@ from pathlib import Path
 
 FAULT_ENV = "MBR_FAULT"
 FAULT_DIR_ENV = "MBR_FAULT_DIR"
-ACTIONS = ("kill", "raise", "hang", "pause")
+ACTIONS = ("kill", "raise", "hang", "pause", "nan", "term", "usr1")
 POINTS = ("step", "ckpt_write", "ckpt_publish", "ckpt_latest")
 WATCHDOG_EXIT = 1
 
@@ -91,6 +94,10 @@ def fault(point: str, step: int) -> None:
     print(f"[{FAULT_ENV}] rank {rank}: injecting {what}", file=sys.stderr, flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action in ("term", "usr1"):
+        os.kill(os.getpid(), signal.SIGTERM if action == "term" else signal.SIGUSR1)
+    elif action == "nan":
+        return  # faulty_iterator poisons the batch
     elif action == "raise":
         raise RuntimeError(f"injected fault {what} ({FAULT_ENV})")
     elif action == "pause":
@@ -107,6 +114,8 @@ def faulty_iterator(it: Iterator, step: int, draw: int) -> Iterator:
     for i, batch in enumerate(it):
         if i == draw:
             fault("step", step)
+            if planned("step", step) == "nan":
+                batch = {**batch, "loss_mask": batch["loss_mask"].float() * float("nan")}
         yield batch
 
 

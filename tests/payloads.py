@@ -77,11 +77,17 @@ def training_checkpoint(root: Path, marker: Path, *, layout: str, engine: str = 
 
 
 def resize_converted_manifest(out: Path) -> None:
-    """Record the current size of every file in a converted checkpoint's mbr_manifest.json
-    (as an attacker who edits files would; the CRCs are per tensor and untouched)."""
+    """Record the current size and CRC-32 of every file in a converted checkpoint's
+    mbr_manifest.json (as an attacker who edits files would: the checksums catch accidents and
+    naive tampering, not a forger, so the pickle guard must hold on its own; the per-tensor
+    CRCs are untouched)."""
+    from megatron_bridge.convert.formats.manifest import file_crc32
+
     mf = out / "mbr_manifest.json"
     m = json.loads(mf.read_text())
     m["files"] = {rel: (out / rel).stat().st_size for rel in m["files"]}
+    if "file_crc32" in m:
+        m["file_crc32"] = {rel: file_crc32(out / rel) for rel in m["file_crc32"]}
     mf.write_text(json.dumps(m))
 
 

@@ -57,8 +57,8 @@ class Backend(ABC):
         `backend-layout` rule refuses them before any process group."""
         return []
 
-    def run_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
-        """(what this backend cannot do in a training run, the fix): the `backend-run` rule
+    def run_limits(self, spec: BridgeSpec, run: Any) -> list[tuple[str, str]]:
+        """(what this backend cannot do in the training run `run` (the whole config), the fix): the `backend-run` rule
         refuses them (`mbr check`, `mbr plan`, training) before any process group."""
         return []
 

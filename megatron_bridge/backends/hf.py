@@ -299,15 +299,29 @@ class HFBackend(Backend):
             )
         return out
 
-    def run_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
-        return [
-            (
-                "training runs are not implemented for the hf backend yet (its models are built, loaded, "
-                "verified and exported: `mbr verify`)",
-                "verify it with `mbr verify model.hf_path=DIR`, or train a model with a native family "
-                "(`mbr verify --list`)",
+    def run_limits(self, spec: BridgeSpec, run: Any) -> list[tuple[str, str]]:
+        """Training runs: pretraining (megatron DDP / distributed optimizer at tp·pp·vpp·dp,
+        DeepSpeed ZeRO at dp·tp), checkpoints, resume and the HF export. Not yet: the rest
+        (LoRA is refused by the `lora-targets` rule; cp and sp by `layout_limits`)."""
+        out = []
+        if spec.is_moe:
+            out.append(("training MoE models is not implemented for the hf backend yet", "train a dense model"))
+        if run.data.kind == "sft":
+            out.append(
+                (
+                    "SFT data (packed chat samples, per-document positions) is not implemented for the hf backend yet",
+                    "use data=indexed or data=synthetic, or a model with a native family",
+                )
             )
-        ]
+        if run.train.recompute != "none":
+            out.append(
+                (
+                    f"train.recompute={run.train.recompute}: activation recomputation is not implemented for the "
+                    "hf backend yet",
+                    "set train.recompute=none",
+                )
+            )
+        return out
 
     def convert_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
         return [

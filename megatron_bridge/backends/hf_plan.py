@@ -34,30 +34,69 @@ VOCAB, COLUMN, ROW, HEAD, GRAD_ALLREDUCE, REPLICATED = "vocab", "column", "row",
 # tp plan style -> what megatron layer it becomes (runtime/hf/layers.py)
 COLUMN_STYLES = ("colwise", "colwise_gather_output")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
-STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce")
+# markers with no split of their own: `local_params` (a module whose parameters the plan's other
+# entries already split: Granite-SWA's attention sinks, split by head here as per-head tensors)
+MARKERS = ("local_params",)
+STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", *MARKERS)
 # layer kinds (`config.layer_types`) whose masks the stages rebuild
 LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
 class Override:
-    """What one model type's forward does outside its modules, that a stage must redo."""
+    """What one model type's forward does outside its modules, that a stage must redo; each
+    field names the config key that holds the constant (checked by `mbr verify --matrix
+    model.backend=hf`, docs/bridge.md)."""
 
-    logit_scale: str | None = None  # config key: logits multiplied by it (Cohere)
+    reason: str = ""  # where transformers' forward does it
+    logit_scale: str | None = None  # config key: logits multiplied by it
+    logit_divide: str | None = None  # config key: logits divided by it
+    logit_softcap: str | None = None  # config key c: logits = c * tanh(logits / c)
+    embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
+    pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order, where it declares none
+
+    def handled(self) -> set[str | None]:
+        return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale}
 
 
+# the Override fields that hold a config key of a constant the chunk's forward applies
+FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
+_PIECES = ("embed_tokens", "layers", "norm")
+_SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
 OVERRIDES: dict[str, Override] = {
-    "cohere": Override(logit_scale="logit_scale"),
-    "cohere2": Override(logit_scale="logit_scale"),
+    "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
+    "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
+    "gemma2": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    "vaultgemma": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    "granite": Override(
+        "GraniteModel.forward: embeddings * embedding_multiplier; GraniteForCausalLM: logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "nemotron": Override("no base_model_pp_plan: its model is embed_tokens, layers, norm", pp_plan=_PIECES),
+    "nanochat": Override(
+        "no base_model_pp_plan: its model norms (weightless RMSNorm) before and after the layers; "
+        "CausalLM.forward softcaps the logits",
+        pp_plan=("embed_tokens", "norm", "layers", "norm"),
+        logit_softcap="final_logit_softcapping",
+    ),
+    "granite_swa": Override(
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "hyperclovax": Override(
+        "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
+        embed_scale="embedding_multiplier",
+        logit_scale="logits_scaling",
+    ),
 }
 # config keys that switch on forward-level arithmetic; without an override entry they are refused
 FORWARD_KEYS = ("logit_scale", "logits_scaling", "embedding_multiplier", "final_logit_softcapping", "embedding_scale")
-# model types whose forward does arithmetic no config key announces
-FORWARD_MATH = {
-    "gemma": "the model's forward multiplies the embeddings by sqrt(hidden_size)",
-    "gemma2": "the model's forward multiplies the embeddings by sqrt(hidden_size)",
-}
+# model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
+# scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
+FORWARD_MATH: dict[str, str] = {}
 
 
 def override(model_type: str) -> Override:
@@ -69,7 +108,7 @@ def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
     out = []
     if model_type in FORWARD_MATH:
         out.append(f"{FORWARD_MATH[model_type]} (no entry in backends/hf_plan.py OVERRIDES)")
-    handled = {override(model_type).logit_scale}
+    handled = override(model_type).handled()
     for key in FORWARD_KEYS:
         v = hf.get(key)
         if key not in handled and v not in (None, 0, 1, 1.0, False):
@@ -122,12 +161,13 @@ def plan_of(
     """The plan from the config's `base_model_tp_plan` / `base_model_pp_plan` (and the model
     type's override entries), the causal-LM class's head plan and its `base_model_prefix`
     (the caller checked `plan_problems` first)."""
-    assert pp_plan and "layers" in pp_plan, "plan_problems refuses a model without a usable pp plan"
-    full = [f"{prefix}.{n}" for n in pp_plan]
-    i = list(pp_plan).index("layers")
+    pieces = list(pp_plan or override(model_type).pp_plan)
+    assert "layers" in pieces, "plan_problems refuses a model without a usable pp plan"
+    full = [f"{prefix}.{n}" for n in pieces]
+    i = pieces.index("layers")
     head = next(iter(head_plan), "lm_head")
     entries = {**(tp_plan or {}), **dict(override(model_type).tp_plan)}
-    tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items())
+    tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items() if v not in MARKERS)
     return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp)
 
 
@@ -140,9 +180,9 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
             f"{model_type}: transformers declares no base_model_tp_plan (how to split its linears) and "
             "backends/hf_plan.py OVERRIDES has no entry for it"
         )
-    if not pp_plan:
+    if not pp_plan and not override(model_type).pp_plan:
         out.append(f"{model_type}: transformers declares no base_model_pp_plan (its stage pieces)")
-    elif "layers" not in pp_plan:
+    elif pp_plan and "layers" not in pp_plan:
         out.append(f"{model_type}: base_model_pp_plan has no `layers` entry ({', '.join(pp_plan)})")
     for pattern, style in {**(tp_plan or {}), **extra}.items():
         if "expert" in pattern or "moe" in style:
@@ -190,6 +230,7 @@ def tensor_kinds(
 __all__ = [
     "COLUMN",
     "COLUMN_STYLES",
+    "FORWARD",
     "FORWARD_KEYS",
     "GRAD_ALLREDUCE",
     "HEAD",
@@ -202,6 +243,7 @@ __all__ = [
     "ROW_STYLES",
     "STYLES",
     "VOCAB",
+    "FORWARD",
     "forward_refusals",
     "override",
     "plan_of",

@@ -11,6 +11,7 @@ a building block owns (rope scaling, windows, router details) are read by its fe
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping as TMapping
 from pathlib import Path
 from typing import Any
@@ -55,16 +56,74 @@ def read_hf_config(path: str | Path, *, arg: str = "model.hf_path") -> dict[str,
             raise ValueError("not a JSON object")
     except ValueError as e:
         raise UserError(f"{cfg_file} is not valid JSON ({e}); re-export the model config.") from None
+    bad = _nonfinite_keys(data)
+    if bad:  # Python's json reads NaN/Infinity (and 1e999 as inf); a NaN eps compares false with every bound
+        raise UserError(
+            f"{cfg_file} holds non-finite numbers: {', '.join(bad[:5])}{' …' if len(bad) > 5 else ''}. "
+            "Every number of a model config must be finite: fix the value (e.g. rms_norm_eps: 1e-6) or re-export "
+            "the config."
+        )
     return data
 
 
+def _nonfinite_keys(obj: Any, prefix: str = "") -> list[str]:
+    """`key: value` of every NaN or infinite number in a parsed JSON value (nested keys dotted)."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [f"{prefix or '(top)'}: {obj}"]
+    if isinstance(obj, dict):
+        return [b for k, v in obj.items() for b in _nonfinite_keys(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(obj, list):
+        return [b for i, v in enumerate(obj) for b in _nonfinite_keys(v, f"{prefix}[{i}]")]
+    return []
+
+
+# Sizes beyond any real model (the largest today are ~10x below each): a config.json or a
+# manifest's hf_config naming more is refused before anything is allocated or looped over
+# (`num_hidden_layers: 100000000` used to hang convert and grow export past 3.8 GB).
+MANIFEST_NAME = "mbr_manifest.json"  # an `mbr convert` output's (convert/formats/manifest.py)
+SIZE_LIMITS: dict[str, int] = {
+    "num_layers": 10_000,
+    "hidden_size": 1 << 18,
+    "ffn_hidden_size": 1 << 20,
+    "num_attention_heads": 1 << 14,
+    "num_query_groups": 1 << 14,
+    "head_dim": 1 << 14,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 30,
+    "num_moe_experts": 1 << 16,
+    "moe_router_topk": 1 << 16,
+    "moe_ffn_hidden_size": 1 << 20,
+    "moe_shared_expert_intermediate_size": 1 << 20,
+}
+
+
+def _checked_size(key: str, field_name: str, v: Any) -> Any:
+    """`v` as an int when it is a whole number within SIZE_LIMITS; UserError otherwise (lists,
+    per-layer values some architectures use, pass through unchecked)."""
+    if isinstance(v, list | dict) or field_name not in SIZE_LIMITS:
+        return v
+    limit = SIZE_LIMITS[field_name]
+    if isinstance(v, bool) or not isinstance(v, int | float) or (isinstance(v, float) and not v.is_integer()):
+        raise UserError(
+            f'"{key}": {json.dumps(v)} in the model config (config.json, or hf_config in {MANIFEST_NAME}) is not '
+            f'a whole number. Fix the file: write the number without quotes ("{key}": 4, not "{key}": "4").'
+        )
+    if not 0 <= v <= limit:
+        raise UserError(
+            f'"{key}": {json.dumps(v)} in the model config (config.json, or hf_config in {MANIFEST_NAME}) is '
+            f"outside the sane range 0..{limit} for a model: the file is damaged or hand-edited. Fix the value "
+            "(the checkpoint's tensors say what it should be)."
+        )
+    return int(v)
+
+
 def base_fields(hf: TMapping[str, Any]) -> dict[str, Any]:
-    """The common fields by `HF_KEYS` (absent keys stay absent)."""
+    """The common fields by `HF_KEYS` (absent keys stay absent); sizes checked (SIZE_LIMITS)."""
     out: dict[str, Any] = {}
     for field_name, keys in HF_KEYS.items():
         for k in keys:
             if hf.get(k) is not None:
-                out[field_name] = hf[k]
+                out[field_name] = _checked_size(k, field_name, hf[k])
                 break
     rope = hf.get("rope_parameters") or {}
     if "rotary_base" not in out and rope.get("rope_theta") is not None:

@@ -22,13 +22,17 @@ any heavy work, and nothing is left half-written.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import parse_command, to_yaml
 from megatron_bridge.config.schema import Config
+from megatron_bridge.convert.command import sigterm_as_interrupt
+from megatron_bridge.convert.pipeline.dst import dst_lease
 from megatron_bridge.data.chat_dataset import preprocess_chat
 from megatron_bridge.data.demo import DEMO_PREFIX, build_chat_demo, build_demo
 from megatron_bridge.data.preprocess import preprocess
@@ -178,6 +182,19 @@ def main(argv: Sequence[str]) -> int:
         raise UserError(f"mode={cfg.mode!r}: expected text (pre-training documents) or chat (conversations)")
     if cfg.mode == "text" and (cfg.chat_template or cfg.max_length is not None):
         raise UserError("chat_template= and max_length= belong to mode=chat (conversations); add mode=chat")
-    if cfg.demo:
-        return run_demo(cfg)
-    return run_chat(cfg) if cfg.mode == "chat" else run_preprocess(cfg)
+    with sigterm_as_interrupt(), _leased(cfg.output_dir if cfg.demo else cfg.output, cfg.demo):
+        if cfg.demo:
+            return run_demo(cfg)
+        return run_chat(cfg) if cfg.mode == "chat" else run_preprocess(cfg)
+
+
+@contextlib.contextmanager
+def _leased(target: str | None, demo: bool) -> Iterator[None]:
+    """The output (prefix or directory) is leased like convert's dst (convert/pipeline/dst.py),
+    so two `mbr data` runs never write one output; where its parent does not exist yet the
+    command creates it later and runs unleased."""
+    if not target or not Path(target).absolute().parent.is_dir():
+        yield
+        return
+    with dst_lease(Path(target).absolute(), "output_dir" if demo else "output"):
+        yield

@@ -40,6 +40,9 @@ class PlanConfig(Config):
     top: int = 5  # alternatives to show
 
 
+MAX_WORLD = 1 << 22  # GPUs: the search's divisor loops stay instant below it
+
+
 def plan(argv: Sequence[str]):
     """Compose and search; returns (config, args, document). Library entry point."""
     cfg, args = parse_command(argv, PlanConfig, doc=__doc__)
@@ -49,6 +52,12 @@ def plan(argv: Sequence[str]):
         raise UserError(f"top={cfg.top} must be >= 0 (the number of alternatives to show).")
     if cfg.cluster.nodes < 1 or cfg.cluster.gpus_per_node < 1 or cfg.cluster.gpu_memory_gb <= 0:
         raise UserError("cluster.nodes, cluster.gpus_per_node and cluster.gpu_memory_gb must be positive.")
+    if cfg.cluster.nodes * cfg.cluster.gpus_per_node > MAX_WORLD:
+        raise UserError(
+            f"cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node={cfg.cluster.gpus_per_node} is more than "
+            f"{MAX_WORLD} GPUs, beyond any cluster the plan can describe; give the cluster you have "
+            "(e.g. cluster.nodes=8)."
+        )
     if args.cfg:
         return cfg, args, None
     model = describe(cfg.model)

@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.bridge.tiny import TINY
+from megatron_bridge.commands import verify_matrix_hf
 from megatron_bridge.commands.verify_setup import VerifyConfig, layouts_of, needed_world, reference
 from megatron_bridge.config.compose import parse_command
 from megatron_bridge.errors import LayoutError, UserError
@@ -107,6 +108,8 @@ def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]
 def main(argv: Sequence[str]) -> int:
     """Print the matrix (markdown); exit 1 when any verified layout is over tolerance."""
     argv = [a for a in argv if a != "--matrix"]
+    if "model.backend=hf" in argv:  # every architecture transformers ships with a tp plan
+        return verify_matrix_hf.main(argv)
     cfg, _ = parse_command(argv, VerifyConfig, doc=__doc__)
     fams = list(cfg.verify.families) or list(TINY)
     unknown = [f for f in fams if f not in TINY]

@@ -100,6 +100,12 @@ def parse_args(argv: Sequence[str], schema: type | None = None) -> Args:
             args.overrides.append(f"{positional.pop(0)}={a}")
         else:
             usage = getattr(schema, "CLI_USAGE", "")
+            quote = (
+                f" If {a!r} is the rest of the previous value (a path with a space), quote the whole argument: "
+                "'key=\"/my dir/x\"' (single quotes for the shell, double quotes inside for Hydra)."
+                if any("=" in x for x in argv[: list(argv).index(a)])
+                else ""
+            )
             raise UserError(
                 f"unexpected argument {a!r}: "
                 + (
@@ -108,6 +114,7 @@ def parse_args(argv: Sequence[str], schema: type | None = None) -> Args:
                     else "arguments are Hydra overrides `key=value` (e.g. `parallel.tp=2`), `recipe=NAME`, "
                     "or flags starting with `--`."
                 )
+                + quote
             )
     args.overrides = _once(args.overrides, spelled)
     return args
@@ -181,6 +188,15 @@ def _hydra_error(e: Exception, recipe: str, recipe_file: Path, sources: Sequence
         msg = msg[where.end() :]
     at = f" in {_config_file(where.group(1), recipe_file, sources)}" if where else ""
     msg = re.sub(r"\s+", " ", msg).strip().rstrip(".")
+    grammar = ("LexerNoViableAlt", "token recognition error", "mismatched input", "Ambiguous value", "extraneous input")
+    if any(g in msg for g in grammar):
+        hint = (
+            "A value with spaces, commas, brackets, quotes or non-ASCII characters (a path, usually) must be "
+            "quoted for Hydra inside the shell's quotes: 'model.hf_path=\"/data/my models/é,1\"' "
+            "(single quotes outside for the shell, double quotes inside for Hydra)."
+        )
+        msg = re.sub(r"\s*See https://hydra\.cc/\S+ for details", "", msg)
+        return UserError(f"invalid configuration{at}: {msg}. {hint}")
     if "could not be converted" in msg or "Value '" in msg and "is not a valid" in msg:
         hint = (
             f"Give the value the field's type (see the schema in `mbr check recipe={recipe} --cfg job`: integers, "
@@ -233,9 +249,19 @@ def compose(argv: Sequence[str] | Args, schema: type[Config] = Config) -> tuple[
             dcfg = hydra_compose(config_name=recipe_file.stem, overrides=overrides)
         OmegaConf.resolve(dcfg)
         cfg = OmegaConf.to_object(dcfg)
-        assert isinstance(cfg, schema)  # a structured config converts back to its dataclass
+        if not isinstance(cfg, schema):  # a recipe without `defaults: [mbr_schema, ...]`
+            raise UserError(
+                f"recipe {recipe_file} does not build on the schema: its first lines must be a defaults list "
+                "starting with mbr_schema and ending with _self_ (`defaults: [mbr_schema, {model: tiny_llama}, "
+                "_self_]`, as in recipes/default.yaml; `mbr init DIR` writes a starting point)."
+            )
     except UserError:
         raise
+    except RecursionError:
+        raise UserError(
+            f"recipe {recipe_file} includes itself (directly, or through another config's defaults list), so "
+            "composing it never ends. Remove the entry that names it again from the defaults list."
+        ) from None
     except (HydraException, OmegaConfBaseException) as e:
         raise _hydra_error(e, args.recipe, recipe_file, sources) from e
     except yaml.YAMLError as e:

@@ -166,6 +166,12 @@ class TrainConfig:
     # split (the same batches every time, so `val_loss` is comparable across steps and layouts).
     eval_interval: int = 0  # 0 = no periodic evaluation (still one at the end when eval_iters > 0)
     eval_iters: int = 0  # global batches per evaluation; 0 = no validation
+    # A non-finite loss or gradient norm (docs/train.md "Non-finite steps"): `stop` ends the job
+    # naming the step, publishing nothing of that state (`latest` stays on the last good
+    # checkpoint); `skip` drops the step's update (parameters, optimizer state and lr schedule
+    # untouched, the step's data consumed), counts it, and stops after `max_skipped_steps` in a row.
+    on_nonfinite: str = "stop"  # stop | skip
+    max_skipped_steps: int = 5  # on_nonfinite=skip: consecutive skipped steps that end the job (>= 1)
 
 
 @dataclass

@@ -99,7 +99,7 @@ def iter_documents(
             yield from _iter_jsonl(f, text_key)
         elif txt_mode == "line":
             with open(f, encoding="utf-8", errors="replace") as fh:
-                for line in fh:
+                for line in _bounded_lines(fh, f):
                     line = line.rstrip("\n")
                     if line.strip():
                         yield line
@@ -107,11 +107,33 @@ def iter_documents(
             yield f.read_text(encoding="utf-8", errors="replace")
 
 
+MAX_LINE_CHARS = 8 << 20  # one jsonl line / one .txt line document: 8 Mi characters (a long book is ~1 Mi)
+
+
+def _bounded_lines(fh, path: PathLike) -> Iterator[str]:
+    """The lines of a text file, each read with a bounded buffer: a line over MAX_LINE_CHARS is
+    refused when its first MAX_LINE_CHARS + 1 characters are read, not after the whole line is in
+    memory (one 100 MB line once took 17.6 GB of tokenizer memory)."""
+    lineno = 0
+    while True:
+        line = fh.readline(MAX_LINE_CHARS + 2)
+        if not line:
+            return
+        lineno += 1
+        if len(line.rstrip("\n")) > MAX_LINE_CHARS:
+            raise UserError(
+                f"{path}:{lineno}: the line is longer than {MAX_LINE_CHARS} characters (the limit of one document "
+                "per line, so that memory stays bounded). Split the document into several lines (documents) of "
+                "at most that size."
+            )
+        yield line
+
+
 def iter_jsonl(path: Path, example: str = '{"text": "..."}') -> Iterator[tuple[int, object]]:
     """(line number, parsed JSON value) per non-blank line of `path`; invalid JSON is a
     UserError naming `path:line` (`example` shows the expected shape of a line)."""
     with open(path, encoding="utf-8", errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
+        for lineno, line in enumerate(_bounded_lines(fh, path), 1):
             if not line.strip():
                 continue
             try:

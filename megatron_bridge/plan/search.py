@@ -18,6 +18,7 @@ only defaults and are searched over.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,7 +60,12 @@ def pinned_from_overrides(overrides: Sequence[str]) -> list[str]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+    """The divisors of `n` in increasing order (trial division to sqrt(n): a world of millions
+    of GPUs is milliseconds, not a hang)."""
+    if n <= 0:
+        return []
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _splits(ctx: Context, pp: int) -> list[tuple[int | None, int | None]]:

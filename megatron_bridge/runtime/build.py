@@ -23,8 +23,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.runtime.blocks.base import blocks
-from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
-from megatron_bridge.runtime.hf.build import build_hf
+from megatron_bridge.runtime.build_base import check_groups, later, skip_weight_init
 from megatron_bridge.runtime.layer_specs import decoder_block_spec
 from megatron_bridge.runtime.tconfig import gpt_model_kwargs, transformer_config
 
@@ -98,8 +97,11 @@ def mask_vocab_padding(model: Any, vocab_size: int) -> None:
     layer.register_forward_hook(hook)
 
 
-# each backend's builder, by `BridgeSpec.backend`
-BUILDERS: dict[str, Callable[..., list[Any]]] = {"native": build_native, "hf": build_hf}
+# each backend's builder, by `BridgeSpec.backend` (the hf backend's imported when first used)
+BUILDERS: dict[str, Callable[..., list[Any]]] = {
+    "native": build_native,
+    "hf": later("megatron_bridge.runtime.hf.build:build_hf"),  # deferred: transformers' modeling code
+}
 
 
 def model_config(chunks: list[Any]):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from megatron.core import parallel_state as ps
 
@@ -104,4 +105,19 @@ def skip_weight_init(active: bool = True) -> Iterator[None]:
             setattr(mod, name, orig)
 
 
-__all__ = ["check_groups", "skip_weight_init"]
+def later(target: str) -> Callable[..., Any]:
+    """`"package.module:function"`, imported at its first call. A backend's runtime half is
+    declared by name in the dispatch tables (`BUILDERS`, `LOADERS`, `EXPORTERS`), so a process
+    that never builds one of its models never imports it: the hf backend's pulls in transformers'
+    modeling code, ~0.7 s of every launch's start-up (docs/benchmarks.md, "Start-up").
+    tests/unit/test_layers.py counts a target as an import inside a function."""
+    module, _, name = target.partition(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__qualname__ = call.__name__ = target
+    return call
+
+
+__all__ = ["check_groups", "later", "skip_weight_init"]

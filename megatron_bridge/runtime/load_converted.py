@@ -63,7 +63,7 @@ def load_converted(chunks: Sequence[Any], spec: Any, path: str | Path) -> None:
     """Load a converted checkpoint into this rank's model chunks (rank-local: no collective)."""
     path = Path(path)
     man = Manifest.read(path)
-    man.check_files(path)
+    man.check_files(path)  # sizes; the CRC-32 of every file was checked by the preflight (check_init_source)
     _check_model(spec, man, path)
     if man.format == "torch_dist":
         _load_dist(chunks, path / RELEASE)

@@ -100,7 +100,7 @@ def export_checkpoint_adapter(cfg: Any) -> int:
             f"{src} holds no LoRA adapter: it was not written by a peft=lora run. Drop adapter=true to export "
             "an `mbr convert` output, or point src at a peft=lora checkpoint."
         )
-    with atomic_output(dst) as tmp:
+    with atomic_output(dst, cfg.overwrite) as tmp:
         for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
             shutil.copy2(src / ADAPTER_DIR / name, tmp / name)
     print(f"exported the LoRA adapter of {src} (HF PEFT format) to {dst}", flush=True)

@@ -38,7 +38,7 @@ from megatron_bridge.bridge.loader import (
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
-from megatron_bridge.runtime.hf import weights as hf_weights
+from megatron_bridge.runtime.build_base import later
 from megatron_bridge.runtime.weights_base import (
     checkpoint_tensors,
     current_coords,
@@ -167,14 +167,15 @@ def _stack_experts(row: Resolved, slabs: Sequence[torch.Tensor], spec: BridgeSpe
     return tuple(torch.cat([d[e] for e in range(n_all)], dim=0) for d in done)
 
 
-# each backend's rank-local loader and gathering exporter, by `BridgeSpec.backend`
+# each backend's rank-local loader and gathering exporter, by `BridgeSpec.backend` (the hf
+# backend's imported when first used: runtime/build_base.later)
 LOADERS: dict[str, Callable[[Sequence[Any], BridgeSpec, HFCheckpoint], int]] = {
     "native": _load_native,
-    "hf": hf_weights.load,
+    "hf": later("megatron_bridge.runtime.hf.weights:load"),  # deferred: transformers' modeling code
 }
 EXPORTERS: dict[str, Callable[..., Iterator[tuple[str, torch.Tensor]]]] = {
     "native": _iter_native,
-    "hf": hf_weights.iter_tensors,
+    "hf": later("megatron_bridge.runtime.hf.weights:iter_tensors"),  # deferred: as above
 }
 
 

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -46,6 +48,20 @@ MakeIterators = Callable[[int], list[Any]]
 (interleaved pipelines walk the same data once per chunk)."""
 
 
+class StepResult(NamedTuple):
+    """What one `Engine.step` did, the same on every rank."""
+
+    loss: float  # mean token loss over the global batch
+    grad_norm: float  # global gradient norm before clipping
+    lr: float  # the rate this step applied (or would have)
+    applied: bool  # False: the loss or gradient norm was not finite, and parameters, optimizer
+    # state and lr schedule were left as they were (the step's data is consumed all the same)
+
+
+def finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
 class Engine(abc.ABC):
     """Everything the training runner may ask of an engine. The runner holds no engine-type
     branches, so an engine is one subclass plus one `ENGINES` entry.
@@ -60,9 +76,10 @@ class Engine(abc.ABC):
         self.device = next(chunks[0].parameters()).device
 
     @abc.abstractmethod
-    def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
-        """One optimizer step over the global batch: (mean token loss, grad norm, the lr this
-        step applied), the loss known to every rank."""
+    def step(self, make_iterators: MakeIterators) -> StepResult:
+        """One optimizer step over the global batch, known to every rank. A step whose loss or
+        gradient norm is not finite updates nothing (`applied=False`): what the runner does
+        then is `train.on_nonfinite`'s business."""
 
     @abc.abstractmethod
     def evaluate(self, make_iterators: MakeIterators, iters: int) -> float:
@@ -190,16 +207,33 @@ class MegatronEngine(Engine):
             forward_only=forward_only,
         )
 
-    def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
+    def step(self, make_iterators: MakeIterators) -> StepResult:
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self._schedule(make_iterators(len(self.model)), forward_only=False)
-        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step applies
-        ok, grad_norm, _ = self.optimizer.step()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step applies
+        loss = _reduce_loss(reports)
+        # megatron's `optimizer.step()` split open (as its ChainedOptimizer does it), so that the
+        # norm is known before anything changes: fp32/bf16 training has no grad scaler to skip a
+        # non-finite step, and clipping by a NaN norm would write NaN into every weight.
+        found_inf = self.optimizer.prepare_grads()  # main grads ready; True only under fp16 loss scaling
+        grad_norm = float(self.optimizer.get_grad_norm())  # all-reduced: the same on every rank
+        if found_inf or not finite(loss, grad_norm):
+            return StepResult(loss, grad_norm, lr, applied=False)
+        for opt in self._optimizers():
+            params = opt.get_parameters()
+            if opt.config.clip_grad > 0.0 and params:
+                clip_grad_by_total_norm_fp32(
+                    params,
+                    max_norm=opt.config.clip_grad,
+                    total_norm=grad_norm,
+                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
-        return _reduce_loss(reports), float(grad_norm or 0.0), float(lr)
+        return StepResult(loss, grad_norm, lr, applied=True)
 
     @torch.no_grad()
     def evaluate(self, make_iterators: MakeIterators, iters: int) -> float:
@@ -310,7 +344,7 @@ class DeepSpeedEngine(Engine):
         # parameter": a model's own frozen weights (DeepSeek-V3's correction bias) must be saved.
         self._frozen = any(True for _ in adapters(module))
 
-    def step(self, make_iterators: MakeIterators) -> tuple[float, float, float]:
+    def step(self, make_iterators: MakeIterators) -> StepResult:
         it = make_iterators(1)[0]
         self.engine.train()
         batches = [next(it) for _ in range(self.dims.grad_accum)]
@@ -323,19 +357,38 @@ class DeepSpeedEngine(Engine):
         dp = torch.distributed.get_world_size(ps.get_data_parallel_group())
         scale = self.dims.grad_accum * dp / max(float(tokens), 1.0)
         acc = torch.zeros(2, dtype=torch.float64, device=dev)
-        for b in batches:
+        skipped_before, update = self.engine.skipped_steps, True
+        for i, b in enumerate(batches):
             b = _batch_to(b, self.device)
             args, kwargs = model_inputs(b)
             out = self.engine(*args, **kwargs)
             total, n, rep = _loss_func(b["loss_mask"], out)
             acc += rep["lm loss"].to(dev, torch.float64)
             self.engine.backward(total * scale)
-            self.engine.step()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step(increment=1)
-        torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group())
+            if i == len(batches) - 1:  # the accumulation boundary: the gradients are reduced now
+                torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group())
+                update = self._update_is_finite(float(acc[0] / acc[1].clamp(min=1)))
+            with contextlib.nullcontext() if update else _no_update(self.engine.optimizer):
+                self.engine.step()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        applied = update and self.engine.skipped_steps == skipped_before  # ZeRO 1/2 skip a NaN norm themselves
+        if applied:
+            self.scheduler.step(increment=1)
         gn = self.engine.get_global_grad_norm()
-        return float(acc[0] / acc[1].clamp(min=1)), float(gn if gn is not None else 0.0), float(lr)
+        loss = float(acc[0] / acc[1].clamp(min=1))
+        return StepResult(loss, float(gn or 0.0) if applied else math.nan, lr, applied=applied)
+
+    def _update_is_finite(self, loss: float) -> bool:
+        """Whether the reduced loss, and (ZeRO-0, where DeepSpeed checks nothing in fp32) every
+        reduced gradient, are finite — agreed by all ranks. ZeRO 1–3 check their own partitions
+        and skip a non-finite norm (counted in DeepSpeed's `skipped_steps`)."""
+        bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0], device=comm_device())
+        if self.dims.zero_stage == 0:
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            if grads and not torch.isfinite(torch.stack([g.float().sum() for g in grads]).sum()):
+                bad.fill_(1.0)  # a sum is non-finite iff an element is (fp32 sums of grads do not overflow)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return not bool(bad.item())
 
     @torch.no_grad()
     def evaluate(self, make_iterators: MakeIterators, iters: int) -> float:
@@ -375,6 +428,17 @@ class DeepSpeedEngine(Engine):
             load_lr_scheduler_states=False,
             load_module_strict=not self._frozen,
         )
+
+
+@contextlib.contextmanager
+def _no_update(optimizer) -> Iterator[None]:
+    """DeepSpeed's `engine.step()` with its optimizer's update left out: its counters advance and
+    the gradients are cleared as after any step, the parameters and Adam's state stay."""
+    optimizer.step = lambda *args, **kwargs: None  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del optimizer.step
 
 
 ENGINES: dict[str, type[Engine]] = {"megatron": MegatronEngine, "deepspeed": DeepSpeedEngine}

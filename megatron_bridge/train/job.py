@@ -25,6 +25,7 @@ from megatron_bridge.runtime.weights import export_hf_weights
 from megatron_bridge.train import checkpoint as ckpt
 from megatron_bridge.train.data.loader import build_datasets, make_iterator
 from megatron_bridge.train.engines import Engine, make_engine
+from megatron_bridge.train.guard import NonFinite, NonFiniteSteps, StopSignals, check_finite_weights
 from megatron_bridge.train.init import init_weights, loads_weights
 from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
 
@@ -65,8 +66,12 @@ def run(cfg, dims, spec, recipe: str, meta: dict[str, Any], *, finalize: bool = 
     keeps the default process group alive (tests that run several layouts in one launch)."""
     job = _build(cfg, dims, spec, recipe, meta)
     start = _resume(job)
-    _loop(job, start)
-    _export(job)
+    try:
+        if _loop(job, start):  # False: stopped by a signal, saved, nothing exported
+            _export(job)
+    except NonFinite:  # every rank raises it at the same step: the groups can be taken down
+        _teardown(finalize)
+        raise
     _teardown(finalize)
 
 
@@ -118,10 +123,12 @@ def _resume(run: _Run) -> int:
     return it
 
 
-def _loop(run: _Run, start: int) -> None:
+def _loop(run: _Run, start: int) -> bool:
     """Steps `start`+1 … (`train.steps`, or `train.exit_after` more), each logged, evaluated and
     checkpointed at its interval, under the watchdog; a failing rank names itself and the
-    phase before the launcher's summary."""
+    phase before the launcher's summary. A non-finite step is skipped or ends the job
+    (`train.on_nonfinite`, guard.py); SIGTERM/SIGUSR1 save at the next step boundary and end
+    the loop early: False then (True when it ran to its end)."""
     cfg, dims, rank = run.cfg, run.dims, run.rank
     logger = MetricsLogger(
         run.run_dir,
@@ -135,6 +142,7 @@ def _loop(run: _Run, start: int) -> None:
         cfg.train.timeout_minutes * 60, rank, hint=f"train.timeout_minutes={cfg.train.timeout_minutes:g}"
     )
     phase = "training"
+    nonfinite, signals = NonFiniteSteps(cfg), StopSignals(run.engine.device)
     try:
         stop = cfg.train.steps if cfg.train.exit_after is None else min(cfg.train.steps, start + cfg.train.exit_after)
         for step in range(start, stop):
@@ -144,7 +152,8 @@ def _loop(run: _Run, start: int) -> None:
             iterators = _iterators(run, run.datasets.train, step * dims.global_batch_size)
             if planned("step", step + 1):  # test-only fault injection (MBR_FAULT), see reliability.py
                 iterators = _with_fault(iterators, step + 1, dims.grad_accum)
-            loss, grad_norm, lr = run.engine.step(iterators)
+            loss, grad_norm, lr, applied = run.engine.step(iterators)
+            nonfinite.after(step + 1, loss, grad_norm, applied, rank)  # raises when the step ends the job
             dt = time.perf_counter() - t0
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt}
             metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt, run.spec))
@@ -154,15 +163,29 @@ def _loop(run: _Run, start: int) -> None:
                 metrics["val_loss"] = _evaluate(run)
             if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps or "val_loss" in metrics:
                 logger.log(step + 1, metrics)
-            if _save_due(cfg, step + 1, last=step + 1 == stop):
+            stop_signal = signals.requested()  # collective: every rank stops after the same step
+            if _save_due(cfg, step + 1, last=step + 1 == stop) or (stop_signal and cfg.checkpoint.dir):
                 phase = f"checkpoint save at step {step + 1}"
                 watchdog.arm(phase)
                 _save(run, step + 1)
+            if stop_signal:
+                if rank == 0:
+                    saved = (
+                        f"saved checkpoint {cfg.checkpoint.dir} at step {step + 1}; resume with checkpoint.resume=true"
+                    )
+                    print(
+                        f"{stop_signal}: stopping after step {step + 1}: "
+                        f"{saved if cfg.checkpoint.dir else 'no checkpoint.dir, nothing saved'}",
+                        flush=True,
+                    )
+                return False
+        return True
     except Exception as e:  # name the rank and the step before the launcher's summary
         if not isinstance(e, UserError):
             print(failure_message(rank, phase, e), file=sys.stderr, flush=True)
         raise
     finally:
+        signals.close()
         watchdog.close()
         logger.close()
 
@@ -202,6 +225,7 @@ def _save_due(cfg, step: int, *, last: bool) -> bool:
 
 
 def _save(run: _Run, step: int) -> None:
+    check_finite_weights(run.engine.model_chunks, step, run.engine.device)  # collective; raises NonFinite
     state = {"engine": run.engine.state_dict(), "rng": ckpt.rng_state(), "step": step}
 
     def extra(directory: Path) -> None:  # engine files; a LoRA run's adapter in HF PEFT format too

@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 EXIT = 1
@@ -45,6 +46,7 @@ LAUNCHERS = {
     "slurmstepd": "srun's slurmstepd",
 }
 _armed: list[tuple[int, int, str]] = []  # (pid, its parent's pid, the parent's name), child first
+_grace_until = 0.0  # time.monotonic() before which a gone launcher does not end this rank (`defer`)
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
@@ -86,9 +88,18 @@ def _gone() -> tuple[str, int] | None:
     return None
 
 
+def defer(seconds: float) -> None:
+    """A preemption signal reached this rank (train/guard.py): it saves at the next step boundary
+    and exits. A launcher that dies meanwhile — Slurm signals every process of the step, and
+    the single-node `deepspeed` runner dies of SIGTERM without forwarding it — ends the rank only
+    after `seconds`, so the save is not cut short."""
+    global _grace_until
+    _grace_until = max(_grace_until, time.monotonic() + seconds)
+
+
 def _exit_if_orphaned() -> None:
     gone = _gone()
-    if gone:
+    if gone and time.monotonic() >= _grace_until:
         rank = os.environ.get("RANK", "?")
         print(
             f"rank {rank}: launcher {gone[0]} (pid {gone[1]}) is gone; exiting so no orphaned rank keeps training",

@@ -35,6 +35,30 @@ def assert_close(ref, got, name):
         assert abs(got[step] - ref[step]) <= REL * abs(ref[step]), (name, step, ref[step], got[step])
 
 
+def transformers_loss(hf, step=1, gbs=8, seq=32, seed=1234):
+    """transformers' mean token loss on the synthetic global batch of `step` (samples
+    (step-1)·gbs … step·gbs-1): the oracle for an hf-backend run's loss before any update."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.train.data.synthetic import SyntheticGPTDataset
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    data = SyntheticGPTDataset(step * gbs, seq, model.config.vocab_size, seed)
+    batch = [data[i] for i in range((step - 1) * gbs, step * gbs)]
+    tokens, labels = (torch.stack([b[k] for b in batch]) for k in ("tokens", "labels"))
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+@pytest.fixture(scope="module")
+def cohere(tmp_path_factory):
+    """An architecture with no native family (the hf backend: per-head q/k norms, logit scale,
+    parallel block, tied embeddings)."""
+    return make_tiny("cohere", tmp_path_factory.mktemp("hf") / "cohere")
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return make_tiny("llama", tmp_path_factory.mktemp("hf") / "llama")
@@ -75,7 +99,7 @@ def test_megatron_layouts_match_single_process(llama, reference, tmp_path):
         assert abs(losses["tp2pp2_bf16"][step] - ref) <= 2e-3 * abs(ref), (step, ref, losses["tp2pp2_bf16"][step])
 
 
-def test_deepspeed_zero_stages_match_single_process(llama, reference, tmp_path):
+def test_deepspeed_zero_stages_match_single_process(llama, cohere, reference, tmp_path):
     jobs = [job(f"ds_zero{z}", llama, "train.engine=deepspeed", f"zero.stage={z}") for z in (1, 2, 3)]
     jobs.append(job("ds_tp2_zero1", llama, "train.engine=deepspeed", "zero.stage=1", "parallel.tp=2"))
     # resume through DeepSpeed's own checkpoint files (Engine.write_extra), ZeRO-3 partitions included
@@ -83,8 +107,17 @@ def test_deepspeed_zero_stages_match_single_process(llama, reference, tmp_path):
     z3 = ["train.engine=deepspeed", "zero.stage=3", f"checkpoint.dir={ck}"]
     jobs.append(job("ds_zero3_first3", llama, *z3, "train.exit_after=3", "checkpoint.save_interval=3"))
     jobs.append(job("ds_zero3_resumed", llama, *z3, "checkpoint.resume=true"))
+    # the hf backend under ZeRO-2 at dp2 (Cohere: no native family): transformers' loss, exact resume
+    hf = ["train.engine=deepspeed", "zero.stage=2", "model.backend=hf"]
+    hck = tmp_path / "hf_ds_ckpt"
+    jobs.append(job("hf_zero2", cohere, *hf))
+    jobs.append(job("hf_zero2_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}",
+                    "checkpoint.save_interval=3"))  # fmt: skip
+    jobs.append(job("hf_zero2_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true"))
     res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=2, timeout=900)
     losses = res[0]["losses"]
+    assert abs(losses["hf_zero2"]["1"] - transformers_loss(cohere)) < 1e-5
+    assert losses["hf_zero2_first3"] | losses["hf_zero2_resumed"] == losses["hf_zero2"]  # bit-exact
     for z in (1, 2, 3):
         assert_close(reference, losses[f"ds_zero{z}"], f"zero{z}")
     assert_close(reference, losses["ds_tp2_zero1"], "ds_tp2_zero1")
@@ -98,23 +131,52 @@ def test_deepspeed_zero_stages_match_single_process(llama, reference, tmp_path):
 def test_moe_ep2_matches_ep1(tmp_path_factory, tmp_path):
     hf = make_tiny("mixtral", tmp_path_factory.mktemp("hf") / "mixtral")
     ref = run_torchrun([SCRIPT, str(tmp_path / "r"), job("ep1", hf)], nproc=1, timeout=400)[0]["losses"]["ep1"]
-    res = run_torchrun([SCRIPT, str(tmp_path / "p"), job("ep2", hf, "parallel.ep=2"),
-                        job("ep2tp2", hf, "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true")],
-                       nproc=4, timeout=600)
+    res = run_torchrun(
+        [
+            SCRIPT,
+            str(tmp_path / "p"),
+            job("ep2", hf, "parallel.ep=2"),
+            job("ep2tp2", hf, "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
+        ],
+        nproc=4,
+        timeout=600,
+    )
     assert_close(ref, res[0]["losses"]["ep2"], "ep2")
     assert_close(ref, res[0]["losses"]["ep2tp2"], "ep2tp2")
 
 
-def test_resume_reproduces_uninterrupted_run(llama, tmp_path):
+def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere, tmp_path_factory, tmp_path):
+    """Resume is bit-exact (native Llama), and in the same launch the hf backend trains at
+    tp2·pp2 with the distributed optimizer: Qwen3 forced onto hf follows its native run step for
+    step (its q/k norms are `replicated_with_grad_allreduce`), Cohere (no native family) starts at
+    transformers' loss, resumes bit-exactly, and its export loads in transformers and in a new run
+    at transformers' loss."""
     ck = tmp_path / "ckpt"
     base = ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", "train.steps=10"]
+    qwen3 = make_tiny("qwen3", tmp_path_factory.mktemp("hf") / "qwen3")
+    hf = [*base[:3], "model.backend=hf"]
+    hck, e1, e2 = tmp_path / "hf_ckpt", tmp_path / "export_full", tmp_path / "export_resumed"
     jobs = [
         job("full", llama, *base),
         job("first5", llama, *base, "train.exit_after=5", f"checkpoint.dir={ck}", "checkpoint.save_interval=5"),
         job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true"),
+        job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
+        job("qwen3_hf", qwen3, *hf),
+        job("cohere_full", cohere, *hf, f"export_to={e1}"),
+        job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3"),
+        job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}"),
+        job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
     ]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=4, timeout=900)
     losses = res[0]["losses"]
+    assert_close(losses["qwen3_native"], losses["qwen3_hf"], "qwen3 hf vs native")
+    assert losses["qwen3_hf"][str(STEPS)] < losses["qwen3_hf"]["1"]  # it learns
+    assert abs(losses["cohere_full"]["1"] - transformers_loss(cohere)) < 1e-5
+    first, again = losses["cohere_first3"], losses["cohere_resumed"]
+    assert sorted(map(int, first)) == [1, 2, 3] and sorted(map(int, again)) == [4, 5], (first, again)
+    assert first | again == losses["cohere_full"]  # bit-exact
+    _assert_same_export(e1, e2, cohere)
+    assert abs(losses["cohere_from_export"]["1"] - transformers_loss(e1)) < 1e-5
     full, first, resumed = losses["full"], losses["first5"], losses["resumed"]
     assert sorted(map(int, first)) == [1, 2, 3, 4, 5] and sorted(map(int, resumed)) == [6, 7, 8, 9, 10]
     for step in map(str, range(6, 11)):
@@ -135,7 +197,10 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_pat
       losses: with evaluation they equal those without, bit for bit, on both engines. Dropout
       also differs per layout, so equal val_loss across layouts also shows eval mode."""
     hf = make_tiny("llama", tmp_path_factory.mktemp("hf") / "llama_dropout", attention_dropout=0.1)
-    ev, frozen = ["train.eval_interval=2", "train.eval_iters=2"], ["optimizer.lr=1e-30", "optimizer.min_lr=0"]  # lr=0 is refused; 1e-30 moves no fp32 weight
+    ev, frozen = (
+        ["train.eval_interval=2", "train.eval_iters=2"],
+        ["optimizer.lr=1e-30", "optimizer.min_lr=0"],
+    )  # lr=0 is refused; 1e-30 moves no fp32 weight
     tp2pp2, ds = ["parallel.tp=2", "parallel.pp=2"], ["train.engine=deepspeed", "zero.stage=3"]
     jobs = [
         job("tp1", hf, *ev, *frozen),
@@ -161,3 +226,24 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_pat
     for name in ("tp2pp2_train", "ds_zero3_train"):
         assert losses[name] == losses[f"{name}_noeval"], name  # bit for bit
         assert val[name]["5"] < val[name]["2"] != ref, (name, val[name])  # it evaluates the trained weights
+
+
+def _assert_same_export(e1, e2, source):
+    """Two exports of the same trained weights are equal tensor for tensor, differ from the
+    untrained source, and load in transformers with no missing or unexpected keys."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    def tensors(d):
+        out = {}
+        for f in sorted(d.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    a, b, src = tensors(e1), tensors(e2), tensors(source)
+    assert a.keys() == b.keys() == src.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], src[k]) for k in a)  # trained
+    _, info = AutoModelForCausalLM.from_pretrained(e1, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

@@ -57,6 +57,9 @@ def build(fx: Path) -> None:
     from megatron_bridge.train import manifest as ck
 
     fx.mkdir(parents=True, exist_ok=True)
+    (fx / "recipes").mkdir()
+    (fx / "recipes" / "self_including.yaml").write_text("defaults:\n  - mbr_schema\n  - self_including\n  - _self_\n")
+    (fx / "recipes" / "no_defaults.yaml").write_text("train:\n  steps: 3\n")
     demo = build_demo(fx / "demo", 320, 60000)
     big = fx / "big"
     big.mkdir()
@@ -126,6 +129,20 @@ def build(fx: Path) -> None:
     b = bytearray(f.read_bytes())
     b[8:40] = b"\xff" * 32  # the JSON header
     f.write_bytes(bytes(b))
+    f = variant("hf_overlap") / "model.safetensors"  # two tensors of one size share their bytes
+    b = f.read_bytes()
+    n = int.from_bytes(b[:8], "little")
+    head = json.loads(b[8 : 8 + n])
+    names = [k for k in head if k != "__metadata__"]
+    first, second = next(
+        (x, y)
+        for x in names
+        for y in names
+        if x < y and (head[x]["shape"], head[x]["dtype"]) == (head[y]["shape"], head[y]["dtype"])
+    )
+    head[second]["data_offsets"] = head[first]["data_offsets"]
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    f.write_bytes(b[:8] + raw + b" " * (n - len(raw)) + b[8 + n :])
     d = variant("hf_missing_shard")
     with safe_open(str(d / "model.safetensors"), "pt") as h:
         keys = list(h.keys())
@@ -137,11 +154,37 @@ def build(fx: Path) -> None:
     for name, change in (
         ("hf_wrong_shape", {"intermediate_size": 96}),
         ("hf_unknown_arch", {"architectures": ["FooForCausalLM"], "model_type": "foo"}),
+        ("hf_layers_huge", {"num_hidden_layers": 100_000_000}),
+        ("hf_layers_str", {"num_hidden_layers": "4"}),
     ):
         c = variant(name) / "config.json"
         c.write_text(json.dumps({**json.loads(c.read_text()), **change}))
     _lora_fixtures(fx)
     _stranger_fixtures(fx, hf)
+    _numerics_fixtures(fx, hf)
+
+
+def _numerics_fixtures(fx: Path, hf: Path) -> None:
+    """Non-finite numbers and token ids past the vocabulary (docs/reliability.md, section 8)."""
+    d = fx / "hf_nan_eps"
+    shutil.copytree(hf, d)
+    c = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**c, "rms_norm_eps": float("nan")}))  # json writes NaN
+    d = fx / "hf_nan_weights"
+    shutil.copytree(hf, d)
+    from megatron_bridge.convert.formats.safetensors_io import read_header
+
+    info = read_header(d / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    b = bytearray((d / "model.safetensors").read_bytes())
+    b[info.start + 40 : info.start + 44] = b"\x00\x00\xc0\x7f"  # a float32 NaN
+    (d / "model.safetensors").write_bytes(bytes(b))
+    oov = fx / "oov"
+    oov.mkdir()
+    for f in (fx / "demo").glob("stdlib_text_document*"):
+        shutil.copy(f, oov / f.name)
+    b = bytearray((oov / "stdlib_text_document.bin").read_bytes())  # uint16 ids (vocab 320)
+    b[10:12] = (700).to_bytes(2, "little")  # past the model's 512; .meta.json still says otherwise
+    (oov / "stdlib_text_document.bin").write_bytes(bytes(b))
 
 
 def _stranger_fixtures(fx: Path, hf: Path) -> None:
@@ -159,6 +202,14 @@ def _stranger_fixtures(fx: Path, hf: Path) -> None:
     pl.training_checkpoint(fx / "ck_payload_ds", fx / "PWNED_resume_ds", layout=LAYOUT_1, engine="deepspeed")
     for fmt in ("torch_dist", "torch"):
         assert mbr(["convert", f"src={hf}", f"dst={fx / f'cv_{fmt}'}", f"format={fmt}", "progress=off"]) == 0
+    for fmt in ("torch_dist", "torch"):  # 4 bytes changed inside the largest file (same size)
+        d = Path(shutil.copytree(fx / f"cv_{fmt}", fx / f"cv_tampered_{fmt}"))
+        big = max(
+            (p for p in d.rglob("*") if p.is_file() and p.name != "mbr_manifest.json"), key=lambda p: p.stat().st_size
+        )
+        b = bytearray(big.read_bytes())
+        b[len(b) // 2 : len(b) // 2 + 4] = bytes(x ^ 0xFF for x in b[len(b) // 2 : len(b) // 2 + 4])
+        big.write_bytes(bytes(b))
     shutil.copytree(fx / "cv_torch_dist", fx / "cv_payload_dist")
     pl.payload_in_extra_state(fx / "cv_payload_dist", fx / "PWNED_init_dist")
     shutil.copytree(fx / "cv_torch", fx / "cv_payload_torch")
@@ -200,6 +251,7 @@ def _stranger_fixtures(fx: Path, hf: Path) -> None:
     edited("cv_asset_escape", "cv_torch_dist", assets=["../escaped.txt"])
     man = json.loads((fx / "cv_torch_dist" / "mbr_manifest.json").read_text())
     edited("cv_tp0", "cv_torch_dist", layout={**man["layout"], "tp": 0})
+    edited("cv_layers_huge", "cv_torch_dist", hf_config={**man["hf_config"], "num_hidden_layers": 100_000_000})
 
     from megatron_bridge.train import manifest as ck
 

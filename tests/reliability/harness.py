@@ -6,7 +6,9 @@ launch, each with an optional `MBR_FAULT`). With `kill_when=N` the harness itsel
 whole launch — torchrun agent and every worker — once N ranks have reached their injected
 `hang` fault: the "whole job killed -9" case (a node lost, a preempted allocation); with
 `agent_only=True` it SIGKILLs only the torchrun agent and measures how long its ranks outlive
-it (`Launch.orphans_gone`; megatron_bridge/train/orphans.py ends them). Every launch is bounded
+it (`Launch.orphans_gone`; megatron_bridge/train/orphans.py ends them). With `term_agent_when=N`
+it sends the torchrun agent SIGTERM (a preemption) once N ranks sit in their `pause` fault, then
+lets them go on (the agent forwards the signal; the ranks save and exit 0). Every launch is bounded
 by `timeout`: on expiry everything is killed and `LaunchTimeout` raised. `spawn` starts a
 command (torchrun, the deepspeed launcher) in the background with the same environment.
 """
@@ -131,6 +133,7 @@ def launch(
     timeout: float = 300,
     kill_when: int | None = None,
     agent_only: bool = False,
+    term_agent_when: int | None = None,
 ) -> Launch:
     out = Path(out)
     faults = out / "faults"
@@ -147,7 +150,12 @@ def launch(
         try:
             while proc.poll() is None:
                 seen.update(_process_tree(proc.pid)[1:])
-                if kill_when is not None and faults.exists() and len(list(faults.iterdir())) >= kill_when:
+                fired_n = len(list(faults.glob("fault.rank*"))) if faults.exists() else 0
+                if term_agent_when is not None and fired_n >= term_agent_when and not (faults / "continue").exists():
+                    os.kill(proc.pid, signal.SIGTERM)  # the agent forwards it to its ranks, paused mid-step
+                    time.sleep(0.5)
+                    (faults / "continue").write_text("")
+                if kill_when is not None and fired_n >= kill_when:
                     time.sleep(0.2)  # every rank is inside its fault: kill the job mid-step
                     if agent_only:  # the agent alone: its ranks must notice and end themselves
                         ranks = children(proc.pid)
@@ -186,7 +194,7 @@ def launch(
     survivors = named
     fired = {}
     if faults.exists():
-        for f in faults.iterdir():
+        for f in faults.glob("fault.rank*"):
             fired[int(f.name.split("rank")[1])] = float(f.read_text().split()[0])
     res_path = out / "results.json"
     results = json.loads(res_path.read_text()) if res_path.exists() else {}

@@ -146,6 +146,14 @@ SCENARIOS: list[Scenario] = [
 ]
 
 
+# Preemption under torchrun, riding in the chain's launches (no launch of their own): SIGTERM to
+# rank 1 alone mid-step 5 in launch 0 (every rank must agree to save step 5), resumed in launch 1;
+# SIGTERM to the torchrun agent while all ranks are mid-step 5, in the last launch (the agent
+# forwards it: the ranks finish the step, save it and exit 0 within its 30 s grace period).
+SIGTERM_RANK = ("sigterm_rank1", "tp2pp2", "term:step:1:5")
+SIGTERM_AGENT = ("sigterm_agent", "pp2dp2z1", "pause:step:*:5")
+
+
 def _job(name: str, layout: str, fault: str = "", *overrides: str) -> str:
     return f"{name}|{fault}|" + ",".join([*COMMON, *LAYOUTS[layout], *overrides])
 
@@ -174,7 +182,18 @@ def chain(tmp_path_factory, request):
         jobs = []
         if k == 0:
             jobs += [_job(f"ref_{name}", name) for name in LAYOUTS]
+            jobs.append(_job(*SIGTERM_RANK, f"checkpoint.dir={root / SIGTERM_RANK[0]}"))
         else:
+            if k == 1:
+                jobs.append(
+                    _job(
+                        f"resume_{SIGTERM_RANK[0]}",
+                        SIGTERM_RANK[1],
+                        "",
+                        f"checkpoint.dir={root / SIGTERM_RANK[0]}",
+                        "checkpoint.resume=true",
+                    )
+                )
             prev = SCENARIOS[k - 1]
             jobs.append(
                 _job(
@@ -188,9 +207,19 @@ def chain(tmp_path_factory, request):
         if k < len(SCENARIOS):
             s = SCENARIOS[k]
             jobs.append(_job(s.name, s.layout, s.fault, f"checkpoint.dir={root / s.name}", *s.extra))
+        else:
+            jobs.append(_job(*SIGTERM_AGENT, f"checkpoint.dir={root / SIGTERM_AGENT[0]}"))
         out = root / f"launch{k}"
         s = SCENARIOS[k] if k < len(SCENARIOS) else None
-        run = launch(jobs, NPROC, out, timeout=240, kill_when=s and s.kill_when, agent_only=bool(s and s.agent_only))
+        run = launch(
+            jobs,
+            NPROC,
+            out,
+            timeout=240,
+            kill_when=s and s.kill_when,
+            agent_only=bool(s and s.agent_only),
+            term_agent_when=2 if s is None else None,  # the first pipeline stage draws the data
+        )
         launches.append((f"launch {k}", run))
         if k == 0:
             refs = {name: run.results.get(f"ref_{name}", {}) for name in LAYOUTS}
@@ -204,8 +233,38 @@ def chain(tmp_path_factory, request):
             rec.tmp_dirs = sorted(p.name for p in d.glob("iter_*.tmp")) if d.exists() else []
             rec.check_ckpt_rc = mbr(["check-ckpt", str(d)]) if rec.latest is not None else None
             rec.crashed_losses = losses(out / "runs" / s.name)
+    agent = root / SIGTERM_AGENT[0]
+    request.config._mbr_sigterm = {
+        "rank_latest_after_resume": manifest.latest_iteration(root / SIGTERM_RANK[0]),
+        "agent_latest": manifest.latest_iteration(agent),
+        "agent_check_ckpt_rc": mbr(["check-ckpt", str(agent)]) if agent.exists() else None,
+        "agent_losses": losses(root / f"launch{len(SCENARIOS)}" / "runs" / SIGTERM_AGENT[0]),
+    }
     request.config._mbr_crash = (refs, records, launches)
     return refs, records, launches
+
+
+def test_sigterm_to_one_rank_saves_the_step_every_rank_agrees_on_and_resumes_exactly(chain, request):
+    refs, _, launches = chain
+    name, layout, _ = SIGTERM_RANK
+    first, second = launches[0][1], launches[1][1]
+    ref = refs[layout]
+    assert first.output.count("SIGTERM: stopping after step 5: saved checkpoint") == 1, first.output[-4000:]
+    assert first.results[name] == {k: ref[k] for k in ("1", "2", "3", "4", "5")}  # the step under way finished
+    assert f"{name}/iter_0000005 (step 5)" in second.output, second.output[-4000:]  # the signal's checkpoint
+    assert second.results[f"resume_{name}"] == {k: ref[k] for k in ("6", "7", "8")}  # bit for bit
+
+
+def test_sigterm_to_the_torchrun_agent_saves_and_the_ranks_exit_0(chain, request):
+    refs, _, launches = chain
+    run, got = launches[-1][1], request.config._mbr_sigterm
+    tail = run.output[-6000:]
+    assert len(run.faults) >= 2 and not run.survivors, tail  # the last stage pauses too, later in step 5
+    assert run.output.count("SIGTERM: stopping after step 5: saved checkpoint") == 1, tail
+    assert got["agent_latest"] == 5 and got["agent_check_ckpt_rc"] == 0, (got, tail)
+    assert got["agent_losses"] == {k: refs[SIGTERM_AGENT[1]][k] for k in ("1", "2", "3", "4", "5")}
+    # torchrun's agent itself re-raises the SignalException once its ranks have exited (0 each)
+    assert torchrun_failures(run.output) == {} and "SignalException" in run.output, tail
 
 
 def test_references_trained(chain):

@@ -5,6 +5,7 @@ imports torch and megatron like ordinary Python, and the commands on top. Read f
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,9 @@ def layer(module: str) -> str:
     raise AssertionError(f"{module} is in no layer: add its package to CORE, RUNTIME or TOP")
 
 
+DEFERRED = re.compile(rf"{PKG}(\.\w+)+:\w+")  # runtime.build_base.later's targets
+
+
 def _resolve(name: str) -> str | None:
     """The module an import names (`from pkg import mod` names pkg.mod; `from pkg import x` pkg)."""
     while name and name not in MODULES:
@@ -79,12 +83,15 @@ def imports(module: str, *, typing: bool = True) -> list[tuple[str, int, bool, a
             names = [
                 f"{base}.{a.name}" if _resolve(f"{base}.{a.name}") == f"{base}.{a.name}" else base for a in node.names
             ]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DEFERRED.fullmatch(node.value):
+            names = [node.value.partition(":")[0]]  # `later("module:function")`: imported at its first call
         else:
             continue
+        deferred = isinstance(node, ast.Constant)
         for name in names:
             target = _resolve(name) if name.startswith(PKG + ".") or name == PKG else name.split(".")[0]
             if target:
-                out.append((target, node.lineno, id(node) in in_function, node))
+                out.append((target, node.lineno, deferred or id(node) in in_function, node))
     return out
 
 

@@ -13,6 +13,7 @@ import threading
 
 from zlib_ng import zlib_ng
 
+from megatron_bridge.convert.formats.finite import all_finite
 from megatron_bridge.convert.formats.manifest import crc_hex
 from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
 
@@ -23,8 +24,10 @@ class Checksums:
     """CRC-32 of source tensors on a worker thread, in the order they are handed in (after
     their copies: from the page cache, on the other core). `result()` waits for all."""
 
-    def __init__(self) -> None:
+    def __init__(self, check_finite: bool = False) -> None:
         self.values: dict[str, str] = {}
+        self.check_finite = check_finite  # also note the tensors holding NaN or infinity (mbr convert)
+        self.nonfinite: set[str] = set()
         self._q: queue.Queue[TensorInfo | None] = queue.Queue()
         self._error: BaseException | None = None
         self._t = threading.Thread(target=self._work, name="mbr-crc", daemon=True)
@@ -44,6 +47,8 @@ class Checksums:
                     view = memoryview(buf)[: min(CRC_CHUNK, info.end - pos)]
                     read_exactly(files(info.file), view, pos, info.file)
                     crc = zlib_ng.crc32(view, crc)
+                    if self.check_finite and info.name not in self.nonfinite and not all_finite(info.dtype, view):
+                        self.nonfinite.add(info.name)
                 self.values[info.name] = crc_hex(crc)
         except BaseException as e:  # re-raised by result()
             self._error = e

@@ -36,6 +36,7 @@ from megatron_bridge.convert.bytemove.pieces import Band, MemInfo, pieces
 from megatron_bridge.convert.bytemove.strided import Mem
 from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.finite import all_finite
 from megatron_bridge.convert.formats.manifest import crc_hex
 from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo
 from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
@@ -48,7 +49,7 @@ class DirectCopy:
     """Shards of an HF source written as byte moves into `StreamingTorchSave` records."""
 
     def __init__(self, source: HFSource):
-        self.source, self.copier, self.checksums = source, Copier(), Checksums()
+        self.source, self.copier, self.checksums = source, Copier(), Checksums(source.check_finite)
         # Column bands (row-parallel shards) go through user space: on a second thread,
         # with its own copier and buffer, while this one copies spans in the kernel.
         self._band_copier, self._bands = Copier(), ThreadPoolExecutor(1, thread_name_prefix="mbr-bands")
@@ -64,6 +65,8 @@ class DirectCopy:
         name = self._whole.get((path, start, len(view)))
         if name is not None:
             self.checksums.values[name] = crc_hex(zlib_ng.crc32(view))
+            if self.checksums.check_finite and not all_finite(self.source.infos[name].dtype, view):
+                self.checksums.nonfinite.add(name)
 
     def _band(self, p: Band, fd: int, at: int) -> None:
         self._pending.append(self._bands.submit(self._band_copier.band, p, fd, at))
@@ -95,6 +98,7 @@ class DirectCopy:
         try:
             yield d
             source.checksums.update(d.checksums.result())  # type: ignore[attr-defined]
+            source.nonfinite |= d.checksums.nonfinite  # type: ignore[attr-defined]
         finally:
             d._bands.shutdown(wait=True, cancel_futures=True)  # on failure: the file objects are still open
             d.copier.close()

@@ -12,7 +12,7 @@ product in fp32 (rounded to nearest even), then rounded to bf16 (nearest even), 
 
 Two implementations, bit-identical (tests/unit/convert/test_fp8_source.py):
 
-* `dequant_rows` (no torch, no numpy: `mbr convert` never imports them): for a fixed block
+* `dequant_rows` (no torch, no numpy: the byte path never needs them): for a fixed block
   scale the output is a function of the fp8 byte alone, so each block gets two 256-entry
   tables (low and high byte of the bf16 result, built with one fp32 rounding through
   `array('f')`) and its rows are mapped with `bytes.translate`; the two byte planes are

@@ -70,6 +70,7 @@ class Manifest:
     make_vocab_size_divisible_by: int
     tensors: dict[str, dict[str, Any]]  # HF name -> {"shape": [...], "dtype": "BF16", "crc32": "..."}
     files: dict[str, int] = field(default_factory=dict)  # relative path -> bytes
+    file_crc32: dict[str, str] = field(default_factory=dict)  # relative path -> CRC-32 (absent in older outputs)
     assets: list[str] = field(default_factory=list)
     source: str = ""
     created_by: str = ""
@@ -155,9 +156,11 @@ class Manifest:
             bad.append("assets: expected a list of file names")
         return bad
 
-    def check_files(self, directory: Path) -> None:
+    def check_files(self, directory: Path, checksums: bool = False) -> None:
         """Every recorded file is there with its recorded size (truncation, deletion), each a
-        regular file inside `directory` (`Manifest.read` refused any other name)."""
+        regular file inside `directory` (`Manifest.read` refused any other name); with
+        `checksums`, also its recorded CRC-32 (a changed byte; the paths that do not verify
+        every tensor's CRC as they read it: `train.init_from`)."""
         bad = []
         for rel, size in self.files.items():
             p = confined(directory, rel, source=directory / MANIFEST, what="file")
@@ -165,6 +168,11 @@ class Manifest:
                 bad.append(f"{rel} is missing")
             elif p.stat().st_size != size:
                 bad.append(f"{rel} has {p.stat().st_size} bytes, {size} were written (truncated or modified)")
+            elif checksums and rel in self.file_crc32 and file_crc32(p) != self.file_crc32[rel]:
+                bad.append(
+                    f"{rel} has CRC-32 {file_crc32(p)}, {self.file_crc32[rel]} was written: its bytes changed "
+                    "since conversion (disk corruption or tampering); re-convert or restore it"
+                )
         if bad:
             raise UserError(f"{directory}: the checkpoint is damaged:\n" + "\n".join(f"  - {b}" for b in bad[:8]))
 
@@ -172,6 +180,19 @@ class Manifest:
 def dtype_name(dtypes) -> str:
     names = {str(d).replace("torch.", "") for d in dtypes}
     return names.pop() if len(names) == 1 else "mixed"
+
+
+def file_crc32(path: Path, chunk: int = 1 << 24) -> str:
+    """CRC-32 of a file's bytes, streamed (zlib-ng)."""
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            value = zlib_ng.crc32(block, value)
+    return crc_hex(value)
+
+
+def list_crc32(directory: Path, files: dict[str, int]) -> dict[str, str]:
+    return {rel: file_crc32(directory / rel) for rel in files}
 
 
 def list_files(directory: Path) -> dict[str, int]:
@@ -182,4 +203,15 @@ def list_files(directory: Path) -> dict[str, int]:
     }
 
 
-__all__ = ["Manifest", "LayoutRecord", "MANIFEST", "crc32", "crc_hex", "dtype_name", "list_files", "FORMATS"]
+__all__ = [
+    "Manifest",
+    "LayoutRecord",
+    "MANIFEST",
+    "crc32",
+    "crc_hex",
+    "dtype_name",
+    "file_crc32",
+    "list_crc32",
+    "list_files",
+    "FORMATS",
+]

@@ -100,6 +100,13 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 "the file is truncated (re-download or re-save it)"
             )
         out[name] = TensorInfo(name, dtype, shape, path, base + b, base + end)
+    spans = sorted((t.start, t.end, t.name) for t in out.values() if t.end > t.start)
+    for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
+        if b1 < e0:  # the safetensors library refuses these too: one tensor's bytes would be another's
+            raise UserError(
+                f"{path}: tensors {n0} and {n1} claim overlapping bytes (data_offsets): corrupt or crafted header "
+                "(re-download or re-save the file)"
+            )
     return out
 
 

@@ -41,6 +41,9 @@ class ConvertConfig(Config):
     dtype: str = "source"  # source | bf16 | fp32 | fp16
     overwrite: bool = False
     progress: str = "auto"  # auto (bar on a terminal, quiet in CI) | on | off
+    # NaN or infinity in a source tensor is refused (found during the conversion's own reads,
+    # before anything is published); true converts such a checkpoint as it is.
+    allow_nonfinite: bool = False
 
 
 @dataclass

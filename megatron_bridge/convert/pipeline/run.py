@@ -22,8 +22,9 @@ from typing import Any
 from megatron_bridge.backends.describe import describe as describe_model
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.loader import _write_config_and_assets, hf_assets
-from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_files
+from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_crc32, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
+from megatron_bridge.convert.pipeline.dst import check_replaceable, dst_lease, publish_mode
 from megatron_bridge.convert.pipeline.options import check_format, checked_layout, describe
 from megatron_bridge.convert.pipeline.progress import Progress
 from megatron_bridge.convert.pipeline.writers import DistOut, HFOut, TorchOut
@@ -41,13 +42,7 @@ def check_paths(src: str | None, dst: str | None, overwrite: bool) -> tuple:
     s, d = Path(src).absolute(), Path(dst).absolute()
     if not s.is_dir():
         raise UserError(f"src={src} does not exist or is not a directory")
-    if d.exists() and not overwrite:
-        raise UserError(
-            f"dst={dst} already exists; choose a new directory or pass overwrite=true "
-            "(the old one is removed only after the new one is complete)"
-        )
-    if d.exists() and not d.is_dir():
-        raise UserError(f"dst={dst} exists and is not a directory")
+    check_replaceable(d, overwrite)
     rs, rd = s.resolve(), d.resolve()
     if rs == rd or rs in rd.parents or rd in rs.parents:
         raise UserError(f"src={src} and dst={dst} overlap; write to a separate directory")
@@ -55,29 +50,54 @@ def check_paths(src: str | None, dst: str | None, overwrite: bool) -> tuple:
 
 
 @contextmanager
-def atomic_output(dst: Path) -> Iterator[Path]:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+def atomic_output(dst: Path, overwrite: bool = False) -> Iterator[Path]:
+    """A temporary sibling of `dst`, renamed into place when the block ends normally; removed on
+    any failure. `dst` is leased for the whole block (dst.py); an existing `dst` is replaced
+    only under check_replaceable's terms, checked again right before the rename. Parent
+    directories it created are removed again on failure (a refusal mid-write, such as a
+    non-finite source tensor, leaves nothing behind)."""
+    created = [d for d in (dst.parent, *dst.parent.parents) if not d.exists()]
     try:
-        yield tmp
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.rename(dst, old / "x")
-            try:
-                os.rename(tmp, dst)
-            except OSError:
-                os.rename(old / "x", dst)  # put the previous checkpoint back
-                raise
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"{dst}: {e} (stopped; nothing was written)") from None
+        raise UserError(f"cannot create the parent directory of dst={dst}: {e}") from None
+    try:
+        with dst_lease(dst):
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+            try:
+                yield tmp
+                publish_mode(tmp)
+                check_replaceable(dst, overwrite)  # again: a directory may have appeared at dst meanwhile
+                if os.path.lexists(dst):
+                    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+                    os.rename(dst, old / "x")
+                    try:
+                        os.rename(tmp, dst)
+                    except OSError:
+                        os.rename(old / "x", dst)  # put the previous checkpoint back
+                        raise
+                    finally:
+                        shutil.rmtree(old, ignore_errors=True)
+                else:
+                    os.rename(tmp, dst)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise UserError(f"{dst}: {e} (stopped; nothing was written)") from None
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)  # after the lease: its file sits in dst's parent
         raise
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """The parent directories `atomic_output` created, innermost first, while still empty."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            return
 
 
 def _assets(src: Path) -> list[str]:
@@ -100,10 +120,12 @@ def _closing_on_error(source: Source) -> Iterator[None]:
         raise
 
 
-def _run(source: Source, writer: Any, dst: Path, verb: str, mode: str, finish: Callable[[Path], None]) -> Progress:
+def _run(
+    source: Source, writer: Any, dst: Path, verb: str, mode: str, finish: Callable[[Path], None], overwrite: bool
+) -> Progress:
     try:
         tensors, nbytes = writer.total(source)
-        with atomic_output(dst) as tmp:
+        with atomic_output(dst, overwrite) as tmp:
             with Progress(verb, tensors, nbytes, mode) as prog:
                 writer.write(tmp, source, prog.advance)
             finish(tmp)
@@ -129,7 +151,8 @@ def _manifest(
         dtype=dtype_name(source.out_dtype(n) for n in source.tensors),
         make_vocab_size_divisible_by=source.spec.make_vocab_size_divisible_by,
         tensors=tensors,
-        files=list_files(tmp),
+        files=(files := list_files(tmp)),
+        file_crc32=list_crc32(tmp, files),
         assets=assets,
         source=str(src),
         created_by=created_by,
@@ -148,6 +171,14 @@ def convert(cfg: Any) -> int:
     assets = _assets(src)
 
     def finish(tmp: Path) -> None:
+        if source.nonfinite and not cfg.allow_nonfinite:  # before anything is published
+            bad = sorted(source.nonfinite)
+            raise UserError(
+                f"src={src} holds non-finite weights (NaN or infinity) in {len(bad)} tensor(s): "
+                f"{', '.join(bad[:5])}{' …' if len(bad) > 5 else ''}. Nothing was written. A model with such "
+                "weights computes NaN; use a good copy of the checkpoint, or pass allow_nonfinite=true to "
+                "convert it as it is."
+            )
         if source.quant:  # an fp8 source converts to its bf16 dequantisation: no quantization_config
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         else:
@@ -155,7 +186,7 @@ def convert(cfg: Any) -> int:
         _copy(src, tmp, assets)
         _manifest(fmt, hf_config, layout, source, tmp, assets, src, "mbr convert")
 
-    prog = _run(source, writer, dst, "converted", cfg.progress, finish)
+    prog = _run(source, writer, dst, "converted", cfg.progress, finish, cfg.overwrite)
     print(prog.summary(str(dst), f"{fmt}, {describe(layout, dtype)}"), flush=True)
     return 0
 
@@ -179,7 +210,7 @@ def export(cfg: Any) -> int:
         _write_config_and_assets(tmp, source.spec, None, man.hf_config, retag)
         _copy(src, tmp, man.assets)
 
-    prog = _run(source, HFOut(int(cfg.max_shard_gb * 1e9)), dst, "exported", cfg.progress, finish)
+    prog = _run(source, HFOut(int(cfg.max_shard_gb * 1e9)), dst, "exported", cfg.progress, finish, cfg.overwrite)
     print(
         prog.summary(str(dst), f"HF safetensors, {dtype_name(out_dtypes)}, every tensor checked against the manifest"),
         flush=True,
@@ -204,7 +235,7 @@ def reshard(cfg: Any) -> int:
         _copy(src, tmp, man.assets)
         _manifest(fmt, man.hf_config, layout, source, tmp, man.assets, Path(man.source or src), "mbr reshard")
 
-    prog = _run(source, writer, dst, "resharded", cfg.progress, finish)
+    prog = _run(source, writer, dst, "resharded", cfg.progress, finish, cfg.overwrite)
     old = manifest_layout(man)
     print(prog.summary(str(dst), f"{man.format} tp{old.tp}·pp{old.pp} -> {fmt}, {describe(layout, dtype)}"), flush=True)
     return 0

@@ -34,6 +34,7 @@ from megatron_bridge.convert.formats.dist_ckpt import DistWriter
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import INDEX, SafetensorsWriter, plan_shards
 from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
+from megatron_bridge.convert.pipeline.dst import EXPORT_MARK
 from megatron_bridge.convert.pipeline.writeback import Writeback
 from megatron_bridge.convert.placement.dist_keys import extra_state_location, location
 from megatron_bridge.convert.placement.rank_files import (
@@ -273,7 +274,10 @@ class HFOut:
         total = sum(prod(e[2]) * e[1].itemsize for e in entries)
         weight_map = {e[0]: names[where[e[0]]] for e in sorted(entries)}
         (root / INDEX).write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+            json.dumps(
+                {"metadata": {"total_size": total, "written_by": EXPORT_MARK}, "weight_map": weight_map}, indent=2
+            )
+            + "\n"
         )
 
 

@@ -71,6 +71,8 @@ class Source:
         self.dtype = dtype  # None = keep the stored dtype
         self.io = PositionedReader()
         self.checksums: dict[str, str] = {}  # of the tensors as handed out (after the cast)
+        self.check_finite = False  # note the tensors holding NaN or infinity (`mbr convert`'s HF source)
+        self.nonfinite: set[str] = set()
 
     def out_dtype(self, name: str) -> DType:
         return self.dtype or self.tensors[name][1]
@@ -101,6 +103,8 @@ class Source:
                     f"{self.where}: tensor {name} does not match its checksum in the manifest: the "
                     "checkpoint files are corrupted or were modified after conversion"
                 )
+            if self.check_finite and t.is_floating_point() and not bool(t.isfinite().all()):
+                self.nonfinite.add(name)
             if self.dtype is not None and t.dtype != self.dtype:
                 t = t.to(self.dtype.torch)
             if name not in self.checksums:
@@ -195,6 +199,7 @@ class HFSource(Source):
         config.json — the command's `backends.describe` with its recipe's vocab padding."""
         super().__init__(dtype)
         self.where, self.expected = f"src={path}", {}
+        self.check_finite = True
         if (path / "mbr_manifest.json").is_file():
             raise UserError(
                 f"src={path} is already a converted checkpoint: use `mbr reshard` to change its layout "
@@ -384,9 +389,10 @@ def check_data_only(path: Path) -> Manifest:
     """A converted checkpoint checked before anything loads it (`train.init_from`'s preflight):
     its manifest (names confined, sizes), and every pickle in it — the rank files of
     format=torch, the stored objects (`_extra_state`, ...) of torch_dist — names only data.
-    Reads the pickles, not the tensors; runs nothing."""
+    Reads the pickles and checksums every file against the CRC-32 written at conversion (a
+    changed byte, same size); runs nothing."""
     man = Manifest.read(path)
-    man.check_files(path)
+    man.check_files(path, checksums=True)
     if man.format == "torch_dist":
         io = PositionedReader()
         try:

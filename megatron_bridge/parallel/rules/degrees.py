@@ -11,6 +11,7 @@ CHOICES = {
     "train.engine": ("megatron", "deepspeed"),
     "train.precision": ("auto", "fp32", "bf16"),
     "train.recompute": ("none", "selective", "full"),
+    "train.on_nonfinite": ("stop", "skip"),
     "cluster.backend": ("auto", "nccl", "gloo"),
     "zero.offload_optimizer": ("none", "cpu"),
     "zero.offload_param": ("none", "cpu"),

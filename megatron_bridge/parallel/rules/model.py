@@ -72,12 +72,12 @@ def backend_layout(f: Facts) -> list[Violation]:
     return out
 
 
-@RULES.run(reads=("model",))
+@RULES.run(reads=("model", "run"))
 def backend_run(f: Facts) -> list[Violation]:
-    """What the model's backend cannot do in a training run (the hf backend: training itself,
-    for now), refused by `mbr check`, `mbr plan` and the trainer before any process group."""
+    """What the model's backend cannot do in this training run (the hf backend: LoRA, SFT data,
+    recomputation, MoE), refused by `mbr check`, `mbr plan` and the trainer before any process group."""
     out = []
-    for what, fix in backend_of(f.model).run_limits(f.model):
+    for what, fix in backend_of(f.model).run_limits(f.model, f.run):
         out += _v("backend-run", f"{f.model.architecture} ({f.model.backend} backend): {what}", fix)
     return out
 

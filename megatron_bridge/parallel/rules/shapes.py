@@ -9,6 +9,7 @@ from megatron_bridge.parallel.rules.base import violation as _v
 from megatron_bridge.parallel.rules.degrees import degrees_ok as _degrees_ok
 
 RULES = RuleSet()
+MAX_SEQ_LENGTH = 1 << 24  # tokens per sample: 16M, above the longest contexts trained today (~10M)
 
 
 @RULES.layout(reads=("layout", "model"))
@@ -85,6 +86,13 @@ def sequence_length(f: Facts) -> list[Violation]:
     s, out = cfg.train.seq_length, []
     if s < 1:
         return _v("seq-length", f"train.seq_length={s} must be >= 1", "set a positive sequence length")
+    if s > MAX_SEQ_LENGTH:
+        return _v(
+            "seq-length",
+            f"train.seq_length={s} is more than {MAX_SEQ_LENGTH} tokens per sample, beyond what any model attends "
+            "over (its activations alone would not fit any machine)",
+            "set the sequence length the model is trained for (model.max_position_embeddings or less)",
+        )
     if d.cp > 1 and s % (2 * d.cp):
         out += _v(
             "seq-cp",

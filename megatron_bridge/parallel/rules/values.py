@@ -13,11 +13,49 @@ past it: that is the `seq-positions` error).
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
+
 from megatron_bridge.parallel.rules.base import Facts, RuleSet, Violation
 from megatron_bridge.parallel.rules.base import violation as _v
 from megatron_bridge.plan.params import learned_positions as _position_rows
 
 RULES = RuleSet()
+
+
+def _nonfinite(obj: Any, prefix: str = "") -> list[str]:
+    """`key=value` of every float field of the recipe (any group) that is NaN or infinite."""
+    out = []
+    for fd in dataclasses.fields(obj) if dataclasses.is_dataclass(obj) else ():
+        v = getattr(obj, fd.name)
+        if dataclasses.is_dataclass(v):
+            out += _nonfinite(v, f"{prefix}{fd.name}.")
+        elif isinstance(v, float) and not math.isfinite(v):
+            out.append(f"{prefix}{fd.name}={v}")
+    return out
+
+
+@RULES.run(reads=("run",))
+def finite_values(f: Facts) -> list[Violation]:
+    """No NaN or infinity anywhere in the recipe: `optimizer.lr=inf` would pass `lr > 0` and train
+    NaN from the first step; the numerics settings themselves are checked here too."""
+    bad, out = _nonfinite(f.run), []
+    if bad:
+        out += _v(
+            "finite-value",
+            f"{', '.join(bad)}: a setting must be a finite number (NaN and infinity are refused)",
+            "give each a finite value, or drop the override to keep the recipe's",
+        )
+    t = f.run.train
+    if t.max_skipped_steps < 1:
+        out += _v(
+            "max-skipped-steps",
+            f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1 (train.on_nonfinite=skip stops the job "
+            "after that many non-finite steps in a row)",
+            "set train.max_skipped_steps=5, or train.on_nonfinite=stop to end at the first one",
+        )
+    return out
 
 
 @RULES.run(reads=("run",))

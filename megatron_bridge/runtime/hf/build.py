@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 from megatron_bridge.backends.hf import meta, model_plan, transformers_config
 from megatron_bridge.backends.hf_plan import (
     COLUMN_STYLES,
+    FORWARD,
     GRAD_ALLREDUCE,
     HEAD,
     ROW_STYLES,
@@ -145,7 +146,8 @@ class Stage:
                 modules[path] = self._keep(path, full.get_submodule(path))
             modules[plan.head] = self._head(full.get_submodule(plan.head), tied and pre)
         rotary = self._rotary()
-        key = override(self.spec.family).logit_scale
+        ov = override(self.spec.family)
+        const = {k: float(getattr(full.config, v)) for k, v in vars(ov).items() if k in FORWARD and v}
         chunk = HFChunk(
             self.tconfig,
             full.config,
@@ -157,7 +159,7 @@ class Stage:
             post_process=post,
             vocab_size=self.spec.vocab_size,
             tied=tied,
-            logit_scale=float(getattr(full.config, key)) if key else None,
+            forward_math=const,
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
             # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)
@@ -166,7 +168,10 @@ class Stage:
 
     # -- the pieces --------------------------------------------------------------------------
     def _embedding(self, emb: Any) -> VocabEmbedding:
-        if type(emb) is not torch.nn.Embedding:
+        # a ScaledWordEmbedding (Gemma's family) is an nn.Embedding whose output is multiplied by
+        # its `embed_scale` buffer: kept, as the megatron embedding's own scale
+        scaled = isinstance(emb, torch.nn.Embedding) and type(emb).__name__.endswith("ScaledWordEmbedding")
+        if type(emb) is not torch.nn.Embedding and not (scaled and hasattr(emb, "scalar_embed_scale")):
             raise UserError(f"{self.spec.architecture}: its embedding is a {type(emb).__name__}, not nn.Embedding")
         with skip_weight_init(self.load_weights):
             return VocabEmbedding(
@@ -176,6 +181,7 @@ class Stage:
                 config=self.tconfig,
                 padding_idx=emb.padding_idx,
                 tp_group=self.tp_group,
+                embed_scale=float(emb.scalar_embed_scale) if scaled else None,
             )
 
     def _head(self, head: Any, tied_here: bool) -> LMHead:

@@ -50,7 +50,7 @@ class HFChunk(MegatronModule):
         post_process: bool,
         vocab_size: int,
         tied: bool,
-        logit_scale: float | None,
+        forward_math: dict[str, float],
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -59,7 +59,7 @@ class HFChunk(MegatronModule):
         self.share_embeddings_and_output_weights = tied
         self.model_type = ModelType.encoder_or_decoder
         self.vocab_size = vocab_size
-        self.logit_scale = logit_scale
+        self.forward_math = forward_math  # hf_plan.OVERRIDES constants: embed_scale, logit_scale, ...
         self.input_tensor: torch.Tensor | None = None
         for path, module in modules.items():
             self._place(path, module)
@@ -109,6 +109,8 @@ class HFChunk(MegatronModule):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         if self.pre_process:
             h = self.get_submodule(self.plan.embed)(input_ids)
+            if "embed_scale" in self.forward_math:
+                h = h * self.forward_math["embed_scale"]
             for path in self.plan.pre:
                 h = self.get_submodule(path)(h)
         else:
@@ -151,8 +153,13 @@ class HFChunk(MegatronModule):
         head = self.get_submodule(self.plan.head)
         tied_here = self.share_embeddings_and_output_weights and self.pre_process
         logits = head(h, weight=self.shared_embedding_or_output_weight() if tied_here else None)
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
+        math = self.forward_math  # in transformers' order (hf_plan.OVERRIDES)
+        if "logit_scale" in math:
+            logits = logits * math["logit_scale"]
+        if "logit_divide" in math:
+            logits = logits / math["logit_divide"]
+        if "logit_softcap" in math:
+            logits = torch.tanh(logits / math["logit_softcap"]) * math["logit_softcap"]
         first_pad = self.vocab_size - head.output_size_per_partition * ps.get_tensor_model_parallel_rank()
         if first_pad < logits.shape[-1]:  # padded vocab rows (megatron pads to a multiple of tp): logit -inf
             pad = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)

@@ -57,8 +57,11 @@ class VocabEmbedding(VocabParallelEmbedding):
     with transformers' `padding_idx`: that row gets no gradient from the embedding, as in
     `nn.Embedding` (its gradient from a tied head still flows)."""
 
-    def __init__(self, *args: Any, padding_idx: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, padding_idx: int | None = None, embed_scale: float | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.embed_scale = embed_scale  # a ScaledWordEmbedding's factor (Gemma: sqrt(hidden_size))
         local = None if padding_idx is None else padding_idx - self.vocab_start_index
         self.local_padding_idx = local if local is not None and 0 <= local < self.num_embeddings_per_partition else None
 
@@ -70,7 +73,10 @@ class VocabEmbedding(VocabParallelEmbedding):
         out = F.embedding(input_, self.weight, padding_idx=self.local_padding_idx)
         if split:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        if self.embed_scale is not None:  # as transformers: times the scale as a tensor of the weight's dtype
+            out = out * torch.tensor(self.embed_scale).to(self.weight.dtype)
+        return out
 
 
 MEGATRON_LAYERS = (ColumnLinear, RowLinear, LMHead, VocabEmbedding)

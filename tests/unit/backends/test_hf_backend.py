@@ -101,8 +101,8 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
         ("falcon", {}, "no base_model_tp_plan"),
         ("mixtral", {}, "mixture-of-experts layers (8 experts)"),
         ("qwen3_next", {}, "layer kind 'linear_attention'"),
-        ("gemma2", {}, "final_logit_softcapping=30.0"),
-        ("gemma", {}, "sqrt(hidden_size)"),
+        ("gemma3n_text", {}, "final_logit_softcapping=30.0"),
+        ("hrm_text", {}, "embedding_scale="),
     ],
 )
 def test_the_hf_backend_refuses_what_it_cannot_do_yet_one_line_each(model_type, kw, needle):
@@ -174,21 +174,37 @@ def test_the_backend_layout_rule_refuses_what_the_hf_backend_cannot_split(tmp_pa
     validate(cfg, describe(cfg.model), dims=ParallelDims.parse("pp2").with_world(2), layout_only=True)
 
 
-def test_training_and_converting_an_hf_model_are_refused_naming_the_backend(tmp_path, saved, capsys):
-    """What the hf backend cannot do yet is refused before anything starts: a training run
-    (`backend-run`, what `mbr check` and the trainer apply) and `mbr convert` (its checkpoints
-    load from the HF directory itself); `mbr verify` still takes the model (layout rules only)."""
+def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(tmp_path, saved, capsys):
+    """A plain training run of an hf-backend model passes every rule; what it cannot do yet is
+    refused before anything starts (`backend-run`, what `mbr check` and the trainer apply):
+    SFT data, activation recomputation (LoRA: `lora-targets`); and `mbr convert` (its
+    checkpoints load from the HF directory itself)."""
     from megatron_bridge.cli import main
-    from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.parallel.rules.registry import validate
 
     cohere = saved["cohere"]
-    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={cohere}", "parallel.tp=1", "parallel.pp=1"])
+    base = ["recipe=tiny_llama", f"model.hf_path={cohere}", "parallel.tp=1", "parallel.pp=1"]
+    cfg, _ = compose(base)
     spec = describe(cfg.model)
+    validate(cfg, spec, world_size=1)  # trains
+    cfg, _ = compose([*base, "peft=lora", "train.recompute=full"])
     with pytest.raises(LayoutError) as e:
         validate(cfg, spec, world_size=1)
-    assert [v.rule for v in e.value.violations] == ["backend-run"] and "mbr verify" in str(e.value)
-    validate(cfg, spec, dims=ParallelDims.parse("tp1").with_world(1), layout_only=True)  # what verify applies
+    assert [v.rule for v in e.value.violations] == ["backend-run", "lora-targets"], str(e.value)
+    assert "recompute" in str(e.value) and "LoRA on a hf-backend model" in str(e.value)
     assert main(["convert", f"src={cohere}", f"dst={tmp_path / 'out'}"]) == 2
     err = capsys.readouterr().err
     assert "hf-backend model" in err and "model.hf_path=DIR" in err and not (tmp_path / "out").exists()
+
+
+def test_every_override_entry_is_an_architecture_the_hf_backend_now_describes():
+    """hf_plan.OVERRIDES: each entry names a tp-planned causal LM, says why, and lifts its
+    refusal (the matrix, `mbr verify --matrix model.backend=hf`, checks the numbers)."""
+    from megatron_bridge.backends.hf_plan import OVERRIDES
+    from megatron_bridge.runtime.hf_tiny import architectures, tiny_config
+
+    known = set(architectures())
+    for model_type, entry in OVERRIDES.items():
+        assert model_type in known and entry.reason, model_type
+        hf = {**tiny_config(model_type).to_dict(), "model_type": model_type}
+        assert describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf").backend == "hf"

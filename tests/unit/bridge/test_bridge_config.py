@@ -295,3 +295,24 @@ def test_every_model_field_reaches_the_spec():
         assert getattr(spec, name) == getattr(m, name), name
     assert spec.backend == "native"
     assert (spec.head_dim, spec.num_query_groups) == (32, 2)
+
+
+def test_sizes_are_whole_numbers_within_sane_limits():
+    """`num_hidden_layers: 1e8` (a hang in convert, gigabytes in export) and `"4"` (a string)
+    are one message each; per-layer lists pass through to the feature that reads them."""
+    import pytest
+
+    from megatron_bridge.bridge.hf_config import base_fields
+    from megatron_bridge.errors import UserError
+
+    assert base_fields({"num_hidden_layers": 4.0, "vocab_size": 256})["num_layers"] == 4
+    assert base_fields({"intermediate_size": [64, 128]})["ffn_hidden_size"] == [64, 128]
+    with pytest.raises(UserError, match="outside the sane range 0..10000"):
+        base_fields({"num_hidden_layers": 100_000_000})
+    with pytest.raises(UserError, match='without quotes \\("num_hidden_layers": 4'):
+        base_fields({"num_hidden_layers": "4"})
+    for bad in (True, 2.5, -1):
+        with pytest.raises(UserError):
+            base_fields({"hidden_size": bad})
+    with pytest.raises(UserError, match="num_local_experts"):
+        base_fields({"num_local_experts": 10**9})

@@ -156,8 +156,12 @@ def test_existing_or_overlapping_destination(capsys, tmp_path, llama):
     refused(capsys, "convert", f"src={llama}", f"dst={dst}", match="already exists")
     assert (dst / "keep.txt").read_text() == "mine"
     refused(capsys, "convert", f"src={llama}", f"dst={llama / 'inside'}", match="overlap")
+    refused(capsys, "convert", f"src={llama}", f"dst={dst}", "overwrite=true", match="not an output of mbr")
+    assert (dst / "keep.txt").read_text() == "mine"  # a user's directory: never replaced
+    (dst / "keep.txt").unlink()
+    (dst / "mbr_manifest.json").write_text("{}")  # an output of ours: replaced
     assert mbr(["convert", f"src={llama}", f"dst={dst}", "overwrite=true", "progress=off"]) == 0
-    assert not (dst / "keep.txt").exists() and (dst / "mbr_manifest.json").is_file()
+    assert (dst / "config.json").is_file() and (dst / "mbr_manifest.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".o.")]
 
 

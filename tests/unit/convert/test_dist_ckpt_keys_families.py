@@ -5,8 +5,6 @@ oracle is the model megatron builds (one process, tp1); `train.init_from` loads 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from megatron_bridge.bridge.tiny import TINY
@@ -15,19 +13,10 @@ from megatron_bridge.runtime.tiny import tiny_config
 
 @pytest.fixture(scope="module")
 def groups1():
-    from megatron_bridge.parallel.dims import ParallelDims
-    from megatron_bridge.runtime import groups
-    from megatron_bridge.testing import free_port
+    from megatron_bridge.testing import one_process_groups
 
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        os.environ.pop(k, None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    groups.initialize(ParallelDims(world_size=1, gpus_per_node=1), seed=0)
-    yield
-    groups.destroy()
-    os.environ.clear()
-    os.environ.update(env)
+    with one_process_groups():
+        yield
 
 
 @pytest.mark.parametrize("family", list(TINY))

@@ -182,3 +182,25 @@ def test_train_tokenizer_refuses_bad_sizes_and_existing_dirs(base, tmp_path):
     (tmp_path / "t2").mkdir()
     train_tokenizer(["def f(x):\n    return x\n"] * 50, tmp_path / "t2", 300)
     assert load_tokenizer(tmp_path / "t2").decode(load_tokenizer(tmp_path / "t2")("def f")["input_ids"]) == "def f"
+
+
+def test_a_line_over_the_limit_is_refused_after_reading_only_the_limit(tmp_path, monkeypatch):
+    """One huge jsonl line (100 MB once took 17.6 GB): refused naming file:line, having read at
+    most MAX_LINE_CHARS + 2 characters of it."""
+    import pytest
+
+    from megatron_bridge.data import corpus
+    from megatron_bridge.errors import UserError
+
+    monkeypatch.setattr(corpus, "MAX_LINE_CHARS", 100)
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"text": "ok"}\n' + '{"text": "' + "x" * 88 + '"}\n' + '{"text": "' + "y" * 500 + '"}\n')
+    with pytest.raises(UserError, match=r"c.jsonl:3: the line is longer than 100 characters"):
+        list(corpus.iter_documents(f))
+    t = tmp_path / "c.txt"
+    t.write_text("short\n" + "z" * 101 + "\n")
+    with pytest.raises(UserError, match=r"c.txt:2: the line is longer"):
+        list(corpus.iter_documents(t, txt_mode="line"))
+    g = tmp_path / "ok.jsonl"
+    g.write_text('{"text": "' + "x" * 88 + '"}\n')  # exactly 100 characters before the newline
+    assert list(corpus.iter_documents(g)) == ["x" * 88]

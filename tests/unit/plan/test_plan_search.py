@@ -251,3 +251,14 @@ def test_impossible_pin_is_bad_input_with_the_rules_message():
     r = mbr("plan", "recipe=tiny_llama", "parallel.tp=3")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "[heads-tp] num_attention_heads=4 is not divisible by tp=3" in r.stderr
+
+
+def test_divisors_are_fast_and_exact_for_huge_worlds():
+    import time
+
+    from megatron_bridge.plan.search import _divisors
+
+    assert _divisors(12) == [1, 2, 3, 4, 6, 12] and _divisors(16) == [1, 2, 4, 8, 16] and _divisors(0) == []
+    t = time.perf_counter()
+    assert _divisors(1 << 22) == [1 << i for i in range(23)]
+    assert time.perf_counter() - t < 1.0

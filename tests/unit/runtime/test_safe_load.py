@@ -19,19 +19,10 @@ REFUSED = f"was refused: it holds a `{open.__module__}.open` object"
 
 @pytest.fixture(scope="module")
 def groups1():
-    from megatron_bridge.parallel.dims import ParallelDims
-    from megatron_bridge.runtime import groups
-    from megatron_bridge.testing import free_port
+    from megatron_bridge.testing import one_process_groups
 
-    env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        os.environ.pop(k, None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    groups.initialize(ParallelDims(world_size=1, gpus_per_node=1), seed=0)
-    yield
-    groups.destroy()
-    os.environ.clear()
-    os.environ.update(env)
+    with one_process_groups():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,233 @@
+"""`mbr verify --matrix model.backend=hf`: every architecture transformers ships with a tp plan.
+
+    mbr verify --matrix model.backend=hf                                  # all of them
+    mbr verify --matrix model.backend=hf 'verify.families=[cohere,phi]' 'verify.layouts=[tp2]'
+
+For each architecture of `runtime/hf_tiny.architectures()`: its tiny model (`make_tiny`, its
+distinctive features on, constant weights perturbed), described with the hf backend in this
+process. A description the backend refuses gives one `refused` row with the refusal's first
+line; a layout the backend refuses (`layout_limits`) gives a refused row for that layout. The
+others get transformers' fp32 reference here, then run in grouped torchrun launches (4 processes,
+`GROUP` architectures each, every layout in one launch): logits, loss, every gradient and the
+bit-exact HF round trip, as `mbr verify` checks them. An architecture that raises inside the
+launch is a FAIL row with its exception's last line; one that leaves no report (a hang, a crash)
+is retried alone once, then FAIL. The output is the table docs/bridge.md carries.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.backends.hf import HFBackend
+from megatron_bridge.bridge.hf_config import read_hf_config
+from megatron_bridge.bridge.layout import Layout
+from megatron_bridge.commands.verify_setup import VerifyConfig
+from megatron_bridge.config.compose import parse_command
+from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.hf_tiny import architectures, make_tiny
+from megatron_bridge.runtime.parity import check_layout, fold, hf_reference, make_batch
+from megatron_bridge.testing import TorchrunError, report, run_torchrun
+
+LAYOUTS = ("tp2", "pp2", "tp2pp2")
+CHECKS = ("logits", "grads", "roundtrip")
+NPROC = 4
+GROUP = 12  # architectures per torchrun launch
+TOL = 1e-5  # fp32: logits, loss and every gradient
+HEADER = "| architecture | layout | logits max-abs | loss abs-diff | grads max-abs (tensors) | round trip | verdict |"
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(text.split()).replace("|", "/")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def refusal(exc: BaseException) -> str:
+    """The refusal's one line: the first reason a multi-line refusal lists."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    reasons = [ln[2:] for ln in lines if ln.startswith("- ")]
+    return _one_line(reasons[0] if reasons else lines[0] if lines else type(exc).__name__) + (
+        f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""
+    )
+
+
+def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
+    """Build `arch`'s tiny model and its reference under root/arch; {layout: refusal} for the
+    layouts the backend refuses ({"*": reason} when it refuses the model)."""
+
+    hf_dir = root / arch
+    try:
+        make_tiny(arch, hf_dir)
+    except Exception as e:  # the survey's builder: its own refusals and failures
+        return {"*": f"FAIL: tiny model not built: {_one_line(f'{type(e).__name__}: {e}')}"}
+    hf = read_hf_config(hf_dir)
+    try:
+        spec = describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")
+        HFBackend().table(spec)  # the checkpoint names: a tensor transformers converts is refused here
+    except UserError as e:
+        return {"*": refusal(e)}
+    except Exception as e:  # not a refusal: a row, never a traceback that ends the matrix
+        return {"*": f"FAIL: describe: {_one_line(f'{type(e).__name__}: {e}', 160)}"}
+    out = {}
+    for text in layouts:
+        limits = HFBackend().layout_limits(spec, Layout.parse(text))
+        if limits:
+            out[text] = "; ".join(_one_line(w) for w, _ in limits)
+    if len(out) < len(layouts):
+        ids, labels = make_batch(spec.vocab_size)
+        try:
+            ref = hf_reference(hf_dir, ids, labels)
+        except Exception as e:
+            return {"*": f"FAIL: transformers' reference: {_one_line(f'{type(e).__name__}: {e}', 160)}"}
+        torch.save(dict(input_ids=ids, labels=labels, **ref), root / f"{arch}.ref.pt")
+    return out
+
+
+def worker(argv: Sequence[str]) -> None:
+    """Inside torchrun: every (layout, architecture) of the group; each rank reports its
+    findings, or the exception that stopped it, under "<arch>/<layout>"."""
+    opts = dict(zip(argv[::2], argv[1::2], strict=True))  # --root R --archs A,B --layouts JSON (from _launch)
+
+    root = Path(opts["--root"])
+    todo = json.loads(opts["--layouts"])  # {arch: [layouts]}
+    for text in LAYOUTS:
+        for arch in opts["--archs"].split(","):
+            if text not in todo.get(arch, []):
+                continue
+            ref = torch.load(root / f"{arch}.ref.pt")
+            t0 = time.perf_counter()
+            try:
+                res = check_layout(root / arch, Layout.parse(text), list(CHECKS), ref=ref,
+                                   input_ids=ref["input_ids"], labels=ref["labels"],
+                                   export_dir=root / "out" / arch / text, backend="hf")  # fmt: skip
+            except UserError as e:  # a refusal met while building: its one line
+                res = {"refused": refusal(e)}
+            except Exception as e:
+                tb = traceback.extract_tb(e.__traceback__)
+                where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+                res = {"error": _one_line(f"{type(e).__name__}: {e}", 160) + where}
+            res["seconds"] = round(time.perf_counter() - t0, 3)
+            report({f"{arch}/{text}": res})
+    torch.distributed.barrier()
+
+
+def _row(arch: str, text: str, per_rank: list[dict[str, Any]], ref: dict[str, Any], tol: float) -> str:
+
+    key = f"{arch}/{text}"
+    errors = [r[key]["error"] for r in per_rank if key in r and "error" in r[key]]
+    if errors:
+        return f"| {arch} | {text} | - | - | - | - | FAIL: {errors[0]} |"
+    refused = [r[key]["refused"] for r in per_rank if key in r and "refused" in r[key]]
+    if refused:
+        return f"| {arch} | {text} | - | - | - | - | refused: {refused[0]} |"
+    f = fold(per_rank, key, ref)
+    if f is None:
+        return f"| {arch} | {text} | - | - | - | - | FAIL: no rank reported |"
+    nan = float("nan")
+    ok = f.get("logits_max", nan) <= tol and f.get("loss_delta", nan) <= tol
+    ok &= f.get("grads_n") == f.get("grads_want") and not f.get("grads_bad") and f.get("grads_max", nan) <= tol
+    ok &= bool(f.get("rt_ok")) and f.get("rt_n") == f.get("grads_want")
+    grads = f"{f.get('grads_max', nan):.1e} ({f.get('grads_n', 0)}/{f.get('grads_want', 0)})"
+    rt = f"{f['rt_n']} bit-exact" if f.get("rt_ok") else f"FAIL {str(f.get('rt_bad', ''))[:60]}"
+    why = "" if ok else f" {str(f.get('grads_bad') or '')[:80]}"
+    return (
+        f"| {arch} | {text} | {f.get('logits_max', nan):.1e} | {f.get('loss_delta', nan):.1e} | {grads} | {rt} "
+        f"| {'pass' if ok else 'FAIL' + why} |"
+    )
+
+
+def _launch(root: Path, todo: dict[str, list[str]], timeout: float) -> tuple[list[dict[str, Any]], str]:
+    args = ["-m", "megatron_bridge.commands.verify_matrix_hf", "--worker", "--root", str(root),
+            "--archs", ",".join(todo), "--layouts", json.dumps(todo)]  # fmt: skip
+    try:
+        return run_torchrun(args, nproc=NPROC, timeout=timeout, expect_results=False), ""
+    except TorchrunError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "?"
+        return [], _one_line(first.split(" (nproc=")[-1], 120)
+
+
+def run_matrix(
+    archs: Sequence[str], layouts: Sequence[str], root: Path, *, tol: float, timeout: float, echo=print
+) -> dict[str, int]:
+    """Print the table; return the counts of pass / refused / FAIL rows."""
+
+    t0 = time.perf_counter()
+    echo(HEADER)
+    echo("|" + "---|" * 7)
+    rows: dict[tuple[str, str], str] = {}
+    todo: dict[str, list[str]] = {}
+    for arch in archs:
+        refused = prepare(arch, root, layouts)
+        if "*" in refused:
+            verdict = refused["*"] if refused["*"].startswith("FAIL") else f"refused: {refused['*']}"
+            rows[arch, "*"] = f"| {arch} | all | - | - | - | - | {verdict} |"
+            continue
+        for text in layouts:
+            if text in refused:
+                rows[arch, text] = f"| {arch} | {text} | - | - | - | - | refused: {refused[text]} |"
+        todo[arch] = [t for t in layouts if t not in refused]
+    names = list(todo)
+    for i in range(0, len(names), GROUP):
+        group = {a: todo[a] for a in names[i : i + GROUP]}
+        per_rank, failure = _launch(root, group, timeout)
+        if failure:  # a crash or hang loses the group's reports: each alone, once
+            per_rank = [{} for _ in range(NPROC)]
+            for a in group:
+                alone, why = _launch(root, {a: group[a]}, timeout / 4)
+                per_rank = [{**r, **s} for r, s in zip(per_rank, alone or [{}] * NPROC, strict=True)]
+                for t in group[a] if why else ():
+                    rows[a, t] = f"| {a} | {t} | - | - | - | - | FAIL: launch failed ({why}) |"
+        for a in group:
+            ref = torch.load(root / f"{a}.ref.pt")
+            for t in group[a]:
+                rows.setdefault((a, t), _row(a, t, per_rank, ref, tol))
+    counts = {"pass": 0, "refused": 0, "FAIL": 0}
+    for arch in archs:
+        for t in ("*", *layouts):
+            if (arch, t) in rows:
+                row = rows[arch, t]
+                echo(row)
+                verdict = row.rsplit("|", 2)[-2].strip()
+                counts["pass" if verdict == "pass" else "refused" if verdict.startswith("refused") else "FAIL"] += 1
+    echo("")
+    echo(
+        f"{len(archs)} architectures: "
+        + ", ".join(f"{v} {k}" for k, v in counts.items())
+        + f" rows; {time.perf_counter() - t0:.0f} s"
+    )
+    return counts
+
+
+def main(argv: Sequence[str]) -> int:
+    """`mbr verify --matrix model.backend=hf [verify.families=[...]] [verify.layouts=[...]]`."""
+
+    argv = [a for a in argv if a != "--matrix"]
+    cfg, _ = parse_command(argv, VerifyConfig, doc=__doc__)
+    known = architectures()
+    archs = list(cfg.verify.families) or known
+    unknown = [a for a in archs if a not in known]
+    if unknown:
+        raise UserError(f"verify.families {unknown}: not causal-LM architectures with a tp plan ({len(known)} are)")
+    layouts = [x.replace("·", "") for x in (cfg.verify.layouts or LAYOUTS)]
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad:
+        raise UserError(f"verify.layouts {bad}: the hf matrix runs {', '.join(LAYOUTS)} (ep2 once MoE exists)")
+    with tempfile.TemporaryDirectory(prefix="mbr-hf-matrix-") as tmp:
+        root = Path(cfg.verify.out or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        counts = run_matrix(archs, layouts, root, tol=TOL, timeout=min(cfg.verify.timeout_s, 480.0))
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2:])
