@@ -21,8 +21,16 @@ REL = 2e-5
 
 
 def common(hf):
-    return [f"model.hf_path={hf}", f"train.steps={STEPS}", "train.seq_length=32", "train.micro_batch_size=1",
-            "train.global_batch_size=8", "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "data=synthetic"]
+    return [
+        f"model.hf_path={hf}",
+        f"train.steps={STEPS}",
+        "train.seq_length=32",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=8",
+        "optimizer.warmup_steps=2",
+        "optimizer.lr=3e-3",
+        "data=synthetic",
+    ]
 
 
 def job(name, hf, *overrides):
@@ -67,8 +75,7 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    res = run_torchrun([SCRIPT, str(out), job("tp1", llama, "parallel.tp=1", "parallel.pp=1")], nproc=1,
-                       timeout=400)
+    res = run_torchrun([SCRIPT, str(out), job("tp1", llama, "parallel.tp=1", "parallel.pp=1")], nproc=1, timeout=400)
     losses = res[0]["losses"]["tp1"]
     assert len(losses) == STEPS and all(l == l for l in losses.values())
     assert losses[str(STEPS)] < losses["1"]  # it learns (random tokens: it can only approach ln(vocab))
@@ -91,8 +98,17 @@ def test_megatron_layouts_match_single_process(llama, reference, tmp_path):
     ]
     res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=4, timeout=900)
     losses = res[0]["losses"]
-    for name in ("tp2pp2", "tp4_kv2", "tp2_dp2_zero1", "pp2_dp2", "pp2vpp2", "cp2_dp2", "tp2sp_cp2",
-                 "tp2pp2_recompute_full", "tp2_recompute_selective"):
+    for name in (
+        "tp2pp2",
+        "tp4_kv2",
+        "tp2_dp2_zero1",
+        "pp2_dp2",
+        "pp2vpp2",
+        "cp2_dp2",
+        "tp2sp_cp2",
+        "tp2pp2_recompute_full",
+        "tp2_recompute_selective",
+    ):
         assert_close(reference, losses[name], name)
     # bf16 weights/activations (fp32 master and grads): ~3 significant digits on the loss
     for step, ref in reference.items():
@@ -202,6 +218,13 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_pat
         ["optimizer.lr=1e-30", "optimizer.min_lr=0"],
     )  # lr=0 is refused; 1e-30 moves no fp32 weight
     tp2pp2, ds = ["parallel.tp=2", "parallel.pp=2"], ["train.engine=deepspeed", "zero.stage=3"]
+    mlruns = tmp_path / "mlruns"
+    loggers = [
+        "logger.wandb.enabled=false",
+        "logger.tensorboard.enabled=false",
+        "logger.mlflow.enabled=true",
+        f"logger.mlflow.tracking_uri=file:{mlruns}",
+    ]
     jobs = [
         job("tp1", hf, *ev, *frozen),
         job("tp2pp2", hf, *ev, *frozen, *tp2pp2),
@@ -209,7 +232,9 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_pat
         job("pp2vpp2", hf, *ev, *frozen, "parallel.pp=2", "parallel.vpp=2"),
         job("ds_zero3", hf, "train.eval_iters=2", *frozen, *ds),
         job("tp2pp2_train", hf, *ev, *tp2pp2),
-        job("tp2pp2_train_noeval", hf, *tp2pp2),
+        # also the logger group on a real run (docs/train.md "Loggers"): wandb and TensorBoard off,
+        # MLflow to a file store
+        job("tp2pp2_train_noeval", hf, *tp2pp2, *loggers),
         job("ds_zero3_train", hf, *ev, *ds),
         job("ds_zero3_train_noeval", hf, *ds),
     ]
@@ -226,6 +251,11 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_pat
     for name in ("tp2pp2_train", "ds_zero3_train"):
         assert losses[name] == losses[f"{name}_noeval"], name  # bit for bit
         assert val[name]["5"] < val[name]["2"] != ref, (name, val[name])  # it evaluates the trained weights
+    assert (tmp_path / "tp2pp2_train" / "tensorboard").is_dir()  # the default: TensorBoard on
+    assert not {"wandb", "tensorboard"} & {p.name for p in (tmp_path / "tp2pp2_train_noeval").iterdir()}
+    (loss,) = mlruns.rglob("metrics/loss")
+    logged = {line.split()[2]: float(line.split()[1]) for line in loss.read_text().splitlines()}
+    assert logged == losses["tp2pp2_train_noeval"]  # MLflow got every step's loss
 
 
 def _assert_same_export(e1, e2, source):
