@@ -5,3 +5,7 @@ for 16,384 ranks in well under a second on a laptop.
 """
 
 __version__ = "0.1.0"
+
+from megatron_bridge.runtime import cpu_import as _cpu_import  # noqa: E402  (torch-free: a finder only)
+
+_cpu_import.install()

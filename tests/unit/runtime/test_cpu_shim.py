@@ -65,3 +65,23 @@ def test_gpu_paths_without_transformer_engine(monkeypatch):
     megatron_fixes.apply()
     assert moe_utils.te_general_gemm is None
     assert comm_device() == torch.device("cpu")  # no NCCL group here
+
+
+def test_megatron_imports_without_inductor_or_wandb_on_cpu():
+    """runtime/cpu_import.py: in a fresh interpreter without CUDA, `import megatron.core` builds no
+    torch.compile wrapper (no TorchInductor import) and does not import wandb; afterwards
+    torch.compile is torch's again and `import wandb` is not blocked."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch, megatron_bridge; real = torch.compile\n"
+        "import megatron.core\nfrom megatron.core.models.gpt import GPTModel\n"
+        "from megatron.core.jit import jit_fuser\n"
+        "print(sorted(m for m in ('torch._inductor.compile_fx', 'wandb') if m in sys.modules))\n"
+        "print(torch.compile is real, jit_fuser(len) is len)\n"
+        "print('wandb' not in sys.modules)"  # not left as None: `import wandb` imports it normally
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:3] == ["[]", "True True", "True"], out.stdout
