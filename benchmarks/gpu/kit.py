@@ -15,6 +15,8 @@ Checks, in order of what they prove:
    the report prints the difference rather than asserting it).
 4. `overhead`: `benchmarks/train_overhead.py` at tp1 on a ~0.9B-parameter Llama shape (bf16):
    our step time over a bare megatron-core loop's, and the model TFLOP/s and MFU.
+5. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the `hf` backend's step
+   time over the native one's on one saved Llama, and each one's TFLOP/s and MFU.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_kit_out")
     ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
-    ap.add_argument("--only", default="env,verify,resume,overhead")
+    ap.add_argument("--only", default="env,verify,resume,overhead,hfspeed")
     ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
     a = ap.parse_args()
     out = Path(a.out)
@@ -148,6 +150,12 @@ def main() -> int:
             flops = 6 * params * seq * gbs + 12 * layers * h * seq * seq * gbs  # fwd+bwd, attention
             tflops = flops / (step / 1e3) / 1e12
             say(f"- overhead: {tflops:.0f} model TFLOP/s, MFU {tflops / H100_BF16_TFLOPS:.1%} of H100 bf16 peak")
+    if "hfspeed" in only:
+        shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "9"]
+        if not a.smoke:
+            shape = ["--hidden", "2048", "--layers", "16", "--seq", "2048", "--gbs", "16", "--steps", "15"]
+        rc, text, secs = run("hfspeed", [sys.executable, "benchmarks/hf_vs_native.py", "--tp", "1", *shape], 400, out)
+        say(f"- hfspeed ({' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 6)}\n```")
     (out / "gpu_report.md").write_text("\n".join(report) + "\n")
     return 0
 
