@@ -10,7 +10,7 @@ Checks, in order of what they prove:
 1. `env`: torch / CUDA / GPU, and whether Transformer Engine and flash-attn are importable.
 2. `verify`: `mbr verify` at tp1 on the device (NCCL, no CPU shim) against transformers
    (fp32, CPU) for a dense (llama), an MoE (qwen3_moe) and an hf-backend (cohere) model.
-3. `resume`: tiny Llama trains 6 steps on the device, checkpointing at 3; a second run resumes
+3. `resume` (and `resume_ds`, the same under DeepSpeed ZeRO-2): tiny Llama trains 6 steps on the device, checkpointing at 3; a second run resumes
    at 3; the loss of steps 4-6 of both is compared (GPU kernels need not be deterministic, so
    the report prints the difference rather than asserting it).
 4. `overhead`: `benchmarks/train_overhead.py` at tp1 on a ~0.9B-parameter Llama shape (bf16):
@@ -66,11 +66,11 @@ def tail(text: str, n: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
-def resume_check(log: Path, report: list[str]) -> None:
+def resume_check(log: Path, report: list[str], check: str = "resume", engine: tuple[str, ...] = ()) -> None:
     with tempfile.TemporaryDirectory(prefix="kit-resume-") as tmp:
         common = [
             "recipe=tiny_llama", "parallel.tp=1", "parallel.pp=1", "cluster.gpus_per_node=1",
-            "checkpoint.save_interval=3", "optimizer.warmup_steps=1",
+            "checkpoint.save_interval=3", "optimizer.warmup_steps=1", *engine,
         ]  # fmt: skip
         losses = {}
         for name, extra in (
@@ -81,16 +81,16 @@ def resume_check(log: Path, report: list[str]) -> None:
             run_dir = Path(tmp) / name
             ck = [f"checkpoint.dir={tmp}/ck_{'full' if name == 'full' else 'part'}"]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m", "megatron_bridge.train"]
-            rc, text, secs = run(f"resume_{name}", [*cmd, *common, *ck, *extra, f"run_dir={run_dir}"], 150, log)
+            rc, text, secs = run(f"{check}_{name}", [*cmd, *common, *ck, *extra, f"run_dir={run_dir}"], 150, log)
             if rc:
-                report.append(f"- resume/{name}: FAILED rc={rc} after {secs:.0f} s\n```\n{tail(text)}\n```")
+                report.append(f"- {check}/{name}: FAILED rc={rc} after {secs:.0f} s\n```\n{tail(text)}\n```")
                 return
             rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             losses[name] = {r["step"]: r["loss"] for r in rows if "loss" in r}
         steps = sorted(losses["resumed"])
         diffs = [abs(losses["full"][s] - losses["resumed"][s]) for s in steps]
         report.append(
-            f"- resume: steps {steps} full={[losses['full'][s] for s in steps]} "
+            f"- {check}: steps {steps} full={[losses['full'][s] for s in steps]} "
             f"resumed={[losses['resumed'][s] for s in steps]} max |diff| = {max(diffs):.3g}"
             f"{' (bit-exact)' if max(diffs) == 0 else ''}"
         )
@@ -100,7 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_kit_out")
     ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
-    ap.add_argument("--only", default="env,verify,resume,overhead,hfspeed")
+    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,hfspeed")
     ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
     a = ap.parse_args()
     out = Path(a.out)
@@ -135,6 +135,10 @@ def main() -> int:
     if "resume" in only:
         before = len(report)
         resume_check(out, report)
+        print("\n".join(report[before:]), flush=True)
+    if "resume_ds" in only:  # the same under DeepSpeed ZeRO-2 (the wheel carried, no compiled ops)
+        before = len(report)
+        resume_check(out, report, "resume_ds", ("train.engine=deepspeed", "zero.stage=2"))
         print("\n".join(report[before:]), flush=True)
     if "overhead" in only:
         shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "12"]

@@ -3,9 +3,10 @@
 Batch sizes come from the validated `ParallelDims` (so DeepSpeed's own batch assertion can
 never disagree with ours), `zero.*` maps to `zero_optimization`, `optimizer.*` to the
 optimizer block, and `zero.ds_config` (a dict) is merged last as the user's override.
-On CPU the optimizer is torch's Adam (`torch_adam: true`): DeepSpeed's fused CPU Adam would
-JIT-compile a C++ extension on first use, longer than a short CPU run itself
-(docs/benchmarks.md).
+The optimizer is torch's Adam (`torch_adam: true`) unless DeepSpeed's FusedAdam CUDA op is
+built into the installed DeepSpeed (`fused_adam`, decided by the engine): otherwise DeepSpeed
+JIT-compiles an extension on first use — on CPU longer than a short run itself
+(docs/benchmarks.md), on a GPU it needs nvcc and failed on an H200 (docs/benchmarks.md, GPU).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_ds_config(cfg, dims: ParallelDims, *, bf16: bool, on_gpu: bool) -> dict[str, Any]:
+def build_ds_config(cfg, dims: ParallelDims, *, bf16: bool, fused_adam: bool) -> dict[str, Any]:
     z, o = cfg.zero, cfg.optimizer
     zero: dict[str, Any] = {
         "stage": dims.zero_stage,
@@ -49,7 +50,7 @@ def build_ds_config(cfg, dims: ParallelDims, *, bf16: bool, on_gpu: bool) -> dic
                 "betas": [o.adam_beta1, o.adam_beta2],
                 "eps": o.adam_eps,
                 "weight_decay": o.weight_decay,
-                "torch_adam": not on_gpu,
+                "torch_adam": not fused_adam,
             },
         },
         "bf16": {"enabled": bool(bf16)},

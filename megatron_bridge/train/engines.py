@@ -328,10 +328,16 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
         import deepspeed  # on demand: importing it takes ~1.5 s and logs its accelerator choice on every run
+        from deepspeed.git_version_info import installed_ops  # the ops built into the wheel
 
         super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
         module = chunks[0]
-        self.ds_config = build_ds_config(cfg, dims, bf16=bf16, on_gpu=torch.cuda.is_available())
+        # DeepSpeed's FusedAdam only where its CUDA op was built into the wheel: otherwise
+        # DeepSpeed JIT-compiles it at the first step (nvcc needed, minutes; on an H200 with
+        # torch 2.11 it failed outright parsing the compute capability "9.0a"); torch's Adam
+        # (multi-tensor on CUDA) is used instead.
+        fused = torch.cuda.is_available() and bool(installed_ops.get("fused_adam"))
+        self.ds_config = build_ds_config(cfg, dims, bf16=bf16, fused_adam=fused)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module,
             model_parameters=[p for p in module.parameters() if p.requires_grad],

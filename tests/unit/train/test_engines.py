@@ -51,3 +51,17 @@ def test_megatron_ddp_wrapping_exists_once():
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DistributedDataParallel":
                 calls.append(f"{path.relative_to(PKG)}:{node.lineno}")
     assert len(calls) == 1 and calls[0].startswith("runtime/schedule.py:"), calls
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_deepspeed_optimizer_is_torch_adam_unless_fused_adam_is_built_in(fused):
+    """DeepSpeed JIT-compiles FusedAdam when the wheel lacks it (nvcc, minutes; it failed on an
+    H200): the config asks for torch's Adam unless the engine found the op built in."""
+    from megatron_bridge.config.compose import compose
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.train.ds_config import build_ds_config
+
+    cfg, _ = compose(["recipe=tiny_llama", "train.engine=deepspeed", "zero.stage=2", "parallel.tp=1", "parallel.pp=1"])
+    dims = ParallelDims.from_config(cfg, 2, moe=False)
+    params = build_ds_config(cfg, dims, bf16=False, fused_adam=fused)["optimizer"]["params"]
+    assert params["torch_adam"] is (not fused)
