@@ -182,6 +182,10 @@ class CheckpointConfig:
     # One job writes a directory (train/lease.py): a lease another host has not refreshed for
     # this many seconds is taken over (the same host checks the holder's pid at once).
     lease_stale_s: float = 60.0
+    # Write rank files in a background thread while the next steps train (the state is
+    # serialised first, at the save's step); published at a later step boundary once every
+    # rank's write is done, the last one before the job ends. Megatron engine only.
+    async_save: bool = False
 
 
 @dataclass

@@ -11,7 +11,9 @@ Every rank writes into `iter_N.tmp/` (file by file through `*.partial` + rename)
 barrier rank 0 writes the manifest with the gathered checksums, renames the directory to
 `iter_N`, then replaces the `latest` pointer. A job killed at any point leaves either the
 previous complete checkpoint as `latest` or the new one — never a torn one; leftover
-`.tmp` directories are ignored and removed by the next save. `verify()` re-hashes the files
+`.tmp` directories are ignored and removed by the next save. With `checkpoint.async_save`
+the rank files are written by a background thread after the state is serialised, and the
+same publication happens at a later step boundary, once every rank's write is done. `verify()` re-hashes the files
 (`mbr check-ckpt` runs it from the command line); `peek()` reads the pointer and the manifest
 without hashing (the trainer's preflight); both live in the torch-free `manifest.py`. A rank
 file is loaded as data only (`runtime/safe_load.torch_load`: weights_only plus the NumPy RNG
@@ -28,6 +30,7 @@ import json
 import os
 import random
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,7 @@ from megatron.core import tensor_parallel
 
 from megatron_bridge.convert.formats.pickle_guard import TRAINING
 from megatron_bridge.reliability import fault
+from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.safe_load import torch_load
 from megatron_bridge.train.manifest import (
     LATEST,
@@ -61,13 +65,33 @@ def save(
     meta: dict[str, Any],
     extra: Callable[[Path], None] | None = None,
 ) -> Path:
+    """Collective: `start` and `finish` at once; returns the published directory."""
+    return start(root, iteration, state, meta, extra).finish()
+
+
+def start(
+    root: str | Path,
+    iteration: int,
+    state: dict[str, Any],
+    meta: dict[str, Any],
+    extra: Callable[[Path], None] | None = None,
+    *,
+    background: bool = False,
+) -> Pending:
     """Collective: every rank calls it with its own `state`. `extra(tmp_dir)`, when given, is
-    called on every rank to write engine-owned files (DeepSpeed's ZeRO partitions) into the
-    same not-yet-published directory; rank 0 checksums those too. Returns the final directory."""
+    called on every rank to write engine-owned files (DeepSpeed's ZeRO partitions, a LoRA
+    adapter) into the same not-yet-published directory; rank 0 checksums those too.
+
+    The state is serialised here, on the calling thread (the snapshot: GPU tensors are copied
+    to host bytes, so training may change them afterwards). With `background` the rank file is
+    written, fsynced and hashed by a thread while training goes on, and the returned `Pending`
+    publishes the directory when every rank's write is done (`Pending.written_everywhere`,
+    `Pending.finish`: collectives, called from the training loop at step boundaries);
+    otherwise `finish` only publishes what is already written."""
     dist = _dist()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     root = Path(root)
-    final, tmp = iter_dir(root, iteration), iter_dir(root, iteration).with_suffix(".tmp")
+    tmp = iter_dir(root, iteration).with_suffix(".tmp")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob("iter_*.tmp"):
@@ -77,36 +101,80 @@ def save(
         dist.barrier()
     buf = io.BytesIO()
     torch.save(state, buf)
-    data = buf.getvalue()
-    name = f"rank_{rank:05d}.pt"
-    atomic_write_bytes(tmp / name, data)
-    entry = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     if extra is not None:
         extra(tmp)
-    fault("ckpt_write", iteration)  # test-only fault injection (MBR_FAULT); a no-op otherwise
-    entries: list[dict[str, Any]] = [{} for _ in range(world)]
-    if dist:
-        dist.all_gather_object(entries, entry)
-    else:
-        entries = [entry]
-    if rank == 0:
-        known = {e["file"] for e in entries} | {MANIFEST}
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            rel = str(f.relative_to(tmp))
-            if rel not in known:
-                data_f = f.read_bytes()
-                entries.append({"file": rel, "sha256": hashlib.sha256(data_f).hexdigest(), "bytes": len(data_f)})
-        manifest = {"iteration": iteration, "world_size": world, "files": entries, **meta}
-        atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        fault("ckpt_publish", iteration)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fault("ckpt_latest", iteration)
-        atomic_write_bytes(root / LATEST, f"{iteration}\n".encode())
-    if dist:
-        dist.barrier()
-    return final
+    return Pending(root, iteration, meta, f"rank_{rank:05d}.pt", buf.getvalue(), background)
+
+
+class Pending:
+    """One rank's part of a checkpoint between its snapshot and its publication."""
+
+    def __init__(self, root: Path, iteration: int, meta: dict[str, Any], name: str, data: bytes, background: bool):
+        self.root, self.iteration, self.meta = root, iteration, meta
+        self.tmp = iter_dir(root, iteration).with_suffix(".tmp")
+        self._entry: dict[str, Any] = {}
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if background:  # a daemon: a job that dies mid-write leaves an unpublished `.tmp`, never `latest`
+            self._thread = threading.Thread(target=self._write, args=(name, data), name="mbr-ckpt-write", daemon=True)
+            self._thread.start()
+        else:
+            self._write(name, data)
+
+    def _write(self, name: str, data: bytes) -> None:
+        try:
+            atomic_write_bytes(self.tmp / name, data)
+            self._entry = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+            fault("ckpt_write", self.iteration)  # test-only fault injection (MBR_FAULT); a no-op otherwise
+        except BaseException as e:  # reported by finish() on every rank, not lost in the thread
+            self._error = e
+
+    def written_everywhere(self) -> bool:
+        """Collective (one scalar all-reduce): has every rank's write finished?"""
+        done = self._thread is None or not self._thread.is_alive()
+        dist = _dist()
+        if dist is None:
+            return done
+        flag = torch.tensor([1.0 if done else 0.0], device=comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def finish(self) -> Path:
+        """Collective: wait for this rank's write, then rank 0 writes the manifest with every
+        rank's checksum, renames `iter_N.tmp` to `iter_N` and replaces `latest`. A rank whose
+        write failed makes every rank raise (naming it), and nothing is published."""
+        if self._thread is not None:
+            self._thread.join()
+        dist = _dist()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+        mine = self._entry if self._error is None else {"error": f"{type(self._error).__name__}: {self._error}"}
+        entries: list[dict[str, Any]] = [{} for _ in range(world)]
+        if dist:
+            dist.all_gather_object(entries, mine)
+        else:
+            entries = [mine]
+        failed = [f"rank {r}: {e['error']}" for r, e in enumerate(entries) if "error" in e]
+        if failed:
+            raise RuntimeError(f"checkpoint iteration {self.iteration} was not written: " + "; ".join(failed))
+        final, tmp = iter_dir(self.root, self.iteration), self.tmp
+        if rank == 0:
+            known = {e["file"] for e in entries} | {MANIFEST}
+            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                rel = str(f.relative_to(tmp))
+                if rel not in known:
+                    data_f = f.read_bytes()
+                    entries.append({"file": rel, "sha256": hashlib.sha256(data_f).hexdigest(), "bytes": len(data_f)})
+            manifest = {"iteration": self.iteration, "world_size": world, "files": entries, **self.meta}
+            atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            fault("ckpt_publish", self.iteration)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fault("ckpt_latest", self.iteration)
+            atomic_write_bytes(self.root / LATEST, f"{self.iteration}\n".encode())
+        if dist:
+            dist.barrier()
+        return final
 
 
 def load(root: str | Path, meta_must_match: dict[str, Any]) -> tuple[int, dict[str, Any]] | tuple[None, None]:

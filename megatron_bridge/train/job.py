@@ -143,6 +143,7 @@ def _loop(run: _Run, start: int) -> bool:
     )
     phase = "training"
     nonfinite, signals = NonFiniteSteps(cfg), StopSignals(run.engine.device)
+    pending: ckpt.Pending | None = None  # a checkpoint written in the background (checkpoint.async_save)
     try:
         stop = cfg.train.steps if cfg.train.exit_after is None else min(cfg.train.steps, start + cfg.train.exit_after)
         for step in range(start, stop):
@@ -163,11 +164,19 @@ def _loop(run: _Run, start: int) -> bool:
                 metrics["val_loss"] = _evaluate(run)
             if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps or "val_loss" in metrics:
                 logger.log(step + 1, metrics)
+            if pending is not None and pending.written_everywhere():  # an async save's last part
+                pending.finish()
+                pending = None
             stop_signal = signals.requested()  # collective: every rank stops after the same step
             if _save_due(cfg, step + 1, last=step + 1 == stop) or (stop_signal and cfg.checkpoint.dir):
                 phase = f"checkpoint save at step {step + 1}"
                 watchdog.arm(phase)
-                _save(run, step + 1)
+                if pending is not None:  # the previous save first: one in flight at most
+                    pending.finish()
+                pending = _save(run, step + 1)
+                if not cfg.checkpoint.async_save or step + 1 == stop or stop_signal:
+                    pending.finish()  # the last one is published before the job ends
+                    pending = None
             if stop_signal:
                 if rank == 0:
                     saved = (
@@ -224,7 +233,9 @@ def _save_due(cfg, step: int, *, last: bool) -> bool:
     return bool(cfg.checkpoint.dir) and (bool(every and step % every == 0) or last)
 
 
-def _save(run: _Run, step: int) -> None:
+def _save(run: _Run, step: int) -> ckpt.Pending:
+    """Snapshot and write this step's checkpoint; published by the returned `Pending.finish`
+    (the rank files written in the background with `checkpoint.async_save`)."""
     check_finite_weights(run.engine.model_chunks, step, run.engine.device)  # collective; raises NonFinite
     state = {"engine": run.engine.state_dict(), "rng": ckpt.rng_state(), "step": step}
 
@@ -235,7 +246,7 @@ def _save(run: _Run, step: int) -> None:
                 run.engine.model_chunks, run.cfg.peft, str(directory / ADAPTER_DIR), base_of(run.cfg, run.spec)
             )
 
-    ckpt.save(run.cfg.checkpoint.dir, step, state, run.meta, extra=extra)
+    return ckpt.start(run.cfg.checkpoint.dir, step, state, run.meta, extra, background=run.cfg.checkpoint.async_save)
 
 
 def _export(run: _Run) -> None:

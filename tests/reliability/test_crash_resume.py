@@ -85,13 +85,14 @@ SCENARIOS: list[Scenario] = [
         names=("Signal 9 (SIGKILL) received by PID",),
     ),
     Scenario(
-        "rank_sigkill_mid_ckpt_write",
+        "rank_sigkill_mid_async_ckpt_write",
         "pp2dp2z1",
         "kill:ckpt_write:2:4",
-        "rank 2 of 4 SIGKILLed mid-checkpoint-write (step 4: its file written, not published)",
+        "rank 2 of 4 SIGKILLed in its background checkpoint write (async_save, step 4: file written, not published)",
         2,
         torn=4,
         exits={2: -9},
+        extra=("checkpoint.async_save=true",),  # the other ranks train on into step 5 meanwhile
     ),
     Scenario(
         "job_sigkill_mid_step",

@@ -50,3 +50,45 @@ def test_layout_mismatch_refused(tmp_path):
 
 def test_no_checkpoint(tmp_path):
     assert ckpt.load(tmp_path, {}) == (None, None)
+
+
+def test_background_save_publishes_only_when_finished(tmp_path, monkeypatch):
+    """checkpoint.async_save: the state is serialised at `start` (later changes to the live
+    tensors do not reach the file); the rank file is written by a thread; nothing is
+    published (`latest` stays on the previous checkpoint) until `finish`."""
+    import threading
+
+    ckpt.save(tmp_path, 2, {"w": torch.zeros(3)}, {"layout": "tp1"})
+    gate, real = threading.Event(), manifest.atomic_write_bytes
+
+    def slow_write(path, data):
+        if path.name.startswith("rank_"):
+            assert gate.wait(30)
+        real(path, data)
+
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", slow_write)
+    w = torch.ones(3)
+    pending = ckpt.start(tmp_path, 4, {"w": w}, {"layout": "tp1"}, background=True)
+    w.add_(1)  # training goes on: the snapshot already holds ones
+    assert not pending.written_everywhere() and manifest.latest_iteration(tmp_path) == 2
+    gate.set()
+    assert pending.finish() == manifest.iter_dir(tmp_path, 4)
+    assert pending.written_everywhere() and manifest.latest_iteration(tmp_path) == 4
+    it, state = ckpt.load(tmp_path, {"layout": "tp1"})
+    assert it == 4 and torch.equal(state["w"], torch.ones(3))
+
+
+def test_background_write_failure_publishes_nothing(tmp_path, monkeypatch):
+    """A rank whose background write fails (disk full) makes `finish` raise naming the rank and
+    the error; `latest` stays on the last complete checkpoint."""
+    ckpt.save(tmp_path, 2, {"w": torch.zeros(3)}, {})
+
+    def full(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", full)
+    pending = ckpt.start(tmp_path, 4, {"w": torch.ones(3)}, {}, background=True)
+    with pytest.raises(RuntimeError, match=r"iteration 4 was not written: rank 0: OSError: .*No space left"):
+        pending.finish()
+    assert manifest.latest_iteration(tmp_path) == 2 and not manifest.iter_dir(tmp_path, 4).exists()
+    assert ckpt.load(tmp_path, {})[0] == 2
