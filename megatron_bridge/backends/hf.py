@@ -40,6 +40,7 @@ from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
 from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
 from megatron_bridge.bridge.mapping import REPLICATED as REPLICATED_T
 from megatron_bridge.bridge.mapping import ROW as ROW_T
+from megatron_bridge.bridge.mapping import SCALAR as SCALAR_T
 from megatron_bridge.bridge.mapping import VOCAB as VOCAB_T
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
@@ -70,11 +71,14 @@ def causal_lm_class_name(model_type: str) -> str | None:
 
 
 def config_object(hf: Mapping[str, Any]) -> Any:
-    """transformers' config object of a parsed config.json (its class's defaults filled in)."""
+    """transformers' config object of a parsed config.json (its class's defaults filled in).
+    config.json writes non-finite floats as {"__float__": "Infinity"} (Mamba's time_step_limit);
+    they are decoded as transformers' own reader does, or the strict config class refuses them."""
     # transformers imported here: the core imports third-party packages only inside functions
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[hf["model_type"]].from_dict(dict(hf))
+    cls = CONFIG_MAPPING[hf["model_type"]]
+    return cls.from_dict(cls._decode_special_floats(dict(hf)))
 
 
 def declared(cfg: Any) -> dict[str, Any]:
@@ -257,7 +261,8 @@ class HFBackend(Backend):
         rows: dict[str, Row] = {}
         for name, kind in m.kinds.items():
             t = m.plan.template(name)
-            rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], TRANSFORMS[kind]))
+            transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
+            rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], transform))
         head, embed = f"{m.plan.head}.weight", f"{m.plan.embed}.weight"
         if spec.tie_word_embeddings and head not in m.shapes:
             rows[head] = Row(head, m.saved_as[embed], VOCAB_T, export=False)
