@@ -27,11 +27,13 @@ from megatron_bridge.backends.hf_plan import (
     GRAD_ALLREDUCE,
     HEAD,
     LAYER_KINDS,
+    PP_CONVENTION,
     REPLICATED,
     ROW,
     VOCAB,
     Plan,
     forward_refusals,
+    override,
     plan_of,
     plan_problems,
     tensor_kinds,
@@ -99,7 +101,27 @@ def model_plan(model: Any) -> Plan:
     """The plan of a built (meta or real) transformers causal LM."""
     cfg = model.config
     head = getattr(type(model), "_pp_plan", None) or {}
+    if not cfg.base_model_pp_plan and not override(cfg.model_type).pp_plan:
+        _check_convention(model)
     return plan_of(cfg.model_type, model.base_model_prefix, cfg.base_model_tp_plan, cfg.base_model_pp_plan, head)
+
+
+def _check_convention(model: Any) -> None:
+    """A model without a pp plan is staged by transformers' convention (`PP_CONVENTION`) only
+    where its base model is exactly that: those children, a ModuleList of layers, and nothing
+    else but its rotary module, which the stages rebuild. A base model with other modules (a
+    second embedding, a norm before the layers) needs an OVERRIDES entry: its forward is not
+    the convention's."""
+    base = getattr(model, model.base_model_prefix)
+    children = dict(base.named_children())
+    missing = [n for n in PP_CONVENTION if n not in children]
+    other = [n for n, m in children.items() if n not in PP_CONVENTION and "Rotary" not in type(m).__name__]
+    if missing or other or type(children["layers"]).__name__ != "ModuleList":
+        raise UnsupportedFeatures(
+            f"{type(model).__name__}: no base_model_pp_plan, and its {model.base_model_prefix} is not "
+            f"{' -> '.join(PP_CONVENTION)} (missing: {', '.join(missing) or '-'}; other modules: "
+            f"{', '.join(other) or '-'}): its stage pieces need a pp_plan entry in backends/hf_plan.py OVERRIDES"
+        )
 
 
 def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:

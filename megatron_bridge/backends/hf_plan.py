@@ -62,7 +62,10 @@ class Override:
 
 # the Override fields that hold a config key of a constant the chunk's forward applies
 FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
-_PIECES = ("embed_tokens", "layers", "norm")
+# the stage pieces of a model that declares no base_model_pp_plan: transformers' own convention
+# (`base_model_pp_plan = {"embed_tokens": ..., "layers": ..., "norm": ...}`), taken where the base
+# model has exactly these children with weights (`hf.model_plan` checks, and refuses the others)
+PP_CONVENTION = ("embed_tokens", "layers", "norm")
 _SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
 OVERRIDES: dict[str, Override] = {
     "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
@@ -74,7 +77,6 @@ OVERRIDES: dict[str, Override] = {
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
     ),
-    "nemotron": Override("no base_model_pp_plan: its model is embed_tokens, layers, norm", pp_plan=_PIECES),
     "nanochat": Override(
         "no base_model_pp_plan: its model norms (weightless RMSNorm) before and after the layers; "
         "CausalLM.forward softcaps the logits",
@@ -161,7 +163,7 @@ def plan_of(
     """The plan from the config's `base_model_tp_plan` / `base_model_pp_plan` (and the model
     type's override entries), the causal-LM class's head plan and its `base_model_prefix`
     (the caller checked `plan_problems` first)."""
-    pieces = list(pp_plan or override(model_type).pp_plan)
+    pieces = list(pp_plan or override(model_type).pp_plan or PP_CONVENTION)
     assert "layers" in pieces, "plan_problems refuses a model without a usable pp plan"
     full = [f"{prefix}.{n}" for n in pieces]
     i = pieces.index("layers")
@@ -180,9 +182,7 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
             f"{model_type}: transformers declares no base_model_tp_plan (how to split its linears) and "
             "backends/hf_plan.py OVERRIDES has no entry for it"
         )
-    if not pp_plan and not override(model_type).pp_plan:
-        out.append(f"{model_type}: transformers declares no base_model_pp_plan (its stage pieces)")
-    elif pp_plan and "layers" not in pp_plan:
+    if pp_plan and "layers" not in pp_plan:
         out.append(f"{model_type}: base_model_pp_plan has no `layers` entry ({', '.join(pp_plan)})")
     for pattern, style in {**(tp_plan or {}), **extra}.items():
         if "expert" in pattern or "moe" in style:
@@ -237,6 +237,7 @@ __all__ = [
     "LAYER_KINDS",
     "OVERRIDES",
     "Override",
+    "PP_CONVENTION",
     "Plan",
     "REPLICATED",
     "ROW",

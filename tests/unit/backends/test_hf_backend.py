@@ -208,3 +208,23 @@ def test_every_override_entry_is_an_architecture_the_hf_backend_now_describes():
         assert model_type in known and entry.reason, model_type
         hf = {**tiny_config(model_type).to_dict(), "model_type": model_type}
         assert describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf").backend == "hf"
+
+
+def test_a_model_without_a_pp_plan_is_staged_by_the_convention_or_refused_naming_why():
+    """No base_model_pp_plan (Nemotron): transformers' convention embed_tokens -> layers -> norm,
+    checked against the base model's children; any other module is a named refusal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.backends.hf import model_plan
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    cfg = tiny_config("nemotron")
+    assert not cfg.base_model_pp_plan
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    plan = model_plan(model)
+    assert (plan.embed, plan.pre, plan.layers, plan.post) == ("model.embed_tokens", (), "model.layers", ("model.norm",))
+    model.model.add_module("extra_embed", torch.nn.Embedding(4, 4, device="meta"))
+    with pytest.raises(UnsupportedFeatures, match="other modules: extra_embed"):
+        model_plan(model)
