@@ -37,7 +37,14 @@ ROW_STYLES = ("rowwise", "rowwise_split_input")
 # markers with no split of their own: `local_params` (a module whose parameters the plan's other
 # entries already split: Granite-SWA's attention sinks, split by head here as per-head tensors)
 MARKERS = ("local_params",)
-STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", *MARKERS)
+# `mla_kv_a_proj` (DeepSeek-V2-style multi-head latent attention): the kv down-projection is
+# whole on every rank, its output's rotary part all-reduced in backward (every rank's heads use
+# it; runtime/hf/layers.py `mla_kv_a_hook`). The latent path next to it (q down-projection,
+# latent norms) feeds column-parallel linears whose input gradient megatron already sums: whole
+# on every rank, gradient whole, so `replicated`, never summed again.
+MLA = "mla_kv_a_proj"
+MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
+STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
 # layer kinds (`config.layer_types`) whose masks the stages rebuild
 LAYER_KINDS = ("full_attention", "sliding_attention")
 
@@ -82,6 +89,10 @@ OVERRIDES: dict[str, Override] = {
         "CausalLM.forward softcaps the logits",
         pp_plan=("embed_tokens", "norm", "layers", "norm"),
         logit_softcap="final_logit_softcapping",
+    ),
+    "minicpm3": Override(
+        "MiniCPM3ForCausalLM.forward: hidden states / logits_scaling before the (bias-free) LM head",
+        logit_divide="logits_scaling",
     ),
     "granite_swa": Override(
         "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
@@ -202,6 +213,7 @@ def tensor_kinds(
     modules = {n.rpartition(".")[0] for n in shapes}
     styles = {m: s for m in modules if (s := plan.style(m)) is not None}
     split_parents = {m.rpartition(".")[0] for m, s in styles.items() if s == "colwise"}
+    latent = {f"{m.rpartition('.')[0]}.{leaf}" for m, s in styles.items() if s == MLA for leaf in MLA_LATENT}
     per_head = {heads, kv_heads}
     out = {}
     for name, shape in shapes.items():
@@ -215,6 +227,8 @@ def tensor_kinds(
             kind = ROW if leaf == "weight" else REPLICATED
         elif style == "replicated_with_grad_allreduce":
             kind = GRAD_ALLREDUCE
+        elif style == MLA or module in latent:
+            kind = REPLICATED
         elif any(module == p or module.startswith(p + ".") for p in split_parents) and not any(
             module.startswith(m + ".") for m in styles
         ):
@@ -235,6 +249,8 @@ __all__ = [
     "GRAD_ALLREDUCE",
     "HEAD",
     "LAYER_KINDS",
+    "MLA",
+    "MLA_LATENT",
     "OVERRIDES",
     "Override",
     "PP_CONVENTION",

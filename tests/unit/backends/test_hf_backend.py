@@ -228,3 +228,18 @@ def test_a_model_without_a_pp_plan_is_staged_by_the_convention_or_refused_naming
     model.model.add_module("extra_embed", torch.nn.Embedding(4, 4, device="meta"))
     with pytest.raises(UnsupportedFeatures, match="other modules: extra_embed"):
         model_plan(model)
+
+
+def test_mla_keeps_the_latent_path_whole_and_splits_the_up_projections():
+    """`mla_kv_a_proj` (MiniCPM3): the kv down-projection and the latent path beside it (q
+    down-projection, latent norms) are whole with whole gradients (`replicated`, not summed:
+    the column-parallel up-projections after them already sum their input gradient)."""
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    hf = {**tiny_config("minicpm3").to_dict(), "model_type": "minicpm3"}
+    k = meta(describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")).kinds
+    a = "model.layers.1.self_attn"
+    latent = ("kv_a_proj_with_mqa", "q_a_proj", "q_a_layernorm", "kv_a_layernorm")
+    assert {k[f"{a}.{m}.weight"] for m in latent} == {REPLICATED}
+    assert k[f"{a}.q_b_proj.weight"] == k[f"{a}.kv_b_proj.weight"] == COLUMN
+    assert k[f"{a}.o_proj.weight"] == ROW
