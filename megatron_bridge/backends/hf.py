@@ -27,11 +27,13 @@ from megatron_bridge.backends.hf_plan import (
     GRAD_ALLREDUCE,
     HEAD,
     LAYER_KINDS,
+    PP_CONVENTION,
     REPLICATED,
     ROW,
     VOCAB,
     Plan,
     forward_refusals,
+    override,
     plan_of,
     plan_problems,
     tensor_kinds,
@@ -40,6 +42,7 @@ from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
 from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
 from megatron_bridge.bridge.mapping import REPLICATED as REPLICATED_T
 from megatron_bridge.bridge.mapping import ROW as ROW_T
+from megatron_bridge.bridge.mapping import SCALAR as SCALAR_T
 from megatron_bridge.bridge.mapping import VOCAB as VOCAB_T
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
@@ -70,11 +73,14 @@ def causal_lm_class_name(model_type: str) -> str | None:
 
 
 def config_object(hf: Mapping[str, Any]) -> Any:
-    """transformers' config object of a parsed config.json (its class's defaults filled in)."""
+    """transformers' config object of a parsed config.json (its class's defaults filled in).
+    config.json writes non-finite floats as {"__float__": "Infinity"} (Mamba's time_step_limit);
+    they are decoded as transformers' own reader does, or the strict config class refuses them."""
     # transformers imported here: the core imports third-party packages only inside functions
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[hf["model_type"]].from_dict(dict(hf))
+    cls = CONFIG_MAPPING[hf["model_type"]]
+    return cls.from_dict(cls._decode_special_floats(dict(hf)))
 
 
 def declared(cfg: Any) -> dict[str, Any]:
@@ -95,7 +101,27 @@ def model_plan(model: Any) -> Plan:
     """The plan of a built (meta or real) transformers causal LM."""
     cfg = model.config
     head = getattr(type(model), "_pp_plan", None) or {}
+    if not cfg.base_model_pp_plan and not override(cfg.model_type).pp_plan:
+        _check_convention(model)
     return plan_of(cfg.model_type, model.base_model_prefix, cfg.base_model_tp_plan, cfg.base_model_pp_plan, head)
+
+
+def _check_convention(model: Any) -> None:
+    """A model without a pp plan is staged by transformers' convention (`PP_CONVENTION`) only
+    where its base model is exactly that: those children, a ModuleList of layers, and nothing
+    else but its rotary module, which the stages rebuild. A base model with other modules (a
+    second embedding, a norm before the layers) needs an OVERRIDES entry: its forward is not
+    the convention's."""
+    base = getattr(model, model.base_model_prefix)
+    children = dict(base.named_children())
+    missing = [n for n in PP_CONVENTION if n not in children]
+    other = [n for n, m in children.items() if n not in PP_CONVENTION and "Rotary" not in type(m).__name__]
+    if missing or other or type(children["layers"]).__name__ != "ModuleList":
+        raise UnsupportedFeatures(
+            f"{type(model).__name__}: no base_model_pp_plan, and its {model.base_model_prefix} is not "
+            f"{' -> '.join(PP_CONVENTION)} (missing: {', '.join(missing) or '-'}; other modules: "
+            f"{', '.join(other) or '-'}): its stage pieces need a pp_plan entry in backends/hf_plan.py OVERRIDES"
+        )
 
 
 def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
@@ -257,7 +283,8 @@ class HFBackend(Backend):
         rows: dict[str, Row] = {}
         for name, kind in m.kinds.items():
             t = m.plan.template(name)
-            rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], TRANSFORMS[kind]))
+            transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
+            rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], transform))
         head, embed = f"{m.plan.head}.weight", f"{m.plan.embed}.weight"
         if spec.tie_word_embeddings and head not in m.shapes:
             rows[head] = Row(head, m.saved_as[embed], VOCAB_T, export=False)

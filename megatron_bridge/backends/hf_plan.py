@@ -37,7 +37,14 @@ ROW_STYLES = ("rowwise", "rowwise_split_input")
 # markers with no split of their own: `local_params` (a module whose parameters the plan's other
 # entries already split: Granite-SWA's attention sinks, split by head here as per-head tensors)
 MARKERS = ("local_params",)
-STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", *MARKERS)
+# `mla_kv_a_proj` (DeepSeek-V2-style multi-head latent attention): the kv down-projection is
+# whole on every rank, its output's rotary part all-reduced in backward (every rank's heads use
+# it; runtime/hf/layers.py `mla_kv_a_hook`). The latent path next to it (q down-projection,
+# latent norms) feeds column-parallel linears whose input gradient megatron already sums: whole
+# on every rank, gradient whole, so `replicated`, never summed again.
+MLA = "mla_kv_a_proj"
+MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
+STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
 # layer kinds (`config.layer_types`) whose masks the stages rebuild
 LAYER_KINDS = ("full_attention", "sliding_attention")
 
@@ -62,7 +69,10 @@ class Override:
 
 # the Override fields that hold a config key of a constant the chunk's forward applies
 FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
-_PIECES = ("embed_tokens", "layers", "norm")
+# the stage pieces of a model that declares no base_model_pp_plan: transformers' own convention
+# (`base_model_pp_plan = {"embed_tokens": ..., "layers": ..., "norm": ...}`), taken where the base
+# model has exactly these children with weights (`hf.model_plan` checks, and refuses the others)
+PP_CONVENTION = ("embed_tokens", "layers", "norm")
 _SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
 OVERRIDES: dict[str, Override] = {
     "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
@@ -74,12 +84,15 @@ OVERRIDES: dict[str, Override] = {
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
     ),
-    "nemotron": Override("no base_model_pp_plan: its model is embed_tokens, layers, norm", pp_plan=_PIECES),
     "nanochat": Override(
         "no base_model_pp_plan: its model norms (weightless RMSNorm) before and after the layers; "
         "CausalLM.forward softcaps the logits",
         pp_plan=("embed_tokens", "norm", "layers", "norm"),
         logit_softcap="final_logit_softcapping",
+    ),
+    "minicpm3": Override(
+        "MiniCPM3ForCausalLM.forward: hidden states / logits_scaling before the (bias-free) LM head",
+        logit_divide="logits_scaling",
     ),
     "granite_swa": Override(
         "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
@@ -161,7 +174,7 @@ def plan_of(
     """The plan from the config's `base_model_tp_plan` / `base_model_pp_plan` (and the model
     type's override entries), the causal-LM class's head plan and its `base_model_prefix`
     (the caller checked `plan_problems` first)."""
-    pieces = list(pp_plan or override(model_type).pp_plan)
+    pieces = list(pp_plan or override(model_type).pp_plan or PP_CONVENTION)
     assert "layers" in pieces, "plan_problems refuses a model without a usable pp plan"
     full = [f"{prefix}.{n}" for n in pieces]
     i = pieces.index("layers")
@@ -180,9 +193,7 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
             f"{model_type}: transformers declares no base_model_tp_plan (how to split its linears) and "
             "backends/hf_plan.py OVERRIDES has no entry for it"
         )
-    if not pp_plan and not override(model_type).pp_plan:
-        out.append(f"{model_type}: transformers declares no base_model_pp_plan (its stage pieces)")
-    elif pp_plan and "layers" not in pp_plan:
+    if pp_plan and "layers" not in pp_plan:
         out.append(f"{model_type}: base_model_pp_plan has no `layers` entry ({', '.join(pp_plan)})")
     for pattern, style in {**(tp_plan or {}), **extra}.items():
         if "expert" in pattern or "moe" in style:
@@ -202,6 +213,7 @@ def tensor_kinds(
     modules = {n.rpartition(".")[0] for n in shapes}
     styles = {m: s for m in modules if (s := plan.style(m)) is not None}
     split_parents = {m.rpartition(".")[0] for m, s in styles.items() if s == "colwise"}
+    latent = {f"{m.rpartition('.')[0]}.{leaf}" for m, s in styles.items() if s == MLA for leaf in MLA_LATENT}
     per_head = {heads, kv_heads}
     out = {}
     for name, shape in shapes.items():
@@ -215,6 +227,8 @@ def tensor_kinds(
             kind = ROW if leaf == "weight" else REPLICATED
         elif style == "replicated_with_grad_allreduce":
             kind = GRAD_ALLREDUCE
+        elif style == MLA or module in latent:
+            kind = REPLICATED
         elif any(module == p or module.startswith(p + ".") for p in split_parents) and not any(
             module.startswith(m + ".") for m in styles
         ):
@@ -235,8 +249,11 @@ __all__ = [
     "GRAD_ALLREDUCE",
     "HEAD",
     "LAYER_KINDS",
+    "MLA",
+    "MLA_LATENT",
     "OVERRIDES",
     "Override",
+    "PP_CONVENTION",
     "Plan",
     "REPLICATED",
     "ROW",

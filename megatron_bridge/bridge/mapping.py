@@ -79,6 +79,21 @@ class Replicated(Transform):
         return (shards[0],)
 
 
+class Scalar(Transform):
+    """A 0-dim tensor (Apertus' xIELU alpha/beta), whole on every rank. It has no rows, so
+    no blocks: it is read whole, and the byte copier refuses it (NotBlockwise)."""
+
+    def blocks(self, hf_shapes, s, shapes):
+        raise NotBlockwise(f"{self!r}: a 0-dim tensor has no rows to copy")
+
+    def shard(self, hf, s, shapes):
+        t = hf[0]
+        return t if not hasattr(t, "full") else t.full()
+
+    def merge(self, shards, shapes):
+        return (shards[0],)
+
+
 class Column(Transform):
     """Column-parallel: output features (dim 0) split across ranks."""
 
@@ -194,7 +209,7 @@ class FusedGateUp(Transform):
         return torch.cat(gates, dim=0), torch.cat(ups, dim=0)
 
 
-REPLICATED, COLUMN, ROW, VOCAB = Replicated(), Column(), Row(), VocabParallel()
+REPLICATED, COLUMN, ROW, VOCAB, SCALAR = Replicated(), Column(), Row(), VocabParallel(), Scalar()
 QKV, GATE_UP = FusedQKV(), FusedGateUp()
 
 
@@ -202,12 +217,14 @@ __all__ = [
     "NotBlockwise",
     "Transform",
     "Replicated",
+    "Scalar",
     "Column",
     "Row",
     "VocabParallel",
     "FusedQKV",
     "FusedGateUp",
     "REPLICATED",
+    "SCALAR",
     "COLUMN",
     "ROW",
     "VOCAB",

@@ -26,8 +26,10 @@ SCRIPT = str(Path(__file__).parent / "bridge_scripts" / "parity.py")
 # a sample of the architectures the override table (backends/hf_plan.py OVERRIDES) lifted, from
 # runtime/hf_tiny.py, at tp2pp2 only (the full matrix: `mbr verify --matrix model.backend=hf`):
 # Gemma-2's scaled embedding module and logit softcap, Granite's embedding multiplier and logit
-# divisor, NanoChat's stage pieces (no pp plan; a weightless norm before and after the layers)
-MATRIX_SAMPLE = ["gemma2", "granite", "nanochat"]
+# divisor, NanoChat's stage pieces (no pp plan; a weightless norm before and after the layers),
+# Apertus' 0-dim xIELU buffers (loaded whole, exported), Cohere-Compass' rotary-free layer kind,
+# MiniCPM3's multi-head latent attention (`mla_kv_a_proj`, a 4-D input to a column-parallel linear)
+MATRIX_SAMPLE = ["gemma2", "granite", "nanochat", "apertus", "cohere_compass_text", "minicpm3"]
 FAMILIES = ["llama", *HF_TINY, *MATRIX_SAMPLE]
 LAYOUTS = ["tp2", "pp2", "tp2pp2", "pp2vpp2"]
 SKIP = [f"{fam}/{lay}" for fam in MATRIX_SAMPLE for lay in LAYOUTS if lay != "tp2pp2"]

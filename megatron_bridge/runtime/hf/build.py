@@ -29,6 +29,7 @@ from megatron_bridge.backends.hf_plan import (
     FORWARD,
     GRAD_ALLREDUCE,
     HEAD,
+    MLA,
     ROW_STYLES,
     Plan,
     override,
@@ -44,6 +45,7 @@ from megatron_bridge.runtime.hf.layers import (
     LMHead,
     RowLinear,
     VocabEmbedding,
+    mla_kv_a_hook,
     sum_grad_over_tp,
 )
 
@@ -234,6 +236,8 @@ class Stage:
                 parent.add_module(leaf, self._linear(full, child, style))
                 if style == "colwise":
                     split_parents.add(parent)
+            elif style == MLA and self.tp > 1:
+                mla_kv_a_hook(child, int(self.full.config.qk_rope_head_dim))
         for parent in split_parents:
             self._divide_heads(parent)
         self._materialise(path, module)

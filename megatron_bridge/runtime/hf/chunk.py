@@ -74,6 +74,10 @@ class HFChunk(MegatronModule):
         sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
         default = "sliding_attention" if sliding else "full_attention"
         self.kinds = {i: (kinds[i] if kinds else default) for i in layers}
+        rope = getattr(hf_config, "rope_parameters", None)
+        # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
+        # NoPE full-attention layers), as the model's own forward decides
+        self.nope = {k for k in self.kinds.values() if isinstance(rope, dict) and k in rope and rope[k] is None}
 
     def _place(self, path: str, module: torch.nn.Module) -> None:
         parent: torch.nn.Module = self
@@ -141,7 +145,7 @@ class HFChunk(MegatronModule):
                     position_ids=position_ids,
                 )
             key = kind if self.rotary_by_kind else None
-            if rotary is not None and key not in embeddings:
+            if rotary is not None and key not in embeddings and kind not in self.nope:
                 embeddings[key] = rotary(h, position_ids, kind) if self.rotary_by_kind else rotary(h, position_ids)
             out = layer(
                 h, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=embeddings.get(key)

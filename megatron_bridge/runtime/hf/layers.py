@@ -12,6 +12,7 @@ the output tensor alone (megatron's return `(output, bias)`), batch-first [b, s,
 | `rowwise` | `RowLinear` (input_is_parallel=True): input features split, output all-reduced |
 | `rowwise_split_input` | `RowLinear` (input_is_parallel=False): a replicated input split first |
 | `replicated_with_grad_allreduce` | the module itself, its gradients summed over TP (`sum_grad_over_tp`) |
+| `mla_kv_a_proj` | the linear itself, whole; its rotary output's gradient summed over TP (`mla_kv_a_hook`) |
 | the embedding | `VocabEmbedding`: megatron's VocabParallelEmbedding honouring `padding_idx` |
 | the LM head | `LMHead`: column-parallel over the padded vocab (vocab-parallel cross entropy after) |
 """
@@ -27,20 +28,27 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
 
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """megatron's linears take at most 3-D inputs (their backward flattens [s, b, h]); HF
+    applies some linears to 4-D ones (MLA's kv_b_proj to [b, 1, s, latent]): leading dims
+    folded, the caller unfolds them."""
+    return x if x.dim() <= 3 else x.reshape(1, -1, x.shape[-1])
+
+
 class ColumnLinear(ColumnParallelLinear):
     """An HF linear the tp plan names `colwise` / `colwise_gather_output`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = super().forward(x)
-        return out
+        out, _ = super().forward(_as_3d(x))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class RowLinear(RowParallelLinear):
     """An HF linear the tp plan names `rowwise` / `rowwise_split_input`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = super().forward(x)
-        return out
+        out, _ = super().forward(_as_3d(x))
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class LMHead(ColumnParallelLinear):
@@ -82,19 +90,52 @@ class VocabEmbedding(VocabParallelEmbedding):
 MEGATRON_LAYERS = (ColumnLinear, RowLinear, LMHead, VocabEmbedding)
 
 
+def mla_kv_a_hook(linear: torch.nn.Module, rope_dim: int) -> None:
+    """`mla_kv_a_proj`: the kv down-projection stays whole on every rank. Its output is
+    [latent | rotary key]: the latent feeds the column-parallel kv_b_proj (whose input gradient
+    megatron sums over TP), the rotary key goes straight to this rank's heads, so its gradient
+    is summed over TP here (a gradient hook) — transformers'
+    MlaKvAProjParallel. Then the weight's and the input's gradients are whole on every rank."""
+    summed = _summed_over_tp()
+
+    def hook(_: torch.nn.Module, __: Any, out: torch.Tensor) -> torch.Tensor:
+        latent, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+        rope = rope.clone()  # its own autograd node, so the hook sees just its gradient
+        if rope.requires_grad:  # not under no_grad (evaluation)
+            rope.register_hook(summed)
+        return torch.cat([latent, rope], dim=-1)
+
+    linear.register_forward_hook(hook)
+
+
+def _summed_over_tp() -> Any:
+    """A gradient hook: the gradient summed over TP. Not megatron's copy_to_tensor_model_parallel_region:
+    its all-reduce works on `.contiguous()` and a sliced gradient (the rotary key's) is not, so
+    the sum would be lost."""
+    group = ps.get_tensor_model_parallel_group()
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
 def sum_grad_over_tp(param: torch.nn.Parameter) -> None:
     """`replicated_with_grad_allreduce`: every TP rank holds the whole tensor but sees only its
     heads' activations, so the gradient is the sum over TP. megatron's finalize_model_grads
     sums only parameters it knows by name (q_layernorm) or marks sequence-parallel, so the sum
     happens here, as the gradient reaches the parameter (before DDP accumulates it)."""
-    group = ps.get_tensor_model_parallel_group()
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        torch.distributed.all_reduce(grad, group=group)
-        return grad
-
-    param.register_hook(hook)
+    param.register_hook(_summed_over_tp())
 
 
-__all__ = ["ColumnLinear", "LMHead", "MEGATRON_LAYERS", "RowLinear", "VocabEmbedding", "sum_grad_over_tp"]
+__all__ = [
+    "ColumnLinear",
+    "LMHead",
+    "MEGATRON_LAYERS",
+    "RowLinear",
+    "VocabEmbedding",
+    "mla_kv_a_hook",
+    "sum_grad_over_tp",
+]

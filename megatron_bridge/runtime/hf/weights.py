@@ -54,8 +54,8 @@ def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
 def iter_tensors(
     chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None, value: Any | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: (HF name, whole tensor) of every exported parameter, on the first
-    data-parallel replica's first TP rank (nothing elsewhere)."""
+    """Collective: (HF name, whole tensor) of every exported parameter and persistent buffer
+    (what `load` filled), on the first data-parallel replica's first TP rank (nothing elsewhere)."""
     table = table_for(spec)
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
@@ -63,7 +63,7 @@ def iter_tensors(
     if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
         return
     for chunk in chunks:
-        for name, p in chunk.named_parameters():
+        for name, p in checkpoint_tensors(chunk).items():  # persistent buffers too (Apertus' xIELU beta)
             row = resolve_megatron(table, name)
             if row is None:
                 raise UserError(f"{name} has no row in the {spec.architecture} table")

@@ -208,3 +208,38 @@ def test_every_override_entry_is_an_architecture_the_hf_backend_now_describes():
         assert model_type in known and entry.reason, model_type
         hf = {**tiny_config(model_type).to_dict(), "model_type": model_type}
         assert describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf").backend == "hf"
+
+
+def test_a_model_without_a_pp_plan_is_staged_by_the_convention_or_refused_naming_why():
+    """No base_model_pp_plan (Nemotron): transformers' convention embed_tokens -> layers -> norm,
+    checked against the base model's children; any other module is a named refusal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.backends.hf import model_plan
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    cfg = tiny_config("nemotron")
+    assert not cfg.base_model_pp_plan
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    plan = model_plan(model)
+    assert (plan.embed, plan.pre, plan.layers, plan.post) == ("model.embed_tokens", (), "model.layers", ("model.norm",))
+    model.model.add_module("extra_embed", torch.nn.Embedding(4, 4, device="meta"))
+    with pytest.raises(UnsupportedFeatures, match="other modules: extra_embed"):
+        model_plan(model)
+
+
+def test_mla_keeps_the_latent_path_whole_and_splits_the_up_projections():
+    """`mla_kv_a_proj` (MiniCPM3): the kv down-projection and the latent path beside it (q
+    down-projection, latent norms) are whole with whole gradients (`replicated`, not summed:
+    the column-parallel up-projections after them already sum their input gradient)."""
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    hf = {**tiny_config("minicpm3").to_dict(), "model_type": "minicpm3"}
+    k = meta(describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")).kinds
+    a = "model.layers.1.self_attn"
+    latent = ("kv_a_proj_with_mqa", "q_a_proj", "q_a_layernorm", "kv_a_layernorm")
+    assert {k[f"{a}.{m}.weight"] for m in latent} == {REPLICATED}
+    assert k[f"{a}.q_b_proj.weight"] == k[f"{a}.kv_b_proj.weight"] == COLUMN
+    assert k[f"{a}.o_proj.weight"] == ROW

@@ -15,3 +15,36 @@ def test_a_model_the_backend_refuses_is_one_refused_row(tmp_path):
     out = V.prepare("mixtral", tmp_path, V.LAYOUTS)
     assert list(out) == ["*"] and "mixture-of-experts" in out["*"]
     assert not (tmp_path / "mixtral.ref.pt").exists()
+
+
+def test_a_config_with_non_finite_floats_is_described_and_refused_by_its_layers(tmp_path):
+    """Mamba hybrids write time_step_limit's Infinity as {"__float__": "Infinity"}: decoded as
+    transformers' reader does, the row is the model's named refusal, not a FAIL."""
+    from megatron_bridge.backends.hf import config_object
+
+    cfg = config_object({"model_type": "nemotron_h", "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    assert cfg.time_step_limit[1] == float("inf")
+    out = V.prepare("nemotron_h", tmp_path, V.LAYOUTS)
+    assert list(out) == ["*"] and not out["*"].startswith("FAIL"), out
+
+
+def test_a_zero_dim_tensor_is_read_whole_and_merged_back(tmp_path):
+    """Apertus' xIELU beta/eps are 0-dim persistent buffers: no rows for the block layout, so
+    the table gives them the Scalar transform (whole on every rank, refused by the byte copier)."""
+    import pytest
+    import torch
+
+    from megatron_bridge.backends.describe import describe_hf
+    from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.bridge.hf_config import read_hf_config
+    from megatron_bridge.bridge.mapping import SCALAR, NotBlockwise
+    from megatron_bridge.bridge.shards import Shard
+    from megatron_bridge.runtime.hf_tiny import make_tiny
+
+    spec = describe_hf(read_hf_config(make_tiny("apertus", tmp_path / "apertus")), backend="hf")
+    scalars = [r.megatron for r in HFBackend().table(spec) if r.transform is SCALAR]
+    assert scalars == ["model.layers.{layer}.mlp.act_fn.beta", "model.layers.{layer}.mlp.act_fn.eps"], scalars
+    t = torch.tensor(0.5)
+    assert SCALAR.shard([t], Shard(1, 2), spec.shapes(2)) is t and SCALAR.merge([t, t], spec.shapes(2)) == (t,)
+    with pytest.raises(NotBlockwise):
+        SCALAR.blocks([()], Shard(0, 2), spec.shapes(2))
