@@ -9,8 +9,10 @@ backend's are runtime/hf/weights.py); writing the directory is shared. The nativ
   each rank reading only its slices and copying them in.
 * `export_hf_weights(chunks, spec, out_dir, source_dir=...)` — gathers each parameter's
   TP (or expert-TP) shards onto one replica, merges them back to HF names and shapes with
-  the same table, and every writing rank saves its own safetensors file (no rank holds the
-  whole model); rank 0 writes the index, config.json and copies the tokenizer files.
+  the same table, and every writing rank streams its tensors into its own safetensors file
+  as they are gathered (runtime/safetensors_stream.py: host memory holds one tensor, not a
+  stage; the bytes equal `save_file`'s); rank 0 writes the index, config.json and copies
+  the tokenizer files.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
-from safetensors.torch import save_file
 
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.hf_config import BridgeSpec
@@ -39,6 +40,7 @@ from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import later
+from megatron_bridge.runtime.safetensors_stream import StreamingSafetensors
 from megatron_bridge.runtime.weights_base import (
     checkpoint_tensors,
     current_coords,
@@ -198,21 +200,30 @@ def export_hf_weights(
     rank = torch.distributed.get_rank()
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    mine = dict(iter_hf_tensors(chunks, spec, dtype))
+    torch.distributed.barrier()  # the directory exists before any rank spills into it
+    mine = StreamingSafetensors(out / f".rank{rank:05d}.spill")
+    try:
+        for name, t in iter_hf_tensors(chunks, spec, dtype):
+            mine.add(name, t)  # on disk at once: host memory holds one tensor, not a stage
+    except BaseException:
+        mine.discard()
+        raise
     listing: list[list[tuple[str, int]]] = [[] for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather_object(listing, sorted((k, v.numel() * v.element_size()) for k, v in mine.items()))
+    torch.distributed.all_gather_object(listing, mine.sizes())
     writers = [r for r, names in enumerate(listing) if names]
     total = len(writers)
     seen: dict[str, int] = {}
     for r in writers:
         for k, _ in listing[r]:
             if k in seen:
+                mine.discard()
                 raise RuntimeError(f"{k} exported by ranks {seen[k]} and {r}")
             seen[k] = r
-    torch.distributed.barrier()
-    if mine:
+    if rank in writers:
         fname = f"model-{writers.index(rank) + 1:05d}-of-{total:05d}.safetensors"
-        save_file(mine, str(out / fname), metadata={"format": "pt"})
+        mine.finish(out / fname, metadata={"format": "pt"})
+    else:
+        mine.discard()
     if rank == 0:
         weight_map, size = {}, 0
         for r in writers:

@@ -18,7 +18,7 @@ ROOT = Path(megatron_bridge.__file__).parent
 PKG = "megatron_bridge"
 # every module belongs to exactly one layer, by its dotted prefix
 CORE = ("errors", "ordered_registry", "config", "parallel", "bridge", "backends", "plan", "convert", "data", "_bundled")
-RUNTIME = ("runtime", "train", "reliability")
+RUNTIME = ("runtime", "train", "reliability", "stream")
 TOP = ("commands", "cli", "testing", "demo", "__init__")
 HEAVY = ("torch", "megatron", "deepspeed", "transformers", "peft", "safetensors")
 MAX_IN_FUNCTION = 40  # imports of our own modules inside functions, package-wide

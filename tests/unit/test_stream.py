@@ -1,0 +1,59 @@
+"""`megatron_bridge.stream` in one process: a trained-looking model streams in bounded buckets
+into a separate transformers model, whose logits then equal those of the exported directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_bridge.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def groups1():
+    from megatron_bridge.testing import one_process_groups
+
+    with one_process_groups():
+        yield
+
+
+def test_buckets_are_bounded_and_update_a_transformers_model_in_place(groups1, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights import export_hf_weights, load_hf_weights
+    from megatron_bridge.stream import apply_bucket, bucket_nbytes, hf_buckets
+
+    hf = make_tiny("llama", tmp_path / "hf")
+    spec = load_spec(hf)
+    chunks = build_model(spec, Layout(), load_weights=True)
+    load_hf_weights(chunks, spec, hf)
+    with torch.no_grad():  # "a training step": the stream must carry the new values
+        for p in chunks[0].parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    export_hf_weights(chunks, spec, tmp_path / "exported", source_dir=hf)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    receiver, want = load(hf), load(tmp_path / "exported")
+    with torch.no_grad():
+        before, want_logits = receiver(ids).logits, want(ids).logits
+    assert not torch.equal(before, want_logits)
+
+    sizes = {n: p.numel() * p.element_size() for n, p in want.named_parameters()}
+    bound = sum(sizes.values()) // 5
+    buckets, n = 0, 0
+    for bucket in hf_buckets(chunks, spec, bucket_bytes=bound):
+        assert bucket_nbytes(bucket) <= bound or len(bucket) == 1
+        n += apply_bucket(receiver, bucket)
+        buckets += 1
+    assert buckets >= 5 and n == len(sizes)
+    with torch.no_grad():
+        assert torch.equal(receiver(ids).logits, want_logits)
+
+    with pytest.raises(UserError, match="bucket_bytes must be positive"):
+        next(hf_buckets(chunks, spec, bucket_bytes=0))
+    with pytest.raises(UserError, match="no tensor named"):
+        apply_bucket(receiver, [("model.nope.weight", torch.zeros(1))])
