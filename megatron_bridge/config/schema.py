@@ -166,6 +166,9 @@ class TrainConfig:
     # split (the same batches every time, so `val_loss` is comparable across steps and layouts).
     eval_interval: int = 0  # 0 = no periodic evaluation (still one at the end when eval_iters > 0)
     eval_iters: int = 0  # global batches per evaluation; 0 = no validation
+    # Every N steps, `export_to/iter_NNNNNNN/`: the model as a complete Hugging Face directory
+    # (LoRA merged in), published by rename; needs `export_to` (the end-of-run export). 0 = none.
+    export_interval: int = 0
     # A non-finite loss or gradient norm (docs/train.md "Non-finite steps"): `stop` ends the job
     # naming the step, publishing nothing of that state (`latest` stays on the last good
     # checkpoint); `skip` drops the step's update (parameters, optimizer state and lr schedule

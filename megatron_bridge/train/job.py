@@ -6,6 +6,7 @@ the training loop (logged, evaluated, checkpointed, under the watchdog), export;
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -177,6 +178,10 @@ def _loop(run: _Run, start: int) -> bool:
                 if not cfg.checkpoint.async_save or step + 1 == stop or stop_signal:
                     pending.finish()  # the last one is published before the job ends
                     pending = None
+            if cfg.train.export_interval and (step + 1) % cfg.train.export_interval == 0:
+                phase = f"HF export at step {step + 1}"
+                watchdog.arm(phase)
+                _export_snapshot(run, step + 1)
             if stop_signal:
                 if rank == 0:
                     saved = (
@@ -264,6 +269,21 @@ def _export(run: _Run) -> None:
         export_hf_weights(chunks, run.spec, cfg.export_to, source_dir=run.spec.source)
     if run.rank == 0:
         print(f"exported Hugging Face model to {cfg.export_to}", flush=True)
+
+
+def _export_snapshot(run: _Run, step: int) -> None:
+    """`train.export_interval`: the model as an HF directory, `export_to/iter_NNNNNNN/`, written
+    into `iter_NNNNNNN.tmp/` and published by rename (a reader never sees a partial one).
+    Synchronous: the step waits for it (docs/train.md)."""
+    final = Path(run.cfg.export_to) / f"iter_{step:07d}"
+    tmp = final.with_name(final.name + ".tmp")
+    with merged(run.engine.model_chunks):  # a no-op without adapters
+        export_hf_weights(run.engine.model_chunks, run.spec, tmp, source_dir=run.spec.source)
+    torch.distributed.barrier()  # every rank's file is in
+    if run.rank == 0:
+        os.replace(tmp, final)
+        print(f"exported Hugging Face model of step {step} to {final}", flush=True)
+    torch.distributed.barrier()
 
 
 def _teardown(finalize: bool) -> None:

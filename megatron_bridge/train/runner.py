@@ -82,6 +82,11 @@ def preflight(cfg, dims, spec) -> None:
     for key, out in (("export_to", cfg.export_to), ("export_adapter_to", cfg.export_adapter_to)):
         if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
             raise UserError(f"{key}={out} exists and is not empty; choose a new directory.")
+    if cfg.train.export_interval and not cfg.export_to:
+        raise UserError(
+            f"train.export_interval={cfg.train.export_interval} writes export_to/iter_NNNNNNN/ every "
+            f"{cfg.train.export_interval} steps, but export_to is not set. Add export_to=DIR."
+        )
     if cfg.export_to:  # a model without HF weights cannot be exported: say so before training
         backend_of(spec).table(spec)
         if spec.source:  # the files copied along with the export (a link out of the directory is refused)

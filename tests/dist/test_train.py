@@ -181,7 +181,7 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
         job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
         job("qwen3_hf", qwen3, *hf),
-        job("cohere_full", cohere, *hf, f"export_to={e1}"),
+        job("cohere_full", cohere, *hf, f"export_to={e1}", f"train.export_interval={STEPS}"),  # + e1/iter_0000005
         job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3"),
         job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}"),
         job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
@@ -195,6 +195,9 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     assert sorted(map(int, first)) == [1, 2, 3] and sorted(map(int, again)) == [4, 5], (first, again)
     assert first | again == losses["cohere_full"]  # bit-exact
     _assert_same_export(e1, e2, cohere)
+    # train.export_interval: the interval export of the last step is the end-of-run export, and loads
+    assert sorted(p.name for p in e1.iterdir() if p.is_dir()) == [f"iter_{STEPS:07d}"]
+    _assert_same_export(e1 / f"iter_{STEPS:07d}", e2, cohere)
     assert abs(losses["cohere_from_export"]["1"] - transformers_loss(e1)) < 1e-5
     full, first, resumed = losses["full"], losses["first5"], losses["resumed"]
     assert sorted(map(int, first)) == [1, 2, 3, 4, 5] and sorted(map(int, resumed)) == [6, 7, 8, 9, 10]

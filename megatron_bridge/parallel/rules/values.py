@@ -136,6 +136,12 @@ def intervals(f: Facts) -> list[Violation]:
             f"train.log_interval={cfg.train.log_interval} must be >= 1 (log every N steps)",
             "set train.log_interval=1 to log every step",
         )
+    if cfg.train.export_interval < 0:
+        out += _v(
+            "interval",
+            f"train.export_interval={cfg.train.export_interval} must be >= 0 (an HF export every N steps; 0 = none)",
+            "set train.export_interval=0 to export only at the end (export_to=DIR)",
+        )
     ck = cfg.checkpoint
     if ck.save_interval < 0:
         out += _v(
