@@ -26,6 +26,8 @@ from transformers import AutoModelForCausalLM
 from megatron_bridge.backends.hf import meta, model_plan, transformers_config
 from megatron_bridge.backends.hf_plan import (
     COLUMN_STYLES,
+    EP_MODULE,
+    EP_TENSOR,
     FORWARD,
     GRAD_ALLREDUCE,
     HEAD,
@@ -38,6 +40,7 @@ from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
 from megatron_bridge.runtime.hf.chunk import HFChunk
+from megatron_bridge.runtime.hf.experts import mark_expert, partition
 from megatron_bridge.runtime.hf.layers import (
     MEGATRON_LAYERS,
     ColumnLinear,
@@ -71,6 +74,8 @@ def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> Tr
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        num_moe_experts=spec.num_moe_experts,  # megatron's groups and DDP read it; the MoE itself is HF's
+        moe_router_topk=spec.moe_router_topk,
         sequence_parallel=False,
         num_layers_in_first_pipeline_stage=layout.layers_first_stage,
         num_layers_in_last_pipeline_stage=layout.layers_last_stage,
@@ -127,7 +132,7 @@ class Stage:
     ) -> None:
         self.spec, self.full, self.plan, self.kinds = spec, full, plan, kinds
         self.tconfig, self.device, self.load_weights = tconfig, device, load_weights
-        self.tp = tconfig.tensor_model_parallel_size
+        self.tp, self.ep = tconfig.tensor_model_parallel_size, tconfig.expert_model_parallel_size
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.init = init_method_normal(spec.initializer_range)
 
@@ -234,6 +239,8 @@ class Stage:
                 parent.add_module(leaf, self._linear(full, child, style))
                 if style == "colwise":
                     split_parents.add(parent)
+            if self.ep > 1 and self.plan.ep_style(full) == EP_MODULE:
+                partition(child, self.ep)
         for parent in split_parents:
             self._divide_heads(parent)
         self._materialise(path, module)
@@ -274,13 +281,18 @@ class Stage:
                     continue
                 kind = self.kinds.get(f"{prefix}.{key}")
                 shape = tuple(p.shape)
+                expert = self.ep > 1 and self.plan.ep_style(f"{prefix}.{key}") == EP_TENSOR
                 if kind == HEAD:
                     shape = (shape[0] // self.tp, *shape[1:])
+                if expert:
+                    shape = (shape[0] // self.ep, *shape[1:])
                 new = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device=self.device), p.requires_grad)
                 if kind == HEAD:
                     set_tensor_model_parallel_attributes(new, True, 0, 1)
                 if kind == GRAD_ALLREDUCE and self.tp > 1:
                     sum_grad_over_tp(new)
+                if expert:
+                    mark_expert(new)
                 mod._parameters[key] = new
             for key, b in list(mod._buffers.items()):
                 if b is not None and b.is_meta:
