@@ -324,7 +324,13 @@ class HFBackend(Backend):
         (LoRA is refused by the `lora-targets` rule; cp and sp by `layout_limits`)."""
         out = []
         if spec.is_moe:
-            out.append(("training MoE models is not implemented for the hf backend yet", "train a dense model"))
+            out.append(
+                (
+                    "training MoE models is not implemented for the hf backend yet (HF's auxiliary "
+                    "load-balancing loss is not added to the training loss)",
+                    "train a dense model; `mbr verify` checks MoE at ep",
+                )
+            )
         if run.data.kind == "sft":
             out.append(
                 (

@@ -19,3 +19,8 @@ def test_a_model_the_backend_refuses_is_one_refused_row(tmp_path, monkeypatch):
     out = V.prepare("mixtral", tmp_path, V.LAYOUTS)
     assert out == {"*": "a missing piece"}
     assert not (tmp_path / "mixtral.ref.pt").exists()
+
+
+def test_an_ep_layout_of_a_dense_model_is_no_row_and_needs_no_reference(tmp_path):
+    assert V.prepare("cohere", tmp_path, ["ep2"]) == {"ep2": V.NOT_MOE}
+    assert not (tmp_path / "cohere.ref.pt").exists()
