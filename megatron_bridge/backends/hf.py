@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 from megatron_bridge.backends.base import Backend
-from megatron_bridge.backends.hf_experts import StackedExperts, expert_fields, expert_limits, stacked
+from megatron_bridge.backends.hf_experts import EXPERT_TP_SPLITS, StackedExperts, expert_fields, expert_limits, stacked
 from megatron_bridge.backends.hf_plan import (
     COLUMN,
     GRAD_ALLREDUCE,
@@ -161,6 +161,7 @@ class Meta:
     kinds: dict[str, str]
     saved_as: dict[str, str]
     experts: dict[str, tuple[str, ...]]  # a stacked experts tensor -> its per-expert checkpoint tensors
+    buffers: tuple[str, ...]  # persistent buffers (a router's expert bias): in the checkpoint, not parameters
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -192,7 +193,9 @@ def meta(spec: BridgeSpec) -> Meta:
     plan = model_plan(model)
     shapes = checkpoint_shapes(model)
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
-    return Meta(plan, shapes, kinds, *checkpoint_names(model, shapes))
+    params = {n for n, _ in model.named_parameters()}
+    buffers = tuple(n for n in shapes if n not in params)
+    return Meta(plan, shapes, kinds, *checkpoint_names(model, shapes), buffers)
 
 
 def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
@@ -267,12 +270,18 @@ class HFBackend(Backend):
         module's) <- the checkpoint's (`checkpoint_names`); a tied LM head reads the embedding
         (and is not written back)."""
         m = meta(spec)
+        if m.buffers:
+            raise UnsupportedFeatures(
+                f"{spec.architecture}: {', '.join(m.buffers[:2])} is a persistent buffer (a router's expert bias, "
+                "updated outside the optimizer): the hf backend exports and checks parameters only"
+            )
         rows: dict[str, Row] = {}
         for name, kind in m.kinds.items():
             t = m.plan.template(name)
             if name in m.experts:
                 pieces = m.experts[name]
-                transform = StackedExperts(m.shapes[name][0], len(pieces) // m.shapes[name][0])
+                n = m.shapes[name][0]
+                transform = StackedExperts(n, len(pieces) // n, EXPERT_TP_SPLITS.get(m.plan.style(name) or ""))
                 rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], transform))
                 continue
             rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], TRANSFORMS[kind]))

@@ -22,7 +22,7 @@ from typing import Any
 
 from megatron_bridge.backends.hf_plan import EP_MODULE
 from megatron_bridge.bridge.mapping import NotBlockwise, Transform
-from megatron_bridge.bridge.shards import Shapes, Shard, Sliceable
+from megatron_bridge.bridge.shards import Shapes, Shard, Sliceable, split_range
 
 # config attributes that count routed experts / experts per token, in the families' spellings
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -33,30 +33,53 @@ STACK_OPS = ((("MergeModulelist", 0),), (("MergeModulelist", 0), ("Concatenate",
 
 class StackedExperts(Transform):
     """Every expert's `pieces` HF tensors (expert-major) <-> one stacked tensor [E, rows, cols]:
-    expert e's slab is its pieces concatenated on dim 0. Not split over TP (the hf backend
-    refuses expert TP); over EP the loader passes a run of whole experts."""
+    expert e's slab is its pieces concatenated on dim 0. Over TP (transformers'
+    `moe_tp_experts`) each piece is split as its stacked tensor's plan says: `packed_colwise`
+    (the fused gate/up: each piece's rows, so a rank keeps its gate rows then its up rows) or
+    `rowwise` (the columns); over EP the loader passes a run of whole experts."""
 
-    def __init__(self, experts: int, pieces: int) -> None:
-        self.experts, self.pieces, self.n_hf = experts, pieces, experts * pieces
+    def __init__(self, experts: int, pieces: int, split: str | None = None) -> None:
+        self.experts, self.pieces, self.n_hf, self.split = experts, pieces, experts * pieces, split
 
     def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> Any:
         raise NotBlockwise("stacked experts are built from whole per-expert tensors, not blocks")
 
+    def _part(self, t: Any, s: Shard) -> Any:
+        if self.split == "column":
+            a, b = split_range(t.shape[0], s, "expert rows")
+            return t[a:b]
+        if self.split == "row":
+            a, b = split_range(t.shape[1], s, "expert columns")
+            return t[:, a:b]
+        return t[:]
+
     def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> Any:
         import torch
 
-        if len(hf) % self.pieces or s.size != 1:
+        if len(hf) % self.pieces or (s.size > 1 and self.split is None):
             raise ValueError(f"{self!r}: {len(hf)} tensors at tp={s.size}")
-        whole = [t if isinstance(t, torch.Tensor) else t[:] for t in hf]
-        slabs = [torch.cat(whole[i : i + self.pieces], 0) for i in range(0, len(whole), self.pieces)]
+        parts = [self._part(t, s) for t in hf]
+        slabs = [torch.cat(parts[i : i + self.pieces], 0) for i in range(0, len(parts), self.pieces)]
         return torch.stack(slabs, 0)
 
     def merge(self, shards: Sequence[Any], shapes: Shapes) -> tuple[Any, ...]:
-        (stacked,) = shards
-        return tuple(piece.clone() for slab in stacked for piece in slab.chunk(self.pieces, 0))
+        import torch
+
+        dim = 1 if self.split == "row" else 0
+        whole = shards if self.split else shards[:1]  # unsplit: every TP rank holds it all
+        per_rank = [[slab.chunk(self.pieces, 0) for slab in t] for t in whole]  # [tp][expert][piece]
+        return tuple(
+            torch.cat([r[e][p] for r in per_rank], dim).clone()
+            for e in range(len(shards[0]))
+            for p in range(self.pieces)
+        )
 
     def __repr__(self) -> str:
-        return f"StackedExperts({self.experts}x{self.pieces})"
+        return f"StackedExperts({self.experts}x{self.pieces}, {self.split})"
+
+
+# the tp plan styles of a stacked experts tensor under `moe_tp_experts` -> how its pieces split
+EXPERT_TP_SPLITS = {"packed_colwise": "column", "rowwise": "row"}
 
 
 def ep_part(items: Any, ep: int, rank: int) -> Any:
@@ -112,17 +135,17 @@ def expert_fields(cfg: Any) -> dict[str, int]:
 
 def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """What the hf backend cannot run of a MoE model under `layout` (what, fix): EP splits
-    the `ep_dispatch_experts` module of `base_model_ep_plan`; expert tensor parallelism
-    (`moe_tp_experts`) and the sequence parallelism MoE with TP needs are not built yet."""
+    the `ep_dispatch_experts` module of `base_model_ep_plan`; TP splits its experts as
+    `moe_tp_experts` does (expert-TP = tp)."""
     if not spec.is_moe:
         return []
     out = []
-    if layout.tp > 1:
+    if layout.tp > 1 and layout.etp != layout.tp:
         out.append(
             (
-                f"tp={layout.tp} with mixture-of-experts layers: the hf backend does not split experts over TP "
-                "(`moe_tp_experts`) nor run sequence parallelism yet",
-                "use ep (and dp/pp) with tp=1",
+                f"etp={layout.etp} with tp={layout.tp}: the hf backend splits experts over the TP group "
+                "(transformers' `moe_tp_experts`), so expert-TP is tp",
+                f"set etp={layout.tp}",
             )
         )
     if layout.ep > 1:
@@ -143,6 +166,7 @@ def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) ->
 __all__ = [
     "EXPERT_COUNT_KEYS",
     "EXPERTS_PER_TOKEN_KEYS",
+    "EXPERT_TP_SPLITS",
     "expert_fields",
     "expert_limits",
     "STACK_OPS",

@@ -31,6 +31,8 @@ from typing import Any
 
 # base_model_ep_plan styles: the experts module (runtime/hf/experts.py), its stacked tensors (dim 0 over EP)
 EP_MODULE, EP_TENSOR = "ep_dispatch_experts", "grouped_gemm"
+# the tp plan style of an experts module whose stacked tensors split over TP (runtime/hf/experts.py)
+MOE_TP = "moe_tp_experts"
 VOCAB, COLUMN, ROW, HEAD, GRAD_ALLREDUCE, REPLICATED = "vocab", "column", "row", "head", "grad_allreduce", "replicated"
 
 # tp plan style -> what megatron layer it becomes (runtime/hf/layers.py)
@@ -245,6 +247,7 @@ __all__ = [
     "COLUMN_STYLES",
     "EP_MODULE",
     "EP_TENSOR",
+    "MOE_TP",
     "FORWARD",
     "FORWARD_KEYS",
     "GRAD_ALLREDUCE",

@@ -23,11 +23,15 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.mappings import all_to_all
+from megatron.core.tensor_parallel.mappings import (
+    all_to_all,
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 
 
 class ExpertsAllToAll(torch.nn.Module):
-    """Mixed into an HF experts class (`ep_class`): its forward dispatches over the EP group."""
+    """Mixed into an HF experts class (`experts_class`): its forward dispatches over the EP group."""
 
     num_experts: int  # this rank's experts (the HF module's attribute, divided by ep)
 
@@ -53,22 +57,41 @@ class ExpertsAllToAll(torch.nn.Module):
         return torch.zeros_like(hidden).index_add(0, token, weighted)
 
 
-_EP_CLASSES: dict[type, type] = {}
+class ExpertsTP(torch.nn.Module):
+    """Mixed into an HF experts class under transformers' `moe_tp_experts` at tp > 1: each TP
+    rank holds every (local) expert's slice of the intermediate dimension (gate/up rows,
+    down columns), the tokens are whole on every TP rank (no sequence parallelism: the
+    attention's row-parallel output is all-reduced), so the expert outputs are partial sums
+    reduced over TP, and the inputs' gradients (hidden states and routing weights) summed
+    over TP as megatron's column-parallel input does (`copy_to_tensor_model_parallel_region`)."""
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        group = ps.get_tensor_model_parallel_group()
+        x = copy_to_tensor_model_parallel_region(hidden, group=group)
+        w = copy_to_tensor_model_parallel_region(top_k_weights, group=group)
+        out = super().forward(x, top_k_index, w)
+        return reduce_from_tensor_model_parallel_region(out, group=group)
 
 
-def ep_class(cls: type) -> type:
-    """`cls` (an HF experts class) whose forward dispatches over the EP group; its
-    parameters, names and per-expert compute stay `cls`'s. One per class (isinstance holds
-    across chunks)."""
-    if cls not in _EP_CLASSES:
-        _EP_CLASSES[cls] = type(f"{cls.__name__}AllToAll", (ExpertsAllToAll, cls), {})
-    return _EP_CLASSES[cls]
+_CLASSES: dict[tuple[type, bool, bool], type] = {}
 
 
-def partition(experts: Any, ep: int) -> None:
-    """Make the meta-device `experts` module this rank's E/ep of them (before materialising)."""
+def experts_class(cls: type, ep: bool, tp: bool) -> type:
+    """`cls` (an HF experts class) with its forward dispatching over the EP group (`ep`)
+    and/or its experts split over TP (`tp`); its parameters, names and per-expert compute stay
+    `cls`'s. One per combination (isinstance holds across chunks)."""
+    key = (cls, ep, tp)
+    if key not in _CLASSES:
+        mixins = (ExpertsTP,) * tp + (ExpertsAllToAll,) * ep
+        _CLASSES[key] = type(f"{cls.__name__}{'TP' * tp}{'AllToAll' * ep}", (*mixins, cls), {})
+    return _CLASSES[key]
+
+
+def partition(experts: Any, ep: int, tp: bool) -> None:
+    """Make the meta-device `experts` module this rank's E/ep of them, split over TP when
+    `tp` (before materialising)."""
     experts.num_experts = int(experts.num_experts) // ep
-    experts.__class__ = ep_class(type(experts))
+    experts.__class__ = experts_class(type(experts), ep > 1, tp)
 
 
 def mark_expert(param: torch.nn.Parameter) -> None:
@@ -88,4 +111,4 @@ def gather_experts(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, 0)
 
 
-__all__ = ["ExpertsAllToAll", "ep_class", "gather_experts", "is_expert", "mark_expert", "partition"]
+__all__ = ["ExpertsAllToAll", "ExpertsTP", "experts_class", "gather_experts", "is_expert", "mark_expert", "partition"]

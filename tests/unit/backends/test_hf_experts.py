@@ -32,7 +32,7 @@ def saved(tmp_path_factory):
 def test_stacked_experts_are_the_checkpoints_per_expert_tensors_both_ways(family, saved):
     """The table names every checkpoint tensor; each stacked row rebuilds transformers' own
     in-memory tensor from the saved per-expert ones, an EP rank's run of experts is its slice
-    of it, and merge gives the saved tensors back bit-exactly."""
+    of it, and merge gives the saved tensors back bit-exactly, from whole or TP-split shards."""
     from transformers import AutoModelForCausalLM
 
     from megatron_bridge.bridge.hf_config import read_hf_config
@@ -56,6 +56,11 @@ def test_stacked_experts_are_the_checkpoints_per_expert_tensors_both_ways(family
             assert torch.equal(half, ep_part(want, 2, 1))
             back = r.mapping.merge([got], shapes)
             assert len(back) == len(r.hf) and all(torch.equal(t, ck.tensor(h)) for t, h in zip(back, r.hf))
+            # over TP (moe_tp_experts): gate/up rows or down columns; the shards merge back
+            assert r.mapping.transform.split == ("column" if "gate_up" in r.megatron else "row")
+            halves = [r.mapping.shard([ck.slice(h) for h in r.hf], Shard(i, 2), shapes) for i in range(2)]
+            assert halves[0].numel() * 2 == want.numel()
+            assert all(torch.equal(t, ck.tensor(h)) for t, h in zip(r.mapping.merge(halves, shapes), r.hf))
     if family == "mixtral":  # the saving-direction rename applies to each expert's name
         assert stacked[0].hf[0] == "model.layers.0.block_sparse_moe.experts.0.w1.weight"
 
@@ -66,7 +71,7 @@ def test_the_all_to_all_experts_module_computes_what_transformers_does():
     output, the experts' and the routing weights' gradients."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from megatron_bridge.runtime.hf.experts import ep_class
+    from megatron_bridge.runtime.hf.experts import experts_class
     from megatron_bridge.runtime.tiny import tiny_config
     from megatron_bridge.testing import one_process_groups
 
@@ -78,7 +83,7 @@ def test_the_all_to_all_experts_module_computes_what_transformers_does():
             p.normal_(0, 0.2)
     mine = Qwen3MoeExperts(cfg)
     mine.load_state_dict(ref.state_dict())
-    mine.__class__ = ep_class(Qwen3MoeExperts)
+    mine.__class__ = experts_class(Qwen3MoeExperts, ep=True, tp=False)
     x = torch.randn(12, cfg.hidden_size)
     idx = torch.stack([torch.randperm(cfg.num_experts)[:2] for _ in range(12)])
     w = torch.rand(12, 2)
@@ -94,18 +99,20 @@ def test_the_all_to_all_experts_module_computes_what_transformers_does():
 
 
 def test_moe_layouts_the_hf_backend_cannot_run_yet_are_refused_by_the_layout_rule(tmp_path, saved):
-    """Expert tensor parallelism (`moe_tp_experts`) is not built: MoE at tp > 1 is refused by
-    `backend-layout`, naming it; so is an ep that does not divide the experts. ep2 passes."""
+    """Experts split over TP as transformers' `moe_tp_experts` says, so expert-TP is tp: another
+    etp is refused by `backend-layout`, naming it; so is an ep that does not divide the experts
+    and sequence parallelism. ep2, tp2 and ep2·tp2 pass."""
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.parallel.rules.registry import validate
 
     cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={saved['qwen3_moe']}", "model.backend=hf"])
     spec = describe(cfg.model)
     assert spec.num_moe_experts == 4 and spec.moe_router_topk == 2
-    validate(cfg, spec, dims=ParallelDims.parse("ep2").with_world(2), layout_only=True)
-    for text, needle in (("tp2", "moe_tp_experts"), ("ep4tp2", "moe_tp_experts")):
+    for text in ("ep2", "tp2", "ep2tp2"):
+        validate(cfg, spec, dims=ParallelDims.parse(text).with_world(4), layout_only=True)
+    for text, needle in (("ep2tp2etp1", "moe_tp_experts"), ("tp2sp", "sequence parallelism")):
         with pytest.raises(LayoutError) as e:
-            validate(cfg, spec, dims=ParallelDims.parse(text).with_world(8), layout_only=True)
+            validate(cfg, spec, dims=ParallelDims.parse(text).with_world(4), layout_only=True)
         assert needle in str(e.value) and any(v.rule == "backend-layout" for v in e.value.violations)
     odd = tmp_path / "odd"
     odd.mkdir()
@@ -115,3 +122,15 @@ def test_moe_layouts_the_hf_backend_cannot_run_yet_are_refused_by_the_layout_rul
     with pytest.raises(LayoutError) as e:
         validate(cfg, describe(cfg.model), dims=ParallelDims.parse("ep4").with_world(4), layout_only=True)
     assert "6 experts do not split over ep=4" in str(e.value)
+
+
+def test_a_router_expert_bias_buffer_is_refused_naming_it():
+    """DeepSeek-V3's `e_score_correction_bias` is a persistent buffer, not a parameter: the
+    hf backend would not export it, so the model is refused naming the tensor."""
+    from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.bridge.hf_config import UnsupportedFeatures
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    spec = describe_hf(tiny_config("deepseek_v3").to_dict(), backend="hf")
+    with pytest.raises(UnsupportedFeatures, match="e_score_correction_bias is a persistent buffer"):
+        HFBackend().table(spec)
