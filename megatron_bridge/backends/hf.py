@@ -272,8 +272,9 @@ class HFBackend(Backend):
         m = meta(spec)
         if m.buffers:
             raise UnsupportedFeatures(
-                f"{spec.architecture}: {', '.join(m.buffers[:2])} is a persistent buffer (a router's expert bias, "
-                "updated outside the optimizer): the hf backend exports and checks parameters only"
+                f"{spec.architecture}: persistent buffers in the checkpoint ({', '.join(m.buffers[:2])}; e.g. a "
+                "router's expert-score bias, updated outside the optimizer): the hf backend exports and checks "
+                "parameters only"
             )
         rows: dict[str, Row] = {}
         for name, kind in m.kinds.items():
