@@ -4,8 +4,9 @@ For an architecture with no native family: the causal-LM class transformers has 
 config's `model_type` is built on the meta device, each pipeline stage keeps its pieces of the
 model (`hf_plan.Plan`, from transformers' `base_model_pp_plan`), and every linear the
 `base_model_tp_plan` names becomes megatron's column/row-parallel linear holding its shard
-(runtime/hf/). This slice covers dense decoder-only models at TP and PP (docs/bridge.md, "The
-hf backend"); what it cannot do yet is refused here, one line each.
+(runtime/hf/); MoE experts modules are split over EP (backends/hf_experts.py). This slice covers
+decoder-only models at TP and PP, and MoE at EP·PP without TP (docs/bridge.md, "The hf
+backend"); what it cannot do yet is refused here, one line each.
 
 The description keeps the common dimensions (`bridge.hf_config.HF_KEYS`, read from
 transformers' config object, so its defaults count) for the rules and the planner, and the
@@ -22,6 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 from megatron_bridge.backends.base import Backend
+from megatron_bridge.backends.hf_experts import EXPERT_TP_SPLITS, StackedExperts, expert_fields, expert_limits, stacked
 from megatron_bridge.backends.hf_plan import (
     COLUMN,
     GRAD_ALLREDUCE,
@@ -103,7 +105,14 @@ def model_plan(model: Any) -> Plan:
     head = getattr(type(model), "_pp_plan", None) or {}
     if not cfg.base_model_pp_plan and not override(cfg.model_type).pp_plan:
         _check_convention(model)
-    return plan_of(cfg.model_type, model.base_model_prefix, cfg.base_model_tp_plan, cfg.base_model_pp_plan, head)
+    return plan_of(
+        cfg.model_type,
+        model.base_model_prefix,
+        cfg.base_model_tp_plan,
+        cfg.base_model_pp_plan,
+        head,
+        getattr(cfg, "base_model_ep_plan", None),
+    )
 
 
 def _check_convention(model: Any) -> None:
@@ -135,10 +144,14 @@ def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def checkpoint_names(model: Any, names: list[str]) -> dict[str, str]:
-    """{module tensor name: its name in a checkpoint} — what `save_pretrained` writes, by
-    transformers' own conversion mapping run in the saving direction (GPT-NeoX's `lm_head` is
-    saved as `embed_out`). A tensor a converter (not a rename) would rewrite is refused."""
+def checkpoint_names(
+    model: Any, shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """({module tensor name: its name in a checkpoint}, {stacked experts tensor: its
+    per-expert names}) — what `save_pretrained` writes, by transformers' own conversion
+    mapping run in the saving direction (GPT-NeoX's `lm_head` is saved as `embed_out`;
+    experts one tensor each: backends/hf_experts.py). A tensor any other converter would
+    rewrite is refused."""
     # transformers imported here: the core imports third-party packages only inside functions
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
@@ -153,13 +166,15 @@ def checkpoint_names(model: Any, names: list[str]) -> dict[str, str]:
     saving = [c.reverse_transform() for c in conversions[::-1]]
     renamings = [c for c in saving if isinstance(c, WeightRenaming)]
     converters = [c for c in saving if isinstance(c, WeightConverter)]
-    converted = [n for n in names if apply_converters(n, converters)[1] is not None]
+    experts = stacked(conversions, dict(shapes))
+    converted = [n for n in shapes if n not in experts and apply_converters(n, converters)[1] is not None]
     if converted:
         raise UnsupportedFeatures(
             f"{type(model).__name__}: transformers converts {', '.join(converted[:4])} between the checkpoint and "
             "the model (not a rename), which the hf backend does not do yet"
         )
-    return {n: apply_renamings(n, renamings) for n in names}
+    saved = {n: apply_renamings(n, renamings) for n in shapes if n not in experts}
+    return saved, {n: tuple(apply_renamings(h, renamings) for h in hs) for n, hs in experts.items()}
 
 
 @dataclass(frozen=True)
@@ -171,11 +186,14 @@ class Meta:
     shapes: dict[str, tuple[int, ...]]
     kinds: dict[str, str]
     saved_as: dict[str, str]
+    experts: dict[str, tuple[str, ...]]  # a stacked experts tensor -> its per-expert checkpoint tensors
+    buffers: tuple[str, ...]  # persistent buffers (a router's expert bias): in the checkpoint, not parameters
 
-    def hf_template(self, name: str) -> str:
-        """The checkpoint name of module tensor `name` with `{layer}` where its layer index is
-        (the concrete name when a rename moved the index)."""
-        saved = self.saved_as[name]
+    def hf_template(self, name: str, saved: str | None = None) -> str:
+        """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
+        tensors) with `{layer}` where its layer index is (the concrete name when a rename
+        moved the index)."""
+        saved = self.saved_as[name] if saved is None else saved
         i = self.plan.layer_index(name)
         if i is None:
             return saved
@@ -201,17 +219,14 @@ def meta(spec: BridgeSpec) -> Meta:
     plan = model_plan(model)
     shapes = checkpoint_shapes(model)
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
-    return Meta(plan, shapes, kinds, checkpoint_names(model, list(shapes)))
+    params = {n for n, _ in model.named_parameters()}
+    buffers = tuple(n for n in shapes if n not in params)
+    return Meta(plan, shapes, kinds, *checkpoint_names(model, shapes), buffers)
 
 
 def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
     mt = cfg.model_type
     out = plan_problems(mt, cfg.base_model_tp_plan, cfg.base_model_pp_plan)
-    experts = base_fields(declared(cfg)).get("num_moe_experts")
-    if experts:
-        out.append(
-            f"mixture-of-experts layers ({experts} experts): expert parallelism for the hf backend is later work"
-        )
     kinds = list(getattr(cfg, "layer_types", None) or ())
     for kind in dict.fromkeys(kinds):
         if kind not in LAYER_KINDS:
@@ -264,6 +279,7 @@ class HFBackend(Backend):
             hf_json=json.dumps(dict(hf), sort_keys=True),
             name=hf.get("_name_or_path") or mt,
         )
+        f.update(expert_fields(cfg))
         for k in ("max_position_embeddings", "norm_epsilon", "rotary_base"):
             if base.get(k) is not None:
                 f[k] = base[k]
@@ -280,9 +296,21 @@ class HFBackend(Backend):
         module's) <- the checkpoint's (`checkpoint_names`); a tied LM head reads the embedding
         (and is not written back)."""
         m = meta(spec)
+        if m.buffers:
+            raise UnsupportedFeatures(
+                f"{spec.architecture}: persistent buffers in the checkpoint ({', '.join(m.buffers[:2])}; e.g. a "
+                "router's expert-score bias, updated outside the optimizer): the hf backend exports and checks "
+                "parameters only"
+            )
         rows: dict[str, Row] = {}
         for name, kind in m.kinds.items():
             t = m.plan.template(name)
+            if name in m.experts:
+                pieces = m.experts[name]
+                n = m.shapes[name][0]
+                transform = StackedExperts(n, len(pieces) // n, EXPERT_TP_SPLITS.get(m.plan.style(name) or ""))
+                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], transform))
+                continue
             transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
             rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], transform))
         head, embed = f"{m.plan.head}.weight", f"{m.plan.embed}.weight"
@@ -316,6 +344,7 @@ class HFBackend(Backend):
             out.append((f"context parallelism (cp={layout.cp}) is not implemented for the hf backend yet", "set cp=1"))
         if layout.sequence_parallel and layout.tp > 1:
             out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
+        out += expert_limits(spec, layout, meta(spec).plan.ep if spec.is_moe else ())
         if layout.tp > 1 and spec.num_query_groups % layout.tp:
             out.append(
                 (
@@ -332,7 +361,13 @@ class HFBackend(Backend):
         (LoRA is refused by the `lora-targets` rule; cp and sp by `layout_limits`)."""
         out = []
         if spec.is_moe:
-            out.append(("training MoE models is not implemented for the hf backend yet", "train a dense model"))
+            out.append(
+                (
+                    "training MoE models is not implemented for the hf backend yet (HF's auxiliary "
+                    "load-balancing loss is not added to the training loss)",
+                    "train a dense model; `mbr verify` checks MoE at ep",
+                )
+            )
         if run.data.kind == "sft":
             out.append(
                 (

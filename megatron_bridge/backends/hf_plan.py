@@ -29,6 +29,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# base_model_ep_plan styles: the experts module (runtime/hf/experts.py), its stacked tensors (dim 0 over EP)
+EP_MODULE, EP_TENSOR = "ep_dispatch_experts", "grouped_gemm"
+# the tp plan style of an experts module whose stacked tensors split over TP (runtime/hf/experts.py)
+MOE_TP = "moe_tp_experts"
 VOCAB, COLUMN, ROW, HEAD, GRAD_ALLREDUCE, REPLICATED = "vocab", "column", "row", "head", "grad_allreduce", "replicated"
 
 # tp plan style -> what megatron layer it becomes (runtime/hf/layers.py)
@@ -133,6 +137,13 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(pattern).replace(r"\*", r"\d+") + "$")
 
 
+def _match(entries: tuple[tuple[str, str], ...], path: str) -> str | None:
+    for pattern, style in entries:
+        if _regex(pattern).match(path):
+            return style
+    return None
+
+
 @dataclass(frozen=True)
 class Plan:
     """The module paths a stage is made of and every planned linear's style.
@@ -147,13 +158,15 @@ class Plan:
     post: tuple[str, ...]  # modules after the layers (the final norm), in order
     head: str  # the LM head ("lm_head")
     tp: tuple[tuple[str, str], ...]  # (module pattern, style)
+    ep: tuple[tuple[str, str], ...] = ()  # base_model_ep_plan: (module or tensor pattern, style)
 
     def style(self, module: str) -> str | None:
         """The tp style of the module at `module` (a path in the causal LM), None if unplanned."""
-        for pattern, style in self.tp:
-            if _regex(pattern).match(module):
-                return style
-        return None
+        return _match(self.tp, module)
+
+    def ep_style(self, path: str) -> str | None:
+        """The ep style of a module or tensor (`ep_dispatch_experts`, `grouped_gemm`), None if unplanned."""
+        return _match(self.ep, path)
 
     def layer_index(self, name: str) -> int | None:
         m = re.match(re.escape(self.layers) + r"\.(\d+)\.", name)
@@ -170,6 +183,7 @@ def plan_of(
     tp_plan: Mapping[str, str] | None,
     pp_plan: Mapping[str, Any] | None,
     head_plan: Iterable[str],
+    ep_plan: Mapping[str, str] | None = None,
 ) -> Plan:
     """The plan from the config's `base_model_tp_plan` / `base_model_pp_plan` (and the model
     type's override entries), the causal-LM class's head plan and its `base_model_prefix`
@@ -181,7 +195,8 @@ def plan_of(
     head = next(iter(head_plan), "lm_head")
     entries = {**(tp_plan or {}), **dict(override(model_type).tp_plan)}
     tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items() if v not in MARKERS)
-    return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp)
+    ep = tuple((f"{prefix}.{k}", v) for k, v in (ep_plan or {}).items())
+    return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp, ep)
 
 
 def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: Mapping[str, Any] | None) -> list[str]:
@@ -244,6 +259,9 @@ def tensor_kinds(
 __all__ = [
     "COLUMN",
     "COLUMN_STYLES",
+    "EP_MODULE",
+    "EP_TENSOR",
+    "MOE_TP",
     "FORWARD",
     "FORWARD_KEYS",
     "GRAD_ALLREDUCE",

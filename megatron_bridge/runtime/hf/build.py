@@ -24,12 +24,16 @@ from megatron.core.utils import init_method_normal
 from transformers import AutoModelForCausalLM
 
 from megatron_bridge.backends.hf import meta, model_plan, transformers_config
+from megatron_bridge.backends.hf_experts import EXPERT_TP_SPLITS
 from megatron_bridge.backends.hf_plan import (
     COLUMN_STYLES,
+    EP_MODULE,
+    EP_TENSOR,
     FORWARD,
     GRAD_ALLREDUCE,
     HEAD,
     MLA,
+    MOE_TP,
     ROW_STYLES,
     Plan,
     override,
@@ -39,6 +43,7 @@ from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
 from megatron_bridge.runtime.hf.chunk import HFChunk
+from megatron_bridge.runtime.hf.experts import mark_expert, partition
 from megatron_bridge.runtime.hf.layers import (
     MEGATRON_LAYERS,
     ColumnLinear,
@@ -73,6 +78,12 @@ def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> Tr
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        num_moe_experts=spec.num_moe_experts,  # megatron's groups and DDP read it; the MoE itself is HF's
+        moe_router_topk=spec.moe_router_topk,
+        # what megatron's config checks of its own MoE layers (unused here: HF's router and
+        # experts run; biases are each module's own): top-1 needs pre-softmax, expert-TP no bias
+        moe_router_pre_softmax=True,
+        add_bias_linear=not spec.is_moe,
         sequence_parallel=False,
         num_layers_in_first_pipeline_stage=layout.layers_first_stage,
         num_layers_in_last_pipeline_stage=layout.layers_last_stage,
@@ -129,7 +140,7 @@ class Stage:
     ) -> None:
         self.spec, self.full, self.plan, self.kinds = spec, full, plan, kinds
         self.tconfig, self.device, self.load_weights = tconfig, device, load_weights
-        self.tp = tconfig.tensor_model_parallel_size
+        self.tp, self.ep = tconfig.tensor_model_parallel_size, tconfig.expert_model_parallel_size
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.init = init_method_normal(spec.initializer_range)
 
@@ -238,6 +249,10 @@ class Stage:
                     split_parents.add(parent)
             elif style == MLA and self.tp > 1:
                 mla_kv_a_hook(child, int(self.full.config.qk_rope_head_dim))
+            ep = self.ep > 1 and self.plan.ep_style(full) == EP_MODULE
+            tp = self.tp > 1 and style == MOE_TP
+            if ep or tp:
+                partition(child, self.ep if ep else 1, tp)
         for parent in split_parents:
             self._divide_heads(parent)
         self._materialise(path, module)
@@ -278,13 +293,22 @@ class Stage:
                     continue
                 kind = self.kinds.get(f"{prefix}.{key}")
                 shape = tuple(p.shape)
+                expert = self.ep > 1 and self.plan.ep_style(f"{prefix}.{key}") == EP_TENSOR
+                split = EXPERT_TP_SPLITS.get(self.plan.style(f"{prefix}.{key}") or "") if len(shape) == 3 else None
                 if kind == HEAD:
                     shape = (shape[0] // self.tp, *shape[1:])
+                if expert:
+                    shape = (shape[0] // self.ep, *shape[1:])
+                if split and self.plan.style(prefix) == MOE_TP:  # moe_tp_experts: gate/up rows, down columns
+                    at = 1 if split == "column" else 2
+                    shape = tuple(d // self.tp if i == at else d for i, d in enumerate(shape))
                 new = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device=self.device), p.requires_grad)
                 if kind == HEAD:
                     set_tensor_model_parallel_attributes(new, True, 0, 1)
                 if kind == GRAD_ALLREDUCE and self.tp > 1:
                     sum_grad_over_tp(new)
+                if expert:
+                    mark_expert(new)
                 mod._parameters[key] = new
             for key, b in list(mod._buffers.items()):
                 if b is not None and b.is_meta:

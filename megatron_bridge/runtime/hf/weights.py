@@ -4,7 +4,8 @@ A chunk's tensors have the checkpoint's own names (global layer indices), so eac
 of the backend's table (`HFBackend.table`: the transform says how the tensor splits over TP).
 Loading reads only this rank's slices of the safetensors (`HFCheckpoint.slice`, the
 converter's reader); export gathers each tensor's TP shards onto the first replica and merges
-them back with the same transform, bit-exactly.
+them back with the same transform, bit-exactly. A stacked experts tensor reads only this EP rank's experts'
+checkpoint tensors (backends/hf_experts.py) and is gathered over the EP group on export.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_bridge.backends.hf_experts import StackedExperts, ep_part
 from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint, table_for
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import resolve_megatron
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.hf.experts import gather_experts, is_expert
 from megatron_bridge.runtime.weights_base import checkpoint_tensors, gather_shards, layout_of, require_all_written
 
 
@@ -29,6 +32,7 @@ def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
     layout = layout_of(chunks)
     rows = {r.megatron: r for r in resolve_checkpoint(spec, ckpt.keys())}
     shard, shapes = Shard(ps.get_tensor_model_parallel_rank(), layout.tp), spec.shapes(layout.tp)
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     n = 0
     for chunk in chunks:
         targets = checkpoint_tensors(chunk)
@@ -41,7 +45,11 @@ def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
         written = set()
         for name, p in targets.items():
             row = rows[name]
-            t = row.mapping.shard([ckpt.slice(h) for h in row.hf], shard, shapes)
+            per_expert = is_expert(p) and isinstance(row.mapping.transform, StackedExperts)
+            hf = ep_part(row.hf, ep, ep_rank) if per_expert else row.hf  # this EP rank's experts' tensors only
+            t = row.mapping.shard([ckpt.slice(h) for h in hf], shard, shapes)
+            if is_expert(p) and not per_expert:  # stacked in the checkpoint too: this rank's rows of dim 0
+                t = ep_part(t, ep, ep_rank)
             if tuple(t.shape) != tuple(p.shape):
                 raise UserError(f"{name}: HF {row.hf} gives shape {tuple(t.shape)}, the model has {tuple(p.shape)}")
             p.data.copy_(t.to(p.dtype))
@@ -60,8 +68,7 @@ def iter_tensors(
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
     group = ps.get_tensor_model_parallel_group()
-    if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return
+    first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     for chunk in chunks:
         for name, p in checkpoint_tensors(chunk).items():  # persistent buffers too (Apertus' xIELU beta)
             row = resolve_megatron(table, name)
@@ -69,7 +76,12 @@ def iter_tensors(
                 raise UserError(f"{name} has no row in the {spec.architecture} table")
             if not row.mapping.export:
                 continue
-            shards = gather_shards((p if value is None else value(p)).detach(), group)
+            t = (p if value is None else value(p)).detach()
+            if is_expert(p):  # every EP rank takes part: the first replica may hold a few of the experts
+                t = gather_experts(t)
+            if not first:
+                continue
+            shards = gather_shards(t, group)
             if shards is None:
                 continue
             for hf_name, t in zip(row.hf, row.mapping.merge(shards, shapes)):

@@ -99,7 +99,6 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
     "model_type,kw,needle",
     [
         ("falcon", {}, "no base_model_tp_plan"),
-        ("mixtral", {}, "mixture-of-experts layers (8 experts)"),
         ("qwen3_next", {}, "layer kind 'linear_attention'"),
         ("gemma3n_text", {}, "final_logit_softcapping=30.0"),
         ("hrm_text", {}, "embedding_scale="),

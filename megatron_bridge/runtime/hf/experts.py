@@ -1,0 +1,114 @@
+"""Expert parallelism for the hf backend: transformers' own experts module over the EP group.
+
+transformers' MoE blocks call their experts module as `experts(hidden [T, h], top_k_index
+[T, k], top_k_weights [T, k])` with the experts' weights stacked (`gate_up_proj [E, ...]`,
+`down_proj [E, ...]`; `base_model_ep_plan` names the module `ep_dispatch_experts` and its
+tensors `grouped_gemm`). Under EP each rank keeps experts [r·E/ep, (r+1)·E/ep) of every
+stacked tensor (dim 0) and the module's class becomes `ExpertsAllToAll`'s subclass of it: the
+router (HF's, unchanged) picks experts on the token's own rank, each (token, choice) travels
+to its expert's rank by all-to-all over the EP group (as megatron's
+MoEAlltoAllTokenDispatcher does), the module's own forward runs its local experts with
+weight 1, the outputs travel back by the reverse all-to-all and are weighted and summed per
+token where the token lives. Autograd flows through both exchanges
+(megatron's `tensor_parallel.mappings.all_to_all`, the dispatcher's own), so the router weights and the
+activations get their gradients as in transformers.
+
+The expert tensors are marked `allreduce=False`, megatron's mark of an expert parameter: its
+DDP reduces their gradients over the expert-data-parallel group, the rest over data-parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.mappings import (
+    all_to_all,
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+
+
+class ExpertsAllToAll(torch.nn.Module):
+    """Mixed into an HF experts class (`experts_class`): its forward dispatches over the EP group."""
+
+    num_experts: int  # this rank's experts (the HF module's attribute, divided by ep)
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        group = ps.get_expert_model_parallel_group()
+        ep, local = group.size(), self.num_experts
+        tokens, k = top_k_index.shape
+        expert = top_k_index.reshape(-1)
+        dest = torch.div(expert, local, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)  # (token, choice) pairs grouped by their expert's rank
+        token = torch.arange(tokens, device=hidden.device).repeat_interleave(k)[order]
+        send = torch.bincount(dest, minlength=ep)
+        recv = torch.empty_like(send)
+        torch.distributed.all_to_all_single(recv, send, group=group)
+        send_n, recv_n = send.tolist(), recv.tolist()
+        local_expert = torch.empty(sum(recv_n), dtype=expert.dtype, device=expert.device)
+        torch.distributed.all_to_all_single(local_expert, expert[order] % local, recv_n, send_n, group=group)
+        x = all_to_all(group, hidden[token], recv_n, send_n)
+        ones = torch.ones(x.shape[0], 1, dtype=top_k_weights.dtype, device=x.device)
+        y = super().forward(x, local_expert.unsqueeze(-1), ones)  # the HF class's own expert loop
+        back = all_to_all(group, y, send_n, recv_n)
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(back.dtype)
+        return torch.zeros_like(hidden).index_add(0, token, weighted)
+
+
+class ExpertsTP(torch.nn.Module):
+    """Mixed into an HF experts class under transformers' `moe_tp_experts` at tp > 1: each TP
+    rank holds every (local) expert's slice of the intermediate dimension (gate/up rows,
+    down columns), the tokens are whole on every TP rank (no sequence parallelism: the
+    attention's row-parallel output is all-reduced), so the expert outputs are partial sums
+    reduced over TP, and the inputs' gradients (hidden states and routing weights) summed
+    over TP as megatron's column-parallel input does (`copy_to_tensor_model_parallel_region`)."""
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        group = ps.get_tensor_model_parallel_group()
+        x = copy_to_tensor_model_parallel_region(hidden, group=group)
+        w = copy_to_tensor_model_parallel_region(top_k_weights, group=group)
+        out = super().forward(x, top_k_index, w)
+        return reduce_from_tensor_model_parallel_region(out, group=group)
+
+
+_CLASSES: dict[tuple[type, bool, bool], type] = {}
+
+
+def experts_class(cls: type, ep: bool, tp: bool) -> type:
+    """`cls` (an HF experts class) with its forward dispatching over the EP group (`ep`)
+    and/or its experts split over TP (`tp`); its parameters, names and per-expert compute stay
+    `cls`'s. One per combination (isinstance holds across chunks)."""
+    key = (cls, ep, tp)
+    if key not in _CLASSES:
+        mixins = (ExpertsTP,) * tp + (ExpertsAllToAll,) * ep
+        _CLASSES[key] = type(f"{cls.__name__}{'TP' * tp}{'AllToAll' * ep}", (*mixins, cls), {})
+    return _CLASSES[key]
+
+
+def partition(experts: Any, ep: int, tp: bool) -> None:
+    """Make the meta-device `experts` module this rank's E/ep of them, split over TP when
+    `tp` (before materialising)."""
+    experts.num_experts = int(experts.num_experts) // ep
+    experts.__class__ = experts_class(type(experts), ep > 1, tp)
+
+
+def mark_expert(param: torch.nn.Parameter) -> None:
+    """megatron's mark of an expert parameter: DDP reduces it over the expert-data-parallel group."""
+    param.allreduce = False  # type: ignore[attr-defined]
+
+
+def is_expert(param: Any) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def gather_experts(t: torch.Tensor) -> torch.Tensor:
+    """Collective over the EP group: the whole stacked tensor from every rank's experts."""
+    group = ps.get_expert_model_parallel_group()
+    parts = [torch.empty_like(t) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, 0)
+
+
+__all__ = ["ExpertsAllToAll", "ExpertsTP", "experts_class", "gather_experts", "is_expert", "mark_expert", "partition"]

@@ -1,0 +1,137 @@
+"""The hf backend's MoE pieces in one process: transformers' per-expert checkpoint tensors <->
+its stacked experts (backends/hf_experts.py), the all-to-all experts module against
+transformers' own (runtime/hf/experts.py), and what MoE layouts are refused. The EP layouts
+themselves run in tests/dist/test_hf_backend_parity.py's launch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatron_bridge.backends.describe import describe, describe_hf
+from megatron_bridge.backends.hf import meta
+from megatron_bridge.backends.hf_experts import StackedExperts, ep_part
+from megatron_bridge.bridge.shards import Shard
+from megatron_bridge.config.compose import compose
+from megatron_bridge.errors import LayoutError
+
+MOE = ["qwen3_moe", "mixtral"]  # experts saved as gate/up/down per expert; Mixtral's w1/w3/w2 under block_sparse_moe
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from megatron_bridge.runtime.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {f: make_tiny(f, root / f) for f in MOE}
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_stacked_experts_are_the_checkpoints_per_expert_tensors_both_ways(family, saved):
+    """The table names every checkpoint tensor; each stacked row rebuilds transformers' own
+    in-memory tensor from the saved per-expert ones, an EP rank's run of experts is its slice
+    of it, and merge gives the saved tensors back bit-exactly, from whole or TP-split shards."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.bridge.hf_config import read_hf_config
+    from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint
+
+    spec = describe_hf(read_hf_config(saved[family]), backend="hf")
+    model = AutoModelForCausalLM.from_pretrained(saved[family], dtype=torch.float32)
+    params = dict(model.named_parameters())
+    shapes = spec.shapes(1)
+    with HFCheckpoint(saved[family]) as ck:
+        rows = resolve_checkpoint(spec, ck.keys())
+        assert {h for r in rows for h in r.hf} == set(ck.keys())
+        stacked = [r for r in rows if isinstance(r.mapping.transform, StackedExperts)]
+        moe_layers = {"qwen3_moe": 3, "mixtral": 4}[family]  # Qwen3-MoE's layer 1 is dense
+        assert len(stacked) == len(meta(spec).experts) == 2 * moe_layers
+        for r in stacked:
+            want = params[r.megatron].detach()
+            got = r.mapping.shard([ck.slice(h) for h in r.hf], Shard(0, 1), shapes)
+            assert torch.equal(got, want), r.megatron
+            half = r.mapping.shard([ck.slice(h) for h in ep_part(r.hf, 2, 1)], Shard(0, 1), shapes)
+            assert torch.equal(half, ep_part(want, 2, 1))
+            back = r.mapping.merge([got], shapes)
+            assert len(back) == len(r.hf) and all(torch.equal(t, ck.tensor(h)) for t, h in zip(back, r.hf))
+            # over TP (moe_tp_experts): gate/up rows or down columns; the shards merge back
+            assert r.mapping.transform.split == ("column" if "gate_up" in r.megatron else "row")
+            halves = [r.mapping.shard([ck.slice(h) for h in r.hf], Shard(i, 2), shapes) for i in range(2)]
+            assert halves[0].numel() * 2 == want.numel()
+            assert all(torch.equal(t, ck.tensor(h)) for t, h in zip(r.mapping.merge(halves, shapes), r.hf))
+    if family == "mixtral":  # the saving-direction rename applies to each expert's name
+        assert stacked[0].hf[0] == "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+
+
+def test_the_all_to_all_experts_module_computes_what_transformers_does():
+    """ExpertsAllToAll (here over a one-rank EP group: every exchange is the identity, the
+    reordering and the weighting are not) against the HF experts module it is mixed into:
+    output, the experts' and the routing weights' gradients."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from megatron_bridge.runtime.hf.experts import experts_class
+    from megatron_bridge.runtime.tiny import tiny_config
+    from megatron_bridge.testing import one_process_groups
+
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen3_moe")
+    ref = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.2)
+    mine = Qwen3MoeExperts(cfg)
+    mine.load_state_dict(ref.state_dict())
+    mine.__class__ = experts_class(Qwen3MoeExperts, ep=True, tp=False)
+    x = torch.randn(12, cfg.hidden_size)
+    idx = torch.stack([torch.randperm(cfg.num_experts)[:2] for _ in range(12)])
+    w = torch.rand(12, 2)
+    outs = []
+    with one_process_groups():
+        for m in (ref, mine):
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = m(xi, idx, wi)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            outs.append((y.detach(), xi.grad, wi.grad, m.gate_up_proj.grad, m.down_proj.grad))
+    for a, b in zip(*outs):
+        assert (a - b).abs().max() < 1e-6
+
+
+def test_moe_layouts_the_hf_backend_cannot_run_yet_are_refused_by_the_layout_rule(tmp_path, saved):
+    """Experts split over TP as transformers' `moe_tp_experts` says, so expert-TP is tp: another
+    etp is refused by `backend-layout`, naming it; so is an ep that does not divide the experts
+    and sequence parallelism. ep2, tp2 and ep2·tp2 pass."""
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.parallel.rules.registry import validate
+
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={saved['qwen3_moe']}", "model.backend=hf"])
+    spec = describe(cfg.model)
+    assert spec.num_moe_experts == 4 and spec.moe_router_topk == 2
+    for text in ("ep2", "tp2", "ep2tp2"):
+        validate(cfg, spec, dims=ParallelDims.parse(text).with_world(4), layout_only=True)
+    for text, needle in (("ep2tp2etp1", "moe_tp_experts"), ("tp2sp", "sequence parallelism")):
+        with pytest.raises(LayoutError) as e:
+            validate(cfg, spec, dims=ParallelDims.parse(text).with_world(4), layout_only=True)
+        assert needle in str(e.value) and any(v.rule == "backend-layout" for v in e.value.violations)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    hf = json.loads((saved["qwen3_moe"] / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**hf, "num_local_experts": 6}))  # as transformers saves num_experts
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={odd}", "model.backend=hf"])
+    with pytest.raises(LayoutError) as e:
+        validate(cfg, describe(cfg.model), dims=ParallelDims.parse("ep4").with_world(4), layout_only=True)
+    assert "6 experts do not split over ep=4" in str(e.value)
+
+
+def test_a_router_expert_bias_buffer_is_refused_naming_it():
+    """DeepSeek-V3's `e_score_correction_bias` is a persistent buffer, not a parameter: the
+    hf backend would not export it, so the model is refused naming the tensor."""
+    from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.bridge.hf_config import UnsupportedFeatures
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    spec = describe_hf(tiny_config("deepseek_v3").to_dict(), backend="hf")
+    with pytest.raises(UnsupportedFeatures, match="persistent buffers in the checkpoint") as e:
+        HFBackend().table(spec)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in str(e.value)
