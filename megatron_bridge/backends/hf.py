@@ -296,20 +296,14 @@ class HFBackend(Backend):
         module's) <- the checkpoint's (`checkpoint_names`); a tied LM head reads the embedding
         (and is not written back)."""
         m = meta(spec)
-        if m.buffers:
-            raise UnsupportedFeatures(
-                f"{spec.architecture}: persistent buffers in the checkpoint ({', '.join(m.buffers[:2])}; e.g. a "
-                "router's expert-score bias, updated outside the optimizer): the hf backend exports and checks "
-                "parameters only"
-            )
         rows: dict[str, Row] = {}
         for name, kind in m.kinds.items():
             t = m.plan.template(name)
             if name in m.experts:
                 pieces = m.experts[name]
                 n = m.shapes[name][0]
-                transform = StackedExperts(n, len(pieces) // n, EXPERT_TP_SPLITS.get(m.plan.style(name) or ""))
-                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], transform))
+                stacked = StackedExperts(n, len(pieces) // n, EXPERT_TP_SPLITS.get(m.plan.style(name) or ""))
+                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], stacked))
                 continue
             transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
             rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], transform))
