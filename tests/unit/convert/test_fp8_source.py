@@ -91,6 +91,31 @@ def test_bytes_equal_torch_for_every_fp8_value():
     # rows starting at a later block row use that block row's scales
     got = fp8.dequant_rows(w[128:].numpy().tobytes(), cols, scales, 1, (128, 128))
     assert bytes(got) == want[128:].numpy().tobytes()
+    got = fp8.dequant_numpy(w.numpy().tobytes(), cols, scales, 0, (128, 128))
+    assert got.tobytes() == want.numpy().tobytes()
+
+
+@pytest.mark.parametrize("shape", [(300, 290), (128, 128), (1, 7), (257, 129)])
+def test_numpy_equals_pure_python(shape):
+    """The vectorised dequantisation (what convert runs) == the pure-Python tables, bit for bit:
+    random bytes (both NaN codes, +-0, subnormals), scales incl. 0, -1, inf, NaN, subnormal and
+    overflowing ones, partial blocks, a start at a later block row, 64 x 32 blocks."""
+    g = torch.Generator().manual_seed(1)
+    for block in ((128, 128), (64, 32)):
+        rows, cols = shape
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        w = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).numpy().tobytes()
+        s = torch.rand(grid, generator=g) * 10.0 ** torch.randint(-40, 38, grid, generator=g).float()
+        special = [0.0, -1.0, float("inf"), float("nan"), 1e-45, 3e38, -2.5]
+        s.view(-1)[: len(special)] = torch.tensor(special)[: s.numel()]
+        scales = array("f")
+        scales.frombytes(s.numpy().tobytes())
+        want = bytes(fp8.dequant_rows(w, cols, scales, 0, block))
+        assert fp8.dequant_numpy(w, cols, scales, 0, block).tobytes() == want
+        if rows > block[0]:
+            later = bytes(fp8.dequant_rows(w[block[0] * cols :], cols, scales, 1, block))
+            assert later == want[2 * block[0] * cols :]
+            assert fp8.dequant_numpy(w[block[0] * cols :], cols, scales, 1, block).tobytes() == later
 
 
 def test_equals_transformers_dequantisation(dirs, tmp_path):
