@@ -3,6 +3,8 @@
 import pytest
 
 from megatron_bridge.backends.describe import describe
+from megatron_bridge.commands.plan import plan
+from megatron_bridge.errors import UserError
 from megatron_bridge.plan import comm as C
 from megatron_bridge.plan.evaluation import Context
 from megatron_bridge.plan.published import NARAYANAN_2021, estimate
@@ -29,6 +31,12 @@ def test_cluster_efficiency_overrides_the_fitted_default():
     half = estimate(r, achieved_efficiency=C.ACHIEVED_EFFICIENCY / 2)
     assert half.compute_s == pytest.approx(2 * base.compute_s)
     assert half.step_s - half.compute_s == pytest.approx(base.step_s - base.compute_s)  # comm unchanged
+
+
+def test_efficiency_outside_zero_one_is_refused():
+    """Bad input: a fraction of peak outside (0, 1] is an `error:` naming the key and the fix."""
+    with pytest.raises(UserError, match=r"cluster.achieved_efficiency=1.5 is not a fraction of peak"):
+        plan(["recipe=tiny_llama", "cluster.achieved_efficiency=1.5"])
 
 
 def test_full_recompute_is_a_fourth_pass_and_interleaving_cuts_the_bubble():
