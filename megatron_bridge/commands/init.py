@@ -75,6 +75,7 @@ nodes: 1
 gpus_per_node: 4
 gpu_memory_gb: 80.0
 peak_tflops: 312.0                # dense bf16 per GPU
+# achieved_efficiency: 0.45       # fraction of peak for `mbr plan` (default fitted, docs/plan.md); e.g. the GPU kit's MFU
 intra_node_bandwidth_gbps: 300.0  # NVLink
 inter_node_bandwidth_gbps: 25.0   # InfiniBand
 backend: gloo                     # auto (nccl on GPU, gloo on CPU) | nccl | gloo

@@ -52,6 +52,12 @@ def plan(argv: Sequence[str]):
         raise UserError(f"top={cfg.top} must be >= 0 (the number of alternatives to show).")
     if cfg.cluster.nodes < 1 or cfg.cluster.gpus_per_node < 1 or cfg.cluster.gpu_memory_gb <= 0:
         raise UserError("cluster.nodes, cluster.gpus_per_node and cluster.gpu_memory_gb must be positive.")
+    eff = cfg.cluster.achieved_efficiency
+    if eff is not None and not 0 < eff <= 1:
+        raise UserError(
+            f"cluster.achieved_efficiency={eff} is not a fraction of peak in (0, 1]; give e.g. "
+            "cluster.achieved_efficiency=0.45, or null for the default fitted to published runs (docs/plan.md)."
+        )
     if cfg.cluster.nodes * cfg.cluster.gpus_per_node > MAX_WORLD:
         raise UserError(
             f"cluster.nodes={cfg.cluster.nodes} x cluster.gpus_per_node={cfg.cluster.gpus_per_node} is more than "

@@ -104,6 +104,7 @@ class ClusterConfig:
     gpus_per_node: int = 1
     gpu_memory_gb: float = 80.0
     peak_tflops: float = 312.0  # dense bf16 per GPU
+    achieved_efficiency: float | None = None  # fraction of peak for `mbr plan`; None = plan.comm's fitted default
     intra_node_bandwidth_gbps: float = 300.0  # NVLink, GB/s per GPU, one direction
     inter_node_bandwidth_gbps: float = 25.0  # InfiniBand, GB/s per GPU, one direction
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo

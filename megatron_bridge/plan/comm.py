@@ -15,7 +15,9 @@ and all-gather (n−1)/n·size each):
        (with SP the same volume as reduce-scatter + all-gather); full recompute adds the
        forward's 2 again.
   PP   per microbatch and model chunk, one activation forward and one gradient backward
-       across each stage boundary (s·b·h, /t with SP: megatron sends the sequence shard).
+       across each stage boundary (s·b·h/t: with SP megatron sends the sequence shard,
+       without it the scatter/gather optimisation of Narayanan et al. 2021 splits the
+       message over the t ranks and all-gathers it on NVLink).
   DP   once per step: ZeRO-0 all-reduces the gradients; ZeRO-1/2 reduce-scatter gradients
        and all-gather updated weights (same volume); ZeRO-3 all-gathers weights twice
        (forward and backward) — over dp·cp for dense and expert-dp for expert parameters.
@@ -23,7 +25,11 @@ and all-gather (n−1)/n·size each):
        passes K/V again plus dK/dV (3× the forward volume in all).
   EP   per MoE layer and microbatch, 4 all-to-alls (dispatch and combine, forward and
        backward) of the rank's top-k token copies, (ep−1)/ep of which leave the GPU.
-Times assume no overlap with compute: an upper bound, used to rank layouts, not a forecast.
+Overlap: every volume above is counted as exposed (on the critical path). TP, CP and EP
+sit between dependent GEMMs; PP sends sit at the stage boundaries of the schedule; the DP
+reduction ran after the pipeline flush in the published runs the model is checked against
+(plan/published.py), so it is exposed too. Compute runs at `cluster.achieved_efficiency` of
+peak, `ACHIEVED_EFFICIENCY` unless set: fitted once, to Narayanan et al. 2021 Table 1.
 """
 
 from __future__ import annotations
@@ -32,7 +38,11 @@ import numpy as np
 
 from megatron_bridge.plan.params import attention_widths, moe_layers
 
-ASSUMED_MFU = 0.5  # fraction of peak the compute achieves (for the step-time estimate)
+# Fraction of peak the GEMMs of a training step achieve (recompute, bubble and exposed
+# communication priced separately). One number, fitted to the ten published runs of
+# plan/published.py (benchmarks/plan_published.py prints the fit); clusters override it
+# with `cluster.achieved_efficiency`, e.g. from the GPU kit's measured MFU.
+ACHIEVED_EFFICIENCY = 0.53
 
 
 def _intra(stride: int, n: int, gpn: int, world: int) -> bool:
@@ -122,7 +132,7 @@ def step_comm(
         what = "reduce-scatter+all-gather per layer" if sp else "all-reduce per layer"
         put("tp", per_layer * layers * num_micro, "tp", what)
     if pp > 1:
-        msg = act / (tp if sp else 1)
+        msg = act / tp  # SP sends the sequence shard; without SP megatron's scatter/gather does the same
         put("pp", 2 * num_micro * max(vpp, 1) * msg, "pp", "p2p send/recv per microbatch")
     n_dp = dp * cp
     if n_dp > 1 or (moe and edp > 1):
@@ -182,5 +192,5 @@ def step_flops(m, count, *, s: int, global_batch: int, recompute: str) -> float:
     return global_batch * s * (3 * fwd + extra)
 
 
-def compute_seconds(flops: float, world: int, peak_tflops: float) -> float:
-    return flops / (world * peak_tflops * 1e12 * ASSUMED_MFU)
+def compute_seconds(flops: float, world: int, peak_tflops: float, efficiency: float | None = None) -> float:
+    return flops / (world * peak_tflops * 1e12 * (efficiency or ACHIEVED_EFFICIENCY))

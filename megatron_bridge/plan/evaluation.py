@@ -239,5 +239,5 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
         weight_bytes=ab,
     )
     flops = C.step_flops(m, ctx.count, s=ctx.seq, global_batch=ctx.gbs, recompute=lo.recompute)
-    ev.compute_s = C.compute_seconds(flops, ctx.world, c.peak_tflops)
+    ev.compute_s = C.compute_seconds(flops, ctx.world, c.peak_tflops, c.achieved_efficiency)
     ev.step_s = ev.compute_s * (1 + ev.bubble) + sum(x["time_s"] for x in ev.comm.values())

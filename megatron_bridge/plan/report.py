@@ -94,7 +94,7 @@ def _plan(ev: Evaluation, ctx: Context, rank_map: dict[str, str]) -> dict[str, o
             "bubble_s": ev.compute_s * ev.bubble,
             "comm_s": comm_s,
             "step_s": ev.step_s,
-            "assumed_mfu": C.ASSUMED_MFU,
+            "assumed_mfu": ctx.cfg.cluster.achieved_efficiency or C.ACHIEVED_EFFICIENCY,
         },
         "rank_map": rank_map,
     }
