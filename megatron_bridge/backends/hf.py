@@ -301,8 +301,9 @@ class HFBackend(Backend):
 
     def run_limits(self, spec: BridgeSpec, run: Any) -> list[tuple[str, str]]:
         """Training runs: pretraining (megatron DDP / distributed optimizer at tp·pp·vpp·dp,
-        DeepSpeed ZeRO at dp·tp), checkpoints, resume and the HF export. Not yet: the rest
-        (LoRA is refused by the `lora-targets` rule; cp and sp by `layout_limits`)."""
+        DeepSpeed ZeRO at dp·tp), checkpoints, resume, the HF export and LoRA on the planned
+        linears (peft module names, HF PEFT adapter export). Not yet: the rest (cp and sp are
+        refused by `layout_limits`)."""
         out = []
         if spec.is_moe:
             out.append(("training MoE models is not implemented for the hf backend yet", "train a dense model"))

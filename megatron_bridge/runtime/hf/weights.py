@@ -16,6 +16,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint, table_for
+from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import resolve_megatron
@@ -64,6 +65,8 @@ def iter_tensors(
         return
     for chunk in chunks:
         for name, p in chunk.named_parameters():
+            if is_adapter_param(name):  # LoRA: exported by lora_modules, merged by `merged`
+                continue
             row = resolve_megatron(table, name)
             if row is None:
                 raise UserError(f"{name} has no row in the {spec.architecture} table")
