@@ -302,16 +302,18 @@ class HFBackend(Backend):
     def run_limits(self, spec: BridgeSpec, run: Any) -> list[tuple[str, str]]:
         """Training runs: pretraining (megatron DDP / distributed optimizer at tp·pp·vpp·dp,
         DeepSpeed ZeRO at dp·tp), checkpoints, resume, the HF export and LoRA on the planned
-        linears (peft module names, HF PEFT adapter export). Not yet: the rest (cp and sp are
-        refused by `layout_limits`)."""
+        linears (peft module names, HF PEFT adapter export), SFT with padded samples (a loss
+        mask, causal attention: the pads come after the conversation). Not yet: the rest (cp
+        and sp are refused by `layout_limits`)."""
         out = []
         if spec.is_moe:
             out.append(("training MoE models is not implemented for the hf backend yet", "train a dense model"))
-        if run.data.kind == "sft":
-            out.append(
+        if run.data.kind == "sft" and getattr(run.data, "packing", False):
+            out.append(  # the chunk would attend across documents: it has no block-diagonal mask yet
                 (
-                    "SFT data (packed chat samples, per-document positions) is not implemented for the hf backend yet",
-                    "use data=indexed or data=synthetic, or a model with a native family",
+                    "packed SFT samples (per-document positions, block-diagonal attention) are not implemented "
+                    "for the hf backend yet",
+                    "set data.packing=false (one conversation per padded sample), or use a model with a native family",
                 )
             )
         if run.train.recompute != "none":
