@@ -351,8 +351,10 @@ class HFBackend(Backend):
 
     def run_limits(self, spec: BridgeSpec, run: Any) -> list[tuple[str, str]]:
         """Training runs: pretraining (megatron DDP / distributed optimizer at tp·pp·vpp·dp,
-        DeepSpeed ZeRO at dp·tp), checkpoints, resume and the HF export. Not yet: the rest
-        (LoRA is refused by the `lora-targets` rule; cp and sp by `layout_limits`)."""
+        DeepSpeed ZeRO at dp·tp), checkpoints, resume, the HF export and LoRA on the planned
+        linears (peft module names, HF PEFT adapter export), SFT with padded samples (a loss
+        mask, causal attention: the pads come after the conversation). Not yet: the rest (cp
+        and sp are refused by `layout_limits`)."""
         out = []
         if spec.is_moe:
             out.append(
@@ -362,11 +364,12 @@ class HFBackend(Backend):
                     "train a dense model; `mbr verify` checks MoE at ep",
                 )
             )
-        if run.data.kind == "sft":
-            out.append(
+        if run.data.kind == "sft" and getattr(run.data, "packing", False):
+            out.append(  # the chunk would attend across documents: it has no block-diagonal mask yet
                 (
-                    "SFT data (packed chat samples, per-document positions) is not implemented for the hf backend yet",
-                    "use data=indexed or data=synthetic, or a model with a native family",
+                    "packed SFT samples (per-document positions, block-diagonal attention) are not implemented "
+                    "for the hf backend yet",
+                    "set data.packing=false (one conversation per padded sample), or use a model with a native family",
                 )
             )
         if run.train.recompute != "none":

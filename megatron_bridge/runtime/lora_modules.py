@@ -94,6 +94,10 @@ class LoraAdapter(torch.nn.Module):
 
     # -- forward ------------------------------------------------------------------------
     def hook(self, _linear, inputs, output):
+        """megatron's linears return (output, bias); the hf backend's (runtime/hf/layers.py)
+        return the output alone, as the transformers module they replace."""
+        if isinstance(output, torch.Tensor):
+            return output + self.delta(inputs[0]).to(output.dtype)
         out, bias = output
         return out + self.delta(inputs[0]).to(out.dtype), bias
 
@@ -212,6 +216,11 @@ def _initializer(seed: int, rank: int, given: dict[str, torch.Tensor] | None, so
     return init
 
 
+# {local parameter name: global (table) name} of one chunk, by backend: an hf chunk's names are
+# already the checkpoint's (global layer indices, runtime/hf/chunk.py)
+CHUNK_NAMES = {"native": global_names, "hf": lambda chunk: {n: n for n, _ in chunk.named_parameters()}}
+
+
 def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) -> int:
     """Freeze every weight of the built (and loaded) chunks and attach adapters to the
     linears `peft.target_modules` names. Returns the number of adapted megatron linears."""
@@ -232,7 +241,7 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
         for p in chunk.parameters():
             p.requires_grad_(False)
         coords = current_coords(vp_stage_of(chunks, i))
-        names = global_names(chunk)
+        names = CHUNK_NAMES[spec.backend](chunk)
         for mod_name, mod in list(chunk.named_modules()):
             wname = f"{mod_name}.weight"
             row = resolve_megatron(table, names[wname]) if wname in names else None

@@ -6,8 +6,11 @@ Jobs, all from the same tiny HF Llama and the same synthetic batches:
 * `first3` + `resumed`: the same run stopped after 3 steps and resumed from its checkpoint —
   the losses must equal `full`'s bit for bit, and the checkpoint holds adapters only (plus
   their optimizer state) and names its base model;
-* `ds`: DeepSpeed ZeRO-2 at tp2 (dp2): same losses as `full` (reduction order only differs).
-The exported adapter, loaded by HF PEFT onto the base, gives the merged export's logits;
+* `ds`: DeepSpeed ZeRO-2 at tp2 (dp2): same losses as `full` (reduction order only differs);
+* `hf`: the same model on the hf backend (transformers' modules, megatron's parallel linears)
+  at tp2 (dp2), 2 steps: step 1 (B = 0, so the peft model's loss is the base's) equals
+  `full`'s; its adapter, on transformers' module names, exported after step 2.
+Each exported adapter, loaded by HF PEFT onto the base, gives its merged export's logits;
 `mbr export adapter=true` from the resumed run's checkpoint writes the same adapter.
 """
 
@@ -40,6 +43,8 @@ def test_lora_training_resume_export_and_deepspeed(tmp_path):
         f"first3:{mg},train.exit_after=3,checkpoint.dir={ck},checkpoint.save_interval=3",
         f"resumed:{mg},checkpoint.dir={ck},checkpoint.resume=true",
         f"ds:{common},parallel.tp=2,train.engine=deepspeed,zero.stage=2",
+        f"hf:{common},train.steps=2,model.backend=hf,parallel.tp=2,"  # 2 steps: CI time
+        f"export_adapter_to={tmp_path / 'hf_adapter'},export_to={tmp_path / 'hf_merged'}",
     ]
     losses = run_torchrun([SCRIPT, str(runs), *jobs], nproc=4, timeout=900)[0]["losses"]
     full = losses["full"]
@@ -48,6 +53,7 @@ def test_lora_training_resume_export_and_deepspeed(tmp_path):
     assert losses["resumed"] == {k: full[k] for k in ("4", "5", "6")}  # bit-exact resume
     for step, value in losses["ds"].items():
         assert abs(value - full[step]) <= REL * abs(full[step]), (step, value, full[step])
+    assert abs(losses["hf"]["1"] - full["1"]) <= REL * abs(full["1"]), (losses["hf"]["1"], full["1"])
 
     state = torch.load(ck / "iter_0000006" / "rank_00000.pt", weights_only=False)
     keys = [k for chunk in state["engine"]["model"] for k in chunk]
@@ -63,11 +69,12 @@ def test_lora_training_resume_export_and_deepspeed(tmp_path):
         assert (tmp_path / "from_ckpt" / name).read_bytes() == (tmp_path / "adapter" / name).read_bytes()
 
     ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        base = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
-        base_logits = base(ids).logits
-        peft_logits = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()(ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
-        merged_logits = merged(ids).logits
-    assert float((peft_logits - merged_logits).abs().max()) <= 1e-4
-    assert float((peft_logits - base_logits).abs().max()) > 1e-3, "the adapter was trained"
+    for adapter, merged_dir, tol in (("adapter", "merged", 1e-4), ("hf_adapter", "hf_merged", 1e-5)):
+        with torch.no_grad():
+            base = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+            base_logits = base(ids).logits
+            peft_logits = PeftModel.from_pretrained(base, str(tmp_path / adapter)).eval()(ids).logits
+            merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / merged_dir), dtype=torch.float32).eval()
+            merged_logits = merged(ids).logits
+        assert float((peft_logits - merged_logits).abs().max()) <= tol, adapter
+        assert float((peft_logits - base_logits).abs().max()) > 1e-3, f"{adapter}: the adapter was trained"

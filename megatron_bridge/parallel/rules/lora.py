@@ -42,14 +42,9 @@ def lora_targets(f: Facts) -> list[Violation]:
     if p is None or p.method != "lora":
         return []
     fam = backend_of(m).family_of(m)
-    if fam is None:
-        return _v(
-            "lora-targets",
-            f"LoRA on a {m.backend}-backend model ({m.architecture}) is not implemented yet",
-            "use a model with a native family (`mbr verify --list`), or peft.method=none",
-        )
+    table = fam.table if fam is not None else backend_of(m).table(m)  # the hf backend: one row per HF tensor
     try:
-        targets = resolve_targets(fam.table, list(p.target_modules), fam.name)
+        targets = resolve_targets(table, list(p.target_modules), m.family)
     except UserError as e:
         return _v("lora-targets", str(e).split(". Use ")[0], "use " + str(e).split(". Use ", 1)[1].rstrip("."))
     if any(t.mapping.is_expert for t in targets) and d.etp > 1:

@@ -18,6 +18,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_bridge.backends.hf_experts import StackedExperts, ep_part
 from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint, table_for
+from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import resolve_megatron
@@ -71,6 +72,8 @@ def iter_tensors(
     first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
     for chunk in chunks:
         for name, p in checkpoint_tensors(chunk).items():  # persistent buffers too (Apertus' xIELU beta)
+            if is_adapter_param(name):  # LoRA: exported by lora_modules, merged by `merged`
+                continue
             row = resolve_megatron(table, name)
             if row is None:
                 raise UserError(f"{name} has no row in the {spec.architecture} table")

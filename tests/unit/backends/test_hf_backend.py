@@ -176,8 +176,9 @@ def test_the_backend_layout_rule_refuses_what_the_hf_backend_cannot_split(tmp_pa
 def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(tmp_path, saved, capsys):
     """A plain training run of an hf-backend model passes every rule; what it cannot do yet is
     refused before anything starts (`backend-run`, what `mbr check` and the trainer apply):
-    SFT data, activation recomputation (LoRA: `lora-targets`); and `mbr convert` (its
-    checkpoints load from the HF directory itself)."""
+    packed SFT data, activation recomputation; and `mbr convert` (its checkpoints load from the HF
+    directory itself). LoRA is allowed, its targets checked against the backend's table
+    (transformers' module names)."""
     from megatron_bridge.cli import main
     from megatron_bridge.parallel.rules.registry import validate
 
@@ -189,8 +190,20 @@ def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(t
     cfg, _ = compose([*base, "peft=lora", "train.recompute=full"])
     with pytest.raises(LayoutError) as e:
         validate(cfg, spec, world_size=1)
-    assert [v.rule for v in e.value.violations] == ["backend-run", "lora-targets"], str(e.value)
-    assert "recompute" in str(e.value) and "LoRA on a hf-backend model" in str(e.value)
+    assert [v.rule for v in e.value.violations] == ["backend-run"], str(e.value)
+    assert "recompute" in str(e.value)
+    cfg, _ = compose([*base, "peft=lora", "peft.target_modules=[qkv_proj]"])
+    with pytest.raises(LayoutError) as e:
+        validate(cfg, spec, world_size=1)
+    assert [v.rule for v in e.value.violations] == ["lora-targets"], str(e.value)
+    assert "cohere family" in str(e.value) and "q_proj" in str(e.value)
+    sft = [*base, "data=sft", f"data.paths=[{tmp_path / 'chat'}]"]
+    cfg, _ = compose(sft)  # packed (the default): refused, naming the fix
+    with pytest.raises(LayoutError) as e:
+        validate(cfg, spec, world_size=1)
+    assert [v.rule for v in e.value.violations] == ["backend-run"] and "data.packing=false" in str(e.value)
+    cfg, _ = compose([*sft, "data.packing=false"])
+    validate(cfg, spec, world_size=1)  # padded SFT trains
     assert main(["convert", f"src={cohere}", f"dst={tmp_path / 'out'}"]) == 2
     err = capsys.readouterr().err
     assert "hf-backend model" in err and "model.hf_path=DIR" in err and not (tmp_path / "out").exists()
