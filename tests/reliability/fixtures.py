@@ -162,6 +162,19 @@ def build(fx: Path) -> None:
     _lora_fixtures(fx)
     _stranger_fixtures(fx, hf)
     _numerics_fixtures(fx, hf)
+    _weak_fixtures(fx)
+
+
+def _weak_fixtures(fx: Path) -> None:
+    """Inputs that used to end in a traceback or wrong advice (issue 23, item 8)."""
+    cut = fx / "cut"
+    cut.mkdir()
+    for f in (fx / "demo").glob("stdlib_text_document*"):
+        shutil.copy(f, cut / f.name)
+    b = cut / "stdlib_text_document.bin"
+    b.write_bytes(b.read_bytes()[: b.stat().st_size // 2])  # the .idx still announces every document
+    (fx / "tok_config_only").mkdir()
+    shutil.copy(fx / "demo" / "tokenizer" / "tokenizer_config.json", fx / "tok_config_only")
 
 
 def _numerics_fixtures(fx: Path, hf: Path) -> None:
