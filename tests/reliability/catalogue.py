@@ -844,6 +844,15 @@ CASES: list[Case] = [
         proc=True,
     ),
     C(
+        "ckpt-resume-other-model",
+        "checkpoint",
+        "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_other_model checkpoint.resume=true",
+        "resume, other model",
+        "was written with a different setup (model: checkpoint LlamaForCausalLM layers=32 hidden=4096 vs now",
+        "Resume with the same layout and model",
+        out=OUT,
+    ),
+    C(
         "ckpt-resume-bad-latest",
         "checkpoint",
         "train recipe=default run_dir=out/run checkpoint.dir={FX}/ck_bad_latest checkpoint.resume=true",

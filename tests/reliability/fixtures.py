@@ -173,6 +173,9 @@ def _weak_fixtures(fx: Path) -> None:
         shutil.copy(f, cut / f.name)
     b = cut / "stdlib_text_document.bin"
     b.write_bytes(b.read_bytes()[: b.stat().st_size // 2])  # the .idx still announces every document
+    other = fake_checkpoint(fx / "ck_other_model", [2]) / "iter_0000002" / "manifest.json"
+    m = json.loads(other.read_text())
+    other.write_text(json.dumps({**m, "model": "LlamaForCausalLM layers=32 hidden=4096"}))
     (fx / "tok_config_only").mkdir()
     shutil.copy(fx / "demo" / "tokenizer" / "tokenizer_config.json", fx / "tok_config_only")
 
