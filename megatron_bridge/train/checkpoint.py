@@ -22,13 +22,15 @@ file is written, after the manifest, after the rename — tests/reliability kill
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from megatron_bridge.convert.formats.pickle_guard import TRAINING
+from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import fault
 from megatron_bridge.runtime.safe_load import torch_load
 from megatron_bridge.train.manifest import (
@@ -45,6 +48,7 @@ from megatron_bridge.train.manifest import (
     atomic_write_bytes,
     check_meta,
     iter_dir,
+    latest_iteration,
     peek,
     verify,
 )
@@ -52,6 +56,26 @@ from megatron_bridge.train.manifest import (
 
 def _dist():
     return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+
+
+@contextmanager
+def _no_space(root: Path, tmp: Path, iteration: int) -> Iterator[None]:
+    """A full disk (ENOSPC, EDQUOT) mid-save: the unpublished directory is removed, the previous
+    checkpoint and `latest` stay as they were (nothing is published before the last write), and
+    the user is told where and what to do instead of seeing an OSError traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest_iteration(root)
+        kept = "no earlier checkpoint exists" if prev is None else f"iteration {prev} and {root / LATEST} are intact"
+        raise UserError(
+            f"disk full while saving the checkpoint of iteration {iteration} to {tmp} ({e.strerror}): none of "
+            f"it was published and its partial files are removed; {kept}. Free space on the filesystem of "
+            f"{root} (or set checkpoint.dir to one with room), then resume with checkpoint.resume=true."
+        ) from e
 
 
 def save(
@@ -79,10 +103,11 @@ def save(
     torch.save(state, buf)
     data = buf.getvalue()
     name = f"rank_{rank:05d}.pt"
-    atomic_write_bytes(tmp / name, data)
+    with _no_space(root, tmp, iteration):
+        atomic_write_bytes(tmp / name, data)
+        if extra is not None:
+            extra(tmp)
     entry = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    if extra is not None:
-        extra(tmp)
     fault("ckpt_write", iteration)  # test-only fault injection (MBR_FAULT); a no-op otherwise
     entries: list[dict[str, Any]] = [{} for _ in range(world)]
     if dist:
@@ -97,7 +122,8 @@ def save(
                 data_f = f.read_bytes()
                 entries.append({"file": rel, "sha256": hashlib.sha256(data_f).hexdigest(), "bytes": len(data_f)})
         manifest = {"iteration": iteration, "world_size": world, "files": entries, **meta}
-        atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        with _no_space(root, tmp, iteration):
+            atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         fault("ckpt_publish", iteration)
         if final.exists():
             shutil.rmtree(final)

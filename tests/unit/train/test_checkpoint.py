@@ -50,3 +50,22 @@ def test_layout_mismatch_refused(tmp_path):
 
 def test_no_checkpoint(tmp_path):
     assert ckpt.load(tmp_path, {}) == (None, None)
+
+
+def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    ckpt.save(tmp_path, 2, {"w": torch.ones(3)}, {})
+    real = ckpt.atomic_write_bytes
+
+    def full(path, data):  # the filesystem fills up after half of the rank file
+        path.with_name(path.name + ".partial").write_bytes(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", full)
+    with pytest.raises(UserError, match=r"disk full while saving the checkpoint of iteration 4 to .*iter_0000004\.tmp"):
+        ckpt.save(tmp_path, 4, {"w": torch.zeros(3)}, {})
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", manifest.LATEST]  # nothing half-written
+    it, state = ckpt.load(tmp_path, {})
+    assert it == 2 and torch.equal(state["w"], torch.ones(3))
