@@ -986,6 +986,15 @@ CASES: list[Case] = [
         out=OUT,
     ),
     C(
+        "peft-adapter-truncated",
+        "checkpoint",
+        f"{T} model.hf_path={{FX}}/hf peft=lora peft.target_modules=[down_proj] peft.init_from={{FX}}/lora_truncated",
+        "truncated adapter",
+        "the file is truncated",
+        "re-download or re-save it",
+        out=OUT,
+    ),
+    C(
         "peft-adapter-targets",
         "checkpoint",
         f"{T} model.hf_path={{FX}}/hf peft=lora peft.init_from={{FX}}/lora_other_size",

@@ -298,6 +298,9 @@ def _lora_fixtures(fx: Path) -> None:
             f"base_model.model.{module}.lora_B.weight": torch.zeros(32, 8),
         }
         save_file(tensors, str(d / "adapter_model.safetensors"))
+    shutil.copytree(fx / "lora_other_size", fx / "lora_truncated")
+    f = fx / "lora_truncated" / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # the header still announces every byte
 
 
 if __name__ == "__main__":
