@@ -119,6 +119,43 @@ def largest_token_id(prefix: str) -> int:
     return _LARGEST[key]
 
 
+def check_bin_size(prefix: str) -> None:
+    """Refuse a `.bin` shorter than its `.idx` says (a copy cut off, a full disk): megatron-core
+    would fail deep in numpy naming neither file. The last document's end (its pointer plus its
+    size in tokens) must lie within the `.bin`; reads two numbers, not the data."""
+    paths = output_paths(prefix)
+    try:
+        with open(paths["idx"], "rb") as f:
+            head = f.read(34)
+            if len(head) < 34 or head[:9] != b"MMIDIDX\x00\x00" or head[17] not in _IDX_DTYPES:
+                raise UserError(f"{paths['idx']} is not a megatron-core index file (bad header)")
+            n_seq = struct.unpack("<Q", head[18:26])[0]
+            if not n_seq:
+                return
+            f.seek(34 + 4 * (n_seq - 1))
+            size = f.read(4)
+            f.seek(34 + 4 * n_seq + 8 * (n_seq - 1))
+            ptr = f.read(8)
+        have = os.stat(paths["bin"]).st_size
+    except OSError as e:
+        raise UserError(f"cannot read {prefix}: {e}") from e
+    if len(size) < 4 or len(ptr) < 8:
+        raise UserError(
+            f"{paths['idx']} is truncated (it announces {n_seq} documents): re-run `mbr data` to make "
+            f"{prefix}.bin/.idx again"
+        )
+    import numpy as np
+
+    itemsize = np.dtype(_IDX_DTYPES[head[17]]).itemsize
+    need = struct.unpack("<q", ptr)[0] + struct.unpack("<i", size)[0] * itemsize
+    if have < need:
+        raise UserError(
+            f"{paths['bin']} is truncated: {paths['idx']} says its documents end at byte {need}, but the file "
+            f"has {have} bytes (an interrupted copy or a full disk). Copy it again, or re-run `mbr data` to "
+            f"make {prefix}.bin/.idx again."
+        )
+
+
 def check_indexed_data(
     data, model_vocab_size: int | None = None
 ) -> tuple[list[str], list[float] | None, int | None, int | None]:
@@ -139,6 +176,8 @@ def check_indexed_data(
             + ", ".join(sorted({p for p in missing}))
             + " (each prefix P needs P.bin and P.idx; make them with `mbr data input=... output=P tokenizer=DIR`)"
         )
+    for p in prefixes:
+        check_bin_size(p)
     split = parse_split(data.split)
     metas = {p: read_meta(p) for p in prefixes}
     _check_format(data.kind, metas)
@@ -223,4 +262,4 @@ def _check_format(kind: str, metas: dict) -> None:
             )
 
 
-__all__ = ["SPLITS", "check_indexed_data", "idx_lengths", "parse_blend", "parse_split"]
+__all__ = ["SPLITS", "check_bin_size", "check_indexed_data", "idx_lengths", "parse_blend", "parse_split"]

@@ -15,6 +15,15 @@ from typing import Any
 from megatron_bridge.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# tokenizer_config.json alone holds settings, not a vocabulary: one of these must sit beside it
+VOCAB_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def validate_tokenizer_dir(path: str | os.PathLike | None, what: str = "tokenizer") -> Path:
@@ -36,6 +45,12 @@ def validate_tokenizer_dir(path: str | os.PathLike | None, what: str = "tokenize
         )
     if not any((p / f).is_file() for f in TOKENIZER_FILES):
         raise UserError(f"{what} directory {p} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
+    if not any((p / f).is_file() for f in VOCAB_FILES):
+        raise UserError(
+            f"{what} directory {p} holds tokenizer_config.json but no vocabulary (looked for "
+            f"{', '.join(VOCAB_FILES)}): the settings alone cannot tokenize. Copy the tokenizer's other files "
+            "(e.g. tokenizer.json) from the model's Hugging Face directory into it."
+        )
     return p
 
 

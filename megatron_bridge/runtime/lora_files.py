@@ -27,6 +27,7 @@ from megatron_bridge.bridge.lora import (
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
 )
+from megatron_bridge.convert.formats.safetensors_io import read_header
 from megatron_bridge.convert.pipeline.run import atomic_output, check_paths
 from megatron_bridge.errors import UserError
 from megatron_bridge.train import manifest
@@ -56,6 +57,7 @@ def check_adapter_dir(path: str | Path, base_dir: str | Path | None, peft: Any) 
             f"peft.init_from={path} adapts target_modules={theirs}, but peft.target_modules="
             f"{sorted(peft.target_modules)}. Set peft.target_modules=[{','.join(theirs)}] to continue that adapter."
         )
+    read_header(weights)  # no manifest: the header's own offsets against the file's size (a truncated copy)
     base = HFCheckpoint(base_dir) if base_dir else None
     with safe_open(str(weights), framework="pt") as f:
         for key in f.keys():

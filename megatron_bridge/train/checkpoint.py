@@ -24,6 +24,7 @@ file is written, after the manifest, after the rename — tests/reliability kill
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -31,7 +32,8 @@ import os
 import random
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from megatron_bridge.convert.formats.pickle_guard import TRAINING
+from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import fault
 from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.safe_load import torch_load
@@ -49,6 +52,7 @@ from megatron_bridge.train.manifest import (
     atomic_write_bytes,
     check_meta,
     iter_dir,
+    latest_iteration,
     peek,
     verify,
 )
@@ -56,6 +60,26 @@ from megatron_bridge.train.manifest import (
 
 def _dist():
     return torch.distributed if torch.distributed.is_available() and torch.distributed.is_initialized() else None
+
+
+@contextmanager
+def _no_space(root: Path, tmp: Path, iteration: int) -> Iterator[None]:
+    """A full disk (ENOSPC, EDQUOT) mid-save: the unpublished directory is removed, the previous
+    checkpoint and `latest` stay as they were (nothing is published before the last write), and
+    the user is told where and what to do instead of seeing an OSError traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest_iteration(root)
+        kept = "no earlier checkpoint exists" if prev is None else f"iteration {prev} and {root / LATEST} are intact"
+        raise UserError(
+            f"disk full while saving the checkpoint of iteration {iteration} to {tmp} ({e.strerror}): none of "
+            f"it was published and its partial files are removed; {kept}. Free space on the filesystem of "
+            f"{root} (or set checkpoint.dir to one with room), then resume with checkpoint.resume=true."
+        ) from e
 
 
 def save(
@@ -102,7 +126,8 @@ def start(
     buf = io.BytesIO()
     torch.save(state, buf)
     if extra is not None:
-        extra(tmp)
+        with _no_space(root, tmp, iteration):
+            extra(tmp)
     return Pending(root, iteration, meta, f"rank_{rank:05d}.pt", buf.getvalue(), background)
 
 
@@ -123,7 +148,8 @@ class Pending:
 
     def _write(self, name: str, data: bytes) -> None:
         try:
-            atomic_write_bytes(self.tmp / name, data)
+            with _no_space(self.root, self.tmp, self.iteration):
+                atomic_write_bytes(self.tmp / name, data)
             self._entry = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
             fault("ckpt_write", self.iteration)  # test-only fault injection (MBR_FAULT); a no-op otherwise
         except BaseException as e:  # reported by finish() on every rank, not lost in the thread
@@ -154,6 +180,8 @@ class Pending:
         else:
             entries = [mine]
         failed = [f"rank {r}: {e['error']}" for r, e in enumerate(entries) if "error" in e]
+        if isinstance(self._error, UserError):  # this rank's own disk full: its message, every rank stops
+            raise self._error
         if failed:
             raise RuntimeError(f"checkpoint iteration {self.iteration} was not written: " + "; ".join(failed))
         final, tmp = iter_dir(self.root, self.iteration), self.tmp
@@ -165,7 +193,8 @@ class Pending:
                     data_f = f.read_bytes()
                     entries.append({"file": rel, "sha256": hashlib.sha256(data_f).hexdigest(), "bytes": len(data_f)})
             manifest = {"iteration": self.iteration, "world_size": world, "files": entries, **self.meta}
-            atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            with _no_space(self.root, tmp, self.iteration):
+                atomic_write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             fault("ckpt_publish", self.iteration)
             if final.exists():
                 shutil.rmtree(final)

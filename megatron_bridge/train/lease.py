@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
 import os
 import socket
@@ -35,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_bridge.errors import UserError
+from megatron_bridge.flock import lock_current
 
 LEASE = "mbr_lease.json"
 LOCK = "mbr_lease.lock"
@@ -154,16 +154,8 @@ def _write(path: Path, h: Holder) -> None:
 
 @contextlib.contextmanager
 def _locked(d: Path):
-    while True:
-        fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        try:  # the lock file may have been removed (release) while we waited: lock the new one
-            same = os.fstat(fd).st_ino == os.stat(d / LOCK).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+    fd = lock_current(d / LOCK, 0o644, block=True)
+    assert fd is not None  # blocking: never None
     try:
         yield
     finally:

@@ -105,14 +105,23 @@ def peek(root: str | Path) -> tuple[int, dict[str, Any]] | tuple[None, None]:
     return it, read_manifest(d)
 
 
+# Recorded since a later version: a checkpoint written before lacks them and is not compared on them.
+RECORDED_LATER = ("model",)
+
+
 def check_meta(directory: str | Path, manifest: dict[str, Any], meta_must_match: dict[str, Any]) -> None:
-    """UserError when the checkpoint was written with another setup (layout, engine)."""
-    diff = {k: (manifest.get(k), v) for k, v in meta_must_match.items() if manifest.get(k) != v}
+    """UserError when the checkpoint was written with another setup (layout, engine, model)."""
+    diff = {
+        k: (manifest.get(k), v)
+        for k, v in meta_must_match.items()
+        if manifest.get(k) != v and not (k in RECORDED_LATER and k not in manifest)
+    }
     if diff:
         details = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diff.items())
         raise UserError(
             f"cannot resume {directory}: it was written with a different setup ({details}). Resume "
-            "with the same layout, or convert the checkpoint (`mbr reshard`)."
+            "with the same layout and model (a layout can be converted: `mbr reshard`), or set a new "
+            "checkpoint.dir to start from scratch."
         )
 
 

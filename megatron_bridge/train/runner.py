@@ -104,7 +104,11 @@ def _preflight_peft(cfg, spec) -> None:
 
 def ckpt_meta(cfg, dims, spec) -> dict[str, Any]:
     """What a checkpoint must have been written with to be resumed (per-rank shards)."""
-    meta = {"layout": dims.describe(), "engine": cfg.train.engine}
+    model = (
+        f"{spec.architecture} layers={spec.num_layers} hidden={spec.hidden_size} ffn={spec.ffn_hidden_size} "
+        f"heads={spec.num_attention_heads}/{spec.num_query_groups} vocab={spec.vocab_size}"
+    )  # the shapes a rank file's tensors have: another model fails in load_state_dict otherwise
+    meta = {"layout": dims.describe(), "engine": cfg.train.engine, "model": model}
     if cfg.peft.method != "none":  # adapters only: the checkpoint refers to its base model
         peft = f"{cfg.peft.method} r={cfg.peft.rank} {sorted(cfg.peft.target_modules)}"
         meta.update(peft=peft, base=base_of(cfg, spec))

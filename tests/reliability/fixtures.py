@@ -162,6 +162,22 @@ def build(fx: Path) -> None:
     _lora_fixtures(fx)
     _stranger_fixtures(fx, hf)
     _numerics_fixtures(fx, hf)
+    _weak_fixtures(fx)
+
+
+def _weak_fixtures(fx: Path) -> None:
+    """Inputs that used to end in a traceback or wrong advice (issue 23, item 8)."""
+    cut = fx / "cut"
+    cut.mkdir()
+    for f in (fx / "demo").glob("stdlib_text_document*"):
+        shutil.copy(f, cut / f.name)
+    b = cut / "stdlib_text_document.bin"
+    b.write_bytes(b.read_bytes()[: b.stat().st_size // 2])  # the .idx still announces every document
+    other = fake_checkpoint(fx / "ck_other_model", [2]) / "iter_0000002" / "manifest.json"
+    m = json.loads(other.read_text())
+    other.write_text(json.dumps({**m, "model": "LlamaForCausalLM layers=32 hidden=4096"}))
+    (fx / "tok_config_only").mkdir()
+    shutil.copy(fx / "demo" / "tokenizer" / "tokenizer_config.json", fx / "tok_config_only")
 
 
 def _numerics_fixtures(fx: Path, hf: Path) -> None:
@@ -282,6 +298,9 @@ def _lora_fixtures(fx: Path) -> None:
             f"base_model.model.{module}.lora_B.weight": torch.zeros(32, 8),
         }
         save_file(tensors, str(d / "adapter_model.safetensors"))
+    shutil.copytree(fx / "lora_other_size", fx / "lora_truncated")
+    f = fx / "lora_truncated" / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])  # the header still announces every byte
 
 
 if __name__ == "__main__":

@@ -17,7 +17,19 @@ import megatron_bridge
 ROOT = Path(megatron_bridge.__file__).parent
 PKG = "megatron_bridge"
 # every module belongs to exactly one layer, by its dotted prefix
-CORE = ("errors", "ordered_registry", "config", "parallel", "bridge", "backends", "plan", "convert", "data", "_bundled")
+CORE = (
+    "errors",
+    "flock",
+    "ordered_registry",
+    "config",
+    "parallel",
+    "bridge",
+    "backends",
+    "plan",
+    "convert",
+    "data",
+    "_bundled",
+)
 RUNTIME = ("runtime", "train", "reliability", "stream")
 TOP = ("commands", "cli", "testing", "demo", "__init__")
 HEAVY = ("torch", "megatron", "deepspeed", "transformers", "peft", "safetensors")

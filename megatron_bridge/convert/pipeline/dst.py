@@ -18,7 +18,6 @@ just before the final rename, so a directory created at `dst` during the run sur
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from megatron_bridge.bridge.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from megatron_bridge.convert.formats.manifest import MANIFEST
 from megatron_bridge.convert.formats.safetensors_io import INDEX
 from megatron_bridge.errors import UserError
+from megatron_bridge.flock import lock_current
 
 EXPORT_MARK = "mbr export"  # the `written_by` of an exported index's metadata
 ADAPTER_FILES = {ADAPTER_CONFIG, ADAPTER_WEIGHTS}  # `mbr export adapter=true`
@@ -100,24 +100,13 @@ def _read(path: Path) -> dict:
 def dst_lease(dst: Path, arg: str = "dst") -> Iterator[None]:
     """Hold the lease on `dst` for the block; UserError naming the holder when a live run holds it."""
     path = lease_path(dst)
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise UserError(
-                f"{arg}={dst} is being written by another run ({_describe(_read(path))}); two runs writing one "
-                f"directory would destroy each other's output. Fix: let that run finish or stop it, or choose "
-                f"another {arg}. (Its lease, {path}, is released when that process ends, however it ends.)"
-            ) from None
-        try:  # the file may have been removed by a releasing holder between our open and lock
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
+    fd = lock_current(path, 0o666, block=False)
+    if fd is None:
+        raise UserError(
+            f"{arg}={dst} is being written by another run ({_describe(_read(path))}); two runs writing one "
+            f"directory would destroy each other's output. Fix: let that run finish or stop it, or choose "
+            f"another {arg}. (Its lease, {path}, is released when that process ends, however it ends.)"
+        )
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_holder()).encode(), 0)

@@ -79,8 +79,8 @@ def test_background_save_publishes_only_when_finished(tmp_path, monkeypatch):
 
 
 def test_background_write_failure_publishes_nothing(tmp_path, monkeypatch):
-    """A rank whose background write fails (disk full) makes `finish` raise naming the rank and
-    the error; `latest` stays on the last complete checkpoint."""
+    """A background write that fails (disk full) makes `finish` raise the disk-full message (the
+    other ranks: naming this one); `latest` stays on the last complete checkpoint."""
     ckpt.save(tmp_path, 2, {"w": torch.zeros(3)}, {})
 
     def full(path, data):
@@ -88,7 +88,26 @@ def test_background_write_failure_publishes_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt, "atomic_write_bytes", full)
     pending = ckpt.start(tmp_path, 4, {"w": torch.ones(3)}, {}, background=True)
-    with pytest.raises(RuntimeError, match=r"iteration 4 was not written: rank 0: OSError: .*No space left"):
+    with pytest.raises(UserError, match=r"disk full while saving the checkpoint of iteration 4"):
         pending.finish()
     assert manifest.latest_iteration(tmp_path) == 2 and not manifest.iter_dir(tmp_path, 4).exists()
     assert ckpt.load(tmp_path, {})[0] == 2
+
+
+def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    ckpt.save(tmp_path, 2, {"w": torch.ones(3)}, {})
+    real = ckpt.atomic_write_bytes
+
+    def full(path, data):  # the filesystem fills up after half of the rank file
+        path.with_name(path.name + ".partial").write_bytes(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", full)
+    with pytest.raises(UserError, match=r"disk full while saving the checkpoint of iteration 4 to .*iter_0000004\.tmp"):
+        ckpt.save(tmp_path, 4, {"w": torch.zeros(3)}, {})
+    monkeypatch.setattr(ckpt, "atomic_write_bytes", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", manifest.LATEST]  # nothing half-written
+    it, state = ckpt.load(tmp_path, {})
+    assert it == 2 and torch.equal(state["w"], torch.ones(3))
