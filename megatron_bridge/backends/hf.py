@@ -187,7 +187,6 @@ class Meta:
     kinds: dict[str, str]
     saved_as: dict[str, str]
     experts: dict[str, tuple[str, ...]]  # a stacked experts tensor -> its per-expert checkpoint tensors
-    buffers: tuple[str, ...]  # persistent buffers (a router's expert bias): in the checkpoint, not parameters
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -219,9 +218,7 @@ def meta(spec: BridgeSpec) -> Meta:
     plan = model_plan(model)
     shapes = checkpoint_shapes(model)
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
-    params = {n for n, _ in model.named_parameters()}
-    buffers = tuple(n for n in shapes if n not in params)
-    return Meta(plan, shapes, kinds, *checkpoint_names(model, shapes), buffers)
+    return Meta(plan, shapes, kinds, *checkpoint_names(model, shapes))
 
 
 def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
