@@ -265,10 +265,15 @@ def _export(run: _Run) -> None:
             print(f"exported the LoRA adapter (HF PEFT format) to {cfg.export_adapter_to}", flush=True)
     if not cfg.export_to:
         return
-    with merged(chunks):  # a no-op without adapters
-        export_hf_weights(chunks, run.spec, cfg.export_to, source_dir=run.spec.source)
+    _export_hf(run, Path(cfg.export_to))
     if run.rank == 0:
         print(f"exported Hugging Face model to {cfg.export_to}", flush=True)
+
+
+def _export_hf(run: _Run, out: Path) -> None:
+    """Collective: the model as an HF directory in `out`, LoRA adapters merged in."""
+    with merged(run.engine.model_chunks):  # a no-op without adapters
+        export_hf_weights(run.engine.model_chunks, run.spec, out, source_dir=run.spec.source)
 
 
 def _export_snapshot(run: _Run, step: int) -> None:
@@ -277,8 +282,7 @@ def _export_snapshot(run: _Run, step: int) -> None:
     Synchronous: the step waits for it (docs/train.md)."""
     final = Path(run.cfg.export_to) / f"iter_{step:07d}"
     tmp = final.with_name(final.name + ".tmp")
-    with merged(run.engine.model_chunks):  # a no-op without adapters
-        export_hf_weights(run.engine.model_chunks, run.spec, tmp, source_dir=run.spec.source)
+    _export_hf(run, tmp)
     torch.distributed.barrier()  # every rank's file is in
     if run.rank == 0:
         os.replace(tmp, final)
