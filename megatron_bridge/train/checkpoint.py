@@ -113,7 +113,7 @@ def start(
     `Pending.finish`: collectives, called from the training loop at step boundaries);
     otherwise `finish` only publishes what is already written."""
     dist = _dist()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+    rank = dist.get_rank() if dist else 0
     root = Path(root)
     tmp = iter_dir(root, iteration).with_suffix(".tmp")
     if rank == 0:
