@@ -202,6 +202,8 @@ def dequant_numpy(
     import numpy as np
 
     bm, bn = block
+    if not cols:  # a 0-column tensor: no bytes, nothing to look up (reshape(-1, 0) is undefined)
+        return np.empty((0, 0), dtype=np.uint16) if out is None else out
     w = np.frombuffer(raw, dtype=np.uint8).reshape(-1, cols)
     nbc = ceil(cols / bn)
     grid = np.asarray(scales, dtype=np.float32).reshape(-1, nbc)
@@ -230,6 +232,8 @@ def dequantize(q: Quantized, files: OpenFiles, rows_per_read: int = 0) -> bytear
     import numpy as np
 
     rows, cols = q.shape
+    if not rows or not cols:  # an empty tensor: no bf16 bytes (and no scale rows to read)
+        return bytearray()
     bm = q.block[0]
     step = rows_per_read or max(bm, (8 * 2**20 // max(cols, 1)) // bm * bm)
     scales = read_scales(q, files)

@@ -95,7 +95,7 @@ def test_bytes_equal_torch_for_every_fp8_value():
     assert got.tobytes() == want.numpy().tobytes()
 
 
-@pytest.mark.parametrize("shape", [(300, 290), (128, 128), (1, 7), (257, 129)])
+@pytest.mark.parametrize("shape", [(300, 290), (128, 128), (1, 7), (257, 129), (3, 0), (0, 5)])
 def test_numpy_equals_pure_python(shape):
     """The vectorised dequantisation (what convert runs) == the pure-Python tables, bit for bit:
     random bytes (both NaN codes, +-0, subnormals), scales incl. 0, -1, inf, NaN, subnormal and
