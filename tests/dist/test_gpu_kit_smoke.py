@@ -1,7 +1,10 @@
 """The GPU kit's CPU dry run (benchmarks/gpu/kit.py --smoke), so the script a lent GPU machine
 runs first cannot rot between GPU sessions: the same checks, small shapes, on gloo. `verify`
-is left out here (its `mbr verify` runs are tested in test_bridge_verify_e2e.py); the kit's own
-parsing of each check's output is what this proves, with the training launches it makes."""
+is left out here (its `mbr verify` runs are tested in test_bridge_verify_e2e.py), and so are
+`resume_ds` (`resume`'s code with DeepSpeed's engine, trained and resumed in test_train.py) and
+`hfspeed` (its script only tails benchmarks/hf_vs_native.py: 2 launches of CI time for no
+parsing); the kit's own parsing of each check's output is what this proves, with the training
+launches it makes."""
 
 import subprocess
 import sys
@@ -19,7 +22,7 @@ def test_gpu_kit_smoke_runs_every_check_on_cpu(tmp_path):
         "benchmarks/gpu/kit.py",
         "--smoke",
         "--only",
-        "env,resume,overhead,hfspeed",
+        "env,resume,overhead",
         "--out",
         str(tmp_path),
     ]
@@ -29,6 +32,5 @@ def test_gpu_kit_smoke_runs_every_check_on_cpu(tmp_path):
     heads = {line.split(" ")[1]: line for line in report.splitlines() if line.startswith("- ")}
     assert '"cuda": null' in heads["env:"], report  # the probe ran
     assert heads["resume:"].endswith("max |diff| = 0 (bit-exact)"), report  # steps 4-6 resumed exactly
-    for check in ("overhead", "hfspeed"):
-        assert " rc=0 " in heads[f"{check}"], report  # the launches of both sides finished
-    assert "step time ratio (ours / bare)" in report and "step time ratio (hf / native)" in report, report
+    assert " rc=0 " in heads["overhead"], report  # the launches of both sides finished
+    assert "step time ratio (ours / bare)" in report and "MFU" in report, report
