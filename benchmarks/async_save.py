@@ -1,10 +1,13 @@
-"""What a checkpoint save costs the training loop, synchronous against `checkpoint.async_save`.
+"""What a checkpoint save or an interval HF export costs the training loop, in the step against
+behind the loop (`checkpoint.async_save`, `train.export_buffer_bytes`).
 
-Three single-process launches of the same run (a ~25 M-parameter Llama shape, fp32 + Adam:
-~0.3 GB per checkpoint): no checkpoint, a save every `--every` steps, and the same with
-`checkpoint.async_save=true`. The loop's time is the span between the first and the last step's
-metrics line (the saves happen in between); the script prints each and the stall per save
-(its extra time over the no-checkpoint run, divided by the number of saves).
+Five single-process launches of the same run (a ~25 M-parameter Llama shape, fp32 + Adam:
+~0.3 GB per checkpoint, ~0.1 GB per HF export): nothing saved, a save every `--every` steps,
+the same with `checkpoint.async_save=true`, an HF export every `--every` steps written in the
+step (`train.export_buffer_bytes=0`) and the same behind the loop (the default buffer). The
+loop's time is the span between the first and the last step's metrics line (the saves happen in
+between); the script prints each, the stall per save (its extra time over the first run,
+divided by the number of saves) and that stall as a share of the whole loop's step time.
 
     .venv/bin/python benchmarks/async_save.py [--steps 13] [--every 2] [--hidden 512] [--layers 8]
 """
@@ -50,19 +53,24 @@ def main() -> None:
     a = ap.parse_args()
     saves = (a.steps - 1) // a.every  # saves between the first and the last step's line
     ck = ["checkpoint.dir=CKPT", f"checkpoint.save_interval={a.every}"]
+    ex = ["export_to=CKPT", f"train.export_interval={a.every}"]
     runs = {
         "no checkpoint": loop_seconds(a, []),
         "sync save": loop_seconds(a, ck),
         "async_save=true": loop_seconds(a, [*ck, "checkpoint.async_save=true"]),
+        "export in step": loop_seconds(a, [*ex, "train.export_buffer_bytes=0"]),
+        "export behind": loop_seconds(a, ex),
     }
     base = runs["no checkpoint"]
     print(
         f"{a.steps} steps, a save every {a.every} ({saves} between the first and last step), h={a.hidden} L={a.layers}"
     )
     for name, secs in runs.items():
-        stall = f"   stall per save {(secs - base) / saves * 1e3:7.0f} ms" if secs is not base else ""
+        share = f" ({(secs - base) / base:6.1%} of the loop)"
+        stall = f"   stall per save {(secs - base) / saves * 1e3:7.0f} ms{share}" if secs is not base else ""
         print(f"  {name:<16} loop {secs:7.2f} s{stall}")
     print(f"  async stall / sync stall: {(runs['async_save=true'] - base) / (runs['sync save'] - base):.2f}")
+    print(f"  export behind / in step:  {(runs['export behind'] - base) / (runs['export in step'] - base):.2f}")
 
 
 if __name__ == "__main__":

@@ -170,6 +170,10 @@ class TrainConfig:
     # Every N steps, `export_to/iter_NNNNNNN/`: the model as a complete Hugging Face directory
     # (LoRA merged in), published by rename; needs `export_to` (the end-of-run export). 0 = none.
     export_interval: int = 0
+    # Interval exports are written behind the loop: each rank queues its gathered tensors (host
+    # copies) for a writer thread, at most this many bytes at once (the step waits while the
+    # queue is full); extra host memory <= this + the largest tensor. 0 = written in the step.
+    export_buffer_bytes: int = 1 << 30
     # A non-finite loss or gradient norm (docs/train.md "Non-finite steps"): `stop` ends the job
     # naming the step, publishing nothing of that state (`latest` stays on the last good
     # checkpoint); `skip` drops the step's update (parameters, optimizer state and lr schedule

@@ -12,7 +12,7 @@ backend's are runtime/hf/weights.py); writing the directory is shared. The nativ
   the same table, and every writing rank streams its tensors into its own safetensors file
   as they are gathered (runtime/safetensors_stream.py: host memory holds one tensor, not a
   stage; the bytes equal `save_file`'s); rank 0 writes the index, config.json and copies
-  the tokenizer files.
+  the tokenizer files (runtime/hf_export.py: in the step, or behind the training loop).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import later
-from megatron_bridge.runtime.safetensors_stream import StreamingSafetensors
+from megatron_bridge.runtime.hf_export import HFExport
 from megatron_bridge.runtime.weights_base import (
     checkpoint_tensors,
     current_coords,
@@ -193,51 +193,36 @@ def export_hf_weights(
     """Write the model as an HF directory loadable by `AutoModelForCausalLM.from_pretrained`.
 
     Collective (every rank calls it). Weights: one safetensors file per writing rank plus
-    `model.safetensors.index.json`. config.json: `hf_config` if given, else the source's,
-    else generated from the spec (`spec_to_hf_config`).
-    Every non-weight file of `source_dir` (tokenizer, generation config) is copied."""
-    out = Path(out_dir)
-    rank = torch.distributed.get_rank()
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    torch.distributed.barrier()  # the directory exists before any rank spills into it
-    mine = StreamingSafetensors(out / f".rank{rank:05d}.spill")
-    try:
-        for name, t in iter_hf_tensors(chunks, spec, dtype):
-            mine.add(name, t)  # on disk at once: host memory holds one tensor, not a stage
-    except BaseException:
-        mine.discard()
-        raise
-    listing: list[list[tuple[str, int]]] = [[] for _ in range(torch.distributed.get_world_size())]
-    torch.distributed.all_gather_object(listing, mine.sizes())
-    writers = [r for r, names in enumerate(listing) if names]
-    total = len(writers)
-    seen: dict[str, int] = {}
-    for r in writers:
-        for k, _ in listing[r]:
-            if k in seen:
-                mine.discard()
-                raise RuntimeError(f"{k} exported by ranks {seen[k]} and {r}")
-            seen[k] = r
-    if rank in writers:
-        fname = f"model-{writers.index(rank) + 1:05d}-of-{total:05d}.safetensors"
-        mine.finish(out / fname, metadata={"format": "pt"})
-    else:
-        mine.discard()
-    if rank == 0:
-        weight_map, size = {}, 0
-        for r in writers:
-            fname = f"model-{writers.index(r) + 1:05d}-of-{total:05d}.safetensors"
-            for k, nbytes in listing[r]:
-                weight_map[k] = fname
-                size += nbytes
-        index = {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}
+    `model.safetensors.index.json`. config.json: `hf_config` if given, else the source's, else
+    generated from the spec (`spec_to_hf_config`). Every non-weight file of `source_dir`
+    (tokenizer, generation config) is copied."""
+    return start_hf_export(chunks, spec, out_dir, source_dir=source_dir, hf_config=hf_config, dtype=dtype).finish()
+
+
+def start_hf_export(
+    chunks: Sequence[Any],
+    spec: BridgeSpec,
+    out_dir: str | Path,
+    *,
+    source_dir: str | Path | None = None,
+    hf_config: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    buffer_bytes: int = 0,
+    publish_as: Path | None = None,
+) -> HFExport:
+    """`export_hf_weights` whose writing may go on behind the caller (`buffer_bytes` > 0,
+    runtime/hf_export.py): collective; the caller ends it with `finish()` on every rank."""
+
+    def write_index(out: Path, rows: list[tuple[str, str, int]]) -> None:  # rank 0, after every file's names
+        weight_map = {k: fname for k, fname, _ in rows}
+        index = {"metadata": {"total_size": sum(n for *_, n in rows)}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _write_config_and_assets(out, spec, source_dir, hf_config, dtype)
         if spec.mtp_num_layers:
             note_skipped(spec, None)
-    torch.distributed.barrier()
-    return out
+
+    tensors = iter_hf_tensors(chunks, spec, dtype)
+    return HFExport(Path(out_dir), tensors, write_index, buffer_bytes=buffer_bytes, publish_as=publish_as)
 
 
 __all__ = [
@@ -252,5 +237,6 @@ __all__ = [
     "layout_of",
     "load_hf_weights",
     "require_all_written",
+    "start_hf_export",
     "vp_stage_of",
 ]

@@ -6,7 +6,6 @@ the training loop (logged, evaluated, checkpointed, under the watchdog), export;
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,8 +20,9 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import Watchdog, failure_message, faulty_iterator, planned
 from megatron_bridge.runtime import groups
 from megatron_bridge.runtime.build import build_model
+from megatron_bridge.runtime.hf_export import HFExport
 from megatron_bridge.runtime.lora_modules import export_adapter, merged
-from megatron_bridge.runtime.weights import export_hf_weights
+from megatron_bridge.runtime.weights import export_hf_weights, start_hf_export
 from megatron_bridge.train import checkpoint as ckpt
 from megatron_bridge.train.data.loader import build_datasets, make_iterator
 from megatron_bridge.train.engines import Engine, make_engine
@@ -145,6 +145,7 @@ def _loop(run: _Run, start: int) -> bool:
     phase = "training"
     nonfinite, signals = NonFiniteSteps(cfg), StopSignals(run.engine.device)
     pending: ckpt.Pending | None = None  # a checkpoint written in the background (checkpoint.async_save)
+    exporting: HFExport | None = None  # an interval HF export written in the background
     try:
         stop = cfg.train.steps if cfg.train.exit_after is None else min(cfg.train.steps, start + cfg.train.exit_after)
         for step in range(start, stop):
@@ -178,10 +179,20 @@ def _loop(run: _Run, start: int) -> bool:
                 if not cfg.checkpoint.async_save or step + 1 == stop or stop_signal:
                     pending.finish()  # the last one is published before the job ends
                     pending = None
+            if exporting is not None and exporting.written_everywhere():  # a background export's end
+                _published(run, exporting)
+                exporting = None
             if cfg.train.export_interval and (step + 1) % cfg.train.export_interval == 0:
                 phase = f"HF export at step {step + 1}"
                 watchdog.arm(phase)
-                _export_snapshot(run, step + 1)
+                if exporting is not None:  # the previous one first: one in flight at most
+                    _published(run, exporting)
+                exporting = _export_snapshot(run, step + 1)
+            if exporting is not None and (step + 1 == stop or stop_signal):
+                phase = f"HF export at step {step + 1}"
+                watchdog.arm(phase)
+                _published(run, exporting)  # the job ends with every export published
+                exporting = None
             if stop_signal:
                 if rank == 0:
                     saved = (
@@ -276,18 +287,28 @@ def _export_hf(run: _Run, out: Path) -> None:
         export_hf_weights(run.engine.model_chunks, run.spec, out, source_dir=run.spec.source)
 
 
-def _export_snapshot(run: _Run, step: int) -> None:
+def _export_snapshot(run: _Run, step: int) -> HFExport:
     """`train.export_interval`: the model as an HF directory, `export_to/iter_NNNNNNN/`, written
-    into `iter_NNNNNNN.tmp/` and published by rename (a reader never sees a partial one).
-    Synchronous: the step waits for it (docs/train.md)."""
+    into `iter_NNNNNNN.tmp/` and published by rename (a reader never sees a partial one) when
+    the loop calls `_published`. The step pays the gathers and host copies; a writer thread
+    writes behind the loop (`train.export_buffer_bytes`, runtime/hf_export.py)."""
     final = Path(run.cfg.export_to) / f"iter_{step:07d}"
-    tmp = final.with_name(final.name + ".tmp")
-    _export_hf(run, tmp)
-    torch.distributed.barrier()  # every rank's file is in
+    with merged(run.engine.model_chunks):  # a no-op without adapters; the queued copies are merged
+        return start_hf_export(
+            run.engine.model_chunks,
+            run.spec,
+            final.with_name(final.name + ".tmp"),
+            source_dir=run.spec.source,
+            buffer_bytes=run.cfg.train.export_buffer_bytes,
+            publish_as=final,
+        )
+
+
+def _published(run: _Run, export: HFExport) -> None:
+    """Collective: wait for the export's writers, then rename it into place."""
+    final = export.finish()
     if run.rank == 0:
-        os.replace(tmp, final)
-        print(f"exported Hugging Face model of step {step} to {final}", flush=True)
-    torch.distributed.barrier()
+        print(f"exported Hugging Face model to {final}", flush=True)
 
 
 def _teardown(finalize: bool) -> None:

@@ -181,7 +181,8 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
         job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
         job("qwen3_hf", qwen3, *hf),
-        job("cohere_full", cohere, *hf, f"export_to={e1}", f"train.export_interval={STEPS}"),  # + e1/iter_0000005
+        # an HF export every step, written behind the loop (a 64 KiB queue: the step waits on it)
+        job("cohere_full", cohere, *hf, f"export_to={e1}", "train.export_interval=1", "train.export_buffer_bytes=65536"),
         job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3"),
         job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}"),
         job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
@@ -195,9 +196,12 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     assert sorted(map(int, first)) == [1, 2, 3] and sorted(map(int, again)) == [4, 5], (first, again)
     assert first | again == losses["cohere_full"]  # bit-exact
     _assert_same_export(e1, e2, cohere)
-    # train.export_interval: the interval export of the last step is the end-of-run export, and loads
-    assert sorted(p.name for p in e1.iterdir() if p.is_dir()) == [f"iter_{STEPS:07d}"]
+    # train.export_interval: every step's export published (none left .tmp); the last step's is
+    # the end-of-run export; step 2's export holds step 2's weights although steps 3-5 trained
+    # while it was written: transformers' loss with it on step 3's batch is the run's step-3 loss
+    assert sorted(p.name for p in e1.iterdir() if p.is_dir()) == [f"iter_{i:07d}" for i in range(1, STEPS + 1)]
     _assert_same_export(e1 / f"iter_{STEPS:07d}", e2, cohere)
+    assert abs(transformers_loss(e1 / "iter_0000002", step=3) - losses["cohere_full"]["3"]) < 1e-5
     assert abs(losses["cohere_from_export"]["1"] - transformers_loss(e1)) < 1e-5
     full, first, resumed = losses["full"], losses["first5"], losses["resumed"]
     assert sorted(map(int, first)) == [1, 2, 3, 4, 5] and sorted(map(int, resumed)) == [6, 7, 8, 9, 10]

@@ -142,6 +142,13 @@ def intervals(f: Facts) -> list[Violation]:
             f"train.export_interval={cfg.train.export_interval} must be >= 0 (an HF export every N steps; 0 = none)",
             "set train.export_interval=0 to export only at the end (export_to=DIR)",
         )
+    if cfg.train.export_buffer_bytes < 0:
+        out += _v(
+            "interval",
+            f"train.export_buffer_bytes={cfg.train.export_buffer_bytes} must be >= 0 (host bytes queued for the "
+            "background HF export writer; 0 = the interval export is written in the step)",
+            "set train.export_buffer_bytes=0, or a size such as 1073741824 (1 GiB)",
+        )
     ck = cfg.checkpoint
     if ck.save_interval < 0:
         out += _v(
