@@ -37,6 +37,8 @@ CASES = [  # (rule, breaking overrides, passing overrides)
     ("interval", ["train.log_interval=0"], ["train.log_interval=5"]),
     ("interval", ["checkpoint.save_interval=-2"], ["checkpoint.save_interval=0"]),
     ("interval", ["checkpoint.lease_stale_s=0"], ["checkpoint.lease_stale_s=5"]),
+    ("interval", ["train.export_interval=-1"], ["train.export_interval=0"]),
+    ("interval", ["train.export_buffer_bytes=-1"], ["train.export_buffer_bytes=0"]),
 ]
 
 
