@@ -9,22 +9,36 @@ expert-TP, merged back to HF names and shapes, either backend) into buckets of a
 fit into it, whatever the model size; `apply_bucket` copies a bucket into a transformers model
 in place (the receiver side). docs/rl.md has the verl/slime-style loop.
 
-Scope today (issue 24 item 1, first piece): the buckets arrive on the ranks that gather — per
-pipeline stage its first data- and tensor-parallel rank (for MoE experts, that rank of every
-expert-parallel group). Every rank must iterate `hf_buckets` to the end, as it is collective.
-Not yet: a broadcast mode (every rank receives every bucket), the per-expert/fused option
-(the checkpoint's layout is what comes out), the adapter-only LoRA stream.
+Two modes (`mode=`):
+
+* `"stage"` (for a separate inference engine): the buckets arrive on the ranks that gather —
+  per pipeline stage its first data- and tensor-parallel rank (for MoE experts, that rank of
+  every expert-parallel group); a receiver per stage gets that stage's part.
+* `"broadcast"` (for engines colocated with every training rank, verl's and slime's colocated
+  mode): every rank receives every bucket. Every rank of a stage all-gathers its stage's
+  tensors (`iter_hf_tensors(everywhere=True)`: the same sequence on all of them, so their
+  bucket boundaries agree), and the stages take turns over the pipeline group: in each round
+  the ranks exchange their next bucket's names and shapes (one small all_gather_object), then
+  each stage's bucket is broadcast from its rank in the group as one packed byte buffer. Extra
+  memory per rank: its own bucket, the packed copy being sent or received, and the next tensor
+  (at most about 2 x `bucket_bytes` + the largest tensor).
+
+Every rank must iterate `hf_buckets` to the end, as it is collective. Not yet: the
+per-expert/fused option (the checkpoint's layout is what comes out), the adapter-only LoRA stream.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
 
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.weights import iter_hf_tensors
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -36,22 +50,37 @@ def bucket_nbytes(bucket: Bucket) -> int:
     return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
+MODES = ("stage", "broadcast")
+
+
 def hf_buckets(
     chunks: Sequence[Any],
     spec: BridgeSpec,
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
+    mode: str = "stage",
 ) -> Iterator[Bucket]:
     """Collective over all ranks: yield lists of (HF name, full tensor), each holding at most
     `bucket_bytes` (a single tensor bigger than that comes alone), cast to `dtype` if given.
-    A bucket is handed over as soon as the next tensor would overflow it, so the extra memory
-    a rank holds is at most one bucket plus that next tensor."""
+    A bucket is handed over as soon as the next tensor would overflow it. `mode`: "stage"
+    (each stage's gathering rank gets its stage's buckets) or "broadcast" (every rank gets
+    every bucket), as the module docstring says."""
     if bucket_bytes <= 0:
         raise UserError(f"bucket_bytes must be positive, got {bucket_bytes}: pass e.g. {DEFAULT_BUCKET_BYTES}")
+    if mode not in MODES:
+        raise UserError(f"mode={mode!r} is not a streaming mode: pass one of {', '.join(MODES)}")
+    own = _bucketed(iter_hf_tensors(chunks, spec, dtype, everywhere=mode == "broadcast"), bucket_bytes)
+    if mode == "stage" or ps.get_pipeline_model_parallel_world_size() == 1:
+        yield from own
+    else:
+        yield from _rounds(own)
+
+
+def _bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
     bucket: Bucket = []
     size = 0
-    for name, t in iter_hf_tensors(chunks, spec, dtype):
+    for name, t in tensors:
         n = t.numel() * t.element_size()
         if bucket and size + n > bucket_bytes:
             yield bucket
@@ -60,6 +89,42 @@ def hf_buckets(
         size += n
     if bucket:
         yield bucket
+
+
+def _rounds(own: Iterator[Bucket]) -> Iterator[Bucket]:
+    """Broadcast mode over the pipeline group: round by round, each stage's next bucket (its
+    names and shapes first, then its bytes) from that stage's rank to the others."""
+    group = ps.get_pipeline_model_parallel_group()
+    me = torch.distributed.get_rank(group)
+    device = comm_device()
+    while True:
+        mine = next(own, None)
+        meta: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(
+            meta, None if mine is None else [(n, tuple(t.shape), t.dtype) for n, t in mine], group=group
+        )
+        if all(m is None for m in meta):
+            return
+        for stage, names in enumerate(meta):
+            if names is None:
+                continue
+            sizes = [_nbytes(shape, dt) for _, shape, dt in names]
+            if stage == me:
+                assert mine is not None
+                buf = torch.cat([t.to(device).contiguous().view(-1).view(torch.uint8) for _, t in mine])
+            else:
+                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            torch.distributed.broadcast(buf, src=torch.distributed.get_global_rank(group, stage), group=group)
+            if stage == me:
+                assert mine is not None
+                yield mine
+                continue
+            parts = torch.split(buf, sizes)
+            yield [(n, part.view(dt).reshape(shape)) for (n, shape, dt), part in zip(names, parts)]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 def apply_bucket(model: torch.nn.Module, bucket: Bucket) -> int:

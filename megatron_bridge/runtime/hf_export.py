@@ -14,8 +14,9 @@ writes this rank's safetensors file, and on rank 0 the index and config.json.
   is `buffer_bytes` plus the largest tensor whatever the model's size, and the step pays the
   gathers and host copies plus whatever the disk has not absorbed beyond the buffer. Training
   goes on while the writer finishes; `written_everywhere()` (one scalar all-reduce) tells the
-  loop when `finish()` will not wait. A tensor is a copy once queued: the next optimizer step
-  cannot change what is written.
+  loop when `finish()` will not wait. What is queued is never a parameter's memory (the
+  exporter's tensors are gathered or cloned; on a GPU the host copy is made here): the next
+  optimizer step cannot change what is written.
 
 `finish()` is collective: a rank whose writing failed makes every rank raise, naming it, and
 nothing is published; with `publish_as`, rank 0 renames the directory once every file is in
@@ -83,7 +84,7 @@ class HFExport:
                 if self._thread is None:
                     self._spill.add(name, t)  # on disk at once: host memory holds one tensor
                 else:
-                    self._put(name, t.detach().to("cpu", copy=True))
+                    self._put(name, t.detach().to("cpu"))  # new memory already (iter_hf_tensors)
         except BaseException:
             self._end(None)
             self._spill.discard()

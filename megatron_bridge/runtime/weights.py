@@ -103,24 +103,33 @@ def global_names(chunk: Any) -> dict[str, str]:
 
 
 def iter_hf_tensors(
-    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None = None, value: Any | None = None
+    chunks: Sequence[Any],
+    spec: BridgeSpec,
+    dtype: torch.dtype | None = None,
+    value: Any | None = None,
+    *,
+    everywhere: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over all ranks: gather every exported parameter's shards to one replica and
     yield (HF name, full HF tensor) there, by the exporter of the model's backend
-    (`EXPORTERS`). Every rank must iterate it to the end. `value(param)` picks what is
-    exported (default the weight; e.g. `lambda p: p.main_grad`)."""
-    return EXPORTERS[spec.backend](chunks, spec, dtype, value)
+    (`EXPORTERS`). Every rank must iterate it to the end. Each tensor is new memory (gathered
+    or cloned, never a view of a parameter), so a caller may keep it while training goes on
+    (runtime/hf_export.py does). `value(param)` picks what is
+    exported (default the weight; e.g. `lambda p: p.main_grad`). `everywhere`: every rank of
+    a pipeline stage gathers and yields its stage's tensors, all in the same order (all-gathers
+    instead of gathers; experts from every EP rank): what stream.py's broadcast mode sends on."""
+    return EXPORTERS[spec.backend](chunks, spec, dtype, value, everywhere)
 
 
 def _iter_native(
-    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None, value: Any | None
+    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None, value: Any | None, everywhere: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     table = table_for(spec)
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
     stacks: dict[str, dict[int, torch.Tensor]] = {}  # stacked-experts HF tensors being assembled
-    dense_writer = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert_writer = ps.get_expert_data_parallel_rank() == 0 if spec.is_moe else False
+    dense_writer = everywhere or ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_writer = (everywhere or ps.get_expert_data_parallel_rank() == 0) if spec.is_moe else False
     for chunk in chunks:
         names = global_names(chunk)
         for local, p in chunk.named_parameters():
@@ -135,17 +144,38 @@ def _iter_native(
             if not (expert_writer if expert else dense_writer):
                 continue
             group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-            shards = gather_shards((p if value is None else value(p)).detach(), group)
+            shards = gather_shards((p if value is None else value(p)).detach(), group, everywhere)
             if shards is None:
                 continue
             merged = row.mapping.merge(shards, shapes)
             if row.mapping.transform.stacked:
-                merged = _stack_experts(row, merged, spec, stacks)
+                merged = _stack_experts(row, merged, spec, stacks, everywhere)
+            elif expert and everywhere:  # every EP rank's experts, in EP rank order
+                yield from _every_ep_rank(table, names[local], merged, spec, dtype)
+                continue
             for name, t in zip(row.hf, merged):
                 yield name, (t if dtype is None else t.to(dtype)).contiguous()
 
 
-def _stack_experts(row: Resolved, slabs: Sequence[torch.Tensor], spec: BridgeSpec, stacks: dict) -> tuple:
+def _every_ep_rank(
+    table: Any, name: str, merged: Sequence[torch.Tensor], spec: BridgeSpec, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A per-expert row in `everywhere` mode: this local expert's tensors from every EP rank
+    (they hold the same local index j, so their global expert is r·n_local + j)."""
+    group = ps.get_expert_model_parallel_group()
+    ep, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    n_local = (spec.num_moe_experts or 0) // ep
+    per_rank = [gather_shards(t, group, everywhere=True) or [t] for t in merged]
+    for r in range(ep):
+        other = resolve_megatron(table, renumber(name, 0, (r - me) * n_local))
+        assert other is not None, name
+        for hf_name, parts in zip(other.hf, per_rank):
+            yield hf_name, (parts[r] if dtype is None else parts[r].to(dtype)).contiguous()
+
+
+def _stack_experts(
+    row: Resolved, slabs: Sequence[torch.Tensor], spec: BridgeSpec, stacks: dict, everywhere: bool = False
+) -> tuple:
     """Stacked-experts rows (one HF tensor holds every expert): gather this local expert's
     slab from every EP rank onto EP rank 0 and return the whole HF tensors once the last
     expert of the layer has arrived (empty until then, and always on other EP ranks). Every
@@ -156,7 +186,7 @@ def _stack_experts(row: Resolved, slabs: Sequence[torch.Tensor], spec: BridgeSpe
     assert row.expert is not None and n_all is not None
     n_local = n_all // ep
     j = row.expert % n_local
-    got = [gather_shards(s, group) for s in slabs]
+    got = [gather_shards(s, group, everywhere) for s in slabs]
     if got[0] is None:
         return ()
     for name, per_rank in zip(row.hf, got):

@@ -74,11 +74,15 @@ def require_all_written(targets: dict[str, Any], written: set[str], source: str)
         )
 
 
-def gather_shards(t: torch.Tensor, group) -> list[torch.Tensor] | None:
-    """All shards on the group's first rank (None elsewhere)."""
+def gather_shards(t: torch.Tensor, group, everywhere: bool = False) -> list[torch.Tensor] | None:
+    """All shards on the group's first rank (None elsewhere), or on every rank (`everywhere`)."""
     size = torch.distributed.get_world_size(group)
     if size == 1:
         return [t.clone()]
+    if everywhere:
+        parts = [torch.empty_like(t) for _ in range(size)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=group)
+        return parts
     dst = torch.distributed.get_global_rank(group, 0)
     me = torch.distributed.get_rank()
     out = [torch.empty_like(t) for _ in range(size)] if me == dst else None

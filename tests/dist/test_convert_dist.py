@@ -4,8 +4,10 @@
 launch then loads every output the way training does (`train.init_from`) at tp2·pp2
 (dense, tied and untied), pp2·vpp2 and ep2·pp2 (homogeneous and mixed MoE stacks), and
 checks: every parameter bitwise equal to the bridge's online load of the HF directory,
-logits equal to transformers' (fp32), and 2 training steps from either format reproducing
-the HF-initialized run's losses exactly. torch_dist checkpoints are always written for
+logits equal to transformers' (fp32), weights streamed by `megatron_bridge.stream` in both
+modes equal to the HF directory's tensors (per stage: once over the receiving ranks;
+broadcast: on every rank), and 2 training steps from either format reproducing the
+HF-initialized run's losses exactly. torch_dist checkpoints are always written for
 tp1·pp1, so their loads are megatron-core resharding on load — including to another vocab
 padding (one is written unpadded, 250 rows, and loaded into the 256-row embedding).
 """
@@ -26,6 +28,9 @@ SCRIPT = str(Path(__file__).parent / "convert_scripts" / "load_parity.py")
 TOL = 1e-5
 LAYOUT_ARGS = {"tp2pp2": ["parallel.tp=2", "parallel.pp=2"], "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"],
                "ep2pp2": ["parallel.ep=2", "parallel.pp=2"]}
+# streamed only (megatron_bridge.stream), built by the hf backend: transformers' modules, experts
+# gathered over EP and split over TP
+STREAM_HF = ["llama:tp2pp2", "qwen3_moe:ep2tp2"]
 CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtral", "ep2pp2"),
          ("qwen2_moe", "ep2pp2")]
 
@@ -37,7 +42,7 @@ def root(tmp_path_factory) -> Path:
 
     base = tmp_path_factory.mktemp("convert")
     (base / "refs").mkdir()
-    for fam in sorted({f for f, _ in CASES}):
+    for fam in sorted({f for f, _ in CASES} | {c.split(":")[0] for c in STREAM_HF}):
         hf = make_tiny(fam, base / fam)
         ids, _ = make_batch(250)
         torch.save(dict(input_ids=ids, **hf_reference(hf, ids)), base / "refs" / f"{fam}.pt")
@@ -55,13 +60,22 @@ def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
     cases = [f"{fam}:{fmt}:{layout}" for fam, layout in CASES for fmt in ("torch_dist", "torch")]
     cases.append("llama:torch_dist_pad:tp2pp2")  # stored vocab 250 rows, the model pads to 256
     results = run_torchrun([SCRIPT, "--root", str(root), "--cases", ",".join(cases), "--train", "llama",
-                            "--out", str(tmp_path)], nproc=4, timeout=600)
-    for case in cases:
+                            "--stream-hf", ",".join(STREAM_HF), "--out", str(tmp_path)], nproc=4, timeout=600)
+    for case in [*cases, *(f"hf:{c}" for c in STREAM_HF)]:
         per_rank = [r[case] for r in results if case in r]
         assert len(per_rank) == 4, case
-        assert all(r["params_equal"] for r in per_rank), f"{case}: parameters differ from the HF load"
-        got = [r["max_abs"] for r in per_rank if "max_abs" in r]
-        assert got and max(got) <= TOL, (case, got)
+        if not case.startswith("hf:"):
+            assert all(r["params_equal"] for r in per_rank), f"{case}: parameters differ from the HF load"
+            got = [r["max_abs"] for r in per_rank if "max_abs" in r]
+            assert got and max(got) <= TOL, (case, got)
+        # megatron_bridge.stream: every HF tensor bit-exact, buckets within the bound; "stage"
+        # covers the model once over the receiving ranks, "broadcast" gives every rank all of it
+        streams = [r["stream"] for r in per_rank]
+        want = streams[0]["stage"]["want"]
+        for mode in ("stage", "broadcast"):
+            assert all(s[mode]["equal"] and s[mode]["over"] == 0 for s in streams), (case, mode)
+        assert sorted({n for s in streams for n in s["stage"]["names"]}) == want, case
+        assert all(s["broadcast"]["names"] == want and s["broadcast"]["buckets"] >= 7 for s in streams), case
     losses = next(r["losses"] for r in results if "losses" in r)
     assert len(losses["hf"]) == 2
     assert losses["torch_dist"] == losses["hf"] and losses["torch"] == losses["hf"], losses

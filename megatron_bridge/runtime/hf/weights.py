@@ -61,15 +61,16 @@ def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
 
 
 def iter_tensors(
-    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None, value: Any | None
+    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None, value: Any | None, everywhere: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: (HF name, whole tensor) of every exported parameter and persistent buffer
-    (what `load` filled), on the first data-parallel replica's first TP rank (nothing elsewhere)."""
+    (what `load` filled), on the first data-parallel replica's first TP rank (nothing elsewhere;
+    `everywhere`: on every rank of the stage)."""
     table = table_for(spec)
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
     group = ps.get_tensor_model_parallel_group()
-    first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    first = everywhere or ps.get_data_parallel_rank(with_context_parallel=True) == 0
     for chunk in chunks:
         for name, p in checkpoint_tensors(chunk).items():  # persistent buffers too (Apertus' xIELU beta)
             if is_adapter_param(name):  # LoRA: exported by lora_modules, merged by `merged`
@@ -84,7 +85,7 @@ def iter_tensors(
                 t = gather_experts(t)
             if not first:
                 continue
-            shards = gather_shards(t, group)
+            shards = gather_shards(t, group, everywhere)
             if shards is None:
                 continue
             for hf_name, t in zip(row.hf, row.mapping.merge(shards, shapes)):

@@ -22,16 +22,41 @@ from pathlib import Path
 import torch
 
 
+def stream_check(chunks, spec, hf: Path) -> dict:
+    """`megatron_bridge.stream` in both modes, buckets of ~1/7 of the model: which HF tensors this
+    rank received, whether each equals the HF directory's bit for bit, and how many multi-tensor
+    buckets went over the bound."""
+    from safetensors.torch import load_file
+
+    from megatron_bridge.stream import bucket_nbytes, hf_buckets
+
+    want = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
+    bound = sum(t.numel() * t.element_size() for t in want.values()) // 7
+    out = {}
+    for mode in ("stage", "broadcast"):
+        got, over, buckets = {}, 0, 0
+        for bucket in hf_buckets(chunks, spec, bucket_bytes=bound, mode=mode):
+            over += int(bucket_nbytes(bucket) > bound and len(bucket) > 1)
+            buckets += 1
+            for n, t in bucket:
+                got[n] = n in want and torch.equal(t.cpu(), want[n])
+        out[mode] = {"names": sorted(got), "equal": all(got.values()), "over": over, "buckets": buckets,
+                     "want": sorted(want)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
     ap.add_argument("--cases", required=True)
     ap.add_argument("--train", default="")
+    ap.add_argument("--stream-hf", default="", help="family:layout,... built by the hf backend, streamed only")
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocab-divisor", type=int, default=64)  # the default recipe's, as training uses
     a = ap.parse_args()
 
-    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.backends.describe import describe_hf
+    from megatron_bridge.bridge.hf_config import load_spec, read_hf_config
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.runtime.weights import load_hf_weights
     from megatron_bridge.runtime.build import build_model
@@ -57,11 +82,21 @@ def main() -> None:
                    for p, q in zip(c.state_dict().values(), r.state_dict().values()) if torch.is_tensor(p))
         ref = torch.load(root / "refs" / f"{family}.pt")
         logits = forward_logits(chunks, ref["input_ids"])
-        res = {"params_equal": same}
+        res = {"params_equal": same, "stream": stream_check(chunks, spec, hf)}
         if logits is not None:
             v = ref["logits"].shape[-1]
             res["max_abs"] = float((logits[..., :v] - ref["logits"]).abs().max())
         report({case: res})
+
+    for case in filter(None, a.stream_hf.split(",")):  # the hf backend's exporter streams the same way
+        family, text = case.split(":")
+        layout = Layout.parse(text)
+        ensure_groups(layout, world)
+        hf = root / family
+        spec = describe_hf(read_hf_config(hf), make_vocab_size_divisible_by=a.vocab_divisor, backend="hf")
+        chunks = build_model(spec, layout, load_weights=True)
+        load_hf_weights(chunks, spec, hf)
+        report({f"hf:{case}": {"stream": stream_check(chunks, spec, hf)}})
 
     if a.train:
         from megatron_bridge.train.runner import train

@@ -1,5 +1,6 @@
 """`HFExport` behind the loop (runtime/hf_export.py): the same bytes as in the step, a bounded
-queue, copies taken at the call, publication by rename, a writer's failure raised by finish()."""
+queue, publication by rename, a writer's failure raised by finish(); and what makes queuing
+safe while training goes on: the exporter's tensors never share a parameter's memory."""
 
 from __future__ import annotations
 
@@ -52,13 +53,9 @@ def test_background_bytes_equal_the_in_step_export_and_the_queue_stays_bounded(g
         peak[0] = max(peak[0], self._queued)
 
     monkeypatch.setattr(HFExport, "_put", watched_put)
-    live = {k: v.clone() for k, v in tensors.items()}
     threading.Timer(0.5, gate.set).start()  # the writer is held for 0.5 s: unbounded, all 7 would queue
-    exp = HFExport(
-        tmp_path / "bg.tmp", iter(live.items()), _index, buffer_bytes=2 * biggest, publish_as=tmp_path / "bg"
-    )
-    for t in live.values():  # what an optimizer step does next: the queued copies are not affected
-        t.add_(1.0)
+    fresh = ((k, v.clone()) for k, v in tensors.items())  # as the exporter's are: new memory
+    exp = HFExport(tmp_path / "bg.tmp", fresh, _index, buffer_bytes=2 * biggest, publish_as=tmp_path / "bg")
     assert exp.finish() == tmp_path / "bg"
     assert biggest <= peak[0] <= 2 * biggest < sum(t.numel() * t.element_size() for t in tensors.values())
     assert not (tmp_path / "bg.tmp").exists() and not list((tmp_path / "bg").glob(".*spill"))
@@ -82,3 +79,18 @@ def test_a_writer_failure_is_raised_by_finish_and_nothing_is_published(groups1, 
     with pytest.raises(RuntimeError, match=r"was not written: rank 0: OSError: .*No space left"):
         exp.finish()
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+def test_exported_tensors_never_share_a_parameters_memory(groups1, tmp_path, family):
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights import iter_hf_tensors
+
+    spec = load_spec(make_tiny(family, tmp_path / "hf"))
+    chunks = build_model(spec, Layout())
+    owned = {t.untyped_storage().data_ptr() for c in chunks for t in [*c.parameters(), *c.buffers()]}
+    got = list(iter_hf_tensors(chunks, spec))
+    assert got and not [n for n, t in got if t.untyped_storage().data_ptr() in owned]
