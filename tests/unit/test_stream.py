@@ -55,5 +55,7 @@ def test_buckets_are_bounded_and_update_a_transformers_model_in_place(groups1, t
 
     with pytest.raises(UserError, match="bucket_bytes must be positive"):
         next(hf_buckets(chunks, spec, bucket_bytes=0))
+    with pytest.raises(UserError, match="not a streaming mode: pass one of stage, broadcast"):
+        next(hf_buckets(chunks, spec, mode="everyone"))
     with pytest.raises(UserError, match="no tensor named"):
         apply_bucket(receiver, [("model.nope.weight", torch.zeros(1))])
