@@ -23,8 +23,9 @@ Two modes (`mode=`):
   memory per rank: its own bucket, the packed copy being sent or received, and the next tensor
   (at most about 2 x `bucket_bytes` + the largest tensor).
 
-Every rank must iterate `hf_buckets` to the end, as it is collective. Not yet: the
-per-expert/fused option (the checkpoint's layout is what comes out), the adapter-only LoRA stream.
+`adapter=True` streams a LoRA run's adapters alone, under HF PEFT's names. Every rank must
+iterate `hf_buckets` to the end, as it is collective. Not yet: the per-expert/fused option (the
+checkpoint's layout is what comes out); the adapter stream's broadcast mode with ep>1.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from megatron.core import parallel_state as ps
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.groups import comm_device
+from megatron_bridge.runtime.lora_modules import iter_adapter_tensors
 from megatron_bridge.runtime.weights import iter_hf_tensors
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -60,17 +62,32 @@ def hf_buckets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
     mode: str = "stage",
+    adapter: bool = False,
 ) -> Iterator[Bucket]:
     """Collective over all ranks: yield lists of (HF name, full tensor), each holding at most
     `bucket_bytes` (a single tensor bigger than that comes alone), cast to `dtype` if given.
     A bucket is handed over as soon as the next tensor would overflow it. `mode`: "stage"
     (each stage's gathering rank gets its stage's buckets) or "broadcast" (every rank gets
-    every bucket), as the module docstring says."""
+    every bucket), as the module docstring says. `adapter=True`: a LoRA run's adapter weights
+    only, under HF PEFT's names (`...q_proj.lora_A.weight`, as `adapter_model.safetensors`
+    holds them), for an engine that applies LoRA itself (vLLM's LoRA requests)."""
     if bucket_bytes <= 0:
         raise UserError(f"bucket_bytes must be positive, got {bucket_bytes}: pass e.g. {DEFAULT_BUCKET_BYTES}")
     if mode not in MODES:
         raise UserError(f"mode={mode!r} is not a streaming mode: pass one of {', '.join(MODES)}")
-    own = _bucketed(iter_hf_tensors(chunks, spec, dtype, everywhere=mode == "broadcast"), bucket_bytes)
+    everywhere = mode == "broadcast"
+    tensors: Iterator[tuple[str, torch.Tensor]]
+    if adapter:
+        if everywhere and ps.get_expert_model_parallel_world_size() > 1:
+            raise UserError(
+                "the adapter stream's broadcast mode with expert parallelism (ep>1) is not implemented (each EP "
+                "rank holds its own experts' adapters): use mode='stage'"
+            )
+        found = iter_adapter_tensors(chunks, everywhere=everywhere)
+        tensors = ((n, t if dtype is None else t.to(dtype)) for n, t in found)
+    else:
+        tensors = iter_hf_tensors(chunks, spec, dtype, everywhere=everywhere)
+    own = _bucketed(tensors, bucket_bytes)
     if mode == "stage" or ps.get_pipeline_model_parallel_world_size() == 1:
         yield from own
     else:

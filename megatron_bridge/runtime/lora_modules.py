@@ -157,11 +157,12 @@ class LoraAdapter(torch.nn.Module):
         return torch.cat(pieces, dim=0) * self.scale
 
     # -- back to HF layout (collective over the TP / expert-TP group) --------------------
-    def hf_tensors(self, value, group) -> list[tuple[str, torch.Tensor]] | None:
-        """[(peft key, full HF-layout tensor)] on the group's first rank, None elsewhere."""
+    def hf_tensors(self, value, group, everywhere: bool = False) -> list[tuple[str, torch.Tensor]] | None:
+        """[(peft key, full HF-layout tensor)] on the group's first rank, None elsewhere (on
+        every rank with `everywhere`)."""
         tf, hf = self.row.mapping.transform, self.row.hf
         if self.column:
-            shards = gather_shards(value(self.B).detach(), group)
+            shards = gather_shards(value(self.B).detach(), group, everywhere)
             if shards is None:
                 return None
             bs = tf.merge(shards, self.shapes)
@@ -169,7 +170,7 @@ class LoraAdapter(torch.nn.Module):
             for i in self.srcs:
                 out += [(peft_key(hf[i], "A"), value(self.A[str(i)]).detach().clone()), (peft_key(hf[i], "B"), bs[i])]
             return out
-        shards = gather_shards(value(self.A["0"]).detach(), group)
+        shards = gather_shards(value(self.A["0"]).detach(), group, everywhere)
         if shards is None:
             return None
         return [(peft_key(hf[0], "A"), tf.merge(shards, self.shapes)[0]), (peft_key(hf[0], "B"), value(self.B).clone())]
@@ -254,20 +255,23 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
     return n
 
 
-def iter_adapter_tensors(chunks: Sequence[Any], value=None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_adapter_tensors(
+    chunks: Sequence[Any], value=None, *, everywhere: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: (peft key, full HF-layout tensor) of every adapter, on one replica (the
-    first DP rank, first rank of its TP / expert-TP group). `value(p)` picks what (default
-    the weight; `lambda p: p.main_grad` for gradients)."""
+    first DP rank, first rank of its TP / expert-TP group; every rank of the stage with
+    `everywhere`, experts' adapters excepted: those stay on their EP rank). `value(p)` picks
+    what (default the weight; `lambda p: p.main_grad` for gradients)."""
     value = value or (lambda p: p)
-    dense = ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert = ps.get_expert_data_parallel_rank() == 0
+    dense = everywhere or ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert = everywhere or ps.get_expert_data_parallel_rank() == 0
     for chunk in chunks:
         for _, _, ad in adapters(chunk):
             is_expert = ad.row.mapping.is_expert
             if not (expert if is_expert else dense):
                 continue
             group = ps.get_expert_tensor_parallel_group() if is_expert else ps.get_tensor_model_parallel_group()
-            yield from ad.hf_tensors(value, group) or ()
+            yield from ad.hf_tensors(value, group, everywhere) or ()
 
 
 @contextlib.contextmanager

@@ -179,3 +179,12 @@ def test_trained_adapter_and_merged_export_match_megatron(launch, family, layout
             assert float((peft_logits - merged_logits).abs().max()) <= LOGIT_TOL
     assert float((merged_logits - mine).abs().max()) <= LOGIT_TOL
     assert float((untrained.logits - mine).abs().max()) > 1e-2, "training moved the adapters"
+    # megatron_bridge.stream's adapter stream: the exported adapter's tensors under the same peft
+    # keys, bit for bit; per stage once over the receiving ranks, broadcast on every rank
+    from safetensors.torch import load_file
+
+    keys = sorted(load_file(str(adapter / "adapter_model.safetensors")))
+    streams = [r["stream"] for r in per_rank]
+    assert all(m["equal"] for s in streams for m in s.values())
+    assert sorted(k for s in streams for k in s["stage"]["keys"]) == keys
+    assert all(s["broadcast"]["keys"] == keys for s in streams if "broadcast" in s)

@@ -18,6 +18,24 @@ from pathlib import Path
 import torch
 
 
+def _stream_adapter(model, spec, adapter_dir, modes=None) -> dict:
+    """`hf_buckets(adapter=True)` in each mode: the peft keys this rank received and whether each
+    equals the exported adapter file's tensor (small buckets: several per stage)."""
+    from safetensors.torch import load_file
+
+    from megatron_bridge.stream import hf_buckets
+
+    want = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    out = {}
+    for mode in modes or ("stage", "broadcast"):
+        got = {}
+        for bucket in hf_buckets(model, spec, bucket_bytes=4096, mode=mode, adapter=True):
+            for k, t in bucket:
+                got[k] = k in want and torch.equal(t.float().cpu(), want[k])
+        out[mode] = {"keys": sorted(got), "equal": all(got.values())}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
@@ -90,6 +108,7 @@ def main() -> None:
                 res["logits"] = logits[..., : spec.vocab_size].tolist()
             out = Path(a.out) / fam / text
             export_adapter(model, peft, str(out / "adapter"), str(hf_dir))
+            res["stream"] = _stream_adapter(model, spec, out / "adapter", modes=("stage",) if glayout.ep > 1 else None)
             with merged(model):
                 export_hf_weights(model, spec, out / "merged", source_dir=hf_dir)
             res["seconds"] = round(time.perf_counter() - t0, 3)
