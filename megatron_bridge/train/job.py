@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from megatron_bridge.train import checkpoint as ckpt
 from megatron_bridge.train.data.loader import build_datasets, make_iterator
 from megatron_bridge.train.engines import Engine, make_engine
 from megatron_bridge.train.guard import NonFinite, NonFiniteSteps, StopSignals, check_finite_weights
+from megatron_bridge.train.inflight import InFlight
 from megatron_bridge.train.init import init_weights, loads_weights
 from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
 
@@ -144,8 +146,8 @@ def _loop(run: _Run, start: int) -> bool:
     )
     phase = "training"
     nonfinite, signals = NonFiniteSteps(cfg), StopSignals(run.engine.device)
-    pending: ckpt.Pending | None = None  # a checkpoint written in the background (checkpoint.async_save)
-    exporting: HFExport | None = None  # an interval HF export written in the background
+    saves: InFlight[ckpt.Pending] = InFlight(lambda p: p.finish())  # checkpoint.async_save
+    exports: InFlight[HFExport] = InFlight(lambda e: _published(run, e))  # train.export_interval
     try:
         stop = cfg.train.steps if cfg.train.exit_after is None else min(cfg.train.steps, start + cfg.train.exit_after)
         for step in range(start, stop):
@@ -166,33 +168,24 @@ def _loop(run: _Run, start: int) -> bool:
                 metrics["val_loss"] = _evaluate(run)
             if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps or "val_loss" in metrics:
                 logger.log(step + 1, metrics)
-            if pending is not None and pending.written_everywhere():  # an async save's last part
-                pending.finish()
-                pending = None
+            saves.poll()
+            exports.poll()
             stop_signal = signals.requested()  # collective: every rank stops after the same step
+            ending = step + 1 == stop or bool(stop_signal)
             if _save_due(cfg, step + 1, last=step + 1 == stop) or (stop_signal and cfg.checkpoint.dir):
                 phase = f"checkpoint save at step {step + 1}"
                 watchdog.arm(phase)
-                if pending is not None:  # the previous save first: one in flight at most
-                    pending.finish()
-                pending = _save(run, step + 1)
-                if not cfg.checkpoint.async_save or step + 1 == stop or stop_signal:
-                    pending.finish()  # the last one is published before the job ends
-                    pending = None
-            if exporting is not None and exporting.written_everywhere():  # a background export's end
-                _published(run, exporting)
-                exporting = None
+                saves.start(partial(_save, run, step + 1))
+                if not cfg.checkpoint.async_save or ending:
+                    saves.drain()  # the last one is published before the job ends
             if cfg.train.export_interval and (step + 1) % cfg.train.export_interval == 0:
                 phase = f"HF export at step {step + 1}"
                 watchdog.arm(phase)
-                if exporting is not None:  # the previous one first: one in flight at most
-                    _published(run, exporting)
-                exporting = _export_snapshot(run, step + 1)
-            if exporting is not None and (step + 1 == stop or stop_signal):
+                exports.start(partial(_export_snapshot, run, step + 1))
+            if ending:
                 phase = f"HF export at step {step + 1}"
                 watchdog.arm(phase)
-                _published(run, exporting)  # the job ends with every export published
-                exporting = None
+                exports.drain()  # the job ends with every export published
             if stop_signal:
                 if rank == 0:
                     saved = (
