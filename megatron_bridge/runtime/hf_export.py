@@ -2,7 +2,8 @@
 
 `export_hf_weights` (runtime/weights.py) gathers each full tensor (collectives over TP/EP: the
 training thread's work, in the same order on every rank) and hands it to an `HFExport`, which
-writes this rank's safetensors file, and on rank 0 the index and config.json.
+writes this rank's safetensors file and its CRC-32; rank 0 then writes the index (recording
+every file's CRC-32, which `train.init_from` and `mbr convert` check) and config.json.
 
 * In the step (`buffer_bytes=0`): each tensor is appended to the rank's spill as it arrives
   (runtime/safetensors_stream.py), so host memory holds one tensor; `finish()` returns once
@@ -34,20 +35,20 @@ from pathlib import Path
 
 import torch
 
+from megatron_bridge.convert.formats.manifest import file_crc32
 from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.safetensors_stream import StreamingSafetensors
 
-Index = Callable[[Path, list[tuple[str, str, int]]], None]  # rank 0: (dir, [(name, file, bytes)]) -> index+config
+# rank 0, once every file is in: (dir, [(tensor, file, bytes)], {file: CRC-32}) -> index + config
+Index = Callable[[Path, list[tuple[str, str, int]], dict[str, str]], None]
 
 
 @dataclass(frozen=True)
 class _Last:
     """The writer's last piece, known once every rank's names are: this rank's file name (None:
-    it writes none) and, on rank 0, the index rows and the function that writes them."""
+    it writes none)."""
 
     fname: str | None
-    rows: list[tuple[str, str, int]]
-    write_index: Index
 
 
 class HFExport:
@@ -74,6 +75,8 @@ class HFExport:
         self._queued, self._limit = 0, buffer_bytes
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._crc: str | None = None  # this rank's file's CRC-32, once written
+        self._write_index, self._rows = write_index, list[tuple[str, str, int]]()
         if buffer_bytes > 0:  # a daemon: a job that dies mid-write leaves an unpublished directory
             self._thread = threading.Thread(target=self._drain, name="mbr-hf-export", daemon=True)
             self._thread.start()
@@ -101,8 +104,9 @@ class HFExport:
                     self._spill.discard()
                     raise RuntimeError(f"{k} exported by ranks {seen[k]} and {r}")
                 seen[k] = r
-        rows = [(k, files[r], n) for r in writers for k, n in listing[r]] if self.rank == 0 else []
-        self._end(_Last(files.get(self.rank), rows, write_index))
+        if self.rank == 0:
+            self._rows = [(k, files[r], n) for r in writers for k, n in listing[r]]
+        self._end(_Last(files.get(self.rank)))
 
     # -- the writer ------------------------------------------------------------------------------
     def _put(self, name: str, host: torch.Tensor) -> None:
@@ -151,8 +155,7 @@ class HFExport:
             self._spill.discard()
         else:
             self._spill.finish(self.out / last.fname, metadata={"format": "pt"})
-        if self.rank == 0:
-            last.write_index(self.out, last.rows)
+            self._crc = file_crc32(self.out / last.fname)  # read back (cached): the index records it
 
     # -- the loop's side ---------------------------------------------------------------------------
     def written_everywhere(self) -> bool:
@@ -168,15 +171,18 @@ class HFExport:
         if self._thread is not None:
             self._thread.join()
         dist = torch.distributed
-        errors: list[str | None] = [None] * dist.get_world_size()
+        got: list[tuple[str | None, str | None]] = [(None, None)] * dist.get_world_size()
         mine = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
-        dist.all_gather_object(errors, mine)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+        dist.all_gather_object(got, (mine, self._crc))
+        failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(got) if e]
         if failed:
             raise RuntimeError(f"the HF export to {self.out} was not written: " + "; ".join(failed))
         final = self.publish_as or self.out
-        if self.rank == 0 and self.publish_as is not None:
-            os.replace(self.out, self.publish_as)
+        if self.rank == 0:
+            files = dict.fromkeys(f for _, f, _ in self._rows)  # in rank order, as the CRCs are
+            self._write_index(self.out, self._rows, dict(zip(files, (c for _, c in got if c is not None))))
+            if self.publish_as is not None:
+                os.replace(self.out, self.publish_as)
         dist.barrier()
         return final
 

@@ -38,6 +38,7 @@ from megatron_bridge.bridge.loader import (
 )
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
+from megatron_bridge.convert.formats.manifest import INDEX_CRC32
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import later
 from megatron_bridge.runtime.hf_export import HFExport
@@ -243,9 +244,10 @@ def start_hf_export(
     """`export_hf_weights` whose writing may go on behind the caller (`buffer_bytes` > 0,
     runtime/hf_export.py): collective; the caller ends it with `finish()` on every rank."""
 
-    def write_index(out: Path, rows: list[tuple[str, str, int]]) -> None:  # rank 0, after every file's names
+    def write_index(out: Path, rows: list[tuple[str, str, int]], crcs: dict[str, str]) -> None:  # rank 0, at the end
         weight_map = {k: fname for k, fname, _ in rows}
-        index = {"metadata": {"total_size": sum(n for *_, n in rows)}, "weight_map": dict(sorted(weight_map.items()))}
+        meta = {"total_size": sum(n for *_, n in rows), INDEX_CRC32: crcs}
+        index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         _write_config_and_assets(out, spec, source_dir, hf_config, dtype)
         if spec.mtp_num_layers:

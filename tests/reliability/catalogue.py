@@ -1070,6 +1070,15 @@ CASES: list[Case] = [
         out=OUT,
     ),
     C(
+        "tampered-init-from-export",
+        "checkpoint",
+        "train recipe=default run_dir=out/run train.init_from={FX}/hf_exported_tampered",
+        "tampered bytes (init_from an exported HF directory)",
+        "weights changed since they were written",
+        "Export it again or restore the files",
+        out=OUT,
+    ),
+    C(
         "payload-init-from-dist",
         "checkpoint",
         "train recipe=default run_dir=out/run train.init_from={FX}/cv_payload_dist",
@@ -1223,6 +1232,15 @@ CASES: list[Case] = [
 
 
 CONVERT_CASES: list[Case] = [
+    C(
+        "convert-tampered-export",
+        "convert",
+        "mbr convert src={FX}/hf_exported_tampered dst=out/cv",
+        "tampered bytes (src= an HF directory we exported)",
+        "weights changed since they were written",
+        "Export it again or restore the files",
+        out=OUT,
+    ),
     C(
         "convert-truncated-shard",
         "convert",

@@ -226,6 +226,14 @@ def _stranger_fixtures(fx: Path, hf: Path) -> None:
         b = bytearray(big.read_bytes())
         b[len(b) // 2 : len(b) // 2 + 4] = bytes(x ^ 0xFF for x in b[len(b) // 2 : len(b) // 2 + 4])
         big.write_bytes(bytes(b))
+    # an HF directory we exported (its index records each file's CRC-32), and a copy with 4 bytes
+    # of tensor data changed (same size, headers intact)
+    assert mbr(["export", f"src={fx / 'cv_torch_dist'}", f"dst={fx / 'hf_exported'}", "progress=off"]) == 0
+    d = Path(shutil.copytree(fx / "hf_exported", fx / "hf_exported_tampered"))
+    (big,) = d.glob("*.safetensors")
+    b = bytearray(big.read_bytes())
+    b[-8:-4] = bytes(x ^ 0xFF for x in b[-8:-4])
+    big.write_bytes(bytes(b))
     shutil.copytree(fx / "cv_torch_dist", fx / "cv_payload_dist")
     pl.payload_in_extra_state(fx / "cv_payload_dist", fx / "PWNED_init_dist")
     shutil.copytree(fx / "cv_torch", fx / "cv_payload_torch")

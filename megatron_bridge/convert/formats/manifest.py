@@ -27,7 +27,7 @@ from zlib_ng import zlib_ng
 
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.paths import confined
-from megatron_bridge.convert.formats.safetensors_io import ST_DTYPES, tensor_bytes
+from megatron_bridge.convert.formats.safetensors_io import INDEX, ST_DTYPES, tensor_bytes
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
@@ -195,6 +195,38 @@ def list_crc32(directory: Path, files: dict[str, int]) -> dict[str, str]:
     return {rel: file_crc32(directory / rel) for rel in files}
 
 
+# An HF directory we write (`mbr export`, `export_to`, interval exports) records each weight
+# file's CRC-32 in its index's metadata under this key (transformers reads only `weight_map`),
+# so that loading it later (`train.init_from`, `mbr convert src=`) notices a changed byte.
+INDEX_CRC32 = "file_crc32"
+
+
+def check_index_crc32(directory: Path) -> int:
+    """The CRC-32 of every weight file an HF directory's index records (none recorded: nothing
+    to check, e.g. a directory from the Hub); a mismatch is a UserError naming the file.
+    Returns the number of files checked. Names were confined by `scan_dir` before this runs."""
+    index = directory / INDEX
+    if not index.is_file():
+        return 0
+    try:
+        recorded = json.loads(index.read_text()).get("metadata", {}).get(INDEX_CRC32, {})
+    except (ValueError, AttributeError):
+        return 0  # scan_dir reports a corrupt index
+    if not isinstance(recorded, dict):
+        raise UserError(f"{index}: metadata.{INDEX_CRC32} is not an object of file name -> CRC-32")
+    bad = []
+    for rel, want in sorted(recorded.items()):
+        got = file_crc32(confined(directory, rel, source=index, what="shard"))
+        if got != want:
+            bad.append(f"{rel} has CRC-32 {got}, {want} was written")
+    if bad:
+        raise UserError(
+            f"{directory}: the HF directory's weights changed since they were written (disk corruption or "
+            "tampering): " + "; ".join(bad[:4]) + ". Export it again or restore the files."
+        )
+    return len(recorded)
+
+
 def list_files(directory: Path) -> dict[str, int]:
     return {
         str(p.relative_to(directory)): p.stat().st_size
@@ -211,6 +243,8 @@ __all__ = [
     "crc_hex",
     "dtype_name",
     "file_crc32",
+    "check_index_crc32",
+    "INDEX_CRC32",
     "list_crc32",
     "list_files",
     "FORMATS",

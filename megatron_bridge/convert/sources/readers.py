@@ -31,7 +31,7 @@ from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
-from megatron_bridge.convert.formats.manifest import Manifest, crc32
+from megatron_bridge.convert.formats.manifest import Manifest, check_index_crc32, crc32
 from megatron_bridge.convert.formats.pickle_guard import CONVERTED
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.convert.formats.torch_zip import TensorRef
@@ -212,6 +212,7 @@ class HFSource(Source):
         self.hf_config = fp8.without_quantization(config) if block else config
         self.spec = describe(self.hf_config)
         stored = scan_dir(path)
+        check_index_crc32(path)  # an export of ours: its files' recorded CRC-32 first
         quant = fp8.pair(stored, block, self.where)
         tensors = fp8.dequantized_infos(stored, quant)
         # multi-token prediction: not converted, said so (counted as the loader counts: scales consumed)
@@ -421,10 +422,12 @@ def init_kind(path: str | Path, arg: str = "train.init_from") -> str:
 
 def check_init_source(path: str | Path, arg: str = "train.init_from") -> None:
     """The trainer's preflight of the weights it will start from, before any process group:
-    an HF directory's index and headers (names confined, no FIFO: `scan_dir`), a converted
-    checkpoint's manifest and pickles (`check_data_only`). Reads no tensor."""
+    an HF directory's index and headers (names confined, no FIFO: `scan_dir`) and, where its
+    index records them (our exports), its files' CRC-32; a converted checkpoint's manifest and
+    pickles (`check_data_only`). Reads no tensor (the checksums read the files' bytes)."""
     if init_kind(path, arg) == "hf":
         scan_dir(Path(path))
+        check_index_crc32(Path(path))  # a directory we exported records its files' CRC-32
     else:
         check_data_only(Path(path))
 

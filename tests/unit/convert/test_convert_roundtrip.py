@@ -249,6 +249,12 @@ def test_export_loads_in_transformers_with_the_same_logits(tiny, tmp_path):
         a = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()(ids).logits
         b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()(ids).logits
     assert torch.equal(a, b)
+    # the index records each weight file's CRC-32 (transformers ignores it; our loads check it)
+    from megatron_bridge.convert.formats.manifest import check_index_crc32
+
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["metadata"]["file_crc32"]) == set(index["weight_map"].values())
+    assert check_index_crc32(tmp_path / "hf") == len(set(index["weight_map"].values()))
 
 
 def test_summary_line_and_progress_bar(tiny, tmp_path, capsys):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from megatron_bridge.convert.formats.manifest import file_crc32
 from megatron_bridge.runtime import hf_export
 from megatron_bridge.runtime.hf_export import HFExport
 
@@ -30,8 +31,8 @@ def _tensors() -> dict[str, torch.Tensor]:
     }
 
 
-def _index(out, rows):
-    (out / "index.json").write_text(json.dumps(rows))
+def _index(out, rows, crcs):
+    (out / "index.json").write_text(json.dumps([rows, crcs]))
 
 
 def test_background_bytes_equal_the_in_step_export_and_the_queue_stays_bounded(groups1, tmp_path, monkeypatch):
@@ -63,9 +64,9 @@ def test_background_bytes_equal_the_in_step_export_and_the_queue_stays_bounded(g
     assert (tmp_path / "bg" / name).read_bytes() == (tmp_path / "step" / name).read_bytes()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref"), metadata={"format": "pt"})
     assert (tmp_path / "bg" / name).read_bytes() == (tmp_path / "ref").read_bytes()
-    assert json.loads((tmp_path / "bg" / "index.json").read_text()) == json.loads(
-        (tmp_path / "step" / "index.json").read_text()
-    )
+    rows, crcs = json.loads((tmp_path / "bg" / "index.json").read_text())
+    assert [rows, crcs] == json.loads((tmp_path / "step" / "index.json").read_text())
+    assert crcs == {name: file_crc32(tmp_path / "bg" / name)}  # what a later load checks
 
 
 def test_a_writer_failure_is_raised_by_finish_and_nothing_is_published(groups1, tmp_path, monkeypatch):
