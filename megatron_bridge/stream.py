@@ -30,6 +30,7 @@ checkpoint's layout is what comes out); the adapter stream's broadcast mode with
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,6 +38,9 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.backends.hf import meta
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.groups import comm_device
@@ -53,6 +57,7 @@ def bucket_nbytes(bucket: Bucket) -> int:
 
 
 MODES = ("stage", "broadcast")
+LAYOUTS = ("checkpoint", "model")
 
 
 def hf_buckets(
@@ -63,6 +68,7 @@ def hf_buckets(
     dtype: torch.dtype | None = None,
     mode: str = "stage",
     adapter: bool = False,
+    layout: str = "checkpoint",
 ) -> Iterator[Bucket]:
     """Collective over all ranks: yield lists of (HF name, full tensor), each holding at most
     `bucket_bytes` (a single tensor bigger than that comes alone), cast to `dtype` if given.
@@ -70,11 +76,23 @@ def hf_buckets(
     (each stage's gathering rank gets its stage's buckets) or "broadcast" (every rank gets
     every bucket), as the module docstring says. `adapter=True`: a LoRA run's adapter weights
     only, under HF PEFT's names (`...q_proj.lora_A.weight`, as `adapter_model.safetensors`
-    holds them), for an engine that applies LoRA itself (vLLM's LoRA requests)."""
+    holds them), for an engine that applies LoRA itself (vLLM's LoRA requests). `layout`:
+    "checkpoint" (the names and shapes `save_pretrained` writes: what vLLM's and SGLang's
+    `load_weights` take) or "model" (transformers' in-memory modules: experts fused as
+    transformers 5 holds them, renamed tensors under their module names — what `apply_bucket`
+    into a transformers model needs)."""
     if bucket_bytes <= 0:
         raise UserError(f"bucket_bytes must be positive, got {bucket_bytes}: pass e.g. {DEFAULT_BUCKET_BYTES}")
     if mode not in MODES:
         raise UserError(f"mode={mode!r} is not a streaming mode: pass one of {', '.join(MODES)}")
+    if layout not in LAYOUTS:
+        raise UserError(f"layout={layout!r} is not a streaming layout: pass one of {', '.join(LAYOUTS)}")
+    if layout == "model" and (adapter or (mode == "stage" and ps.get_expert_model_parallel_world_size() > 1)):
+        raise UserError(
+            "layout='model' streams a whole model's tensors; with adapter=True, or with mode='stage' under expert "
+            "parallelism (ep>1: each receiving rank sees only its experts, so fused experts never complete), it "
+            "is not available: use layout='checkpoint', or mode='broadcast'"
+        )
     everywhere = mode == "broadcast"
     tensors: Iterator[tuple[str, torch.Tensor]]
     if adapter:
@@ -87,11 +105,45 @@ def hf_buckets(
         tensors = ((n, t if dtype is None else t.to(dtype)) for n, t in found)
     else:
         tensors = iter_hf_tensors(chunks, spec, dtype, everywhere=everywhere)
+    if layout == "model":
+        tensors = in_model_layout(tensors, spec)
     own = _bucketed(tensors, bucket_bytes)
     if mode == "stage" or ps.get_pipeline_model_parallel_world_size() == 1:
         yield from own
     else:
         yield from _rounds(own)
+
+
+def in_model_layout(
+    tensors: Iterator[tuple[str, torch.Tensor]], spec: BridgeSpec
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint-layout (name, tensor) pairs -> transformers' in-memory ones: renamed tensors
+    under their module names, per-expert pieces stacked into the fused experts tensor once a
+    layer's last piece has arrived (held meanwhile: at most that layer's experts). The names come
+    from transformers' own conversion mapping, run on the meta-device model (backends/hf.py)."""
+    cfg = json.loads(spec.hf_json) if spec.hf_json else backend_of(spec).hf_config(spec)
+    m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="hf"))
+    module_of = {saved: name for name, saved in m.saved_as.items()}
+    piece_of = {p: (stack, i) for stack, pieces in m.experts.items() for i, p in enumerate(pieces)}
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in tensors:
+        if name in piece_of:
+            stack, i = piece_of[name]
+            got = pending.setdefault(stack, {})
+            got[i] = t
+            if len(got) < len(m.experts[stack]):
+                continue
+            pieces = [t for _, t in sorted(pending.pop(stack).items())]
+            per = len(pieces) // m.shapes[stack][0]
+            yield stack, torch.stack([torch.cat(pieces[e : e + per], 0) for e in range(0, len(pieces), per)])
+        elif name in module_of:
+            yield module_of[name], t
+        else:
+            raise UserError(
+                f"{name}: no tensor of transformers' {cfg.get('model_type')} model is saved under this name"
+            )
+    if pending:
+        raise UserError(f"experts of {sorted(pending)[:2]} arrived incomplete: stream with mode='broadcast'")
 
 
 def _bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
@@ -161,4 +213,4 @@ def apply_bucket(model: torch.nn.Module, bucket: Bucket) -> int:
     return len(bucket)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "apply_bucket", "bucket_nbytes", "hf_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "apply_bucket", "bucket_nbytes", "hf_buckets", "in_model_layout"]

@@ -76,6 +76,7 @@ def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
             assert all(s[mode]["equal"] and s[mode]["over"] == 0 for s in streams), (case, mode)
         assert sorted({n for s in streams for n in s["stage"]["names"]}) == want, case
         assert all(s["broadcast"]["names"] == want and s["broadcast"]["buckets"] >= 7 for s in streams), case
+        assert all(s["model"]["equal"] and not s["model"]["missing"] for s in streams), (case, streams[0]["model"])
     losses = next(r["losses"] for r in results if "losses" in r)
     assert len(losses["hf"]) == 2
     assert losses["torch_dist"] == losses["hf"] and losses["torch"] == losses["hf"], losses

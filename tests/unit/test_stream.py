@@ -59,3 +59,40 @@ def test_buckets_are_bounded_and_update_a_transformers_model_in_place(groups1, t
         next(hf_buckets(chunks, spec, mode="everyone"))
     with pytest.raises(UserError, match="no tensor named"):
         apply_bucket(receiver, [("model.nope.weight", torch.zeros(1))])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_model_layout_fuses_experts_as_transformers_holds_them(groups1, tmp_path, family):
+    """layout="model": Mixtral's per-expert checkpoint tensors (w1/w3/w2 of each expert) arrive
+    as transformers 5's fused `experts.gate_up_proj` / `down_proj` under the module names, so
+    `apply_bucket` fills a transformers model directly; logits equal the exported directory's."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights import export_hf_weights, load_hf_weights
+    from megatron_bridge.stream import apply_bucket, hf_buckets
+
+    hf = make_tiny(family, tmp_path / "hf")
+    spec = load_spec(hf)
+    chunks = build_model(spec, Layout(), load_weights=True)
+    load_hf_weights(chunks, spec, hf)
+    with torch.no_grad():
+        for p in chunks[0].parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    export_hf_weights(chunks, spec, tmp_path / "exported", source_dir=hf)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    receiver, want = load(hf), load(tmp_path / "exported")
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    names = set()
+    for bucket in hf_buckets(chunks, spec, bucket_bytes=1 << 16, layout="model"):
+        apply_bucket(receiver, bucket)
+        names |= {n for n, _ in bucket}
+    assert names == {n for n, _ in want.named_parameters()} | {n for n, _ in want.named_buffers() if n in names}
+    assert any(n.endswith("experts.gate_up_proj") for n in names)
+    with torch.no_grad():
+        assert torch.equal(receiver(ids).logits, want(ids).logits)
+    with pytest.raises(UserError, match="not a streaming layout"):
+        next(hf_buckets(chunks, spec, layout="fused"))

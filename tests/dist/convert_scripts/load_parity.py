@@ -42,6 +42,15 @@ def stream_check(chunks, spec, hf: Path) -> dict:
                 got[n] = n in want and torch.equal(t.cpu(), want[n])
         out[mode] = {"names": sorted(got), "equal": all(got.values()), "over": over, "buckets": buckets,
                      "want": sorted(want)}
+    # layout="model": transformers' in-memory names and fused experts, on every rank
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    held = dict(model.named_parameters())  # a tied head is the embedding (not streamed twice)
+    held |= {n: b for n, b in model.state_dict().items() if n not in held and not n.endswith("lm_head.weight")}
+    got = {n: n in held and torch.equal(t.cpu().float(), held[n])
+           for b in hf_buckets(chunks, spec, bucket_bytes=bound, mode="broadcast", layout="model") for n, t in b}
+    out["model"] = {"missing": sorted(set(held) - set(got))[:4], "equal": all(got.values())}
     return out
 
 
