@@ -27,6 +27,7 @@ nothing is published; with `publish_as`, rank 0 renames the directory once every
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -182,6 +183,8 @@ class HFExport:
             files = dict.fromkeys(f for _, f, _ in self._rows)  # in rank order, as the CRCs are
             self._write_index(self.out, self._rows, dict(zip(files, (c for _, c in got if c is not None))))
             if self.publish_as is not None:
+                if self.publish_as.is_dir():  # the same step exported before a resume: this one replaces it
+                    shutil.rmtree(self.publish_as)
                 os.replace(self.out, self.publish_as)
         dist.barrier()
         return final

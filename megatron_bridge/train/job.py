@@ -6,6 +6,7 @@ the training loop (logged, evaluated, checkpointed, under the watchdog), export;
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import sys
 import time
 from functools import partial
@@ -70,7 +71,8 @@ def run(cfg, dims, spec, recipe: str, meta: dict[str, Any], *, finalize: bool = 
     job = _build(cfg, dims, spec, recipe, meta)
     start = _resume(job)
     try:
-        if _loop(job, start):  # False: stopped by a signal, saved, nothing exported
+        _sweep_partial_exports(job)
+        if _loop(job, start):  # False: stopped early (a signal, train.exit_after), saved, nothing exported
             _export(job)
     except NonFinite:  # every rank raises it at the same step: the groups can be taken down
         _teardown(finalize)
@@ -131,7 +133,9 @@ def _loop(run: _Run, start: int) -> bool:
     checkpointed at its interval, under the watchdog; a failing rank names itself and the
     phase before the launcher's summary. A non-finite step is skipped or ends the job
     (`train.on_nonfinite`, guard.py); SIGTERM/SIGUSR1 save at the next step boundary and end
-    the loop early: False then (True when it ran to its end)."""
+    the loop early, and `train.exit_after` ends it before `train.steps`: False then (True when
+    training reached `train.steps`: the end-of-run export is the trained model's, and a stopped
+    run resumes into the same `export_to`)."""
     cfg, dims, rank = run.cfg, run.dims, run.rank
     logger = MetricsLogger(
         run.run_dir,
@@ -197,7 +201,7 @@ def _loop(run: _Run, start: int) -> bool:
                         flush=True,
                     )
                 return False
-        return True
+        return stop == cfg.train.steps
     except Exception as e:  # name the rank and the step before the launcher's summary
         if not isinstance(e, UserError):
             print(failure_message(rank, phase, e), file=sys.stderr, flush=True)
@@ -278,6 +282,14 @@ def _export_hf(run: _Run, out: Path) -> None:
     """Collective: the model as an HF directory in `out`, LoRA adapters merged in."""
     with merged(run.engine.model_chunks):  # a no-op without adapters
         export_hf_weights(run.engine.model_chunks, run.spec, out, source_dir=run.spec.source)
+
+
+def _sweep_partial_exports(run: _Run) -> None:
+    """Rank 0, before the first interval export: `iter_NNNNNNN.tmp/` left by a run that stopped
+    while writing one (never published; the preflight let only interval exports through)."""
+    if run.rank == 0 and run.cfg.train.export_interval and run.cfg.export_to and Path(run.cfg.export_to).is_dir():
+        for tmp in Path(run.cfg.export_to).glob("iter_*.tmp"):
+            shutil.rmtree(tmp)
 
 
 def _export_snapshot(run: _Run, step: int) -> HFExport:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +47,12 @@ class TrainRunConfig(Config):
     run_dir: str | None = None  # default runs/<recipe>/<timestamp>, chosen by rank 0
     export_to: str | None = None  # write an HF model here after training (LoRA: merged into the base)
     export_adapter_to: str | None = None  # peft=lora: write the adapter here in HF PEFT's format
+
+
+def interval_exports(out: str | Path) -> bool:
+    """Whether directory `out` holds only interval exports (`iter_NNNNNNN/`, and unpublished
+    `iter_NNNNNNN.tmp/` ones a stopped run left): what a resumed run may add to."""
+    return all(p.is_dir() and re.fullmatch(r"iter_\d{7}(\.tmp)?", p.name) for p in Path(out).iterdir())
 
 
 def preflight(cfg, dims, spec) -> None:
@@ -81,7 +88,17 @@ def preflight(cfg, dims, spec) -> None:
             manifest.scan_pickles(d, written)
     for key, out in (("export_to", cfg.export_to), ("export_adapter_to", cfg.export_adapter_to)):
         if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
-            raise UserError(f"{key}={out} exists and is not empty; choose a new directory.")
+            if key == "export_to" and cfg.checkpoint.resume and cfg.train.export_interval and interval_exports(out):
+                continue  # a resumed run goes on adding to its own interval exports
+            raise UserError(
+                f"{key}={out} exists and is not empty; choose a new directory"
+                + (
+                    " (a resumed run with train.export_interval may reuse one that holds only its iter_NNNNNNN/ "
+                    "exports)."
+                    if key == "export_to"
+                    else "."
+                )
+            )
     if cfg.train.export_interval and not cfg.export_to:
         raise UserError(
             f"train.export_interval={cfg.train.export_interval} writes export_to/iter_NNNNNNN/ every "

@@ -183,8 +183,12 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("qwen3_hf", qwen3, *hf),
         # an HF export every step, written behind the loop (a 64 KiB queue: the step waits on it)
         job("cohere_full", cohere, *hf, f"export_to={e1}", "train.export_interval=1", "train.export_buffer_bytes=65536"),
-        job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3"),
-        job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}"),
+        # the same, stopped after 3 (train.exit_after: interval exports only) and resumed into the same
+        # export_to, which then holds iter_1..5 and the end-of-run export
+        job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3",
+            f"export_to={e2}", "train.export_interval=1"),  # fmt: skip
+        job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}",
+            "train.export_interval=1"),  # fmt: skip
         job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
     ]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=4, timeout=900)
@@ -200,7 +204,10 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     # the end-of-run export; step 2's export holds step 2's weights although steps 3-5 trained
     # while it was written: transformers' loss with it on step 3's batch is the run's step-3 loss
     assert sorted(p.name for p in e1.iterdir() if p.is_dir()) == [f"iter_{i:07d}" for i in range(1, STEPS + 1)]
+    assert sorted(p.name for p in e2.iterdir() if p.is_dir()) == [f"iter_{i:07d}" for i in range(1, STEPS + 1)]
     _assert_same_export(e1 / f"iter_{STEPS:07d}", e2, cohere)
+    _assert_same_export(e1 / "iter_0000003", e2 / "iter_0000003", cohere)  # before the stop
+    _assert_same_export(e1 / "iter_0000004", e2 / "iter_0000004", cohere)  # after the resume
     assert abs(transformers_loss(e1 / "iter_0000002", step=3) - losses["cohere_full"]["3"]) < 1e-5
     assert abs(losses["cohere_from_export"]["1"] - transformers_loss(e1)) < 1e-5
     full, first, resumed = losses["full"], losses["first5"], losses["resumed"]
