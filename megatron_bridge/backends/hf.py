@@ -34,6 +34,7 @@ from megatron_bridge.backends.hf_plan import (
     ROW,
     VOCAB,
     Plan,
+    cp_refusals,
     forward_refusals,
     override,
     plan_of,
@@ -332,7 +333,7 @@ class HFBackend(Backend):
     def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
         out = []
         if layout.cp > 1:
-            out.append((f"context parallelism (cp={layout.cp}) is not implemented for the hf backend yet", "set cp=1"))
+            out += cp_refusals(self.hf_config(spec).get("layer_types"), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
             out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
         out += expert_limits(spec, layout, meta(spec).plan.ep if spec.is_moe else ())
