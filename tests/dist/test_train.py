@@ -164,7 +164,7 @@ def test_moe_ep2_matches_ep1(tmp_path_factory, tmp_path):
 def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere, tmp_path_factory, tmp_path):
     """Resume is bit-exact (native Llama), and in the same launch the hf backend trains at
     tp2·pp2 with the distributed optimizer: Qwen3 forced onto hf follows its native run step for
-    step (its q/k norms are `replicated_with_grad_allreduce`), Cohere (no native family) starts at
+    step (its q/k norms are `replicated_with_grad_allreduce`), also at tp2·cp2, Cohere (no native family) starts at
     transformers' loss, resumes bit-exactly, and its export loads in transformers and in a new run
     at transformers' loss."""
     ck = tmp_path / "ckpt"
@@ -181,6 +181,10 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
         job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
         job("qwen3_hf", qwen3, *hf),
+        # context parallelism on hf (runtime/hf/cp.py) at tp2·cp2: 3 steps (the warmup's lr does not
+        # depend on train.steps, so they are the full run's first 3)
+        job("qwen3_hf_cp2", qwen3, "parallel.tp=2", "parallel.cp=2", "zero.stage=1", "model.backend=hf",
+            "train.steps=3"),  # fmt: skip
         job("cohere_full", cohere, *hf, f"export_to={e1}", f"train.export_interval={STEPS}"),  # + e1/iter_0000005
         job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3"),
         job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}"),
@@ -190,6 +194,7 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     losses = res[0]["losses"]
     assert_close(losses["qwen3_native"], losses["qwen3_hf"], "qwen3 hf vs native")
     assert losses["qwen3_hf"][str(STEPS)] < losses["qwen3_hf"]["1"]  # it learns
+    assert_close({k: losses["qwen3_native"][k] for k in ("1", "2", "3")}, losses["qwen3_hf_cp2"], "qwen3 hf cp2")
     assert abs(losses["cohere_full"]["1"] - transformers_loss(cohere)) < 1e-5
     first, again = losses["cohere_first3"], losses["cohere_resumed"]
     assert sorted(map(int, first)) == [1, 2, 3] and sorted(map(int, again)) == [4, 5], (first, again)
