@@ -351,8 +351,8 @@ class HFBackend(Backend):
         """Training runs: pretraining (megatron DDP / distributed optimizer at tp·pp·vpp·dp,
         DeepSpeed ZeRO at dp·tp), checkpoints, resume, the HF export and LoRA on the planned
         linears (peft module names, HF PEFT adapter export), SFT with padded samples (a loss
-        mask, causal attention: the pads come after the conversation). Not yet: the rest (cp
-        and sp are refused by `layout_limits`)."""
+        mask, causal attention: the pads come after the conversation), at cp as well. Not yet: the
+        rest (sp is refused by `layout_limits`)."""
         out = []
         if spec.is_moe:
             out.append(
