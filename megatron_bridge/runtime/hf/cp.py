@@ -29,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from megatron_bridge.backends.hf_plan import CP_LAYER_KINDS
+from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.cp_attention import _GatherSeq, allowed_mask, cp_positions
 
 PREFIX = "mbr_cp_"
@@ -48,8 +49,26 @@ def _gather(t: torch.Tensor, group: Any) -> torch.Tensor:
     return _GatherSeq.apply(t.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3)
 
 
+_calls = [0]  # `mbr_cp_*` calls in this process; `check_attended` compares them per forward
+
+
+def check_attended(before: int, layers: int) -> None:
+    """Every decoder layer of a forward must have gathered K/V here: a modeling file whose
+    attention bypasses transformers' interface would attend to its local keys only, silently."""
+    if _calls[0] - before < layers:
+        raise UserError(
+            f"{layers - _calls[0] + before} of {layers} decoder layers did not call transformers' attention "
+            "interface, so context parallelism cannot reach their attention (rule backend-layout); set cp=1"
+        )
+
+
+def calls() -> int:
+    return _calls[0]
+
+
 def _attention(inner: str):
     def attend(module, query, key, value, attention_mask, **kwargs):
+        _calls[0] += 1
         group = ps.get_context_parallel_group()
         return _inner(inner, module)(
             module, query, _gather(key, group), _gather(value, group), attention_mask, **kwargs
@@ -92,4 +111,4 @@ def _mask(window: str | None):
 # layer kind -> its mask under CP (backends/hf_plan.py names the kinds and their windows)
 CP_MASKS = {kind: _mask(window) for kind, window in CP_LAYER_KINDS.items()}
 
-__all__ = ["CP_MASKS", "MASK_FORMAT", "cp_implementation"]
+__all__ = ["CP_MASKS", "MASK_FORMAT", "calls", "check_attended", "cp_implementation"]
