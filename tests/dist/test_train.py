@@ -181,10 +181,10 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
         job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
         job("qwen3_hf", qwen3, *hf),
-        # context parallelism on hf (runtime/hf/cp.py) at tp2·cp2: 3 steps (the warmup's lr does not
-        # depend on train.steps, so they are the full run's first 3)
+        # context parallelism on hf (runtime/hf/cp.py) at tp2·cp2, 2 steps (CI time): the loss and
+        # gradient norm of the native run's first two batches (step 1's warmup lr is 0)
         job("qwen3_hf_cp2", qwen3, "parallel.tp=2", "parallel.cp=2", "zero.stage=1", "model.backend=hf",
-            "train.steps=3"),  # fmt: skip
+            "train.steps=2"),  # fmt: skip
         job("cohere_full", cohere, *hf, f"export_to={e1}", f"train.export_interval={STEPS}"),  # + e1/iter_0000005
         job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3"),
         job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}"),
@@ -194,7 +194,9 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     losses = res[0]["losses"]
     assert_close(losses["qwen3_native"], losses["qwen3_hf"], "qwen3 hf vs native")
     assert losses["qwen3_hf"][str(STEPS)] < losses["qwen3_hf"]["1"]  # it learns
-    assert_close({k: losses["qwen3_native"][k] for k in ("1", "2", "3")}, losses["qwen3_hf_cp2"], "qwen3 hf cp2")
+    for what in ("losses", "grad_norms"):
+        native = {k: res[0][what]["qwen3_native"][k] for k in ("1", "2")}
+        assert_close(native, res[0][what]["qwen3_hf_cp2"], f"qwen3 hf cp2 {what}")
     assert abs(losses["cohere_full"]["1"] - transformers_loss(cohere)) < 1e-5
     first, again = losses["cohere_first3"], losses["cohere_resumed"]
     assert sorted(map(int, first)) == [1, 2, 3] and sorted(map(int, again)) == [4, 5], (first, again)
