@@ -34,6 +34,7 @@ from megatron_bridge.backends.hf_plan import (
     ROW,
     VOCAB,
     Plan,
+    cp_refusals,
     forward_refusals,
     override,
     plan_of,
@@ -332,7 +333,7 @@ class HFBackend(Backend):
     def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
         out = []
         if layout.cp > 1:
-            out.append((f"context parallelism (cp={layout.cp}) is not implemented for the hf backend yet", "set cp=1"))
+            out += cp_refusals(self.hf_config(spec).get("layer_types"), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
             out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
         out += expert_limits(spec, layout, meta(spec).plan.ep if spec.is_moe else ())
@@ -350,8 +351,8 @@ class HFBackend(Backend):
         """Training runs: pretraining (megatron DDP / distributed optimizer at tp·pp·vpp·dp,
         DeepSpeed ZeRO at dp·tp), checkpoints, resume, the HF export and LoRA on the planned
         linears (peft module names, HF PEFT adapter export), SFT with padded samples (a loss
-        mask, causal attention: the pads come after the conversation). Not yet: the rest (cp
-        and sp are refused by `layout_limits`)."""
+        mask, causal attention: the pads come after the conversation), at cp as well. Not yet: the
+        rest (sp is refused by `layout_limits`)."""
         out = []
         if spec.is_moe:
             out.append(

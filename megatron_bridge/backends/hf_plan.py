@@ -51,6 +51,10 @@ MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
 STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
 # layer kinds (`config.layer_types`) whose masks the stages rebuild
 LAYER_KINDS = ("full_attention", "sliding_attention")
+# layer kinds that run under context parallelism (runtime/hf/cp.py: K/V all-gathered, the mask
+# from global positions) -> the config key holding their window; linear attention, convs and
+# sparse indexers keep state or selections over the local tokens and are refused at cp > 1
+CP_LAYER_KINDS = {"full_attention": None, "sliding_attention": "sliding_window"}
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,20 @@ def plan_of(
     return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp, ep)
 
 
+def cp_refusals(layer_types: list[str] | None, cp: int) -> list[tuple[str, str]]:
+    """One refusal per layer kind that cannot run at cp > 1 (see `CP_LAYER_KINDS`)."""
+    kinds = list(layer_types or ())
+    return [
+        (
+            f"layer kind {kind!r} (layers {', '.join(str(i) for i, k in enumerate(kinds) if k == kind)}) cannot run "
+            f"under context parallelism (cp={cp}) in the hf backend: it runs {tuple(CP_LAYER_KINDS)}",
+            "set cp=1",
+        )
+        for kind in dict.fromkeys(kinds)
+        if kind not in CP_LAYER_KINDS
+    ]
+
+
 def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: Mapping[str, Any] | None) -> list[str]:
     """What this slice of the hf backend cannot do with these plans, one line each."""
     out = []
@@ -259,6 +277,7 @@ def tensor_kinds(
 __all__ = [
     "COLUMN",
     "COLUMN_STYLES",
+    "CP_LAYER_KINDS",
     "EP_MODULE",
     "EP_TENSOR",
     "MOE_TP",
@@ -279,6 +298,7 @@ __all__ = [
     "STYLES",
     "VOCAB",
     "FORWARD",
+    "cp_refusals",
     "forward_refusals",
     "override",
     "plan_of",

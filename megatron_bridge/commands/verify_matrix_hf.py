@@ -40,6 +40,7 @@ from megatron_bridge.runtime.parity import check_layout, fold, hf_reference, mak
 from megatron_bridge.testing import TorchrunError, report, run_torchrun
 
 LAYOUTS = ("tp2", "pp2", "tp2pp2", "ep2")
+ACCEPTED = (*LAYOUTS, "cp2", "tp2cp2")  # context parallelism: run when verify.layouts names it
 NOT_MOE = "n/a"  # an ep layout of a dense model: no row
 CHECKS = ("logits", "grads", "roundtrip")
 NPROC = 4
@@ -104,7 +105,7 @@ def worker(argv: Sequence[str]) -> None:
 
     root = Path(opts["--root"])
     todo = json.loads(opts["--layouts"])  # {arch: [layouts]}
-    for text in LAYOUTS:
+    for text in ACCEPTED:
         for arch in opts["--archs"].split(","):
             if text not in todo.get(arch, []):
                 continue
@@ -223,9 +224,9 @@ def main(argv: Sequence[str]) -> int:
     if unknown:
         raise UserError(f"verify.families {unknown}: not causal-LM architectures with a tp plan ({len(known)} are)")
     layouts = [x.replace("·", "") for x in (cfg.verify.layouts or LAYOUTS)]
-    bad = [x for x in layouts if x not in LAYOUTS]
+    bad = [x for x in layouts if x not in ACCEPTED]
     if bad:
-        raise UserError(f"verify.layouts {bad}: the hf matrix runs {', '.join(LAYOUTS)} (ep2: MoE models only)")
+        raise UserError(f"verify.layouts {bad}: the hf matrix runs {', '.join(ACCEPTED)} (ep2: MoE models only)")
     with tempfile.TemporaryDirectory(prefix="mbr-hf-matrix-") as tmp:
         root = Path(cfg.verify.out or tmp)
         root.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ with its distinctive features on: Cohere's per-head qk norm, logit scale, parall
 tied embeddings; GPT-NeoX's fused per-head query_key_value and renamed head; Qwen3's and
 EXAONE-4's replicated q/k norms; Phi's unplanned q/k LayerNorm and biased head; OLMo-3's
 gathered q/k/v; StarCoder2's sliding window, biases and tied embeddings) and Llama forced onto
-the hf backend, at tp2, pp2, tp2·pp2 and pp2·vpp2, and Qwen3-MoE at ep2, ep2·pp2 and ep2·tp2: logits within 1e-5 (fp32) of transformers', the
+the hf backend, at tp2, pp2, tp2·pp2 and pp2·vpp2 (two of them at tp2·cp2), and Qwen3-MoE at ep2, ep2·pp2 and ep2·tp2: logits within 1e-5 (fp32) of transformers', the
 loss and every gradient, the bit-exact export round trip, and the exported directory loads in
 transformers with the oracle's logits.
 """
@@ -38,9 +38,15 @@ MATRIX_SAMPLE = ["gemma2", "granite", "nanochat", "apertus", "cohere_compass_tex
 MOE = ["qwen3_moe"]
 FAMILIES = ["llama", *HF_TINY, *MATRIX_SAMPLE, *MOE]
 DENSE_LAYOUTS = ["tp2", "pp2", "tp2pp2", "pp2vpp2"]
-LAYOUTS = [*DENSE_LAYOUTS, "ep2", "ep2pp2", "ep2tp2"]
+# context parallelism (runtime/hf/cp.py: K/V gathered around the model's own attention, masks from
+# global positions) at tp2·cp2 for both inner attention functions: transformers' SDPA (StarCoder2's
+# sliding window, biases, tied embeddings) and the model's own eager one (Gemma-2: logit
+# soft-capping, alternating sliding layers)
+CP = ["starcoder2", "gemma2"]
+LAYOUTS = [*DENSE_LAYOUTS, "tp2cp2", "ep2", "ep2pp2", "ep2tp2"]
 SKIP = [f"{fam}/{lay}" for fam in MATRIX_SAMPLE for lay in DENSE_LAYOUTS if lay != "tp2pp2"]
 SKIP += [f"{fam}/{lay}" for fam in MOE for lay in DENSE_LAYOUTS]
+SKIP += [f"{fam}/tp2cp2" for fam in FAMILIES if fam not in CP]
 TOL = 1e-5
 
 

@@ -164,7 +164,7 @@ def test_moe_ep2_matches_ep1(tmp_path_factory, tmp_path):
 def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere, tmp_path_factory, tmp_path):
     """Resume is bit-exact (native Llama), and in the same launch the hf backend trains at
     tp2·pp2 with the distributed optimizer: Qwen3 forced onto hf follows its native run step for
-    step (its q/k norms are `replicated_with_grad_allreduce`), Cohere (no native family) starts at
+    step (its q/k norms are `replicated_with_grad_allreduce`), also at tp2·cp2, Cohere (no native family) starts at
     transformers' loss, resumes bit-exactly, and its export loads in transformers and in a new run
     at transformers' loss."""
     ck = tmp_path / "ckpt"
@@ -181,6 +181,10 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
         job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
         job("qwen3_hf", qwen3, *hf),
+        # context parallelism on hf (runtime/hf/cp.py) at tp2·cp2, 2 steps (CI time): the loss and
+        # gradient norm of the native run's first two batches (step 1's warmup lr is 0)
+        job("qwen3_hf_cp2", qwen3, "parallel.tp=2", "parallel.cp=2", "zero.stage=1", "model.backend=hf",
+            "train.steps=2"),  # fmt: skip
         # an HF export every step, written behind the loop (a 64 KiB queue: the step waits on it)
         job("cohere_full", cohere, *hf, f"export_to={e1}", "train.export_interval=1", "train.export_buffer_bytes=65536"),
         # the same, stopped after 3 (train.exit_after: interval exports only) and resumed into the same
@@ -195,6 +199,9 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     losses = res[0]["losses"]
     assert_close(losses["qwen3_native"], losses["qwen3_hf"], "qwen3 hf vs native")
     assert losses["qwen3_hf"][str(STEPS)] < losses["qwen3_hf"]["1"]  # it learns
+    for what in ("losses", "grad_norms"):
+        native = {k: res[0][what]["qwen3_native"][k] for k in ("1", "2")}
+        assert_close(native, res[0][what]["qwen3_hf_cp2"], f"qwen3 hf cp2 {what}")
     assert abs(losses["cohere_full"]["1"] - transformers_loss(cohere)) < 1e-5
     first, again = losses["cohere_first3"], losses["cohere_resumed"]
     assert sorted(map(int, first)) == [1, 2, 3] and sorted(map(int, again)) == [4, 5], (first, again)

@@ -43,6 +43,7 @@ from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
 from megatron_bridge.runtime.hf.chunk import HFChunk
+from megatron_bridge.runtime.hf.cp import cp_implementation
 from megatron_bridge.runtime.hf.experts import mark_expert, partition
 from megatron_bridge.runtime.hf.layers import (
     MEGATRON_LAYERS,
@@ -108,6 +109,8 @@ def build_hf(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **
     hf_cfg = transformers_config(spec)
     with torch.device("meta"):
         full = AutoModelForCausalLM.from_config(hf_cfg, dtype=tconfig.params_dtype)
+    if layout.cp > 1:  # K/V gathered over the CP group around the model's attention (runtime/hf/cp.py)
+        full.config._attn_implementation = cp_implementation(full.config._attn_implementation)
     plan = model_plan(full)
     kinds = meta(spec).kinds
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -28,6 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from megatron_bridge.backends.hf_plan import Plan
+from megatron_bridge.runtime.hf.cp import CP_MASKS, calls, check_attended
 
 MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -133,11 +134,13 @@ class HFChunk(MegatronModule):
             return h
         rotary = self.get_submodule(self.rotary_path) if self.rotary_path else None
         masks: dict[str, Any] = {}
+        make_mask = CP_MASKS if ps.get_context_parallel_world_size() > 1 else MASKS  # runtime/hf/cp.py
+        before = calls()
         embeddings: dict[str | None, Any] = {}
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
             if kind not in masks:
-                masks[kind] = MASKS[kind](
+                masks[kind] = make_mask[kind](
                     config=self.hf_config,
                     inputs_embeds=h,
                     attention_mask=None,
@@ -151,6 +154,8 @@ class HFChunk(MegatronModule):
                 h, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=embeddings.get(key)
             )
             h = out[0] if isinstance(out, tuple) else out
+        if make_mask is CP_MASKS:
+            check_attended(before, len(layers))
         return h
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:

@@ -169,8 +169,21 @@ def test_the_backend_layout_rule_refuses_what_the_hf_backend_cannot_split(tmp_pa
     with pytest.raises(LayoutError) as e:
         validate(cfg, spec, dims=ParallelDims.parse("cp2tp2").with_world(4), layout_only=True)
     found = [v for v in e.value.violations if v.rule == "backend-layout"]
-    assert len(found) == 2 and "context parallelism" in str(e.value) and "whole KV heads" in str(e.value)
+    assert len(found) == 1 and "whole KV heads" in str(e.value)  # cp itself runs (runtime/hf/cp.py)
     validate(cfg, describe(cfg.model), dims=ParallelDims.parse("pp2").with_world(2), layout_only=True)
+    validate(cfg, describe(cfg.model), dims=ParallelDims.parse("cp2").with_world(2), layout_only=True)
+
+
+def test_layer_kinds_that_cannot_run_under_cp_are_refused_by_kind():
+    """Full and sliding attention run under CP (K/V gathered, masks from global positions);
+    any other layer kind is refused at cp > 1 naming the kind and its layers, once per kind."""
+    from megatron_bridge.backends.hf_plan import cp_refusals
+
+    kinds = ["linear_attention", "full_attention", "linear_attention", "sliding_attention", "conv"]
+    out = cp_refusals(kinds, 2)
+    assert [w.split(" (")[0] for w, _ in out] == ["layer kind 'linear_attention'", "layer kind 'conv'"]
+    assert "(layers 0, 2)" in out[0][0] and "cp=2" in out[0][0] and out[0][1] == "set cp=1"
+    assert cp_refusals(["full_attention", "sliding_attention"], 2) == cp_refusals(None, 2) == []
 
 
 def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(tmp_path, saved, capsys):
