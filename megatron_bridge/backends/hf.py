@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 from megatron_bridge.backends.base import Backend
+from megatron_bridge.backends.hf_aux import aux_limits
 from megatron_bridge.backends.hf_experts import EXPERT_TP_SPLITS, StackedExperts, expert_fields, expert_limits, stacked
 from megatron_bridge.backends.hf_plan import (
     COLUMN,
@@ -351,17 +352,10 @@ class HFBackend(Backend):
         """Training runs: pretraining (megatron DDP / distributed optimizer at tp·pp·vpp·dp,
         DeepSpeed ZeRO at dp·tp), checkpoints, resume, the HF export and LoRA on the planned
         linears (peft module names, HF PEFT adapter export), SFT with padded samples (a loss
-        mask, causal attention: the pads come after the conversation), at cp as well. Not yet: the
-        rest (sp is refused by `layout_limits`)."""
-        out = []
-        if spec.is_moe:
-            out.append(
-                (
-                    "training MoE models is not implemented for the hf backend yet (HF's auxiliary "
-                    "load-balancing loss is not added to the training loss)",
-                    "train a dense model; `mbr verify` checks MoE at ep",
-                )
-            )
+        mask, causal attention: the pads come after the conversation), at cp as well, and MoE with
+        transformers' load-balancing loss where its config switches it on (backends/hf_aux.py).
+        Not yet: the rest (sp is refused by `layout_limits`)."""
+        out = aux_limits(transformers_config(spec), run.parallel.pp) if spec.is_moe else []
         if run.data.kind == "sft" and getattr(run.data, "packing", False):
             out.append(  # the chunk would attend across documents: it has no block-diagonal mask yet
                 (

@@ -98,7 +98,9 @@ def prepare(cfg, out: Path):
 def reference(hf_dir: str, spec, cfg, path: Path) -> dict[str, Any]:
     ids, labels = make_batch(spec.vocab_size, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
     ref = dict(
-        input_ids=ids, labels=labels, **hf_reference(hf_dir, ids, labels if "grads" in cfg.verify.checks else None)
+        input_ids=ids,
+        labels=labels,
+        **hf_reference(hf_dir, ids, labels if "grads" in cfg.verify.checks else None, aux_loss=spec.backend == "hf"),
     )
     torch.save(ref, path)
     return ref

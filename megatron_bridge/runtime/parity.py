@@ -47,8 +47,12 @@ def make_batch(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0) ->
     return ids, labels
 
 
-def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
-    """transformers' fp32 logits (and, with labels, loss and per-tensor grads).
+def hf_reference(
+    hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, aux_loss: bool = True
+) -> dict[str, Any]:
+    """transformers' fp32 logits (and, with labels, loss and per-tensor grads). `aux_loss`:
+    include transformers' router load-balancing term where the config switches it on (what
+    the hf backend trains with); False for the native backend, whose MoE layers do not add it.
 
     Grads are keyed by *checkpoint* names: transformers 5 keeps MoE experts fused in memory
     (`experts.gate_up_proj`) but saves them per expert, so the grads are written through
@@ -67,11 +71,17 @@ def hf_reference(hf_dir: str | Path, input_ids: torch.Tensor, labels: torch.Tens
         model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     out: dict[str, Any] = {}
     with torch.set_grad_enabled(labels is not None):
-        logits = model(input_ids).logits.float()
+        res = model(input_ids)
+        logits = res.logits.float()
         out["logits"] = logits.detach()
         if labels is None:
             return out
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        if aux_loss and getattr(res, "aux_loss", None) is not None:
+            # transformers' load-balancing loss (config.output_router_logits) of each one-sample
+            # micro-batch the schedule runs, averaged as their token losses are (runtime/hf/aux_loss.py)
+            aux = torch.stack([model(row[None]).aux_loss for row in input_ids]).mean()
+            loss = loss + model.router_aux_loss_coef * aux
         loss.backward()
     out["loss"] = float(loss.detach())
     with torch.no_grad():

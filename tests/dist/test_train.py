@@ -45,7 +45,8 @@ def assert_close(ref, got, name):
 
 def transformers_loss(hf, step=1, gbs=8, seq=32, seed=1234):
     """transformers' mean token loss on the synthetic global batch of `step` (samples
-    (step-1)·gbs … step·gbs-1): the oracle for an hf-backend run's loss before any update."""
+    (step-1)·gbs … step·gbs-1), with its router aux loss where the config asks for it (the mean of
+    the micro-batches', one sample each): the oracle for an hf-backend run's loss before any update."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -56,8 +57,11 @@ def transformers_loss(hf, step=1, gbs=8, seq=32, seed=1234):
     batch = [data[i] for i in range((step - 1) * gbs, step * gbs)]
     tokens, labels = (torch.stack([b[k] for b in batch]) for k in ("tokens", "labels"))
     with torch.no_grad():
-        logits = model(input_ids=tokens).logits.float()
-    return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+        out = model(input_ids=tokens)
+        loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
+        if getattr(out, "aux_loss", None) is not None:  # output_router_logits: its load-balancing loss per one-sample micro-batch
+            loss += model.router_aux_loss_coef * torch.stack([model(input_ids=t[None]).aux_loss for t in tokens]).mean()
+    return float(loss)
 
 
 @pytest.fixture(scope="module")
@@ -166,12 +170,17 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     tp2·pp2 with the distributed optimizer: Qwen3 forced onto hf follows its native run step for
     step (its q/k norms are `replicated_with_grad_allreduce`), also at tp2·cp2, Cohere (no native family) starts at
     transformers' loss, resumes bit-exactly, and its export loads in transformers and in a new run
-    at transformers' loss."""
+    at transformers' loss; Qwen3-MoE on hf at ep2 with transformers' aux loss switched on (a large
+    coefficient, so a missing term shows) starts at transformers' loss incl. the aux term, follows
+    its ep1 run (expert and router gradients over EP) and resumes bit-exactly."""
     ck = tmp_path / "ckpt"
     base = ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", "train.steps=10"]
     qwen3 = make_tiny("qwen3", tmp_path_factory.mktemp("hf") / "qwen3")
     hf = [*base[:3], "model.backend=hf"]
     hck, e1, e2 = tmp_path / "hf_ckpt", tmp_path / "export_full", tmp_path / "export_resumed"
+    moe = make_tiny("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe", output_router_logits=True,
+                    router_aux_loss_coef=0.5)  # fmt: skip
+    mck, moe_hf = tmp_path / "moe_ckpt", ["model.backend=hf", "train.steps=3"]
     jobs = [
         job("full", llama, *base),
         # checkpoint.async_save: saves at 2, 4 and 5 written in the background, published at later
@@ -194,6 +203,11 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}",
             "train.export_interval=1"),  # fmt: skip
         job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
+        job("moe_ep1", moe, *moe_hf),
+        job("moe_ep2", moe, *moe_hf, "parallel.ep=2"),
+        job("moe_ep2_first2", moe, *moe_hf, "parallel.ep=2", "train.exit_after=2", f"checkpoint.dir={mck}",
+            "checkpoint.save_interval=2"),  # fmt: skip
+        job("moe_ep2_resumed", moe, *moe_hf, "parallel.ep=2", f"checkpoint.dir={mck}", "checkpoint.resume=true"),
     ]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=4, timeout=900)
     losses = res[0]["losses"]
@@ -217,6 +231,9 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     _assert_same_export(e1 / "iter_0000004", e2 / "iter_0000004", cohere)  # after the resume
     assert abs(transformers_loss(e1 / "iter_0000002", step=3) - losses["cohere_full"]["3"]) < 1e-5
     assert abs(losses["cohere_from_export"]["1"] - transformers_loss(e1)) < 1e-5
+    assert abs(losses["moe_ep2"]["1"] - transformers_loss(moe)) < 1e-5
+    assert_close(losses["moe_ep1"], losses["moe_ep2"], "moe ep2 vs ep1")
+    assert losses["moe_ep2_first2"] | losses["moe_ep2_resumed"] == losses["moe_ep2"]  # bit-exact
     full, first, resumed = losses["full"], losses["first5"], losses["resumed"]
     assert sorted(map(int, first)) == [1, 2, 3, 4, 5] and sorted(map(int, resumed)) == [6, 7, 8, 9, 10]
     for step in map(str, range(6, 11)):

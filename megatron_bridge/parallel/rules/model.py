@@ -75,7 +75,8 @@ def backend_layout(f: Facts) -> list[Violation]:
 @RULES.run(reads=("model", "run"))
 def backend_run(f: Facts) -> list[Violation]:
     """What the model's backend cannot do in this training run (the hf backend: packed SFT data,
-    recomputation, MoE), refused by `mbr check`, `mbr plan` and the trainer before any process group."""
+    recomputation, MoE with transformers' aux loss at pp > 1), refused by `mbr check`, `mbr plan`
+    and the trainer before any process group."""
     out = []
     for what, fix in backend_of(f.model).run_limits(f.model, f.run):
         out += _v("backend-run", f"{f.model.architecture} ({f.model.backend} backend): {what}", fix)

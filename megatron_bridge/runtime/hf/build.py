@@ -24,6 +24,7 @@ from megatron.core.utils import init_method_normal
 from transformers import AutoModelForCausalLM
 
 from megatron_bridge.backends.hf import meta, model_plan, transformers_config
+from megatron_bridge.backends.hf_aux import aux_enabled, aux_seam
 from megatron_bridge.backends.hf_experts import EXPERT_TP_SPLITS
 from megatron_bridge.backends.hf_plan import (
     COLUMN_STYLES,
@@ -42,6 +43,7 @@ from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
+from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.chunk import HFChunk
 from megatron_bridge.runtime.hf.cp import cp_implementation
 from megatron_bridge.runtime.hf.experts import mark_expert, partition
@@ -176,11 +178,22 @@ class Stage:
             vocab_size=self.spec.vocab_size,
             tied=tied,
             forward_math=const,
+            aux=self._aux() if pre and post and self.spec.is_moe else None,
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
             # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)
             chunk.shared_embedding_or_output_weight().shared_embedding = True  # type: ignore[attr-defined]
         return chunk.to(self.device)
+
+    def _aux(self) -> RouterAuxLoss | None:
+        """transformers' load-balancing loss, where the config switches it on and one chunk holds
+        every layer (training at pp > 1 is refused by `hf_aux.aux_limits`)."""
+        if not aux_enabled(self.full.config):
+            return None
+        seam = aux_seam(self.full.config)
+        if isinstance(seam, str):
+            raise UserError(f"{self.spec.architecture}: output_router_logits=true, but {seam}")
+        return RouterAuxLoss(seam, self.full)
 
     # -- the pieces --------------------------------------------------------------------------
     def _embedding(self, emb: Any) -> VocabEmbedding:

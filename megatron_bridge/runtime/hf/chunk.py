@@ -12,7 +12,8 @@ global layer indices), so a checkpoint's names are the chunk's. Its forward is t
 model's, rebuilt per stage: the embedding (first stage), then each decoder layer called with
 the rotary embeddings and mask of its own layer kind (`config.layer_types[i]` by the *global*
 index i), made with the model's own rotary module and transformers' mask functions; the final
-norm and the head (last stage), with the model type's forward arithmetic (`hf_plan.OVERRIDES`).
+norm and the head (last stage), with the model type's forward arithmetic (`hf_plan.OVERRIDES`),
+and transformers' router load-balancing loss where the config asks for it (aux_loss.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megatron.core.transformer.module import MegatronModule
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from megatron_bridge.backends.hf_plan import Plan
+from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.cp import CP_MASKS, calls, check_attended
 
 MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
@@ -52,6 +54,7 @@ class HFChunk(MegatronModule):
         vocab_size: int,
         tied: bool,
         forward_math: dict[str, float],
+        aux: RouterAuxLoss | None = None,
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -65,6 +68,9 @@ class HFChunk(MegatronModule):
         for path, module in modules.items():
             self._place(path, module)
         self._place(plan.layers, torch.nn.ModuleDict({str(i): layer for i, layer in layers.items()}))
+        self.aux = aux  # transformers' load-balancing loss, added to the token losses (aux_loss.py)
+        if aux is not None:
+            aux.attach(self.get_submodule(plan.layers))
         self.rotary_path = None
         if rotary is not None:
             self.rotary_path = rotary[0]
@@ -112,6 +118,8 @@ class HFChunk(MegatronModule):
     ) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        if self.aux is not None:
+            self.aux.start()
         if self.pre_process:
             h = self.get_submodule(self.plan.embed)(input_ids)
             if "embed_scale" in self.forward_math:
@@ -176,7 +184,8 @@ class HFChunk(MegatronModule):
             logits = logits.masked_fill(pad, float("-inf"))
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels)
+        loss = vocab_parallel_cross_entropy(logits, labels)
+        return self.aux.add(loss) if self.aux is not None else loss
 
 
 __all__ = ["HFChunk", "MASKS", "Pieces"]
