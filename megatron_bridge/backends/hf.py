@@ -33,10 +33,12 @@ from megatron_bridge.backends.hf_plan import (
     PP_CONVENTION,
     REPLICATED,
     ROW,
+    UNBUILT_KINDS,
     VOCAB,
     Plan,
     cp_refusals,
     forward_refusals,
+    layer_limits,
     override,
     plan_of,
     plan_problems,
@@ -230,9 +232,8 @@ def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
     for kind in dict.fromkeys(kinds):
         if kind not in LAYER_KINDS:
             where = [i for i, k in enumerate(kinds) if k == kind]
-            out.append(
-                f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}): the hf backend builds {LAYER_KINDS}"
-            )
+            why = UNBUILT_KINDS.get(kind, f"the hf backend builds {LAYER_KINDS}")
+            out.append(f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}): {why}")
     out += forward_refusals(mt, hf)
     return out
 
@@ -338,6 +339,7 @@ class HFBackend(Backend):
         if layout.sequence_parallel and layout.tp > 1:
             out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
         out += expert_limits(spec, layout, meta(spec).plan.ep if spec.is_moe else ())
+        out += layer_limits(self.hf_config(spec), layout)
         if layout.tp > 1 and spec.num_query_groups % layout.tp:
             out.append(
                 (

@@ -49,8 +49,43 @@ MARKERS = ("local_params",)
 MLA = "mla_kv_a_proj"
 MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
 STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
-# layer kinds (`config.layer_types`) whose masks the stages rebuild
-LAYER_KINDS = ("full_attention", "sliding_attention")
+# layer kinds (`config.layer_types`) whose masks the stages rebuild (runtime/hf/chunk.py MASKS);
+# `indexed_attention` (DeepSeek-V3.2's sparse attention, GLM-5): the causal mask, which the
+# layer's indexer narrows to its top-k keys inside the layer; `minimax_m3_sparse` (MiniMax-M3):
+# the causal mask, narrowed to the indexer's key blocks inside the layer
+LAYER_KINDS = ("full_attention", "sliding_attention", "indexed_attention", "minimax_m3_sparse")
+# layer kinds known but not built, and the piece the stages lack for them (instead of the
+# generic "not one of LAYER_KINDS" line)
+_V4 = (
+    "DeepseekV4Model.forward runs every layer on hc_mult hyper-connection streams ([b, s, hc_mult, h], folded "
+    "by hc_head before the norm) with a {'main', 'compress'} rotary pair and input_ids (hash-routed MoE): "
+    "the stages pass one [b, s, h] stream and one rotary embedding"
+)
+_INKLING = (
+    "InklingModel.forward gives every layer a conv_mask (create_recurrent_attention_mask) besides its "
+    "attention mask ('hybrid' full, 'hybrid_sliding' sliding): the stages pass one mask per layer"
+)
+UNBUILT_KINDS = {
+    "compressed_sparse_attention": _V4,
+    "heavily_compressed_attention": _V4,
+    "hybrid": _INKLING,
+    "hybrid_sliding": _INKLING,
+}
+# submodules (by attribute name) that stay whole on every TP rank and are never split by head,
+# whatever the plan next to them splits: a sparse-attention indexer reads whole tensors (the
+# hidden states, the q latent) under `torch.no_grad` and returns top-k key indices shared by all
+# heads, so every rank computes the same selection for its own heads (no gradient reaches it)
+WHOLE_MODULES = ("indexer",)
+# what a decoder layer hands the next one: {keyword the next layer takes: (index in the layer's
+# output tuple, config list marking the layers that read it, the marking value)}. GLM-5's and
+# HY-V4's "shared" indexer layers reuse the previous layer's top-k (GlmMoeDsaModel.forward);
+# megatron's schedules pass one activation tensor between stages, so no stage may start at one
+CARRY = {"prev_topk_indices": (1, "indexer_types", "shared")}
+# layer kinds context parallelism cannot run, and why
+NO_CP_KINDS = {
+    "indexed_attention": "its indexer scores every query against all keys and keeps the top-k; a CP rank holds a "
+    "slice of the keys",
+}
 # layer kinds that run under context parallelism (runtime/hf/cp.py: K/V all-gathered, the mask
 # from global positions) -> the config key holding their window; linear attention, convs and
 # sparse indexers keep state or selections over the local tokens and are refused at cp > 1
@@ -117,7 +152,10 @@ OVERRIDES: dict[str, Override] = {
 FORWARD_KEYS = ("logit_scale", "logits_scaling", "embedding_multiplier", "final_logit_softcapping", "embedding_scale")
 # model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
 # scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
-FORWARD_MATH: dict[str, str] = {}
+FORWARD_MATH: dict[str, str] = {
+    "hy_v4": "HYV4Model.forward runs the layers on hc_mult hyper-connection streams ([b, s, hc_mult, h]) and "
+    "folds them with hc_head before the norm: the stages pass one [b, s, h] stream",
+}
 
 
 def override(model_type: str) -> Override:
@@ -134,6 +172,27 @@ def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
         v = hf.get(key)
         if key not in handled and v not in (None, 0, 1, 1.0, False):
             out.append(f"{key}={v!r} is applied in the model's forward (no entry in backends/hf_plan.py OVERRIDES)")
+    return out
+
+
+def layer_limits(hf: Mapping[str, Any], layout: Any) -> list[tuple[str, str]]:
+    """(problem, fix) for the carried values this layout cannot run: a pipeline stage that would
+    start at a layer reading a value the previous layer hands over (`CARRY`). (Layer kinds under
+    context parallelism: `cp_refusals`.)"""
+    out = []
+    kinds = list(hf.get("layer_types") or ())
+    n = int(hf.get("num_hidden_layers") or len(kinds))
+    starts = {layout.stage_layers(n, r, v).start for r in range(layout.pp) for v in range(layout.vpp_or_1)}
+    for kw, (_, field, value) in CARRY.items():
+        marks = list(hf.get(field) or ())
+        for s in sorted(i for i in starts if 0 < i < len(marks) and marks[i] == value):
+            out.append(
+                (
+                    f"layer {s} ({field}[{s}]={value!r}) takes {kw} from layer {s - 1}, which is on the previous "
+                    "pipeline stage (megatron's schedules pass one activation tensor between stages)",
+                    f"choose a stage split whose stages start at a layer that is not {value!r}",
+                )
+            )
     return out
 
 
@@ -204,12 +263,14 @@ def plan_of(
 
 
 def cp_refusals(layer_types: list[str] | None, cp: int) -> list[tuple[str, str]]:
-    """One refusal per layer kind that cannot run at cp > 1 (see `CP_LAYER_KINDS`)."""
+    """One refusal per layer kind that cannot run at cp > 1 (see `CP_LAYER_KINDS`), with the
+    reason where `NO_CP_KINDS` gives one."""
     kinds = list(layer_types or ())
     return [
         (
             f"layer kind {kind!r} (layers {', '.join(str(i) for i, k in enumerate(kinds) if k == kind)}) cannot run "
-            f"under context parallelism (cp={cp}) in the hf backend: it runs {tuple(CP_LAYER_KINDS)}",
+            f"under context parallelism (cp={cp}) in the hf backend: "
+            + NO_CP_KINDS.get(kind, f"it runs {tuple(CP_LAYER_KINDS)}"),
             "set cp=1",
         )
         for kind in dict.fromkeys(kinds)
@@ -260,7 +321,7 @@ def tensor_kinds(
             kind = ROW if leaf == "weight" else REPLICATED
         elif style == "replicated_with_grad_allreduce":
             kind = GRAD_ALLREDUCE
-        elif style == MLA or module in latent:
+        elif style == MLA or module in latent or any(part in WHOLE_MODULES for part in module.split(".")):
             kind = REPLICATED
         elif any(module == p or module.startswith(p + ".") for p in split_parents) and not any(
             module.startswith(m + ".") for m in styles
@@ -275,6 +336,7 @@ def tensor_kinds(
 
 
 __all__ = [
+    "CARRY",
     "COLUMN",
     "COLUMN_STYLES",
     "CP_LAYER_KINDS",
@@ -288,6 +350,7 @@ __all__ = [
     "LAYER_KINDS",
     "MLA",
     "MLA_LATENT",
+    "NO_CP_KINDS",
     "OVERRIDES",
     "Override",
     "PP_CONVENTION",
@@ -296,10 +359,13 @@ __all__ = [
     "ROW",
     "ROW_STYLES",
     "STYLES",
+    "UNBUILT_KINDS",
     "VOCAB",
+    "WHOLE_MODULES",
     "FORWARD",
     "cp_refusals",
     "forward_refusals",
+    "layer_limits",
     "override",
     "plan_of",
     "plan_problems",

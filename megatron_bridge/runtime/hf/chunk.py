@@ -19,6 +19,8 @@ and transformers' router load-balancing loss where the config asks for it (aux_l
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,11 +30,19 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from megatron_bridge.backends.hf_plan import Plan
+from megatron_bridge.backends.hf_plan import CARRY, Plan
 from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.cp import CP_MASKS, calls, check_attended
 
-MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+# layer kind -> the mask function the model's own forward calls for it (hf_plan.LAYER_KINDS);
+# an indexed layer slices its mask (`mask[:, 0]`) for its indexer, so it must exist even where
+# sdpa could skip a plain causal mask (DeepseekV32Model.forward: allow_is_causal_skip=False)
+MASKS: dict[str, Callable[..., Any]] = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "indexed_attention": partial(create_causal_mask, allow_is_causal_skip=False),
+    "minimax_m3_sparse": create_causal_mask,  # MiniMaxM3VLTextModel.forward: one causal mask for every layer
+}
 
 
 class Pieces(torch.nn.Module):
@@ -81,6 +91,9 @@ class HFChunk(MegatronModule):
         sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
         default = "sliding_attention" if sliding else "full_attention"
         self.kinds = {i: (kinds[i] if kinds else default) for i in layers}
+        # what each layer hands the next (hf_plan.CARRY), where the layers take it
+        takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
+        self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
         rope = getattr(hf_config, "rope_parameters", None)
         # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
         # NoPE full-attention layers), as the model's own forward decides
@@ -145,6 +158,7 @@ class HFChunk(MegatronModule):
         make_mask = CP_MASKS if ps.get_context_parallel_world_size() > 1 else MASKS  # runtime/hf/cp.py
         before = calls()
         embeddings: dict[str | None, Any] = {}
+        carried: dict[str, Any] = {}
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
             if kind not in masks:
@@ -159,9 +173,14 @@ class HFChunk(MegatronModule):
             if rotary is not None and key not in embeddings and kind not in self.nope:
                 embeddings[key] = rotary(h, position_ids, kind) if self.rotary_by_kind else rotary(h, position_ids)
             out = layer(
-                h, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=embeddings.get(key)
+                h,
+                attention_mask=masks[kind],
+                position_ids=position_ids,
+                position_embeddings=embeddings.get(key),
+                **carried,
             )
             h = out[0] if isinstance(out, tuple) else out
+            carried = {kw: out[index] for kw, index in self.carry.items()}
         if make_mask is CP_MASKS:
             check_attended(before, len(layers))
         return h
