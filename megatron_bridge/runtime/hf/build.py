@@ -29,7 +29,6 @@ from megatron_bridge.backends.hf_plan import (
     COLUMN_STYLES,
     EP_MODULE,
     EP_TENSOR,
-    FORWARD,
     GRAD_ALLREDUCE,
     HEAD,
     MLA,
@@ -160,7 +159,7 @@ class Stage:
             modules[plan.head] = self._head(full.get_submodule(plan.head), tied and pre)
         rotary = self._rotary()
         ov = override(self.spec.family)
-        const = {k: float(getattr(full.config, v)) for k, v in vars(ov).items() if k in FORWARD and v}
+        const = ov.constants(full.config)
         chunk = HFChunk(
             self.tconfig,
             full.config,
