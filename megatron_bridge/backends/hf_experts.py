@@ -17,6 +17,7 @@ back into every expert's tensors.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -170,6 +171,14 @@ def expert_fields(cfg: Any) -> dict[str, int]:
     return {"num_moe_experts": experts, "moe_router_topk": _first_int(cfg, EXPERTS_PER_TOKEN_KEYS) or 1}
 
 
+# config keys that put experts outside the stacked tensors (what `moe_tp_experts` splits) -> why
+# TP cannot split them (runtime/hf/experts.py `ExpertsTP` sums the experts' outputs over TP)
+EXPERTS_TP_UNSPLIT = {
+    "zero_expert_num": "zero-compute (identity) experts, whose output is whole on every TP rank "
+    "(summed over TP it would count tp times)",
+}
+
+
 def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """What the hf backend cannot run of a MoE model under `layout` (what, fix): EP splits
     the `ep_dispatch_experts` module of `base_model_ep_plan`; TP splits its experts as
@@ -177,6 +186,10 @@ def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) ->
     if not spec.is_moe:
         return []
     out = []
+    hf = json.loads(spec.hf_json or "{}")
+    for key, why in EXPERTS_TP_UNSPLIT.items():
+        if layout.tp > 1 and hf.get(key):
+            out.append((f"tp={layout.tp}: {spec.architecture} has {key}={hf[key]}: {why}", "set tp=1"))
     if layout.tp > 1 and layout.etp != layout.tp:
         out.append(
             (
@@ -205,6 +218,7 @@ __all__ = [
     "EXPERTS_PER_TOKEN_KEYS",
     "EXPERT_TP_PACKS",
     "EXPERT_TP_SPLITS",
+    "EXPERTS_TP_UNSPLIT",
     "expert_fields",
     "expert_limits",
     "STACK_OPS",

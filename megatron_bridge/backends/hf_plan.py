@@ -67,6 +67,9 @@ class Override:
     embed_sqrt_hidden: str | None = None  # config key of a flag: when on, embeddings * sqrt(hidden_size) (muP)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
     pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order, where it declares none
+    # (decoder-layer kwarg, function of position_ids in the modeling module) the forward passes to
+    # the layers whose layer kind has no rotary embedding (Beam's NoPE query scale)
+    nope_kwargs: tuple[tuple[str, str], ...] = ()
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
@@ -130,6 +133,12 @@ OVERRIDES: dict[str, Override] = {
     "afmoe": Override(
         "AfmoeModel.forward: embeddings * hidden_size**0.5 when mup_enabled (muP input scaling)",
         embed_sqrt_hidden="mup_enabled",
+    ),
+    "beam": Override(
+        "BeamForCausalLM.forward softcaps the logits; BeamModel.forward passes NoPE (full-attention) layers "
+        "attention_scaling=compute_attention_scaling(position_ids)",
+        logit_softcap="final_logit_softcapping",
+        nope_kwargs=(("attention_scaling", "compute_attention_scaling"),),
     ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",

@@ -14,6 +14,7 @@ init (`skip_weight_init`) and the loader proves every tensor was written.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -172,6 +173,7 @@ class Stage:
             vocab_size=self.spec.vocab_size,
             tied=tied,
             forward_math=const,
+            nope_kwargs={k: getattr(sys.modules[type(full).__module__], fn) for k, fn in ov.nope_kwargs},
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
             # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)

@@ -51,6 +51,7 @@ class HFChunk(MegatronModule):
         vocab_size: int,
         tied: bool,
         forward_math: dict[str, float],
+        nope_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -60,6 +61,7 @@ class HFChunk(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder
         self.vocab_size = vocab_size
         self.forward_math = forward_math  # hf_plan.OVERRIDES constants: embed_scale, logit_scale, ...
+        self.nope_kwargs = nope_kwargs or {}  # hf_plan.Override.nope_kwargs: {kwarg: fn(position_ids)}
         self.input_tensor: torch.Tensor | None = None
         for path, module in modules.items():
             self._place(path, module)
@@ -147,8 +149,13 @@ class HFChunk(MegatronModule):
             key = kind if self.rotary_by_kind else None
             if rotary is not None and key not in embeddings and kind not in self.nope:
                 embeddings[key] = rotary(h, position_ids, kind) if self.rotary_by_kind else rotary(h, position_ids)
+            extra = {k: fn(position_ids) for k, fn in self.nope_kwargs.items()} if kind in self.nope else {}
             out = layer(
-                h, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=embeddings.get(key)
+                h,
+                attention_mask=masks[kind],
+                position_ids=position_ids,
+                position_embeddings=embeddings.get(key),
+                **extra,
             )
             h = out[0] if isinstance(out, tuple) else out
         return h

@@ -162,3 +162,17 @@ def test_granite_moe_experts_stacked_in_the_checkpoint_are_rows_that_split_over_
     t = rows["model.layers.{layer}.block_sparse_moe.experts.gate_up_proj"]
     assert t.hf == ("model.layers.{layer}.block_sparse_moe.input_linear.weight",)
     assert repr(t.transform) == "WholeStackedExperts(column, packs=2)"
+
+
+def test_identity_experts_are_refused_under_tp_naming_them():
+    """LongCat-Flash's zero-compute experts sit outside the stacked tensors `moe_tp_experts`
+    splits: at tp2 the layout rule names them; pp2 runs (the matrix measures it)."""
+    from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    hf = {**tiny_config("longcat_flash").to_dict(), "model_type": "longcat_flash"}
+    spec = describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")
+    (what, fix), *_ = HFBackend().layout_limits(spec, Layout.parse("tp2"))
+    assert "zero_expert_num=2: zero-compute (identity) experts" in what and fix == "set tp=1"
+    assert HFBackend().layout_limits(spec, Layout.parse("pp2")) == []
