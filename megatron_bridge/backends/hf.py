@@ -24,12 +24,21 @@ from typing import Any
 
 from megatron_bridge.backends.base import Backend
 from megatron_bridge.backends.hf_aux import aux_limits
-from megatron_bridge.backends.hf_experts import EXPERT_TP_SPLITS, StackedExperts, expert_fields, expert_limits, stacked
+from megatron_bridge.backends.hf_experts import (
+    EXPERT_TP_PACKS,
+    EXPERT_TP_SPLITS,
+    StackedExperts,
+    WholeStackedExperts,
+    expert_fields,
+    expert_limits,
+    stacked,
+)
 from megatron_bridge.backends.hf_plan import (
     COLUMN,
     GRAD_ALLREDUCE,
     HEAD,
     LAYER_KINDS,
+    MOE_TP,
     PP_CONVENTION,
     REPLICATED,
     ROW,
@@ -304,6 +313,11 @@ class HFBackend(Backend):
                 n = m.shapes[name][0]
                 stacked = StackedExperts(n, len(pieces) // n, EXPERT_TP_SPLITS.get(m.plan.style(name) or ""))
                 rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], stacked))
+                continue
+            style = m.plan.style(name) or ""
+            if style in EXPERT_TP_SPLITS and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too
+                whole = WholeStackedExperts(EXPERT_TP_SPLITS[style], EXPERT_TP_PACKS[style])
+                rows.setdefault(t, Row(t, m.hf_template(name), whole))
                 continue
             transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
             rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], transform))

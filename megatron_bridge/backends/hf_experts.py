@@ -17,6 +17,7 @@ back into every expert's tensors.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -78,8 +79,45 @@ class StackedExperts(Transform):
         return f"StackedExperts({self.experts}x{self.pieces}, {self.split})"
 
 
-# the tp plan styles of a stacked experts tensor under `moe_tp_experts` -> how its pieces split
+class WholeStackedExperts(Transform):
+    """A stacked experts tensor the checkpoint already holds stacked ([E, rows, cols]: Granite-MoE's
+    `input_linear.weight`, renamed to `experts.gate_up_proj`), split over TP as `StackedExperts`
+    splits each expert's pieces: `packs` equal blocks of dim 1 (a fused gate/up is 2), this rank's
+    rows of each ("column"), or its columns of dim 2 ("row"). EP takes whole experts (dim 0) after
+    (runtime/hf/weights.py)."""
+
+    def __init__(self, split: str, packs: int) -> None:
+        self.split, self.packs = split, packs
+
+    def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> Any:
+        raise NotBlockwise("a stacked experts tensor is split per packed block, not in row blocks")
+
+    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> Any:
+        import torch
+
+        t = hf[0][:]
+        if self.split == "row":
+            a, b = split_range(t.shape[2], s, "expert columns")
+            return t[:, :, a:b]
+        blocks = t.chunk(self.packs, 1)
+        return torch.cat([blk[:, slice(*split_range(blk.shape[1], s, "expert rows"))] for blk in blocks], 1)
+
+    def merge(self, shards: Sequence[Any], shapes: Shapes) -> tuple[Any, ...]:
+        import torch
+
+        if self.split == "row":
+            return (torch.cat(list(shards), 2).clone(),)
+        per_rank = [t.chunk(self.packs, 1) for t in shards]  # [tp][pack]
+        return (torch.cat([torch.cat([r[p] for r in per_rank], 1) for p in range(self.packs)], 1).clone(),)
+
+    def __repr__(self) -> str:
+        return f"WholeStackedExperts({self.split}, packs={self.packs})"
+
+
+# the tp plan styles of a stacked experts tensor under `moe_tp_experts` -> how its pieces split,
+# and how many equal blocks a tensor stacked whole in the checkpoint packs on dim 1 (gate and up)
 EXPERT_TP_SPLITS = {"packed_colwise": "column", "rowwise": "row"}
+EXPERT_TP_PACKS = {"packed_colwise": 2, "rowwise": 1}
 
 
 def ep_part(items: Any, ep: int, rank: int) -> Any:
@@ -133,6 +171,14 @@ def expert_fields(cfg: Any) -> dict[str, int]:
     return {"num_moe_experts": experts, "moe_router_topk": _first_int(cfg, EXPERTS_PER_TOKEN_KEYS) or 1}
 
 
+# config keys that put experts outside the stacked tensors (what `moe_tp_experts` splits) -> why
+# TP cannot split them (runtime/hf/experts.py `ExpertsTP` sums the experts' outputs over TP)
+EXPERTS_TP_UNSPLIT = {
+    "zero_expert_num": "zero-compute (identity) experts, whose output is whole on every TP rank "
+    "(summed over TP it would count tp times)",
+}
+
+
 def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """What the hf backend cannot run of a MoE model under `layout` (what, fix): EP splits
     the `ep_dispatch_experts` module of `base_model_ep_plan`; TP splits its experts as
@@ -140,6 +186,10 @@ def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) ->
     if not spec.is_moe:
         return []
     out = []
+    hf = json.loads(spec.hf_json or "{}")
+    for key, why in EXPERTS_TP_UNSPLIT.items():
+        if layout.tp > 1 and hf.get(key):
+            out.append((f"tp={layout.tp}: {spec.architecture} has {key}={hf[key]}: {why}", "set tp=1"))
     if layout.tp > 1 and layout.etp != layout.tp:
         out.append(
             (
@@ -166,11 +216,14 @@ def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) ->
 __all__ = [
     "EXPERT_COUNT_KEYS",
     "EXPERTS_PER_TOKEN_KEYS",
+    "EXPERT_TP_PACKS",
     "EXPERT_TP_SPLITS",
+    "EXPERTS_TP_UNSPLIT",
     "expert_fields",
     "expert_limits",
     "STACK_OPS",
     "StackedExperts",
+    "WholeStackedExperts",
     "ep_part",
     "stack_converter",
     "stacked",

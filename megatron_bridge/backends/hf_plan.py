@@ -103,11 +103,22 @@ class Override:
     logit_divide: str | None = None  # config key: logits divided by it
     logit_softcap: str | None = None  # config key c: logits = c * tanh(logits / c)
     embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
+    embed_sqrt_hidden: str | None = None  # config key of a flag: when on, embeddings * sqrt(hidden_size) (muP)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
     pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order, where it declares none
+    # (decoder-layer kwarg, function of position_ids in the modeling module) the forward passes to
+    # the layers whose layer kind has no rotary embedding (Beam's NoPE query scale)
+    nope_kwargs: tuple[tuple[str, str], ...] = ()
 
     def handled(self) -> set[str | None]:
-        return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale}
+        return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
+
+    def constants(self, cfg: Any) -> dict[str, float]:
+        """{FORWARD field: value} that the chunk's forward applies, read off the transformers config."""
+        out = {k: float(getattr(cfg, v)) for k in FORWARD if (v := getattr(self, k))}
+        if self.embed_sqrt_hidden and getattr(cfg, self.embed_sqrt_hidden):
+            out["embed_scale"] = out.get("embed_scale", 1.0) * float(cfg.hidden_size) ** 0.5
+        return out
 
 
 # the Override fields that hold a config key of a constant the chunk's forward applies
@@ -142,6 +153,32 @@ OVERRIDES: dict[str, Override] = {
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
     ),
+    "granitemoe": Override(
+        "as granite: GraniteMoeModel.forward: embeddings * embedding_multiplier; its CausalLM: logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "granitemoeshared": Override(
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "granitemoe_swa": Override(
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "cohere2_moe": Override("Cohere2MoeForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
+    "afmoe": Override(
+        "AfmoeModel.forward: embeddings * hidden_size**0.5 when mup_enabled (muP input scaling)",
+        embed_sqrt_hidden="mup_enabled",
+    ),
+    "beam": Override(
+        "BeamForCausalLM.forward softcaps the logits; BeamModel.forward passes NoPE (full-attention) layers "
+        "attention_scaling=compute_attention_scaling(position_ids)",
+        logit_softcap="final_logit_softcapping",
+        nope_kwargs=(("attention_scaling", "compute_attention_scaling"),),
+    ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
         embed_scale="embedding_multiplier",
@@ -149,12 +186,23 @@ OVERRIDES: dict[str, Override] = {
     ),
 }
 # config keys that switch on forward-level arithmetic; without an override entry they are refused
-FORWARD_KEYS = ("logit_scale", "logits_scaling", "embedding_multiplier", "final_logit_softcapping", "embedding_scale")
+FORWARD_KEYS = (
+    "logit_scale",
+    "logits_scaling",
+    "embedding_multiplier",
+    "final_logit_softcapping",
+    "embedding_scale",
+    "mup_enabled",
+)
 # model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
 # scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
 FORWARD_MATH: dict[str, str] = {
     "hy_v4": "HYV4Model.forward runs the layers on hc_mult hyper-connection streams ([b, s, hc_mult, h]) and "
     "folds them with hc_head before the norm: the stages pass one [b, s, h] stream",
+    "gemma3n_text": "Gemma3nTextModel.forward: per-layer inputs (embed_tokens_per_layer, per_layer_model_projection) "
+    "fed to every layer, and AltUp's stack of altup_num_inputs hidden states carried between the layers",
+    "hrm_text": "HrmTextModel.forward: the H/L-cycle recurrence (L_module and H_module stacks run H_cycles x "
+    "L_cycles times on carried states, no one list of decoder layers to stage)",
 }
 
 
@@ -170,7 +218,7 @@ def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
     handled = override(model_type).handled()
     for key in FORWARD_KEYS:
         v = hf.get(key)
-        if key not in handled and v not in (None, 0, 1, 1.0, False):
+        if key not in handled and (v is True or v not in (None, 0, 1, 1.0, False)):  # a flag, or a constant
             out.append(f"{key}={v!r} is applied in the model's forward (no entry in backends/hf_plan.py OVERRIDES)")
     return out
 

@@ -23,7 +23,7 @@ from megatron_bridge.errors import UserError
 
 # spec field <- the first HF key present (the names HF's configs share)
 HF_KEYS: dict[str, tuple[str, ...]] = {
-    "num_layers": ("num_hidden_layers", "n_layer"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
     "hidden_size": ("hidden_size", "n_embd"),
     "ffn_hidden_size": ("intermediate_size", "n_inner"),
     "num_attention_heads": ("num_attention_heads", "n_head"),

@@ -10,14 +10,17 @@ process. A description the backend refuses gives one `refused` row with the refu
 line; a layout the backend refuses (`layout_limits`) gives a refused row for that layout. The
 others get transformers' fp32 reference here, then run in grouped torchrun launches (4 processes,
 `GROUP` architectures each, every layout in one launch): logits, loss, every gradient and the
-bit-exact HF round trip, as `mbr verify` checks them. An architecture that raises inside the
-launch is a FAIL row with its exception's last line; one that leaves no report (a hang, a crash)
-is retried alone once, then FAIL. The output is the table docs/bridge.md carries.
+bit-exact HF round trip, as `mbr verify` checks them. An exception inside the launch ends it
+at once (a rank that raised may leave the others waiting on it, so going on could hang); the
+group's architectures are then retried alone once, and the one that raises is a FAIL row with
+its exception's line, as is one that leaves no report (a hang, a crash). The output is the table
+docs/bridge.md carries.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -46,6 +49,7 @@ CHECKS = ("logits", "grads", "roundtrip")
 NPROC = 4
 GROUP = 12  # architectures per torchrun launch
 TOL = 1e-5  # fp32: logits, loss and every gradient
+ERROR_MARK = "hf-matrix error: "  # a worker's exception, printed as it ends the launch
 HEADER = "| architecture | layout | logits max-abs | loss abs-diff | grads max-abs (tensors) | round trip | verdict |"
 
 
@@ -121,6 +125,11 @@ def worker(argv: Sequence[str]) -> None:
                 tb = traceback.extract_tb(e.__traceback__)
                 where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
                 res = {"error": _one_line(f"{type(e).__name__}: {e}", 160) + where}
+                # the other ranks may be waiting on this one (a pipeline stage's send): going on
+                # would pair the next layout's collectives with theirs and hang the launch, so end
+                # it now; the launcher reads this line back (`_launch`)
+                print(f"{ERROR_MARK}{arch}/{text}: {res['error']}", flush=True)
+                os._exit(1)
             res["seconds"] = round(time.perf_counter() - t0, 3)
             report({f"{arch}/{text}": res})
     torch.distributed.barrier()
@@ -157,6 +166,9 @@ def _launch(root: Path, todo: dict[str, list[str]], timeout: float) -> tuple[lis
     try:
         return run_torchrun(args, nproc=NPROC, timeout=timeout, expect_results=False), ""
     except TorchrunError as e:
+        errors = [ln.split(ERROR_MARK, 1)[1] for ln in e.output.splitlines() if ERROR_MARK in ln]
+        if errors:  # a rank's exception ended the launch (`worker`)
+            return [], _one_line(errors[0], 240)
         first = str(e).strip().splitlines()[0] if str(e).strip() else "?"
         return [], _one_line(first.split(" (nproc=")[-1], 120)
 

@@ -14,6 +14,7 @@ init (`skip_weight_init`) and the loader proves every tensor was written.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -30,7 +31,6 @@ from megatron_bridge.backends.hf_plan import (
     COLUMN_STYLES,
     EP_MODULE,
     EP_TENSOR,
-    FORWARD,
     GRAD_ALLREDUCE,
     HEAD,
     MLA,
@@ -165,7 +165,7 @@ class Stage:
             modules[plan.head] = self._head(full.get_submodule(plan.head), tied and pre)
         rotary = self._rotary()
         ov = override(self.spec.family)
-        const = {k: float(getattr(full.config, v)) for k, v in vars(ov).items() if k in FORWARD and v}
+        const = ov.constants(full.config)
         chunk = HFChunk(
             self.tconfig,
             full.config,
@@ -179,6 +179,7 @@ class Stage:
             tied=tied,
             forward_math=const,
             aux=self._aux() if pre and post and self.spec.is_moe else None,
+            nope_kwargs={k: getattr(sys.modules[type(full).__module__], fn) for k, fn in ov.nope_kwargs},
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
             # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)

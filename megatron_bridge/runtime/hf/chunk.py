@@ -65,6 +65,7 @@ class HFChunk(MegatronModule):
         tied: bool,
         forward_math: dict[str, float],
         aux: RouterAuxLoss | None = None,
+        nope_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -74,6 +75,7 @@ class HFChunk(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder
         self.vocab_size = vocab_size
         self.forward_math = forward_math  # hf_plan.OVERRIDES constants: embed_scale, logit_scale, ...
+        self.nope_kwargs = nope_kwargs or {}  # hf_plan.Override.nope_kwargs: {kwarg: fn(position_ids)}
         self.input_tensor: torch.Tensor | None = None
         for path, module in modules.items():
             self._place(path, module)
@@ -172,12 +174,14 @@ class HFChunk(MegatronModule):
             key = kind if self.rotary_by_kind else None
             if rotary is not None and key not in embeddings and kind not in self.nope:
                 embeddings[key] = rotary(h, position_ids, kind) if self.rotary_by_kind else rotary(h, position_ids)
+            extra = {k: fn(position_ids) for k, fn in self.nope_kwargs.items()} if kind in self.nope else {}
             out = layer(
                 h,
                 attention_mask=masks[kind],
                 position_ids=position_ids,
                 position_embeddings=embeddings.get(key),
                 **carried,
+                **extra,
             )
             h = out[0] if isinstance(out, tuple) else out
             carried = {kw: out[index] for kw, index in self.carry.items()}

@@ -35,12 +35,20 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() <= 3 else x.reshape(1, -1, x.shape[-1])
 
 
+def _unfold(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`out` with `x`'s leading dims again (where `_as_3d` folded them), never a view: HF modules
+    modify some outputs in place (OLMoE's `clip_qkv` clamp_), which autograd forbids on a view
+    of a custom Function's output (megatron's gather over TP returns one; so would a reshape)."""
+    out = out.reshape(*x.shape[:-1], out.shape[-1])
+    return out.clone() if out._base is not None else out
+
+
 class ColumnLinear(ColumnParallelLinear):
     """An HF linear the tp plan names `colwise` / `colwise_gather_output`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = super().forward(_as_3d(x))
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return _unfold(out, x)
 
 
 class RowLinear(RowParallelLinear):
@@ -48,7 +56,7 @@ class RowLinear(RowParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = super().forward(_as_3d(x))
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return _unfold(out, x)
 
 
 class LMHead(ColumnParallelLinear):

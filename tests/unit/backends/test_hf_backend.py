@@ -101,7 +101,8 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
         ("falcon", {}, "no base_model_tp_plan"),
         ("qwen3_next", {}, "layer kind 'linear_attention'"),
         ("gemma3n_text", {}, "final_logit_softcapping=30.0"),
-        ("hrm_text", {}, "embedding_scale="),
+        ("gemma3n_text", {}, "per-layer inputs (embed_tokens_per_layer"),
+        ("hrm_text", {}, "H/L-cycle recurrence"),
     ],
 )
 def test_the_hf_backend_refuses_what_it_cannot_do_yet_one_line_each(model_type, kw, needle):
@@ -233,6 +234,25 @@ def test_every_override_entry_is_an_architecture_the_hf_backend_now_describes():
         assert model_type in known and entry.reason, model_type
         hf = {**tiny_config(model_type).to_dict(), "model_type": model_type}
         assert describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf").backend == "hf"
+
+
+def test_override_constants_are_read_off_the_config_and_an_unhandled_flag_is_refused():
+    """afmoe's muP flag becomes the chunk's embedding scale sqrt(hidden_size) (off: none); Granite-MoE's
+    constants are its config's; the same flag on a model type without an entry is a refusal line."""
+    from types import SimpleNamespace
+
+    from megatron_bridge.backends.hf_plan import forward_refusals, override
+
+    on = SimpleNamespace(mup_enabled=True, hidden_size=96)
+    assert override("afmoe").constants(on) == {"embed_scale": 96**0.5}
+    assert override("afmoe").constants(SimpleNamespace(mup_enabled=False, hidden_size=96)) == {}
+    granite = SimpleNamespace(embedding_multiplier=4.0, logits_scaling=2.0)
+    assert override("granitemoe").constants(granite) == {"embed_scale": 4.0, "logit_divide": 2.0}
+    assert forward_refusals("afmoe", {"mup_enabled": True}) == []
+    assert forward_refusals("llama", {"mup_enabled": True}) == [
+        "mup_enabled=True is applied in the model's forward (no entry in backends/hf_plan.py OVERRIDES)"
+    ]
+    assert forward_refusals("llama", {"mup_enabled": False}) == []
 
 
 def test_a_model_without_a_pp_plan_is_staged_by_the_convention_or_refused_naming_why():

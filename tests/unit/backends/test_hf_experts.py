@@ -12,7 +12,7 @@ import torch
 
 from megatron_bridge.backends.describe import describe, describe_hf
 from megatron_bridge.backends.hf import meta
-from megatron_bridge.backends.hf_experts import StackedExperts, ep_part
+from megatron_bridge.backends.hf_experts import StackedExperts, WholeStackedExperts, ep_part
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.config.compose import compose
 from megatron_bridge.errors import LayoutError
@@ -134,3 +134,45 @@ def test_a_router_expert_bias_buffer_is_a_checkpoint_row():
     spec = describe_hf(tiny_config("deepseek_v3").to_dict(), backend="hf")
     rows = {r.megatron: r for r in HFBackend().table(spec)}
     assert "model.layers.{layer}.mlp.gate.e_score_correction_bias" in rows, sorted(rows)[:20]
+
+
+def test_experts_stacked_in_the_checkpoint_split_over_tp_as_the_builder_splits_them():
+    """Granite-MoE saves its experts stacked (`input_linear.weight` [E, 2I, H], a rename): a TP
+    rank takes its rows of the gate half and of the up half (what `chunk(2)` in its forward
+    needs), or its columns of down_proj; merging the shards gives the tensor back bit-exactly."""
+    e, i, h = 4, 6, 5
+    gate_up, down = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    col, row = WholeStackedExperts("column", 2), WholeStackedExperts("row", 1)
+    shards = [col.shard([gate_up], Shard(r, 2), None) for r in range(2)]
+    gate, up = gate_up.chunk(2, 1)
+    assert torch.equal(shards[1], torch.cat([gate[:, 3:], up[:, 3:]], 1))
+    assert torch.equal(col.merge(shards, None)[0], gate_up)
+    downs = [row.shard([down], Shard(r, 2), None) for r in range(2)]
+    assert torch.equal(downs[0], down[:, :, :3]) and torch.equal(row.merge(downs, None)[0], down)
+
+
+def test_granite_moe_experts_stacked_in_the_checkpoint_are_rows_that_split_over_tp():
+    """The table gives Granite-MoE's renamed stacked experts a TP split (not replicated, which
+    loaded whole into a split expert and was refused at tp2)."""
+    from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    hf = {**tiny_config("granitemoe").to_dict(), "model_type": "granitemoe"}
+    rows = {r.megatron: r for r in HFBackend().table(describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf"))}
+    t = rows["model.layers.{layer}.block_sparse_moe.experts.gate_up_proj"]
+    assert t.hf == ("model.layers.{layer}.block_sparse_moe.input_linear.weight",)
+    assert repr(t.transform) == "WholeStackedExperts(column, packs=2)"
+
+
+def test_identity_experts_are_refused_under_tp_naming_them():
+    """LongCat-Flash's zero-compute experts sit outside the stacked tensors `moe_tp_experts`
+    splits: at tp2 the layout rule names them; pp2 runs (the matrix measures it)."""
+    from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    hf = {**tiny_config("longcat_flash").to_dict(), "model_type": "longcat_flash"}
+    spec = describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")
+    (what, fix), *_ = HFBackend().layout_limits(spec, Layout.parse("tp2"))
+    assert "zero_expert_num=2: zero-compute (identity) experts" in what and fix == "set tp=1"
+    assert HFBackend().layout_limits(spec, Layout.parse("pp2")) == []

@@ -57,3 +57,36 @@ def test_a_zero_dim_tensor_is_read_whole_and_merged_back(tmp_path):
 def test_an_ep_layout_of_a_dense_model_is_no_row_and_needs_no_reference(tmp_path):
     assert V.prepare("cohere", tmp_path, ["ep2"]) == {"ep2": V.NOT_MOE}
     assert not (tmp_path / "cohere.ref.pt").exists()
+
+
+def test_an_exception_in_a_launch_ends_it_at_once_and_names_the_error(tmp_path, monkeypatch, capsys):
+    """A rank that raises may leave the others waiting on it (OLMoE's hang: a pipeline stage's
+    error, its peer blocked in recv), so the worker ends the launch instead of going on to the
+    next layout, and the launcher's row names the exception."""
+    import json
+
+    import pytest
+    import torch
+
+    torch.save({"input_ids": None, "labels": None}, tmp_path / "olmoe.ref.pt")
+
+    def boom(*a, **k):
+        raise RuntimeError("a view modified in place")
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(V, "check_layout", boom)
+    monkeypatch.setattr(V.os, "_exit", exit_)
+    argv = ["--root", str(tmp_path), "--archs", "olmoe", "--layouts", json.dumps({"olmoe": ["tp2", "pp2"]})]
+    with pytest.raises(SystemExit) as e:
+        V.worker(argv)
+    assert e.value.code == 1  # at the first layout, before pp2 and the closing barrier
+    printed = capsys.readouterr().out
+
+    def launch(*a, **k):
+        raise V.TorchrunError("exited with code 1", output=f"[rank0]: noise\n{printed}")
+
+    monkeypatch.setattr(V, "run_torchrun", launch)
+    per_rank, why = V._launch(tmp_path, {"olmoe": ["tp2"]}, 10.0)
+    assert per_rank == [] and why.startswith("olmoe/tp2: RuntimeError: a view modified in place at ")
