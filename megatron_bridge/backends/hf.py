@@ -38,6 +38,7 @@ from megatron_bridge.backends.hf_plan import (
     override,
     plan_of,
     plan_problems,
+    recurrent_cp_limits,
     tensor_kinds,
 )
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
@@ -333,6 +334,7 @@ class HFBackend(Backend):
         out = []
         if layout.cp > 1:
             out.append((f"context parallelism (cp={layout.cp}) is not implemented for the hf backend yet", "set cp=1"))
+            out += recurrent_cp_limits(self.hf_config(spec), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
             out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
         out += expert_limits(spec, layout, meta(spec).plan.ep if spec.is_moe else ())

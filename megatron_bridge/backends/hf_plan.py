@@ -49,8 +49,14 @@ MARKERS = ("local_params",)
 MLA = "mla_kv_a_proj"
 MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
 STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
-# layer kinds (`config.layer_types`) whose masks the stages rebuild
-LAYER_KINDS = ("full_attention", "sliding_attention")
+# layer kinds (`config.layer_types`) whose masks the stages rebuild (runtime/hf/chunk.py MASKS).
+# `linear_attention` / `conv` mixers (gated DeltaNet, lightning attention, short convolutions) run
+# whole on every TP rank, as transformers' plans declare: their projections `colwise_gather_output`
+# or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`
+LAYER_KINDS = ("full_attention", "sliding_attention", "linear_attention", "conv")
+# the kinds that carry a state along the sequence (a recurrence, a causal convolution): a context-
+# parallel rank's chunk would need the state the earlier chunks leave, which no CP scheme here passes
+RECURRENT_KINDS = ("linear_attention", "conv")
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class Override:
     embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
     pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order, where it declares none
+    window_full_attention: str | None = (
+        None  # config key: when set, `full_attention` layers take the sliding-window mask
+    )
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale}
@@ -102,6 +111,10 @@ OVERRIDES: dict[str, Override] = {
         "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
+    ),
+    "minimax": Override(
+        "MiniMaxModel.forward: the full-attention layers' mask is the sliding-window one when sliding_window is set",
+        window_full_attention="sliding_window",
     ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
@@ -220,6 +233,23 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
     return out
 
 
+def recurrent_cp_limits(hf: Mapping[str, Any], cp: int) -> list[tuple[str, str]]:
+    """Layers whose mixer carries a state along the sequence cannot take a CP chunk alone:
+    named by kind, whatever becomes of context parallelism for attention layers."""
+    kinds = list(hf.get("layer_types") or ())
+    out = []
+    for kind in dict.fromkeys(k for k in kinds if k in RECURRENT_KINDS):
+        where = [i for i, k in enumerate(kinds) if k == kind]
+        out.append(
+            (
+                f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}) carries a state along the "
+                f"sequence: its cp={cp} chunks would need the earlier chunks' state",
+                "set cp=1",
+            )
+        )
+    return out
+
+
 def tensor_kinds(
     plan: Plan, shapes: Mapping[str, tuple[int, ...]], heads: int, kv_heads: int, head_dim: int
 ) -> dict[str, str]:
@@ -273,6 +303,7 @@ __all__ = [
     "Override",
     "PP_CONVENTION",
     "Plan",
+    "RECURRENT_KINDS",
     "REPLICATED",
     "ROW",
     "ROW_STYLES",
@@ -283,5 +314,6 @@ __all__ = [
     "override",
     "plan_of",
     "plan_problems",
+    "recurrent_cp_limits",
     "tensor_kinds",
 ]

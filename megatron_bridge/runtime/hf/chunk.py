@@ -25,11 +25,22 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 
-from megatron_bridge.backends.hf_plan import Plan
+from megatron_bridge.backends.hf_plan import Plan, override
 
-MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+# the mask each layer kind gets, as the models' own forwards build it; linear-attention and conv
+# mixers take the 2-D padding mask (`create_recurrent_attention_mask`), None for unpadded batches
+MASKS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "linear_attention": create_recurrent_attention_mask,
+    "conv": create_recurrent_attention_mask,
+}
 
 
 class Pieces(torch.nn.Module):
@@ -74,6 +85,11 @@ class HFChunk(MegatronModule):
         sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
         default = "sliding_attention" if sliding else "full_attention"
         self.kinds = {i: (kinds[i] if kinds else default) for i in layers}
+        window = override(hf_config.model_type).window_full_attention
+        # the mask function per layer kind (MASKS, or the sliding-window one where the override says so)
+        self.masks: dict[str, Any] = dict(MASKS)
+        if window and getattr(hf_config, window, None) is not None:
+            self.masks["full_attention"] = create_sliding_window_causal_mask
         rope = getattr(hf_config, "rope_parameters", None)
         # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
         # NoPE full-attention layers), as the model's own forward decides
@@ -137,7 +153,7 @@ class HFChunk(MegatronModule):
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
             if kind not in masks:
-                masks[kind] = MASKS[kind](
+                masks[kind] = self.masks[kind](
                     config=self.hf_config,
                     inputs_embeds=h,
                     attention_mask=None,
