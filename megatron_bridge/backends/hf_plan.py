@@ -116,6 +116,10 @@ OVERRIDES: dict[str, Override] = {
         "MiniMaxModel.forward: the full-attention layers' mask is the sliding-window one when sliding_window is set",
         window_full_attention="sliding_window",
     ),
+    "lfm2_moe": Override(
+        "no base_model_pp_plan: its final norm is named embedding_norm (Lfm2MoeModel.forward applies it after the layers)",
+        pp_plan=("embed_tokens", "layers", "embedding_norm"),
+    ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
         embed_scale="embedding_multiplier",
