@@ -28,8 +28,9 @@ SCRIPT = str(Path(__file__).parent / "bridge_scripts" / "parity.py")
 # Gemma-2's scaled embedding module and logit softcap, Granite's embedding multiplier and logit
 # divisor, NanoChat's stage pieces (no pp plan; a weightless norm before and after the layers),
 # Apertus' 0-dim xIELU buffers (loaded whole, exported), Cohere-Compass' rotary-free layer kind,
-# MiniCPM3's multi-head latent attention (`mla_kv_a_proj`, a 4-D input to a column-parallel linear)
-MATRIX_SAMPLE = ["gemma2", "granite", "nanochat", "apertus", "cohere_compass_text", "minicpm3"]
+# MiniCPM3's multi-head latent attention (`mla_kv_a_proj`, a 4-D input to a column-parallel linear),
+# Qwen3.5's gated DeltaNet layers (linear attention run whole on every TP rank) beside full attention
+MATRIX_SAMPLE = ["gemma2", "granite", "nanochat", "apertus", "cohere_compass_text", "minicpm3", "qwen3_5_text"]
 # Qwen3-MoE forced onto the hf backend (a dense layer among MoE layers, top-k renormalised):
 # transformers' experts module over the EP group (runtime/hf/experts.py) at ep2 (with dp2: the
 # expert gradients reduced over the expert-data-parallel group), ep2·pp2 and ep2·tp2 (experts
