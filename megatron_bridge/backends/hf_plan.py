@@ -53,7 +53,17 @@ STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *M
 # `indexed_attention` (DeepSeek-V3.2's sparse attention, GLM-5): the causal mask, which the
 # layer's indexer narrows to its top-k keys inside the layer; `minimax_m3_sparse` (MiniMax-M3):
 # the causal mask, narrowed to the indexer's key blocks inside the layer
-LAYER_KINDS = ("full_attention", "sliding_attention", "indexed_attention", "minimax_m3_sparse")
+# `linear_attention` / `conv` mixers (gated DeltaNet, lightning attention, short convolutions) run
+# whole on every TP rank, as transformers' plans declare: their projections `colwise_gather_output`
+# or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`
+LAYER_KINDS = (
+    "full_attention",
+    "sliding_attention",
+    "indexed_attention",
+    "minimax_m3_sparse",
+    "linear_attention",
+    "conv",
+)
 # layer kinds known but not built, and the piece the stages lack for them (instead of the
 # generic "not one of LAYER_KINDS" line)
 _V4 = (
@@ -82,9 +92,12 @@ WHOLE_MODULES = ("indexer",)
 # megatron's schedules pass one activation tensor between stages, so no stage may start at one
 CARRY = {"prev_topk_indices": (1, "indexer_types", "shared")}
 # layer kinds context parallelism cannot run, and why
+_RECURRENT = "it carries a state along the sequence: a CP rank's chunks would need the earlier chunks' state"
 NO_CP_KINDS = {
     "indexed_attention": "its indexer scores every query against all keys and keeps the top-k; a CP rank holds a "
     "slice of the keys",
+    "linear_attention": _RECURRENT,
+    "conv": _RECURRENT,
 }
 # layer kinds that run under context parallelism (runtime/hf/cp.py: K/V all-gathered, the mask
 # from global positions) -> the config key holding their window; linear attention, convs and
@@ -109,6 +122,9 @@ class Override:
     # (decoder-layer kwarg, function of position_ids in the modeling module) the forward passes to
     # the layers whose layer kind has no rotary embedding (Beam's NoPE query scale)
     nope_kwargs: tuple[tuple[str, str], ...] = ()
+    window_full_attention: str | None = (
+        None  # config key: when set, `full_attention` layers take the sliding-window mask
+    )
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
@@ -178,6 +194,14 @@ OVERRIDES: dict[str, Override] = {
         "attention_scaling=compute_attention_scaling(position_ids)",
         logit_softcap="final_logit_softcapping",
         nope_kwargs=(("attention_scaling", "compute_attention_scaling"),),
+    ),
+    "minimax": Override(
+        "MiniMaxModel.forward: the full-attention layers' mask is the sliding-window one when sliding_window is set",
+        window_full_attention="sliding_window",
+    ),
+    "lfm2_moe": Override(
+        "no base_model_pp_plan: its final norm is named embedding_norm (Lfm2MoeModel.forward applies it after the layers)",
+        pp_plan=("embed_tokens", "layers", "embedding_norm"),
     ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",

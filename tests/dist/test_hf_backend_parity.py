@@ -30,8 +30,11 @@ SCRIPT = str(Path(__file__).parent / "bridge_scripts" / "parity.py")
 # Apertus' 0-dim xIELU buffers (loaded whole, exported), Cohere-Compass' rotary-free layer kind,
 # MiniCPM3's multi-head latent attention (`mla_kv_a_proj`, a 4-D input to a column-parallel linear),
 # DeepSeek-V3.2's sparse attention (`indexed_attention`: a whole indexer's top-k of 8 keys out of 16
-# narrowing the mask of the split MLA heads; MoE experts split over TP)
-MATRIX_SAMPLE = ["gemma2", "granite", "nanochat", "apertus", "cohere_compass_text", "minicpm3", "deepseek_v32"]
+# narrowing the mask of the split MLA heads; MoE experts split over TP); Qwen3.5's gated DeltaNet
+# layers (linear attention run whole on every TP rank) beside full attention
+MATRIX_SAMPLE = [
+    "gemma2", "granite", "nanochat", "apertus", "cohere_compass_text", "minicpm3", "deepseek_v32", "qwen3_5_text",
+]  # fmt: skip
 # Qwen3-MoE forced onto the hf backend (a dense layer among MoE layers, top-k renormalised):
 # transformers' experts module over the EP group (runtime/hf/experts.py) at ep2 (with dp2: the
 # expert gradients reduced over the expert-data-parallel group), ep2·pp2 and ep2·tp2 (experts

@@ -28,20 +28,28 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 
-from megatron_bridge.backends.hf_plan import CARRY, Plan
+from megatron_bridge.backends.hf_plan import CARRY, Plan, override
 from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.cp import CP_MASKS, calls, check_attended
 
 # layer kind -> the mask function the model's own forward calls for it (hf_plan.LAYER_KINDS);
 # an indexed layer slices its mask (`mask[:, 0]`) for its indexer, so it must exist even where
-# sdpa could skip a plain causal mask (DeepseekV32Model.forward: allow_is_causal_skip=False)
+# sdpa could skip a plain causal mask (DeepseekV32Model.forward: allow_is_causal_skip=False);
+# linear-attention and conv mixers take the 2-D padding mask (`create_recurrent_attention_mask`),
+# None for unpadded batches
 MASKS: dict[str, Callable[..., Any]] = {
     "full_attention": create_causal_mask,
     "sliding_attention": create_sliding_window_causal_mask,
     "indexed_attention": partial(create_causal_mask, allow_is_causal_skip=False),
     "minimax_m3_sparse": create_causal_mask,  # MiniMaxM3VLTextModel.forward: one causal mask for every layer
+    "linear_attention": create_recurrent_attention_mask,
+    "conv": create_recurrent_attention_mask,
 }
 
 
@@ -96,6 +104,11 @@ class HFChunk(MegatronModule):
         # what each layer hands the next (hf_plan.CARRY), where the layers take it
         takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
         self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
+        window = override(hf_config.model_type).window_full_attention
+        # the mask function per layer kind (MASKS, or the sliding-window one where the override says so)
+        self.masks: dict[str, Any] = dict(MASKS)
+        if window and getattr(hf_config, window, None) is not None:
+            self.masks["full_attention"] = create_sliding_window_causal_mask
         rope = getattr(hf_config, "rope_parameters", None)
         # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
         # NoPE full-attention layers), as the model's own forward decides
@@ -157,7 +170,7 @@ class HFChunk(MegatronModule):
             return h
         rotary = self.get_submodule(self.rotary_path) if self.rotary_path else None
         masks: dict[str, Any] = {}
-        make_mask = CP_MASKS if ps.get_context_parallel_world_size() > 1 else MASKS  # runtime/hf/cp.py
+        make_mask = CP_MASKS if ps.get_context_parallel_world_size() > 1 else self.masks  # runtime/hf/cp.py
         before = calls()
         embeddings: dict[str | None, Any] = {}
         carried: dict[str, Any] = {}

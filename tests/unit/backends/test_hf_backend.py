@@ -99,7 +99,7 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
     "model_type,kw,needle",
     [
         ("falcon", {}, "no base_model_tp_plan"),
-        ("qwen3_next", {}, "layer kind 'linear_attention'"),
+        ("inkling_text", {}, "layer kind 'hybrid_sliding'"),
         ("gemma3n_text", {}, "final_logit_softcapping=30.0"),
         ("gemma3n_text", {}, "per-layer inputs (embed_tokens_per_layer"),
         ("hrm_text", {}, "H/L-cycle recurrence"),
@@ -288,3 +288,29 @@ def test_mla_keeps_the_latent_path_whole_and_splits_the_up_projections():
     assert {k[f"{a}.{m}.weight"] for m in latent} == {REPLICATED}
     assert k[f"{a}.q_b_proj.weight"] == k[f"{a}.kv_b_proj.weight"] == COLUMN
     assert k[f"{a}.o_proj.weight"] == ROW
+
+
+def test_linear_attention_runs_whole_its_projections_gathered_its_state_tensors_replicated(tmp_path):
+    """Qwen3.5's gated DeltaNet: transformers' plan gathers every projection's output
+    (`colwise_gather_output`), so the mixer runs whole on every TP rank; its conv1d, A_log,
+    dt_bias and gated norm (per-value-head sized, but unplanned and beside no split linear) stay
+    whole (`replicated`), never split by head. Under CP the recurrent layers are refused by kind."""
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.parallel.rules.registry import validate
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    hf = {**tiny_config("qwen3_5_text").to_dict(), "model_type": "qwen3_5_text"}
+    k = meta(describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")).kinds
+    a = "model.layers.0.linear_attn"
+    assert {k[f"{a}.{m}.weight"] for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")} == {
+        COLUMN
+    }
+    assert {k[f"{a}.{t}"] for t in ("conv1d.weight", "A_log", "dt_bias", "norm.weight")} == {REPLICATED}
+    assert k["model.layers.3.self_attn.q_proj.weight"] == COLUMN  # the full-attention layer splits by head
+
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": ["Qwen3_5ForCausalLM"]}))
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={tmp_path}", "train.seq_length=32", "model.backend=hf"])
+    with pytest.raises(LayoutError) as e:
+        validate(cfg, describe(cfg.model), dims=ParallelDims.parse("cp2").with_world(2), layout_only=True)
+    assert "layer kind 'linear_attention' (layers 0, 2) cannot run under context parallelism" in str(e.value)
+    assert "it carries a state along the sequence" in str(e.value)
