@@ -49,8 +49,9 @@ MARKERS = ("local_params",)
 MLA = "mla_kv_a_proj"
 MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
 STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
-# layer kinds (`config.layer_types`) whose masks the stages rebuild
-LAYER_KINDS = ("full_attention", "sliding_attention")
+# layer kinds (`config.layer_types`) whose masks the stages rebuild (runtime/hf/chunk.py MASKS);
+# `chunked_attention` is Llama 4's local attention (blocks of attention_chunk_size tokens)
+LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Override:
     embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
     pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order, where it declares none
+    prefix: str | None = None  # the base model's attribute, where the class's base_model_prefix names none
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale}
@@ -79,6 +81,10 @@ FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
 PP_CONVENTION = ("embed_tokens", "layers", "norm")
 _SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
 OVERRIDES: dict[str, Override] = {
+    "llama4_text": Override(
+        "Llama4ForCausalLM.base_model_prefix is `language_model` (its composite parent's name); it holds `model`",
+        prefix="model",
+    ),
     "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "gemma2": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),

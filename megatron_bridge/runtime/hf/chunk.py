@@ -25,11 +25,20 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_sliding_window_causal_mask,
+)
 
 from megatron_bridge.backends.hf_plan import Plan
 
-MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+# layer kind (hf_plan.LAYER_KINDS) -> transformers' mask function for it
+MASKS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "chunked_attention": create_chunked_causal_mask,
+}
 
 
 class Pieces(torch.nn.Module):

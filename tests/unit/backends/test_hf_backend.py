@@ -255,3 +255,22 @@ def test_mla_keeps_the_latent_path_whole_and_splits_the_up_projections():
     assert {k[f"{a}.{m}.weight"] for m in latent} == {REPLICATED}
     assert k[f"{a}.q_b_proj.weight"] == k[f"{a}.kv_b_proj.weight"] == COLUMN
     assert k[f"{a}.o_proj.weight"] == ROW
+
+
+def test_llama4_composite_config_runs_its_text_model_with_chunked_attention_layers():
+    """llama4's composite config (text_config inside) describes the text causal LM, as
+    AutoModelForCausalLM.from_config builds it; Llama4ForCausalLM's base model is `model`
+    (its class says `language_model`); its chunked-attention layers have a mask function."""
+    from megatron_bridge.backends.hf_plan import LAYER_KINDS
+    from megatron_bridge.runtime.hf.chunk import MASKS
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    assert set(MASKS) == set(LAYER_KINDS)
+    composite = {**tiny_config("llama4").to_dict(), "model_type": "llama4"}
+    spec = describe_hf(composite, make_vocab_size_divisible_by=8, backend="hf")
+    text = describe_hf({**tiny_config("llama4_text").to_dict(), "model_type": "llama4_text"}, backend="hf")
+    assert (spec.architecture, spec.num_layers, spec.hidden_size) == ("Llama4ForCausalLM", 4, text.hidden_size)
+    assert spec.num_moe_experts == text.num_moe_experts and spec.num_moe_experts
+    m = meta(spec)
+    assert (m.plan.embed, m.plan.layers) == ("model.embed_tokens", "model.layers")
+    assert any(n.endswith("feed_forward.experts.gate_up_proj") for n in m.shapes)
