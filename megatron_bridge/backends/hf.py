@@ -39,6 +39,7 @@ from megatron_bridge.backends.hf_plan import (
     plan_of,
     plan_problems,
     tensor_kinds,
+    unbuilt_refusals,
 )
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
 from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
@@ -253,6 +254,7 @@ def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
                 f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}): the hf backend builds {LAYER_KINDS}"
             )
     out += forward_refusals(mt, hf)
+    out += unbuilt_refusals(declared(cfg))
     return out
 
 

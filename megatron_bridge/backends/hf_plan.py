@@ -122,6 +122,21 @@ FORWARD_KEYS = ("logit_scale", "logits_scaling", "embedding_multiplier", "final_
 FORWARD_MATH: dict[str, str] = {}
 
 
+# config keys that switch on state the base model's forward threads past its layers' own
+# inputs, which the stages do not rebuild (nor carry across pipeline stages) yet: refused by value
+UNBUILT: dict[str, str] = {
+    "hidden_size_per_layer_input": "per-layer inputs (Gemma 3n / Gemma 4): the base model embeds input_ids "
+    "per layer (embed_tokens_per_layer) plus a projection of the embeddings and hands layer i its slice",
+    "num_kv_shared_layers": "KV sharing (Gemma 3n / Gemma 4): the last layers reuse earlier layers' keys "
+    "and values, passed between layers in the base model's forward (shared_kv_states)",
+}
+
+
+def unbuilt_refusals(hf: Mapping[str, Any]) -> list[str]:
+    """One line per UNBUILT key this config switches on."""
+    return [f"{key}={hf[key]!r}: {why}, not built by the hf backend yet" for key, why in UNBUILT.items() if hf.get(key)]
+
+
 def override(model_type: str) -> Override:
     return OVERRIDES.get(model_type, Override())
 
@@ -290,4 +305,6 @@ __all__ = [
     "plan_of",
     "plan_problems",
     "tensor_kinds",
+    "UNBUILT",
+    "unbuilt_refusals",
 ]
