@@ -44,11 +44,13 @@ class ColumnLinear(ColumnParallelLinear):
 
 
 class RowLinear(RowParallelLinear):
-    """An HF linear the tp plan names `rowwise` / `rowwise_split_input`."""
+    """An HF linear the tp plan names `rowwise` / `rowwise_split_input`. Its output is a copy:
+    megatron's TP all-reduce returns its input as is (an autograd view), and a model that adds
+    to it in place (Llama 4's MoE: `shared_expert(x).add_(routed)`) is refused by autograd."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = super().forward(_as_3d(x))
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return out.reshape(*x.shape[:-1], out.shape[-1]).clone()
 
 
 class LMHead(ColumnParallelLinear):
