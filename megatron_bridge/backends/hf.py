@@ -52,6 +52,7 @@ from megatron_bridge.backends.hf_plan import (
     plan_of,
     plan_problems,
     tensor_kinds,
+    unbuilt_refusals,
 )
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
 from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
@@ -95,7 +96,21 @@ def config_object(hf: Mapping[str, Any]) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[hf["model_type"]]
-    return cls.from_dict(cls._decode_special_floats(dict(hf)))
+    return runs_on(hf["model_type"], cls.from_dict(cls._decode_special_floats(dict(hf))))
+
+
+def runs_on(model_type: str, cfg: Any) -> Any:
+    """The config the causal-LM class runs on: a composite config (llama4's, its text_config
+    inside) gives its text config where the causal LM is declared on that class, as
+    AutoModelForCausalLM.from_config does; the other sub-configs (vision) build nothing."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text_cls = getattr(cfg, "sub_configs", {}).get("text_config")
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    if text_cls is not None and getattr(model_cls, "config_class", None) == text_cls:
+        return cfg.get_text_config()
+    return cfg
 
 
 def declared(cfg: Any) -> dict[str, Any]:
@@ -120,12 +135,19 @@ def model_plan(model: Any) -> Plan:
         _check_convention(model)
     return plan_of(
         cfg.model_type,
-        model.base_model_prefix,
+        base_prefix(model),
         cfg.base_model_tp_plan,
         cfg.base_model_pp_plan,
         head,
         getattr(cfg, "base_model_ep_plan", None),
     )
+
+
+def base_prefix(model: Any) -> str:
+    """The causal LM's attribute holding the base model: its class's `base_model_prefix`, or the
+    model type's OVERRIDES `prefix` where that names no attribute (Llama4ForCausalLM says
+    `language_model`, its composite parent's name, and holds `model`)."""
+    return override(model.config.model_type).prefix or model.base_model_prefix
 
 
 def _check_convention(model: Any) -> None:
@@ -134,13 +156,13 @@ def _check_convention(model: Any) -> None:
     else but its rotary module, which the stages rebuild. A base model with other modules (a
     second embedding, a norm before the layers) needs an OVERRIDES entry: its forward is not
     the convention's."""
-    base = getattr(model, model.base_model_prefix)
+    base = getattr(model, base_prefix(model))
     children = dict(base.named_children())
     missing = [n for n in PP_CONVENTION if n not in children]
     other = [n for n, m in children.items() if n not in PP_CONVENTION and "Rotary" not in type(m).__name__]
     if missing or other or type(children["layers"]).__name__ != "ModuleList":
         raise UnsupportedFeatures(
-            f"{type(model).__name__}: no base_model_pp_plan, and its {model.base_model_prefix} is not "
+            f"{type(model).__name__}: no base_model_pp_plan, and its {base_prefix(model)} is not "
             f"{' -> '.join(PP_CONVENTION)} (missing: {', '.join(missing) or '-'}; other modules: "
             f"{', '.join(other) or '-'}): its stage pieces need a pp_plan entry in backends/hf_plan.py OVERRIDES"
         )
@@ -244,6 +266,7 @@ def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
             why = UNBUILT_KINDS.get(kind, f"the hf backend builds {LAYER_KINDS}")
             out.append(f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}): {why}")
     out += forward_refusals(mt, hf)
+    out += unbuilt_refusals(declared(cfg))
     return out
 
 
@@ -352,7 +375,8 @@ class HFBackend(Backend):
             out += cp_refusals(self.hf_config(spec).get("layer_types"), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
             out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
-        out += expert_limits(spec, layout, meta(spec).plan.ep if spec.is_moe else ())
+        plan = meta(spec).plan if spec.is_moe else None
+        out += expert_limits(spec, layout, plan.ep if plan else (), plan.tp if plan else ())
         out += layer_limits(self.hf_config(spec), layout)
         if layout.tp > 1 and spec.num_query_groups % layout.tp:
             out.append(
@@ -405,8 +429,10 @@ __all__ = [
     "Meta",
     "checkpoint_names",
     "checkpoint_shapes",
+    "base_prefix",
     "config_object",
     "meta",
     "model_plan",
+    "runs_on",
     "transformers_config",
 ]

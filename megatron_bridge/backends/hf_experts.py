@@ -21,7 +21,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from megatron_bridge.backends.hf_plan import EP_MODULE
+from megatron_bridge.backends.hf_plan import EP_MODULE, MOE_TP
 from megatron_bridge.bridge.mapping import NotBlockwise, Transform
 from megatron_bridge.bridge.shards import Shapes, Shard, Sliceable, split_range
 
@@ -179,10 +179,15 @@ EXPERTS_TP_UNSPLIT = {
 }
 
 
-def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+def expert_limits(
+    spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]], tp_plan: Iterable[tuple[str, str]] = ()
+) -> list[tuple[str, str]]:
     """What the hf backend cannot run of a MoE model under `layout` (what, fix): EP splits
     the `ep_dispatch_experts` module of `base_model_ep_plan`; TP splits its experts as
-    `moe_tp_experts` does (expert-TP = tp)."""
+    `moe_tp_experts` does (expert-TP = tp), each stacked tensor as EXPERT_TP_SPLITS says
+    ([E, 2·I, H] gate/up, [E, H, I] down, called with the routing): another style on an
+    experts tensor (Llama 4's `packed_rowwise` gate_up_proj, [E, H, 2·I], experts called on
+    pre-scaled tokens alone) is a layout it cannot split yet."""
     if not spec.is_moe:
         return []
     out = []
@@ -190,6 +195,17 @@ def expert_limits(spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]]) ->
     for key, why in EXPERTS_TP_UNSPLIT.items():
         if layout.tp > 1 and hf.get(key):
             out.append((f"tp={layout.tp}: {spec.architecture} has {key}={hf[key]}: {why}", "set tp=1"))
+    tp_plan = tuple(tp_plan)
+    moe = {p for p, s in tp_plan if s == MOE_TP}
+    odd = [f"{p} {s!r}" for p, s in tp_plan if p.rpartition(".")[0] in moe and s not in EXPERT_TP_SPLITS]
+    if layout.tp > 1 and odd:
+        out.append(
+            (
+                f"tp={layout.tp}: {spec.architecture}'s experts split as {', '.join(odd)}; the hf backend's "
+                f"`{MOE_TP}` splits {', '.join(map(repr, EXPERT_TP_SPLITS))} only",
+                "set tp=1 (pp and dp run)",
+            )
+        )
     if layout.tp > 1 and layout.etp != layout.tp:
         out.append(
             (

@@ -52,7 +52,8 @@ STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *M
 # layer kinds (`config.layer_types`) whose masks the stages rebuild (runtime/hf/chunk.py MASKS);
 # `indexed_attention` (DeepSeek-V3.2's sparse attention, GLM-5): the causal mask, which the
 # layer's indexer narrows to its top-k keys inside the layer; `minimax_m3_sparse` (MiniMax-M3):
-# the causal mask, narrowed to the indexer's key blocks inside the layer
+# the causal mask, narrowed to the indexer's key blocks inside the layer; `chunked_attention`:
+# Llama 4's local attention (blocks of attention_chunk_size tokens)
 # `linear_attention` / `conv` mixers (gated DeltaNet, lightning attention, short convolutions) run
 # whole on every TP rank, as transformers' plans declare: their projections `colwise_gather_output`
 # or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`
@@ -63,6 +64,7 @@ LAYER_KINDS = (
     "minimax_m3_sparse",
     "linear_attention",
     "conv",
+    "chunked_attention",
 )
 # layer kinds known but not built, and the piece the stages lack for them (instead of the
 # generic "not one of LAYER_KINDS" line)
@@ -125,6 +127,7 @@ class Override:
     window_full_attention: str | None = (
         None  # config key: when set, `full_attention` layers take the sliding-window mask
     )
+    prefix: str | None = None  # the base model's attribute, where the class's base_model_prefix names none
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
@@ -145,6 +148,10 @@ FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
 PP_CONVENTION = ("embed_tokens", "layers", "norm")
 _SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
 OVERRIDES: dict[str, Override] = {
+    "llama4_text": Override(
+        "Llama4ForCausalLM.base_model_prefix is `language_model` (its composite parent's name); it holds `model`",
+        prefix="model",
+    ),
     "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "gemma2": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
@@ -228,6 +235,21 @@ FORWARD_MATH: dict[str, str] = {
     "hrm_text": "HrmTextModel.forward: the H/L-cycle recurrence (L_module and H_module stacks run H_cycles x "
     "L_cycles times on carried states, no one list of decoder layers to stage)",
 }
+
+
+# config keys that switch on state the base model's forward threads past its layers' own
+# inputs, which the stages do not rebuild (nor carry across pipeline stages) yet: refused by value
+UNBUILT: dict[str, str] = {
+    "hidden_size_per_layer_input": "per-layer inputs (Gemma 3n / Gemma 4): the base model embeds input_ids "
+    "per layer (embed_tokens_per_layer) plus a projection of the embeddings and hands layer i its slice",
+    "num_kv_shared_layers": "KV sharing (Gemma 3n / Gemma 4): the last layers reuse earlier layers' keys "
+    "and values, passed between layers in the base model's forward (shared_kv_states)",
+}
+
+
+def unbuilt_refusals(hf: Mapping[str, Any]) -> list[str]:
+    """One line per UNBUILT key this config switches on."""
+    return [f"{key}={hf[key]!r}: {why}, not built by the hf backend yet" for key, why in UNBUILT.items() if hf.get(key)]
 
 
 def override(model_type: str) -> Override:
@@ -442,4 +464,6 @@ __all__ = [
     "plan_of",
     "plan_problems",
     "tensor_kinds",
+    "UNBUILT",
+    "unbuilt_refusals",
 ]

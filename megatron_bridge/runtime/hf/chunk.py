@@ -30,6 +30,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from transformers.masking_utils import (
     create_causal_mask,
+    create_chunked_causal_mask,
     create_recurrent_attention_mask,
     create_sliding_window_causal_mask,
 )
@@ -50,6 +51,7 @@ MASKS: dict[str, Callable[..., Any]] = {
     "minimax_m3_sparse": create_causal_mask,  # MiniMaxM3VLTextModel.forward: one causal mask for every layer
     "linear_attention": create_recurrent_attention_mask,
     "conv": create_recurrent_attention_mask,
+    "chunked_attention": create_chunked_causal_mask,  # Llama 4's local attention
 }
 
 

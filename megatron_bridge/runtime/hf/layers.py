@@ -52,7 +52,10 @@ class ColumnLinear(ColumnParallelLinear):
 
 
 class RowLinear(RowParallelLinear):
-    """An HF linear the tp plan names `rowwise` / `rowwise_split_input`."""
+    """An HF linear the tp plan names `rowwise` / `rowwise_split_input`. Its output is never a
+    view (`_unfold`): megatron's TP all-reduce returns its input as is (an autograd view), and a
+    model that adds to it in place (Llama 4's MoE: `shared_expert(x).add_(routed)`) is refused by
+    autograd."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = super().forward(_as_3d(x))

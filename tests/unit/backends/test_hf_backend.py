@@ -103,6 +103,8 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
         ("gemma3n_text", {}, "final_logit_softcapping=30.0"),
         ("gemma3n_text", {}, "per-layer inputs (embed_tokens_per_layer"),
         ("hrm_text", {}, "H/L-cycle recurrence"),
+        ("gemma4_text", {}, "hidden_size_per_layer_input=256: per-layer inputs"),
+        ("gemma4_text", {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2}, "num_kv_shared_layers=2: KV"),
     ],
 )
 def test_the_hf_backend_refuses_what_it_cannot_do_yet_one_line_each(model_type, kw, needle):
@@ -314,3 +316,22 @@ def test_linear_attention_runs_whole_its_projections_gathered_its_state_tensors_
         validate(cfg, describe(cfg.model), dims=ParallelDims.parse("cp2").with_world(2), layout_only=True)
     assert "layer kind 'linear_attention' (layers 0, 2) cannot run under context parallelism" in str(e.value)
     assert "it carries a state along the sequence" in str(e.value)
+
+
+def test_llama4_composite_config_runs_its_text_model_with_chunked_attention_layers():
+    """llama4's composite config (text_config inside) describes the text causal LM, as
+    AutoModelForCausalLM.from_config builds it; Llama4ForCausalLM's base model is `model`
+    (its class says `language_model`); its chunked-attention layers have a mask function."""
+    from megatron_bridge.backends.hf_plan import LAYER_KINDS
+    from megatron_bridge.runtime.hf.chunk import MASKS
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    assert set(MASKS) == set(LAYER_KINDS)
+    composite = {**tiny_config("llama4").to_dict(), "model_type": "llama4"}
+    spec = describe_hf(composite, make_vocab_size_divisible_by=8, backend="hf")
+    text = describe_hf({**tiny_config("llama4_text").to_dict(), "model_type": "llama4_text"}, backend="hf")
+    assert (spec.architecture, spec.num_layers, spec.hidden_size) == ("Llama4ForCausalLM", 4, text.hidden_size)
+    assert spec.num_moe_experts == text.num_moe_experts and spec.num_moe_experts
+    m = meta(spec)
+    assert (m.plan.embed, m.plan.layers) == ("model.embed_tokens", "model.layers")
+    assert any(n.endswith("feed_forward.experts.gate_up_proj") for n in m.shapes)

@@ -176,3 +176,24 @@ def test_identity_experts_are_refused_under_tp_naming_them():
     (what, fix), *_ = HFBackend().layout_limits(spec, Layout.parse("tp2"))
     assert "zero_expert_num=2: zero-compute (identity) experts" in what and fix == "set tp=1"
     assert HFBackend().layout_limits(spec, Layout.parse("pp2")) == []
+
+
+def test_llama4_experts_at_tp2_are_refused_naming_their_split_and_pp2_passes(tmp_path):
+    """Llama 4's plan splits its experts tensors as `packed_rowwise` / `colwise` ([E, H, 2·I],
+    called on pre-scaled tokens alone), which `moe_tp_experts` does not: tp2 is a named
+    backend-layout refusal, pp2 and tp1 (data parallel) are not."""
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.parallel.rules.registry import validate
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({**tiny_config("llama4_text").to_dict(), "model_type": "llama4_text"})
+    )
+    cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={tmp_path}", "model.backend=hf"])
+    spec = describe(cfg.model)
+    for text in ("pp2", "tp1"):
+        validate(cfg, spec, dims=ParallelDims.parse(text).with_world(2), layout_only=True)
+    with pytest.raises(LayoutError) as e:
+        validate(cfg, spec, dims=ParallelDims.parse("tp2").with_world(2), layout_only=True)
+    assert "experts.gate_up_proj 'packed_rowwise'" in str(e.value) and "experts.down_proj 'colwise'" in str(e.value)
+    assert any(v.rule == "backend-layout" for v in e.value.violations)
