@@ -38,6 +38,7 @@ from megatron_bridge.backends.hf_plan import (
     override,
     plan_of,
     plan_problems,
+    sp_refusals,
     tensor_kinds,
 )
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
@@ -334,7 +335,8 @@ class HFBackend(Backend):
         if layout.cp > 1:
             out.append((f"context parallelism (cp={layout.cp}) is not implemented for the hf backend yet", "set cp=1"))
         if layout.sequence_parallel and layout.tp > 1:
-            out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
+            kinds = json.loads(spec.hf_json).get("layer_types") or ()
+            out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan, kinds)]
         out += expert_limits(spec, layout, meta(spec).plan.ep if spec.is_moe else ())
         if layout.tp > 1 and spec.num_query_groups % layout.tp:
             out.append(

@@ -51,6 +51,15 @@ MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
 STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
 # layer kinds (`config.layer_types`) whose masks the stages rebuild
 LAYER_KINDS = ("full_attention", "sliding_attention")
+# Sequence parallelism (runtime/hf/layers.py): the hidden states between modules are split
+# along the sequence over TP. The tp styles whose modules run so: a module holding `colwise`
+# linears is gathered at its entry and closed by a `rowwise` one that scatters; per-head and
+# `replicated_with_grad_allreduce` tensors sit inside it (whole sequence); experts split by
+# `moe_tp_experts` gather their tokens. Any other style (an output gathered over TP, an input
+# split, MLA's whole kv down-projection on the residual stream) is refused under SP, as is a
+# layer kind not listed (a module mixing tokens outside a gathered module would see a slice).
+SP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", MOE_TP, "packed_colwise", "packed_rowwise")
+SP_LAYER_KINDS = LAYER_KINDS
 
 
 @dataclass(frozen=True)
@@ -220,6 +229,26 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
     return out
 
 
+def sp_refusals(plan: Plan, layer_kinds: Iterable[str]) -> list[str]:
+    """What of this model cannot run under sequence parallelism (`SP_STYLES`), one line each."""
+    where: dict[str, list[str]] = {}
+    for pattern, style in plan.tp:
+        if style not in SP_STYLES:
+            where.setdefault(style, []).append(pattern.removeprefix(plan.prefix + "."))
+    out = [
+        f"tp style {style!r} ({', '.join(paths[:3])}) under sequence parallelism: the hf backend splits "
+        f"the sequence around {', '.join(SP_STYLES)} only"
+        for style, paths in where.items()
+    ]
+    out += [
+        f"layer kind {kind!r} under sequence parallelism (the hf backend gathers the sequence for "
+        f"{', '.join(SP_LAYER_KINDS)} only)"
+        for kind in dict.fromkeys(layer_kinds)
+        if kind not in SP_LAYER_KINDS
+    ]
+    return out
+
+
 def tensor_kinds(
     plan: Plan, shapes: Mapping[str, tuple[int, ...]], heads: int, kv_heads: int, head_dim: int
 ) -> dict[str, str]:
@@ -276,6 +305,8 @@ __all__ = [
     "REPLICATED",
     "ROW",
     "ROW_STYLES",
+    "SP_LAYER_KINDS",
+    "SP_STYLES",
     "STYLES",
     "VOCAB",
     "FORWARD",
@@ -283,5 +314,6 @@ __all__ = [
     "override",
     "plan_of",
     "plan_problems",
+    "sp_refusals",
     "tensor_kinds",
 ]
