@@ -255,3 +255,21 @@ def test_mla_keeps_the_latent_path_whole_and_splits_the_up_projections():
     assert {k[f"{a}.{m}.weight"] for m in latent} == {REPLICATED}
     assert k[f"{a}.q_b_proj.weight"] == k[f"{a}.kv_b_proj.weight"] == COLUMN
     assert k[f"{a}.o_proj.weight"] == ROW
+
+
+def test_sequence_parallelism_is_refused_per_tp_style_it_does_not_cover():
+    """colwise/rowwise plans run with the sequence split; a gathered output or a split input
+    (OLMo-3's attention) is refused under SP naming the style; verify's gradient check of an
+    MoE model at tp > 1 turns SP on where the backend runs it."""
+    from megatron_bridge.parallel.dims import ParallelDims
+    from megatron_bridge.runtime.parity import training_layout
+
+    sp = ParallelDims.parse("tp2sp")
+    qwen3 = describe_hf(_config("qwen3"), make_vocab_size_divisible_by=8, backend="hf")
+    assert backend_of(qwen3).layout_limits(qwen3, sp) == []
+    olmo3 = describe_hf(_config("olmo3"), make_vocab_size_divisible_by=8, backend="hf")
+    limits = [why for why, _ in backend_of(olmo3).layout_limits(olmo3, sp)]
+    assert len(limits) == 2 and "'colwise_gather_output'" in limits[0] and "'rowwise_split_input'" in limits[1]
+    assert backend_of(olmo3).layout_limits(olmo3, ParallelDims.parse("tp2")) == []
+    moe = describe_hf(_config("qwen3_moe"), make_vocab_size_divisible_by=8, backend="hf")
+    assert training_layout(moe, ParallelDims.parse("ep2tp2")).sequence_parallel
