@@ -353,7 +353,7 @@ class HFBackend(Backend):
         DeepSpeed ZeRO at dp·tp), checkpoints, resume, the HF export and LoRA on the planned
         linears (peft module names, HF PEFT adapter export), SFT with padded samples (a loss
         mask, causal attention: the pads come after the conversation). Not yet: the rest (cp
-        and sp are refused by `layout_limits`)."""
+        and what sp does not cover are refused by `layout_limits`)."""
         out = []
         if spec.is_moe:
             out.append(
