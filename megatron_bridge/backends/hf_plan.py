@@ -60,6 +60,10 @@ LAYER_KINDS = ("full_attention", "sliding_attention")
 # layer kind not listed (a module mixing tokens outside a gathered module would see a slice).
 SP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", MOE_TP, "packed_colwise", "packed_rowwise")
 SP_LAYER_KINDS = LAYER_KINDS
+# the attention modules' names in transformers' plans: under SP the attention must be split
+# (`colwise` q/k/v), or it would run whole on each rank's slice of the sequence (PhiMoE,
+# HunYuan-MoE and DeepSeek-V3 plan only their MLPs and experts)
+ATTENTION_NAMES = ("self_attn", "attention", "attn")
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,12 @@ def sp_refusals(plan: Plan, layer_kinds: Iterable[str]) -> list[str]:
         f"the sequence around {', '.join(SP_STYLES)} only"
         for style, paths in where.items()
     ]
+    attention = [p for p, style in plan.tp if style == "colwise" and any(n in p for n in ATTENTION_NAMES)]
+    if not attention:
+        out.append(
+            "sequence parallelism needs the attention split over TP, and the tp plan names no `colwise` "
+            f"attention projection (under {', '.join(ATTENTION_NAMES)})"
+        )
     out += [
         f"layer kind {kind!r} under sequence parallelism (the hf backend gathers the sequence for "
         f"{', '.join(SP_LAYER_KINDS)} only)"
@@ -286,6 +296,7 @@ def tensor_kinds(
 
 
 __all__ = [
+    "ATTENTION_NAMES",
     "COLUMN",
     "COLUMN_STYLES",
     "EP_MODULE",
