@@ -269,7 +269,8 @@ def test_sequence_parallelism_is_refused_per_tp_style_it_does_not_cover():
     assert backend_of(qwen3).layout_limits(qwen3, sp) == []
     olmo3 = describe_hf(_config("olmo3"), make_vocab_size_divisible_by=8, backend="hf")
     limits = [why for why, _ in backend_of(olmo3).layout_limits(olmo3, sp)]
-    assert len(limits) == 2 and "'colwise_gather_output'" in limits[0] and "'rowwise_split_input'" in limits[1]
+    assert len(limits) == 3 and "'colwise_gather_output'" in limits[0] and "'rowwise_split_input'" in limits[1]
+    assert "no `colwise` attention projection" in limits[2]
     assert backend_of(olmo3).layout_limits(olmo3, ParallelDims.parse("tp2")) == []
     moe = describe_hf(_config("qwen3_moe"), make_vocab_size_divisible_by=8, backend="hf")
     assert training_layout(moe, ParallelDims.parse("ep2tp2")).sequence_parallel
