@@ -371,6 +371,14 @@ class HFBackend(Backend):
                     "set data.packing=false (one conversation per padded sample), or use a model with a native family",
                 )
             )
+        if run.peft.method == "lora" and run.parallel.sequence_parallel and run.parallel.tp > 1:
+            out.append(  # the adapters' SP regions assume megatron's gather inside the linear, not at its module
+                (
+                    "LoRA with sequence parallelism is not verified for the hf backend yet (its column linears "
+                    "take an input gathered at their module's entry)",
+                    "set parallel.sequence_parallel=false",
+                )
+            )
         if run.train.recompute != "none":
             out.append(
                 (
