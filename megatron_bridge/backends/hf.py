@@ -51,6 +51,7 @@ from megatron_bridge.backends.hf_plan import (
     override,
     plan_of,
     plan_problems,
+    sp_refusals,
     tensor_kinds,
     unbuilt_refusals,
 )
@@ -374,7 +375,8 @@ class HFBackend(Backend):
         if layout.cp > 1:
             out += cp_refusals(self.hf_config(spec).get("layer_types"), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
-            out.append(("sequence parallelism is not implemented for the hf backend yet", "drop sequence parallelism"))
+            kinds = json.loads(spec.hf_json).get("layer_types") or ()
+            out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan, kinds)]
         plan = meta(spec).plan if spec.is_moe else None
         out += expert_limits(spec, layout, plan.ep if plan else (), plan.tp if plan else ())
         out += layer_limits(self.hf_config(spec), layout)
@@ -394,7 +396,7 @@ class HFBackend(Backend):
         linears (peft module names, HF PEFT adapter export), SFT with padded samples (a loss
         mask, causal attention: the pads come after the conversation), at cp as well, and MoE with
         transformers' load-balancing loss where its config switches it on (backends/hf_aux.py).
-        Not yet: the rest (sp is refused by `layout_limits`)."""
+        Not yet: the rest (what sp does not cover is refused by `layout_limits`)."""
         out = aux_limits(transformers_config(spec), run.parallel.pp) if spec.is_moe else []
         if run.data.kind == "sft" and getattr(run.data, "packing", False):
             out.append(  # the chunk would attend across documents: it has no block-diagonal mask yet
@@ -402,6 +404,14 @@ class HFBackend(Backend):
                     "packed SFT samples (per-document positions, block-diagonal attention) are not implemented "
                     "for the hf backend yet",
                     "set data.packing=false (one conversation per padded sample), or use a model with a native family",
+                )
+            )
+        if run.peft.method == "lora" and run.parallel.sequence_parallel and run.parallel.tp > 1:
+            out.append(  # the adapters' SP regions assume megatron's gather inside the linear, not at its module
+                (
+                    "LoRA with sequence parallelism is not verified for the hf backend yet (its column linears "
+                    "take an input gathered at their module's entry)",
+                    "set parallel.sequence_parallel=false",
                 )
             )
         if run.train.recompute != "none":

@@ -105,6 +105,19 @@ NO_CP_KINDS = {
 # from global positions) -> the config key holding their window; linear attention, convs and
 # sparse indexers keep state or selections over the local tokens and are refused at cp > 1
 CP_LAYER_KINDS = {"full_attention": None, "sliding_attention": "sliding_window"}
+# Sequence parallelism (runtime/hf/layers.py): the hidden states between modules are split
+# along the sequence over TP. The tp styles whose modules run so: a module holding `colwise`
+# linears is gathered at its entry and closed by a `rowwise` one that scatters; per-head and
+# `replicated_with_grad_allreduce` tensors sit inside it (whole sequence); experts split by
+# `moe_tp_experts` gather their tokens. Any other style (an output gathered over TP, an input
+# split, MLA's whole kv down-projection on the residual stream) is refused under SP, as is a
+# layer kind not listed (a module mixing tokens outside a gathered module would see a slice).
+SP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", MOE_TP, "packed_colwise", "packed_rowwise")
+SP_LAYER_KINDS = ("full_attention", "sliding_attention")  # measured under SP
+# the attention modules' names in transformers' plans: under SP the attention must be split
+# (`colwise` q/k/v), or it would run whole on each rank's slice of the sequence (PhiMoE,
+# HunYuan-MoE and DeepSeek-V3 plan only their MLPs and experts)
+ATTENTION_NAMES = ("self_attn", "attention", "attn")
 
 
 @dataclass(frozen=True)
@@ -393,6 +406,32 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
     return out
 
 
+def sp_refusals(plan: Plan, layer_kinds: Iterable[str]) -> list[str]:
+    """What of this model cannot run under sequence parallelism (`SP_STYLES`), one line each."""
+    where: dict[str, list[str]] = {}
+    for pattern, style in plan.tp:
+        if style not in SP_STYLES:
+            where.setdefault(style, []).append(pattern.removeprefix(plan.prefix + "."))
+    out = [
+        f"tp style {style!r} ({', '.join(paths[:3])}) under sequence parallelism: the hf backend splits "
+        f"the sequence around {', '.join(SP_STYLES)} only"
+        for style, paths in where.items()
+    ]
+    attention = [p for p, style in plan.tp if style == "colwise" and any(n in p for n in ATTENTION_NAMES)]
+    if not attention:
+        out.append(
+            "sequence parallelism needs the attention split over TP, and the tp plan names no `colwise` "
+            f"attention projection (under {', '.join(ATTENTION_NAMES)})"
+        )
+    out += [
+        f"layer kind {kind!r} under sequence parallelism (the hf backend gathers the sequence for "
+        f"{', '.join(SP_LAYER_KINDS)} only)"
+        for kind in dict.fromkeys(layer_kinds)
+        if kind not in SP_LAYER_KINDS
+    ]
+    return out
+
+
 def tensor_kinds(
     plan: Plan, shapes: Mapping[str, tuple[int, ...]], heads: int, kv_heads: int, head_dim: int
 ) -> dict[str, str]:
@@ -430,6 +469,7 @@ def tensor_kinds(
 
 
 __all__ = [
+    "ATTENTION_NAMES",
     "CARRY",
     "COLUMN",
     "COLUMN_STYLES",
@@ -452,6 +492,8 @@ __all__ = [
     "REPLICATED",
     "ROW",
     "ROW_STYLES",
+    "SP_LAYER_KINDS",
+    "SP_STYLES",
     "STYLES",
     "UNBUILT_KINDS",
     "VOCAB",
@@ -463,6 +505,7 @@ __all__ = [
     "override",
     "plan_of",
     "plan_problems",
+    "sp_refusals",
     "tensor_kinds",
     "UNBUILT",
     "unbuilt_refusals",

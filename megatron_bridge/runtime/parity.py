@@ -27,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.features.mtp import mtp_keys
 from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.layout import Layout
@@ -224,9 +225,15 @@ def check_layout(
 def training_layout(spec: Any, layout: Layout) -> Layout:
     """megatron-core needs sequence parallelism to train MoE with TP (it refuses training
     mode otherwise, and without SP the expert weight gradients come out wrong), so gradient
-    checks of MoE models at tp > 1 turn SP on."""
+    checks of MoE models at tp > 1 turn SP on. Not where the backend cannot run the model
+    with SP (an hf-backend plan style SP does not cover): the hf backend's experts are exact at
+    TP without SP (runtime/hf/experts.py `ExpertsTP`), megatron's MoE layer is not run there."""
     if layout.sequence_parallel_required(spec.is_moe, layout.tp) and not layout.sequence_parallel:
-        return dataclasses.replace(layout, sequence_parallel=True)
+        sp = dataclasses.replace(layout, sequence_parallel=True)
+        backend = backend_of(spec)
+        if len(backend.layout_limits(spec, sp)) > len(backend.layout_limits(spec, layout)):
+            return layout
+        return sp
     return layout
 
 

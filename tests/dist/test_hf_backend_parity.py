@@ -5,7 +5,8 @@ with its distinctive features on: Cohere's per-head qk norm, logit scale, parall
 tied embeddings; GPT-NeoX's fused per-head query_key_value and renamed head; Qwen3's and
 EXAONE-4's replicated q/k norms; Phi's unplanned q/k LayerNorm and biased head; OLMo-3's
 gathered q/k/v; StarCoder2's sliding window, biases and tied embeddings) and Llama forced onto
-the hf backend, at tp2, pp2, tp2·pp2 and pp2·vpp2 (two of them at tp2·cp2), and Qwen3-MoE at ep2, ep2·pp2 and ep2·tp2: logits within 1e-5 (fp32) of transformers', the
+the hf backend, at tp2, pp2, tp2·pp2 and pp2·vpp2 (two of them at tp2·cp2), and Qwen3-MoE at ep2, ep2·pp2 and ep2·tp2, and a
+sample with sequence parallelism (`SP`): logits within 1e-5 (fp32) of transformers', the
 loss and every gradient, the bit-exact export round trip, and the exported directory loads in
 transformers with the oracle's logits.
 """
@@ -48,10 +49,16 @@ DENSE_LAYOUTS = ["tp2", "pp2", "tp2pp2", "pp2vpp2"]
 # sliding window, biases, tied embeddings) and the model's own eager one (Gemma-2: logit
 # soft-capping, alternating sliding layers)
 CP = ["starcoder2", "gemma2"]
-LAYOUTS = [*DENSE_LAYOUTS, "tp2cp2", "ep2", "ep2pp2", "ep2tp2"]
+# sequence parallelism (runtime/hf/layers.py: hidden states [b, s/tp, h] between the gathered
+# attention / MLP modules, norms' gradients summed over TP): Qwen3 (replicated q/k norms) at
+# tp2, Llama at tp2·pp2 (the [s/tp, b, h] stage boundary), Qwen3-MoE at ep2·tp2 (tokens
+# gathered into the TP-split experts; its ep2tp2 gradients already run with SP)
+SP = {"qwen3": ["tp2sp"], "llama": ["tp2pp2sp"], "qwen3_moe": ["ep2tp2sp"]}
+SP_LAYOUTS = [*DENSE_LAYOUTS, "tp2cp2", "ep2", "ep2pp2", "ep2tp2", *SP_LAYOUTS]
 SKIP = [f"{fam}/{lay}" for fam in MATRIX_SAMPLE for lay in DENSE_LAYOUTS if lay != "tp2pp2"]
 SKIP += [f"{fam}/{lay}" for fam in MOE for lay in DENSE_LAYOUTS]
 SKIP += [f"{fam}/tp2cp2" for fam in FAMILIES if fam not in CP]
+SKIP += [f"{fam}/{lay}" for fam in FAMILIES for lay in SP_LAYOUTS if lay not in SP.get(fam, ())]
 TOL = 1e-5
 
 

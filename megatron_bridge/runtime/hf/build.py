@@ -35,9 +35,11 @@ from megatron_bridge.backends.hf_plan import (
     HEAD,
     MLA,
     MOE_TP,
+    REPLICATED,
     ROW_STYLES,
     Plan,
     override,
+    sp_refusals,
 )
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
@@ -53,6 +55,7 @@ from megatron_bridge.runtime.hf.layers import (
     LMHead,
     RowLinear,
     VocabEmbedding,
+    gather_sequence,
     mla_kv_a_hook,
     sum_grad_over_tp,
 )
@@ -87,7 +90,7 @@ def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> Tr
         # experts run; biases are each module's own): top-1 needs pre-softmax, expert-TP no bias
         moe_router_pre_softmax=True,
         add_bias_linear=not spec.is_moe,
-        sequence_parallel=False,
+        sequence_parallel=layout.sequence_parallel and layout.tp > 1,
         num_layers_in_first_pipeline_stage=layout.layers_first_stage,
         num_layers_in_last_pipeline_stage=layout.layers_last_stage,
         use_cpu_initialization=not on_gpu,
@@ -114,6 +117,9 @@ def build_hf(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **
     if layout.cp > 1:  # K/V gathered over the CP group around the model's attention (runtime/hf/cp.py)
         full.config._attn_implementation = cp_implementation(full.config._attn_implementation)
     plan = model_plan(full)
+    refused = sp_refusals(plan, getattr(hf_cfg, "layer_types", None) or ()) if tconfig.sequence_parallel else []
+    if refused:  # also where a check turned SP on itself (MoE gradients at tp > 1: runtime/parity.py)
+        raise UserError(f"{spec.architecture} (hf backend): " + "; ".join(refused))
     kinds = meta(spec).kinds
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     pp_rank, vpp = ps.get_pipeline_model_parallel_rank(), tconfig.virtual_pipeline_model_parallel_size
@@ -146,6 +152,7 @@ class Stage:
         self.spec, self.full, self.plan, self.kinds = spec, full, plan, kinds
         self.tconfig, self.device, self.load_weights = tconfig, device, load_weights
         self.tp, self.ep = tconfig.tensor_model_parallel_size, tconfig.expert_model_parallel_size
+        self.sp = bool(tconfig.sequence_parallel)
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.init = init_method_normal(spec.initializer_range)
 
@@ -212,6 +219,7 @@ class Stage:
                 padding_idx=emb.padding_idx,
                 tp_group=self.tp_group,
                 embed_scale=float(emb.scalar_embed_scale) if scaled else None,
+                reduce_scatter_embeddings=self.sp,
             )
 
     def _head(self, head: Any, tied_here: bool) -> LMHead:
@@ -269,9 +277,16 @@ class Stage:
             ep = self.ep > 1 and self.plan.ep_style(full) == EP_MODULE
             tp = self.tp > 1 and style == MOE_TP
             if ep or tp:
-                partition(child, self.ep if ep else 1, tp)
+                partition(child, self.ep if ep else 1, tp, self.sp)
         for parent in split_parents:
             self._divide_heads(parent)
+            if self.sp:
+                if parent is module and path.startswith(f"{self.plan.layers}."):
+                    raise UserError(
+                        f"{path}: its colwise linears sit in the decoder layer itself, so sequence parallelism "
+                        "would gather its norms' input too (set parallel.sequence_parallel=false)"
+                    )
+                gather_sequence(parent)
         self._materialise(path, module)
         return module
 
@@ -316,7 +331,8 @@ class Stage:
                     shape = (shape[0] // self.tp, *shape[1:])
                 if expert:
                     shape = (shape[0] // self.ep, *shape[1:])
-                if split and self.plan.style(prefix) == MOE_TP:  # moe_tp_experts: gate/up rows, down columns
+                split = split if self.plan.style(prefix) == MOE_TP else None
+                if split:  # moe_tp_experts: gate/up rows, down columns
                     at = 1 if split == "column" else 2
                     shape = tuple(d // self.tp if i == at else d for i, d in enumerate(shape))
                 new = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device=self.device), p.requires_grad)
@@ -324,6 +340,9 @@ class Stage:
                     set_tensor_model_parallel_attributes(new, True, 0, 1)
                 if kind == GRAD_ALLREDUCE and self.tp > 1:
                     sum_grad_over_tp(new)
+                if kind == REPLICATED and self.sp and not split:
+                    # on the sequence-split hidden states (norms, routers): finalize_model_grads sums it over TP
+                    new.sequence_parallel = True  # type: ignore[attr-defined]
                 if expert:
                     mark_expert(new)
                 mod._parameters[key] = new

@@ -4,7 +4,7 @@ To megatron it is a GPTModel: `.config` is a TransformerConfig, `set_input_tenso
 previous stage's activations, `pre_process` / `post_process` say which end it is, forward
 (input_ids, position_ids, attention_mask, labels=None) returns vocab-parallel logits
 [b, s, V/tp] (or the per-token loss [b, s] with labels) on the last stage and [s, b, h]
-activations elsewhere; a tied embedding is shared with the last stage through megatron's
+activations elsewhere ([s/tp, b, h] under sequence parallelism: runtime/hf/layers.py); a tied embedding is shared with the last stage through megatron's
 embedding group (`shared_embedding_or_output_weight`).
 
 Inside, it is the model's own modules under transformers' names (`model.layers.7.mlp...`,
@@ -176,19 +176,24 @@ class HFChunk(MegatronModule):
         before = calls()
         embeddings: dict[str | None, Any] = {}
         carried: dict[str, Any] = {}
+        # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
+        # of it (sequence parallelism): they read only its batch, length, dtype and device
+        whole = h.new_zeros(()).expand(h.shape[0], position_ids.shape[-1], h.shape[-1])
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
             if kind not in masks:
                 masks[kind] = make_mask[kind](
                     config=self.hf_config,
-                    inputs_embeds=h,
+                    inputs_embeds=whole,
                     attention_mask=None,
                     past_key_values=None,
                     position_ids=position_ids,
                 )
             key = kind if self.rotary_by_kind else None
             if rotary is not None and key not in embeddings and kind not in self.nope:
-                embeddings[key] = rotary(h, position_ids, kind) if self.rotary_by_kind else rotary(h, position_ids)
+                embeddings[key] = (
+                    rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
+                )
             extra = {k: fn(position_ids) for k, fn in self.nope_kwargs.items()} if kind in self.nope else {}
             out = layer(
                 h,

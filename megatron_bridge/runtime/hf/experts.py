@@ -26,7 +26,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import (
     all_to_all,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 
 
@@ -60,7 +62,7 @@ class ExpertsAllToAll(torch.nn.Module):
 class ExpertsTP(torch.nn.Module):
     """Mixed into an HF experts class under transformers' `moe_tp_experts` at tp > 1: each TP
     rank holds every (local) expert's slice of the intermediate dimension (gate/up rows,
-    down columns), the tokens are whole on every TP rank (no sequence parallelism: the
+    down columns), the tokens are whole on every TP rank (without sequence parallelism the
     attention's row-parallel output is all-reduced), so the expert outputs are partial sums
     reduced over TP, and the inputs' gradients (hidden states and routing weights) summed
     over TP as megatron's column-parallel input does (`copy_to_tensor_model_parallel_region`)."""
@@ -73,25 +75,49 @@ class ExpertsTP(torch.nn.Module):
         return reduce_from_tensor_model_parallel_region(out, group=group)
 
 
-_CLASSES: dict[tuple[type, bool, bool], type] = {}
+class ExpertsSequenceTP(torch.nn.Module):
+    """`ExpertsTP` under sequence parallelism: each TP rank routes its own slice of the tokens,
+    so the tokens, their choices and weights are gathered over TP first (megatron's
+    all-gather dispatch; backward reduce-scatters the summed input gradients), every rank runs
+    its slice of every expert on all of them, and the partial outputs are reduce-scattered
+    back to each rank's tokens."""
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        group = ps.get_tensor_model_parallel_group()
+        x = gather_from_sequence_parallel_region(hidden, group=group)
+        w = gather_from_sequence_parallel_region(top_k_weights, group=group)
+        index = gather_from_sequence_parallel_region(top_k_index, group=group)
+        out = super().forward(x, index, w)
+        return reduce_scatter_to_sequence_parallel_region(out, group=group)
 
 
-def experts_class(cls: type, ep: bool, tp: bool) -> type:
+# (ep, tp, sp) -> the mixins, outermost first: TP (gathering the tokens under SP) wraps the EP dispatch
+_MIXINS: dict[tuple[bool, bool, bool], tuple[type, ...]] = {
+    (ep, tp, sp): ((ExpertsSequenceTP if sp else ExpertsTP),) * tp + (ExpertsAllToAll,) * ep
+    for ep in (False, True)
+    for tp in (False, True)
+    for sp in (False, True)
+}
+_CLASSES: dict[tuple[type, bool, bool, bool], type] = {}
+
+
+def experts_class(cls: type, ep: bool, tp: bool, sp: bool = False) -> type:
     """`cls` (an HF experts class) with its forward dispatching over the EP group (`ep`)
-    and/or its experts split over TP (`tp`); its parameters, names and per-expert compute stay
-    `cls`'s. One per combination (isinstance holds across chunks)."""
-    key = (cls, ep, tp)
+    and/or its experts split over TP (`tp`, the tokens gathered over TP first under `sp`); its
+    parameters, names and per-expert compute stay `cls`'s. One per combination (isinstance
+    holds across chunks)."""
+    key = (cls, ep, tp, sp)
     if key not in _CLASSES:
-        mixins = (ExpertsTP,) * tp + (ExpertsAllToAll,) * ep
-        _CLASSES[key] = type(f"{cls.__name__}{'TP' * tp}{'AllToAll' * ep}", (*mixins, cls), {})
+        name = f"{cls.__name__}{'SP' * (tp and sp)}{'TP' * tp}{'AllToAll' * ep}"
+        _CLASSES[key] = type(name, (*_MIXINS[ep, tp, sp], cls), {})
     return _CLASSES[key]
 
 
-def partition(experts: Any, ep: int, tp: bool) -> None:
+def partition(experts: Any, ep: int, tp: bool, sp: bool = False) -> None:
     """Make the meta-device `experts` module this rank's E/ep of them, split over TP when
     `tp` (before materialising)."""
     experts.num_experts = int(experts.num_experts) // ep
-    experts.__class__ = experts_class(type(experts), ep > 1, tp)
+    experts.__class__ = experts_class(type(experts), ep > 1, tp, sp)
 
 
 def mark_expert(param: torch.nn.Parameter) -> None:
@@ -111,4 +137,13 @@ def gather_experts(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, 0)
 
 
-__all__ = ["ExpertsAllToAll", "ExpertsTP", "experts_class", "gather_experts", "is_expert", "mark_expert", "partition"]
+__all__ = [
+    "ExpertsAllToAll",
+    "ExpertsSequenceTP",
+    "ExpertsTP",
+    "experts_class",
+    "gather_experts",
+    "is_expert",
+    "mark_expert",
+    "partition",
+]

@@ -2,8 +2,18 @@
 
 Each class keeps megatron's layer (its shard, its tensor-parallel attributes, its
 communication in forward and backward) and speaks the module it replaces: a linear returns
-the output tensor alone (megatron's return `(output, bias)`), batch-first [b, s, h] input
-(no sequence parallelism here, so megatron's layers are indifferent to the leading dims).
+the output tensor alone (megatron's return `(output, bias)`), batch-first [b, s, h] input.
+
+Sequence parallelism (`config.sequence_parallel`): between the modules that hold split linears
+the hidden states are [b, s/tp, h], this rank's slice of the sequence (dim -2: [b, s, h] or
+the [tokens, h] an MoE block flattens to). megatron's SP regions split and gather dim 0 of
+[s, b, h], so each class moves the sequence to the front around megatron's call. The
+embedding reduce-scatters its output along the sequence, the LM head gathers its input; a
+module holding `colwise` linears (attention, MLP) gets its input gathered once at its entry
+(`gather_sequence`: transformers' attention views q/k/v with its input's sequence length, so
+the gather cannot wait for the linear), the column linears inside then take the whole
+sequence without a gradient all-reduce of their own (the gather's backward reduce-scatters the
+summed input gradient), and the row linear that closes the module reduce-scatters its output.
 
 | tp plan | module |
 |---|---|
@@ -25,7 +35,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -39,12 +53,35 @@ def _unfold(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """`out` with `x`'s leading dims again (where `_as_3d` folded them), never a view: HF modules
     modify some outputs in place (OLMoE's `clip_qkv` clamp_), which autograd forbids on a view
     of a custom Function's output (megatron's gather over TP returns one; so would a reshape)."""
-    out = out.reshape(*x.shape[:-1], out.shape[-1])
-    return out.clone() if out._base is not None else out
+    return _not_a_view(out.reshape(*x.shape[:-1], out.shape[-1]))
+
+
+def _not_a_view(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t._base is not None else t
+
+
+def _seq_first(x: torch.Tensor) -> torch.Tensor:
+    """[b, s, h] or [tokens, h] -> the sequence (dim -2) first, as megatron's SP regions split it."""
+    return x.movedim(-2, 0)
+
+
+def _seq_back(x: torch.Tensor) -> torch.Tensor:
+    return x.movedim(0, -2)
+
+
+def _sequence_parallel(layer: Any) -> bool:
+    return bool(layer.config.sequence_parallel) and layer.tp_group.size() > 1
 
 
 class ColumnLinear(ColumnParallelLinear):
-    """An HF linear the tp plan names `colwise` / `colwise_gather_output`."""
+    """An HF linear the tp plan names `colwise` / `colwise_gather_output`. Under SP its input
+    is already whole (its module's `gather_sequence`), so neither megatron's gather nor its
+    input-gradient all-reduce runs here: the gather's backward sums that gradient."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if _sequence_parallel(self):
+            self.sequence_parallel, self.disable_grad_reduce = False, True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = super().forward(_as_3d(x))
@@ -52,12 +89,16 @@ class ColumnLinear(ColumnParallelLinear):
 
 
 class RowLinear(RowParallelLinear):
-    """An HF linear the tp plan names `rowwise` / `rowwise_split_input`. Its output is never a
-    view (`_unfold`): megatron's TP all-reduce returns its input as is (an autograd view), and a
-    model that adds to it in place (Llama 4's MoE: `shared_expert(x).add_(routed)`) is refused by
-    autograd."""
+    """An HF linear the tp plan names `rowwise` / `rowwise_split_input`; under SP its output
+    is reduce-scattered along the sequence (megatron's), back to this rank's slice. Its output is
+    never a view (`_unfold`): megatron's TP all-reduce returns its input as is (an autograd view),
+    and a model that adds to it in place (Llama 4's MoE: `shared_expert(x).add_(routed)`) is
+    refused by autograd."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            out, _ = super().forward(_seq_first(x))
+            return _not_a_view(_seq_back(out))
         out, _ = super().forward(_as_3d(x))
         return _unfold(out, x)
 
@@ -67,6 +108,9 @@ class LMHead(ColumnParallelLinear):
     weight is passed in when both sit on one stage)."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sequence_parallel:  # megatron's gather of the sequence, [b, s/tp, h] -> [b, s, V/tp]
+            out, _ = super().forward(_seq_first(x), weight=weight)
+            return _seq_back(out)
         out, _ = super().forward(x, weight=weight)
         return out
 
@@ -92,13 +136,36 @@ class VocabEmbedding(VocabParallelEmbedding):
         out = F.embedding(input_, self.weight, padding_idx=self.local_padding_idx)
         if split:
             out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        if self.reduce_scatter_embeddings and split:  # under SP: this rank's slice of the sequence
+            out = _seq_back(reduce_scatter_to_sequence_parallel_region(_seq_first(out), group=self.tp_group))
+        else:
+            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         if self.embed_scale is not None:  # as transformers: times the scale as a tensor of the weight's dtype
             out = out * torch.tensor(self.embed_scale).to(self.weight.dtype)
         return out
 
 
 MEGATRON_LAYERS = (ColumnLinear, RowLinear, LMHead, VocabEmbedding)
+
+
+def gather_sequence(module: torch.nn.Module) -> None:
+    """Under SP: `module` (one holding `colwise` linears) runs on the whole sequence. Its
+    hidden states (the first positional argument, else `hidden_states=`) are gathered along
+    the sequence at its entry; backward reduce-scatters their gradient, summed over TP as
+    megatron's column-parallel input gradient is. Its row linear scatters the output again."""
+    group = ps.get_tensor_model_parallel_group()
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return _seq_back(gather_from_sequence_parallel_region(_seq_first(x), group=group))
+
+    def hook(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (gather(args[0]), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise TypeError(f"{type(mod).__name__} was called without its hidden states: no sequence to gather")
+        return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def mla_kv_a_hook(linear: torch.nn.Module, rope_dim: int) -> None:
@@ -147,6 +214,7 @@ __all__ = [
     "MEGATRON_LAYERS",
     "RowLinear",
     "VocabEmbedding",
+    "gather_sequence",
     "mla_kv_a_hook",
     "sum_grad_over_tp",
 ]

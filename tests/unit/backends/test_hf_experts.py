@@ -100,17 +100,17 @@ def test_the_all_to_all_experts_module_computes_what_transformers_does():
 
 def test_moe_layouts_the_hf_backend_cannot_run_yet_are_refused_by_the_layout_rule(tmp_path, saved):
     """Experts split over TP as transformers' `moe_tp_experts` says, so expert-TP is tp: another
-    etp is refused by `backend-layout`, naming it; so is an ep that does not divide the experts
-    and sequence parallelism. ep2, tp2 and ep2·tp2 pass."""
+    etp is refused by `backend-layout`, naming it; so is an ep that does not divide the experts.
+    ep2, tp2 and ep2·tp2 pass, with sequence parallelism too."""
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.parallel.rules.registry import validate
 
     cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={saved['qwen3_moe']}", "model.backend=hf"])
     spec = describe(cfg.model)
     assert spec.num_moe_experts == 4 and spec.moe_router_topk == 2
-    for text in ("ep2", "tp2", "ep2tp2"):
+    for text in ("ep2", "tp2", "ep2tp2", "tp2sp", "ep2tp2sp"):
         validate(cfg, spec, dims=ParallelDims.parse(text).with_world(4), layout_only=True)
-    for text, needle in (("ep2tp2etp1", "moe_tp_experts"), ("tp2sp", "sequence parallelism")):
+    for text, needle in (("ep2tp2etp1", "moe_tp_experts"),):
         with pytest.raises(LayoutError) as e:
             validate(cfg, spec, dims=ParallelDims.parse(text).with_world(4), layout_only=True)
         assert needle in str(e.value) and any(v.rule == "backend-layout" for v in e.value.violations)
