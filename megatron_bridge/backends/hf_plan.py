@@ -29,6 +29,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_bridge.backends.hf_kinds import (  # re-exported: the plan's readers take them from here
+    CARRY,
+    CP_LAYER_KINDS,
+    LAYER_KINDS,
+    NO_CP_KINDS,
+    UNBUILT,
+    UNBUILT_KINDS,
+    WHOLE_MODULES,
+    cp_refusals,
+    layer_limits,
+    unbuilt_refusals,
+)
+
 # base_model_ep_plan styles: the experts module (runtime/hf/experts.py), its stacked tensors (dim 0 over EP)
 EP_MODULE, EP_TENSOR = "ep_dispatch_experts", "grouped_gemm"
 # the tp plan style of an experts module whose stacked tensors split over TP (runtime/hf/experts.py)
@@ -49,62 +62,6 @@ MARKERS = ("local_params",)
 MLA = "mla_kv_a_proj"
 MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
 STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
-# layer kinds (`config.layer_types`) whose masks the stages rebuild (runtime/hf/chunk.py MASKS);
-# `indexed_attention` (DeepSeek-V3.2's sparse attention, GLM-5): the causal mask, which the
-# layer's indexer narrows to its top-k keys inside the layer; `minimax_m3_sparse` (MiniMax-M3):
-# the causal mask, narrowed to the indexer's key blocks inside the layer; `chunked_attention`:
-# Llama 4's local attention (blocks of attention_chunk_size tokens)
-# `linear_attention` / `conv` mixers (gated DeltaNet, lightning attention, short convolutions) run
-# whole on every TP rank, as transformers' plans declare: their projections `colwise_gather_output`
-# or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`
-LAYER_KINDS = (
-    "full_attention",
-    "sliding_attention",
-    "indexed_attention",
-    "minimax_m3_sparse",
-    "linear_attention",
-    "conv",
-    "chunked_attention",
-)
-# layer kinds known but not built, and the piece the stages lack for them (instead of the
-# generic "not one of LAYER_KINDS" line)
-_V4 = (
-    "DeepseekV4Model.forward runs every layer on hc_mult hyper-connection streams ([b, s, hc_mult, h], folded "
-    "by hc_head before the norm) with a {'main', 'compress'} rotary pair and input_ids (hash-routed MoE): "
-    "the stages pass one [b, s, h] stream and one rotary embedding"
-)
-_INKLING = (
-    "InklingModel.forward gives every layer a conv_mask (create_recurrent_attention_mask) besides its "
-    "attention mask ('hybrid' full, 'hybrid_sliding' sliding): the stages pass one mask per layer"
-)
-UNBUILT_KINDS = {
-    "compressed_sparse_attention": _V4,
-    "heavily_compressed_attention": _V4,
-    "hybrid": _INKLING,
-    "hybrid_sliding": _INKLING,
-}
-# submodules (by attribute name) that stay whole on every TP rank and are never split by head,
-# whatever the plan next to them splits: a sparse-attention indexer reads whole tensors (the
-# hidden states, the q latent) under `torch.no_grad` and returns top-k key indices shared by all
-# heads, so every rank computes the same selection for its own heads (no gradient reaches it)
-WHOLE_MODULES = ("indexer",)
-# what a decoder layer hands the next one: {keyword the next layer takes: (index in the layer's
-# output tuple, config list marking the layers that read it, the marking value)}. GLM-5's and
-# HY-V4's "shared" indexer layers reuse the previous layer's top-k (GlmMoeDsaModel.forward);
-# megatron's schedules pass one activation tensor between stages, so no stage may start at one
-CARRY = {"prev_topk_indices": (1, "indexer_types", "shared")}
-# layer kinds context parallelism cannot run, and why
-_RECURRENT = "it carries a state along the sequence: a CP rank's chunks would need the earlier chunks' state"
-NO_CP_KINDS = {
-    "indexed_attention": "its indexer scores every query against all keys and keeps the top-k; a CP rank holds a "
-    "slice of the keys",
-    "linear_attention": _RECURRENT,
-    "conv": _RECURRENT,
-}
-# layer kinds that run under context parallelism (runtime/hf/cp.py: K/V all-gathered, the mask
-# from global positions) -> the config key holding their window; linear attention, convs and
-# sparse indexers keep state or selections over the local tokens and are refused at cp > 1
-CP_LAYER_KINDS = {"full_attention": None, "sliding_attention": "sliding_window"}
 # Sequence parallelism (runtime/hf/layers.py): the hidden states between modules are split
 # along the sequence over TP. The tp styles whose modules run so: a module holding `colwise`
 # linears is gathered at its entry and closed by a `rowwise` one that scatters; per-head and
@@ -250,21 +207,6 @@ FORWARD_MATH: dict[str, str] = {
 }
 
 
-# config keys that switch on state the base model's forward threads past its layers' own
-# inputs, which the stages do not rebuild (nor carry across pipeline stages) yet: refused by value
-UNBUILT: dict[str, str] = {
-    "hidden_size_per_layer_input": "per-layer inputs (Gemma 3n / Gemma 4): the base model embeds input_ids "
-    "per layer (embed_tokens_per_layer) plus a projection of the embeddings and hands layer i its slice",
-    "num_kv_shared_layers": "KV sharing (Gemma 3n / Gemma 4): the last layers reuse earlier layers' keys "
-    "and values, passed between layers in the base model's forward (shared_kv_states)",
-}
-
-
-def unbuilt_refusals(hf: Mapping[str, Any]) -> list[str]:
-    """One line per UNBUILT key this config switches on."""
-    return [f"{key}={hf[key]!r}: {why}, not built by the hf backend yet" for key, why in UNBUILT.items() if hf.get(key)]
-
-
 def override(model_type: str) -> Override:
     return OVERRIDES.get(model_type, Override())
 
@@ -279,27 +221,6 @@ def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
         v = hf.get(key)
         if key not in handled and (v is True or v not in (None, 0, 1, 1.0, False)):  # a flag, or a constant
             out.append(f"{key}={v!r} is applied in the model's forward (no entry in backends/hf_plan.py OVERRIDES)")
-    return out
-
-
-def layer_limits(hf: Mapping[str, Any], layout: Any) -> list[tuple[str, str]]:
-    """(problem, fix) for the carried values this layout cannot run: a pipeline stage that would
-    start at a layer reading a value the previous layer hands over (`CARRY`). (Layer kinds under
-    context parallelism: `cp_refusals`.)"""
-    out = []
-    kinds = list(hf.get("layer_types") or ())
-    n = int(hf.get("num_hidden_layers") or len(kinds))
-    starts = {layout.stage_layers(n, r, v).start for r in range(layout.pp) for v in range(layout.vpp_or_1)}
-    for kw, (_, field, value) in CARRY.items():
-        marks = list(hf.get(field) or ())
-        for s in sorted(i for i in starts if 0 < i < len(marks) and marks[i] == value):
-            out.append(
-                (
-                    f"layer {s} ({field}[{s}]={value!r}) takes {kw} from layer {s - 1}, which is on the previous "
-                    "pipeline stage (megatron's schedules pass one activation tensor between stages)",
-                    f"choose a stage split whose stages start at a layer that is not {value!r}",
-                )
-            )
     return out
 
 
@@ -367,22 +288,6 @@ def plan_of(
     tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items() if v not in MARKERS)
     ep = tuple((f"{prefix}.{k}", v) for k, v in (ep_plan or {}).items())
     return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp, ep)
-
-
-def cp_refusals(layer_types: list[str] | None, cp: int) -> list[tuple[str, str]]:
-    """One refusal per layer kind that cannot run at cp > 1 (see `CP_LAYER_KINDS`), with the
-    reason where `NO_CP_KINDS` gives one."""
-    kinds = list(layer_types or ())
-    return [
-        (
-            f"layer kind {kind!r} (layers {', '.join(str(i) for i, k in enumerate(kinds) if k == kind)}) cannot run "
-            f"under context parallelism (cp={cp}) in the hf backend: "
-            + NO_CP_KINDS.get(kind, f"it runs {tuple(CP_LAYER_KINDS)}"),
-            "set cp=1",
-        )
-        for kind in dict.fromkeys(kinds)
-        if kind not in CP_LAYER_KINDS
-    ]
 
 
 def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: Mapping[str, Any] | None) -> list[str]:
