@@ -54,7 +54,8 @@ CP = ["starcoder2", "gemma2"]
 # tp2, Llama at tp2·pp2 (the [s/tp, b, h] stage boundary), Qwen3-MoE at ep2·tp2 (tokens
 # gathered into the TP-split experts; its ep2tp2 gradients already run with SP)
 SP = {"qwen3": ["tp2sp"], "llama": ["tp2pp2sp"], "qwen3_moe": ["ep2tp2sp"]}
-SP_LAYOUTS = [*DENSE_LAYOUTS, "tp2cp2", "ep2", "ep2pp2", "ep2tp2", *SP_LAYOUTS]
+SP_LAYOUTS = ["tp2sp", "tp2pp2sp", "ep2tp2sp"]
+LAYOUTS = [*DENSE_LAYOUTS, "tp2cp2", "ep2", "ep2pp2", "ep2tp2", *SP_LAYOUTS]
 SKIP = [f"{fam}/{lay}" for fam in MATRIX_SAMPLE for lay in DENSE_LAYOUTS if lay != "tp2pp2"]
 SKIP += [f"{fam}/{lay}" for fam in MOE for lay in DENSE_LAYOUTS]
 SKIP += [f"{fam}/tp2cp2" for fam in FAMILIES if fam not in CP]
