@@ -37,6 +37,11 @@ tracker `CpuRNGStatesTracker` is an ordinary class, put in place by `install()` 
    at pp=2 (prev == next rank) interleaved 1F1B swaps them (wrong losses, exploding grads). Batched
    p2p is routed to megatron's non-batched `_p2p_ops`; still, set `batch_p2p_comm=False` on CPU.
 Keep megatron's `*_fusion` flags off on CPU (their torch.compile kernels are untested here).
+
+DeepSpeed, separately (`deepspeed_without_shm_op`, called before `deepspeed.initialize`): on a
+CPU accelerator its TorchBackend JIT-compiles a shared-memory all-reduce op (C++ through ninja,
+~30 s the first time on a host, then cached) that only its `inference_all_reduce` uses; it is
+marked incompatible so it is never built (docs/benchmarks.md, "CI time").
 """
 
 from __future__ import annotations
@@ -289,6 +294,15 @@ class CpuRNGStatesTracker(_TRACKER_BASE):
                 orig_state = self.states_[orig_name]
             torch.set_rng_state(orig_state)
             self._current_state_name = orig_name
+
+
+def deepspeed_without_shm_op() -> None:
+    """On a host without CUDA: DeepSpeed skips its shared-memory comm op (module docstring)."""
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops  # the caller is about to initialise DeepSpeed: imported already
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def is_installed() -> bool:

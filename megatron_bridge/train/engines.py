@@ -34,6 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_bridge.convert.formats.pickle_guard import TRAINING
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime import cpu
 from megatron_bridge.runtime.build import model_config
 from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.lora_modules import adapters, load_model_state, model_state
@@ -338,6 +339,7 @@ class DeepSpeedEngine(Engine):
         # (multi-tensor on CUDA) is used instead.
         fused = torch.cuda.is_available() and bool(installed_ops.get("fused_adam"))
         self.ds_config = build_ds_config(cfg, dims, bf16=bf16, fused_adam=fused)
+        cpu.deepspeed_without_shm_op()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module,
             model_parameters=[p for p in module.parameters() if p.requires_grad],

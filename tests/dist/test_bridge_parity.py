@@ -163,9 +163,10 @@ def test_train_step_tp2pp2_matches_tp1(root, tmp_path):
 
 # The export round trip runs once per way of splitting (pipeline, tensor + expert); `mbr
 # verify --matrix` (docs/bridge.md) and the converter tests cover the other layouts, ep2 alone
-# included.
+# and tp1 included (tp1, the unsplit model, is left out here for CI time: every layout below
+# compares with transformers' own fp32 model, not with tp1).
 FAMILY_LAYOUTS = [
-    "tp1:logits+grads", "tp2:logits+grads", "pp2vpp2:logits+roundtrip+grads", "cp2:logits+grads",
+    "tp2:logits+grads", "pp2vpp2:logits+roundtrip+grads", "cp2:logits+grads",
     "ep2tp2:logits+roundtrip+grads", "ep2tp2etp1:logits+grads",
 ]
 
@@ -195,10 +196,10 @@ def _refused(root: Path, fam: str, layouts: List[str]) -> List[str]:
 @pytest.mark.skipif(not FAMILIES, reason="no family beyond the six above has a tiny model")
 def test_every_other_family_tp_pp_vpp_cp_ep(root, tmp_path):
     """Every family in bridge/tiny.py beyond the six above, each with all of its features on:
-    logits, loss and every gradient at tp1, tp2, pp2·vpp2, cp2 and, for MoE, ep2·tp2 and
+    logits, loss and every gradient at tp2, pp2·vpp2, cp2 and, for MoE, ep2·tp2 and
     ep2·tp2·etp1 (+SP), the bit-exact round trip at pp2·vpp2 and ep2·tp2, all in one launch.
     Layouts a rule refuses are skipped here and listed in the support matrix with the rule;
-    every family runs at least four layouts."""
+    at most two per family."""
     skip = [s for fam in FAMILIES for s in _refused(root, fam, FAMILY_LAYOUTS)]
     for fam in FAMILIES:
         assert sum(f"{fam}/" in s for s in skip) <= 2, (fam, skip)

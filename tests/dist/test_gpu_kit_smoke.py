@@ -1,10 +1,12 @@
 """The GPU kit's CPU dry run (benchmarks/gpu/kit.py --smoke), so the script a lent GPU machine
-runs first cannot rot between GPU sessions: the same checks, small shapes, on gloo. `verify`
-is left out here (its `mbr verify` runs are tested in test_bridge_verify_e2e.py), and so are
-`resume_ds` (`resume`'s code with DeepSpeed's engine, trained and resumed in test_train.py) and
-`hfspeed` (its script only tails benchmarks/hf_vs_native.py: 2 launches of CI time for no
-parsing); the kit's own parsing of each check's output is what this proves, with the training
-launches it makes."""
+runs first cannot rot between GPU sessions: the same code, small shapes, on gloo — the device
+probe and the resume check (its three training launches and the kit's parsing of their
+losses). Left out for CI time: `verify` (its `mbr verify` runs are tested in
+test_bridge_verify_e2e.py), `resume_ds` (`resume`'s code with DeepSpeed's engine, trained and
+resumed in test_train.py), and `overhead` / `hfspeed` (two launches each of
+benchmarks/train_overhead.py and benchmarks/hf_vs_native.py, whose output the kit only tails
+and parses for one number; run `python benchmarks/gpu/kit.py --smoke --out DIR` before
+spending device time)."""
 
 import subprocess
 import sys
@@ -16,13 +18,13 @@ pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_kit_smoke_runs_every_check_on_cpu(tmp_path):
+def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
     cmd = [
         sys.executable,
         "benchmarks/gpu/kit.py",
         "--smoke",
         "--only",
-        "env,resume,overhead",
+        "env,resume",
         "--out",
         str(tmp_path),
     ]
@@ -32,5 +34,3 @@ def test_gpu_kit_smoke_runs_every_check_on_cpu(tmp_path):
     heads = {line.split(" ")[1]: line for line in report.splitlines() if line.startswith("- ")}
     assert '"cuda": null' in heads["env:"], report  # the probe ran
     assert heads["resume:"].endswith("max |diff| = 0 (bit-exact)"), report  # steps 4-6 resumed exactly
-    assert " rc=0 " in heads["overhead"], report  # the launches of both sides finished
-    assert "step time ratio (ours / bare)" in report and "MFU" in report, report

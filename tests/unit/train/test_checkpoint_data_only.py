@@ -160,6 +160,7 @@ def test_deepspeed_engine_load_checkpoint_refuses_a_payload(tmp_path):
     file, and `load_checkpoint` inside `only_weights` refuses it; the clean one loads."""
     import deepspeed
 
+    from megatron_bridge.runtime.cpu import deepspeed_without_shm_op
     from megatron_bridge.testing import free_port
 
     env = dict(os.environ)
@@ -172,6 +173,7 @@ def test_deepspeed_engine_load_checkpoint_refuses_a_payload(tmp_path):
             "zero_optimization": {"stage": 1},
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         }
+        deepspeed_without_shm_op()  # as the DeepSpeed engine does: no 30 s JIT build of an unused op
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
         engine.save_checkpoint(str(tmp_path), tag="t", save_latest=False)
         with only_weights(TRAINING):
