@@ -41,7 +41,7 @@ Keep megatron's `*_fusion` flags off on CPU (their torch.compile kernels are unt
 DeepSpeed, separately (`deepspeed_without_shm_op`, called before `deepspeed.initialize`): on a
 CPU accelerator its TorchBackend JIT-compiles a shared-memory all-reduce op (C++ through ninja,
 ~30 s the first time on a host, then cached) that only its `inference_all_reduce` uses; it is
-marked incompatible so it is never built (docs/benchmarks.md, "CI time").
+marked incompatible so it is never built (docs/benchmarks.md, "DeepSpeed's shared-memory comm op").
 """
 
 from __future__ import annotations
