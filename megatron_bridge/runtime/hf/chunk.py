@@ -39,7 +39,7 @@ from megatron_bridge.backends.hf_plan import CARRY, Plan, override
 from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.cp import CP_MASKS, calls, check_attended
 
-# layer kind -> the mask function the model's own forward calls for it (hf_plan.LAYER_KINDS);
+# layer kind -> the mask function the model's own forward calls for it (hf_kinds.LAYER_KINDS);
 # an indexed layer slices its mask (`mask[:, 0]`) for its indexer, so it must exist even where
 # sdpa could skip a plain causal mask (DeepseekV32Model.forward: allow_is_causal_skip=False);
 # linear-attention and conv mixers take the 2-D padding mask (`create_recurrent_attention_mask`),
@@ -103,7 +103,7 @@ class HFChunk(MegatronModule):
         sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
         default = "sliding_attention" if sliding else "full_attention"
         self.kinds = {i: (kinds[i] if kinds else default) for i in layers}
-        # what each layer hands the next (hf_plan.CARRY), where the layers take it
+        # what each layer hands the next (hf_kinds.CARRY), where the layers take it
         takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
         self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
         window = override(hf_config.model_type).window_full_attention

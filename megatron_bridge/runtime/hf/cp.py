@@ -11,7 +11,7 @@ is left is the attention itself, done as runtime/cp_attention.py does it without
   gradients land on their owners) and hands the whole sequence's keys to the function the model
   would have used (`inner`: transformers' SDPA, or the model's own eager function, which keeps
   its soft-capping and sinks), with
-* a mask from global positions (`CP_MASKS`, one per layer kind of `hf_plan.CP_LAYER_KINDS`): causal, and for sliding layers
+* a mask from global positions (`CP_MASKS`, one per layer kind of `hf_kinds.CP_LAYER_KINDS`): causal, and for sliding layers
   transformers' "q - k < W", in the inner function's format (boolean for SDPA, additive for eager).
 
 Other layer kinds (linear attention, convs, sparse indexers: state or
@@ -108,7 +108,7 @@ def _mask(window: str | None):
     return make
 
 
-# layer kind -> its mask under CP (backends/hf_plan.py names the kinds and their windows)
+# layer kind -> its mask under CP (backends/hf_kinds.py names the kinds and their windows)
 CP_MASKS = {kind: _mask(window) for kind, window in CP_LAYER_KINDS.items()}
 
 __all__ = ["CP_MASKS", "MASK_FORMAT", "calls", "check_attended", "cp_implementation"]
