@@ -55,6 +55,9 @@ def deepspeed_view(mpu):
     from deepspeed.utils import bwc
     from deepspeed.utils import groups as ds_groups
 
+    from megatron_bridge.runtime.cpu import deepspeed_without_shm_op
+
+    deepspeed_without_shm_op()  # as the DeepSpeed engine does (no JIT build of an unused comm op)
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())  # adopts our group
     ranks = torch.distributed.get_process_group_ranks
     ds_groups.mpu = mpu  # what DeepSpeedEngine.__init__ does with the mpu it is given
