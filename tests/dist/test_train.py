@@ -92,7 +92,6 @@ def test_megatron_layouts_match_single_process(llama, reference, tmp_path):
         # vocab 250 pads to 512 at tp4 (256 at tp1): padded logits are masked, so the loss is the same
         job("tp4_kv2", llama, "parallel.tp=4"),
         job("tp2_dp2_zero1", llama, "parallel.tp=2", "zero.stage=1"),
-        job("pp2_dp2", llama, "parallel.pp=2"),
         job("pp2vpp2", llama, "parallel.pp=2", "parallel.vpp=2"),
         job("cp2_dp2", llama, "parallel.cp=2"),
         job("tp2sp_cp2", llama, "parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true"),
@@ -106,7 +105,6 @@ def test_megatron_layouts_match_single_process(llama, reference, tmp_path):
         "tp2pp2",
         "tp4_kv2",
         "tp2_dp2_zero1",
-        "pp2_dp2",
         "pp2vpp2",
         "cp2_dp2",
         "tp2sp_cp2",
@@ -249,7 +247,7 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
 
 def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_path_factory, tmp_path):
     """`val_loss` (train.eval_iters global batches of the valid split, docs/train.md "Validation"):
-    - the same weights give the same value at tp1·dp4, tp2·pp2, cp2·dp2, pp2·vpp2 and DeepSpeed
+    - the same weights give the same value at tp1·dp4, tp2·pp2, cp2·dp2 and DeepSpeed
       ZeRO-3·dp4 (lr=1e-30 keeps the weights at the HF start; only the reduction order differs, so
       1e-6 relative);
     - it is logged every train.eval_interval steps and at the end (eval_interval=0: the end only),
@@ -275,7 +273,6 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_pat
         job("tp1", hf, *ev, *frozen),
         job("tp2pp2", hf, *ev, *frozen, *tp2pp2),
         job("cp2_dp2", hf, *ev, *frozen, "parallel.cp=2"),
-        job("pp2vpp2", hf, *ev, *frozen, "parallel.pp=2", "parallel.vpp=2"),
         job("ds_zero3", hf, "train.eval_iters=2", *frozen, *ds),
         job("tp2pp2_train", hf, *ev, *tp2pp2),
         # also the logger group on a real run (docs/train.md "Loggers"): wandb and TensorBoard off,
@@ -286,12 +283,12 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_pat
     ]
     res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=4, timeout=900)[0]
     val, losses = res["val_losses"], res["losses"]
-    for name in ("tp1", "tp2pp2", "cp2_dp2", "pp2vpp2", "tp2pp2_train", "ds_zero3_train"):
+    for name in ("tp1", "tp2pp2", "cp2_dp2", "tp2pp2_train", "ds_zero3_train"):
         assert sorted(map(int, val[name])) == [2, 4, 5], (name, val[name])  # every 2 steps and the end
     assert list(val["ds_zero3"]) == ["5"] and not val["tp2pp2_train_noeval"] and not val["ds_zero3_train_noeval"]
     ref = val["tp1"]["2"]
-    assert all(len(set(val[name].values())) == 1 for name in ("tp1", "tp2pp2", "cp2_dp2", "pp2vpp2")), val
-    for name in ("tp2pp2", "cp2_dp2", "pp2vpp2", "ds_zero3"):
+    assert all(len(set(val[name].values())) == 1 for name in ("tp1", "tp2pp2", "cp2_dp2")), val
+    for name in ("tp2pp2", "cp2_dp2", "ds_zero3"):
         got = val[name]["5"]
         assert abs(got - ref) <= 1e-6 * abs(ref), (name, ref, got)
     for name in ("tp2pp2_train", "ds_zero3_train"):
