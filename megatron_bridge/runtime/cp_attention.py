@@ -250,9 +250,14 @@ class ContextParallelAttention(MegatronModule):
             )
         sq = query.shape[0]
         key, value, k_pos = self._gather_kv(key, value, attention_mask, cp_size, query.device)
-        allowed = allowed_mask(
-            cp_positions(sq, cp_size, cp_rank, query.device), k_pos, mask_type in self._causal_types, self.window
-        )
+        causal = mask_type in self._causal_types
+        # The plain causal case goes to SDPA as `is_causal` with no mask: an explicit mask rules out
+        # the flash kernel (and, with GQA, the memory-efficient one), which on a GPU cost 1.7x the
+        # step at seq 4096 (docs/benchmarks.md, "GPU").
+        plain = causal and cp_size == 1 and attention_mask is None and self.window is None and sq == key.shape[0]
+        allowed = None
+        if not plain or self.softmax_offset is not None or self.softcap:
+            allowed = allowed_mask(cp_positions(sq, cp_size, cp_rank, query.device), k_pos, causal, self.window)
         if attention_mask is not None:  # megatron convention: True = masked out
             keep = ~attention_mask.bool()
             allowed = keep if allowed is None else keep & allowed
@@ -262,9 +267,9 @@ class ContextParallelAttention(MegatronModule):
         dropout = self.dropout_p if self.training else 0.0
         if dropout > 0:  # attention dropout draws from megatron's model-parallel RNG
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = self._attend(q, k, v, allowed, dropout)
+                out = self._attend(q, k, v, allowed, dropout, plain)
         else:
-            out = self._attend(q, k, v, allowed, dropout)
+            out = self._attend(q, k, v, allowed, dropout, plain)
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
 
     @staticmethod
@@ -289,15 +294,23 @@ class ContextParallelAttention(MegatronModule):
         local = key.shape[0] // cp_size
         return key, value, torch.cat([cp_positions(local, cp_size, r, device) for r in range(cp_size)])
 
-    def _attend(self, q, k, v, allowed, dropout: float) -> torch.Tensor:
-        """softmax(q·kᵀ)·v with this layer's options: sinks, soft-cap, else SDPA."""
+    def _attend(self, q, k, v, allowed, dropout: float, causal: bool) -> torch.Tensor:
+        """softmax(q·kᵀ)·v with this layer's options: sinks, soft-cap, else SDPA (`causal`: the
+        plain causal mask, given to SDPA as `is_causal`; `allowed` is then None)."""
         if self.softmax_offset is not None:
             return sink_attention(q, k, v, allowed, self.softmax_scale, self.softmax_offset, dropout)
         if self.softcap:
             return capped_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale, enable_gqa=gqa
+            q,
+            k,
+            v,
+            attn_mask=None if causal else allowed,
+            dropout_p=dropout,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            enable_gqa=gqa,
         )
 
 
