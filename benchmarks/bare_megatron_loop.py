@@ -3,7 +3,7 @@ megatron_bridge wrappers except the CPU shim (megatron-core cannot run on CPU wi
 on a GPU the shim is a no-op). Same model shape, layout, optimizer and synthetic data as
 the `python -m megatron_bridge.train` run it is compared with. Prints one JSON line per step.
 
-    torchrun --nproc-per-node 2 benchmarks/bare_megatron_loop.py TP STEPS HIDDEN LAYERS SEQ GBS
+    torchrun --nproc-per-node 2 benchmarks/bare_megatron_loop.py TP STEPS HIDDEN LAYERS SEQ GBS [HEADS]
 """
 
 import json
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 def main():
     tp, steps, hidden, layers, seq, gbs = map(int, sys.argv[1:7])
+    heads = int(sys.argv[7]) if len(sys.argv) > 7 else 8
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -37,8 +38,8 @@ def main():
         num_layers=layers,
         hidden_size=hidden,
         ffn_hidden_size=4 * hidden,
-        num_attention_heads=8,
-        num_query_groups=4,
+        num_attention_heads=heads,
+        num_query_groups=heads // 2,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,

@@ -59,6 +59,7 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--gbs", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8, help="query heads (half as many KV groups)")
     a = ap.parse_args()
     skip = min(5, a.steps // 3)
     t0, out = launch(
@@ -70,6 +71,7 @@ def main():
             str(a.layers),
             str(a.seq),
             str(a.gbs),
+            str(a.heads),
         ],
         a.tp,
     )
@@ -82,8 +84,8 @@ def main():
             f"model.num_layers={a.layers}",
             f"model.hidden_size={a.hidden}",
             f"model.ffn_hidden_size={4 * a.hidden}",
-            "model.num_attention_heads=8",
-            "model.num_query_groups=4",
+            f"model.num_attention_heads={a.heads}",
+            f"model.num_query_groups={a.heads // 2}",
             "model.vocab_size=512",
             f"model.max_position_embeddings={a.seq}",
             f"train.seq_length={a.seq}",
@@ -97,7 +99,8 @@ def main():
         rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     ours = summary("megatron_bridge.train", t0, rows, skip)
     print(
-        f"model h={a.hidden} L={a.layers} seq={a.seq} gbs={a.gbs} tp={a.tp}, {a.steps} steps (median of steps > {skip})"
+        f"model h={a.hidden} L={a.layers} heads={a.heads} (head dim {a.hidden // a.heads}) seq={a.seq} gbs={a.gbs} "
+        f"tp={a.tp}, {a.steps} steps (median of steps > {skip})"
     )
     for r in (bare, ours):
         print(

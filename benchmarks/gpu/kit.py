@@ -17,6 +17,12 @@ Checks, in order of what they prove:
    our step time over a bare megatron-core loop's, and the model TFLOP/s and MFU.
 5. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the `hf` backend's step
    time over the native one's on one saved Llama, and each one's TFLOP/s and MFU.
+
+On request (`--only headdim,async`, not in the default set):
+6. `headdim`: `train_overhead.py` on a ~1.6 B shape (h 4096, 8 layers, seq 4096) with head dim
+   128 and 512: on 2026-11-27 ours was 1.72x the bare loop at head dim 512 (see docs).
+7. `async`: `benchmarks/async_save.py` on a ~0.33 B shape (bf16, 4.6 GB checkpoints), a save or
+   an HF export every 30 steps: the training thread's snapshot and wait per save.
 """
 
 from __future__ import annotations
@@ -160,6 +166,21 @@ def main() -> int:
             shape = ["--hidden", "2048", "--layers", "16", "--seq", "2048", "--gbs", "16", "--steps", "15"]
         rc, text, secs = run("hfspeed", [sys.executable, "benchmarks/hf_vs_native.py", "--tp", "1", *shape], 400, out)
         say(f"- hfspeed ({' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 6)}\n```")
+    if "headdim" in only:
+        for heads in (32, 8):
+            shape = ["--hidden", "4096", "--layers", "8", "--seq", "4096", "--gbs", "8", "--steps", "12"]
+            if a.smoke:
+                shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "12"]
+            cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape, "--heads", str(heads)]
+            rc, text, secs = run(f"headdim{heads}", cmd, 240, out)
+            say(f"- headdim (heads {heads}, {' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 5)}\n```")
+    if "async" in only:
+        shape = ["--hidden", "128", "--layers", "2", "--steps", "5", "--every", "2"]
+        if not a.smoke:
+            shape = ["--hidden", "2048", "--layers", "4", "--seq", "2048", "--gbs", "8", "--vocab", "32000"]
+            shape += ["--steps", "61", "--every", "30"]
+        rc, text, secs = run("async", [sys.executable, "benchmarks/async_save.py", *shape], 420, out)
+        say(f"- async ({' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 10)}\n```")
     (out / "gpu_report.md").write_text("\n".join(report) + "\n")
     return 0
 

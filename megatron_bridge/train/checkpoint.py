@@ -24,9 +24,9 @@ file is written, after the manifest, after the rename — tests/reliability kill
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
-import io
 import json
 import os
 import random
@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -106,9 +106,10 @@ def start(
     called on every rank to write engine-owned files (DeepSpeed's ZeRO partitions, a LoRA
     adapter) into the same not-yet-published directory; rank 0 checksums those too.
 
-    The state is serialised here, on the calling thread (the snapshot: GPU tensors are copied
-    to host bytes, so training may change them afterwards). With `background` the rank file is
-    written, fsynced and hashed by a thread while training goes on, and the returned `Pending`
+    With `background` the calling thread takes only the snapshot (`host_snapshot`: every tensor
+    copied to host memory no step touches), and a thread serialises it into the rank file,
+    hashing and fsyncing it while training goes on; on a GPU, serialising in the step cost more
+    than the device-to-host copy by ~10x (docs/benchmarks.md, "Async checkpoint save"). The returned `Pending`
     publishes the directory when every rank's write is done (`Pending.written_everywhere`,
     `Pending.finish`: collectives, called from the training loop at step boundaries);
     otherwise `finish` only publishes what is already written."""
@@ -123,18 +124,61 @@ def start(
         tmp.mkdir()
     if dist:
         dist.barrier()
-    buf = io.BytesIO()
-    torch.save(state, buf)
+    data = host_snapshot(state) if background else state
     if extra is not None:
         with _no_space(root, tmp, iteration):
             extra(tmp)
-    return Pending(root, iteration, meta, f"rank_{rank:05d}.pt", buf.getvalue(), background)
+    return Pending(root, iteration, meta, f"rank_{rank:05d}.pt", data, background)
+
+
+def host_snapshot(state: Any) -> Any:
+    """`state` with every tensor copied to (new) host memory, containers rebuilt, other leaves
+    deep-copied: what a background writer may serialise while the step changes the originals.
+    A view is copied alone (its values, not the storage it views): loaded the same."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return type(state)((k, host_snapshot(v)) for k, v in state.items())
+    if isinstance(state, list):
+        return [host_snapshot(v) for v in state]
+    if isinstance(state, tuple):
+        items = [host_snapshot(v) for v in state]
+        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    return copy.deepcopy(state)
+
+
+def write_state(path: Path, state: Any) -> dict[str, Any]:
+    """torch.save streamed into `path.partial` (hashed as it goes, no copy of the bytes in
+    memory), fsynced, renamed to `path`; returns the manifest's sha256 and bytes."""
+    part = path.with_name(path.name + ".partial")
+    with open(part, "wb") as f:
+        out = _HashingWriter(f)
+        torch.save(state, cast(IO[bytes], out))  # torch.save calls only write (and flush)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    return {"sha256": out.sha.hexdigest(), "bytes": out.bytes}
+
+
+class _HashingWriter:
+    """A write-only file for torch.save that hashes and counts what passes to the file."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, b: Any) -> int:
+        self.sha.update(b)
+        self.bytes += len(memoryview(b))
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 class Pending:
     """One rank's part of a checkpoint between its snapshot and its publication."""
 
-    def __init__(self, root: Path, iteration: int, meta: dict[str, Any], name: str, data: bytes, background: bool):
+    def __init__(self, root: Path, iteration: int, meta: dict[str, Any], name: str, data: Any, background: bool):
         self.root, self.iteration, self.meta = root, iteration, meta
         self.tmp = iter_dir(root, iteration).with_suffix(".tmp")
         self._entry: dict[str, Any] = {}
@@ -146,11 +190,10 @@ class Pending:
         else:
             self._write(name, data)
 
-    def _write(self, name: str, data: bytes) -> None:
+    def _write(self, name: str, state: Any) -> None:
         try:
             with _no_space(self.root, self.tmp, self.iteration):
-                atomic_write_bytes(self.tmp / name, data)
-            self._entry = {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                self._entry = {"file": name, **write_state(self.tmp / name, state)}
             fault("ckpt_write", self.iteration)  # test-only fault injection (MBR_FAULT); a no-op otherwise
         except BaseException as e:  # reported by finish() on every rank, not lost in the thread
             self._error = e

@@ -171,6 +171,7 @@ def _loop(run: _Run, start: int) -> bool:
                 watchdog.arm(phase)
                 metrics["val_loss"] = _evaluate(run)
             if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps or "val_loss" in metrics:
+                metrics.update(_stalls(save=saves, export=exports))
                 logger.log(step + 1, metrics)
             saves.poll()
             exports.poll()
@@ -210,6 +211,18 @@ def _loop(run: _Run, start: int) -> bool:
         signals.close()
         watchdog.close()
         logger.close()
+
+
+def _stalls(**inflight: InFlight) -> dict[str, float]:
+    """The training thread's seconds in checkpoint saves / HF exports since the previous logged
+    line (`save_s`/`export_s`: snapshot and start; `save_wait_s`/`export_wait_s`: waiting for
+    the previous write and publishing it), for the kinds that did any."""
+    out: dict[str, float] = {}
+    for name, pending in inflight.items():
+        snapshot, wait = pending.take_seconds()
+        if snapshot or wait > 1e-3:
+            out.update({f"{name}_s": snapshot, f"{name}_wait_s": wait})
+    return out
 
 
 def _iterators(run: _Run, dataset, consumed: int):

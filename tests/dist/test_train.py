@@ -9,6 +9,8 @@ all-reduce, DP gradient averaging, pipeline loss accumulation), ~1e-7 relative p
 gradient reduction or a dropped micro-batch produces.
 """
 
+import json
+
 import pytest
 
 from megatron_bridge.runtime.tiny import make_tiny
@@ -234,6 +236,11 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     assert losses["moe_ep2_first2"] | losses["moe_ep2_resumed"] == losses["moe_ep2"]  # bit-exact
     full, first, resumed = losses["full"], losses["first5"], losses["resumed"]
     assert sorted(map(int, first)) == [1, 2, 3, 4, 5] and sorted(map(int, resumed)) == [6, 7, 8, 9, 10]
+    # the training thread's time in saves / exports, on the line after each (snapshots at 2 and 4)
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "runs/first5/metrics.jsonl").read_text().splitlines())}
+    assert rows[3]["save_s"] > 0 and rows[5]["save_s"] > 0 and "save_s" not in rows[2], rows
+    exports = [json.loads(x) for x in (tmp_path / "runs/cohere_full/metrics.jsonl").read_text().splitlines()]
+    assert all(r["export_s"] > 0 and "export_wait_s" in r for r in exports[1:]), exports
     for step in map(str, range(6, 11)):
         assert resumed[step] == full[step], (step, full[step], resumed[step])  # bit-exact
     for step in map(str, range(1, 6)):

@@ -53,29 +53,42 @@ def test_no_checkpoint(tmp_path):
 
 
 def test_background_save_publishes_only_when_finished(tmp_path, monkeypatch):
-    """checkpoint.async_save: the state is serialised at `start` (later changes to the live
-    tensors do not reach the file); the rank file is written by a thread; nothing is
+    """checkpoint.async_save: the state is copied to host at `start` (later in-place changes to
+    the live tensors do not reach the file, which the thread serialises afterwards); nothing is
     published (`latest` stays on the previous checkpoint) until `finish`."""
     import threading
 
     ckpt.save(tmp_path, 2, {"w": torch.zeros(3)}, {"layout": "tp1"})
-    gate, real = threading.Event(), manifest.atomic_write_bytes
+    gate, real = threading.Event(), ckpt.write_state
 
-    def slow_write(path, data):
-        if path.name.startswith("rank_"):
-            assert gate.wait(30)
-        real(path, data)
+    def slow_write(path, state):
+        assert gate.wait(30)
+        return real(path, state)
 
-    monkeypatch.setattr(ckpt, "atomic_write_bytes", slow_write)
-    w = torch.ones(3)
-    pending = ckpt.start(tmp_path, 4, {"w": w}, {"layout": "tp1"}, background=True)
-    w.add_(1)  # training goes on: the snapshot already holds ones
+    monkeypatch.setattr(ckpt, "write_state", slow_write)
+    w, buf = torch.ones(3), torch.arange(8.0)
+    pending = ckpt.start(tmp_path, 4, {"w": w, "view": buf[2:4], "rng": [(w, 1)]}, {"layout": "tp1"}, background=True)
+    w.add_(1)  # training goes on (before the thread serialises anything): the snapshot holds ones
+    buf.zero_()
     assert not pending.written_everywhere() and manifest.latest_iteration(tmp_path) == 2
     gate.set()
     assert pending.finish() == manifest.iter_dir(tmp_path, 4)
     assert pending.written_everywhere() and manifest.latest_iteration(tmp_path) == 4
     it, state = ckpt.load(tmp_path, {"layout": "tp1"})
-    assert it == 4 and torch.equal(state["w"], torch.ones(3))
+    assert it == 4 and torch.equal(state["w"], torch.ones(3)) and torch.equal(state["rng"][0][0], torch.ones(3))
+    assert torch.equal(state["view"], torch.tensor([2.0, 3.0]))  # a view is saved as its own values
+
+
+def test_rank_file_checksum_is_the_files(tmp_path):
+    """The rank file is streamed into its file while hashed: the manifest's sha256 and size are
+    the file's (what `mbr check-ckpt` and the loader verify)."""
+    import hashlib
+
+    d = ckpt.save(tmp_path, 1, {"w": torch.randn(1000), "n": 3}, {})
+    entry = json.loads((d / manifest.MANIFEST).read_text())["files"][0]
+    data = (d / "rank_00000.pt").read_bytes()
+    assert entry == {"file": "rank_00000.pt", "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest.verify(d)
 
 
 def test_background_write_failure_publishes_nothing(tmp_path, monkeypatch):
@@ -83,10 +96,10 @@ def test_background_write_failure_publishes_nothing(tmp_path, monkeypatch):
     other ranks: naming this one); `latest` stays on the last complete checkpoint."""
     ckpt.save(tmp_path, 2, {"w": torch.zeros(3)}, {})
 
-    def full(path, data):
+    def full(path, state):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "atomic_write_bytes", full)
+    monkeypatch.setattr(ckpt, "write_state", full)
     pending = ckpt.start(tmp_path, 4, {"w": torch.ones(3)}, {}, background=True)
     with pytest.raises(UserError, match=r"disk full while saving the checkpoint of iteration 4"):
         pending.finish()
@@ -98,16 +111,19 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
     import errno
 
     ckpt.save(tmp_path, 2, {"w": torch.ones(3)}, {})
-    real = ckpt.atomic_write_bytes
+    real = ckpt.write_state
 
-    def full(path, data):  # the filesystem fills up after half of the rank file
+    def full(path, state):  # the filesystem fills up after half of the rank file
+        real(path, state)
+        data = path.read_bytes()
+        path.unlink()
         path.with_name(path.name + ".partial").write_bytes(data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt, "atomic_write_bytes", full)
+    monkeypatch.setattr(ckpt, "write_state", full)
     with pytest.raises(UserError, match=r"disk full while saving the checkpoint of iteration 4 to .*iter_0000004\.tmp"):
         ckpt.save(tmp_path, 4, {"w": torch.zeros(3)}, {})
-    monkeypatch.setattr(ckpt, "atomic_write_bytes", real)
+    monkeypatch.setattr(ckpt, "write_state", real)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", manifest.LATEST]  # nothing half-written
     it, state = ckpt.load(tmp_path, {})
     assert it == 2 and torch.equal(state["w"], torch.ones(3))
