@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,14 +99,24 @@ class MetricsLogger:
         self.jsonl.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
         self.jsonl.flush()
         if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(TB_TAGS.get(k, f"train/{k}"), v, step)
+            tb = self.tb
+
+            def scalars() -> None:
+                for k, v in metrics.items():
+                    tb.add_scalar(TB_TAGS.get(k, f"train/{k}"), v, step)
+
+            self._sink("tb", f"step {step}", scalars)
         if self.wandb:
-            self.wandb.log(metrics, step=step)
+            run = self.wandb
+            self._sink("wandb", f"step {step}", lambda: run.log(metrics, step=step), release=_wandb_teardown)
         if self.mlflow:
             import mlflow  # imported by __init__ already
 
-            mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+            self._sink(
+                "mlflow",
+                f"step {step}",
+                lambda: mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step),
+            )
         line = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
         if self.progress:
             self.progress.update(self.task, completed=step, info=line)
@@ -118,14 +129,38 @@ class MetricsLogger:
         if self.progress:
             self.progress.stop()
         if self.tb:
-            self.tb.close()
+            self._sink("tb", "the end", self.tb.close)
         if self.wandb:
-            self.wandb.finish()
+            self._sink("wandb", "the end", self.wandb.finish, release=_wandb_teardown)
         if self.mlflow:
             import mlflow  # imported by __init__ already
 
-            mlflow.end_run()
+            self._sink("mlflow", "the end", mlflow.end_run)
         self.jsonl.close()
+
+    def _sink(
+        self, attr: str, when: str, call: Callable[[], object], release: Callable[[], object] | None = None
+    ) -> None:
+        """A sink that fails (wandb's service process killed by the same SIGTERM a scheduler
+        sends every process of the job, a full disk under TensorBoard, an MLflow server gone)
+        is turned off with one warning; training and metrics.jsonl go on. A preempted run
+        must still reach its checkpoint."""
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - any failure of a third-party sink
+            setattr(self, attr, None)
+            try:
+                if release is not None:
+                    release()
+            except Exception:  # noqa: BLE001 - best effort: the sink is already broken
+                pass
+            name = {"tb": "TensorBoard", "wandb": "wandb", "mlflow": "MLflow"}[attr]
+            print(
+                f"warning: {name} failed at {when} ({type(e).__name__}: {e}); it is off for the rest of the run "
+                f"(metrics.jsonl has every step)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, str]:
@@ -156,3 +191,11 @@ def gpu_metrics(cfg, dims, dt: float, spec) -> dict[str, float]:
     flops_per_token = 6 * n + 12 * L * h * s  # dense matmuls + attention (Chinchilla / PaLM appendix)
     achieved = flops_per_token * dims.global_batch_size * s / dt / dims.world_size
     return {"mfu": achieved / (cfg.cluster.peak_tflops * 1e12), "mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def _wandb_teardown() -> None:
+    """Unregister wandb's atexit teardown (its first act), which would otherwise print a
+    traceback at exit talking to the dead service process."""
+    import wandb
+
+    wandb.teardown()

@@ -10,6 +10,11 @@
   -> launch.py -> ranks), so the ranks' own parent survives; they notice the runner's death
   and end themselves within ORPHAN_BOUND s, after which launch.py exits too.
 
+* SIGTERM to every process of a `deepspeed` launch (what Slurm does at preemption): the runner
+  dies of it without forwarding, launch.py SIGTERMs the ranks and waits; the ranks, held
+  mid-step 3, finish the step, save it, print one line and exit 0 — the dead runner does not
+  end them first (orphans.defer) — and the checkpoint of step 3 is published and verifies.
+
 The lease taken over from a killed job and the torchrun agent SIGKILLed alone are scenarios of
 test_crash_resume.py (they need its references to check the resume).
 """
@@ -175,3 +180,39 @@ def test_ranks_end_when_the_deepspeed_launcher_is_killed(tmp_path):
     assert launcher_gone is not None, out[-4000:]  # launch.py stops once its ranks failed
     assert f"launcher deepspeed (pid {runner.pid}) is gone; exiting so no orphaned rank keeps training" in out
     print(f"deepspeed runner SIGKILLed: ranks gone after {gone:.1f} s")
+
+
+def test_sigterm_to_a_deepspeed_launch_saves_the_step(tmp_path):
+    from megatron_bridge.testing import free_port
+
+    faults, log, ck = tmp_path / "faults", tmp_path / "ds_term.log", tmp_path / "ck"
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "megatron_bridge.train",
+        *COMMON,
+        "cluster.gpus_per_node=2",
+        "train.steps=6",
+        f"checkpoint.dir={ck}",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    runner = spawn(cmd, job_env(faults, "pause:step:*:3"), log)
+    try:
+        _wait(lambda: len(list(faults.glob("fault.rank*"))) == 2, runner, log)  # both ranks held mid-step 3
+        ranks = [r for p in children(runner.pid) for r in children(p)]
+        os.killpg(runner.pid, signal.SIGTERM)  # runner, launch.py and both ranks, as Slurm signals a step
+        time.sleep(1.0)  # the ranks note the signal while held
+        (faults / "continue").touch()
+        gone = wait_gone(ranks, 120)
+    finally:
+        _kill_tree(runner)
+    out = log.read_text()
+    assert gone is not None, out[-4000:]
+    assert out.count("SIGTERM: stopping after step 3: saved checkpoint") == 1, out[-4000:]
+    assert "is gone; exiting so no orphaned rank keeps training" not in out, out[-4000:]
+    assert manifest.latest_iteration(ck) == 3
+    manifest.verify(manifest.iter_dir(ck, 3))

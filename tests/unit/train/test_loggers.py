@@ -45,6 +45,31 @@ def test_tensorboard_dir(tmp_path):
     assert not (tmp_path / "run" / "tensorboard").exists()
 
 
+def test_a_failing_sink_is_turned_off_and_training_logs_on(tmp_path, capsys):
+    """wandb's service process dies of the SIGTERM a scheduler sends every process of the job:
+    its log call raises; the sink goes off with one warning, metrics.jsonl keeps every step."""
+    m = MetricsLogger(tmp_path, 3, enabled=True, loggers=LoggerConfig(wandb=OFF["wandb"]))
+    calls = []
+
+    class Dead:
+        def log(self, metrics, step):
+            calls.append(step)
+            raise ConnectionResetError("Connection lost")
+
+        def finish(self):
+            raise AssertionError("a turned-off sink is not called again")
+
+    m.wandb = Dead()
+    for s in (1, 2, 3):
+        m.log(s, {"loss": float(s)})
+    m.close()
+    assert calls == [1] and m.wandb is None
+    err = capsys.readouterr().err
+    assert err.count("warning: wandb failed at step 1 (ConnectionResetError: Connection lost)") == 1, err
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
 def test_wandb_offline_run_has_project_and_name(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     w = WandbLoggerConfig(project="proj-x", name="run-y", group="grp", tags=["t1", "t2"])
