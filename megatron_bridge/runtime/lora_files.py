@@ -27,6 +27,7 @@ from megatron_bridge.bridge.lora import (
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
 )
+from megatron_bridge.convert.formats.manifest import check_data_crc32
 from megatron_bridge.convert.formats.safetensors_io import read_header
 from megatron_bridge.convert.pipeline.run import atomic_output, check_paths
 from megatron_bridge.errors import UserError
@@ -58,6 +59,7 @@ def check_adapter_dir(path: str | Path, base_dir: str | Path | None, peft: Any) 
             f"{sorted(peft.target_modules)}. Set peft.target_modules=[{','.join(theirs)}] to continue that adapter."
         )
     read_header(weights)  # no manifest: the header's own offsets against the file's size (a truncated copy)
+    check_data_crc32(weights, f"peft.init_from={path}")  # an adapter we wrote records its data's CRC-32
     base = HFCheckpoint(base_dir) if base_dir else None
     with safe_open(str(weights), framework="pt") as f:
         for key in f.keys():

@@ -34,7 +34,9 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import mappings as tpm
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_bytes
+from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.loader import shard_for, table_for
 from megatron_bridge.bridge.lora import (
@@ -49,6 +51,7 @@ from megatron_bridge.bridge.lora import (
 )
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
+from megatron_bridge.convert.formats.manifest import DATA_CRC32, crc_hex
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.weights import current_coords, gather_shards, global_names, layout_of, vp_stage_of
 
@@ -302,12 +305,23 @@ def export_adapter(chunks: Sequence[Any], peft: Any, out_dir: str, base: str | N
         out = Path(out_dir)
         tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
         tmp.mkdir(parents=True)
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_adapter_weights(tensors, tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(peft, base), indent=2) + "\n")
         if out.exists():
             out.rmdir()  # preflight allows only an empty directory
         os.replace(tmp, out)
     torch.distributed.barrier()
+
+
+def save_adapter_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`adapter_model.safetensors` with its data section's CRC-32 in the header's metadata
+    (manifest.DATA_CRC32), which `peft.init_from` checks: serialised twice, since the data
+    section does not depend on the metadata (offsets count from the data's start)."""
+    data = save_bytes(tensors, metadata={"format": "pt"})
+    n = 8 + int.from_bytes(data[:8], "little")
+    crc = crc_hex(zlib_ng.crc32(data[n:]))
+    data = save_bytes(tensors, metadata={"format": "pt", DATA_CRC32: crc})
+    path.write_bytes(data)
 
 
 def model_state(chunk: Any) -> dict[str, Any]:

@@ -227,6 +227,36 @@ def check_index_crc32(directory: Path) -> int:
     return len(recorded)
 
 
+# A single safetensors file we write outside an indexed directory (a LoRA adapter) records the
+# CRC-32 of its data section (the bytes after the header) in its own header's `__metadata__`:
+# PEFT reads only `format`; the header cannot hold the whole file's checksum, which covers it.
+DATA_CRC32 = "mbr_data_crc32"
+
+
+def safetensors_data_crc32(path: Path, chunk: int = 1 << 24) -> tuple[str | None, str]:
+    """(the CRC-32 its header records under DATA_CRC32 or None, the CRC-32 of its data section)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n)).get("__metadata__") or {}
+        value = 0
+        while block := f.read(chunk):
+            value = zlib_ng.crc32(block, value)
+    recorded = meta.get(DATA_CRC32) if isinstance(meta, dict) else None
+    return (recorded if isinstance(recorded, str) else None), crc_hex(value)
+
+
+def check_data_crc32(path: Path, what: str) -> bool:
+    """A file that records its data's CRC-32 must still have it (False: none recorded, e.g. an
+    adapter saved by PEFT itself). Call after `read_header` validated the file."""
+    recorded, got = safetensors_data_crc32(path)
+    if recorded is not None and recorded != got:
+        raise UserError(
+            f"{what}: {path.name}'s weights changed since they were written (CRC-32 {got}, {recorded} was "
+            "written: disk corruption or tampering). Export it again or restore the file."
+        )
+    return recorded is not None
+
+
 def list_files(directory: Path) -> dict[str, int]:
     return {
         str(p.relative_to(directory)): p.stat().st_size

@@ -194,3 +194,38 @@ def test_plan_counts_gradients_and_optimizer_of_adapters_only():
     lora = M.stage_memory(describe(cfg.model), peft=cfg.peft, **kw)
     assert lora.weights > full.weights  # base + adapters
     assert lora.grads + lora.optimizer < 0.01 * (full.grads + full.optimizer)
+
+
+def test_adapter_we_write_records_its_data_crc_and_peft_init_from_checks_it(tmp_path):
+    """`adapter_model.safetensors` as export_adapter writes it: the data section's CRC-32 in the
+    header's metadata (safetensors and PEFT load it as usual); a changed byte of a weight is
+    refused by `peft.init_from`'s check, naming the file; a PEFT-saved adapter records none."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_bridge.runtime.lora_files import check_adapter_dir
+    from megatron_bridge.runtime.lora_modules import save_adapter_weights
+
+    tensors = {
+        "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight": torch.randn(8, 64),
+        "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight": torch.randn(32, 8),
+    }
+    conf = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["down_proj"]}
+    peft = PeftConfig(rank=8, target_modules=["down_proj"])
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for d in (ours, theirs):
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps(conf))
+    save_adapter_weights(tensors, ours / "adapter_model.safetensors")
+    save_file(tensors, str(theirs / "adapter_model.safetensors"), metadata={"format": "pt"})
+    got = load_file(str(ours / "adapter_model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert check_adapter_dir(theirs, None, peft)["r"] == 8  # nothing recorded: nothing to check
+    assert check_adapter_dir(ours, None, peft)["r"] == 8
+    f = ours / "adapter_model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01  # one bit of the last weight
+    f.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"adapter_model.safetensors's weights changed since they were written"):
+        check_adapter_dir(ours, None, peft)
