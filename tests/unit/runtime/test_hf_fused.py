@@ -37,12 +37,17 @@ def test_a_fused_conv_is_one_row_of_the_checkpoints_q_k_v_pieces(model_type, fus
     from megatron_bridge.backends.describe import describe_hf
     from megatron_bridge.backends.hf import meta
     from megatron_bridge.runtime.hf_tiny import tiny_config
+    from megatron_bridge.stream import in_model_layout
 
     spec = describe_hf(tiny_config(model_type).to_dict(), backend="hf", make_vocab_size_divisible_by=1)
     m = meta(spec)
     assert m.kinds[fused] in ("replicated", "grad_allreduce")
     assert m.fused[fused] == (tuple(pieces.format(p) for p in "qkv"), 0)
     assert fused not in m.saved_as
+    # streamed in transformers' layout (stream.py, layout="model"): the pieces arrive as the fused conv
+    parts = [torch.randn(n, 1, 4) for n in (3, 3, 2)]
+    got = list(in_model_layout(iter(zip((pieces.format(p) for p in "qkv"), parts, strict=True)), spec))
+    assert [n for n, _ in got] == [fused] and torch.equal(got[0][1], torch.cat(parts))
 
 
 @pytest.fixture(scope="module")
