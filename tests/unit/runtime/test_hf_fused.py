@@ -24,6 +24,23 @@ def test_concatenated_joins_the_pieces_and_splits_them_as_transformers_chunk_doe
     assert torch.equal(Concatenated(2, dim=1).shard(cols, Shard(0, 1), SHAPES), torch.cat(cols, 1))
 
 
+def test_only_whole_tensors_of_literal_concatenating_converters_are_fused():
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    from megatron_bridge.backends.hf_fused import fused
+
+    conv = WeightConverter(["a.q_conv.weight", r"a\.k_conv.weight"], "a.conv.weight", operations=[Concatenate(dim=0)])
+    assert fused([conv], {"m.a.conv.weight": "replicated"}) == {
+        "m.a.conv.weight": (("m.a.q_conv.weight", "m.a.k_conv.weight"), 0)
+    }
+    assert fused([conv], {"m.a.conv.weight": "column"}) == {}  # a TP split of a concatenation: still refused
+    regex = WeightConverter(["a.(q|k)_conv.weight", "b.w"], "a.conv.weight", operations=[Concatenate(dim=0)])
+    stack = WeightConverter(
+        ["a.q_conv.weight", "a.k_conv.weight"], "a.conv.weight", operations=[MergeModulelist(dim=0)]
+    )
+    assert fused([regex, stack], {"m.a.conv.weight": "replicated"}) == {}
+
+
 @pytest.mark.parametrize(
     ("model_type", "fused", "pieces"),
     [
