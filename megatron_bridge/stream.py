@@ -118,24 +118,25 @@ def in_model_layout(
     tensors: Iterator[tuple[str, torch.Tensor]], spec: BridgeSpec
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint-layout (name, tensor) pairs -> transformers' in-memory ones: renamed tensors
-    under their module names, per-expert pieces stacked into the fused experts tensor once a
-    layer's last piece has arrived (held meanwhile: at most that layer's experts). The names come
+    under their module names; per-expert pieces stacked into the fused experts tensor, and a
+    fused tensor's pieces (a linear-attention q/k/v conv, backends/hf_fused.py) concatenated,
+    once the last piece has arrived (held meanwhile: at most one layer's pieces). The names come
     from transformers' own conversion mapping, run on the meta-device model (backends/hf.py)."""
     cfg = json.loads(spec.hf_json) if spec.hf_json else backend_of(spec).hf_config(spec)
     m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="hf"))
     module_of = {saved: name for name, saved in m.saved_as.items()}
-    piece_of = {p: (stack, i) for stack, pieces in m.experts.items() for i, p in enumerate(pieces)}
+    groups = {**m.experts, **{name: pieces for name, (pieces, _) in m.fused.items()}}
+    piece_of = {p: (whole, i) for whole, pieces in groups.items() for i, p in enumerate(pieces)}
     pending: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in tensors:
         if name in piece_of:
-            stack, i = piece_of[name]
-            got = pending.setdefault(stack, {})
+            whole, i = piece_of[name]
+            got = pending.setdefault(whole, {})
             got[i] = t
-            if len(got) < len(m.experts[stack]):
+            if len(got) < len(groups[whole]):
                 continue
-            pieces = [t for _, t in sorted(pending.pop(stack).items())]
-            per = len(pieces) // m.shapes[stack][0]
-            yield stack, torch.stack([torch.cat(pieces[e : e + per], 0) for e in range(0, len(pieces), per)])
+            pieces = [t for _, t in sorted(pending.pop(whole).items())]
+            yield whole, _joined(m, whole, pieces)
         elif name in module_of:
             yield module_of[name], t
         else:
@@ -143,7 +144,16 @@ def in_model_layout(
                 f"{name}: no tensor of transformers' {cfg.get('model_type')} model is saved under this name"
             )
     if pending:
-        raise UserError(f"experts of {sorted(pending)[:2]} arrived incomplete: stream with mode='broadcast'")
+        raise UserError(f"pieces of {sorted(pending)[:2]} arrived incomplete: stream with mode='broadcast'")
+
+
+def _joined(m: Any, whole: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The in-memory tensor `whole` of its checkpoint pieces, in order: a fused tensor joins them
+    on its dim, stacked experts stack each expert's pieces (concatenated on dim 0)."""
+    if whole in m.fused:
+        return torch.cat(pieces, m.fused[whole][1])
+    per = len(pieces) // m.shapes[whole][0]
+    return torch.stack([torch.cat(pieces[e : e + per], 0) for e in range(0, len(pieces), per)])
 
 
 def _bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:

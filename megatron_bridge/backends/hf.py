@@ -30,6 +30,7 @@ from megatron_bridge.backends.hf_experts import (
     expert_fields,
     expert_limits,
 )
+from megatron_bridge.backends.hf_fused import Concatenated
 from megatron_bridge.backends.hf_meta import (  # re-exported: callers name the backend's module
     Meta,
     causal_lm_class_name,
@@ -158,6 +159,10 @@ class HFBackend(Backend):
                 n = m.shapes[name][0]
                 stacked = StackedExperts(n, len(pieces) // n, EXPERT_TP_SPLITS.get(m.plan.style(name) or ""))
                 rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], stacked))
+                continue
+            if name in m.fused:  # whole on every rank: its pieces concatenated (backends/hf_fused.py)
+                pieces, dim = m.fused[name]
+                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], Concatenated(len(pieces), dim)))
                 continue
             style = m.plan.style(name) or ""
             if style in EXPERT_TP_SPLITS and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too

@@ -126,6 +126,12 @@ def ep_part(items: Any, ep: int, rank: int) -> Any:
     return items[rank * n : (rank + 1) * n]
 
 
+def unescaped(pattern: str) -> str:
+    """A converter's name pattern as a name suffix: its escaped dots (`\\.experts`, Kimi-Linear's)
+    plain, its leading and trailing dots dropped."""
+    return pattern.replace("\\.", ".").strip(".")
+
+
 def stack_converter(converter: Any) -> tuple[str, tuple[str, ...]] | None:
     """(target, sources) of a converter that stacks per-expert tensors, else None; patterns
     without their leading dots (`mlp.experts.gate_up_proj`, `mlp.experts.*.gate_proj.weight`)."""
@@ -135,7 +141,7 @@ def stack_converter(converter: Any) -> tuple[str, tuple[str, ...]] | None:
         return None
     if not all(s.count("*") == 1 for s in sources):
         return None
-    return targets[0].strip("."), tuple(s.strip(".") for s in sources)
+    return unescaped(targets[0]), tuple(unescaped(s) for s in sources)
 
 
 def stacked(converters: Iterable[Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, ...]]:
@@ -243,4 +249,5 @@ __all__ = [
     "ep_part",
     "stack_converter",
     "stacked",
+    "unescaped",
 ]

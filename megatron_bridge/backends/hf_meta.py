@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 from megatron_bridge.backends.hf_experts import stacked
+from megatron_bridge.backends.hf_fused import fused
 from megatron_bridge.backends.hf_plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures
 from megatron_bridge.bridge.spec import BridgeSpec
@@ -123,13 +124,14 @@ def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
 
 
 def checkpoint_names(
-    model: Any, shapes: Mapping[str, tuple[int, ...]]
-) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    model: Any, shapes: Mapping[str, tuple[int, ...]], kinds: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, tuple[str, ...]], dict[str, tuple[tuple[str, ...], int]]]:
     """({module tensor name: its name in a checkpoint}, {stacked experts tensor: its
-    per-expert names}) — what `save_pretrained` writes, by transformers' own conversion
-    mapping run in the saving direction (GPT-NeoX's `lm_head` is saved as `embed_out`;
-    experts one tensor each: backends/hf_experts.py). A tensor any other converter would
-    rewrite is refused."""
+    per-expert names}, {fused tensor: (its pieces' names, the dim they join on)}) — what
+    `save_pretrained` writes, by transformers' own conversion mapping run in the saving
+    direction (GPT-NeoX's `lm_head` is saved as `embed_out`; experts one tensor each:
+    backends/hf_experts.py; a fused q/k/v conv as its pieces: backends/hf_fused.py). A tensor
+    any other converter would rewrite is refused."""
     # transformers imported here: the core imports third-party packages only inside functions
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
@@ -145,14 +147,20 @@ def checkpoint_names(
     renamings = [c for c in saving if isinstance(c, WeightRenaming)]
     converters = [c for c in saving if isinstance(c, WeightConverter)]
     experts = stacked(conversions, dict(shapes))
-    converted = [n for n in shapes if n not in experts and apply_converters(n, converters)[1] is not None]
+    joined = fused(conversions, dict(kinds))
+    handled = experts.keys() | joined.keys()
+    converted = [n for n in shapes if n not in handled and apply_converters(n, converters)[1] is not None]
     if converted:
         raise UnsupportedFeatures(
             f"{type(model).__name__}: transformers converts {', '.join(converted[:4])} between the checkpoint and "
             "the model (not a rename), which the hf backend does not do yet"
         )
-    saved = {n: apply_renamings(n, renamings) for n in shapes if n not in experts}
-    return saved, {n: tuple(apply_renamings(h, renamings) for h in hs) for n, hs in experts.items()}
+    saved = {n: apply_renamings(n, renamings) for n in shapes if n not in handled}
+    return (
+        saved,
+        {n: tuple(apply_renamings(h, renamings) for h in hs) for n, hs in experts.items()},
+        {n: (tuple(apply_renamings(h, renamings) for h in hs), dim) for n, (hs, dim) in joined.items()},
+    )
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,7 @@ class Meta:
     kinds: dict[str, str]
     saved_as: dict[str, str]
     experts: dict[str, tuple[str, ...]]  # a stacked experts tensor -> its per-expert checkpoint tensors
+    fused: dict[str, tuple[tuple[str, ...], int]]  # a fused tensor -> (its checkpoint pieces, their dim)
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -196,7 +205,7 @@ def meta(spec: BridgeSpec) -> Meta:
     plan = model_plan(model)
     shapes = checkpoint_shapes(model)
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
-    return Meta(plan, shapes, kinds, *checkpoint_names(model, shapes))
+    return Meta(plan, shapes, kinds, *checkpoint_names(model, shapes, kinds))
 
 
 __all__ = [
