@@ -135,7 +135,13 @@ def stack_converter(converter: Any) -> tuple[str, tuple[str, ...]] | None:
         return None
     if not all(s.count("*") == 1 for s in sources):
         return None
-    return targets[0].strip("."), tuple(s.strip(".") for s in sources)
+    return _plain(targets[0]), tuple(_plain(s) for s in sources)
+
+
+def _plain(pattern: str) -> str:
+    """A converter's pattern as a name: regex-escaped dots (DeepSeek-V4's `\\.experts.*.w1.weight`)
+    read as dots, the leading and trailing ones dropped."""
+    return pattern.replace("\\.", ".").strip(".")
 
 
 def stacked(converters: Iterable[Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, ...]]:
