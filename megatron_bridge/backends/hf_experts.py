@@ -127,7 +127,7 @@ def ep_part(items: Any, ep: int, rank: int) -> Any:
 
 
 def unescaped(pattern: str) -> str:
-    """A converter's name pattern as a name suffix: its escaped dots (`\\.experts`, Kimi-Linear's)
+    """A converter's name pattern as a name suffix: its escaped dots (`\\.experts`: Kimi-Linear's, DeepSeek-V4's)
     plain, its leading and trailing dots dropped."""
     return pattern.replace("\\.", ".").strip(".")
 

@@ -18,7 +18,9 @@ from typing import Any
 # `indexed_attention` (DeepSeek-V3.2's sparse attention, GLM-5): the causal mask, which the
 # layer's indexer narrows to its top-k keys inside the layer; `minimax_m3_sparse` (MiniMax-M3):
 # the causal mask, narrowed to the indexer's key blocks inside the layer; `chunked_attention`:
-# Llama 4's local attention (blocks of attention_chunk_size tokens)
+# Llama 4's local attention (blocks of attention_chunk_size tokens); `compressed_sparse_attention` /
+# `heavily_compressed_attention` (DeepSeek-V4): the sliding-window mask, which the layer extends
+# with its compressor's pooled keys inside the layer
 # `linear_attention` / `conv` mixers (gated DeltaNet, lightning attention, short convolutions) run
 # whole on every TP rank, as transformers' plans declare: their projections `colwise_gather_output`
 # or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`
@@ -30,21 +32,16 @@ LAYER_KINDS = (
     "linear_attention",
     "conv",
     "chunked_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
 )
 # layer kinds known but not built, and the piece the stages lack for them (instead of the
 # generic "not one of LAYER_KINDS" line)
-_V4 = (
-    "DeepseekV4Model.forward runs every layer on hc_mult hyper-connection streams ([b, s, hc_mult, h], folded "
-    "by hc_head before the norm) with a {'main', 'compress'} rotary pair and input_ids (hash-routed MoE): "
-    "the stages pass one [b, s, h] stream and one rotary embedding"
-)
 _INKLING = (
     "InklingModel.forward gives every layer a conv_mask (create_recurrent_attention_mask) besides its "
     "attention mask ('hybrid' full, 'hybrid_sliding' sliding): the stages pass one mask per layer"
 )
 UNBUILT_KINDS = {
-    "compressed_sparse_attention": _V4,
-    "heavily_compressed_attention": _V4,
     "hybrid": _INKLING,
     "hybrid_sliding": _INKLING,
 }
@@ -63,6 +60,10 @@ _RECURRENT = "it carries a state along the sequence: a CP rank's chunks would ne
 NO_CP_KINDS = {
     "indexed_attention": "its indexer scores every query against all keys and keeps the top-k; a CP rank holds a "
     "slice of the keys",
+    "compressed_sparse_attention": "its compressor pools blocks of the sequence's keys (and its indexer scores "
+    "them all); a CP rank holds a slice of the sequence",
+    "heavily_compressed_attention": "its compressor pools blocks of the sequence's keys; a CP rank holds a slice "
+    "of the sequence",
     "linear_attention": _RECURRENT,
     "conv": _RECURRENT,
 }

@@ -98,6 +98,16 @@ class Override:
         None  # config key: when set, `full_attention` layers take the sliding-window mask
     )
     prefix: str | None = None  # the base model's attribute, where the class's base_model_prefix names none
+    # (config key of the stream count n, the base model's module that folds them): the forward runs
+    # the layers on n hyper-connection streams [b, s, n, h] (the embeddings repeated n times on the
+    # first stage), folded by that module before the post pieces (HY-V4's hc_mult, hc_head)
+    streams: tuple[str, str] | None = None
+    # rope types (keys of config.rope_parameters): every layer takes position_embeddings as the dict
+    # {type: rotary(x, position_ids, type)} and picks its own (DeepSeek-V4's 'main' / 'compress')
+    rotary_types: tuple[str, ...] = ()
+    # the chunk's forward inputs the model's forward hands every layer by name (DeepSeek-V4's
+    # hash-routed MoE reads input_ids); every stage has them (megatron's schedule feeds each stage)
+    layer_inputs: tuple[str, ...] = ()
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
@@ -108,6 +118,10 @@ class Override:
         if self.embed_sqrt_hidden and getattr(cfg, self.embed_sqrt_hidden):
             out["embed_scale"] = out.get("embed_scale", 1.0) * float(cfg.hidden_size) ** 0.5
         return out
+
+    def stream_count(self, cfg: Any) -> int:
+        """How many hyper-connection streams the layers run on (1: one plain stream)."""
+        return int(getattr(cfg, self.streams[0])) if self.streams else 1
 
 
 # the Override fields that hold a config key of a constant the chunk's forward applies
@@ -180,6 +194,18 @@ OVERRIDES: dict[str, Override] = {
         "no base_model_pp_plan: its final norm is named embedding_norm (Lfm2MoeModel.forward applies it after the layers)",
         pp_plan=("embed_tokens", "layers", "embedding_norm"),
     ),
+    "hy_v4": Override(
+        "HYV4Model.forward runs the layers on hc_mult hyper-connection streams ([b, s, hc_mult, h], the "
+        "embeddings repeated) and folds them with hc_head before the norm",
+        streams=("hc_mult", "hc_head"),
+    ),
+    "deepseek_v4": Override(
+        "DeepseekV4Model.forward runs the layers on hc_mult hyper-connection streams folded by hc_head before "
+        "the norm, hands every layer the {'main', 'compress'} rotary pair and input_ids (hash-routed MoE)",
+        streams=("hc_mult", "hc_head"),
+        rotary_types=("main", "compress"),
+        layer_inputs=("input_ids",),
+    ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
         embed_scale="embedding_multiplier",
@@ -198,8 +224,6 @@ FORWARD_KEYS = (
 # model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
 # scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
 FORWARD_MATH: dict[str, str] = {
-    "hy_v4": "HYV4Model.forward runs the layers on hc_mult hyper-connection streams ([b, s, hc_mult, h]) and "
-    "folds them with hc_head before the norm: the stages pass one [b, s, h] stream",
     "gemma3n_text": "Gemma3nTextModel.forward: per-layer inputs (embed_tokens_per_layer, per_layer_model_projection) "
     "fed to every layer, and AltUp's stack of altup_num_inputs hidden states carried between the layers",
     "hrm_text": "HrmTextModel.forward: the H/L-cycle recurrence (L_module and H_module stacks run H_cycles x "
@@ -281,8 +305,11 @@ def plan_of(
     (the caller checked `plan_problems` first)."""
     pieces = list(pp_plan or override(model_type).pp_plan or PP_CONVENTION)
     assert "layers" in pieces, "plan_problems refuses a model without a usable pp plan"
-    full = [f"{prefix}.{n}" for n in pieces]
     i = pieces.index("layers")
+    streams = override(model_type).streams
+    if streams:  # the streams' fold runs first after the layers (Override.streams)
+        pieces.insert(i + 1, streams[1])
+    full = [f"{prefix}.{n}" for n in pieces]
     head = next(iter(head_plan), "lm_head")
     entries = {**(tp_plan or {}), **dict(override(model_type).tp_plan)}
     tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items() if v not in MARKERS)

@@ -107,11 +107,13 @@ def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> Tr
 def build_hf(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **config_overrides: Any) -> list[Any]:
     """This rank's `HFChunk`s for `spec` under `layout` (one per virtual pipeline stage)."""
     check_groups(layout)
-    tconfig = transformer_config(spec, layout, **config_overrides)
+    hf_cfg = transformers_config(spec)
+    # hyper-connection streams travel between stages folded into the hidden dim (runtime/hf/chunk.py)
+    width = spec.hidden_size * override(spec.family).stream_count(hf_cfg)
+    tconfig = transformer_config(spec, layout, **{"hidden_size": width, **config_overrides})
     for n, what in ((spec.num_attention_heads, "attention heads"), (spec.num_query_groups, "KV heads")):
         if n % layout.tp:
             raise UserError(f"{spec.architecture}: {n} {what} do not split over tp={layout.tp} (rule backend-layout)")
-    hf_cfg = transformers_config(spec)
     with torch.device("meta"):
         full = AutoModelForCausalLM.from_config(hf_cfg, dtype=tconfig.params_dtype)
     if layout.cp > 1:  # K/V gathered over the CP group around the model's attention (runtime/hf/cp.py)
@@ -187,6 +189,7 @@ class Stage:
             forward_math=const,
             aux=self._aux() if pre and post and self.spec.is_moe else None,
             nope_kwargs={k: getattr(sys.modules[type(full).__module__], fn) for k, fn in ov.nope_kwargs},
+            streams=ov.stream_count(full.config),
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
             # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)

@@ -52,6 +52,9 @@ MASKS: dict[str, Callable[..., Any]] = {
     "linear_attention": create_recurrent_attention_mask,
     "conv": create_recurrent_attention_mask,
     "chunked_attention": create_chunked_causal_mask,  # Llama 4's local attention
+    # DeepseekV4Model.forward: one sliding-window mask for every layer (extended inside the layer)
+    "compressed_sparse_attention": create_sliding_window_causal_mask,
+    "heavily_compressed_attention": create_sliding_window_causal_mask,
 }
 
 
@@ -76,6 +79,7 @@ class HFChunk(MegatronModule):
         forward_math: dict[str, float],
         aux: RouterAuxLoss | None = None,
         nope_kwargs: dict[str, Any] | None = None,
+        streams: int = 1,
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -86,6 +90,11 @@ class HFChunk(MegatronModule):
         self.vocab_size = vocab_size
         self.forward_math = forward_math  # hf_plan.OVERRIDES constants: embed_scale, logit_scale, ...
         self.nope_kwargs = nope_kwargs or {}  # hf_plan.Override.nope_kwargs: {kwarg: fn(position_ids)}
+        # hyper-connection streams (hf_plan.Override.streams): the layers run on [b, s, n, h], which
+        # travels between stages as [s, b, n*h] (the schedule's hidden size is n*h: build.py)
+        self.streams = streams
+        ov = override(hf_config.model_type)
+        self.rotary_types, self.layer_inputs = ov.rotary_types, ov.layer_inputs  # hf_plan.Override
         self.input_tensor: torch.Tensor | None = None
         for path, module in modules.items():
             self._place(path, module)
@@ -106,7 +115,7 @@ class HFChunk(MegatronModule):
         # what each layer hands the next (hf_kinds.CARRY), where the layers take it
         takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
         self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
-        window = override(hf_config.model_type).window_full_attention
+        window = ov.window_full_attention
         # the mask function per layer kind (MASKS, or the sliding-window one where the override says so)
         self.masks: dict[str, Any] = dict(MASKS)
         if window and getattr(hf_config, window, None) is not None:
@@ -156,17 +165,21 @@ class HFChunk(MegatronModule):
                 h = h * self.forward_math["embed_scale"]
             for path in self.plan.pre:
                 h = self.get_submodule(path)(h)
+            if self.streams > 1:  # every stream starts as the embeddings
+                h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         else:
             assert self.input_tensor is not None, "a later pipeline stage runs on the previous stage's output"
             h = self.input_tensor.transpose(0, 1)  # megatron's [s, b, h] -> transformers' [b, s, h]
-        h = self._layers(h, position_ids)
+            if self.streams > 1:
+                h = h.unflatten(-1, (self.streams, -1))
+        h = self._layers(h, position_ids, {"input_ids": input_ids})
         if not self.post_process:
-            return h.transpose(0, 1).contiguous()
+            return (h.flatten(2) if self.streams > 1 else h).transpose(0, 1).contiguous()
         for path in self.plan.post:
             h = self.get_submodule(path)(h)
         return self._head(h, labels)
 
-    def _layers(self, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, position_ids: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
         layers = self.get_submodule(self.plan.layers)
         if not len(layers):
             return h
@@ -176,9 +189,12 @@ class HFChunk(MegatronModule):
         before = calls()
         embeddings: dict[str | None, Any] = {}
         carried: dict[str, Any] = {}
+        given = {k: inputs[k] for k in self.layer_inputs}  # hf_plan.Override.layer_inputs
         # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
         # of it (sequence parallelism): they read only its batch, length, dtype and device
         whole = h.new_zeros(()).expand(h.shape[0], position_ids.shape[-1], h.shape[-1])
+        # every layer takes the one {rope type: embedding} dict where the override names the types
+        shared = {t: rotary(whole, position_ids, t) for t in self.rotary_types} if rotary is not None else {}
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
             if kind not in masks:
@@ -190,7 +206,7 @@ class HFChunk(MegatronModule):
                     position_ids=position_ids,
                 )
             key = kind if self.rotary_by_kind else None
-            if rotary is not None and key not in embeddings and kind not in self.nope:
+            if rotary is not None and not shared and key not in embeddings and kind not in self.nope:
                 embeddings[key] = (
                     rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
                 )
@@ -199,9 +215,10 @@ class HFChunk(MegatronModule):
                 h,
                 attention_mask=masks[kind],
                 position_ids=position_ids,
-                position_embeddings=embeddings.get(key),
+                position_embeddings=shared or embeddings.get(key),
                 **carried,
                 **extra,
+                **given,
             )
             h = out[0] if isinstance(out, tuple) else out
             carried = {kw: out[index] for kw, index in self.carry.items()}

@@ -197,3 +197,17 @@ def test_llama4_experts_at_tp2_are_refused_naming_their_split_and_pp2_passes(tmp
         validate(cfg, spec, dims=ParallelDims.parse("tp2").with_world(2), layout_only=True)
     assert "experts.gate_up_proj 'packed_rowwise'" in str(e.value) and "experts.down_proj 'colwise'" in str(e.value)
     assert any(v.rule == "backend-layout" for v in e.value.violations)
+
+
+def test_a_converter_written_with_escaped_dots_stacks_the_experts_it_names():
+    """DeepSeek-V4's converters spell their patterns as regexes (`\\.experts.*.w1.weight`): its
+    per-expert checkpoint tensors (w1 gate, w3 up, w2 down, under `ffn`) are the stacked rows' too."""
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    m = meta(describe_hf({**tiny_config("deepseek_v4").to_dict(), "model_type": "deepseek_v4"}, backend="hf"))
+    gate_up, down = (
+        m.experts["model.layers.0.mlp.experts.gate_up_proj"],
+        m.experts["model.layers.0.mlp.experts.down_proj"],
+    )
+    assert gate_up[:2] == ("model.layers.0.ffn.experts.0.w1.weight", "model.layers.0.ffn.experts.0.w3.weight")
+    assert down[-1] == f"model.layers.0.ffn.experts.{len(down) - 1}.w2.weight" and len(gate_up) == 2 * len(down)

@@ -70,8 +70,6 @@ def test_a_stage_may_not_start_at_a_layer_reusing_the_previous_layers_top_k():
 @pytest.mark.parametrize(
     "model_type, needle",
     [
-        ("deepseek_v4", "hc_mult hyper-connection streams"),
-        ("hy_v4", "hc_mult hyper-connection streams"),
         ("inkling_text", "conv_mask (create_recurrent_attention_mask)"),
     ],
 )

@@ -1,0 +1,61 @@
+"""Hyper-connection streams on the hf backend (hf_plan.Override.streams; HY-V4, DeepSeek-V4) in one
+process: two chunks cut from the same meta model (layers 0-1 with the embedding, layers 2-3 with
+hc_head, the norm and the head) hand each other the [s, b, hc_mult·h] activation a pipeline stage
+sends, and give transformers' logits; DeepSeek-V4's extra layer inputs (the {'main', 'compress'}
+rotary pair, input_ids for its hash-routed MoE) reach the second chunk too. The multi-process
+layouts (tp2, pp2, tp2·pp2, ep2) are `mbr verify --matrix model.backend=hf` rows (docs/bridge.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core import parallel_state as ps
+
+from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.backends.hf import meta, model_plan
+from megatron_bridge.backends.hf_plan import override
+from megatron_bridge.parallel.dims import ParallelDims
+
+
+@pytest.fixture()
+def one_rank(tmp_path):
+    mine = not torch.distributed.is_initialized()
+    if mine:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    ps.initialize_model_parallel()
+    yield
+    ps.destroy_model_parallel()
+    if mine:  # later tests may expect no process group
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("model_type", ["hy_v4", "deepseek_v4"])
+def test_two_stages_pass_the_streams_folded_and_give_transformers_logits(one_rank, model_type):
+    from megatron_bridge.runtime.hf.build import Stage, transformer_config
+    from megatron_bridge.runtime.hf_tiny import build_tiny
+
+    ref = build_tiny(model_type).eval()
+    cfg = ref.config
+    spec = describe_hf({**cfg.to_dict(), "model_type": model_type}, make_vocab_size_divisible_by=1, backend="hf")
+    n, h = override(model_type).stream_count(cfg), cfg.hidden_size
+    assert n == cfg.hc_mult > 1 and model_plan(ref).post == ("model.hc_head", "model.norm")
+    with torch.device("meta"):
+        full = type(ref)(cfg)
+    tconfig = transformer_config(spec, ParallelDims())
+    stage = Stage(spec, full, model_plan(full), meta(spec).kinds, tconfig, torch.device("cpu"), False)
+    half = cfg.num_hidden_layers // 2
+    first, last = stage.chunk(range(half), True, False), stage.chunk(range(half, cfg.num_hidden_layers), False, True)
+    weights = ref.state_dict()
+    with torch.no_grad():
+        for chunk in (first, last):
+            for name, t in chunk.state_dict().items():
+                if isinstance(t, torch.Tensor):  # megatron layers' `_extra_state` entries are None
+                    t.copy_(weights[name])
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        sent = first.eval()(ids)
+        assert sent.shape == (16, 2, n * h)  # what megatron's p2p carries: hidden_size n·h (runtime/hf/build.py)
+        last.eval().set_input_tensor(sent)
+        got = last(ids)
+        want = ref(ids).logits
+    assert (got - want).abs().max() < 1e-5
