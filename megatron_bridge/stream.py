@@ -24,8 +24,9 @@ Two modes (`mode=`):
   (at most about 2 x `bucket_bytes` + the largest tensor).
 
 `adapter=True` streams a LoRA run's adapters alone, under HF PEFT's names. Every rank must
-iterate `hf_buckets` to the end, as it is collective. Not yet: the per-expert/fused option (the
-checkpoint's layout is what comes out); the adapter stream's broadcast mode with ep>1.
+iterate `hf_buckets` to the end, as it is collective; in broadcast mode under expert parallelism
+the experts' adapters (small) are all-gathered over the EP group. Not yet: the per-expert/fused
+option (the checkpoint's layout is what comes out).
 """
 
 from __future__ import annotations
@@ -96,11 +97,6 @@ def hf_buckets(
     everywhere = mode == "broadcast"
     tensors: Iterator[tuple[str, torch.Tensor]]
     if adapter:
-        if everywhere and ps.get_expert_model_parallel_world_size() > 1:
-            raise UserError(
-                "the adapter stream's broadcast mode with expert parallelism (ep>1) is not implemented (each EP "
-                "rank holds its own experts' adapters): use mode='stage'"
-            )
         found = iter_adapter_tensors(chunks, everywhere=everywhere)
         tensors = ((n, t if dtype is None else t.to(dtype)) for n, t in found)
     else:

@@ -262,19 +262,33 @@ def iter_adapter_tensors(
     chunks: Sequence[Any], value=None, *, everywhere: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: (peft key, full HF-layout tensor) of every adapter, on one replica (the
-    first DP rank, first rank of its TP / expert-TP group; every rank of the stage with
-    `everywhere`, experts' adapters excepted: those stay on their EP rank). `value(p)` picks
-    what (default the weight; `lambda p: p.main_grad` for gradients)."""
+    first DP rank, first rank of its TP / expert-TP group; experts' adapters on their EP rank).
+    With `everywhere`, on every rank of the stage: under expert parallelism each chunk's
+    expert adapters are then all-gathered over the EP group (adapters are small; via host
+    memory, in EP rank order) after its other adapters. `value(p)` picks what (default the
+    weight; `lambda p: p.main_grad` for gradients)."""
     value = value or (lambda p: p)
     dense = everywhere or ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert = everywhere or ps.get_expert_data_parallel_rank() == 0
+    ep = ps.get_expert_model_parallel_world_size()
     for chunk in chunks:
+        mine: list[tuple[str, torch.Tensor]] = []  # this EP rank's expert adapters, when gathered
         for _, _, ad in adapters(chunk):
             is_expert = ad.row.mapping.is_expert
             if not (expert if is_expert else dense):
                 continue
             group = ps.get_expert_tensor_parallel_group() if is_expert else ps.get_tensor_model_parallel_group()
-            yield from ad.hf_tensors(value, group, everywhere) or ()
+            got = ad.hf_tensors(value, group, everywhere) or ()
+            if is_expert and everywhere and ep > 1:
+                mine += [(k, t.cpu()) for k, t in got]
+            else:
+                yield from got
+        if everywhere and ep > 1:
+            device = next(chunk.parameters()).device
+            parts: list[Any] = [None] * ep
+            torch.distributed.all_gather_object(parts, mine, group=ps.get_expert_model_parallel_group())
+            for part in parts:
+                yield from ((k, t.to(device)) for k, t in part)
 
 
 @contextlib.contextmanager

@@ -108,7 +108,7 @@ def main() -> None:
                 res["logits"] = logits[..., : spec.vocab_size].tolist()
             out = Path(a.out) / fam / text
             export_adapter(model, peft, str(out / "adapter"), str(hf_dir))
-            res["stream"] = _stream_adapter(model, spec, out / "adapter", modes=("stage",) if glayout.ep > 1 else None)
+            res["stream"] = _stream_adapter(model, spec, out / "adapter")
             with merged(model):
                 export_hf_weights(model, spec, out / "merged", source_dir=hf_dir)
             res["seconds"] = round(time.perf_counter() - t0, 3)
