@@ -43,7 +43,9 @@ from megatron_bridge.runtime.parity import check_layout, fold, hf_reference, mak
 from megatron_bridge.testing import TorchrunError, report, run_torchrun
 
 LAYOUTS = ("tp2", "pp2", "tp2pp2", "ep2")
-ACCEPTED = (*LAYOUTS, "cp2", "tp2cp2")  # context parallelism: run when verify.layouts names it
+# run when verify.layouts names them: context parallelism, and MoE at ep2·tp2 with sequence
+# parallelism (the MoE bar; TP-split experts need SP, as the moe-tp-sp rule says)
+ACCEPTED = (*LAYOUTS, "cp2", "tp2cp2", "ep2tp2sp")
 NOT_MOE = "n/a"  # an ep layout of a dense model: no row
 CHECKS = ("logits", "grads", "roundtrip")
 NPROC = 4
@@ -192,7 +194,8 @@ def run_matrix(
         for text in layouts:
             if text in refused and refused[text] != NOT_MOE:
                 rows[arch, text] = f"| {arch} | {text} | - | - | - | - | refused: {refused[text]} |"
-        todo[arch] = [t for t in layouts if t not in refused]
+        if runs := [t for t in layouts if t not in refused]:  # none: every layout refused or n/a (no reference made)
+            todo[arch] = runs
     names = list(todo)
     for i in range(0, len(names), GROUP):
         group = {a: todo[a] for a in names[i : i + GROUP]}
@@ -238,7 +241,7 @@ def main(argv: Sequence[str]) -> int:
     layouts = [x.replace("·", "") for x in (cfg.verify.layouts or LAYOUTS)]
     bad = [x for x in layouts if x not in ACCEPTED]
     if bad:
-        raise UserError(f"verify.layouts {bad}: the hf matrix runs {', '.join(ACCEPTED)} (ep2: MoE models only)")
+        raise UserError(f"verify.layouts {bad}: the hf matrix runs {', '.join(ACCEPTED)} (ep2, ep2tp2sp: MoE models only)")
     with tempfile.TemporaryDirectory(prefix="mbr-hf-matrix-") as tmp:
         root = Path(cfg.verify.out or tmp)
         root.mkdir(parents=True, exist_ok=True)
