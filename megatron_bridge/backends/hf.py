@@ -23,12 +23,11 @@ from typing import Any
 from megatron_bridge.backends.base import Backend
 from megatron_bridge.backends.hf_aux import aux_limits
 from megatron_bridge.backends.hf_experts import (
-    EXPERT_TP_PACKS,
-    EXPERT_TP_SPLITS,
     StackedExperts,
     WholeStackedExperts,
     expert_fields,
     expert_limits,
+    expert_split,
 )
 from megatron_bridge.backends.hf_fused import Concatenated
 from megatron_bridge.backends.hf_meta import (  # re-exported: callers name the backend's module
@@ -157,17 +156,17 @@ class HFBackend(Backend):
             if name in m.experts:
                 pieces = m.experts[name]
                 n = m.shapes[name][0]
-                stacked = StackedExperts(n, len(pieces) // n, EXPERT_TP_SPLITS.get(m.plan.style(name) or ""))
+                split = expert_split(name, m.plan.style(name))
+                stacked = StackedExperts(n, len(pieces) // n, split.split if split else None)
                 rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], stacked))
                 continue
             if name in m.fused:  # whole on every rank: its pieces concatenated (backends/hf_fused.py)
                 pieces, dim = m.fused[name]
                 rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], Concatenated(len(pieces), dim)))
                 continue
-            style = m.plan.style(name) or ""
-            if style in EXPERT_TP_SPLITS and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too
-                whole = WholeStackedExperts(EXPERT_TP_SPLITS[style], EXPERT_TP_PACKS[style])
-                rows.setdefault(t, Row(t, m.hf_template(name), whole))
+            split = expert_split(name, m.plan.style(name))
+            if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too
+                rows.setdefault(t, Row(t, m.hf_template(name), WholeStackedExperts(*split)))
                 continue
             transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
             rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], transform))

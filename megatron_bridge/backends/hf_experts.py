@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from megatron_bridge.backends.hf_plan import EP_MODULE, MOE_TP
 from megatron_bridge.bridge.mapping import NotBlockwise, Transform
@@ -81,13 +81,13 @@ class StackedExperts(Transform):
 
 class WholeStackedExperts(Transform):
     """A stacked experts tensor the checkpoint already holds stacked ([E, rows, cols]: Granite-MoE's
-    `input_linear.weight`, renamed to `experts.gate_up_proj`), split over TP as `StackedExperts`
-    splits each expert's pieces: `packs` equal blocks of dim 1 (a fused gate/up is 2), this rank's
-    rows of each ("column"), or its columns of dim 2 ("row"). EP takes whole experts (dim 0) after
-    (runtime/hf/weights.py)."""
+    `input_linear.weight` renamed to `experts.gate_up_proj`, Llama 4's and Aria's transposed
+    `gate_up_proj [E, H, 2·I]`), split over TP along its intermediate dim as `ExpertSplit` says:
+    dim 1 ("column") or dim 2 ("row") in `packs` equal blocks (a fused gate/up is 2), this rank's
+    part of each. EP takes whole experts (dim 0) after (runtime/hf/weights.py)."""
 
     def __init__(self, split: str, packs: int) -> None:
-        self.split, self.packs = split, packs
+        self.split, self.packs, self.dim = split, packs, SPLIT_DIMS[split]
 
     def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> Any:
         raise NotBlockwise("a stacked experts tensor is split per packed block, not in row blocks")
@@ -95,29 +95,50 @@ class WholeStackedExperts(Transform):
     def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> Any:
         import torch
 
-        t = hf[0][:]
-        if self.split == "row":
-            a, b = split_range(t.shape[2], s, "expert columns")
-            return t[:, :, a:b]
-        blocks = t.chunk(self.packs, 1)
-        return torch.cat([blk[:, slice(*split_range(blk.shape[1], s, "expert rows"))] for blk in blocks], 1)
+        d, what = self.dim, f"expert {self.split}s"
+        parts = []
+        for blk in hf[0][:].chunk(self.packs, d):
+            a, b = split_range(blk.shape[d], s, what)
+            parts.append(blk.narrow(d, a, b - a))
+        return torch.cat(parts, d)
 
     def merge(self, shards: Sequence[Any], shapes: Shapes) -> tuple[Any, ...]:
         import torch
 
-        if self.split == "row":
-            return (torch.cat(list(shards), 2).clone(),)
-        per_rank = [t.chunk(self.packs, 1) for t in shards]  # [tp][pack]
-        return (torch.cat([torch.cat([r[p] for r in per_rank], 1) for p in range(self.packs)], 1).clone(),)
+        d = self.dim
+        per_rank = [t.chunk(self.packs, d) for t in shards]  # [tp][pack]
+        return (torch.cat([torch.cat([r[p] for r in per_rank], d) for p in range(self.packs)], d).clone(),)
 
     def __repr__(self) -> str:
         return f"WholeStackedExperts({self.split}, packs={self.packs})"
 
 
-# the tp plan styles of a stacked experts tensor under `moe_tp_experts` -> how its pieces split,
-# and how many equal blocks a tensor stacked whole in the checkpoint packs on dim 1 (gate and up)
-EXPERT_TP_SPLITS = {"packed_colwise": "column", "rowwise": "row"}
-EXPERT_TP_PACKS = {"packed_colwise": 2, "rowwise": 1}
+class ExpertSplit(NamedTuple):
+    """How `moe_tp_experts` splits one stacked experts tensor [E, a, b] over TP: along its
+    intermediate dim, dim 1 ("column") or dim 2 ("row"), in `packs` equal blocks each split on
+    its own (a fused gate/up is 2, so `chunk(2)` still parts gate from up on every rank)."""
+
+    split: str
+    packs: int
+
+
+# the stacked tensor's dim a split names (StackedExperts' pieces: their rows / columns)
+SPLIT_DIMS = {"column": 1, "row": 2}
+# (tp plan style, stacked tensor) under `moe_tp_experts` -> its split; the style alone does not
+# say where the intermediate dim is (Inkling's `colwise` gate_up_proj [E, 2·I, H] would part
+# gate from up), so an entry names both. transformers' in-memory layouts:
+EXPERT_TP_SPLITS = {
+    ("packed_colwise", "gate_up_proj"): ExpertSplit("column", 2),  # [E, 2·I, H]
+    ("rowwise", "down_proj"): ExpertSplit("row", 1),  # [E, H, I]
+    ("packed_rowwise", "gate_up_proj"): ExpertSplit("row", 2),  # [E, H, 2·I] (Llama 4, Aria)
+    ("colwise", "down_proj"): ExpertSplit("column", 1),  # [E, I, H] (Llama 4, Aria)
+}
+
+
+def expert_split(name: str, style: str | None) -> ExpertSplit | None:
+    """The TP split of the stacked experts tensor `name` (a parameter or plan pattern) planned
+    as `style`, or None where EXPERT_TP_SPLITS has no entry for it."""
+    return EXPERT_TP_SPLITS.get((style or "", name.rpartition(".")[2]))
 
 
 def ep_part(items: Any, ep: int, rank: int) -> Any:
@@ -191,9 +212,8 @@ def expert_limits(
     """What the hf backend cannot run of a MoE model under `layout` (what, fix): EP splits
     the `ep_dispatch_experts` module of `base_model_ep_plan`; TP splits its experts as
     `moe_tp_experts` does (expert-TP = tp), each stacked tensor as EXPERT_TP_SPLITS says
-    ([E, 2·I, H] gate/up, [E, H, I] down, called with the routing): another style on an
-    experts tensor (Llama 4's `packed_rowwise` gate_up_proj, [E, H, 2·I], experts called on
-    pre-scaled tokens alone) is a layout it cannot split yet."""
+    (by style and tensor, in either of transformers' layouts): another (style, tensor) on an
+    experts tensor (Inkling's `colwise` gate_up_proj) is a split it does not know."""
     if not spec.is_moe:
         return []
     out = []
@@ -203,12 +223,12 @@ def expert_limits(
             out.append((f"tp={layout.tp}: {spec.architecture} has {key}={hf[key]}: {why}", "set tp=1"))
     tp_plan = tuple(tp_plan)
     moe = {p for p, s in tp_plan if s == MOE_TP}
-    odd = [f"{p} {s!r}" for p, s in tp_plan if p.rpartition(".")[0] in moe and s not in EXPERT_TP_SPLITS]
+    odd = [f"{p} {s!r}" for p, s in tp_plan if p.rpartition(".")[0] in moe and expert_split(p, s) is None]
     if layout.tp > 1 and odd:
         out.append(
             (
                 f"tp={layout.tp}: {spec.architecture}'s experts split as {', '.join(odd)}; the hf backend's "
-                f"`{MOE_TP}` splits {', '.join(map(repr, EXPERT_TP_SPLITS))} only",
+                f"`{MOE_TP}` splits {', '.join(f'{t} {s!r}' for s, t in EXPERT_TP_SPLITS)} only",
                 "set tp=1 (pp and dp run)",
             )
         )
@@ -238,11 +258,13 @@ def expert_limits(
 __all__ = [
     "EXPERT_COUNT_KEYS",
     "EXPERTS_PER_TOKEN_KEYS",
-    "EXPERT_TP_PACKS",
     "EXPERT_TP_SPLITS",
+    "ExpertSplit",
     "EXPERTS_TP_UNSPLIT",
     "expert_fields",
     "expert_limits",
+    "expert_split",
+    "SPLIT_DIMS",
     "STACK_OPS",
     "StackedExperts",
     "WholeStackedExperts",

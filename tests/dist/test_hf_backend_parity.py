@@ -6,7 +6,7 @@ tied embeddings; GPT-NeoX's fused per-head query_key_value and renamed head; Qwe
 EXAONE-4's replicated q/k norms; Phi's unplanned q/k LayerNorm and biased head; OLMo-3's
 gathered q/k/v; StarCoder2's sliding window, biases and tied embeddings) and Llama forced onto
 the hf backend, at tp2, tp2·pp2 and pp2·vpp2 (two of them at tp2·cp2), and Qwen3-MoE at ep2, ep2·pp2 and ep2·tp2, and a
-sample with sequence parallelism (`SP`): logits within 1e-5 (fp32) of transformers', the
+sample with sequence parallelism (`SP`, Llama 4's transposed experts among them): logits within 1e-5 (fp32) of transformers', the
 loss and every gradient, the bit-exact export round trip, and the exported directory loads in
 transformers with the oracle's logits.
 """
@@ -42,7 +42,13 @@ MATRIX_SAMPLE = [
 # split over TP as `moe_tp_experts`, tokens whole on every TP rank); ep layouts run
 # for MoE models only (bridge_scripts/parity.py), and its dense layouts are skipped here
 MOE = ["qwen3_moe"]
-FAMILIES = ["llama", *HF_TINY, *MATRIX_SAMPLE, *MOE]
+# Llama 4's experts, stored transposed (`packed_rowwise` gate_up_proj [E, H, 2·I], `colwise`
+# down_proj) and called on pre-scaled tokens alone (runtime/hf/experts.py
+# PrescaledExpertsSequenceTP), at tp2 with sequence parallelism only: a runtime/hf_tiny.py config
+# with every layer full attention (chunked attention is refused under SP; the matrix runs the
+# released layer mix at tp2 without SP)
+VARIANTS = {"llama4_text": {"no_rope_layers": [0] * 4, "layer_types": ["full_attention"] * 4}}
+FAMILIES = ["llama", *HF_TINY, *MATRIX_SAMPLE, *MOE, *VARIANTS]
 # (pp2 alone is not here: tp2·pp2 and pp2·vpp2 stage the same pieces; CI time)
 DENSE_LAYOUTS = ["tp2", "tp2pp2", "pp2vpp2"]
 # context parallelism (runtime/hf/cp.py: K/V gathered around the model's own attention, masks from
@@ -54,13 +60,14 @@ CP = ["starcoder2", "gemma2"]
 # attention / MLP modules, norms' gradients summed over TP): Qwen3 (replicated q/k norms) at
 # tp2, Llama at tp2·pp2 (the [s/tp, b, h] stage boundary), Qwen3-MoE at ep2·tp2 (tokens
 # gathered into the TP-split experts; its ep2tp2 gradients already run with SP)
-SP = {"qwen3": ["tp2sp"], "llama": ["tp2pp2sp"], "qwen3_moe": ["ep2tp2sp"]}
+SP = {"qwen3": ["tp2sp"], "llama": ["tp2pp2sp"], "qwen3_moe": ["ep2tp2sp"], "llama4_text": ["tp2sp"]}
 SP_LAYOUTS = ["tp2sp", "tp2pp2sp", "ep2tp2sp"]
 LAYOUTS = [*DENSE_LAYOUTS, "tp2cp2", "ep2", "ep2pp2", "ep2tp2", *SP_LAYOUTS]
 SKIP = [f"{fam}/{lay}" for fam in MATRIX_SAMPLE for lay in DENSE_LAYOUTS if lay != "tp2pp2"]
 SKIP += [f"{fam}/{lay}" for fam in MOE for lay in DENSE_LAYOUTS]
 SKIP += [f"{fam}/tp2cp2" for fam in FAMILIES if fam not in CP]
 SKIP += [f"{fam}/{lay}" for fam in FAMILIES for lay in SP_LAYOUTS if lay not in SP.get(fam, ())]
+SKIP += [f"{fam}/{lay}" for fam in VARIANTS for lay in LAYOUTS if lay not in SP[fam] and f"{fam}/{lay}" not in SKIP]
 TOL = 1e-5
 
 
@@ -74,7 +81,10 @@ def root(tmp_path_factory) -> Path:
     (base / "refs").mkdir()
     ids, labels = make_batch(250)
     for fam in FAMILIES:
-        path = hf_tiny.make_tiny(fam, base / fam) if fam in MATRIX_SAMPLE else make_tiny(fam, base / fam)
+        if fam in MATRIX_SAMPLE or fam in VARIANTS:
+            path = hf_tiny.make_tiny(fam, base / fam, **VARIANTS.get(fam, {}))
+        else:
+            path = make_tiny(fam, base / fam)
         torch.save(dict(input_ids=ids, labels=labels, **hf_reference(path, ids, labels)), base / "refs" / f"{fam}.pt")
     return base
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 
 from megatron_bridge.backends.hf import meta, model_plan, transformers_config
 from megatron_bridge.backends.hf_aux import aux_enabled, aux_seam
-from megatron_bridge.backends.hf_experts import EXPERT_TP_SPLITS
+from megatron_bridge.backends.hf_experts import SPLIT_DIMS, expert_split
 from megatron_bridge.backends.hf_plan import (
     COLUMN_STYLES,
     EP_MODULE,
@@ -329,14 +329,14 @@ class Stage:
                 kind = self.kinds.get(f"{prefix}.{key}")
                 shape = tuple(p.shape)
                 expert = self.ep > 1 and self.plan.ep_style(f"{prefix}.{key}") == EP_TENSOR
-                split = EXPERT_TP_SPLITS.get(self.plan.style(f"{prefix}.{key}") or "") if len(shape) == 3 else None
+                split = expert_split(f"{prefix}.{key}", self.plan.style(f"{prefix}.{key}")) if len(shape) == 3 else None
                 if kind == HEAD:
                     shape = (shape[0] // self.tp, *shape[1:])
                 if expert:
                     shape = (shape[0] // self.ep, *shape[1:])
                 split = split if self.plan.style(prefix) == MOE_TP else None
-                if split:  # moe_tp_experts: gate/up rows, down columns
-                    at = 1 if split == "column" else 2
+                if split:  # moe_tp_experts: the intermediate dim (of gate/up and down, either layout)
+                    at = SPLIT_DIMS[split.split]
                     shape = tuple(d // self.tp if i == at else d for i, d in enumerate(shape))
                 new = torch.nn.Parameter(torch.empty(shape, dtype=p.dtype, device=self.device), p.requires_grad)
                 if kind == HEAD:

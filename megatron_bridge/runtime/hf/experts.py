@@ -19,6 +19,7 @@ DDP reduces their gradients over the expert-data-parallel group, the rest over d
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+
+from megatron_bridge.errors import UserError
 
 
 class ExpertsAllToAll(torch.nn.Module):
@@ -91,25 +94,65 @@ class ExpertsSequenceTP(torch.nn.Module):
         return reduce_scatter_to_sequence_parallel_region(out, group=group)
 
 
-# (ep, tp, sp) -> the mixins, outermost first: TP (gathering the tokens under SP) wraps the EP dispatch
-_MIXINS: dict[tuple[bool, bool, bool], tuple[type, ...]] = {
-    (ep, tp, sp): ((ExpertsSequenceTP if sp else ExpertsTP),) * tp + (ExpertsAllToAll,) * ep
-    for ep in (False, True)
-    for tp in (False, True)
-    for sp in (False, True)
+class PrescaledExpertsTP(torch.nn.Module):
+    """`ExpertsTP` for experts called on pre-scaled tokens alone (Llama 4: `experts(hidden
+    [E·T, h])`, every token repeated for every expert, expert-major, already multiplied by its
+    router score): the same split of the intermediate dim, the same TP sum of the partial
+    outputs and of the input's gradient."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        group = ps.get_tensor_model_parallel_group()
+        out = super().forward(copy_to_tensor_model_parallel_region(hidden, group=group))
+        return reduce_from_tensor_model_parallel_region(out, group=group)
+
+
+class PrescaledExpertsSequenceTP(torch.nn.Module):
+    """`PrescaledExpertsTP` under sequence parallelism: each TP rank holds [E, T/tp] of the
+    expert-major tokens, so they are gathered over TP along the token dim (each expert's run
+    of tokens whole), every rank runs its slice of every expert on all of them, and the
+    partial outputs are reduce-scattered back along the same dim."""
+
+    num_experts: int  # the HF module's (every expert's run of tokens is in `hidden`: no EP here)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        group, h, experts = ps.get_tensor_model_parallel_group(), hidden.shape[-1], self.num_experts
+        x = hidden.view(experts, -1, h).transpose(0, 1).contiguous()  # [T/tp, E, h]: tokens first
+        x = gather_from_sequence_parallel_region(x, group=group).transpose(0, 1).reshape(-1, h)
+        out = super().forward(x).view(experts, -1, h).transpose(0, 1).contiguous()
+        return reduce_scatter_to_sequence_parallel_region(out, group=group).transpose(0, 1).reshape(-1, h)
+
+
+# how many arguments an experts module is called with -> its TP mixins (plain, sequence-parallel):
+# transformers' routed call `experts(hidden, top_k_index, top_k_weights)`, or Llama 4's pre-scaled
+# tokens alone (which has no EP dispatch: every expert sees every token)
+TP_MIXINS: dict[int, tuple[type, type]] = {
+    3: (ExpertsTP, ExpertsSequenceTP),
+    1: (PrescaledExpertsTP, PrescaledExpertsSequenceTP),
 }
 _CLASSES: dict[tuple[type, bool, bool, bool], type] = {}
 
 
+def call_arity(cls: type) -> int:
+    """How many arguments (after self) `cls.forward` takes: which TP_MIXINS entry wraps it."""
+    return len(inspect.signature(cls.forward).parameters) - 1  # type: ignore[attr-defined]
+
+
 def experts_class(cls: type, ep: bool, tp: bool, sp: bool = False) -> type:
     """`cls` (an HF experts class) with its forward dispatching over the EP group (`ep`)
-    and/or its experts split over TP (`tp`, the tokens gathered over TP first under `sp`); its
-    parameters, names and per-expert compute stay `cls`'s. One per combination (isinstance
-    holds across chunks)."""
+    and/or its experts split over TP (`tp`, the tokens gathered over TP first under `sp`; the
+    mixin by how `cls` is called, TP_MIXINS); its parameters, names and per-expert compute stay
+    `cls`'s. One per combination (isinstance holds across chunks). TP wraps the EP dispatch."""
     key = (cls, ep, tp, sp)
     if key not in _CLASSES:
+        arity = call_arity(cls)
+        if tp and arity not in TP_MIXINS:
+            raise UserError(
+                f"{cls.__name__}.forward takes {arity} arguments; the hf backend's `moe_tp_experts` splits "
+                f"experts called with {' or '.join(map(str, TP_MIXINS))} (set tp=1)"
+            )
+        mixins = ((TP_MIXINS[arity][sp],) if tp else ()) + (ExpertsAllToAll,) * ep
         name = f"{cls.__name__}{'SP' * (tp and sp)}{'TP' * tp}{'AllToAll' * ep}"
-        _CLASSES[key] = type(name, (*_MIXINS[ep, tp, sp], cls), {})
+        _CLASSES[key] = type(name, (*mixins, cls), {})
     return _CLASSES[key]
 
 
@@ -141,6 +184,10 @@ __all__ = [
     "ExpertsAllToAll",
     "ExpertsSequenceTP",
     "ExpertsTP",
+    "PrescaledExpertsSequenceTP",
+    "PrescaledExpertsTP",
+    "TP_MIXINS",
+    "call_arity",
     "experts_class",
     "gather_experts",
     "is_expert",

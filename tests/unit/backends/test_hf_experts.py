@@ -178,10 +178,70 @@ def test_identity_experts_are_refused_under_tp_naming_them():
     assert HFBackend().layout_limits(spec, Layout.parse("pp2")) == []
 
 
-def test_llama4_experts_at_tp2_are_refused_naming_their_split_and_pp2_passes(tmp_path):
-    """Llama 4's plan splits its experts tensors as `packed_rowwise` / `colwise` ([E, H, 2·I],
-    called on pre-scaled tokens alone), which `moe_tp_experts` does not: tp2 is a named
-    backend-layout refusal, pp2 and tp1 (data parallel) are not."""
+def test_transposed_experts_split_over_tp_sum_to_transformers_experts():
+    """Llama 4's and Aria's experts are stored transposed (`gate_up_proj [E, H, 2·I]` planned
+    `packed_rowwise`, `down_proj [E, I, H]` planned `colwise`): the table (EXPERT_TP_SPLITS)
+    splits each along the intermediate dim, gate and up halves on their own, so two TP ranks'
+    modules (each with its shards, the mixin transformers' call convention picks) sum to the
+    whole module's output and the shards merge back bit-exactly. The split is checked against
+    transformers' own forward here; the TP collectives (with sequence parallelism) run in
+    tests/dist/test_hf_backend_parity.py's launch."""
+    from transformers.models.aria.modeling_aria import AriaExperts
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    from megatron_bridge.backends.hf_experts import expert_split
+    from megatron_bridge.runtime.hf.experts import PrescaledExpertsSequenceTP, experts_class
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    torch.manual_seed(0)
+    for cls, model_type in ((Llama4TextExperts, "llama4_text"), (AriaExperts, "aria_text")):
+        ref = cls(tiny_config(model_type))
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.normal_(0, 0.05)
+        e, h = ref.gate_up_proj.shape[:2]
+        splits = {
+            n: WholeStackedExperts(*expert_split(n, s))
+            for n, s in (("gate_up_proj", "packed_rowwise"), ("down_proj", "colwise"))
+        }
+        shards = {
+            n: [t.shard([getattr(ref, n).detach()], Shard(r, 2), None) for r in range(2)] for n, t in splits.items()
+        }
+        assert (
+            2 * shards["gate_up_proj"][0].shape[2] == ref.gate_up_proj.shape[2] == 4 * shards["down_proj"][1].shape[1]
+        )
+        for n, t in splits.items():
+            assert torch.equal(t.merge(shards[n], None)[0], getattr(ref, n))
+        tokens = 6
+        if cls is Llama4TextExperts:  # every token for every expert, pre-scaled: [E·T, h]
+            args: tuple = (torch.randn(e * tokens, h),)
+        else:
+            args = (
+                torch.randn(tokens, h),
+                torch.stack([torch.randperm(e)[:2] for _ in range(tokens)]),
+                torch.rand(tokens, 2),
+            )
+        parts = []
+        for r in range(2):
+            rank = cls(tiny_config(model_type))
+            rank.gate_up_proj, rank.down_proj = (
+                torch.nn.Parameter(shards[n][r]) for n in ("gate_up_proj", "down_proj")
+            )
+            parts.append(rank(*args))
+        with torch.no_grad():
+            assert (parts[0] + parts[1] - ref(*args)).abs().max() < 1e-5
+    assert experts_class(Llama4TextExperts, ep=False, tp=True, sp=True).__mro__[1] is PrescaledExpertsSequenceTP
+    assert experts_class(AriaExperts, ep=False, tp=True, sp=True).__mro__[1].__name__ == "ExpertsSequenceTP"
+
+
+def test_llama4_experts_pass_the_layout_rules_at_tp2_and_an_unknown_expert_split_is_refused(tmp_path):
+    """Llama 4 at tp2 passes the layout rules now its transposed split has table entries (with
+    sequence parallelism its chunked-attention layers, not its experts, are refused); a
+    (style, tensor) the table lacks —
+    Inkling's `colwise` gate_up_proj [E, 2·I, H], which would part gate from up — is refused
+    by name, listing what `moe_tp_experts` splits."""
+    from megatron_bridge.backends.hf_experts import expert_limits
+    from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.parallel.rules.registry import validate
     from megatron_bridge.runtime.hf_tiny import tiny_config
@@ -191,12 +251,20 @@ def test_llama4_experts_at_tp2_are_refused_naming_their_split_and_pp2_passes(tmp
     )
     cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={tmp_path}", "model.backend=hf"])
     spec = describe(cfg.model)
-    for text in ("pp2", "tp1"):
+    for text in ("pp2", "tp1", "tp2"):
         validate(cfg, spec, dims=ParallelDims.parse(text).with_world(2), layout_only=True)
     with pytest.raises(LayoutError) as e:
-        validate(cfg, spec, dims=ParallelDims.parse("tp2").with_world(2), layout_only=True)
-    assert "experts.gate_up_proj 'packed_rowwise'" in str(e.value) and "experts.down_proj 'colwise'" in str(e.value)
-    assert any(v.rule == "backend-layout" for v in e.value.violations)
+        validate(cfg, spec, dims=ParallelDims.parse("tp2sp").with_world(2), layout_only=True)
+    assert "'chunked_attention' under sequence parallelism" in str(e.value) and "experts" not in str(e.value)
+    plan = [
+        ("model.layers.*.mlp.experts", "moe_tp_experts"),
+        ("model.layers.*.mlp.experts.gate_up_proj", "colwise"),
+        ("model.layers.*.mlp.experts.down_proj", "rowwise"),
+    ]
+    (what, fix), *_ = expert_limits(spec, Layout.parse("tp2"), (), plan)
+    assert "experts.gate_up_proj 'colwise'" in what and "down_proj" not in what.partition(";")[0], what
+    assert "gate_up_proj 'packed_rowwise'" in what and fix.startswith("set tp=1")
+    assert expert_limits(spec, Layout.parse("pp2"), (), plan) == []
 
 
 def test_a_converter_written_with_escaped_dots_stacks_the_experts_it_names():
