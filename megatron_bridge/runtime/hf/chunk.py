@@ -35,9 +35,11 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
+from megatron_bridge.backends.hf_kinds import SHARED_STATE
 from megatron_bridge.backends.hf_plan import CARRY, Plan, override
 from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.cp import CP_MASKS, calls, check_attended
+from megatron_bridge.runtime.hf.per_layer import PerLayerInputs
 
 # layer kind -> the mask function the model's own forward calls for it (hf_kinds.LAYER_KINDS);
 # an indexed layer slices its mask (`mask[:, 0]`) for its indexer, so it must exist even where
@@ -76,6 +78,7 @@ class HFChunk(MegatronModule):
         forward_math: dict[str, float],
         aux: RouterAuxLoss | None = None,
         nope_kwargs: dict[str, Any] | None = None,
+        per_layer: PerLayerInputs | None = None,
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -106,6 +109,9 @@ class HFChunk(MegatronModule):
         # what each layer hands the next (hf_kinds.CARRY), where the layers take it
         takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
         self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
+        # one container per forward, shared by the stage's layers (hf_kinds.SHARED_STATE)
+        self.shared = tuple(kw for kw in SHARED_STATE if kw in takes)
+        self.per_layer = per_layer  # per-layer inputs (runtime/hf/per_layer.py), sent between stages
         window = override(hf_config.model_type).window_full_attention
         # the mask function per layer kind (MASKS, or the sliding-window one where the override says so)
         self.masks: dict[str, Any] = dict(MASKS)
@@ -154,19 +160,25 @@ class HFChunk(MegatronModule):
             h = self.get_submodule(self.plan.embed)(input_ids)
             if "embed_scale" in self.forward_math:
                 h = h * self.forward_math["embed_scale"]
+            per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
             for path in self.plan.pre:
                 h = self.get_submodule(path)(h)
         else:
             assert self.input_tensor is not None, "a later pipeline stage runs on the previous stage's output"
-            h = self.input_tensor.transpose(0, 1)  # megatron's [s, b, h] -> transformers' [b, s, h]
-        h = self._layers(h, position_ids)
+            if self.per_layer:
+                h, per_layer = self.per_layer.unpack(self.input_tensor)
+            else:  # megatron's [s, b, h] -> transformers' [b, s, h]
+                h, per_layer = self.input_tensor.transpose(0, 1), None
+        h = self._layers(h, position_ids, per_layer)
         if not self.post_process:
+            if self.per_layer and per_layer is not None:
+                return self.per_layer.pack(h, per_layer)
             return h.transpose(0, 1).contiguous()
         for path in self.plan.post:
             h = self.get_submodule(path)(h)
         return self._head(h, labels)
 
-    def _layers(self, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def _layers(self, h: torch.Tensor, position_ids: torch.Tensor, per_layer: torch.Tensor | None) -> torch.Tensor:
         layers = self.get_submodule(self.plan.layers)
         if not len(layers):
             return h
@@ -176,6 +188,7 @@ class HFChunk(MegatronModule):
         before = calls()
         embeddings: dict[str | None, Any] = {}
         carried: dict[str, Any] = {}
+        shared: dict[str, dict[str, Any]] = {kw: {} for kw in self.shared}
         # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
         # of it (sequence parallelism): they read only its batch, length, dtype and device
         whole = h.new_zeros(()).expand(h.shape[0], position_ids.shape[-1], h.shape[-1])
@@ -195,12 +208,15 @@ class HFChunk(MegatronModule):
                     rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
                 )
             extra = {k: fn(position_ids) for k, fn in self.nope_kwargs.items()} if kind in self.nope else {}
+            if per_layer is not None and self.per_layer is not None:
+                extra[self.per_layer.keyword] = per_layer[:, :, int(i)]
             out = layer(
                 h,
                 attention_mask=masks[kind],
                 position_ids=position_ids,
                 position_embeddings=embeddings.get(key),
                 **carried,
+                **shared,
                 **extra,
             )
             h = out[0] if isinstance(out, tuple) else out
