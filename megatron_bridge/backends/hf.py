@@ -204,7 +204,7 @@ class HFBackend(Backend):
             out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan, kinds)]
         plan = meta(spec).plan if spec.is_moe else None
         out += expert_limits(spec, layout, plan.ep if plan else (), plan.tp if plan else ())
-        out += layer_limits(self.hf_config(spec), layout)
+        out += layer_limits(declared(transformers_config(spec)), layout)  # with the class defaults (layer_types)
         if layout.tp > 1 and spec.num_query_groups % layout.tp:
             out.append(
                 (

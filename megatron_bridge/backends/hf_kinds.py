@@ -72,14 +72,44 @@ NO_CP_KINDS = {
 # sparse indexers keep state or selections over the local tokens and are refused at cp > 1
 CP_LAYER_KINDS = {"full_attention": None, "sliding_attention": "sliding_window"}
 
+# values the base model's forward computes once from the inputs and hands every layer its slice of:
+# {config key switching it on: (the decoder layer's keyword, the base model's modules that make it)}.
+# Gemma 4's per-layer inputs (Gemma4TextModel.get_per_layer_inputs / project_per_layer_inputs:
+# embed_tokens_per_layer(input_ids) plus a normed projection of the embeddings, [b, s, L, d_pl],
+# layer i takes [:, :, i]). The first stage computes them (the projection reads the embeddings,
+# which only it holds) and they travel between stages packed behind the hidden states
+# (runtime/hf/per_layer.py): megatron's schedules pass one tensor, so it is widened.
+PER_LAYER_INPUTS = {
+    "hidden_size_per_layer_input": (
+        "per_layer_input",
+        ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"),
+    )
+}
+# a container the base model's forward creates once and passes to every layer, which layers
+# write to and later layers read from: {the layers' keyword: the config key switching the reading
+# on}. Gemma 4's KV sharing (Gemma4TextModel.forward: `shared_kv_states`): the last
+# num_kv_shared_layers layers reuse the keys and values the last earlier layer of their layer kind
+# stored. A stage passes one container to its layers; a stage split that puts a reader and its
+# writer on different stages is refused (`layer_limits`): keys and values are not carried.
+SHARED_STATE = {"shared_kv_states": "num_kv_shared_layers"}
+
 # config keys that switch on state the base model's forward threads past its layers' own
 # inputs, which the stages do not rebuild (nor carry across pipeline stages) yet: refused by value
-UNBUILT: dict[str, str] = {
-    "hidden_size_per_layer_input": "per-layer inputs (Gemma 3n / Gemma 4): the base model embeds input_ids "
-    "per layer (embed_tokens_per_layer) plus a projection of the embeddings and hands layer i its slice",
-    "num_kv_shared_layers": "KV sharing (Gemma 3n / Gemma 4): the last layers reuse earlier layers' keys "
-    "and values, passed between layers in the base model's forward (shared_kv_states)",
-}
+# (Gemma 3n's per-layer inputs and KV sharing come with AltUp: refused by `hf_plan.FORWARD_MATH`)
+UNBUILT: dict[str, str] = {}
+
+
+def kv_share_sources(hf: Mapping[str, Any]) -> dict[int, int]:
+    """{layer reading shared keys and values: the layer that stores them}, by transformers' rule
+    (Gemma4TextConfig.kv_sharing_modes: the last `num_kv_shared_layers` layers read; each reads
+    the last earlier, non-reading layer of its own layer kind)."""
+    kinds = list(hf.get("layer_types") or ())
+    shared = int(hf.get("num_kv_shared_layers") or 0)
+    first = len(kinds) - shared
+    if not shared or first <= 0:
+        return {}
+    last = {k: i for i, k in enumerate(kinds[:first])}
+    return {i: last[kinds[i]] for i in range(first, len(kinds)) if kinds[i] in last}
 
 
 def unbuilt_refusals(hf: Mapping[str, Any]) -> list[str]:
@@ -89,12 +119,27 @@ def unbuilt_refusals(hf: Mapping[str, Any]) -> list[str]:
 
 def layer_limits(hf: Mapping[str, Any], layout: Any) -> list[tuple[str, str]]:
     """(problem, fix) for the carried values this layout cannot run: a pipeline stage that would
-    start at a layer reading a value the previous layer hands over (`CARRY`). (Layer kinds under
+    start at a layer reading a value the previous layer hands over (`CARRY`), or separate a
+    layer reading shared keys and values from the one storing them (`SHARED_STATE`). (Layer kinds under
     context parallelism: `cp_refusals`.)"""
     out = []
     kinds = list(hf.get("layer_types") or ())
     n = int(hf.get("num_hidden_layers") or len(kinds))
     starts = {layout.stage_layers(n, r, v).start for r in range(layout.pp) for v in range(layout.vpp_or_1)}
+    stage_of = {
+        i: (r, v) for r in range(layout.pp) for v in range(layout.vpp_or_1) for i in layout.stage_layers(n, r, v)
+    }
+    for reader, writer in kv_share_sources(hf).items():
+        if layout.pp > 1 and stage_of.get(reader) != stage_of.get(writer):
+            out.append(
+                (
+                    f"layer {reader} reuses the keys and values layer {writer} stores (KV sharing, "
+                    f"num_kv_shared_layers={hf.get('num_kv_shared_layers')}), which is on another pipeline stage "
+                    "(the hf backend passes shared_kv_states between the layers of one stage only)",
+                    f"choose a stage split that keeps layers {writer}..{reader} on one stage "
+                    "(parallel.layers_first_stage / layers_last_stage)",
+                )
+            )
     for kw, (_, field, value) in CARRY.items():
         marks = list(hf.get(field) or ())
         for s in sorted(i for i in starts if 0 < i < len(marks) and marks[i] == value):
@@ -129,10 +174,13 @@ __all__ = [
     "CP_LAYER_KINDS",
     "LAYER_KINDS",
     "NO_CP_KINDS",
+    "PER_LAYER_INPUTS",
+    "SHARED_STATE",
     "UNBUILT",
     "UNBUILT_KINDS",
     "WHOLE_MODULES",
     "cp_refusals",
+    "kv_share_sources",
     "layer_limits",
     "unbuilt_refusals",
 ]

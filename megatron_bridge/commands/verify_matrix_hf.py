@@ -241,7 +241,9 @@ def main(argv: Sequence[str]) -> int:
     layouts = [x.replace("·", "") for x in (cfg.verify.layouts or LAYOUTS)]
     bad = [x for x in layouts if x not in ACCEPTED]
     if bad:
-        raise UserError(f"verify.layouts {bad}: the hf matrix runs {', '.join(ACCEPTED)} (ep2, ep2tp2sp: MoE models only)")
+        raise UserError(
+            f"verify.layouts {bad}: the hf matrix runs {', '.join(ACCEPTED)} (ep2, ep2tp2sp: MoE models only)"
+        )
     with tempfile.TemporaryDirectory(prefix="mbr-hf-matrix-") as tmp:
         root = Path(cfg.verify.out or tmp)
         root.mkdir(parents=True, exist_ok=True)

@@ -137,6 +137,14 @@ FEATURES: dict[str, Any] = {
 }
 
 _HYBRID = ["linear_attention", "full_attention"] * (LAYERS // 2)
+# Gemma 4's KV sharing: with 2 shared layers of 4 (the alternating default), layers 2-3 read layers
+# 0-1, so every pp2 split cuts a pair (refused by name); one shared layer reading the layer before
+# it keeps the pair on one stage at pp2, with both layer kinds present
+_GEMMA4_KV = "one KV-shared layer next to the layer it reads, so pp2 keeps the pair on one stage"
+_GEMMA4_KV_FIELDS = {
+    "num_kv_shared_layers": 1,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
+}
 
 # Per-architecture config tweaks the generic rule cannot guess: model_type -> (reason, fields). The fields
 # win over the generic rule's; a dict value updates a sub-config's fields. Keys the config class does not
@@ -183,18 +191,26 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
         {"activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]},
     ),
     "gemma4_text": (
-        "the MoE block and K=V global attention are off by default; global layers keep a wider head (512 by default)",
+        "the MoE block and K=V global attention are off by default; global layers keep a wider head (512 by default); "
+        + _GEMMA4_KV,
         {
             "enable_moe_block": True,
             "attention_k_eq_v": True,
             "use_double_wide_mlp": True,
             "global_head_dim": 56,
             "num_global_key_value_heads": 4,
+            **_GEMMA4_KV_FIELDS,
         },
     ),
     "gemma4_unified_text": (
-        "K=V global attention is off by default; global layers keep a wider head (512 by default)",
-        {"attention_k_eq_v": True, "use_double_wide_mlp": True, "global_head_dim": 56, "num_global_key_value_heads": 4},
+        "K=V global attention is off by default; global layers keep a wider head (512 by default); " + _GEMMA4_KV,
+        {
+            "attention_k_eq_v": True,
+            "use_double_wide_mlp": True,
+            "global_head_dim": 56,
+            "num_global_key_value_heads": 4,
+            **_GEMMA4_KV_FIELDS,
+        },
     ),
     "granitemoehybrid": (
         "the default stack is all Mamba; real checkpoints interleave attention",

@@ -59,6 +59,7 @@ from megatron_bridge.runtime.hf.layers import (
     mla_kv_a_hook,
     sum_grad_over_tp,
 )
+from megatron_bridge.runtime.hf.per_layer import PerLayerInputs, extra_width, per_layer_modules
 
 # attention-module attributes that count heads (divided by tp where the q/k/v linears are split)
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
@@ -108,8 +109,11 @@ def build_hf(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **
     """This rank's `HFChunk`s for `spec` under `layout` (one per virtual pipeline stage)."""
     check_groups(layout)
     hf_cfg = transformers_config(spec)
-    # hyper-connection streams travel between stages folded into the hidden dim (runtime/hf/chunk.py)
+    # what travels between stages: hyper-connection streams folded into the hidden dim
+    # (runtime/hf/chunk.py), per-layer inputs behind the hidden states (runtime/hf/per_layer.py)
     width = spec.hidden_size * override(spec.family).stream_count(hf_cfg)
+    if layout.pp > 1:
+        width += extra_width(hf_cfg)
     tconfig = transformer_config(spec, layout, **{"hidden_size": width, **config_overrides})
     for n, what in ((spec.num_attention_heads, "attention heads"), (spec.num_query_groups, "KV heads")):
         if n % layout.tp:
@@ -166,6 +170,7 @@ class Stage:
             modules[plan.embed] = self._embedding(full.get_submodule(plan.embed))
             for path in plan.pre:
                 modules[path] = self._keep(path, full.get_submodule(path))
+        per_layer = self._per_layer(modules if pre else None)
         layer_list = full.get_submodule(plan.layers)
         kept = {i: self._keep(f"{plan.layers}.{i}", layer_list[i]) for i in layers}
         if post:
@@ -190,6 +195,7 @@ class Stage:
             aux=self._aux() if pre and post and self.spec.is_moe else None,
             nope_kwargs={k: getattr(sys.modules[type(full).__module__], fn) for k, fn in ov.nope_kwargs},
             streams=ov.stream_count(full.config),
+            per_layer=per_layer,
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
             # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)
@@ -240,9 +246,24 @@ class Stage:
                 tp_group=self.tp_group,
             )
 
+    def _per_layer(self, modules: dict[str, torch.nn.Module] | None) -> PerLayerInputs | None:
+        """Per-layer inputs (runtime/hf/per_layer.py), where the config has them: their modules,
+        whole on every TP rank, kept (into `modules`) on the first stage, which computes them."""
+        names = per_layer_modules(self.full.config)
+        if not names:
+            return None
+        base = self.full.get_submodule(self.plan.prefix)
+        kept = {}
+        if modules is not None:
+            for name in names:
+                path = f"{self.plan.prefix}.{name}"
+                kept[name] = modules[path] = self._keep(path, base.get_submodule(name))
+        return PerLayerInputs(base, kept)
+
     def _rotary(self) -> tuple[str, torch.nn.Module] | None:
         base = self.full.get_submodule(self.plan.prefix)
         planned = {p.rpartition(".")[2] for p in (self.plan.embed, *self.plan.pre, self.plan.layers, *self.plan.post)}
+        planned |= set(per_layer_modules(self.full.config))
         found = []
         for name, child in base.named_children():
             if name in planned:

@@ -35,9 +35,11 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
+from megatron_bridge.backends.hf_kinds import SHARED_STATE
 from megatron_bridge.backends.hf_plan import CARRY, Plan, override
 from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.cp import CP_MASKS, calls, check_attended
+from megatron_bridge.runtime.hf.per_layer import PerLayerInputs
 
 # layer kind -> the mask function the model's own forward calls for it (hf_kinds.LAYER_KINDS);
 # an indexed layer slices its mask (`mask[:, 0]`) for its indexer, so it must exist even where
@@ -80,6 +82,7 @@ class HFChunk(MegatronModule):
         aux: RouterAuxLoss | None = None,
         nope_kwargs: dict[str, Any] | None = None,
         streams: int = 1,
+        per_layer: PerLayerInputs | None = None,
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -115,6 +118,9 @@ class HFChunk(MegatronModule):
         # what each layer hands the next (hf_kinds.CARRY), where the layers take it
         takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
         self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
+        # one container per forward, shared by the stage's layers (hf_kinds.SHARED_STATE)
+        self.shared_state = tuple(kw for kw in SHARED_STATE if kw in takes)
+        self.per_layer = per_layer  # per-layer inputs (runtime/hf/per_layer.py), sent between stages
         window = ov.window_full_attention
         # the mask function per layer kind (MASKS, or the sliding-window one where the override says so)
         self.masks: dict[str, Any] = dict(MASKS)
@@ -163,23 +169,31 @@ class HFChunk(MegatronModule):
             h = self.get_submodule(self.plan.embed)(input_ids)
             if "embed_scale" in self.forward_math:
                 h = h * self.forward_math["embed_scale"]
+            per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
             for path in self.plan.pre:
                 h = self.get_submodule(path)(h)
             if self.streams > 1:  # every stream starts as the embeddings
                 h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         else:
             assert self.input_tensor is not None, "a later pipeline stage runs on the previous stage's output"
-            h = self.input_tensor.transpose(0, 1)  # megatron's [s, b, h] -> transformers' [b, s, h]
+            if self.per_layer:
+                h, per_layer = self.per_layer.unpack(self.input_tensor)
+            else:  # megatron's [s, b, h] -> transformers' [b, s, h]
+                h, per_layer = self.input_tensor.transpose(0, 1), None
             if self.streams > 1:
                 h = h.unflatten(-1, (self.streams, -1))
-        h = self._layers(h, position_ids, {"input_ids": input_ids})
+        h = self._layers(h, position_ids, {"input_ids": input_ids}, per_layer)
         if not self.post_process:
+            if self.per_layer and per_layer is not None:
+                return self.per_layer.pack(h, per_layer)
             return (h.flatten(2) if self.streams > 1 else h).transpose(0, 1).contiguous()
         for path in self.plan.post:
             h = self.get_submodule(path)(h)
         return self._head(h, labels)
 
-    def _layers(self, h: torch.Tensor, position_ids: torch.Tensor, inputs: dict[str, Any]) -> torch.Tensor:
+    def _layers(
+        self, h: torch.Tensor, position_ids: torch.Tensor, inputs: dict[str, Any], per_layer: torch.Tensor | None
+    ) -> torch.Tensor:
         layers = self.get_submodule(self.plan.layers)
         if not len(layers):
             return h
@@ -190,11 +204,12 @@ class HFChunk(MegatronModule):
         embeddings: dict[str | None, Any] = {}
         carried: dict[str, Any] = {}
         given = {k: inputs[k] for k in self.layer_inputs}  # hf_plan.Override.layer_inputs
+        states: dict[str, dict[str, Any]] = {kw: {} for kw in self.shared_state}
         # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
         # of it (sequence parallelism): they read only its batch, length, dtype and device
         whole = h.new_zeros(()).expand(h.shape[0], position_ids.shape[-1], h.shape[-1])
         # every layer takes the one {rope type: embedding} dict where the override names the types
-        shared = {t: rotary(whole, position_ids, t) for t in self.rotary_types} if rotary is not None else {}
+        typed = {t: rotary(whole, position_ids, t) for t in self.rotary_types} if rotary is not None else {}
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
             if kind not in masks:
@@ -206,17 +221,20 @@ class HFChunk(MegatronModule):
                     position_ids=position_ids,
                 )
             key = kind if self.rotary_by_kind else None
-            if rotary is not None and not shared and key not in embeddings and kind not in self.nope:
+            if rotary is not None and not typed and key not in embeddings and kind not in self.nope:
                 embeddings[key] = (
                     rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
                 )
             extra = {k: fn(position_ids) for k, fn in self.nope_kwargs.items()} if kind in self.nope else {}
+            if per_layer is not None and self.per_layer is not None:
+                extra[self.per_layer.keyword] = per_layer[:, :, int(i)]
             out = layer(
                 h,
                 attention_mask=masks[kind],
                 position_ids=position_ids,
-                position_embeddings=shared or embeddings.get(key),
+                position_embeddings=typed or embeddings.get(key),
                 **carried,
+                **states,
                 **extra,
                 **given,
             )

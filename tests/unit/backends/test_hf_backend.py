@@ -103,8 +103,6 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
         ("gemma3n_text", {}, "final_logit_softcapping=30.0"),
         ("gemma3n_text", {}, "per-layer inputs (embed_tokens_per_layer"),
         ("hrm_text", {}, "H/L-cycle recurrence"),
-        ("gemma4_text", {}, "hidden_size_per_layer_input=256: per-layer inputs"),
-        ("gemma4_text", {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2}, "num_kv_shared_layers=2: KV"),
     ],
 )
 def test_the_hf_backend_refuses_what_it_cannot_do_yet_one_line_each(model_type, kw, needle):
