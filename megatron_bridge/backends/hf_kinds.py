@@ -21,7 +21,9 @@ from typing import Any
 # Llama 4's local attention (blocks of attention_chunk_size tokens)
 # `linear_attention` / `conv` mixers (gated DeltaNet, lightning attention, short convolutions) run
 # whole on every TP rank, as transformers' plans declare: their projections `colwise_gather_output`
-# or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`
+# or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`;
+# `mlp` / `moe` (Nemotron-H's blocks without a token mixer): no mask (NemotronHModel.forward
+# passes `causal_mask_mapping.get(block_type)`, None for them)
 LAYER_KINDS = (
     "full_attention",
     "sliding_attention",
@@ -30,6 +32,8 @@ LAYER_KINDS = (
     "linear_attention",
     "conv",
     "chunked_attention",
+    "mlp",
+    "moe",
 )
 # layer kinds known but not built, and the piece the stages lack for them (instead of the
 # generic "not one of LAYER_KINDS" line)

@@ -52,6 +52,8 @@ MASKS: dict[str, Callable[..., Any]] = {
     "linear_attention": create_recurrent_attention_mask,
     "conv": create_recurrent_attention_mask,
     "chunked_attention": create_chunked_causal_mask,  # Llama 4's local attention
+    "mlp": lambda **_: None,  # blocks without a token mixer (Nemotron-H): no mask
+    "moe": lambda **_: None,
 }
 
 
