@@ -61,12 +61,16 @@ def declared(cfg: Any) -> dict[str, Any]:
     class does not know (`num_key_value_heads` in a GPT-NeoX config.json) is kept by
     transformers but used by nothing, so it must not describe the model. A size the class
     computes (a property: Nemotron-H's num_hidden_layers, from layers_block_type) is never
-    serialised, so it is read off the object."""
+    serialised, so it is read off the object where no serialised key gives that field
+    (LongCat-Flash's num_hidden_layers, 2 x its num_layers, counts sublayers)."""
     cls = type(cfg)
     known = set(getattr(cls, "attribute_map", {}) or {})
     out = {k: v for k, v in cfg.to_dict().items() if hasattr(cls, k) or k in known}
-    sizes = {k for keys in HF_KEYS.values() for k in keys}
-    return {k: getattr(cfg, k) for k, v in vars(cls).items() if isinstance(v, property) and k in sizes} | out
+    for keys in HF_KEYS.values():
+        computed = [k for k in keys if isinstance(vars(cls).get(k), property)]
+        if computed and not any(out.get(k) is not None for k in keys):
+            out[computed[0]] = getattr(cfg, computed[0])
+    return out
 
 
 def transformers_config(spec: BridgeSpec) -> Any:
