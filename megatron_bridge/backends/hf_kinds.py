@@ -23,7 +23,9 @@ from typing import Any
 # with its compressor's pooled keys inside the layer
 # `linear_attention` / `conv` mixers (gated DeltaNet, lightning attention, short convolutions) run
 # whole on every TP rank, as transformers' plans declare: their projections `colwise_gather_output`
-# or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`
+# or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`;
+# `mlp` / `moe` (Nemotron-H's blocks without a token mixer): no mask (NemotronHModel.forward
+# passes `causal_mask_mapping.get(block_type)`, None for them)
 LAYER_KINDS = (
     "full_attention",
     "sliding_attention",
@@ -34,6 +36,8 @@ LAYER_KINDS = (
     "chunked_attention",
     "compressed_sparse_attention",
     "heavily_compressed_attention",
+    "mlp",
+    "moe",
 )
 # layer kinds known but not built, and the piece the stages lack for them (instead of the
 # generic "not one of LAYER_KINDS" line)

@@ -16,7 +16,7 @@ from typing import Any
 from megatron_bridge.backends.hf_experts import stacked
 from megatron_bridge.backends.hf_fused import fused
 from megatron_bridge.backends.hf_plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
-from megatron_bridge.bridge.hf_config import UnsupportedFeatures
+from megatron_bridge.bridge.hf_config import HF_KEYS, UnsupportedFeatures
 from megatron_bridge.bridge.spec import BridgeSpec
 
 
@@ -60,10 +60,18 @@ def runs_on(model_type: str, cfg: Any) -> Any:
 def declared(cfg: Any) -> dict[str, Any]:
     """The config's values for the fields its class declares (defaults filled in): a key the
     class does not know (`num_key_value_heads` in a GPT-NeoX config.json) is kept by
-    transformers but used by nothing, so it must not describe the model."""
+    transformers but used by nothing, so it must not describe the model. A size the class
+    computes (a property: Nemotron-H's num_hidden_layers, from layers_block_type) is never
+    serialised, so it is read off the object where no serialised key gives that field
+    (LongCat-Flash's num_hidden_layers, 2 x its num_layers, counts sublayers)."""
     cls = type(cfg)
     known = set(getattr(cls, "attribute_map", {}) or {})
-    return {k: v for k, v in cfg.to_dict().items() if hasattr(cls, k) or k in known}
+    out = {k: v for k, v in cfg.to_dict().items() if hasattr(cls, k) or k in known}
+    for keys in HF_KEYS.values():
+        computed = [k for k in keys if isinstance(vars(cls).get(k), property)]
+        if computed and not any(out.get(k) is not None for k in keys):
+            out[computed[0]] = getattr(cfg, computed[0])
+    return out
 
 
 def transformers_config(spec: BridgeSpec) -> Any:
@@ -184,7 +192,15 @@ class Meta:
         if i is None:
             return saved
         mine = f"{self.plan.layers}.{i}."
-        return saved.replace(mine, f"{self.plan.layers}.{{layer}}.", 1) if saved.startswith(mine) else saved
+        if saved.startswith(mine):
+            return saved.replace(mine, f"{self.plan.layers}.{{layer}}.", 1)
+        # a renamed prefix (Nemotron-H saves `backbone.layers.i.` for `model.layers.i.`): the
+        # layer list's own name and index, wherever the prefix put them
+        leaf = f"{self.plan.layers.rpartition('.')[2]}.{i}."
+        at = saved.find(leaf)
+        if at < 0 or (at and saved[at - 1] != "."):
+            return saved
+        return saved[:at] + leaf.replace(f".{i}.", ".{layer}.") + saved[at + len(leaf) :]
 
     def numel(self, name: str) -> int:
         n = 1

@@ -13,6 +13,7 @@ loaded is what is built:
 | `vocab` | the embedding, the LM head (weight and bias) | rows over TP after padding the vocab (megatron's VocabParallelEmbedding / column-parallel head) |
 | `column` | weight and bias of a `colwise` / `colwise_gather_output` linear | output rows |
 | `row` | weight of a `rowwise` / `rowwise_split_input` linear | input columns (its bias is `replicated`) |
+| `column` / `row` | weight of an `embedding_rowwise` / `embedding_colwise` embedding inside a stage piece | rows (vocab-parallel) / columns (embedding dim) |
 | `head` | an unplanned per-head tensor ([heads or kv-heads, head_dim]) next to a split attention | by head |
 | `grad_allreduce` | a `replicated_with_grad_allreduce` module's tensors, and any other unplanned tensor next to a split `colwise` linear | whole on every rank; its gradient summed over TP |
 | `replicated` | everything else (norms, row-parallel biases) | whole on every rank |
@@ -61,7 +62,15 @@ MARKERS = ("local_params",)
 # on every rank, gradient whole, so `replicated`, never summed again.
 MLA = "mla_kv_a_proj"
 MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
-STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *MARKERS)
+# embeddings inside a stage piece (Doge's expert embeddings, Qwen4-Exp's n-gram table; runtime/hf/layers.py):
+# `embedding_rowwise` vocab-parallel (rows split, out-of-range ids masked, output all-reduced),
+# `embedding_colwise` the embedding dim split and the output all-gathered; `replicate`: whole on
+# every rank with no gradient sum (transformers' TensorParallelLayer, a no-op: its input and every
+# use of its output are replicated). The base model's own embedding is vocab-parallel whatever
+# its entry says (`replicate` gives the same output).
+EMBED_ROWS, EMBED_COLS = "embedding_rowwise", "embedding_colwise"
+STYLE_KINDS = {EMBED_ROWS: COLUMN, EMBED_COLS: ROW, "replicate": REPLICATED}
+STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *STYLE_KINDS, *MARKERS)
 # Sequence parallelism (runtime/hf/layers.py): the hidden states between modules are split
 # along the sequence over TP. The tp styles whose modules run so: a module holding `colwise`
 # linears is gathered at its entry and closed by a `rowwise` one that scatters; per-head and
@@ -206,6 +215,10 @@ OVERRIDES: dict[str, Override] = {
         rotary_types=("main", "compress"),
         layer_inputs=("input_ids",),
     ),
+    "nemotron_h": Override(
+        "no base_model_pp_plan: NemotronHModel.forward runs embeddings -> layers -> norm_f",
+        pp_plan=("embeddings", "layers", "norm_f"),
+    ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
         embed_scale="embedding_multiplier",
@@ -224,6 +237,11 @@ FORWARD_KEYS = (
 # model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
 # scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
 FORWARD_MATH: dict[str, str] = {
+    "inkling2_text": "Inkling2ForCausalLM.forward slices the (softcapped) logits to unpadded_vocab_size, and its "
+    "embed_tokens is an Inkling2NormedEmbedding (a norm inside the embedding, not nn.Embedding)",
+    "doge": "DogeCDMoE.forward views the router logits of all batch x sequence tokens as (2, tokens, -1), mixing "
+    "tokens across the batch (transformers' own note), so its outputs depend on the micro-batch split; and its "
+    "dt_proj (rowwise) hands every TP rank all kv heads' mask values for its own heads",
     "gemma3n_text": "Gemma3nTextModel.forward: per-layer inputs (embed_tokens_per_layer, per_layer_model_projection) "
     "fed to every layer, and AltUp's stack of altup_num_inputs hidden states carried between the layers",
     "hrm_text": "HrmTextModel.forward: the H/L-cycle recurrence (L_module and H_module stacks run H_cycles x "
@@ -342,7 +360,7 @@ def sp_refusals(plan: Plan, layer_kinds: Iterable[str]) -> list[str]:
     """What of this model cannot run under sequence parallelism (`SP_STYLES`), one line each."""
     where: dict[str, list[str]] = {}
     for pattern, style in plan.tp:
-        if style not in SP_STYLES:
+        if style not in SP_STYLES and pattern != plan.embed:  # the embedding reduce-scatters (runtime/hf/layers.py)
             where.setdefault(style, []).append(pattern.removeprefix(plan.prefix + "."))
     out = [
         f"tp style {style!r} ({', '.join(paths[:3])}) under sequence parallelism: the hf backend splits "
@@ -386,6 +404,8 @@ def tensor_kinds(
             kind = ROW if leaf == "weight" else REPLICATED
         elif style == "replicated_with_grad_allreduce":
             kind = GRAD_ALLREDUCE
+        elif style in STYLE_KINDS:
+            kind = STYLE_KINDS[style]
         elif style == MLA or module in latent or any(part in WHOLE_MODULES for part in module.split(".")):
             kind = REPLICATED
         elif any(module == p or module.startswith(p + ".") for p in split_parents) and not any(
@@ -406,6 +426,8 @@ __all__ = [
     "COLUMN",
     "COLUMN_STYLES",
     "CP_LAYER_KINDS",
+    "EMBED_COLS",
+    "EMBED_ROWS",
     "EP_MODULE",
     "EP_TENSOR",
     "MOE_TP",
@@ -427,6 +449,7 @@ __all__ = [
     "SP_LAYER_KINDS",
     "SP_STYLES",
     "STYLES",
+    "STYLE_KINDS",
     "UNBUILT_KINDS",
     "VOCAB",
     "WHOLE_MODULES",

@@ -29,6 +29,8 @@ from megatron_bridge.backends.hf_aux import aux_enabled, aux_seam
 from megatron_bridge.backends.hf_experts import SPLIT_DIMS, expert_split
 from megatron_bridge.backends.hf_plan import (
     COLUMN_STYLES,
+    EMBED_COLS,
+    EMBED_ROWS,
     EP_MODULE,
     EP_TENSOR,
     GRAD_ALLREDUCE,
@@ -51,6 +53,7 @@ from megatron_bridge.runtime.hf.cp import cp_implementation
 from megatron_bridge.runtime.hf.experts import mark_expert, partition
 from megatron_bridge.runtime.hf.layers import (
     MEGATRON_LAYERS,
+    ColumnEmbedding,
     ColumnLinear,
     LMHead,
     RowLinear,
@@ -288,12 +291,13 @@ class Stage:
         for name, child in list(module.named_modules()):
             full = f"{path}.{name}" if name else path
             style = self.plan.style(full)
-            if style in COLUMN_STYLES or style in ROW_STYLES:
+            if style in COLUMN_STYLES or style in ROW_STYLES or style in (EMBED_ROWS, EMBED_COLS):
                 if name == "":
                     raise UserError(f"tp plan entry {full} is a stage piece, not a linear inside one")
                 parent_name, _, leaf = name.rpartition(".")
                 parent = module.get_submodule(parent_name)
-                parent.add_module(leaf, self._linear(full, child, style))
+                swap = self._linear if style in COLUMN_STYLES or style in ROW_STYLES else self._embedding_in
+                parent.add_module(leaf, swap(full, child, style))
                 if style == "colwise":
                     split_parents.add(parent)
             elif style == MLA and self.tp > 1:
@@ -329,6 +333,33 @@ class Stage:
                 input_is_parallel=style == "rowwise",
                 skip_bias_add=False,
                 **common,
+            )
+
+    def _embedding_in(self, path: str, emb: Any, style: str) -> torch.nn.Module:
+        """An `embedding_rowwise` / `embedding_colwise` embedding inside a stage piece."""
+        if type(emb) is not torch.nn.Embedding:
+            raise UserError(f"tp plan entry {path} ({style}) is a {type(emb).__name__}, not nn.Embedding")
+        size = emb.num_embeddings if style == EMBED_ROWS else emb.embedding_dim
+        if size % self.tp:
+            what = "rows" if style == EMBED_ROWS else "embedding dim"
+            raise UserError(f"tp plan entry {path} ({style}): its {size} {what} do not split over tp={self.tp}")
+        with skip_weight_init(self.load_weights):
+            if style == EMBED_COLS:
+                return ColumnEmbedding(
+                    emb.num_embeddings,
+                    emb.embedding_dim,
+                    config=self.tconfig,
+                    init_method=self.init,
+                    tp_group=self.tp_group,
+                    padding_idx=emb.padding_idx,
+                )
+            return VocabEmbedding(
+                emb.num_embeddings,
+                emb.embedding_dim,
+                init_method=self.init,
+                config=self.tconfig,
+                padding_idx=emb.padding_idx,
+                tp_group=self.tp_group,
             )
 
     def _divide_heads(self, attention: torch.nn.Module) -> None:

@@ -57,6 +57,8 @@ MASKS: dict[str, Callable[..., Any]] = {
     # DeepseekV4Model.forward: one sliding-window mask for every layer (extended inside the layer)
     "compressed_sparse_attention": create_sliding_window_causal_mask,
     "heavily_compressed_attention": create_sliding_window_causal_mask,
+    "mlp": lambda **_: None,  # blocks without a token mixer (Nemotron-H): no mask
+    "moe": lambda **_: None,
 }
 
 

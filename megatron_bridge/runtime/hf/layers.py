@@ -24,6 +24,8 @@ summed input gradient), and the row linear that closes the module reduce-scatter
 | `replicated_with_grad_allreduce` | the module itself, its gradients summed over TP (`sum_grad_over_tp`) |
 | `mla_kv_a_proj` | the linear itself, whole; its rotary output's gradient summed over TP (`mla_kv_a_hook`) |
 | the embedding | `VocabEmbedding`: megatron's VocabParallelEmbedding honouring `padding_idx` |
+| `embedding_rowwise` | `VocabEmbedding` over the module's own rows (no padding): ids outside this rank's rows masked, output all-reduced |
+| `embedding_colwise` | `ColumnEmbedding`: every row, this rank's slice of the embedding dim; output all-gathered |
 | the LM head | `LMHead`: column-parallel over the padded vocab (vocab-parallel cross entropy after) |
 """
 
@@ -35,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel import layers as mlayers
 from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -145,7 +149,48 @@ class VocabEmbedding(VocabParallelEmbedding):
         return out
 
 
-MEGATRON_LAYERS = (ColumnLinear, RowLinear, LMHead, VocabEmbedding)
+class ColumnEmbedding(torch.nn.Module):
+    """`embedding_colwise` (transformers' EmbeddingParallel(shard_dim=1)): each rank holds every
+    row's slice of the embedding dim and looks up its slice, the slices are all-gathered along the
+    last dim (backward: each rank keeps its slice of the output gradient). For tables too large to
+    split by vocab alone (Qwen4-Exp's n-gram embedding). The weight is initialised as megatron's
+    split weights are (`_initialize_affine_weight_*`, looked up at call time so that
+    `skip_weight_init` applies)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        config: Any,
+        init_method: Any,
+        tp_group: Any,
+        padding_idx: int | None = None,
+    ) -> None:
+        super().__init__()
+        tp, rank = tp_group.size(), tp_group.rank()
+        if embedding_dim % tp:
+            raise ValueError(f"embedding_colwise: embedding dim {embedding_dim} does not split over tp={tp}")
+        self.tp_group, self.padding_idx, self.embedding_dim = tp_group, padding_idx, embedding_dim
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        local = embedding_dim // tp
+        self.weight = torch.nn.Parameter(torch.empty(num_embeddings, local, device=device, dtype=config.params_dtype))
+        if not config.perform_initialization:
+            return
+        if config.use_cpu_initialization:
+            mlayers._initialize_affine_weight_cpu(
+                self.weight, num_embeddings, embedding_dim, local, 1, init_method,
+                params_dtype=config.params_dtype, rank=rank, world_size=tp,
+            )  # fmt: skip
+        else:
+            mlayers._initialize_affine_weight_gpu(self.weight, init_method, partition_dim=1)
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(input_, self.weight, padding_idx=self.padding_idx)
+        return gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+
+
+MEGATRON_LAYERS = (ColumnLinear, RowLinear, LMHead, VocabEmbedding, ColumnEmbedding)
 
 
 def gather_sequence(module: torch.nn.Module) -> None:
@@ -209,6 +254,7 @@ def sum_grad_over_tp(param: torch.nn.Parameter) -> None:
 
 
 __all__ = [
+    "ColumnEmbedding",
     "ColumnLinear",
     "LMHead",
     "MEGATRON_LAYERS",
