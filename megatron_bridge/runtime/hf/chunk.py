@@ -86,6 +86,7 @@ class HFChunk(MegatronModule):
         self.vocab_size = vocab_size
         self.forward_math = forward_math  # hf_plan.OVERRIDES constants: embed_scale, logit_scale, ...
         self.nope_kwargs = nope_kwargs or {}  # hf_plan.Override.nope_kwargs: {kwarg: fn(position_ids)}
+        self.layer_kwargs = dict(override(hf_config.model_type).layer_kwargs)  # Falcon's alibi=None
         self.input_tensor: torch.Tensor | None = None
         for path, module in modules.items():
             self._place(path, module)
@@ -202,6 +203,7 @@ class HFChunk(MegatronModule):
                 position_embeddings=embeddings.get(key),
                 **carried,
                 **extra,
+                **self.layer_kwargs,
             )
             h = out[0] if isinstance(out, tuple) else out
             carried = {kw: out[index] for kw, index in self.carry.items()}
