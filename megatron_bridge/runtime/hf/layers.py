@@ -195,17 +195,22 @@ def mqa_qkv_hooks(linear: torch.nn.Module, heads: int, head_dim: int) -> None:
     summed over TP, as a column-parallel linear's: each rank's gradient covers its heads only);
     its weight's gradient is summed by its `grad_allreduce` kind (runtime/hf/build.py)."""
     group = ps.get_tensor_model_parallel_group()
-    local = heads // group.size() * head_dim
-    start = ps.get_tensor_model_parallel_rank() * local
+    tp, rank = group.size(), ps.get_tensor_model_parallel_rank()
 
     def enter(_: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return (copy_to_tensor_model_parallel_region(args[0], group=group), *args[1:])
 
     def leave(_: torch.nn.Module, __: Any, out: torch.Tensor) -> torch.Tensor:
-        return torch.cat([out[..., start : start + local], out[..., heads * head_dim :]], dim=-1)
+        return mqa_local(out, heads, head_dim, tp, rank)
 
     linear.register_forward_pre_hook(enter)
     linear.register_forward_hook(leave)
+
+
+def mqa_local(out: torch.Tensor, heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
+    """TP rank `rank`'s part of a whole [query heads..., key, value] output: its query heads, then the K/V head."""
+    local = heads // tp * head_dim
+    return torch.cat([out[..., rank * local : (rank + 1) * local], out[..., heads * head_dim :]], dim=-1)
 
 
 def _summed_over_tp() -> Any:
@@ -238,6 +243,7 @@ __all__ = [
     "VocabEmbedding",
     "gather_sequence",
     "mla_kv_a_hook",
+    "mqa_local",
     "mqa_qkv_hooks",
     "sum_grad_over_tp",
 ]
