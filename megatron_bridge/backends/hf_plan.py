@@ -97,7 +97,10 @@ class Override:
     embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
     embed_sqrt_hidden: str | None = None  # config key of a flag: when on, embeddings * sqrt(hidden_size) (muP)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
-    pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order, where it declares none
+    pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order (over its base_model_pp_plan)
+    # stage pieces kept (weights loaded, exported, no gradient) but not called: for a text-only batch they
+    # return the embeddings unchanged (Phi-4-multimodal's embed_tokens_extend merges image/audio embeddings)
+    text_identity: tuple[str, ...] = ()
     # (decoder-layer kwarg, function of position_ids in the modeling module) the forward passes to
     # the layers whose layer kind has no rotary embedding (Beam's NoPE query scale)
     nope_kwargs: tuple[tuple[str, str], ...] = ()
@@ -106,6 +109,10 @@ class Override:
     )
     prefix: str | None = None  # the base model's attribute, where the class's base_model_prefix names none
     layers: str = "layers"  # the pp plan's piece that is the ModuleList of decoder layers
+    # (the base model's ModuleList of rotary modules, the config's per-layer list): layer i takes the
+    # rotary module of its value, the list holding one per distinct non-zero value in ascending
+    # order; 0 means no rotary (NoPE). Granite-MoE-SWA's rotary_embs by layer_rope_theta.
+    layer_rotary: tuple[str, str] | None = None
     # (kwarg, value) every decoder layer is called with, where its forward takes it without a default
     layer_kwargs: tuple[tuple[str, Any], ...] = ()
     # (config key, why): a config with the key truthy is refused, naming it (a feature the stages do not rebuild)
@@ -180,9 +187,12 @@ OVERRIDES: dict[str, Override] = {
         logit_divide="logits_scaling",
     ),
     "granitemoe_swa": Override(
-        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling; no base_model_pp_plan, its "
+        "model holds one rotary module per distinct layer_rope_theta (rotary_embs; 0: NoPE) beside the convention",
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
+        pp_plan=PP_CONVENTION,
+        layer_rotary=("rotary_embs", "layer_rope_theta"),
     ),
     "cohere2_moe": Override("Cohere2MoeForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "afmoe": Override(
@@ -231,6 +241,16 @@ OVERRIDES: dict[str, Override] = {
                 "mask; the hf backend's stages build plain causal masks",
             ),
         ),
+    ),
+    "jamba": Override(
+        "no base_model_pp_plan: JambaModel.forward applies its final norm, named final_layernorm, after the layers",
+        pp_plan=("embed_tokens", "layers", "final_layernorm"),
+    ),
+    "phi4_multimodal": Override(
+        "Phi4MultimodalModel.forward runs embed_tokens_extend (the vision and audio encoders) after the embedding; "
+        "with no image or audio input it returns the text embeddings unchanged",
+        pp_plan=("embed_tokens", "embed_tokens_extend", "layers", "norm"),
+        text_identity=("embed_tokens_extend",),
     ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
@@ -336,7 +356,7 @@ def plan_of(
     type's override entries), the causal-LM class's head plan and its `base_model_prefix`
     (the caller checked `plan_problems` first); `cfg`, the transformers config, picks `tp_plan_when` entries."""
     extra = override(model_type)
-    pieces = list(pp_plan or extra.pp_plan or PP_CONVENTION)
+    pieces = list(extra.pp_plan or pp_plan or PP_CONVENTION)
     assert extra.layers in pieces, "plan_problems refuses a model without a usable pp plan"
     full = [f"{prefix}.{n}" for n in pieces]
     i = pieces.index(extra.layers)

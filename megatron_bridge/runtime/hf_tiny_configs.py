@@ -204,6 +204,10 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
         "the default stack is all Mamba; real checkpoints interleave attention",
         {"layer_types": _HYBRID},
     ),
+    "granitemoe_swa": (
+        "every layer has the same rope theta by default; one per layer, 0 for NoPE, takes a rotary module each",
+        {"layer_rope_theta": [0.0, 10000.0, 500000.0, 10000.0]},
+    ),
     "helium": ("o_proj is hidden×hidden, so heads×head_dim must equal the hidden size", {"head_dim": HIDDEN // HEADS}),
     "jamba": (
         "attention and expert layers come from period/offset fields (default period 8 misses a 4-layer stack)",

@@ -116,6 +116,12 @@ class HFChunk(MegatronModule):
         # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
         # NoPE full-attention layers), as the model's own forward decides
         self.nope = {k for k in self.kinds.values() if isinstance(rope, dict) and k in rope and rope[k] is None}
+        # layer -> its index in a per-layer rotary list (hf_plan.Override.layer_rotary), None: no rotary
+        self.rotary_of: dict[int, int | None] = {}
+        if per_layer := override(hf_config.model_type).layer_rotary:
+            values = getattr(hf_config, per_layer[1])
+            distinct = sorted({v for v in values if v})
+            self.rotary_of = {i: distinct.index(values[i]) if values[i] else None for i in layers}
 
     def _place(self, path: str, module: torch.nn.Module) -> None:
         parent: torch.nn.Module = self
@@ -155,8 +161,10 @@ class HFChunk(MegatronModule):
             h = self.get_submodule(self.plan.embed)(input_ids)
             if "embed_scale" in self.forward_math:
                 h = h * self.forward_math["embed_scale"]
+            skipped = {f"{self.plan.prefix}.{n}" for n in override(self.hf_config.model_type).text_identity}
             for path in self.plan.pre:
-                h = self.get_submodule(path)(h)
+                if path not in skipped:  # hf_plan.Override.text_identity: the embeddings unchanged
+                    h = self.get_submodule(path)(h)
         else:
             assert self.input_tensor is not None, "a later pipeline stage runs on the previous stage's output"
             h = self.input_tensor.transpose(0, 1)  # megatron's [s, b, h] -> transformers' [b, s, h]
@@ -191,7 +199,11 @@ class HFChunk(MegatronModule):
                     position_ids=position_ids,
                 )
             key = kind if self.rotary_by_kind else None
-            if rotary is not None and key not in embeddings and kind not in self.nope:
+            if self.rotary_of:  # the layer's own rotary module, or none
+                key = self.rotary_of[int(i)]
+                if key is not None and key not in embeddings:
+                    embeddings[key] = rotary[key](whole, position_ids)  # type: ignore[index]
+            elif rotary is not None and key not in embeddings and kind not in self.nope:
                 embeddings[key] = (
                     rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
                 )
