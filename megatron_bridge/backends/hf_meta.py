@@ -92,6 +92,7 @@ def model_plan(model: Any) -> Plan:
         cfg.base_model_pp_plan,
         head,
         getattr(cfg, "base_model_ep_plan", None),
+        cfg,
     )
 
 

@@ -70,7 +70,14 @@ MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
 # its entry says (`replicate` gives the same output).
 EMBED_ROWS, EMBED_COLS = "embedding_rowwise", "embedding_colwise"
 STYLE_KINDS = {EMBED_ROWS: COLUMN, EMBED_COLS: ROW, "replicate": REPLICATED}
-STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, *STYLE_KINDS, *MARKERS)
+# `mqa_fused_qkv` (the hf backend's own plan string, from OVERRIDES only): a fused projection laid
+# out [query heads..., key, value] with one K/V head for every query head (Falcon's multi-query
+# attention). One head does not split over TP, so the linear stays whole on every rank and each
+# rank keeps its query heads and the K/V head of the output (runtime/hf/layers.py `mqa_qkv_hooks`);
+# its input's gradient is summed over TP as a column-parallel linear's is, its weight's too
+# (`grad_allreduce`: each rank's part of the gradient comes from its own heads).
+MQA_QKV = "mqa_fused_qkv"
+STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, MQA_QKV, *STYLE_KINDS, *MARKERS)
 # Sequence parallelism (runtime/hf/layers.py): the hidden states between modules are split
 # along the sequence over TP. The tp styles whose modules run so: a module holding `colwise`
 # linears is gathered at its entry and closed by a `rowwise` one that scatters; per-head and
@@ -99,7 +106,10 @@ class Override:
     embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
     embed_sqrt_hidden: str | None = None  # config key of a flag: when on, embeddings * sqrt(hidden_size) (muP)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
-    pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order, where it declares none
+    pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order (over its base_model_pp_plan)
+    # stage pieces kept (weights loaded, exported, no gradient) but not called: for a text-only batch they
+    # return the embeddings unchanged (Phi-4-multimodal's embed_tokens_extend merges image/audio embeddings)
+    text_identity: tuple[str, ...] = ()
     # (decoder-layer kwarg, function of position_ids in the modeling module) the forward passes to
     # the layers whose layer kind has no rotary embedding (Beam's NoPE query scale)
     nope_kwargs: tuple[tuple[str, str], ...] = ()
@@ -117,6 +127,26 @@ class Override:
     # the chunk's forward inputs the model's forward hands every layer by name (DeepSeek-V4's
     # hash-routed MoE reads input_ids); every stage has them (megatron's schedule feeds each stage)
     layer_inputs: tuple[str, ...] = ()
+    layers: str = "layers"  # the pp plan's piece that is the ModuleList of decoder layers
+    # (the base model's ModuleList of rotary modules, the config's per-layer list): layer i takes the
+    # rotary module of its value, the list holding one per distinct non-zero value in ascending
+    # order; 0 means no rotary (NoPE). Granite-MoE-SWA's rotary_embs by layer_rope_theta.
+    layer_rotary: tuple[str, str] | None = None
+    # (kwarg, value) every decoder layer is called with, where its forward takes it without a default
+    layer_kwargs: tuple[tuple[str, Any], ...] = ()
+    # (config key, why): a config with the key truthy is refused, naming it (a feature the stages do not rebuild)
+    refused: tuple[tuple[str, str], ...] = ()
+    # ({config key: value, ...}, tp plan entries): entries that replace tp_plan's where the config matches
+    # (a fused projection whose layout follows a config flag)
+    tp_plan_when: tuple[tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]], ...] = ()
+
+    def tp_entries(self, cfg: Any = None) -> dict[str, str]:
+        """tp_plan with the `tp_plan_when` entries whose config values `cfg` (an object) holds."""
+        out = dict(self.tp_plan)
+        for when, entries in self.tp_plan_when:
+            if cfg is not None and all(getattr(cfg, k, None) == v for k, v in when):
+                out.update(entries)
+        return out
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
@@ -180,9 +210,12 @@ OVERRIDES: dict[str, Override] = {
         logit_divide="logits_scaling",
     ),
     "granitemoe_swa": Override(
-        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling; no base_model_pp_plan, its "
+        "model holds one rotary module per distinct layer_rope_theta (rotary_embs; 0: NoPE) beside the convention",
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
+        pp_plan=PP_CONVENTION,
+        layer_rotary=("rotary_embs", "layer_rope_theta"),
     ),
     "cohere2_moe": Override("Cohere2MoeForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "afmoe": Override(
@@ -218,6 +251,45 @@ OVERRIDES: dict[str, Override] = {
     "nemotron_h": Override(
         "no base_model_pp_plan: NemotronHModel.forward runs embeddings -> layers -> norm_f",
         pp_plan=("embeddings", "layers", "norm_f"),
+    ),
+    "falcon": Override(
+        "no base_model_tp_plan or pp_plan: FalconModel is word_embeddings -> h -> ln_f; query_key_value is "
+        "fused per K/V group ([H/G query heads, key, value] x G: per head with G = H by default, "
+        "new_decoder_architecture's num_kv_heads groups), so a row split gives each rank whole groups; "
+        "multi_query's one K/V head (after all query heads) stays whole (mqa_fused_qkv); the decoder "
+        "layer takes `alibi` positionally (None: rotary)",
+        tp_plan=(
+            ("h.*.self_attention.query_key_value", "colwise"),
+            ("h.*.self_attention.dense", "rowwise"),
+            ("h.*.mlp.dense_h_to_4h", "colwise"),
+            ("h.*.mlp.dense_4h_to_h", "rowwise"),
+        ),
+        tp_plan_when=(
+            (
+                (("multi_query", True), ("new_decoder_architecture", False)),
+                (("h.*.self_attention.query_key_value", MQA_QKV),),
+            ),
+        ),
+        pp_plan=("word_embeddings", "h", "ln_f"),
+        layers="h",
+        layer_kwargs=(("alibi", None),),
+        refused=(
+            (
+                "alibi",
+                "FalconModel.forward adds the ALiBi bias (per head, from the padding mask) to the attention "
+                "mask; the hf backend's stages build plain causal masks",
+            ),
+        ),
+    ),
+    "jamba": Override(
+        "no base_model_pp_plan: JambaModel.forward applies its final norm, named final_layernorm, after the layers",
+        pp_plan=("embed_tokens", "layers", "final_layernorm"),
+    ),
+    "phi4_multimodal": Override(
+        "Phi4MultimodalModel.forward runs embed_tokens_extend (the vision and audio encoders) after the embedding; "
+        "with no image or audio input it returns the text embeddings unchanged",
+        pp_plan=("embed_tokens", "embed_tokens_extend", "layers", "norm"),
+        text_identity=("embed_tokens_extend",),
     ),
     "hyperclovax": Override(
         "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
@@ -259,6 +331,9 @@ def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
     if model_type in FORWARD_MATH:
         out.append(f"{FORWARD_MATH[model_type]} (no entry in backends/hf_plan.py OVERRIDES)")
     handled = override(model_type).handled()
+    out += [
+        f"{key}=True: {why} (backends/hf_plan.py OVERRIDES)" for key, why in override(model_type).refused if hf.get(key)
+    ]
     for key in FORWARD_KEYS:
         v = hf.get(key)
         if key not in handled and (v is True or v not in (None, 0, 1, 1.0, False)):  # a flag, or a constant
@@ -317,19 +392,20 @@ def plan_of(
     pp_plan: Mapping[str, Any] | None,
     head_plan: Iterable[str],
     ep_plan: Mapping[str, str] | None = None,
+    cfg: Any = None,
 ) -> Plan:
     """The plan from the config's `base_model_tp_plan` / `base_model_pp_plan` (and the model
     type's override entries), the causal-LM class's head plan and its `base_model_prefix`
-    (the caller checked `plan_problems` first)."""
-    pieces = list(pp_plan or override(model_type).pp_plan or PP_CONVENTION)
-    assert "layers" in pieces, "plan_problems refuses a model without a usable pp plan"
-    i = pieces.index("layers")
-    streams = override(model_type).streams
-    if streams:  # the streams' fold runs first after the layers (Override.streams)
-        pieces.insert(i + 1, streams[1])
+    (the caller checked `plan_problems` first); `cfg`, the transformers config, picks `tp_plan_when` entries."""
+    extra = override(model_type)
+    pieces = list(extra.pp_plan or pp_plan or PP_CONVENTION)
+    assert extra.layers in pieces, "plan_problems refuses a model without a usable pp plan"
+    i = pieces.index(extra.layers)
+    if extra.streams:  # the streams' fold runs first after the layers (Override.streams)
+        pieces.insert(i + 1, extra.streams[1])
     full = [f"{prefix}.{n}" for n in pieces]
     head = next(iter(head_plan), "lm_head")
-    entries = {**(tp_plan or {}), **dict(override(model_type).tp_plan)}
+    entries = {**(tp_plan or {}), **extra.tp_entries(cfg)}
     tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items() if v not in MARKERS)
     ep = tuple((f"{prefix}.{k}", v) for k, v in (ep_plan or {}).items())
     return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp, ep)
@@ -339,6 +415,8 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
     """What this slice of the hf backend cannot do with these plans, one line each."""
     out = []
     extra = dict(override(model_type).tp_plan)
+    for _, entries in override(model_type).tp_plan_when:
+        extra.update(entries)  # every variant's styles are checked
     if not tp_plan and not extra:
         out.append(
             f"{model_type}: transformers declares no base_model_tp_plan (how to split its linears) and "
@@ -402,7 +480,7 @@ def tensor_kinds(
             kind = COLUMN
         elif style in ROW_STYLES:
             kind = ROW if leaf == "weight" else REPLICATED
-        elif style == "replicated_with_grad_allreduce":
+        elif style in ("replicated_with_grad_allreduce", MQA_QKV):
             kind = GRAD_ALLREDUCE
         elif style in STYLE_KINDS:
             kind = STYLE_KINDS[style]
@@ -438,6 +516,7 @@ __all__ = [
     "LAYER_KINDS",
     "MLA",
     "MLA_LATENT",
+    "MQA_QKV",
     "NO_CP_KINDS",
     "OVERRIDES",
     "Override",

@@ -27,7 +27,7 @@ HF_KEYS: dict[str, tuple[str, ...]] = {
     "hidden_size": ("hidden_size", "n_embd"),
     "ffn_hidden_size": ("intermediate_size", "n_inner"),
     "num_attention_heads": ("num_attention_heads", "n_head"),
-    "num_query_groups": ("num_key_value_heads",),
+    "num_query_groups": ("num_key_value_heads", "num_kv_heads"),
     "head_dim": ("head_dim",),
     "vocab_size": ("vocab_size",),
     "max_position_embeddings": ("max_position_embeddings", "n_positions"),

@@ -2,7 +2,9 @@
 
 The catalogue the `hf` backend's matrix runs over (issue 22, item 7). `architectures()` lists the
 model types from the installed transformers itself: those of MODEL_FOR_CAUSAL_LM_MAPPING whose
-config class declares `base_model_tp_plan` (100 in transformers 5.23). `tiny_config(model_type)`
+config class declares `base_model_tp_plan` (100 in transformers 5.23) or that the hf backend's
+override table gives one (backends/hf_plan.py OVERRIDES: Falcon), and the `VARIANTS` of a model
+type whose config flags switch its layout (Falcon's). `tiny_config(model_type)`
 builds a config from that class by one generic rule, read off the class's own fields:
 
 - sizes (`SIZES`): every size field the class has gets a small value. Hidden 96 with 4 attention
@@ -52,6 +54,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from megatron_bridge.backends.hf_plan import override
 from megatron_bridge.runtime.hf_tiny_configs import (
     FEATURES,
     HEADS,
@@ -59,21 +62,29 @@ from megatron_bridge.runtime.hf_tiny_configs import (
     MAX_PARAMS,
     OVERRIDES,
     SIZES,
+    VARIANTS,
     VOCAB,
 )
 
 
 def architectures() -> list[str]:
-    """Every causal-LM model type of the installed transformers whose config has a tp plan."""
-    return sorted(
+    """Every causal-LM model type of the installed transformers with a tp plan (its config's, or
+    the hf backend's override for it), and the tiny variants of those."""
+    types = [
         mt
         for mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        if mt in CONFIG_MAPPING and getattr(CONFIG_MAPPING[mt], "base_model_tp_plan", None)
-    )
+        if mt in CONFIG_MAPPING and (getattr(CONFIG_MAPPING[mt], "base_model_tp_plan", None) or override(mt).tp_plan)
+    ]
+    return sorted([*types, *(v for v, (mt, _, _) in VARIANTS.items() if mt in types)])
+
+
+def model_type_of(name: str) -> str:
+    """The model type of an architecture name (a `VARIANTS` name: the model type it varies)."""
+    return VARIANTS[name][0] if name in VARIANTS else name
 
 
 def config_class(model_type: str) -> type[PretrainedConfig]:
-    return CONFIG_MAPPING[model_type]
+    return CONFIG_MAPPING[model_type_of(model_type)]
 
 
 def _fields(cls: type[PretrainedConfig]) -> set[str]:
@@ -107,7 +118,7 @@ def _quiet() -> Iterator[None]:
 
 @functools.cache
 def _modeling_source(model_type: str) -> str:
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type_of(model_type)]
     model_cls = getattr(transformers, name)
     return inspect.getsource(inspect.getmodule(model_cls))  # type: ignore[arg-type]
 
@@ -165,8 +176,10 @@ def generic_fields(model_type: str) -> dict[str, Any]:
 
 
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
-    """The tiny config of `model_type`: the generic rule, then `OVERRIDES`, then `overrides`."""
-    kw = _merge(generic_fields(model_type), OVERRIDES.get(model_type, ("", {}))[1])
+    """The tiny config of `model_type`: the generic rule, then `OVERRIDES`, then a variant's fields,
+    then `overrides`."""
+    kw = _merge(generic_fields(model_type), OVERRIDES.get(model_type_of(model_type), ("", {}))[1])
+    kw = _merge(kw, VARIANTS[model_type][2] if model_type in VARIANTS else {})
     return config_class(model_type)(**_merge(kw, overrides))
 
 
@@ -223,12 +236,14 @@ def make_tiny(model_type: str, out_dir: str | Path, seed: int = 0, **overrides: 
 __all__ = [
     "OVERRIDES",
     "FEATURES",
+    "VARIANTS",
     "SIZES",
     "architectures",
     "build_tiny",
     "config_class",
     "generic_fields",
     "make_tiny",
+    "model_type_of",
     "perturb_constants_",
     "tiny_config",
 ]

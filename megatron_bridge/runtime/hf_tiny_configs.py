@@ -186,6 +186,10 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
         "every layer runs its own indexer by default; 'shared' layers reuse the previous layer's top-k",
         {"indexer_types": ["full", "shared"] * (LAYERS // 2)},
     ),
+    "falcon": (
+        "biases are off by default (one `bias` flag); the default is multi-query, parallel attention + MLP",
+        {"bias": True},
+    ),
     "gemma3n_text": (
         "the default makes the first 10 layers sparse only in models deeper than 10 layers",
         {"activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]},
@@ -215,6 +219,10 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
     "granitemoehybrid": (
         "the default stack is all Mamba; real checkpoints interleave attention",
         {"layer_types": _HYBRID},
+    ),
+    "granitemoe_swa": (
+        "every layer has the same rope theta by default; one per layer, 0 for NoPE, takes a rotary module each",
+        {"layer_rope_theta": [0.0, 10000.0, 500000.0, 10000.0]},
     ),
     "helium": ("o_proj is hidden×hidden, so heads×head_dim must equal the hidden size", {"head_dim": HIDDEN // HEADS}),
     "jamba": (
@@ -270,5 +278,20 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
             "split_ngram_parts": 1,
             "eos_token_id": 2,
         },
+    ),
+}
+
+# Further tiny models of one model type where config flags switch its layout (the matrix runs each
+# as an architecture of its own): name -> (model type, reason, fields over the model type's own).
+VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "falcon_new_decoder": (
+        "falcon",
+        "Falcon-40B/180B: new_decoder_architecture, query_key_value fused per K/V group, two layer norms",
+        {"new_decoder_architecture": True, "num_kv_heads": KV_HEADS},
+    ),
+    "falcon_rw": (
+        "falcon",
+        "Falcon-RW without ALiBi: multi-head (query_key_value fused per head), attention then MLP in sequence",
+        {"multi_query": False, "parallel_attn": False},
     ),
 }

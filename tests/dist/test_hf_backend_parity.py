@@ -32,9 +32,11 @@ SCRIPT = str(Path(__file__).parent / "bridge_scripts" / "parity.py")
 # MiniCPM3's multi-head latent attention (`mla_kv_a_proj`, a 4-D input to a column-parallel linear),
 # DeepSeek-V3.2's sparse attention (`indexed_attention`: a whole indexer's top-k of 8 keys out of 16
 # narrowing the mask of the split MLA heads; MoE experts split over TP); Qwen3.5's gated DeltaNet
-# layers (linear attention run whole on every TP rank) beside full attention
+# layers (linear attention run whole on every TP rank) beside full attention; Falcon's plan from the
+# override table alone (multi-query: `mqa_fused_qkv`, the one K/V head whole on every rank; layers `h`)
 MATRIX_SAMPLE = [
     "gemma2", "granite", "nanochat", "apertus", "cohere_compass_text", "minicpm3", "deepseek_v32", "qwen3_5_text",
+    "falcon",
 ]  # fmt: skip
 # Qwen3-MoE forced onto the hf backend (a dense layer among MoE layers, top-k renormalised):
 # transformers' experts module over the EP group (runtime/hf/experts.py) at ep2 (with dp2: the

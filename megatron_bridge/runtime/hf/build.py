@@ -37,6 +37,7 @@ from megatron_bridge.backends.hf_plan import (
     HEAD,
     MLA,
     MOE_TP,
+    MQA_QKV,
     REPLICATED,
     ROW_STYLES,
     Plan,
@@ -60,12 +61,18 @@ from megatron_bridge.runtime.hf.layers import (
     VocabEmbedding,
     gather_sequence,
     mla_kv_a_hook,
+    mqa_qkv_hooks,
     sum_grad_over_tp,
 )
 from megatron_bridge.runtime.hf.per_layer import PerLayerInputs, extra_width, per_layer_modules
 
 # attention-module attributes that count heads (divided by tp where the q/k/v linears are split)
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+# those that count query heads alone (`mqa_fused_qkv`: the one K/V head stays whole on every rank)
+QUERY_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
+# nn.Linear subclasses whose forward is the linear's own arithmetic, x @ W.T + b (FalconLinear
+# adds the bias after the matmul, for bf16 rounding as trained): megatron's linears replace them
+PLAIN_LINEARS = ("Linear", "FalconLinear")
 
 
 def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> TransformerConfig:
@@ -279,6 +286,9 @@ class Stage:
                 found.append(name)
         if len(found) > 1:
             raise UserError(f"{self.spec.architecture}: several rotary modules ({', '.join(found)}) need an override")
+        per_layer = override(self.spec.family).layer_rotary
+        if per_layer:  # one rotary module per layer's value (hf_plan.Override.layer_rotary)
+            found = [per_layer[0]]
         if not found:
             return None
         path = f"{self.plan.prefix}.{found[0]}"
@@ -302,6 +312,10 @@ class Stage:
                     split_parents.add(parent)
             elif style == MLA and self.tp > 1:
                 mla_kv_a_hook(child, int(self.full.config.qk_rope_head_dim))
+            elif style == MQA_QKV and self.tp > 1:
+                parent = module.get_submodule(name.rpartition(".")[0])
+                mqa_qkv_hooks(child, self.spec.num_attention_heads, self.spec.head_dim)
+                self._divide_heads(parent, QUERY_HEAD_ATTRS)
             ep = self.ep > 1 and self.plan.ep_style(full) == EP_MODULE
             tp = self.tp > 1 and style == MOE_TP
             if ep or tp:
@@ -319,7 +333,7 @@ class Stage:
         return module
 
     def _linear(self, path: str, lin: Any, style: str) -> torch.nn.Module:
-        if type(lin) is not torch.nn.Linear:
+        if not isinstance(lin, torch.nn.Linear) or type(lin).__name__ not in PLAIN_LINEARS:
             raise UserError(f"tp plan entry {path} ({style}) is a {type(lin).__name__}, not nn.Linear")
         common = dict(config=self.tconfig, init_method=self.init, bias=lin.bias is not None, tp_group=self.tp_group)
         with skip_weight_init(self.load_weights):
@@ -362,8 +376,8 @@ class Stage:
                 tp_group=self.tp_group,
             )
 
-    def _divide_heads(self, attention: torch.nn.Module) -> None:
-        for attr in HEAD_ATTRS:
+    def _divide_heads(self, attention: torch.nn.Module, attrs: tuple[str, ...] = HEAD_ATTRS) -> None:
+        for attr in attrs:
             n = getattr(attention, attr, None)
             if isinstance(n, int) and not isinstance(n, bool):
                 if n % self.tp:

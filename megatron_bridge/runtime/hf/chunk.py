@@ -100,6 +100,7 @@ class HFChunk(MegatronModule):
         self.streams = streams
         ov = override(hf_config.model_type)
         self.rotary_types, self.layer_inputs = ov.rotary_types, ov.layer_inputs  # hf_plan.Override
+        self.layer_kwargs = dict(override(hf_config.model_type).layer_kwargs)  # Falcon's alibi=None
         self.input_tensor: torch.Tensor | None = None
         for path, module in modules.items():
             self._place(path, module)
@@ -132,6 +133,12 @@ class HFChunk(MegatronModule):
         # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
         # NoPE full-attention layers), as the model's own forward decides
         self.nope = {k for k in self.kinds.values() if isinstance(rope, dict) and k in rope and rope[k] is None}
+        # layer -> its index in a per-layer rotary list (hf_plan.Override.layer_rotary), None: no rotary
+        self.rotary_of: dict[int, int | None] = {}
+        if layer_rotary := ov.layer_rotary:
+            values = getattr(hf_config, layer_rotary[1])
+            distinct = sorted({v for v in values if v})
+            self.rotary_of = {i: distinct.index(values[i]) if values[i] else None for i in layers}
 
     def _place(self, path: str, module: torch.nn.Module) -> None:
         parent: torch.nn.Module = self
@@ -172,8 +179,10 @@ class HFChunk(MegatronModule):
             if "embed_scale" in self.forward_math:
                 h = h * self.forward_math["embed_scale"]
             per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
+            skipped = {f"{self.plan.prefix}.{n}" for n in override(self.hf_config.model_type).text_identity}
             for path in self.plan.pre:
-                h = self.get_submodule(path)(h)
+                if path not in skipped:  # hf_plan.Override.text_identity: the embeddings unchanged
+                    h = self.get_submodule(path)(h)
             if self.streams > 1:  # every stream starts as the embeddings
                 h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         else:
@@ -223,7 +232,11 @@ class HFChunk(MegatronModule):
                     position_ids=position_ids,
                 )
             key = kind if self.rotary_by_kind else None
-            if rotary is not None and not typed and key not in embeddings and kind not in self.nope:
+            if self.rotary_of:  # the layer's own rotary module, or none
+                key = self.rotary_of[int(i)]
+                if key is not None and key not in embeddings:
+                    embeddings[key] = rotary[key](whole, position_ids)  # type: ignore[index]
+            elif rotary is not None and not typed and key not in embeddings and kind not in self.nope:
                 embeddings[key] = (
                     rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
                 )
@@ -239,6 +252,7 @@ class HFChunk(MegatronModule):
                 **states,
                 **extra,
                 **given,
+                **self.layer_kwargs,
             )
             h = out[0] if isinstance(out, tuple) else out
             carried = {kw: out[index] for kw, index in self.carry.items()}

@@ -23,6 +23,7 @@ summed input gradient), and the row linear that closes the module reduce-scatter
 | `rowwise_split_input` | `RowLinear` (input_is_parallel=False): a replicated input split first |
 | `replicated_with_grad_allreduce` | the module itself, its gradients summed over TP (`sum_grad_over_tp`) |
 | `mla_kv_a_proj` | the linear itself, whole; its rotary output's gradient summed over TP (`mla_kv_a_hook`) |
+| `mqa_fused_qkv` | the linear itself, whole; this rank's query heads and the K/V head sliced from its output (`mqa_qkv_hooks`) |
 | the embedding | `VocabEmbedding`: megatron's VocabParallelEmbedding honouring `padding_idx` |
 | `embedding_rowwise` | `VocabEmbedding` over the module's own rows (no padding): ids outside this rank's rows masked, output all-reduced |
 | `embedding_colwise` | `ColumnEmbedding`: every row, this rank's slice of the embedding dim; output all-gathered |
@@ -39,6 +40,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel import layers as mlayers
 from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -231,6 +233,31 @@ def mla_kv_a_hook(linear: torch.nn.Module, rope_dim: int) -> None:
     linear.register_forward_hook(hook)
 
 
+def mqa_qkv_hooks(linear: torch.nn.Module, heads: int, head_dim: int) -> None:
+    """`mqa_fused_qkv`: the fused [query heads..., key, value] projection stays whole; its output
+    is cut to this rank's query heads followed by the one K/V head, the layout the attention
+    (with its query heads divided) views. Its input is copied into the TP region (gradient
+    summed over TP, as a column-parallel linear's: each rank's gradient covers its heads only);
+    its weight's gradient is summed by its `grad_allreduce` kind (runtime/hf/build.py)."""
+    group = ps.get_tensor_model_parallel_group()
+    tp, rank = group.size(), ps.get_tensor_model_parallel_rank()
+
+    def enter(_: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (copy_to_tensor_model_parallel_region(args[0], group=group), *args[1:])
+
+    def leave(_: torch.nn.Module, __: Any, out: torch.Tensor) -> torch.Tensor:
+        return mqa_local(out, heads, head_dim, tp, rank)
+
+    linear.register_forward_pre_hook(enter)
+    linear.register_forward_hook(leave)
+
+
+def mqa_local(out: torch.Tensor, heads: int, head_dim: int, tp: int, rank: int) -> torch.Tensor:
+    """TP rank `rank`'s part of a whole [query heads..., key, value] output: its query heads, then the K/V head."""
+    local = heads // tp * head_dim
+    return torch.cat([out[..., rank * local : (rank + 1) * local], out[..., heads * head_dim :]], dim=-1)
+
+
 def _summed_over_tp() -> Any:
     """A gradient hook: the gradient summed over TP. Not megatron's copy_to_tensor_model_parallel_region:
     its all-reduce works on `.contiguous()` and a sliced gradient (the rotary key's) is not, so
@@ -262,5 +289,7 @@ __all__ = [
     "VocabEmbedding",
     "gather_sequence",
     "mla_kv_a_hook",
+    "mqa_local",
+    "mqa_qkv_hooks",
     "sum_grad_over_tp",
 ]

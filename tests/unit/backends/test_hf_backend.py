@@ -98,7 +98,8 @@ def test_a_backend_that_cannot_describe_the_model_is_refused_by_a_named_rule(ove
 @pytest.mark.parametrize(
     "model_type,kw,needle",
     [
-        ("falcon", {}, "no base_model_tp_plan"),
+        ("bloom", {}, "no base_model_tp_plan"),
+        ("falcon", {"alibi": True}, "alibi=True: FalconModel.forward adds the ALiBi bias"),
         ("inkling_text", {}, "layer kind 'hybrid_sliding'"),
         ("gemma3n_text", {}, "final_logit_softcapping=30.0"),
         ("gemma3n_text", {}, "per-layer inputs (embed_tokens_per_layer"),

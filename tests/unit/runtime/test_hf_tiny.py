@@ -23,7 +23,20 @@ def test_architectures_come_from_the_library_and_all_have_a_tp_plan():
     assert {"llama", "cohere", "gpt_neox", "starcoder2", "phi", "qwen3_next", "llama4_text", "deepseek_v32"} <= set(
         archs
     )
-    assert all(hf_tiny.config_class(a).base_model_tp_plan for a in archs)
+    from megatron_bridge.backends.hf_plan import override
+
+    # a tp plan of transformers' own, or the hf backend's override for a model type without one (Falcon)
+    assert all(hf_tiny.config_class(a).base_model_tp_plan or override(hf_tiny.model_type_of(a)).tp_plan for a in archs)
+    assert {"falcon", "falcon_new_decoder", "falcon_rw"} <= set(archs)
+
+
+def test_a_variant_is_its_model_type_with_its_own_fields():
+    assert hf_tiny.model_type_of("falcon_new_decoder") == "falcon" and hf_tiny.model_type_of("llama") == "llama"
+    default, grouped = hf_tiny.tiny_config("falcon"), hf_tiny.tiny_config("falcon_new_decoder")
+    assert default.multi_query and not default.new_decoder_architecture and default.bias
+    assert grouped.new_decoder_architecture and grouped.num_kv_heads == 2 and grouped.bias
+    for name, (model_type, reason, fields) in hf_tiny.VARIANTS.items():
+        assert model_type in hf_tiny.architectures() and reason and "\n" not in reason and fields, name
 
 
 def test_every_override_names_an_architecture_and_says_why_in_one_line():
