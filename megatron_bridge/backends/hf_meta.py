@@ -117,7 +117,7 @@ def _check_convention(model: Any) -> None:
         raise UnsupportedFeatures(
             f"{type(model).__name__}: no base_model_pp_plan, and its {base_prefix(model)} is not "
             f"{' -> '.join(PP_CONVENTION)} (missing: {', '.join(missing) or '-'}; other modules: "
-            f"{', '.join(other) or '-'}): its stage pieces need a pp_plan entry in backends/hf_plan.py OVERRIDES"
+            f"{', '.join(other) or '-'}): its stage pieces need a pp_plan entry in backends/hf_overrides.py OVERRIDES"
         )
 
 

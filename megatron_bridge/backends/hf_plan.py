@@ -18,9 +18,10 @@ loaded is what is built:
 | `grad_allreduce` | a `replicated_with_grad_allreduce` module's tensors, and any other unplanned tensor next to a split `colwise` linear | whole on every rank; its gradient summed over TP |
 | `replicated` | everything else (norms, row-parallel biases) | whole on every rank |
 
-`OVERRIDES` is the one table of what a model's forward does outside its modules (a logit scale,
-...): the hf backend rebuilds the forward around the modules, so each such step is declared
-here; a config that turns one on without an entry is refused (`forward_refusals`).
+`OVERRIDES` (backends/hf_overrides.py, re-exported here) is the one table of what a model's
+forward does outside its modules (a logit scale, ...): the hf backend rebuilds the forward
+around the modules, so each such step is declared there; a config that turns one on without an
+entry is refused (`forward_refusals`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ from megatron_bridge.backends.hf_kinds import (  # re-exported: the plan's reade
     cp_refusals,
     layer_limits,
     unbuilt_refusals,
+)
+from megatron_bridge.backends.hf_overrides import (  # re-exported: the plan's readers take them from here
+    FORWARD,
+    FORWARD_KEYS,
+    MQA_QKV,
+    OVERRIDES,
+    PP_CONVENTION,
+    Override,
+    forward_refusals,
+    override,
 )
 
 # base_model_ep_plan styles: the experts module (runtime/hf/experts.py), its stacked tensors (dim 0 over EP)
@@ -70,13 +81,6 @@ MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
 # its entry says (`replicate` gives the same output).
 EMBED_ROWS, EMBED_COLS = "embedding_rowwise", "embedding_colwise"
 STYLE_KINDS = {EMBED_ROWS: COLUMN, EMBED_COLS: ROW, "replicate": REPLICATED}
-# `mqa_fused_qkv` (the hf backend's own plan string, from OVERRIDES only): a fused projection laid
-# out [query heads..., key, value] with one K/V head for every query head (Falcon's multi-query
-# attention). One head does not split over TP, so the linear stays whole on every rank and each
-# rank keeps its query heads and the K/V head of the output (runtime/hf/layers.py `mqa_qkv_hooks`);
-# its input's gradient is summed over TP as a column-parallel linear's is, its weight's too
-# (`grad_allreduce`: each rank's part of the gradient comes from its own heads).
-MQA_QKV = "mqa_fused_qkv"
 STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, MQA_QKV, *STYLE_KINDS, *MARKERS)
 # Sequence parallelism (runtime/hf/layers.py): the hidden states between modules are split
 # along the sequence over TP. The tp styles whose modules run so: a module holding `colwise`
@@ -91,254 +95,6 @@ SP_LAYER_KINDS = ("full_attention", "sliding_attention")  # measured under SP
 # (`colwise` q/k/v), or it would run whole on each rank's slice of the sequence (PhiMoE,
 # HunYuan-MoE and DeepSeek-V3 plan only their MLPs and experts)
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
-
-
-@dataclass(frozen=True)
-class Override:
-    """What one model type's forward does outside its modules, that a stage must redo; each
-    field names the config key that holds the constant (checked by `mbr verify --matrix
-    model.backend=hf`, docs/bridge.md)."""
-
-    reason: str = ""  # where transformers' forward does it
-    logit_scale: str | None = None  # config key: logits multiplied by it
-    logit_divide: str | None = None  # config key: logits divided by it
-    logit_softcap: str | None = None  # config key c: logits = c * tanh(logits / c)
-    embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
-    embed_sqrt_hidden: str | None = None  # config key of a flag: when on, embeddings * sqrt(hidden_size) (muP)
-    tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
-    pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order (over its base_model_pp_plan)
-    # stage pieces kept (weights loaded, exported, no gradient) but not called: for a text-only batch they
-    # return the embeddings unchanged (Phi-4-multimodal's embed_tokens_extend merges image/audio embeddings)
-    text_identity: tuple[str, ...] = ()
-    # (decoder-layer kwarg, function of position_ids in the modeling module) the forward passes to
-    # the layers whose layer kind has no rotary embedding (Beam's NoPE query scale)
-    nope_kwargs: tuple[tuple[str, str], ...] = ()
-    window_full_attention: str | None = (
-        None  # config key: when set, `full_attention` layers take the sliding-window mask
-    )
-    prefix: str | None = None  # the base model's attribute, where the class's base_model_prefix names none
-    # (config key of the stream count n, the base model's module that folds them): the forward runs
-    # the layers on n hyper-connection streams [b, s, n, h] (the embeddings repeated n times on the
-    # first stage), folded by that module before the post pieces (HY-V4's hc_mult, hc_head)
-    streams: tuple[str, str] | None = None
-    # rope types (keys of config.rope_parameters): every layer takes position_embeddings as the dict
-    # {type: rotary(x, position_ids, type)} and picks its own (DeepSeek-V4's 'main' / 'compress')
-    rotary_types: tuple[str, ...] = ()
-    # the chunk's forward inputs the model's forward hands every layer by name (DeepSeek-V4's
-    # hash-routed MoE reads input_ids); every stage has them (megatron's schedule feeds each stage)
-    layer_inputs: tuple[str, ...] = ()
-    layers: str = "layers"  # the pp plan's piece that is the ModuleList of decoder layers
-    # (the base model's ModuleList of rotary modules, the config's per-layer list): layer i takes the
-    # rotary module of its value, the list holding one per distinct non-zero value in ascending
-    # order; 0 means no rotary (NoPE). Granite-MoE-SWA's rotary_embs by layer_rope_theta.
-    layer_rotary: tuple[str, str] | None = None
-    # (kwarg, value) every decoder layer is called with, where its forward takes it without a default
-    layer_kwargs: tuple[tuple[str, Any], ...] = ()
-    # (config key, why): a config with the key truthy is refused, naming it (a feature the stages do not rebuild)
-    refused: tuple[tuple[str, str], ...] = ()
-    # ({config key: value, ...}, tp plan entries): entries that replace tp_plan's where the config matches
-    # (a fused projection whose layout follows a config flag)
-    tp_plan_when: tuple[tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]], ...] = ()
-
-    def tp_entries(self, cfg: Any = None) -> dict[str, str]:
-        """tp_plan with the `tp_plan_when` entries whose config values `cfg` (an object) holds."""
-        out = dict(self.tp_plan)
-        for when, entries in self.tp_plan_when:
-            if cfg is not None and all(getattr(cfg, k, None) == v for k, v in when):
-                out.update(entries)
-        return out
-
-    def handled(self) -> set[str | None]:
-        return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
-
-    def constants(self, cfg: Any) -> dict[str, float]:
-        """{FORWARD field: value} that the chunk's forward applies, read off the transformers config."""
-        out = {k: float(getattr(cfg, v)) for k in FORWARD if (v := getattr(self, k))}
-        if self.embed_sqrt_hidden and getattr(cfg, self.embed_sqrt_hidden):
-            out["embed_scale"] = out.get("embed_scale", 1.0) * float(cfg.hidden_size) ** 0.5
-        return out
-
-    def stream_count(self, cfg: Any) -> int:
-        """How many hyper-connection streams the layers run on (1: one plain stream)."""
-        return int(getattr(cfg, self.streams[0])) if self.streams else 1
-
-
-# the Override fields that hold a config key of a constant the chunk's forward applies
-FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
-# the stage pieces of a model that declares no base_model_pp_plan: transformers' own convention
-# (`base_model_pp_plan = {"embed_tokens": ..., "layers": ..., "norm": ...}`), taken where the base
-# model has exactly these children with weights (`hf.model_plan` checks, and refuses the others)
-PP_CONVENTION = ("embed_tokens", "layers", "norm")
-_SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
-OVERRIDES: dict[str, Override] = {
-    "llama4_text": Override(
-        "Llama4ForCausalLM.base_model_prefix is `language_model` (its composite parent's name); it holds `model`",
-        prefix="model",
-    ),
-    "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
-    "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
-    "gemma2": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
-    "vaultgemma": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
-    "granite": Override(
-        "GraniteModel.forward: embeddings * embedding_multiplier; GraniteForCausalLM: logits / logits_scaling",
-        embed_scale="embedding_multiplier",
-        logit_divide="logits_scaling",
-    ),
-    "nanochat": Override(
-        "no base_model_pp_plan: its model norms (weightless RMSNorm) before and after the layers; "
-        "CausalLM.forward softcaps the logits",
-        pp_plan=("embed_tokens", "norm", "layers", "norm"),
-        logit_softcap="final_logit_softcapping",
-    ),
-    "minicpm3": Override(
-        "MiniCPM3ForCausalLM.forward: hidden states / logits_scaling before the (bias-free) LM head",
-        logit_divide="logits_scaling",
-    ),
-    "granite_swa": Override(
-        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
-        embed_scale="embedding_multiplier",
-        logit_divide="logits_scaling",
-    ),
-    "granitemoe": Override(
-        "as granite: GraniteMoeModel.forward: embeddings * embedding_multiplier; its CausalLM: logits / logits_scaling",
-        embed_scale="embedding_multiplier",
-        logit_divide="logits_scaling",
-    ),
-    "granitemoeshared": Override(
-        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
-        embed_scale="embedding_multiplier",
-        logit_divide="logits_scaling",
-    ),
-    "granitemoe_swa": Override(
-        "as granite: embeddings * embedding_multiplier, logits / logits_scaling; no base_model_pp_plan, its "
-        "model holds one rotary module per distinct layer_rope_theta (rotary_embs; 0: NoPE) beside the convention",
-        embed_scale="embedding_multiplier",
-        logit_divide="logits_scaling",
-        pp_plan=PP_CONVENTION,
-        layer_rotary=("rotary_embs", "layer_rope_theta"),
-    ),
-    "cohere2_moe": Override("Cohere2MoeForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
-    "afmoe": Override(
-        "AfmoeModel.forward: embeddings * hidden_size**0.5 when mup_enabled (muP input scaling)",
-        embed_sqrt_hidden="mup_enabled",
-    ),
-    "beam": Override(
-        "BeamForCausalLM.forward softcaps the logits; BeamModel.forward passes NoPE (full-attention) layers "
-        "attention_scaling=compute_attention_scaling(position_ids)",
-        logit_softcap="final_logit_softcapping",
-        nope_kwargs=(("attention_scaling", "compute_attention_scaling"),),
-    ),
-    "minimax": Override(
-        "MiniMaxModel.forward: the full-attention layers' mask is the sliding-window one when sliding_window is set",
-        window_full_attention="sliding_window",
-    ),
-    "lfm2_moe": Override(
-        "no base_model_pp_plan: its final norm is named embedding_norm (Lfm2MoeModel.forward applies it after the layers)",
-        pp_plan=("embed_tokens", "layers", "embedding_norm"),
-    ),
-    "hy_v4": Override(
-        "HYV4Model.forward runs the layers on hc_mult hyper-connection streams ([b, s, hc_mult, h], the "
-        "embeddings repeated) and folds them with hc_head before the norm",
-        streams=("hc_mult", "hc_head"),
-    ),
-    "deepseek_v4": Override(
-        "DeepseekV4Model.forward runs the layers on hc_mult hyper-connection streams folded by hc_head before "
-        "the norm, hands every layer the {'main', 'compress'} rotary pair and input_ids (hash-routed MoE)",
-        streams=("hc_mult", "hc_head"),
-        rotary_types=("main", "compress"),
-        layer_inputs=("input_ids",),
-    ),
-    "nemotron_h": Override(
-        "no base_model_pp_plan: NemotronHModel.forward runs embeddings -> layers -> norm_f",
-        pp_plan=("embeddings", "layers", "norm_f"),
-    ),
-    "falcon": Override(
-        "no base_model_tp_plan or pp_plan: FalconModel is word_embeddings -> h -> ln_f; query_key_value is "
-        "fused per K/V group ([H/G query heads, key, value] x G: per head with G = H by default, "
-        "new_decoder_architecture's num_kv_heads groups), so a row split gives each rank whole groups; "
-        "multi_query's one K/V head (after all query heads) stays whole (mqa_fused_qkv); the decoder "
-        "layer takes `alibi` positionally (None: rotary)",
-        tp_plan=(
-            ("h.*.self_attention.query_key_value", "colwise"),
-            ("h.*.self_attention.dense", "rowwise"),
-            ("h.*.mlp.dense_h_to_4h", "colwise"),
-            ("h.*.mlp.dense_4h_to_h", "rowwise"),
-        ),
-        tp_plan_when=(
-            (
-                (("multi_query", True), ("new_decoder_architecture", False)),
-                (("h.*.self_attention.query_key_value", MQA_QKV),),
-            ),
-        ),
-        pp_plan=("word_embeddings", "h", "ln_f"),
-        layers="h",
-        layer_kwargs=(("alibi", None),),
-        refused=(
-            (
-                "alibi",
-                "FalconModel.forward adds the ALiBi bias (per head, from the padding mask) to the attention "
-                "mask; the hf backend's stages build plain causal masks",
-            ),
-        ),
-    ),
-    "jamba": Override(
-        "no base_model_pp_plan: JambaModel.forward applies its final norm, named final_layernorm, after the layers",
-        pp_plan=("embed_tokens", "layers", "final_layernorm"),
-    ),
-    "phi4_multimodal": Override(
-        "Phi4MultimodalModel.forward runs embed_tokens_extend (the vision and audio encoders) after the embedding; "
-        "with no image or audio input it returns the text embeddings unchanged",
-        pp_plan=("embed_tokens", "embed_tokens_extend", "layers", "norm"),
-        text_identity=("embed_tokens_extend",),
-    ),
-    "hyperclovax": Override(
-        "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
-        embed_scale="embedding_multiplier",
-        logit_scale="logits_scaling",
-    ),
-}
-# config keys that switch on forward-level arithmetic; without an override entry they are refused
-FORWARD_KEYS = (
-    "logit_scale",
-    "logits_scaling",
-    "embedding_multiplier",
-    "final_logit_softcapping",
-    "embedding_scale",
-    "mup_enabled",
-)
-# model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
-# scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
-FORWARD_MATH: dict[str, str] = {
-    "inkling2_text": "Inkling2ForCausalLM.forward slices the (softcapped) logits to unpadded_vocab_size, and its "
-    "embed_tokens is an Inkling2NormedEmbedding (a norm inside the embedding, not nn.Embedding)",
-    "doge": "DogeCDMoE.forward views the router logits of all batch x sequence tokens as (2, tokens, -1), mixing "
-    "tokens across the batch (transformers' own note), so its outputs depend on the micro-batch split; and its "
-    "dt_proj (rowwise) hands every TP rank all kv heads' mask values for its own heads",
-    "gemma3n_text": "Gemma3nTextModel.forward: per-layer inputs (embed_tokens_per_layer, per_layer_model_projection) "
-    "fed to every layer, and AltUp's stack of altup_num_inputs hidden states carried between the layers",
-    "hrm_text": "HrmTextModel.forward: the H/L-cycle recurrence (L_module and H_module stacks run H_cycles x "
-    "L_cycles times on carried states, no one list of decoder layers to stage)",
-}
-
-
-def override(model_type: str) -> Override:
-    return OVERRIDES.get(model_type, Override())
-
-
-def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
-    """One line per piece of forward arithmetic the hf backend would drop for this config."""
-    out = []
-    if model_type in FORWARD_MATH:
-        out.append(f"{FORWARD_MATH[model_type]} (no entry in backends/hf_plan.py OVERRIDES)")
-    handled = override(model_type).handled()
-    out += [
-        f"{key}=True: {why} (backends/hf_plan.py OVERRIDES)" for key, why in override(model_type).refused if hf.get(key)
-    ]
-    for key in FORWARD_KEYS:
-        v = hf.get(key)
-        if key not in handled and (v is True or v not in (None, 0, 1, 1.0, False)):  # a flag, or a constant
-            out.append(f"{key}={v!r} is applied in the model's forward (no entry in backends/hf_plan.py OVERRIDES)")
-    return out
 
 
 def _regex(pattern: str) -> re.Pattern[str]:
@@ -420,7 +176,7 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
     if not tp_plan and not extra:
         out.append(
             f"{model_type}: transformers declares no base_model_tp_plan (how to split its linears) and "
-            "backends/hf_plan.py OVERRIDES has no entry for it"
+            "backends/hf_overrides.py OVERRIDES has no entry for it"
         )
     if pp_plan and "layers" not in pp_plan:
         out.append(f"{model_type}: base_model_pp_plan has no `layers` entry ({', '.join(pp_plan)})")

@@ -3,7 +3,7 @@
 The catalogue the `hf` backend's matrix runs over (issue 22, item 7). `architectures()` lists the
 model types from the installed transformers itself: those of MODEL_FOR_CAUSAL_LM_MAPPING whose
 config class declares `base_model_tp_plan` (100 in transformers 5.23) or that the hf backend's
-override table gives one (backends/hf_plan.py OVERRIDES: Falcon), and the `VARIANTS` of a model
+override table gives one (backends/hf_overrides.py OVERRIDES: Falcon), and the `VARIANTS` of a model
 type whose config flags switch its layout (Falcon's). `tiny_config(model_type)`
 builds a config from that class by one generic rule, read off the class's own fields:
 

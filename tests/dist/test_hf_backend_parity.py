@@ -24,7 +24,7 @@ from megatron_bridge.testing import run_torchrun
 pytestmark = pytest.mark.dist
 
 SCRIPT = str(Path(__file__).parent / "bridge_scripts" / "parity.py")
-# a sample of the architectures the override table (backends/hf_plan.py OVERRIDES) lifted, from
+# a sample of the architectures the override table (backends/hf_overrides.py OVERRIDES) lifted, from
 # runtime/hf_tiny.py, at tp2pp2 only (the full matrix: `mbr verify --matrix model.backend=hf`):
 # Gemma-2's scaled embedding module and logit softcap, Granite's embedding multiplier and logit
 # divisor, NanoChat's stage pieces (no pp plan; a weightless norm before and after the layers),

@@ -287,7 +287,7 @@ class Stage:
         if len(found) > 1:
             raise UserError(f"{self.spec.architecture}: several rotary modules ({', '.join(found)}) need an override")
         per_layer = override(self.spec.family).layer_rotary
-        if per_layer:  # one rotary module per layer's value (hf_plan.Override.layer_rotary)
+        if per_layer:  # one rotary module per layer's value (hf_overrides.Override.layer_rotary)
             found = [per_layer[0]]
         if not found:
             return None

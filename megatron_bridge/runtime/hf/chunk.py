@@ -12,7 +12,7 @@ global layer indices), so a checkpoint's names are the chunk's. Its forward is t
 model's, rebuilt per stage: the embedding (first stage), then each decoder layer called with
 the rotary embeddings and mask of its own layer kind (`config.layer_types[i]` by the *global*
 index i), made with the model's own rotary module and transformers' mask functions; the final
-norm and the head (last stage), with the model type's forward arithmetic (`hf_plan.OVERRIDES`),
+norm and the head (last stage), with the model type's forward arithmetic (`hf_overrides.OVERRIDES`),
 and transformers' router load-balancing loss where the config asks for it (aux_loss.py).
 """
 
@@ -93,13 +93,13 @@ class HFChunk(MegatronModule):
         self.share_embeddings_and_output_weights = tied
         self.model_type = ModelType.encoder_or_decoder
         self.vocab_size = vocab_size
-        self.forward_math = forward_math  # hf_plan.OVERRIDES constants: embed_scale, logit_scale, ...
-        self.nope_kwargs = nope_kwargs or {}  # hf_plan.Override.nope_kwargs: {kwarg: fn(position_ids)}
-        # hyper-connection streams (hf_plan.Override.streams): the layers run on [b, s, n, h], which
+        self.forward_math = forward_math  # hf_overrides.OVERRIDES constants: embed_scale, logit_scale, ...
+        self.nope_kwargs = nope_kwargs or {}  # hf_overrides.Override.nope_kwargs: {kwarg: fn(position_ids)}
+        # hyper-connection streams (hf_overrides.Override.streams): the layers run on [b, s, n, h], which
         # travels between stages as [s, b, n*h] (the schedule's hidden size is n*h: build.py)
         self.streams = streams
         ov = override(hf_config.model_type)
-        self.rotary_types, self.layer_inputs = ov.rotary_types, ov.layer_inputs  # hf_plan.Override
+        self.rotary_types, self.layer_inputs = ov.rotary_types, ov.layer_inputs  # hf_overrides.Override
         self.layer_kwargs = dict(override(hf_config.model_type).layer_kwargs)  # Falcon's alibi=None
         self.input_tensor: torch.Tensor | None = None
         for path, module in modules.items():
@@ -133,7 +133,7 @@ class HFChunk(MegatronModule):
         # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
         # NoPE full-attention layers), as the model's own forward decides
         self.nope = {k for k in self.kinds.values() if isinstance(rope, dict) and k in rope and rope[k] is None}
-        # layer -> its index in a per-layer rotary list (hf_plan.Override.layer_rotary), None: no rotary
+        # layer -> its index in a per-layer rotary list (hf_overrides.Override.layer_rotary), None: no rotary
         self.rotary_of: dict[int, int | None] = {}
         if layer_rotary := ov.layer_rotary:
             values = getattr(hf_config, layer_rotary[1])
@@ -181,7 +181,7 @@ class HFChunk(MegatronModule):
             per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
             skipped = {f"{self.plan.prefix}.{n}" for n in override(self.hf_config.model_type).text_identity}
             for path in self.plan.pre:
-                if path not in skipped:  # hf_plan.Override.text_identity: the embeddings unchanged
+                if path not in skipped:  # hf_overrides.Override.text_identity: the embeddings unchanged
                     h = self.get_submodule(path)(h)
             if self.streams > 1:  # every stream starts as the embeddings
                 h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
@@ -214,7 +214,7 @@ class HFChunk(MegatronModule):
         before = calls()
         embeddings: dict[str | None, Any] = {}
         carried: dict[str, Any] = {}
-        given = {k: inputs[k] for k in self.layer_inputs}  # hf_plan.Override.layer_inputs
+        given = {k: inputs[k] for k in self.layer_inputs}  # hf_overrides.Override.layer_inputs
         states: dict[str, dict[str, Any]] = {kw: {} for kw in self.shared_state}
         # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
         # of it (sequence parallelism): they read only its batch, length, dtype and device
@@ -264,7 +264,7 @@ class HFChunk(MegatronModule):
         head = self.get_submodule(self.plan.head)
         tied_here = self.share_embeddings_and_output_weights and self.pre_process
         logits = head(h, weight=self.shared_embedding_or_output_weight() if tied_here else None)
-        math = self.forward_math  # in transformers' order (hf_plan.OVERRIDES)
+        math = self.forward_math  # in transformers' order (hf_overrides.OVERRIDES)
         if "logit_scale" in math:
             logits = logits * math["logit_scale"]
         if "logit_divide" in math:

@@ -225,7 +225,7 @@ def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(t
 
 
 def test_every_override_entry_is_an_architecture_the_hf_backend_now_describes():
-    """hf_plan.OVERRIDES: each entry names a tp-planned causal LM, says why, and lifts its
+    """hf_overrides.OVERRIDES: each entry names a tp-planned causal LM, says why, and lifts its
     refusal (the matrix, `mbr verify --matrix model.backend=hf`, checks the numbers)."""
     from megatron_bridge.backends.hf_plan import OVERRIDES
     from megatron_bridge.runtime.hf_tiny import architectures, tiny_config
@@ -251,7 +251,7 @@ def test_override_constants_are_read_off_the_config_and_an_unhandled_flag_is_ref
     assert override("granitemoe").constants(granite) == {"embed_scale": 4.0, "logit_divide": 2.0}
     assert forward_refusals("afmoe", {"mup_enabled": True}) == []
     assert forward_refusals("llama", {"mup_enabled": True}) == [
-        "mup_enabled=True is applied in the model's forward (no entry in backends/hf_plan.py OVERRIDES)"
+        "mup_enabled=True is applied in the model's forward (no entry in backends/hf_overrides.py OVERRIDES)"
     ]
     assert forward_refusals("llama", {"mup_enabled": False}) == []
 

@@ -1,4 +1,4 @@
-"""Falcon on the hf backend: its plan from the override table (backends/hf_plan.py OVERRIDES,
+"""Falcon on the hf backend: its plan from the override table (backends/hf_overrides.py OVERRIDES,
 transformers ships none), per config layout, and its fused query_key_value split per TP rank
 checked against transformers' own `_split_heads` in process (the numbers at tp2 / pp2: the
 matrix and tests/dist/test_hf_backend_parity.py)."""

@@ -1,4 +1,4 @@
-"""Stage pieces from the override table (backends/hf_plan.py OVERRIDES) for base models that are
+"""Stage pieces from the override table (backends/hf_overrides.py OVERRIDES) for base models that are
 not transformers' convention: Jamba's final norm under another name, Phi-4-multimodal's
 multimodal embedding kept but not run for text, Granite-MoE-SWA's rotary module per layer theta.
 Read off the meta model in process; the numbers at tp2 / pp2 / ep2 are the matrix's."""

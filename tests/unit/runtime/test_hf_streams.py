@@ -1,4 +1,4 @@
-"""Hyper-connection streams on the hf backend (hf_plan.Override.streams; HY-V4, DeepSeek-V4) in one
+"""Hyper-connection streams on the hf backend (hf_overrides.Override.streams; HY-V4, DeepSeek-V4) in one
 process: two chunks cut from the same meta model (layers 0-1 with the embedding, layers 2-3 with
 hc_head, the norm and the head) hand each other the [s, b, hc_mult·h] activation a pipeline stage
 sends, and give transformers' logits; DeepSeek-V4's extra layer inputs (the {'main', 'compress'}
