@@ -132,6 +132,7 @@ EXPERT_TP_SPLITS = {
     ("rowwise", "down_proj"): ExpertSplit("row", 1),  # [E, H, I]
     ("packed_rowwise", "gate_up_proj"): ExpertSplit("row", 2),  # [E, H, 2·I] (Llama 4, Aria)
     ("colwise", "down_proj"): ExpertSplit("column", 1),  # [E, I, H] (Llama 4, Aria)
+    ("colwise", "up_proj"): ExpertSplit("column", 1),  # [E, I, H] (Nemotron-H's non-gated experts)
 }
 
 

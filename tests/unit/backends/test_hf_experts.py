@@ -279,3 +279,35 @@ def test_a_converter_written_with_escaped_dots_stacks_the_experts_it_names():
     )
     assert gate_up[:2] == ("model.layers.0.ffn.experts.0.w1.weight", "model.layers.0.ffn.experts.0.w3.weight")
     assert down[-1] == f"model.layers.0.ffn.experts.{len(down) - 1}.w2.weight" and len(gate_up) == 2 * len(down)
+
+
+def test_non_gated_experts_split_over_tp_sum_to_transformers_experts():
+    """Nemotron-H's experts have no gate (`up_proj [E, I, H]` planned `colwise`, `down_proj
+    [E, H, I]` `rowwise`): the table splits both along the intermediate dim, so two TP ranks'
+    modules sum to the whole module's output (its activation, relu², acts element-wise)."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    from megatron_bridge.backends.hf_experts import expert_split
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    torch.manual_seed(0)
+    cfg = tiny_config("nemotron_h")
+    ref = NemotronHExperts(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.05)
+    splits = {
+        n: WholeStackedExperts(*expert_split(n, s)) for n, s in (("up_proj", "colwise"), ("down_proj", "rowwise"))
+    }
+    shards = {n: [t.shard([getattr(ref, n).detach()], Shard(r, 2), None) for r in range(2)] for n, t in splits.items()}
+    assert 2 * shards["up_proj"][0].shape[1] == ref.up_proj.shape[1] == 2 * shards["down_proj"][1].shape[2]
+    e, tokens = ref.up_proj.shape[0], 6
+    args = (torch.randn(tokens, ref.up_proj.shape[2]), torch.stack([torch.randperm(e)[:2] for _ in range(tokens)]),
+            torch.rand(tokens, 2))  # fmt: skip
+    parts = []
+    for r in range(2):
+        rank = NemotronHExperts(cfg)
+        rank.up_proj, rank.down_proj = (torch.nn.Parameter(shards[n][r]) for n in ("up_proj", "down_proj"))
+        parts.append(rank(*args))
+    with torch.no_grad():
+        assert (parts[0] + parts[1] - ref(*args)).abs().max() < 1e-5
