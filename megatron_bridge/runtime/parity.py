@@ -129,8 +129,17 @@ def ensure_groups(layout: Layout, world_size: int) -> None:
         groups.initialize(dims_for(layout, world_size))
 
 
+# Gradients pass where |mine - transformers'| <= grad_tol + GRAD_RTOL * |transformers'| element by
+# element (torch.allclose's form): an fp32 gradient of magnitude ~1 summed in another order (a
+# vocab-parallel head, a TP split) moves by ~1e-5 relative; transformers' own fp32 gradient is
+# no closer to its fp64 one there (the tiny Gemma 4's tied embedding: 2.4-5e-5, docs/bridge.md).
+GRAD_RTOL = 1e-5
+
+
 def _compare_dict(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], exact: bool) -> dict[str, Any]:
-    worst, name, bad = 0.0, None, []
+    """exact: bit equality; else the largest |difference| ("max_abs", with its tensor) and the
+    largest excess over the relative allowance ("max_over": |d| - GRAD_RTOL·|ref|)."""
+    worst, name, bad, over = 0.0, None, [], 0.0
     for k, t in mine.items():
         if k not in ref:
             bad.append(f"{k}: not in reference")
@@ -143,10 +152,14 @@ def _compare_dict(mine: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], e
             if not torch.equal(t, r):
                 bad.append(f"{k}: values differ")
             continue
-        d = float((t.float() - r.float()).abs().max()) if t.numel() else 0.0
+        if not t.numel():
+            continue
+        delta = (t.float() - r.float()).abs()
+        d = float(delta.max())
+        over = max(over, float((delta - GRAD_RTOL * r.float().abs()).max()))
         if d >= worst:
             worst, name = d, k
-    return {"n": len(mine), "max_abs": worst, "worst": name, "bad": bad}
+    return {"n": len(mine), "max_abs": worst, "max_over": over, "worst": name, "bad": bad}
 
 
 def check_layout(
@@ -285,6 +298,7 @@ def fold(per_rank: Sequence[dict[str, Any]], key: str, ref: dict[str, Any]) -> d
             grads_n=sum(x["n"] for x in g),
             grads_want=len(ref.get("grads", {})),
             grads_max=max(x["max_abs"] for x in g),
+            grads_over=max(x.get("max_over", x["max_abs"]) for x in g),  # what the verdict compares
             grads_bad=[b for x in g for b in x["bad"]],
             grads_worst=max(g, key=lambda x: x["max_abs"]).get("worst"),
         )
@@ -328,13 +342,13 @@ def summarize(
     if "grads" in checks:
         n, want = f.get("grads_n", 0), len(ref.get("grads", {}))
         worst, bad = f.get("grads_max", float("inf")), f.get("grads_bad", [])
-        good = n == want and worst <= grad_tol and not bad
+        good = n == want and f.get("grads_over", worst) <= grad_tol and not bad
         note = f["grad_layout"]
         lines.append(
-            f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g}"
+            f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g} + {GRAD_RTOL:g}·|ref|"
             f"{', run as ' + note if note else ''})  {'OK' if good else 'FAIL'}"
             + (f"  {bad[:3]}" if bad else "")
-            + (f"  worst {f['grads_worst']}" if worst > grad_tol and f.get("grads_worst") else "")
+            + (f"  worst {f['grads_worst']}" if not good and f.get("grads_worst") else "")
         )
         ok &= good
     if "roundtrip" in checks:
