@@ -56,7 +56,11 @@ def _row(fam: str, key: str, f: dict[str, Any] | None, cfg: Any) -> str:
         return f"| {fam} | {key} | - | - | - | - | FAIL: no rank reported |"
     tol, gtol = cfg.verify.tol, cfg.verify.grad_tol
     ok = f.get("logits_max", float("inf")) <= tol and f.get("loss_delta", float("inf")) <= gtol
-    ok &= f.get("grads_n") == f.get("grads_want") and f.get("grads_over", float("inf")) <= gtol and not f["grads_bad"]
+    ok &= (
+        f.get("grads_n") == f.get("grads_want")
+        and f.get("grads_over", f.get("grads_max", float("inf"))) <= gtol
+        and not f["grads_bad"]
+    )
     ok &= bool(f.get("rt_ok"))
     grads = f"{f.get('grads_max', float('nan')):.1e} ({f.get('grads_n', 0)}/{f.get('grads_want', 0)})"
     if f.get("grad_layout"):

@@ -23,14 +23,15 @@ def test_a_model_the_backend_refuses_is_one_refused_row(tmp_path, monkeypatch):
 
 def test_a_config_with_non_finite_floats_is_described_and_refused_by_its_layers(tmp_path):
     """Mamba hybrids write time_step_limit's Infinity as {"__float__": "Infinity"}: decoded as
-    transformers' reader does, the rows are named refusals (here its experts' TP split) or runs,
-    never a FAIL."""
+    transformers' reader does, the rows are named refusals or runs (here every layout runs:
+    transformers' reference is made), never a FAIL."""
     from megatron_bridge.backends.hf import config_object
 
     cfg = config_object({"model_type": "nemotron_h", "time_step_limit": [0.0, {"__float__": "Infinity"}]})
     assert cfg.time_step_limit[1] == float("inf")
     out = V.prepare("nemotron_h", tmp_path, V.LAYOUTS)
-    assert out and not any(why.startswith("FAIL") for why in out.values()), out
+    assert not any(why.startswith("FAIL") for why in out.values()), out
+    assert (tmp_path / "nemotron_h.ref.pt").is_file() and "*" not in out
 
 
 def test_a_zero_dim_tensor_is_read_whole_and_merged_back(tmp_path):
