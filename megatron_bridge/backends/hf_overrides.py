@@ -36,6 +36,9 @@ class Override:
     embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
     embed_sqrt_hidden: str | None = None  # config key of a flag: when on, embeddings * sqrt(hidden_size) (muP)
     tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
+    # extra base_model_ep_plan entries (`ep_dispatch_experts`, `grouped_gemm`; runtime/hf/experts.py), merged
+    # over the config's as tp_plan is: Llama 4 declares none though its experts exchange over EP
+    ep_plan: tuple[tuple[str, str], ...] = ()
     pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order (over its base_model_pp_plan)
     # stage pieces kept (weights loaded, exported, no gradient) but not called: for a text-only batch they
     # return the embeddings unchanged (Phi-4-multimodal's embed_tokens_extend merges image/audio embeddings)
@@ -102,8 +105,15 @@ PP_CONVENTION = ("embed_tokens", "layers", "norm")
 _SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
 OVERRIDES: dict[str, Override] = {
     "llama4_text": Override(
-        "Llama4ForCausalLM.base_model_prefix is `language_model` (its composite parent's name); it holds `model`",
+        "Llama4ForCausalLM.base_model_prefix is `language_model` (its composite parent's name); it holds `model`; "
+        "its config has no base_model_ep_plan (nothing to dispatch), but its pre-scaled experts split over EP "
+        "by a fixed exchange (runtime/hf/experts.py PrescaledExpertsEP)",
         prefix="model",
+        ep_plan=(
+            ("layers.*.feed_forward.experts", "ep_dispatch_experts"),
+            ("layers.*.feed_forward.experts.gate_up_proj", "grouped_gemm"),
+            ("layers.*.feed_forward.experts.down_proj", "grouped_gemm"),
+        ),
     ),
     "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),

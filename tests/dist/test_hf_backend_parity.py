@@ -46,9 +46,9 @@ MATRIX_SAMPLE = [
 MOE = ["qwen3_moe"]
 # Llama 4's experts, stored transposed (`packed_rowwise` gate_up_proj [E, H, 2·I], `colwise`
 # down_proj) and called on pre-scaled tokens alone (runtime/hf/experts.py
-# PrescaledExpertsSequenceTP), at tp2 with sequence parallelism only: a runtime/hf_tiny.py config
-# with every layer full attention (chunked attention is refused under SP; the matrix runs the
-# released layer mix at tp2 without SP)
+# PrescaledExpertsSequenceTP inside PrescaledExpertsEP's fixed exchange), at ep2·tp2 with sequence
+# parallelism only: a runtime/hf_tiny.py config with every layer full attention (chunked attention
+# is refused under SP; the matrix runs the released layer mix at tp2 and ep2 without SP)
 VARIANTS = {"llama4_text": {"no_rope_layers": [0] * 4, "layer_types": ["full_attention"] * 4}}
 FAMILIES = ["llama", *HF_TINY, *MATRIX_SAMPLE, *MOE, *VARIANTS]
 # (pp2 alone is not here: tp2·pp2 and pp2·vpp2 stage the same pieces; CI time)
@@ -62,7 +62,7 @@ CP = ["starcoder2", "gemma2"]
 # attention / MLP modules, norms' gradients summed over TP): Qwen3 (replicated q/k norms) at
 # tp2, Llama at tp2·pp2 (the [s/tp, b, h] stage boundary), Qwen3-MoE at ep2·tp2 (tokens
 # gathered into the TP-split experts; its ep2tp2 gradients already run with SP)
-SP = {"qwen3": ["tp2sp"], "llama": ["tp2pp2sp"], "qwen3_moe": ["ep2tp2sp"], "llama4_text": ["tp2sp"]}
+SP = {"qwen3": ["tp2sp"], "llama": ["tp2pp2sp"], "qwen3_moe": ["ep2tp2sp"], "llama4_text": ["ep2tp2sp"]}
 SP_LAYOUTS = ["tp2sp", "tp2pp2sp", "ep2tp2sp"]
 LAYOUTS = [*DENSE_LAYOUTS, "tp2cp2", "ep2", "ep2pp2", "ep2tp2", *SP_LAYOUTS]
 SKIP = [f"{fam}/{lay}" for fam in MATRIX_SAMPLE for lay in DENSE_LAYOUTS if lay != "tp2pp2"]
@@ -106,7 +106,7 @@ def test_hf_backend_tp2_pp2_tp2pp2_vpp_equal_transformers(root, tmp_path):
     for fam in FAMILIES:
         ref = torch.load(root / "refs" / f"{fam}.pt")
         for layout in LAYOUTS:
-            if f"{fam}/{layout}" in SKIP or layout.startswith("ep") and fam not in MOE:
+            if f"{fam}/{layout}" in SKIP or layout.startswith("ep") and fam not in (*MOE, *VARIANTS):
                 continue
             f = fold(per_rank, f"{fam}/{layout}", ref)
             if f is None:

@@ -112,23 +112,51 @@ class PrescaledExpertsSequenceTP(torch.nn.Module):
     of tokens whole), every rank runs its slice of every expert on all of them, and the
     partial outputs are reduce-scattered back along the same dim."""
 
-    num_experts: int  # the HF module's (every expert's run of tokens is in `hidden`: no EP here)
+    num_experts: int  # this rank's experts (the HF module's / ep; `hidden` holds every expert's run)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        group, h, experts = ps.get_tensor_model_parallel_group(), hidden.shape[-1], self.num_experts
+        group, h = ps.get_tensor_model_parallel_group(), hidden.shape[-1]
+        experts = self.num_experts * ps.get_expert_model_parallel_world_size()
         x = hidden.view(experts, -1, h).transpose(0, 1).contiguous()  # [T/tp, E, h]: tokens first
         x = gather_from_sequence_parallel_region(x, group=group).transpose(0, 1).reshape(-1, h)
         out = super().forward(x).view(experts, -1, h).transpose(0, 1).contiguous()
         return reduce_scatter_to_sequence_parallel_region(out, group=group).transpose(0, 1).reshape(-1, h)
 
 
-# how many arguments an experts module is called with -> its TP mixins (plain, sequence-parallel):
-# transformers' routed call `experts(hidden, top_k_index, top_k_weights)`, or Llama 4's pre-scaled
-# tokens alone (which has no EP dispatch: every expert sees every token)
+class PrescaledExpertsEP(torch.nn.Module):
+    """EP for experts called on pre-scaled tokens alone (Llama 4: `experts(hidden [E·T, h])`,
+    expert-major). Every expert sees every token, so there is no routing to dispatch: a fixed
+    exchange. This rank's input viewed [ep, E/ep, T, h] (blocks grouped by the rank owning
+    their experts) goes through one all-to-all over the EP group, the local experts run on
+    [E/ep, ep·T, h] (each expert's runs from every rank end to end), and the reverse
+    all-to-all brings the outputs back in the input's [E·T, h] order. Micro-batches have
+    equal T on every EP rank, so the exchange's splits are equal (`exchange_order`)."""
+
+    num_experts: int  # this rank's experts (the HF module's attribute, divided by ep)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        group = ps.get_expert_model_parallel_group()
+        ep, h = group.size(), hidden.shape[-1]
+        x = exchange_order(all_to_all(group, hidden.contiguous()), ep, self.num_experts, h)
+        y = super().forward(x)
+        return all_to_all(group, exchange_order(y, self.num_experts, ep, h))
+
+
+def exchange_order(x: torch.Tensor, outer: int, inner: int, h: int) -> torch.Tensor:
+    """[outer, inner, T, h] rows -> [inner, outer, T, h] rows (flat [·, h]): what arrives from
+    each EP rank (source-major) made expert-major for the local experts, and (outer, inner
+    swapped) their outputs back to destination-major for the reverse all-to-all."""
+    return x.view(outer, inner, -1, h).transpose(0, 1).reshape(-1, h)
+
+
+# how many arguments an experts module is called with -> its TP mixins (plain, sequence-parallel)
+# and its EP mixin: transformers' routed call `experts(hidden, top_k_index, top_k_weights)`, or
+# Llama 4's pre-scaled tokens alone (every expert sees every token: a fixed exchange)
 TP_MIXINS: dict[int, tuple[type, type]] = {
     3: (ExpertsTP, ExpertsSequenceTP),
     1: (PrescaledExpertsTP, PrescaledExpertsSequenceTP),
 }
+EP_MIXINS: dict[int, type] = {3: ExpertsAllToAll, 1: PrescaledExpertsEP}
 _CLASSES: dict[tuple[type, bool, bool, bool], type] = {}
 
 
@@ -150,7 +178,12 @@ def experts_class(cls: type, ep: bool, tp: bool, sp: bool = False) -> type:
                 f"{cls.__name__}.forward takes {arity} arguments; the hf backend's `moe_tp_experts` splits "
                 f"experts called with {' or '.join(map(str, TP_MIXINS))} (set tp=1)"
             )
-        mixins = ((TP_MIXINS[arity][sp],) if tp else ()) + (ExpertsAllToAll,) * ep
+        if ep and arity not in EP_MIXINS:
+            raise UserError(
+                f"{cls.__name__}.forward takes {arity} arguments; the hf backend's `ep_dispatch_experts` "
+                f"exchanges experts called with {' or '.join(map(str, EP_MIXINS))} (set ep=1)"
+            )
+        mixins = ((TP_MIXINS[arity][sp],) if tp else ()) + ((EP_MIXINS[arity],) if ep else ())
         name = f"{cls.__name__}{'SP' * (tp and sp)}{'TP' * tp}{'AllToAll' * ep}"
         _CLASSES[key] = type(name, (*mixins, cls), {})
     return _CLASSES[key]
@@ -181,13 +214,16 @@ def gather_experts(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
+    "EP_MIXINS",
     "ExpertsAllToAll",
     "ExpertsSequenceTP",
     "ExpertsTP",
+    "PrescaledExpertsEP",
     "PrescaledExpertsSequenceTP",
     "PrescaledExpertsTP",
     "TP_MIXINS",
     "call_arity",
+    "exchange_order",
     "experts_class",
     "gather_experts",
     "is_expert",

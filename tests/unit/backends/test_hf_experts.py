@@ -234,6 +234,67 @@ def test_transposed_experts_split_over_tp_sum_to_transformers_experts():
     assert experts_class(AriaExperts, ep=False, tp=True, sp=True).__mro__[1].__name__ == "ExpertsSequenceTP"
 
 
+def test_prescaled_experts_exchange_over_ep_gives_transformers_experts_output(monkeypatch):
+    """PrescaledExpertsEP's fixed exchange (Llama 4: `experts(hidden [E·T, h])`, every expert
+    on every token) on two EP ranks, each a thread holding its half of the experts, the
+    all-to-all an equal-split swap between them: each rank gets back, in its own [E·T, h]
+    order, what the whole HF module computes on its input. The real collectives (and the
+    gradients through them) run in the hf matrix's ep2 layout."""
+    import threading
+
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    from megatron_bridge.runtime.hf import experts as ep_mod
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    torch.manual_seed(0)
+    cfg, ep, tokens = tiny_config("llama4_text"), 2, 5
+    ref = Llama4TextExperts(cfg)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.05)
+    e, h = ref.gate_up_proj.shape[:2]
+    local = e // ep
+    xs = [torch.randn(e * tokens, h) for _ in range(ep)]
+    sent: dict[int, torch.Tensor] = {}
+    barrier, me = threading.Barrier(ep), threading.local()
+
+    class Group:
+        def size(self) -> int:
+            return ep
+
+    def swap(group, x):  # equal-split all-to-all: block d of rank s lands as block s on rank d
+        barrier.wait()
+        sent[me.rank] = x
+        barrier.wait()
+        got = torch.cat([sent[s].chunk(ep)[me.rank] for s in range(ep)])
+        barrier.wait()
+        return got
+
+    monkeypatch.setattr(ep_mod, "all_to_all", swap)
+    monkeypatch.setattr(ep_mod.ps, "get_expert_model_parallel_group", Group)
+    outs: dict[int, torch.Tensor] = {}
+
+    def run(r: int) -> None:
+        me.rank = r
+        mine = Llama4TextExperts(cfg)
+        mine.gate_up_proj = torch.nn.Parameter(ref.gate_up_proj.detach()[r * local : (r + 1) * local].clone())
+        mine.down_proj = torch.nn.Parameter(ref.down_proj.detach()[r * local : (r + 1) * local].clone())
+        ep_mod.partition(mine, ep, tp=False)
+        with torch.no_grad():
+            outs[r] = mine(xs[r])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ep)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outs) == list(range(ep))
+    with torch.no_grad():
+        for r in range(ep):
+            assert (outs[r] - ref(xs[r])).abs().max() < 1e-6
+
+
 def test_llama4_experts_pass_the_layout_rules_at_tp2_and_an_unknown_expert_split_is_refused(tmp_path):
     """Llama 4 at tp2 passes the layout rules now its transposed split has table entries (with
     sequence parallelism its chunked-attention layers, not its experts, are refused); a
@@ -251,8 +312,8 @@ def test_llama4_experts_pass_the_layout_rules_at_tp2_and_an_unknown_expert_split
     )
     cfg, _ = compose(["recipe=tiny_llama", f"model.hf_path={tmp_path}", "model.backend=hf"])
     spec = describe(cfg.model)
-    for text in ("pp2", "tp1", "tp2"):
-        validate(cfg, spec, dims=ParallelDims.parse(text).with_world(2), layout_only=True)
+    for text in ("pp2", "tp1", "tp2", "ep2", "ep2tp2"):  # ep: the override's ep plan (PrescaledExpertsEP)
+        validate(cfg, spec, dims=ParallelDims.parse(text).with_world(4), layout_only=True)
     with pytest.raises(LayoutError) as e:
         validate(cfg, spec, dims=ParallelDims.parse("tp2sp").with_world(2), layout_only=True)
     assert "'chunked_attention' under sequence parallelism" in str(e.value) and "experts" not in str(e.value)
