@@ -329,13 +329,17 @@ def export_adapter(chunks: Sequence[Any], peft: Any, out_dir: str, base: str | N
 
 def save_adapter_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """`adapter_model.safetensors` with its data section's CRC-32 in the header's metadata
-    (manifest.DATA_CRC32), which `peft.init_from` checks: serialised twice, since the data
-    section does not depend on the metadata (offsets count from the data's start)."""
+    (manifest.DATA_CRC32), which `peft.init_from` checks. The header is rewritten here, in a
+    fixed key order (safetensors orders a metadata map of several keys differently from one
+    process to the next, and the same adapter must give the same bytes); the data section does
+    not depend on it (offsets count from the data's start)."""
     data = save_bytes(tensors, metadata={"format": "pt"})
     n = 8 + int.from_bytes(data[:8], "little")
-    crc = crc_hex(zlib_ng.crc32(data[n:]))
-    data = save_bytes(tensors, metadata={"format": "pt", DATA_CRC32: crc})
-    path.write_bytes(data)
+    header = json.loads(data[8:n])
+    header["__metadata__"] = {"format": "pt", DATA_CRC32: crc_hex(zlib_ng.crc32(data[n:]))}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[n:])
 
 
 def model_state(chunk: Any) -> dict[str, Any]:
