@@ -19,3 +19,13 @@ def torchrun():
         return run_torchrun(args, nproc, **kwargs)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def groups1():
+    """megatron-core's groups for one process (gloo), per test module, torn down and env
+    restored after (`megatron_bridge.testing.one_process_groups`)."""
+    from megatron_bridge.testing import one_process_groups
+
+    with one_process_groups():
+        yield

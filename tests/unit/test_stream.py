@@ -9,14 +9,6 @@ import torch
 from megatron_bridge.errors import UserError
 
 
-@pytest.fixture(scope="module")
-def groups1():
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
 def test_buckets_are_bounded_and_update_a_transformers_model_in_place(groups1, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -11,14 +11,6 @@ from megatron_bridge.bridge.tiny import TINY
 from megatron_bridge.runtime.tiny import tiny_config
 
 
-@pytest.fixture(scope="module")
-def groups1():
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
 @pytest.mark.parametrize("family", list(TINY))
 def test_writer_keys_are_megatrons(family, groups1):
     from megatron_bridge.bridge.hf_config import spec_from_hf

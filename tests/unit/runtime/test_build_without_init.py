@@ -14,15 +14,6 @@ from megatron_bridge.errors import UserError
 
 
 @pytest.fixture(scope="module")
-def groups1():
-    """megatron-core's groups for one process (gloo), torn down and env restored after."""
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
-@pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     from megatron_bridge.runtime.tiny import make_tiny
 

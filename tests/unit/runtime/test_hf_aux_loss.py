@@ -15,14 +15,6 @@ COEF = 0.5  # released configs use ~1e-3; large here so a missing or wrong aux t
 
 
 @pytest.fixture(scope="module")
-def groups1():
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
-@pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """A tiny Qwen3-MoE with transformers' aux loss on, and transformers' reference."""
     from megatron_bridge.runtime.parity import hf_reference, make_batch

@@ -14,14 +14,6 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def groups1():
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
-@pytest.fixture(scope="module")
 def models(tmp_path_factory):
     from megatron_bridge.runtime.parity import hf_reference, make_batch
     from megatron_bridge.runtime.tiny import make_tiny

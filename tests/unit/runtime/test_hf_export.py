@@ -16,14 +16,6 @@ from megatron_bridge.runtime import hf_export
 from megatron_bridge.runtime.hf_export import HFExport
 
 
-@pytest.fixture(scope="module")
-def groups1():
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
 def _tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {f"model.layers.{i}.w": torch.randn(64, 32 + i, generator=g) for i in range(6)} | {

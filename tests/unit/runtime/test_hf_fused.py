@@ -67,14 +67,6 @@ def test_a_fused_conv_is_one_row_of_the_checkpoints_q_k_v_pieces(model_type, fus
     assert [n for n, _ in got] == [fused] and torch.equal(got[0][1], torch.cat(parts))
 
 
-@pytest.fixture(scope="module")
-def groups1():
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
 def test_kimi_linear_loads_and_exports_bit_exactly_with_transformers_logits(groups1, tmp_path):
     from safetensors import safe_open
 

@@ -18,14 +18,6 @@ REFUSED = f"was refused: it holds a `{open.__module__}.open` object"
 
 
 @pytest.fixture(scope="module")
-def groups1():
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
-@pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from megatron_bridge.bridge.hf_config import load_spec
     from megatron_bridge.cli import main as mbr

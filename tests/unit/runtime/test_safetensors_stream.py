@@ -60,14 +60,6 @@ def test_copy_in_small_pieces(tmp_path, monkeypatch):
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
 
 
-@pytest.fixture(scope="module")
-def groups1():
-    from megatron_bridge.testing import one_process_groups
-
-    with one_process_groups():
-        yield
-
-
 @pytest.mark.parametrize(("family", "dtype"), [("llama", None), (MOE, torch.bfloat16)])
 def test_export_writes_what_save_file_of_the_gathered_tensors_wrote(groups1, tmp_path, family, dtype):
     """`export_hf_weights` (streamed) against the former writer, `save_file` of every gathered
