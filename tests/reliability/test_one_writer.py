@@ -52,6 +52,9 @@ except ImportError:  # pragma: no cover
 pytestmark = pytest.mark.dist
 
 ORPHAN_BOUND = 15.0
+NEEDS_DEEPSPEED = pytest.mark.skipif(
+    shutil.which("deepspeed", path=str(Path(sys.executable).parent)) is None, reason="no deepspeed"
+)
 COMMON = [
     "recipe=default",
     "train.seq_length=32",
@@ -70,6 +73,21 @@ def _wait(pred, proc: subprocess.Popen, log: Path, limit: float = 240) -> None:
             _kill_tree(proc)
             raise AssertionError(f"job ended or stalled before the test could act\n{log.read_text()[-6000:]}")
         time.sleep(0.1)
+
+
+def _deepspeed_job(ck: Path, run: Path) -> list[str]:
+    """The `deepspeed` launcher training 2 ranks for 6 steps, checkpointing every 2."""
+    from megatron_bridge.testing import free_port
+
+    return [
+        str(Path(sys.executable).parent / "deepspeed"),
+        *("--num_gpus", "2", "--master_port", str(free_port()), "--module", "megatron_bridge.train"),
+        *COMMON,
+        "cluster.gpus_per_node=2",
+        "train.steps=6",
+        f"checkpoint.dir={ck}",
+        f"run_dir={run}",
+    ]
 
 
 def _faults(d: Path) -> int:
@@ -140,26 +158,10 @@ def test_second_job_on_a_held_directory_is_refused(tmp_path):
     assert steps == list(range(1, 7))
 
 
-@pytest.mark.skipif(shutil.which("deepspeed", path=str(Path(sys.executable).parent)) is None, reason="no deepspeed")
+@NEEDS_DEEPSPEED
 def test_ranks_end_when_the_deepspeed_launcher_is_killed(tmp_path):
-    from megatron_bridge.testing import free_port
-
     faults, log = tmp_path / "faults", tmp_path / "ds.log"
-    cmd = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "--module",
-        "megatron_bridge.train",
-        *COMMON,
-        "cluster.gpus_per_node=2",
-        "train.steps=6",
-        f"checkpoint.dir={tmp_path / 'ck'}",
-        f"run_dir={tmp_path / 'run'}",
-    ]
-    runner = spawn(cmd, job_env(faults, "hang:step:*:3"), log)
+    runner = spawn(_deepspeed_job(tmp_path / "ck", tmp_path / "run"), job_env(faults, "hang:step:*:3"), log)
     try:
         _wait(lambda: _faults(faults) == 2, runner, log)  # both ranks mid-step 3
         launch_py = children(runner.pid)
@@ -182,27 +184,12 @@ def test_ranks_end_when_the_deepspeed_launcher_is_killed(tmp_path):
     print(f"deepspeed runner SIGKILLed: ranks gone after {gone:.1f} s")
 
 
+@NEEDS_DEEPSPEED
 def test_sigterm_to_a_deepspeed_launch_saves_the_step(tmp_path):
-    from megatron_bridge.testing import free_port
-
     faults, log, ck = tmp_path / "faults", tmp_path / "ds_term.log", tmp_path / "ck"
-    cmd = [
-        str(Path(sys.executable).parent / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "--module",
-        "megatron_bridge.train",
-        *COMMON,
-        "cluster.gpus_per_node=2",
-        "train.steps=6",
-        f"checkpoint.dir={ck}",
-        f"run_dir={tmp_path / 'run'}",
-    ]
-    runner = spawn(cmd, job_env(faults, "pause:step:*:3"), log)
+    runner = spawn(_deepspeed_job(ck, tmp_path / "run"), job_env(faults, "pause:step:*:3"), log)
     try:
-        _wait(lambda: len(list(faults.glob("fault.rank*"))) == 2, runner, log)  # both ranks held mid-step 3
+        _wait(lambda: _faults(faults) == 2, runner, log)  # both ranks held mid-step 3
         ranks = [r for p in children(runner.pid) for r in children(p)]
         os.killpg(runner.pid, signal.SIGTERM)  # runner, launch.py and both ranks, as Slurm signals a step
         time.sleep(1.0)  # the ranks note the signal while held

@@ -20,6 +20,13 @@ from megatron_bridge.errors import LayoutError
 MOE = ["qwen3_moe", "mixtral"]  # experts saved as gate/up/down per expert; Mixtral's w1/w3/w2 under block_sparse_moe
 
 
+def _perturb(module: torch.nn.Module, std: float) -> None:
+    """Random weights (transformers' experts start at zero or constant): outputs that differ."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, std)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     from megatron_bridge.runtime.tiny import make_tiny
@@ -78,9 +85,7 @@ def test_the_all_to_all_experts_module_computes_what_transformers_does():
     torch.manual_seed(0)
     cfg = tiny_config("qwen3_moe")
     ref = Qwen3MoeExperts(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.2)
+    _perturb(ref, 0.2)
     mine = Qwen3MoeExperts(cfg)
     mine.load_state_dict(ref.state_dict())
     mine.__class__ = experts_class(Qwen3MoeExperts, ep=True, tp=False)
@@ -196,9 +201,7 @@ def test_transposed_experts_split_over_tp_sum_to_transformers_experts():
     torch.manual_seed(0)
     for cls, model_type in ((Llama4TextExperts, "llama4_text"), (AriaExperts, "aria_text")):
         ref = cls(tiny_config(model_type))
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.normal_(0, 0.05)
+        _perturb(ref, 0.05)
         e, h = ref.gate_up_proj.shape[:2]
         splits = {
             n: WholeStackedExperts(*expert_split(n, s))
@@ -250,9 +253,7 @@ def test_prescaled_experts_exchange_over_ep_gives_transformers_experts_output(mo
     torch.manual_seed(0)
     cfg, ep, tokens = tiny_config("llama4_text"), 2, 5
     ref = Llama4TextExperts(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.05)
+    _perturb(ref, 0.05)
     e, h = ref.gate_up_proj.shape[:2]
     local = e // ep
     xs = [torch.randn(e * tokens, h) for _ in range(ep)]
@@ -354,9 +355,7 @@ def test_non_gated_experts_split_over_tp_sum_to_transformers_experts():
     torch.manual_seed(0)
     cfg = tiny_config("nemotron_h")
     ref = NemotronHExperts(cfg)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(0, 0.05)
+    _perturb(ref, 0.05)
     splits = {
         n: WholeStackedExperts(*expert_split(n, s)) for n, s in (("up_proj", "colwise"), ("down_proj", "rowwise"))
     }
