@@ -35,7 +35,6 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import mappings as tpm
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from safetensors.torch import load_file
-from safetensors.torch import save as save_bytes
 from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.loader import shard_for, table_for
@@ -51,8 +50,11 @@ from megatron_bridge.bridge.lora import (
 )
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
+from megatron_bridge.convert.formats.dtypes import dtype_of
 from megatron_bridge.convert.formats.manifest import DATA_CRC32, crc_hex
+from megatron_bridge.convert.formats.safetensors_io import SafetensorsWriter, tensor_bytes
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.safetensors_stream import save_file_key
 from megatron_bridge.runtime.weights import current_coords, gather_shards, global_names, layout_of, vp_stage_of
 
 
@@ -329,17 +331,19 @@ def export_adapter(chunks: Sequence[Any], peft: Any, out_dir: str, base: str | N
 
 def save_adapter_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """`adapter_model.safetensors` with its data section's CRC-32 in the header's metadata
-    (manifest.DATA_CRC32), which `peft.init_from` checks. The header is rewritten here, in a
-    fixed key order (safetensors orders a metadata map of several keys differently from one
-    process to the next, and the same adapter must give the same bytes); the data section does
-    not depend on it (offsets count from the data's start)."""
-    data = save_bytes(tensors, metadata={"format": "pt"})
-    n = 8 + int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:n])
-    header["__metadata__"] = {"format": "pt", DATA_CRC32: crc_hex(zlib_ng.crc32(data[n:]))}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
-    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[n:])
+    (manifest.DATA_CRC32), which `peft.init_from` checks: the data in `save_file`'s order, the
+    header by the converter's `SafetensorsWriter` (metadata keys in a fixed order, so the same
+    adapter gives the same bytes in every process; safetensors orders a map of several keys
+    differently from one process to the next)."""
+    order = sorted(tensors.items(), key=lambda kv: save_file_key(dtype_of(kv[1].dtype).st, kv[0]))
+    crc = 0
+    for _, t in order:
+        crc = zlib_ng.crc32(tensor_bytes(t), crc)
+    entries = [(n, dtype_of(t.dtype), tuple(t.shape)) for n, t in order]
+    out = SafetensorsWriter(path, entries, {"format": "pt", DATA_CRC32: crc_hex(crc)})
+    for n, t in order:
+        out.write(n, t)
+    out.close()
 
 
 def model_state(chunk: Any) -> dict[str, Any]:

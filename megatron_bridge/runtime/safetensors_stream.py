@@ -34,6 +34,11 @@ SAVE_FILE_ORDER = (
 _RANK = {code: i for i, code in enumerate(SAVE_FILE_ORDER)}
 
 
+def save_file_key(st_dtype: str, name: str) -> tuple[int, str]:
+    """Where `save_file` puts a tensor's data: by dtype code descending, then by name."""
+    return -_RANK[st_dtype], name
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor appended to the spill: where its bytes are and what the header says of it."""
@@ -72,7 +77,7 @@ class StreamingSafetensors:
         """Write `path` as `save_file(tensors, path, metadata)` would (the header by the
         converter's `SafetensorsWriter`), then remove the spill."""
         self._file.close()
-        order = sorted(self.entries.values(), key=lambda e: (-_RANK[e.dtype], e.name))
+        order = sorted(self.entries.values(), key=lambda e: save_file_key(e.dtype, e.name))
         out = SafetensorsWriter(path, [(e.name, BY_ST[e.dtype], e.shape) for e in order], metadata)
         with open(self.spill, "rb") as src:
             for e in order:
@@ -89,4 +94,4 @@ class StreamingSafetensors:
         self.spill.unlink(missing_ok=True)
 
 
-__all__ = ["COPY_BUFFER", "SAVE_FILE_ORDER", "Entry", "StreamingSafetensors"]
+__all__ = ["COPY_BUFFER", "SAVE_FILE_ORDER", "Entry", "StreamingSafetensors", "save_file_key"]
