@@ -26,7 +26,7 @@ from megatron_bridge.config.compose import parse_command
 from megatron_bridge.errors import LayoutError, UserError
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate
-from megatron_bridge.runtime.parity import fold
+from megatron_bridge.runtime.parity import fold, grads_pass
 from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.testing import TorchrunError, run_torchrun
 
@@ -56,11 +56,7 @@ def _row(fam: str, key: str, f: dict[str, Any] | None, cfg: Any) -> str:
         return f"| {fam} | {key} | - | - | - | - | FAIL: no rank reported |"
     tol, gtol = cfg.verify.tol, cfg.verify.grad_tol
     ok = f.get("logits_max", float("inf")) <= tol and f.get("loss_delta", float("inf")) <= gtol
-    ok &= (
-        f.get("grads_n") == f.get("grads_want")
-        and f.get("grads_over", f.get("grads_max", float("inf"))) <= gtol
-        and not f["grads_bad"]
-    )
+    ok &= grads_pass(f, gtol)
     ok &= bool(f.get("rt_ok"))
     grads = f"{f.get('grads_max', float('nan')):.1e} ({f.get('grads_n', 0)}/{f.get('grads_want', 0)})"
     if f.get("grad_layout"):

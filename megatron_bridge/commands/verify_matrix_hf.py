@@ -39,7 +39,7 @@ from megatron_bridge.commands.verify_setup import VerifyConfig
 from megatron_bridge.config.compose import parse_command
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.hf_tiny import architectures, make_tiny
-from megatron_bridge.runtime.parity import check_layout, fold, hf_reference, make_batch
+from megatron_bridge.runtime.parity import check_layout, fold, grads_pass, hf_reference, make_batch
 from megatron_bridge.testing import TorchrunError, report, run_torchrun
 
 LAYOUTS = ("tp2", "pp2", "tp2pp2", "ep2")
@@ -151,11 +151,7 @@ def _row(arch: str, text: str, per_rank: list[dict[str, Any]], ref: dict[str, An
         return f"| {arch} | {text} | - | - | - | - | FAIL: no rank reported |"
     nan = float("nan")
     ok = f.get("logits_max", nan) <= tol and f.get("loss_delta", nan) <= tol
-    ok &= (
-        f.get("grads_n") == f.get("grads_want")
-        and not f.get("grads_bad")
-        and f.get("grads_over", f.get("grads_max", nan)) <= tol
-    )
+    ok &= grads_pass(f, tol)
     ok &= bool(f.get("rt_ok")) and f.get("rt_n") == f.get("grads_want")
     grads = f"{f.get('grads_max', nan):.1e} ({f.get('grads_n', 0)}/{f.get('grads_want', 0)})"
     rt = f"{f['rt_n']} bit-exact" if f.get("rt_ok") else f"FAIL {str(f.get('rt_bad', ''))[:60]}"

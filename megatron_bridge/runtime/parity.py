@@ -309,6 +309,14 @@ def fold(per_rank: Sequence[dict[str, Any]], key: str, ref: dict[str, Any]) -> d
     return out
 
 
+def grads_pass(f: dict[str, Any], grad_tol: float) -> bool:
+    """`fold`'s gradient verdict, the one every report uses: every HF tensor compared, none
+    bad, and no element beyond grad_tol + GRAD_RTOL·|ref| (a hand-built row without the
+    relative excess: its max-abs)."""
+    over = f.get("grads_over", f.get("grads_max", float("inf")))
+    return f.get("grads_n") == f.get("grads_want") and not f.get("grads_bad") and over <= grad_tol
+
+
 def summarize(
     per_rank: Sequence[dict[str, Any]],
     key: str,
@@ -342,7 +350,7 @@ def summarize(
     if "grads" in checks:
         n, want = f.get("grads_n", 0), len(ref.get("grads", {}))
         worst, bad = f.get("grads_max", float("inf")), f.get("grads_bad", [])
-        good = n == want and f.get("grads_over", worst) <= grad_tol and not bad
+        good = n == want and grads_pass(f, grad_tol)
         note = f["grad_layout"]
         lines.append(
             f"grads       {n}/{want} tensors  max-abs {worst:.3e}  (tol {grad_tol:g} + {GRAD_RTOL:g}·|ref|"
@@ -363,6 +371,7 @@ __all__ = [
     "CHECKS",
     "make_batch",
     "hf_reference",
+    "grads_pass",
     "diff",
     "dims_for",
     "check_layout",

@@ -357,24 +357,10 @@ class Stage:
         if size % self.tp:
             what = "rows" if style == EMBED_ROWS else "embedding dim"
             raise UserError(f"tp plan entry {path} ({style}): its {size} {what} do not split over tp={self.tp}")
+        common = dict(config=self.tconfig, init_method=self.init, padding_idx=emb.padding_idx, tp_group=self.tp_group)
+        cls = ColumnEmbedding if style == EMBED_COLS else VocabEmbedding
         with skip_weight_init(self.load_weights):
-            if style == EMBED_COLS:
-                return ColumnEmbedding(
-                    emb.num_embeddings,
-                    emb.embedding_dim,
-                    config=self.tconfig,
-                    init_method=self.init,
-                    tp_group=self.tp_group,
-                    padding_idx=emb.padding_idx,
-                )
-            return VocabEmbedding(
-                emb.num_embeddings,
-                emb.embedding_dim,
-                init_method=self.init,
-                config=self.tconfig,
-                padding_idx=emb.padding_idx,
-                tp_group=self.tp_group,
-            )
+            return cls(emb.num_embeddings, emb.embedding_dim, **common)
 
     def _divide_heads(self, attention: torch.nn.Module, attrs: tuple[str, ...] = HEAD_ATTRS) -> None:
         for attr in attrs:
