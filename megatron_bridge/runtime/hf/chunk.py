@@ -100,7 +100,9 @@ class HFChunk(MegatronModule):
         self.streams = streams
         ov = override(hf_config.model_type)
         self.rotary_types, self.layer_inputs = ov.rotary_types, ov.layer_inputs  # hf_overrides.Override
-        self.layer_kwargs = dict(override(hf_config.model_type).layer_kwargs)  # Falcon's alibi=None
+        self.layer_kwargs = dict(ov.layer_kwargs)  # Falcon's alibi=None
+        # pre pieces kept but not run for a text-only batch (Override.text_identity: the embeddings unchanged)
+        self.text_identity = {f"{plan.prefix}.{n}" for n in ov.text_identity}
         self.input_tensor: torch.Tensor | None = None
         for path, module in modules.items():
             self._place(path, module)
@@ -179,9 +181,8 @@ class HFChunk(MegatronModule):
             if "embed_scale" in self.forward_math:
                 h = h * self.forward_math["embed_scale"]
             per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
-            skipped = {f"{self.plan.prefix}.{n}" for n in override(self.hf_config.model_type).text_identity}
             for path in self.plan.pre:
-                if path not in skipped:  # hf_overrides.Override.text_identity: the embeddings unchanged
+                if path not in self.text_identity:
                     h = self.get_submodule(path)(h)
             if self.streams > 1:  # every stream starts as the embeddings
                 h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
