@@ -13,6 +13,9 @@ Signals. `StopSignals` catches SIGTERM (Slurm and Kubernetes before a kill, torc
 and the `deepspeed` launcher forward it) and SIGUSR1 (Slurm's `--signal=USR1@SECONDS`): the
 handler only notes it; `requested()` — a one-element all-reduce at every step boundary —
 tells every rank the same answer, so all of them save the same step and leave together.
+A run with a checkpoint directory treats the death of the `deepspeed` runner above a live
+launch.py the same way (orphans.stop_instead: that runner dies of SIGTERM without forwarding
+it); the answer then reads `launcher gone`.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from typing import Any
 import torch
 
 from megatron_bridge.errors import UserError
-from megatron_bridge.train.orphans import defer
+from megatron_bridge.train.orphans import defer, stop_instead
 
 PREEMPT_GRACE_S = 120.0  # how long a rank that got SIGTERM/SIGUSR1 outlives a dead launcher (orphans.py)
 
 EXIT_NONFINITE = 3
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_GONE = 1  # `received` when orphans.stop_instead fired: below every signal number, so a signal's name wins
 
 
 class NonFinite(UserError):
@@ -83,11 +87,14 @@ def check_finite_weights(chunks, step: int, device) -> None:
 
 
 class StopSignals:
-    """SIGTERM/SIGUSR1 noted, answered at the next step boundary by every rank alike."""
+    """SIGTERM/SIGUSR1 noted, answered at the next step boundary by every rank alike. With
+    `save_on_launcher_gone` (the run has a checkpoint directory), so is the death of a launcher
+    above this rank's live parent."""
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, save_on_launcher_gone: bool = False) -> None:
         self.device, self.received = device, 0
         self._previous: dict[int, Any] = {}
+        self._unhook = stop_instead(self._launcher_gone) if save_on_launcher_gone else None
         for s in SIGNALS:
             try:
                 self._previous[s] = signal.signal(s, self._note)
@@ -98,13 +105,23 @@ class StopSignals:
         self.received = self.received or signum
         defer(PREEMPT_GRACE_S)  # a launcher dying of the same signal must not end the save
 
+    def _launcher_gone(self) -> None:
+        self.received = self.received or LAUNCHER_GONE
+
     def requested(self) -> str | None:
-        """Collective: the name of a signal some rank received (SIGTERM over SIGUSR1), or None."""
+        """Collective: the name of a signal some rank received (SIGTERM over SIGUSR1), `launcher
+        gone`, or None. A stop gives this rank `PREEMPT_GRACE_S` to save, whatever its launchers do."""
         flag = torch.tensor([float(self.received)], device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return signal.Signals(int(flag.item())).name if flag.item() else None
+        code = int(flag.item())
+        if not code:
+            return None
+        defer(PREEMPT_GRACE_S)
+        return "launcher gone" if code == LAUNCHER_GONE else signal.Signals(code).name
 
     def close(self) -> None:
+        if self._unhook:
+            self._unhook()
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous.clear()

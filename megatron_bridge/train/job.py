@@ -149,7 +149,10 @@ def _loop(run: _Run, start: int) -> bool:
         cfg.train.timeout_minutes * 60, rank, hint=f"train.timeout_minutes={cfg.train.timeout_minutes:g}"
     )
     phase = "training"
-    nonfinite, signals = NonFiniteSteps(cfg), StopSignals(run.engine.device)
+    nonfinite, signals = (
+        NonFiniteSteps(cfg),
+        StopSignals(run.engine.device, save_on_launcher_gone=bool(cfg.checkpoint.dir)),
+    )
     saves: InFlight[ckpt.Pending] = InFlight(lambda p: p.finish())  # checkpoint.async_save
     exports: InFlight[HFExport] = InFlight(lambda e: _published(run, e))  # train.export_interval
     try:

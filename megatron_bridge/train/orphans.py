@@ -20,6 +20,14 @@ Either prints one line — `rank R: launcher torchrun (pid P) is gone; exiting s
 rank keeps training` — and ends the process with status 1 (os._exit: no cleanup that could
 block). A checkpoint being written stays an unpublished `iter_N.tmp` (checkpoint.py), and the
 lease on the checkpoint directory is taken over by the next job (lease.py: its pid is gone).
+
+One exception, `stop_instead()`: a launcher ABOVE a rank's live parent — the `deepspeed`
+runner, which on one node dies of SIGTERM without forwarding it (`kill RUNNER_PID`, a
+supervisor signalling only the process it started) — is what a preemption looks like from the
+rank. A run that has somewhere to save (`checkpoint.dir`, train/guard.py registers the hook)
+then stops as on SIGTERM: the hook notes the stop, every rank saves the step under way at its
+boundary and exits 0; the rank has `STOP_S` to reach that boundary (a rank hung in a
+collective still ends within seconds), then the save gets `guard.PREEMPT_GRACE_S`.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 EXIT = 1
 PERIOD_S = 0.5
+STOP_S = 8.0  # how long a rank whose launcher above its live parent died has to reach a step boundary
 # argv word (basename, .py dropped) -> the launcher it names
 LAUNCHERS = {
     "torchrun": "torchrun",
@@ -47,6 +57,7 @@ LAUNCHERS = {
 }
 _armed: list[tuple[int, int, str]] = []  # (pid, its parent's pid, the parent's name), child first
 _grace_until = 0.0  # time.monotonic() before which a gone launcher does not end this rank (`defer`)
+_stop_hooks: list[Callable[[], None]] = []  # `stop_instead`; emptied when they have run
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
@@ -79,12 +90,14 @@ def _chain() -> list[tuple[int, int, str]]:
     return out
 
 
-def _gone() -> tuple[str, int] | None:
-    """(name, pid) of a launcher process that is gone, or None."""
+def _gone() -> tuple[str, int, bool] | None:
+    """(name, pid, whether this rank's own parent is still there) of a launcher process that is
+    gone, or None."""
     for child, parent, name in _armed:
-        now = os.getppid() if child == os.getpid() else (_stat(child) or (0, ""))[0]
+        mine = child == os.getpid()
+        now = os.getppid() if mine else (_stat(child) or (0, ""))[0]
         if now != parent:
-            return name, parent
+            return name, parent, not mine
     return None
 
 
@@ -97,10 +110,33 @@ def defer(seconds: float) -> None:
     _grace_until = max(_grace_until, time.monotonic() + seconds)
 
 
+def stop_instead(hook: Callable[[], None]) -> Callable[[], None]:
+    """Call `hook` (once, from the watch thread) instead of ending this rank when a launcher
+    above its live parent dies, and give the rank `STOP_S` to act on it (module docstring).
+    Returns what unregisters it."""
+    _stop_hooks.append(hook)
+    return lambda: _stop_hooks.remove(hook) if hook in _stop_hooks else None
+
+
 def _exit_if_orphaned() -> None:
     gone = _gone()
-    if gone and time.monotonic() >= _grace_until:
-        rank = os.environ.get("RANK", "?")
+    if not gone:
+        return
+    rank = os.environ.get("RANK", "?")
+    if gone[2] and _stop_hooks:
+        defer(STOP_S)
+        print(
+            f"rank {rank}: launcher {gone[0]} (pid {gone[1]}) is gone while this rank's own launcher lives on: "
+            "stopping after the step under way and saving it, as on SIGTERM",
+            file=sys.stderr,
+            flush=True,
+        )
+        hooks = list(_stop_hooks)
+        _stop_hooks.clear()
+        for hook in hooks:
+            hook()
+        return
+    if time.monotonic() >= _grace_until:
         print(
             f"rank {rank}: launcher {gone[0]} (pid {gone[1]}) is gone; exiting so no orphaned rank keeps training",
             file=sys.stderr,
@@ -143,4 +179,4 @@ def die_with_launcher() -> bool:
     return True
 
 
-__all__ = ["die_with_launcher", "under_launcher", "LAUNCHERS"]
+__all__ = ["die_with_launcher", "under_launcher", "stop_instead", "defer", "LAUNCHERS", "STOP_S"]

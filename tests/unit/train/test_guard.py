@@ -90,7 +90,7 @@ def test_a_preempted_rank_outlives_a_dead_launcher_while_it_saves(monkeypatch):
     from megatron_bridge.train import orphans
 
     exits = []
-    monkeypatch.setattr(orphans, "_gone", lambda: ("deepspeed", 12345))
+    monkeypatch.setattr(orphans, "_gone", lambda: ("deepspeed", 12345, False))
     monkeypatch.setattr(orphans.os, "_exit", exits.append)
     monkeypatch.setattr(orphans, "_grace_until", 0.0)
     orphans.defer(60)
@@ -99,3 +99,38 @@ def test_a_preempted_rank_outlives_a_dead_launcher_while_it_saves(monkeypatch):
     monkeypatch.setattr(orphans, "_grace_until", 0.0)
     orphans._exit_if_orphaned()
     assert exits == [orphans.EXIT]
+
+
+def test_a_dead_runner_above_a_live_parent_stops_the_run_like_sigterm(group, monkeypatch, capsys):
+    """The `deepspeed` runner gone while launch.py lives (it dies of SIGTERM without forwarding
+    it): a run with a checkpoint directory stops at the next step boundary instead of ending as
+    an orphan, and gets STOP_S to reach it; without one (no hook) the rank ends at once."""
+    from megatron_bridge.train import orphans
+
+    exits: list[int] = []
+    monkeypatch.setattr(orphans, "_gone", lambda: ("deepspeed", 12345, True))
+    monkeypatch.setattr(orphans.os, "_exit", exits.append)
+    monkeypatch.setattr(orphans, "_grace_until", 0.0)
+    s = StopSignals("cpu", save_on_launcher_gone=True)
+    try:
+        assert s.requested() is None
+        orphans._exit_if_orphaned()  # the watch thread's tick
+        assert exits == [] and orphans._grace_until > orphans.time.monotonic() + orphans.STOP_S - 1
+        assert (
+            "launcher deepspeed (pid 12345) is gone while this rank's own launcher lives on" in capsys.readouterr().err
+        )
+        assert s.requested() == "launcher gone"
+        assert orphans._grace_until > orphans.time.monotonic() + 100  # the save's own grace
+        orphans._exit_if_orphaned()  # later ticks: the hook ran once; the grace holds the exit back
+        assert exits == []
+        monkeypatch.setattr(orphans, "_grace_until", 0.0)
+        orphans._exit_if_orphaned()  # a rank that never reached its boundary (hung) still ends
+        assert exits == [orphans.EXIT]
+    finally:
+        s.close()
+    plain = StopSignals("cpu")  # no checkpoint.dir: nothing to save, the orphan ends at once
+    try:
+        orphans._exit_if_orphaned()
+        assert exits == [orphans.EXIT, orphans.EXIT] and plain.requested() is None
+    finally:
+        plain.close()

@@ -52,11 +52,12 @@ def _wait_file(p: Path, limit: float = 60) -> str:
     return p.read_text()
 
 
-def run_chain(tmp_path, names, kill: int, env_extra=None):
-    """Start launchers `names` (outermost first) and a rank; SIGKILL launcher `kill`."""
+def run_chain(tmp_path, names, kill: int, env_extra=None, rank: str = RANK):
+    """Start launchers `names` (outermost first) and a rank (Python source `rank`); SIGKILL
+    launcher `kill`."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), **(env_extra or {})}
     log = open(tmp_path / "rank.log", "w")
-    inner = [sys.executable, "-c", RANK, str(tmp_path / "armed")]
+    inner = [sys.executable, "-c", rank, str(tmp_path / "armed")]
     for i in reversed(range(len(names))):
         inner = [sys.executable, "-c", LAUNCHER, names[i], str(tmp_path / f"pid{i}"), *inner]
     top = subprocess.Popen(inner, env=env, stderr=log, start_new_session=True)
@@ -96,6 +97,30 @@ def test_rank_ends_when_the_deepspeed_runner_above_its_parent_dies(tmp_path):
     )
     assert armed == "armed" and gone, log
     assert f"rank 1: launcher deepspeed (pid {pids[0]}) is gone" in log
+
+
+def test_a_run_that_can_save_stops_instead_but_a_hung_rank_still_ends(tmp_path):
+    # deepspeed runner -> launch.py -> rank whose run has a checkpoint directory (a stop hook):
+    # the runner's death calls the hook instead of ending the rank; the rank, which never reaches
+    # a step boundary here, still ends when its STOP_S (1 s here) is up.
+    rank = RANK.replace(
+        "armed = die_with_launcher()",
+        "from megatron_bridge.train import orphans\n"
+        "orphans.STOP_S = 1.0\n"
+        "orphans.stop_instead(lambda: open(sys.argv[1] + '.stop', 'w').write('stop'))\n"
+        "armed = die_with_launcher()",
+    )
+    armed, gone, pids, log = run_chain(
+        tmp_path,
+        ["deepspeed", "deepspeed.launcher.launch"],
+        kill=0,
+        env_extra={"LOCAL_RANK": "0", "RANK": "1"},
+        rank=rank,
+    )
+    assert armed == "armed" and gone, log
+    assert (tmp_path / "armed.stop").read_text() == "stop"
+    assert f"rank 1: launcher deepspeed (pid {pids[0]}) is gone while this rank's own launcher lives on" in log
+    assert f"rank 1: launcher deepspeed (pid {pids[0]}) is gone; exiting so no orphaned rank keeps training" in log
 
 
 def test_nothing_armed_outside_a_launcher(tmp_path):
