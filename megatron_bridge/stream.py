@@ -21,7 +21,8 @@ Two modes (`mode=`):
   the ranks exchange their next bucket's names and shapes (one small all_gather_object), then
   each stage's bucket is broadcast from its rank in the group as one packed byte buffer. Extra
   memory per rank: its own bucket, the packed copy being sent or received, and the next tensor
-  (at most about 2 x `bucket_bytes` + the largest tensor).
+  (2 x max(`bucket_bytes`, the largest tensor) + the largest tensor: a tensor over
+  `bucket_bytes` is a bucket of its own).
 
 `adapter=True` streams a LoRA run's adapters alone, under HF PEFT's names. Every rank must
 iterate `hf_buckets` to the end, as it is collective; in broadcast mode under expert parallelism
@@ -183,19 +184,24 @@ def _rounds(own: Iterator[Bucket]) -> Iterator[Bucket]:
         for stage, names in enumerate(meta):
             if names is None:
                 continue
-            sizes = [_nbytes(shape, dt) for _, shape, dt in names]
+            # every buffer is dropped as soon as it is handed over, so a rank holds at most its own
+            # bucket, one packed buffer and the next tensor (docs/rl.md "Memory")
+            src = torch.distributed.get_global_rank(group, stage)
             if stage == me:
                 assert mine is not None
                 buf = torch.cat([t.to(device).contiguous().view(-1).view(torch.uint8) for _, t in mine])
-            else:
-                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-            torch.distributed.broadcast(buf, src=torch.distributed.get_global_rank(group, stage), group=group)
-            if stage == me:
-                assert mine is not None
+                torch.distributed.broadcast(buf, src=src, group=group)
+                del buf
                 yield mine
+                mine = None
                 continue
-            parts = torch.split(buf, sizes)
-            yield [(n, part.view(dt).reshape(shape)) for (n, shape, dt), part in zip(names, parts)]
+            sizes = [_nbytes(shape, dt) for _, shape, dt in names]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            torch.distributed.broadcast(buf, src=src, group=group)
+            got = [(n, part.view(dt).reshape(shape)) for (n, shape, dt), part in zip(names, torch.split(buf, sizes))]
+            del buf  # the views keep it while the receiver holds them
+            yield got
+            del got
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

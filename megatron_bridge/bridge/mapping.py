@@ -136,7 +136,14 @@ class VocabParallel(Transform):
     def merge(self, shards, shapes):
         import torch
 
-        return (torch.cat(list(shards), dim=0)[: shapes.vocab_size].clone(),)
+        # the padding cut from the shards (views) before the one concatenation: the merged table
+        # is the only new memory (a cut after it would hold the shards, the padded table and its
+        # copy at once: 3x the largest tensor of the weight stream, docs/rl.md "Memory")
+        pieces, left = [], shapes.vocab_size
+        for t in shards:
+            pieces.append(t[: max(left, 0)])
+            left -= t.shape[0]
+        return (torch.cat(pieces, dim=0),)
 
 
 class FusedQKV(Transform):

@@ -149,6 +149,7 @@ def _iter_native(
             if shards is None:
                 continue
             merged = row.mapping.merge(shards, shapes)
+            del shards  # not held while the merged tensors are yielded (docs/rl.md "Memory")
             if row.mapping.transform.stacked:
                 merged = _stack_experts(row, merged, spec, stacks, everywhere)
             elif expert and everywhere:  # every EP rank's experts, in EP rank order

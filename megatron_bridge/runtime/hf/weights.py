@@ -88,7 +88,9 @@ def iter_tensors(
             shards = gather_shards(t, group, everywhere)
             if shards is None:
                 continue
-            for hf_name, t in zip(row.hf, row.mapping.merge(shards, shapes)):
+            merged = row.mapping.merge(shards, shapes)
+            del shards  # not held while the merged tensors are yielded (docs/rl.md "Memory")
+            for hf_name, t in zip(row.hf, merged):
                 yield hf_name, (t if dtype is None else t.to(dtype)).contiguous()
 
 

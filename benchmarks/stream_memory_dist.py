@@ -1,0 +1,142 @@
+"""Peak extra host memory of the RL weight stream (`megatron_bridge.stream.hf_buckets`) on every
+rank of a multi-process job (gloo, CPU), against the bounds docs/rl.md states:
+
+* `mode="stage"`: a receiving rank holds at most `bucket_bytes` plus twice the largest tensor
+  (while a tensor is gathered, the shards and gloo's flat receive buffer exist together; then
+  the shards and the merged tensor);
+* `mode="broadcast"`: 2 x max(`bucket_bytes`, largest) + the largest tensor (its own bucket —
+  a tensor over `bucket_bytes` is a bucket of its own —, the packed copy being sent or
+  received, and the next tensor).
+
+Run it twice: with glibc's default malloc, freed heap memory of many mid-sized tensors is kept
+by the process (RSS, not live tensors); `MALLOC_MMAP_THRESHOLD_=131072` maps every allocation
+over 128 KiB on its own, so the figure is the live memory the bound is about.
+
+Two jobs of 4 processes each: a Llama-shaped fp32 model at tp2.pp2 and a Mixtral-shaped one at
+ep2.tp2 (experts gathered over EP). Each rank resets its peak RSS (`/proc/self/clear_refs` 5,
+Linux) after build + load and a barrier, streams in one mode dropping each bucket as it comes,
+and reports `VmHWM - VmRSS before`; rank 0 prints a row per (job, mode, rank).
+
+    .venv/bin/python benchmarks/stream_memory_dist.py [--hidden 1024 --bucket-mib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+JOBS = {  # name -> (family, layout, model overrides beyond the hidden size)
+    "llama tp2.pp2": (
+        "llama",
+        "tp2pp2",
+        {"num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 16},
+    ),
+    "mixtral ep2.tp2": (
+        "mixtral",
+        "ep2tp2",
+        {"num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16, "num_local_experts": 4},
+    ),
+}
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _worker(hf: Path, layout_text: str, bucket: int) -> None:
+    import torch
+    from safetensors import safe_open
+
+    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.parity import ensure_groups
+    from megatron_bridge.runtime.weights import load_hf_weights
+    from megatron_bridge.stream import hf_buckets
+
+    torch.distributed.init_process_group("gloo")
+    layout = Layout.parse(layout_text)
+    ensure_groups(layout, torch.distributed.get_world_size())
+    spec = load_spec(hf)
+    chunks = build_model(spec, layout, load_weights=True)
+    load_hf_weights(chunks, spec, hf)
+    largest = 0
+    for f in hf.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                sl = s.get_slice(k)
+                n = 4  # fp32 source
+                for d in sl.get_shape():
+                    n *= d
+                largest = max(largest, n)
+    rows = []
+    for mode in ("stage", "broadcast"):
+        gc.collect()
+        torch.distributed.barrier()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        base = _status_kib("VmRSS")
+        received = 0
+        for b in hf_buckets(chunks, spec, bucket_bytes=bucket, mode=mode):
+            received += sum(t.numel() * t.element_size() for _, t in b)
+            del b
+        peak = _status_kib("VmHWM") - base
+        rows.append({"rank": torch.distributed.get_rank(), "mode": mode, "received": received, "peak_kib": peak})
+    out: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, rows)
+    if torch.distributed.get_rank() == 0:
+        print("ROWS " + json.dumps({"largest": largest, "rows": [r for rs in out for r in rs]}), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--worker", nargs=2, metavar=("HF", "LAYOUT"))
+    a = ap.parse_args()
+    bucket = a.bucket_mib << 20
+    if a.worker:
+        _worker(Path(a.worker[0]), a.worker[1], bucket)
+        return
+    from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.testing import free_port
+
+    mib = 2**20
+    print("| job | mode | rank | received MiB | peak RSS increase MiB | stated bound MiB |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (family, layout, extra) in JOBS.items():
+            hf = make_tiny(
+                family,
+                Path(tmp) / family,
+                hidden_size=a.hidden,
+                intermediate_size=4 * a.hidden,
+                vocab_size=32000,
+                **extra,
+            )
+            torchrun = Path(sys.executable).parent / "torchrun"
+            cmd = [str(torchrun), "--nproc-per-node", "4", "--master-port", str(free_port()), __file__]
+            cmd += ["--bucket-mib", str(a.bucket_mib), "--worker", str(hf), layout]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+            got = json.loads(next(line for line in out.splitlines() if line.startswith("ROWS "))[5:])
+            largest = got["largest"]
+            for r in sorted(got["rows"], key=lambda r: (r["mode"], r["rank"])):
+                bound = bucket + 2 * largest if r["mode"] == "stage" else 2 * max(bucket, largest) + largest
+                print(
+                    f"| {name} | {r['mode']} | {r['rank']} | {r['received'] / mib:.0f} | "
+                    f"+{r['peak_kib'] / 1024:.0f} | {bound / mib:.0f} |"
+                )
+
+
+if __name__ == "__main__":
+    main()
