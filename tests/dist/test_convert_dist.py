@@ -6,7 +6,9 @@ launch then loads every output the way training does (`train.init_from`) at tp2�
 checks: every parameter bitwise equal to the bridge's online load of the HF directory,
 logits equal to transformers' (fp32), weights streamed by `megatron_bridge.stream` in both
 modes equal to the HF directory's tensors (per stage: once over the receiving ranks;
-broadcast: on every rank), and 2 training steps from either format reproducing the
+broadcast: on every rank) — and, for the hf backend's tp2·pp2 dense and ep2·tp2 MoE cases,
+streamed into a separate process (convert_scripts/stream_receiver.py) whose transformers
+model then gives the reference logits —, and 2 training steps from either format reproducing the
 HF-initialized run's losses exactly. torch_dist checkpoints are always written for
 tp1·pp1, so their loads are megatron-core resharding on load — including to another vocab
 padding (one is written unpadded, 250 rows, and loaded into the 256-row embedding).
@@ -26,13 +28,15 @@ pytestmark = pytest.mark.dist
 
 SCRIPT = str(Path(__file__).parent / "convert_scripts" / "load_parity.py")
 TOL = 1e-5
-LAYOUT_ARGS = {"tp2pp2": ["parallel.tp=2", "parallel.pp=2"], "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"],
-               "ep2pp2": ["parallel.ep=2", "parallel.pp=2"]}
+LAYOUT_ARGS = {
+    "tp2pp2": ["parallel.tp=2", "parallel.pp=2"],
+    "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"],
+    "ep2pp2": ["parallel.ep=2", "parallel.pp=2"],
+}
 # streamed only (megatron_bridge.stream), built by the hf backend: transformers' modules, experts
 # gathered over EP and split over TP
 STREAM_HF = ["llama:tp2pp2", "qwen3_moe:ep2tp2"]
-CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtral", "ep2pp2"),
-         ("qwen2_moe", "ep2pp2")]
+CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtral", "ep2pp2"), ("qwen2_moe", "ep2pp2")]
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +53,54 @@ def root(tmp_path_factory) -> Path:
     for fam, layout in CASES:
         for fmt in ("torch_dist", "torch"):
             args = LAYOUT_ARGS[layout] if fmt == "torch" else []  # torch_dist: written for tp1·pp1
-            assert mbr(["convert", f"src={base / fam}", f"dst={base / 'ckpt' / f'{fam}-{fmt}-{layout}'}",
-                        f"format={fmt}", "progress=off", *args]) == 0
-    assert mbr(["convert", f"src={base / 'llama'}", f"dst={base / 'ckpt' / 'llama-torch_dist_pad-tp2pp2'}",
-                "model.make_vocab_size_divisible_by=2", "progress=off"]) == 0
+            assert (
+                mbr(
+                    [
+                        "convert",
+                        f"src={base / fam}",
+                        f"dst={base / 'ckpt' / f'{fam}-{fmt}-{layout}'}",
+                        f"format={fmt}",
+                        "progress=off",
+                        *args,
+                    ]
+                )
+                == 0
+            )
+    assert (
+        mbr(
+            [
+                "convert",
+                f"src={base / 'llama'}",
+                f"dst={base / 'ckpt' / 'llama-torch_dist_pad-tp2pp2'}",
+                "model.make_vocab_size_divisible_by=2",
+                "progress=off",
+            ]
+        )
+        == 0
+    )
     return base
 
 
 def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
     cases = [f"{fam}:{fmt}:{layout}" for fam, layout in CASES for fmt in ("torch_dist", "torch")]
     cases.append("llama:torch_dist_pad:tp2pp2")  # stored vocab 250 rows, the model pads to 256
-    results = run_torchrun([SCRIPT, "--root", str(root), "--cases", ",".join(cases), "--train", "llama",
-                            "--stream-hf", ",".join(STREAM_HF), "--out", str(tmp_path)], nproc=4, timeout=600)
+    results = run_torchrun(
+        [
+            SCRIPT,
+            "--root",
+            str(root),
+            "--cases",
+            ",".join(cases),
+            "--train",
+            "llama",
+            "--stream-hf",
+            ",".join(STREAM_HF),
+            "--out",
+            str(tmp_path),
+        ],
+        nproc=4,
+        timeout=600,
+    )
     for case in [*cases, *(f"hf:{c}" for c in STREAM_HF)]:
         per_rank = [r[case] for r in results if case in r]
         assert len(per_rank) == 4, case
@@ -77,6 +117,9 @@ def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
         assert sorted({n for s in streams for n in s["stage"]["names"]}) == want, case
         assert all(s["broadcast"]["names"] == want and s["broadcast"]["buckets"] >= 7 for s in streams), case
         assert all(s["model"]["equal"] and not s["model"]["missing"] for s in streams), (case, streams[0]["model"])
+        if case.startswith("hf:"):  # "stage" into a separate process's transformers model (stream_receiver.py)
+            (got,) = [r["receiver"] for r in per_rank if r["receiver"] is not None]
+            assert got["tensors"] == len(want) and got["max_abs"] <= TOL, (case, got)
     losses = next(r["losses"] for r in results if "losses" in r)
     assert len(losses["hf"]) == 2
     assert losses["torch_dist"] == losses["hf"] and losses["torch"] == losses["hf"], losses

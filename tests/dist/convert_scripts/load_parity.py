@@ -40,18 +40,68 @@ def stream_check(chunks, spec, hf: Path) -> dict:
             buckets += 1
             for n, t in bucket:
                 got[n] = n in want and torch.equal(t.cpu(), want[n])
-        out[mode] = {"names": sorted(got), "equal": all(got.values()), "over": over, "buckets": buckets,
-                     "want": sorted(want)}
+        out[mode] = {
+            "names": sorted(got),
+            "equal": all(got.values()),
+            "over": over,
+            "buckets": buckets,
+            "want": sorted(want),
+        }
     # layout="model": transformers' in-memory names and fused experts, on every rank
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     held = dict(model.named_parameters())  # a tied head is the embedding (not streamed twice)
     held |= {n: b for n, b in model.state_dict().items() if n not in held and not n.endswith("lm_head.weight")}
-    got = {n: n in held and torch.equal(t.cpu().float(), held[n])
-           for b in hf_buckets(chunks, spec, bucket_bytes=bound, mode="broadcast", layout="model") for n, t in b}
+    got = {
+        n: n in held and torch.equal(t.cpu().float(), held[n])
+        for b in hf_buckets(chunks, spec, bucket_bytes=bound, mode="broadcast", layout="model")
+        for n, t in b
+    }
     out["model"] = {"missing": sorted(set(held) - set(got))[:4], "equal": all(got.values())}
     return out
+
+
+def stream_to_process(chunks, spec, hf: Path, ref: Path, out: Path) -> dict | None:
+    """`mode="stage"` into a separate process (stream_receiver.py, started by rank 0): every rank
+    connects, sends the buckets it receives as raw bytes after a JSON header, then `done`; the
+    receiver loads them with transformers. Rank 0 returns the receiver's report."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from multiprocessing.connection import Client
+
+    from megatron_bridge.stream import hf_buckets
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    port_file, report = out / "receiver.port", out / "receiver.json"
+    receiver = None
+    if rank == 0:
+        script = str(Path(__file__).with_name("stream_receiver.py"))
+        receiver = subprocess.Popen(
+            [sys.executable, script, str(hf), str(ref), str(world), str(port_file), str(report)]
+        )
+        while not (port_file.exists() and port_file.read_text()):
+            assert receiver.poll() is None, "the receiver ended before listening"
+            time.sleep(0.05)
+    port = [int(port_file.read_text()) if rank == 0 else 0]
+    torch.distributed.broadcast_object_list(port, src=0)
+    conn = Client(("127.0.0.1", port[0]), authkey=b"mbr-stream-test")
+    bound = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters()) // 3
+    for bucket in hf_buckets(chunks, spec, bucket_bytes=max(bound, 1), mode="stage"):
+        for n, t in bucket:
+            t = t.detach().cpu().contiguous()
+            conn.send_bytes(
+                json.dumps({"name": n, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}).encode()
+            )
+            conn.send_bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    conn.send_bytes(b"done")
+    conn.close()
+    if receiver is None:
+        return None
+    assert receiver.wait(timeout=300) == 0
+    return json.loads(report.read_text())
 
 
 def main() -> None:
@@ -87,8 +137,12 @@ def main() -> None:
         load_initial_weights(chunks, spec, str(ckpt))
         ref_chunks = build_model(spec, layout, load_weights=True)
         load_hf_weights(ref_chunks, spec, hf)
-        same = all(torch.equal(p, q) for c, r in zip(chunks, ref_chunks)
-                   for p, q in zip(c.state_dict().values(), r.state_dict().values()) if torch.is_tensor(p))
+        same = all(
+            torch.equal(p, q)
+            for c, r in zip(chunks, ref_chunks)
+            for p, q in zip(c.state_dict().values(), r.state_dict().values())
+            if torch.is_tensor(p)
+        )
         ref = torch.load(root / "refs" / f"{family}.pt")
         logits = forward_logits(chunks, ref["input_ids"])
         res = {"params_equal": same, "stream": stream_check(chunks, spec, hf)}
@@ -105,14 +159,26 @@ def main() -> None:
         spec = describe_hf(read_hf_config(hf), make_vocab_size_divisible_by=a.vocab_divisor, backend="hf")
         chunks = build_model(spec, layout, load_weights=True)
         load_hf_weights(chunks, spec, hf)
-        report({f"hf:{case}": {"stream": stream_check(chunks, spec, hf)}})
+        out = Path(a.out) / f"receiver-{family}-{text}"
+        out.mkdir(exist_ok=True)
+        received = stream_to_process(chunks, spec, hf, root / "refs" / f"{family}.pt", out)
+        report({f"hf:{case}": {"stream": stream_check(chunks, spec, hf), "receiver": received}})
 
     if a.train:
         from megatron_bridge.train.runner import train
 
         hf = root / a.train
-        common = ["recipe=default", "parallel.tp=2", "parallel.pp=2", "train.steps=2", "train.seq_length=32",
-                  "train.micro_batch_size=1", "train.global_batch_size=4", "optimizer.warmup_steps=1", "data=synthetic"]
+        common = [
+            "recipe=default",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "train.steps=2",
+            "train.seq_length=32",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=4",
+            "optimizer.warmup_steps=1",
+            "data=synthetic",
+        ]
         jobs = {"hf": [f"model.hf_path={hf}"]}
         for fmt in ("torch_dist", "torch"):
             ckpt = root / "ckpt" / f"{a.train}-{fmt}-tp2pp2"
