@@ -308,7 +308,7 @@ class Stage:
         """`module` (at `path` in the causal LM) with its planned linears swapped, its heads
         divided and the rest materialised on this rank's device. Under SP the unit of a decoder
         layer that runs whole (`_whole`) is built as in plain TP and wrapped (`whole_under_sp`)."""
-        split_parents = set()
+        split_parents: dict[torch.nn.Module, bool] = {}  # module holding colwise linears -> splits under SP
         whole = self._whole(path, module)
         for name, child in list(module.named_modules()):
             full = f"{path}.{name}" if name else path
@@ -321,8 +321,8 @@ class Stage:
                 parent = module.get_submodule(parent_name)
                 swap = self._linear if style in COLUMN_STYLES or style in ROW_STYLES else self._embedding_in
                 parent.add_module(leaf, swap(full, child, style, sp))
-                if style == "colwise" and sp:
-                    split_parents.add(parent)
+                if style == "colwise":
+                    split_parents[parent] = sp
             elif style == MLA and self.tp > 1:
                 mla_kv_a_hook(child, int(self.full.config.qk_rope_head_dim))
             elif style == MQA_QKV and self.tp > 1:
@@ -333,9 +333,9 @@ class Stage:
             tp = self.tp > 1 and style == MOE_TP
             if ep or tp:
                 partition(child, self.ep if ep else 1, tp, sp)
-        for parent in split_parents:
+        for parent, sp in split_parents.items():
             self._divide_heads(parent)
-            if self.sp:
+            if sp:
                 if parent is module and path.startswith(f"{self.plan.layers}."):
                     raise UserError(
                         f"{path}: its colwise linears sit in the decoder layer itself, so sequence parallelism "
@@ -343,7 +343,7 @@ class Stage:
                     )
                 gather_sequence(parent)
         if whole is not None:
-            whole_under_sp(self.full.get_submodule(whole) if whole != path else module)
+            whole_under_sp(self.full.get_submodule(whole))
         self._materialise(path, module, whole)
         return module
 

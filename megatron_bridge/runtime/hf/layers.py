@@ -219,7 +219,7 @@ def gather_sequence(module: torch.nn.Module) -> None:
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def whole_under_sp(module: torch.nn.Module) -> None:
+def whole_under_sp(module: torch.nn.Module, group: Any = None) -> None:
     """Under SP: `module` (a unit `hf_plan.sp_whole` names, built as in plain TP) runs on the
     whole sequence. Its hidden states ([b, s/tp, ...], the first positional argument, else
     `hidden_states=`) are gathered at its entry by a gather whose backward only splits, and its
@@ -227,8 +227,9 @@ def whole_under_sp(module: torch.nn.Module) -> None:
     then the output gradient is whole and the same on every TP rank, the module's backward is
     plain TP's (its split parameters get their TP gradients, its replicated ones the whole
     gradient on every rank, so they are not marked `sequence_parallel`), and its input gradient,
-    whole and the same on every rank, needs no sum, only this rank's slice."""
-    group = ps.get_tensor_model_parallel_group()
+    whole and the same on every rank, needs no sum, only this rank's slice. `group`: the TP group
+    (megatron's by default)."""
+    group = group or ps.get_tensor_model_parallel_group()
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         whole = gather_from_sequence_parallel_region(x.movedim(1, 0), tensor_parallel_output_grad=False, group=group)
