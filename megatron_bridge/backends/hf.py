@@ -200,8 +200,7 @@ class HFBackend(Backend):
         if layout.cp > 1:
             out += cp_refusals(self.hf_config(spec).get("layer_types"), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
-            kinds = json.loads(spec.hf_json).get("layer_types") or ()
-            out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan, kinds)]
+            out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan)]
         plan = meta(spec).plan if spec.is_moe else None
         out += expert_limits(spec, layout, plan.ep if plan else (), plan.tp if plan else ())
         out += layer_limits(declared(transformers_config(spec)), layout)  # with the class defaults (layer_types)

@@ -83,18 +83,22 @@ EMBED_ROWS, EMBED_COLS = "embedding_rowwise", "embedding_colwise"
 STYLE_KINDS = {EMBED_ROWS: COLUMN, EMBED_COLS: ROW, "replicate": REPLICATED}
 STYLES = (*COLUMN_STYLES, *ROW_STYLES, "replicated_with_grad_allreduce", MLA, MQA_QKV, *STYLE_KINDS, *MARKERS)
 # Sequence parallelism (runtime/hf/layers.py): the hidden states between modules are split
-# along the sequence over TP. The tp styles whose modules run so: a module holding `colwise`
+# along the sequence over TP. The tp styles whose modules split so: a module holding `colwise`
 # linears is gathered at its entry and closed by a `rowwise` one that scatters; per-head and
 # `replicated_with_grad_allreduce` tensors sit inside it (whole sequence); experts split by
-# `moe_tp_experts` gather their tokens. Any other style (an output gathered over TP, an input
-# split, MLA's whole kv down-projection on the residual stream) is refused under SP, as is a
-# layer kind not listed (a module mixing tokens outside a gathered module would see a slice).
+# `moe_tp_experts` gather their tokens. A unit of a decoder layer that cannot split (`sp_whole`:
+# an attention planned with another style or not split at all, a layer with another style or of
+# a layer kind not listed) runs whole instead: gathered at its entry, built as in plain TP, this
+# rank's slice kept at its exit (runtime/hf/layers.py `whole_under_sp`).
 SP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", MOE_TP, "packed_colwise", "packed_rowwise")
-SP_LAYER_KINDS = ("full_attention", "sliding_attention")  # measured under SP
-# the attention modules' names in transformers' plans: under SP the attention must be split
-# (`colwise` q/k/v), or it would run whole on each rank's slice of the sequence (PhiMoE,
-# HunYuan-MoE and DeepSeek-V3 plan only their MLPs and experts)
+SP_LAYER_KINDS = ("full_attention", "sliding_attention")  # measured splitting under SP
+# the attention modules' names in transformers' plans and decoder layers: under SP an attention
+# splits only with `colwise` q/k/v (PhiMoE, HunYuan-MoE and DeepSeek-V3 plan only their MLPs
+# and experts: their attention runs whole)
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
+# what of a decoder layer runs whole under SP (`sp_whole`); the builder falls back to the layer
+# where it finds no attention module of those names
+WHOLE_LAYER, WHOLE_ATTENTION = "layer", "attention"
 
 
 def _regex(pattern: str) -> re.Pattern[str]:
@@ -190,30 +194,41 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
     return out
 
 
-def sp_refusals(plan: Plan, layer_kinds: Iterable[str]) -> list[str]:
-    """What of this model cannot run under sequence parallelism (`SP_STYLES`), one line each."""
+def sp_refusals(plan: Plan) -> list[str]:
+    """What of this model cannot run under sequence parallelism, one line each: a planned module
+    outside the decoder layers with a style outside `SP_STYLES` (inside them `sp_whole` runs the
+    unit whole, whatever its layer kind; the base model's embedding reduce-scatters whatever its
+    entry says)."""
     where: dict[str, list[str]] = {}
     for pattern, style in plan.tp:
-        if style not in SP_STYLES and pattern != plan.embed:  # the embedding reduce-scatters (runtime/hf/layers.py)
+        if style not in SP_STYLES and pattern != plan.embed and not pattern.startswith(plan.layers + "."):
             where.setdefault(style, []).append(pattern.removeprefix(plan.prefix + "."))
-    out = [
-        f"tp style {style!r} ({', '.join(paths[:3])}) under sequence parallelism: the hf backend splits "
-        f"the sequence around {', '.join(SP_STYLES)} only"
+    return [
+        f"tp style {style!r} ({', '.join(paths[:3])}) outside the decoder layers under sequence parallelism: "
+        f"the hf backend splits the sequence there around {', '.join(SP_STYLES)} only"
         for style, paths in where.items()
     ]
-    attention = [p for p, style in plan.tp if style == "colwise" and any(n in p for n in ATTENTION_NAMES)]
-    if not attention:
-        out.append(
-            "sequence parallelism needs the attention split over TP, and the tp plan names no `colwise` "
-            f"attention projection (under {', '.join(ATTENTION_NAMES)})"
-        )
-    out += [
-        f"layer kind {kind!r} under sequence parallelism (the hf backend gathers the sequence for "
-        f"{', '.join(SP_LAYER_KINDS)} only)"
-        for kind in dict.fromkeys(layer_kinds)
-        if kind not in SP_LAYER_KINDS
-    ]
-    return out
+
+
+def sp_whole(plan: Plan, kind: str) -> str | None:
+    """Under sequence parallelism, what of a decoder layer of layer kind `kind` runs whole: None
+    where each of its modules splits the sequence, `WHOLE_ATTENTION` where its attention cannot
+    (no `colwise` projection, or a style outside `SP_STYLES` in it: OLMoE's gathered q/k/v, MLA's
+    whole kv down-projection), `WHOLE_LAYER` where more cannot (a style outside `SP_STYLES` next
+    to the attention, a layer kind outside `SP_LAYER_KINDS`: linear attention, convolutions,
+    indexers mix tokens in modules of their own). The smallest unit, so that the split modules
+    (MLPs, experts) keep SP's memory saving."""
+    if kind not in SP_LAYER_KINDS:
+        return WHOLE_LAYER
+    inside = plan.layers + ".*."
+    styles = [(p.removeprefix(inside), s) for p, s in plan.tp if p.startswith(inside)]
+    in_attention = {rel: rel.split(".")[0] in ATTENTION_NAMES for rel, _ in styles}
+    if any(s not in SP_STYLES and not in_attention[rel] for rel, s in styles):
+        return WHOLE_LAYER
+    attention = [s for rel, s in styles if in_attention[rel]]
+    if "colwise" not in attention or any(s not in SP_STYLES for s in attention):
+        return WHOLE_ATTENTION
+    return None
 
 
 def tensor_kinds(
@@ -287,6 +302,8 @@ __all__ = [
     "STYLE_KINDS",
     "UNBUILT_KINDS",
     "VOCAB",
+    "WHOLE_ATTENTION",
+    "WHOLE_LAYER",
     "WHOLE_MODULES",
     "FORWARD",
     "cp_refusals",
@@ -296,6 +313,7 @@ __all__ = [
     "plan_of",
     "plan_problems",
     "sp_refusals",
+    "sp_whole",
     "tensor_kinds",
     "UNBUILT",
     "unbuilt_refusals",

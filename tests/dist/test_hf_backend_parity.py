@@ -31,7 +31,8 @@ SCRIPT = str(Path(__file__).parent / "bridge_scripts" / "parity.py")
 # Apertus' 0-dim xIELU buffers (loaded whole, exported), Cohere-Compass' rotary-free layer kind,
 # MiniCPM3's multi-head latent attention (`mla_kv_a_proj`, a 4-D input to a column-parallel linear),
 # DeepSeek-V3.2's sparse attention (`indexed_attention`: a whole indexer's top-k of 8 keys out of 16
-# narrowing the mask of the split MLA heads; MoE experts split over TP); Qwen3.5's gated DeltaNet
+# narrowing the mask of the split MLA heads; MoE experts split over TP; its gradients with sequence
+# parallelism, as MoE at tp > 1 trains, the indexed layers run whole: hf_plan.sp_whole); Qwen3.5's gated DeltaNet
 # layers (linear attention run whole on every TP rank) beside full attention; Falcon's plan from the
 # override table alone (multi-query: `mqa_fused_qkv`, the one K/V head whole on every rank; layers `h`)
 MATRIX_SAMPLE = [
@@ -47,8 +48,8 @@ MOE = ["qwen3_moe"]
 # Llama 4's experts, stored transposed (`packed_rowwise` gate_up_proj [E, H, 2·I], `colwise`
 # down_proj) and called on pre-scaled tokens alone (runtime/hf/experts.py
 # PrescaledExpertsSequenceTP inside PrescaledExpertsEP's fixed exchange), at ep2·tp2 with sequence
-# parallelism only: a runtime/hf_tiny.py config with every layer full attention (chunked attention
-# is refused under SP; the matrix runs the released layer mix at tp2 and ep2 without SP)
+# parallelism only: a runtime/hf_tiny.py config with every layer full attention, so every layer
+# splits (chunked-attention layers run whole under SP, hf_plan.sp_whole: the matrix's released mix)
 VARIANTS = {"llama4_text": {"no_rope_layers": [0] * 4, "layer_types": ["full_attention"] * 4}}
 FAMILIES = ["llama", *HF_TINY, *MATRIX_SAMPLE, *MOE, *VARIANTS]
 # (pp2 alone is not here: tp2·pp2 and pp2·vpp2 stage the same pieces; CI time)

@@ -14,6 +14,7 @@ init (`skip_weight_init`) and the loader proves every tensor was written.
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -28,6 +29,7 @@ from megatron_bridge.backends.hf import meta, model_plan, transformers_config
 from megatron_bridge.backends.hf_aux import aux_enabled, aux_seam
 from megatron_bridge.backends.hf_experts import SPLIT_DIMS, expert_split
 from megatron_bridge.backends.hf_plan import (
+    ATTENTION_NAMES,
     COLUMN_STYLES,
     EMBED_COLS,
     EMBED_ROWS,
@@ -40,16 +42,18 @@ from megatron_bridge.backends.hf_plan import (
     MQA_QKV,
     REPLICATED,
     ROW_STYLES,
+    WHOLE_ATTENTION,
     Plan,
     override,
     sp_refusals,
+    sp_whole,
 )
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
 from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
-from megatron_bridge.runtime.hf.chunk import HFChunk
+from megatron_bridge.runtime.hf.chunk import HFChunk, layer_kind
 from megatron_bridge.runtime.hf.cp import cp_implementation
 from megatron_bridge.runtime.hf.experts import mark_expert, partition
 from megatron_bridge.runtime.hf.layers import (
@@ -63,6 +67,7 @@ from megatron_bridge.runtime.hf.layers import (
     mla_kv_a_hook,
     mqa_qkv_hooks,
     sum_grad_over_tp,
+    whole_under_sp,
 )
 from megatron_bridge.runtime.hf.per_layer import PerLayerInputs, extra_width, per_layer_modules
 
@@ -73,6 +78,8 @@ QUERY_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
 # nn.Linear subclasses whose forward is the linear's own arithmetic, x @ W.T + b (FalconLinear
 # adds the bias after the matmul, for bf16 rounding as trained): megatron's linears replace them
 PLAIN_LINEARS = ("Linear", "FalconLinear")
+# modules that hold others but are never called themselves: not a unit `whole_under_sp` can wrap
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> TransformerConfig:
@@ -133,7 +140,7 @@ def build_hf(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **
     if layout.cp > 1:  # K/V gathered over the CP group around the model's attention (runtime/hf/cp.py)
         full.config._attn_implementation = cp_implementation(full.config._attn_implementation)
     plan = model_plan(full)
-    refused = sp_refusals(plan, getattr(hf_cfg, "layer_types", None) or ()) if tconfig.sequence_parallel else []
+    refused = sp_refusals(plan) if tconfig.sequence_parallel else []
     if refused:  # also where a check turned SP on itself (MoE gradients at tp > 1: runtime/parity.py)
         raise UserError(f"{spec.architecture} (hf backend): " + "; ".join(refused))
     kinds = meta(spec).kinds
@@ -169,6 +176,9 @@ class Stage:
         self.tconfig, self.device, self.load_weights = tconfig, device, load_weights
         self.tp, self.ep = tconfig.tensor_model_parallel_size, tconfig.expert_model_parallel_size
         self.sp = bool(tconfig.sequence_parallel)
+        # the config of the modules a unit run whole under SP holds (`_whole`): plain TP's
+        self.tp_config = copy.copy(tconfig)
+        self.tp_config.sequence_parallel = False
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.init = init_method_normal(spec.initializer_range)
 
@@ -296,10 +306,13 @@ class Stage:
 
     def _keep(self, path: str, module: torch.nn.Module) -> torch.nn.Module:
         """`module` (at `path` in the causal LM) with its planned linears swapped, its heads
-        divided and the rest materialised on this rank's device."""
-        split_parents = set()
+        divided and the rest materialised on this rank's device. Under SP the unit of a decoder
+        layer that runs whole (`_whole`) is built as in plain TP and wrapped (`whole_under_sp`)."""
+        split_parents: dict[torch.nn.Module, bool] = {}  # module holding colwise linears -> splits under SP
+        whole = self._whole(path, module)
         for name, child in list(module.named_modules()):
             full = f"{path}.{name}" if name else path
+            sp = self.sp and not _within(full, whole)
             style = self.plan.style(full)
             if style in COLUMN_STYLES or style in ROW_STYLES or style in (EMBED_ROWS, EMBED_COLS):
                 if name == "":
@@ -307,9 +320,9 @@ class Stage:
                 parent_name, _, leaf = name.rpartition(".")
                 parent = module.get_submodule(parent_name)
                 swap = self._linear if style in COLUMN_STYLES or style in ROW_STYLES else self._embedding_in
-                parent.add_module(leaf, swap(full, child, style))
+                parent.add_module(leaf, swap(full, child, style, sp))
                 if style == "colwise":
-                    split_parents.add(parent)
+                    split_parents[parent] = sp
             elif style == MLA and self.tp > 1:
                 mla_kv_a_hook(child, int(self.full.config.qk_rope_head_dim))
             elif style == MQA_QKV and self.tp > 1:
@@ -319,23 +332,41 @@ class Stage:
             ep = self.ep > 1 and self.plan.ep_style(full) == EP_MODULE
             tp = self.tp > 1 and style == MOE_TP
             if ep or tp:
-                partition(child, self.ep if ep else 1, tp, self.sp)
-        for parent in split_parents:
+                partition(child, self.ep if ep else 1, tp, sp)
+        for parent, sp in split_parents.items():
             self._divide_heads(parent)
-            if self.sp:
+            if sp:
                 if parent is module and path.startswith(f"{self.plan.layers}."):
                     raise UserError(
                         f"{path}: its colwise linears sit in the decoder layer itself, so sequence parallelism "
                         "would gather its norms' input too (set parallel.sequence_parallel=false)"
                     )
                 gather_sequence(parent)
-        self._materialise(path, module)
+        if whole is not None:
+            whole_under_sp(self.full.get_submodule(whole))
+        self._materialise(path, module, whole)
         return module
 
-    def _linear(self, path: str, lin: Any, style: str) -> torch.nn.Module:
+    def _whole(self, path: str, module: torch.nn.Module) -> str | None:
+        """Under SP, the path of what of decoder layer `path` runs whole (`hf_plan.sp_whole`):
+        its attention module (the first of `ATTENTION_NAMES` it has, called as a module: not a
+        container), else the layer; None where everything splits or `path` is no decoder layer."""
+        i = self.plan.layer_index(path + ".")
+        if not self.sp or i is None or path != f"{self.plan.layers}.{i}":
+            return None
+        unit = sp_whole(self.plan, layer_kind(self.full.config, i))
+        if unit == WHOLE_ATTENTION:
+            for name in ATTENTION_NAMES:
+                child = getattr(module, name, None)
+                if isinstance(child, torch.nn.Module) and not isinstance(child, CONTAINERS):
+                    return f"{path}.{name}"
+        return None if unit is None else path
+
+    def _linear(self, path: str, lin: Any, style: str, sp: bool) -> torch.nn.Module:
         if not isinstance(lin, torch.nn.Linear) or type(lin).__name__ not in PLAIN_LINEARS:
             raise UserError(f"tp plan entry {path} ({style}) is a {type(lin).__name__}, not nn.Linear")
-        common = dict(config=self.tconfig, init_method=self.init, bias=lin.bias is not None, tp_group=self.tp_group)
+        config = self.tconfig if sp else self.tp_config
+        common = dict(config=config, init_method=self.init, bias=lin.bias is not None, tp_group=self.tp_group)
         with skip_weight_init(self.load_weights):
             if style in COLUMN_STYLES:
                 return ColumnLinear(
@@ -349,7 +380,7 @@ class Stage:
                 **common,
             )
 
-    def _embedding_in(self, path: str, emb: Any, style: str) -> torch.nn.Module:
+    def _embedding_in(self, path: str, emb: Any, style: str, sp: bool) -> torch.nn.Module:
         """An `embedding_rowwise` / `embedding_colwise` embedding inside a stage piece."""
         if type(emb) is not torch.nn.Embedding:
             raise UserError(f"tp plan entry {path} ({style}) is a {type(emb).__name__}, not nn.Embedding")
@@ -357,7 +388,8 @@ class Stage:
         if size % self.tp:
             what = "rows" if style == EMBED_ROWS else "embedding dim"
             raise UserError(f"tp plan entry {path} ({style}): its {size} {what} do not split over tp={self.tp}")
-        common = dict(config=self.tconfig, init_method=self.init, padding_idx=emb.padding_idx, tp_group=self.tp_group)
+        config = self.tconfig if sp else self.tp_config  # under SP always in a unit run whole (sp_whole)
+        common = dict(config=config, init_method=self.init, padding_idx=emb.padding_idx, tp_group=self.tp_group)
         cls = ColumnEmbedding if style == EMBED_COLS else VocabEmbedding
         with skip_weight_init(self.load_weights):
             return cls(emb.num_embeddings, emb.embedding_dim, **common)
@@ -370,7 +402,7 @@ class Stage:
                     raise UserError(f"{type(attention).__name__}.{attr}={n} does not split over tp={self.tp}")
                 setattr(attention, attr, n // self.tp)
 
-    def _materialise(self, path: str, module: torch.nn.Module) -> None:
+    def _materialise(self, path: str, module: torch.nn.Module, whole: str | None = None) -> None:
         for name, mod in module.named_modules():
             if isinstance(mod, MEGATRON_LAYERS):
                 continue
@@ -395,7 +427,7 @@ class Stage:
                     set_tensor_model_parallel_attributes(new, True, 0, 1)
                 if kind == GRAD_ALLREDUCE and self.tp > 1:
                     sum_grad_over_tp(new)
-                if kind == REPLICATED and self.sp and not split:
+                if kind == REPLICATED and self.sp and not split and not _within(prefix, whole):
                     # on the sequence-split hidden states (norms, routers): finalize_model_grads sums it over TP
                     new.sequence_parallel = True  # type: ignore[attr-defined]
                 if expert:
@@ -408,6 +440,10 @@ class Stage:
             for mod in reversed(list(module.modules())):
                 if not isinstance(mod, MEGATRON_LAYERS):
                     self.full._init_weights(mod)
+
+
+def _within(path: str, unit: str | None) -> bool:
+    return unit is not None and (path == unit or path.startswith(unit + "."))
 
 
 __all__ = ["HEAD_ATTRS", "Stage", "build_hf", "transformer_config"]

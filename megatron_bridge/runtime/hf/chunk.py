@@ -66,6 +66,15 @@ class Pieces(torch.nn.Module):
     """A container that gives the kept modules their transformers paths."""
 
 
+def layer_kind(hf_config: Any, i: int) -> str:
+    """Layer `i`'s kind: `layer_types[i]`, else sliding or full attention as the config says."""
+    kinds = getattr(hf_config, "layer_types", None)
+    if kinds:
+        return str(kinds[i])
+    sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
+    return "sliding_attention" if sliding else "full_attention"
+
+
 class HFChunk(MegatronModule):
     def __init__(
         self,
@@ -116,10 +125,7 @@ class HFChunk(MegatronModule):
             self._place(*rotary)
         fwd = inspect.signature(rotary[1].forward).parameters if rotary is not None else {}
         self.rotary_by_kind = "layer_type" in fwd
-        kinds = getattr(hf_config, "layer_types", None)
-        sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
-        default = "sliding_attention" if sliding else "full_attention"
-        self.kinds = {i: (kinds[i] if kinds else default) for i in layers}
+        self.kinds = {i: layer_kind(hf_config, i) for i in layers}
         # what each layer hands the next (hf_kinds.CARRY), where the layers take it
         takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
         self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
@@ -232,7 +238,7 @@ class HFChunk(MegatronModule):
                     past_key_values=None,
                     position_ids=position_ids,
                 )
-            key = kind if self.rotary_by_kind else None
+            key: Any = kind if self.rotary_by_kind else None  # a kind, or a rotary_of index
             if self.rotary_of:  # the layer's own rotary module, or none
                 key = self.rotary_of[int(i)]
                 if key is not None and key not in embeddings:
@@ -283,4 +289,4 @@ class HFChunk(MegatronModule):
         return self.aux.add(loss) if self.aux is not None else loss
 
 
-__all__ = ["HFChunk", "MASKS", "Pieces"]
+__all__ = ["HFChunk", "MASKS", "Pieces", "layer_kind"]

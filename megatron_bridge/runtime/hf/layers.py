@@ -14,6 +14,9 @@ module holding `colwise` linears (attention, MLP) gets its input gathered once a
 the gather cannot wait for the linear), the column linears inside then take the whole
 sequence without a gradient all-reduce of their own (the gather's backward reduce-scatters the
 summed input gradient), and the row linear that closes the module reduce-scatters its output.
+A unit that cannot split (`hf_plan.sp_whole`: an attention planned otherwise, a linear-attention
+layer) runs whole (`whole_under_sp`): built exactly as in plain TP, its input gathered at its
+entry and this rank's slice of its output kept at its exit.
 
 | tp plan | module |
 |---|---|
@@ -45,6 +48,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
 )
 
 
@@ -215,6 +219,38 @@ def gather_sequence(module: torch.nn.Module) -> None:
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def whole_under_sp(module: torch.nn.Module, group: Any = None) -> None:
+    """Under SP: `module` (a unit `hf_plan.sp_whole` names, built as in plain TP) runs on the
+    whole sequence. Its hidden states ([b, s/tp, ...], the first positional argument, else
+    `hidden_states=`) are gathered at its entry by a gather whose backward only splits, and its
+    output (the first element of a tuple) is cut to this rank's slice, whose backward all-gathers:
+    then the output gradient is whole and the same on every TP rank, the module's backward is
+    plain TP's (its split parameters get their TP gradients, its replicated ones the whole
+    gradient on every rank, so they are not marked `sequence_parallel`), and its input gradient,
+    whole and the same on every rank, needs no sum, only this rank's slice. `group`: the TP group
+    (megatron's by default)."""
+    group = group or ps.get_tensor_model_parallel_group()
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        whole = gather_from_sequence_parallel_region(x.movedim(1, 0), tensor_parallel_output_grad=False, group=group)
+        return whole.movedim(0, 1)
+
+    def enter(mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args:
+            return (gather(args[0]), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise TypeError(f"{type(mod).__name__} was called without its hidden states: no sequence to gather")
+        return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+
+    def leave(_: torch.nn.Module, __: Any, out: Any) -> Any:
+        first = out[0] if isinstance(out, tuple) else out
+        mine = _not_a_view(scatter_to_sequence_parallel_region(first.movedim(1, 0), group=group).movedim(0, 1))
+        return (mine, *out[1:]) if isinstance(out, tuple) else mine
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave)
+
+
 def mla_kv_a_hook(linear: torch.nn.Module, rope_dim: int) -> None:
     """`mla_kv_a_proj`: the kv down-projection stays whole on every rank. Its output is
     [latent | rotary key]: the latent feeds the column-parallel kv_b_proj (whose input gradient
@@ -292,4 +328,5 @@ __all__ = [
     "mqa_local",
     "mqa_qkv_hooks",
     "sum_grad_over_tp",
+    "whole_under_sp",
 ]

@@ -10,7 +10,16 @@ import pytest
 
 from megatron_bridge.backends.describe import describe, describe_hf
 from megatron_bridge.backends.hf import meta
-from megatron_bridge.backends.hf_plan import COLUMN, GRAD_ALLREDUCE, HEAD, REPLICATED, ROW, VOCAB
+from megatron_bridge.backends.hf_plan import (
+    COLUMN,
+    GRAD_ALLREDUCE,
+    HEAD,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    WHOLE_ATTENTION,
+    sp_whole,
+)
 from megatron_bridge.backends.registry import BACKENDS, backend_of
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures
 from megatron_bridge.bridge.tiny import HF_TINY
@@ -336,20 +345,20 @@ def test_llama4_composite_config_runs_its_text_model_with_chunked_attention_laye
     assert any(n.endswith("feed_forward.experts.gate_up_proj") for n in m.shapes)
 
 
-def test_sequence_parallelism_is_refused_per_tp_style_it_does_not_cover():
+def test_sequence_parallelism_runs_every_plan_inside_the_layers():
     """colwise/rowwise plans run with the sequence split; a gathered output or a split input
-    (OLMo-3's attention) is refused under SP naming the style; verify's gradient check of an
-    MoE model at tp > 1 turns SP on where the backend runs it."""
+    (OLMo-3's attention) is no longer refused under SP: that attention runs whole
+    (hf_plan.sp_whole, tests/unit/backends/test_hf_sp.py); verify's gradient check of an MoE
+    model at tp > 1 turns SP on where the backend runs it."""
     from megatron_bridge.parallel.dims import ParallelDims
     from megatron_bridge.runtime.parity import training_layout
 
     sp = ParallelDims.parse("tp2sp")
     qwen3 = describe_hf(_config("qwen3"), make_vocab_size_divisible_by=8, backend="hf")
     assert backend_of(qwen3).layout_limits(qwen3, sp) == []
+    assert sp_whole(meta(qwen3).plan, "full_attention") is None
     olmo3 = describe_hf(_config("olmo3"), make_vocab_size_divisible_by=8, backend="hf")
-    limits = [why for why, _ in backend_of(olmo3).layout_limits(olmo3, sp)]
-    assert len(limits) == 3 and "'colwise_gather_output'" in limits[0] and "'rowwise_split_input'" in limits[1]
-    assert "no `colwise` attention projection" in limits[2]
-    assert backend_of(olmo3).layout_limits(olmo3, ParallelDims.parse("tp2")) == []
+    assert backend_of(olmo3).layout_limits(olmo3, sp) == []
+    assert sp_whole(meta(olmo3).plan, "full_attention") == WHOLE_ATTENTION
     moe = describe_hf(_config("qwen3_moe"), make_vocab_size_divisible_by=8, backend="hf")
     assert training_layout(moe, ParallelDims.parse("ep2tp2")).sequence_parallel

@@ -298,7 +298,7 @@ def test_prescaled_experts_exchange_over_ep_gives_transformers_experts_output(mo
 
 def test_llama4_experts_pass_the_layout_rules_at_tp2_and_an_unknown_expert_split_is_refused(tmp_path):
     """Llama 4 at tp2 passes the layout rules now its transposed split has table entries (with
-    sequence parallelism its chunked-attention layers, not its experts, are refused); a
+    sequence parallelism too: its chunked-attention layers run whole); a
     (style, tensor) the table lacks —
     Inkling's `colwise` gate_up_proj [E, 2·I, H], which would part gate from up — is refused
     by name, listing what `moe_tp_experts` splits."""
@@ -315,9 +315,8 @@ def test_llama4_experts_pass_the_layout_rules_at_tp2_and_an_unknown_expert_split
     spec = describe(cfg.model)
     for text in ("pp2", "tp1", "tp2", "ep2", "ep2tp2"):  # ep: the override's ep plan (PrescaledExpertsEP)
         validate(cfg, spec, dims=ParallelDims.parse(text).with_world(4), layout_only=True)
-    with pytest.raises(LayoutError) as e:
-        validate(cfg, spec, dims=ParallelDims.parse("tp2sp").with_world(2), layout_only=True)
-    assert "'chunked_attention' under sequence parallelism" in str(e.value) and "experts" not in str(e.value)
+    # with sequence parallelism too: its chunked-attention layers run whole (hf_plan.sp_whole)
+    validate(cfg, spec, dims=ParallelDims.parse("tp2sp").with_world(2), layout_only=True)
     plan = [
         ("model.layers.*.mlp.experts", "moe_tp_experts"),
         ("model.layers.*.mlp.experts.gate_up_proj", "colwise"),
