@@ -27,7 +27,7 @@ from zlib_ng import zlib_ng
 
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.paths import confined
-from megatron_bridge.convert.formats.safetensors_io import INDEX, ST_DTYPES, tensor_bytes
+from megatron_bridge.convert.formats.safetensors_io import INDEX, ST_DTYPES, raw_header, tensor_bytes
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
@@ -235,10 +235,11 @@ DATA_CRC32 = "mbr_data_crc32"
 
 def safetensors_data_crc32(path: Path, chunk: int = 1 << 24) -> tuple[str | None, str]:
     """(the CRC-32 its header records under DATA_CRC32 or None, the CRC-32 of its data section)."""
+    header, base = raw_header(path)
+    meta = header.get("__metadata__") or {}
+    value = 0
     with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        meta = json.loads(f.read(n)).get("__metadata__") or {}
-        value = 0
+        f.seek(base)
         while block := f.read(chunk):
             value = zlib_ng.crc32(block, value)
     recorded = meta.get(DATA_CRC32) if isinstance(meta, dict) else None

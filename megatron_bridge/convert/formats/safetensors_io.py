@@ -58,8 +58,9 @@ class TensorInfo:
         return self.end - self.start
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one file's header. Raises UserError naming the file and the defect."""
+def raw_header(path: Path) -> tuple[dict, int]:
+    """(the header's JSON object, `__metadata__` included, the data section's offset) of one
+    file, its length checked against the file's. Raises UserError naming the file and the defect."""
     require_regular(path, "a safetensors file")
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -78,8 +79,15 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise ValueError("the header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{path}: corrupt safetensors header ({e})") from None
+    return header, 8 + n
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and validate one file's header. Raises UserError naming the file and the defect."""
+    header, base = raw_header(path)
     header.pop("__metadata__", None)
-    base, data_len = 8 + n, size - 8 - n
+    size = path.stat().st_size
+    data_len = size - base
     out: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         try:
@@ -361,6 +369,7 @@ def plan_shards(entries: Iterable[tuple[str, DType, Sequence[int]]], max_bytes: 
 
 __all__ = [
     "TensorInfo",
+    "raw_header",
     "read_header",
     "scan_dir",
     "PositionedReader",
