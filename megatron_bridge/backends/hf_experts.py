@@ -17,11 +17,10 @@ back into every expert's tensors.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from megatron_bridge.backends.hf_plan import EP_MODULE, MOE_TP
+from megatron_bridge.backends.hf_plan import EP_MODULE, MOE_IDENTITY, MOE_TP
 from megatron_bridge.bridge.mapping import NotBlockwise, Transform
 from megatron_bridge.bridge.shards import Shapes, Shard, Sliceable, split_range
 
@@ -199,14 +198,6 @@ def expert_fields(cfg: Any) -> dict[str, int]:
     return {"num_moe_experts": experts, "moe_router_topk": _first_int(cfg, EXPERTS_PER_TOKEN_KEYS) or 1}
 
 
-# config keys that put experts outside the stacked tensors (what `moe_tp_experts` splits) -> why
-# TP cannot split them (runtime/hf/experts.py `ExpertsTP` sums the experts' outputs over TP)
-EXPERTS_TP_UNSPLIT = {
-    "zero_expert_num": "zero-compute (identity) experts, whose output is whole on every TP rank "
-    "(summed over TP it would count tp times)",
-}
-
-
 def expert_limits(
     spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]], tp_plan: Iterable[tuple[str, str]] = ()
 ) -> list[tuple[str, str]]:
@@ -218,13 +209,13 @@ def expert_limits(
     if not spec.is_moe:
         return []
     out = []
-    hf = json.loads(spec.hf_json or "{}")
-    for key, why in EXPERTS_TP_UNSPLIT.items():
-        if layout.tp > 1 and hf.get(key):
-            out.append((f"tp={layout.tp}: {spec.architecture} has {key}={hf[key]}: {why}", "set tp=1"))
     tp_plan = tuple(tp_plan)
     moe = {p for p, s in tp_plan if s == MOE_TP}
-    odd = [f"{p} {s!r}" for p, s in tp_plan if p.rpartition(".")[0] in moe and expert_split(p, s) is None]
+    odd = [
+        f"{p} {s!r}"
+        for p, s in tp_plan
+        if p.rpartition(".")[0] in moe and s != MOE_IDENTITY and expert_split(p, s) is None
+    ]
     if layout.tp > 1 and odd:
         out.append(
             (
@@ -261,7 +252,6 @@ __all__ = [
     "EXPERTS_PER_TOKEN_KEYS",
     "EXPERT_TP_SPLITS",
     "ExpertSplit",
-    "EXPERTS_TP_UNSPLIT",
     "expert_fields",
     "expert_limits",
     "expert_split",

@@ -149,6 +149,12 @@ OVERRIDES: dict[str, Override] = {
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
     ),
+    "granitemoehybrid": Override(
+        "as granite: GraniteMoeHybridModel.forward: embeddings * embedding_multiplier; its CausalLM: logits / "
+        "logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
     "granitemoe_swa": Override(
         "as granite: embeddings * embedding_multiplier, logits / logits_scaling; no base_model_pp_plan, its "
         "model holds one rotary module per distinct layer_rope_theta (rotary_embs; 0: NoPE) beside the convention",

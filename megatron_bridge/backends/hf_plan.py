@@ -58,6 +58,10 @@ from megatron_bridge.backends.hf_overrides import (  # re-exported: the plan's r
 EP_MODULE, EP_TENSOR = "ep_dispatch_experts", "grouped_gemm"
 # the tp plan style of an experts module whose stacked tensors split over TP (runtime/hf/experts.py)
 MOE_TP = "moe_tp_experts"
+# the tp plan style of a zero-compute identity expert inside `moe_tp_experts` (LongCat-Flash): its
+# output is whole on every TP rank, so its input is divided by tp to count once in the experts' sum
+# over TP (transformers' MoeIdentityParallel; runtime/hf/experts.py `divide_input_by_tp`)
+MOE_IDENTITY = "moe_identity_expert"
 VOCAB, COLUMN, ROW, HEAD, GRAD_ALLREDUCE, REPLICATED = "vocab", "column", "row", "head", "grad_allreduce", "replicated"
 
 # tp plan style -> what megatron layer it becomes (runtime/hf/layers.py)
@@ -279,6 +283,7 @@ __all__ = [
     "EMBED_ROWS",
     "EP_MODULE",
     "EP_TENSOR",
+    "MOE_IDENTITY",
     "MOE_TP",
     "FORWARD",
     "FORWARD_KEYS",

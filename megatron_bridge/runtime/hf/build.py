@@ -38,6 +38,7 @@ from megatron_bridge.backends.hf_plan import (
     GRAD_ALLREDUCE,
     HEAD,
     MLA,
+    MOE_IDENTITY,
     MOE_TP,
     MQA_QKV,
     REPLICATED,
@@ -55,7 +56,7 @@ from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
 from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.chunk import HFChunk, layer_kind
 from megatron_bridge.runtime.hf.cp import cp_implementation
-from megatron_bridge.runtime.hf.experts import mark_expert, partition
+from megatron_bridge.runtime.hf.experts import divide_input_by_tp, mark_expert, partition
 from megatron_bridge.runtime.hf.layers import (
     MEGATRON_LAYERS,
     ColumnEmbedding,
@@ -325,6 +326,8 @@ class Stage:
                     split_parents[parent] = sp
             elif style == MLA and self.tp > 1:
                 mla_kv_a_hook(child, int(self.full.config.qk_rope_head_dim))
+            elif style == MOE_IDENTITY and self.tp > 1:
+                divide_input_by_tp(child)
             elif style == MQA_QKV and self.tp > 1:
                 parent = module.get_submodule(name.rpartition(".")[0])
                 mqa_qkv_hooks(child, self.spec.num_attention_heads, self.spec.head_dim)

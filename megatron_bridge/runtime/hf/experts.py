@@ -192,8 +192,17 @@ def experts_class(cls: type, ep: bool, tp: bool, sp: bool = False) -> type:
 def partition(experts: Any, ep: int, tp: bool, sp: bool = False) -> None:
     """Make the meta-device `experts` module this rank's E/ep of them, split over TP when
     `tp` (before materialising)."""
-    experts.num_experts = int(experts.num_experts) // ep
+    if ep > 1:  # TP alone keeps every expert (LongCat-Flash's module names its count otherwise)
+        experts.num_experts = int(experts.num_experts) // ep
     experts.__class__ = experts_class(type(experts), ep > 1, tp, sp)
+
+
+def divide_input_by_tp(identity: torch.nn.Module) -> None:
+    """`moe_identity_expert`: a zero-compute expert (nn.Identity) inside TP-split experts returns its
+    input whole on every TP rank, and `ExpertsTP` sums the experts' output over TP, so its input is
+    divided by tp first (its gradient too, which the TP region's copy then sums back to whole)."""
+    tp = ps.get_tensor_model_parallel_world_size()
+    identity.register_forward_pre_hook(lambda _, args: (args[0] / tp, *args[1:]))
 
 
 def mark_expert(param: torch.nn.Parameter) -> None:
@@ -223,6 +232,7 @@ __all__ = [
     "PrescaledExpertsTP",
     "TP_MIXINS",
     "call_arity",
+    "divide_input_by_tp",
     "exchange_order",
     "experts_class",
     "gather_experts",

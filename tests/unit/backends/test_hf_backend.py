@@ -257,7 +257,9 @@ def test_override_constants_are_read_off_the_config_and_an_unhandled_flag_is_ref
     assert override("afmoe").constants(on) == {"embed_scale": 96**0.5}
     assert override("afmoe").constants(SimpleNamespace(mup_enabled=False, hidden_size=96)) == {}
     granite = SimpleNamespace(embedding_multiplier=4.0, logits_scaling=2.0)
-    assert override("granitemoe").constants(granite) == {"embed_scale": 4.0, "logit_divide": 2.0}
+    for model_type in ("granitemoe", "granitemoehybrid"):
+        assert override(model_type).constants(granite) == {"embed_scale": 4.0, "logit_divide": 2.0}, model_type
+    assert forward_refusals("granitemoehybrid", {"embedding_multiplier": 4.0, "logits_scaling": 2.0}) == []
     assert forward_refusals("afmoe", {"mup_enabled": True}) == []
     assert forward_refusals("llama", {"mup_enabled": True}) == [
         "mup_enabled=True is applied in the model's forward (no entry in backends/hf_overrides.py OVERRIDES)"

@@ -169,18 +169,48 @@ def test_granite_moe_experts_stacked_in_the_checkpoint_are_rows_that_split_over_
     assert repr(t.transform) == "WholeStackedExperts(column, packs=2)"
 
 
-def test_identity_experts_are_refused_under_tp_naming_them():
-    """LongCat-Flash's zero-compute experts sit outside the stacked tensors `moe_tp_experts`
-    splits: at tp2 the layout rule names them; pp2 runs (the matrix measures it)."""
+def test_identity_experts_split_over_tp_count_once(monkeypatch):
+    """LongCat-Flash's zero-compute experts (`moe_identity_expert`) return their input whole on
+    every TP rank: with its input divided by tp (`divide_input_by_tp`), two TP ranks' modules
+    (each with its shards of the computing experts) sum to transformers' whole module, and the
+    layout rules let tp2 run. The TP collectives run in the hf matrix's tp2 rows."""
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
     from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.backends.hf_experts import expert_split
     from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.hf import experts as experts_mod
     from megatron_bridge.runtime.hf_tiny import tiny_config
 
     hf = {**tiny_config("longcat_flash").to_dict(), "model_type": "longcat_flash"}
     spec = describe_hf(hf, make_vocab_size_divisible_by=8, backend="hf")
-    (what, fix), *_ = HFBackend().layout_limits(spec, Layout.parse("tp2"))
-    assert "zero_expert_num=2: zero-compute (identity) experts" in what and fix == "set tp=1"
-    assert HFBackend().layout_limits(spec, Layout.parse("pp2")) == []
+    assert HFBackend().layout_limits(spec, Layout.parse("tp2")) == []
+    torch.manual_seed(0)
+    cfg = tiny_config("longcat_flash")
+    ref = LongcatFlashExperts(cfg)
+    _perturb(ref, 0.05)
+    total, h = ref.total_experts, ref.hidden_size
+    tokens = 8
+    args = (
+        torch.randn(tokens, h),
+        torch.stack([torch.randperm(total)[:2] for _ in range(tokens)]),
+        torch.rand(tokens, 2),
+    )
+    assert (args[1] >= ref.num_routed_experts).any()  # some tokens pick an identity expert
+    splits = {
+        n: WholeStackedExperts(*expert_split(n, st))
+        for n, st in (("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise"))
+    }
+    monkeypatch.setattr(experts_mod.ps, "get_tensor_model_parallel_world_size", lambda: 2)
+    parts = []
+    for r in range(2):
+        rank = LongcatFlashExperts(cfg)
+        for n, t in splits.items():
+            setattr(rank, n, torch.nn.Parameter(t.shard([getattr(ref, n).detach()], Shard(r, 2), None)))
+        experts_mod.divide_input_by_tp(rank.identity_expert)
+        parts.append(rank(*args))
+    with torch.no_grad():
+        assert (parts[0] + parts[1] - ref(*args)).abs().max() < 1e-5
 
 
 def test_transposed_experts_split_over_tp_sum_to_transformers_experts():
