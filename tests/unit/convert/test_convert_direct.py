@@ -208,8 +208,9 @@ def test_direct_export_equals_tensor_path(tiny, tmp_path, monkeypatch, family, a
     assert_same_output(tmp_path / "direct", tmp_path / "tensors")
 
 
-def test_export_never_imports_torch(tiny, tmp_path):
-    """Export of either format runs without importing torch, as convert does."""
+def test_export_and_reshard_never_import_torch(tiny, tmp_path):
+    """Export of either format, and a reshard (per-rank tp2 -> torch_dist tp1), run without
+    importing torch, as convert does (that import alone is ~2 s of start-up)."""
     for fmt in ("torch", "torch_dist"):
         assert (
             mbr(
@@ -225,6 +226,7 @@ def test_export_never_imports_torch(tiny, tmp_path):
             == 0
         )
         run_without_torch(["export", f"src={tmp_path / fmt}", f"dst={tmp_path / (fmt + '-hf')}"])
+    run_without_torch(["reshard", f"src={tmp_path / 'torch'}", f"dst={tmp_path / 'r'}", "format=torch_dist"])
 
 
 def test_stacked_experts_convert_and_export_without_torch(tiny, tmp_path):
