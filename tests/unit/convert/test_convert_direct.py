@@ -1,9 +1,11 @@
 """The byte-move conversion (`convert/bytemove/`) against the tensor path it replaces.
 
 `mbr convert` from an HF directory without a dtype cast lays shards out straight from the
-safetensors bytes (copy_file_range, gathered writes, zero rows). The tensor path (read,
-`Mapping.shard`, `torch.save`-format records) still serves casts, export and reshard, and
-`MBR_CONVERT_DIRECT=0` forces it, so the two are compared file by file here: every output
+safetensors bytes (copy_file_range, gathered writes, zero rows); export and reshard move
+bytes too. The tensor path (read, `Mapping.shard`, `torch.save`-format records) still
+serves casts, and `MBR_CONVERT_DIRECT=0` forces it, so the two are compared file by file
+here, for all three commands (reshard: TP merges and splits, a band across source shards,
+torch_dist in and out, a damaged record still refused): every output
 byte must be the same (only DCP's random `save_id` and the manifest's paths differ), for
 layouts that exercise each transform's blocks — fused QKV with whole and split KV groups,
 row-parallel bands, vocab padding rows, experts over EP, virtual pipeline chunks. The
