@@ -1,6 +1,7 @@
 """Conversion throughput and memory against `cp -r` (the disk limit), in one run.
 
     .venv/bin/python benchmarks/convert_bench.py [--dir /tmp/mbr-convert-bench] [--layers 16] [--reps 3] [--warm] [--keep]
+        [--only tp2·pp2]   # just the jobs whose names contain it: convert tp2·pp2, its export, both reshards
 
 1. Writes a synthetic Llama-architecture HF checkpoint (random bf16 weights, hidden 2048,
    FFN 5632, 32 heads / 4 KV heads, vocab 32000, untied; ~1.7 GB at 16 layers) as several
@@ -10,7 +11,8 @@
    kernel with copy_file_range, so this is the floor for any converter that has to look at
    the bytes), `mbr convert` format=torch at tp2·pp2,
    `mbr convert` format=torch_dist, `mbr export` of both outputs, `mbr reshard` tp2·pp2 ->
-   tp1·pp4 — each right after a `cp -r` of the source (the disk limit), so every ratio
+   tp1·pp4 on its byte path and on its tensor path (`MBR_CONVERT_DIRECT=0`; the two outputs
+   must be the same files: their manifests' file CRC-32s are compared) — each right after a `cp -r` of the source (the disk limit), so every ratio
    compares two runs made under the same machine load (the box is shared). Before each run:
    `sync`, and its input is evicted from the page cache (unless --warm), so every command
    reads from disk as cp does. Each run is timed to its exit and again after a final `sync`
@@ -18,7 +20,7 @@
 3. Prints best and median seconds, GB/s (model bytes / seconds with sync), throughput
    relative to cp's; the same with start-up excluded (the command's own time from its
    summary line, i.e. without the interpreter start-up — ~0.4 s for convert and export,
-   which never import torch, ~2 s with torch for reshard — plus the sync
+   which never import torch, nor does reshard's byte path; ~2 s with torch — plus the sync
    after its exit); CPU seconds, and the peak RSS (`/usr/bin/time`) against the bound
    2 × largest tensor + 1 GiB; then checks the exports are bit-exact against the source.
 """
@@ -164,6 +166,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="runs of every command; medians are reported")
     ap.add_argument("--warm", action="store_true", help="leave inputs in the page cache (default: read from disk)")
     ap.add_argument("--keep", action="store_true", help="keep the generated source for the next run")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated parts of job names to run (with the jobs they read from), e.g. 'tp2·pp2'",
+    )
     a = ap.parse_args()
     base = Path(a.dir)
     src = base / "hf"
@@ -209,7 +216,16 @@ def main() -> None:
             MBR + ["reshard", f"src={base / 't22'}", f"dst={base / 't14'}", "parallel.tp=1", "parallel.pp=4"],
             base / "t22",
         ),
+        (
+            "reshard tp2·pp2 -> tp1·pp4, tensor path",
+            ["env", "MBR_CONVERT_DIRECT=0", *MBR, "reshard", f"src={base / 't22'}", f"dst={base / 't14t'}"]
+            + ["parallel.tp=1", "parallel.pp=4"],
+            base / "t22",
+        ),
     ]
+
+    if a.only:  # a job whose input another one writes needs that one first: both names contain the filter
+        jobs = [j for j in jobs if any(part in j[0] for part in a.only.split(","))]
 
     def measure(cmd, inp):
         subprocess.run(["sync"], check=True)
@@ -245,7 +261,7 @@ def main() -> None:
         f"command's best time. cp -r itself: best {cp_best:.2f} s ({nbytes / 1e9 / cp_best:.2f} GB/s), median "
         f"{med(c[1] for c in cps):.2f} s, {med(c[4] for c in cps):.2f} CPU s. 'start-up excluded' = the command's own "
         f"summary line (from its first read to its last write, without the start-up: ~0.4 s of interpreter + Hydra "
-        f"for convert and export, ~2 s with torch for reshard) plus the sync after its exit; CPU s = user + system of "
+        f"for convert, export and reshard's byte path, ~2 s with torch for the tensor path) plus the sync after its exit; CPU s = user + system of "
         f"the whole process."
     )
     print()
@@ -264,8 +280,11 @@ def main() -> None:
             f"| {name} | {best:.2f} | {median:.2f} | {nbytes / 1e9 / best:.2f} | {cp_best / best:.2f}× | {inside} | "
             f"{min(r[4] for r in rs):.1f} | {rss / 2**30:.2f} | {'yes' if rss <= bound else 'NO'} |"
         )
-    for name in ("exp_dist", "exp_t22"):
+    for name in (n for n in ("exp_dist", "exp_t22") if (base / n).is_dir()):
         print(f"{name}: {check_exact(src, base / name)} vs the source")
+    if (base / "t14").is_dir() and (base / "t14t").is_dir():  # the two reshard paths: the same files?
+        same = [json.loads((base / d / "mbr_manifest.json").read_text())["file_crc32"] for d in ("t14", "t14t")]
+        print(f"reshard, bytes vs tensor path: {'identical files' if same[0] == same[1] else 'FILES DIFFER'}")
     if not a.keep:
         shutil.rmtree(base, ignore_errors=True)
 

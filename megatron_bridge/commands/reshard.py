@@ -4,8 +4,11 @@
     mbr reshard src=OUT dst=OUT2 format=torch_dist                      # per-rank -> torch_dist
 
 Reads either format, writes per-rank torch files for `parallel.*` (default) or torch_dist.
-Each parameter's shards are merged and re-split with the bridge's mapping, checked against
-the manifest's checksums on the way; A -> B -> A is bit-exact. See docs/convert.md.
+Without a cast the target shards are byte moves from the source records (export's pieces
+composed with the target's blocks, convert/bytemove/direct_reshard.py); otherwise each
+parameter's shards are merged and re-split with the bridge's mapping. Both are checked
+against the manifest's checksums and give the same bytes; A -> B -> A is bit-exact. See
+docs/convert.md.
 """
 
 from __future__ import annotations

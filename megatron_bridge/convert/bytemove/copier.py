@@ -124,7 +124,9 @@ class Copier:
             buf = memoryview(self._parts[k])[: p.rows * width]
             read_exactly(self._fd(path), buf, start, path)
             bufs.append((buf, width))
-        _gather_write(fd, [b[r * w : (r + 1) * w] for r in range(p.rows) for b, w in bufs], at)
+        cols = p.taken()
+        views = [b[r * w + lo : r * w + hi] for r in range(p.rows) for (b, w), (lo, hi) in zip(bufs, cols)]
+        _gather_write(fd, views, at)
 
     def write(
         self, ps: Sequence[Piece], fd: int, at: int, bands: Callable[[Band, int, int], None] | None = None

@@ -40,7 +40,7 @@ from megatron_bridge.convert.formats.safetensors_io import TensorInfo
 from megatron_bridge.convert.formats.torch_zip import TensorRef, contiguous_stride
 from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
 from megatron_bridge.convert.placement.dist_keys import location
-from megatron_bridge.convert.sources.readers import DistSource, Source, TorchSource
+from megatron_bridge.convert.sources.readers import DistSource, Source, TorchSource, mismatch
 from megatron_bridge.errors import UserError
 
 Record = tuple[Path, int, tuple[int, ...]]  # (file, data offset, shape without leading unit axes)
@@ -225,10 +225,7 @@ class DirectExport:
             d.drain()
             bad = sorted(n for n, crc in d.checksums.result().items() if crc != source.expected[n])
             if bad:
-                raise UserError(
-                    f"{source.where}: tensor {bad[0]} does not match its checksum in the manifest: the "
-                    "checkpoint files are corrupted or were modified after conversion"
-                )
+                raise mismatch(source.where, bad[0])
         finally:
             d._pool.shutdown(wait=True, cancel_futures=True)  # on failure: the files are still open
             d.copier.close()

@@ -59,14 +59,21 @@ class Zeros:
 @dataclass(frozen=True)
 class Interleave:
     """`rows` rows, row r being row r of every part in turn; a part is `(file, start, width)`:
-    `rows` contiguous rows of `width` bytes. (Export: a row-parallel weight from its shards.)"""
+    `rows` contiguous rows of `width` bytes, of which `cols[k]` = [lo, hi) are taken (None:
+    the whole rows). (Export: a row-parallel weight from its shards; reshard: a column band
+    of one that spans several of the source's shards.)"""
 
     rows: int
     parts: tuple[tuple[Path, int, int], ...]
+    cols: tuple[tuple[int, int], ...] | None = None
+
+    def taken(self) -> tuple[tuple[int, int], ...]:
+        """[lo, hi) of each part's rows."""
+        return self.cols if self.cols is not None else tuple((0, w) for _, _, w in self.parts)
 
     @property
     def nbytes(self) -> int:
-        return self.rows * sum(w for _, _, w in self.parts)
+        return self.rows * sum(hi - lo for lo, hi in self.taken())
 
 
 Piece = Span | Band | Zeros | Interleave | Gather | Scatter

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.direct import DirectCopy
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
+from megatron_bridge.convert.bytemove.direct_reshard import DirectReshard
 from megatron_bridge.convert.formats.dist_ckpt import DistWriter
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import INDEX_CRC32, file_crc32
@@ -49,12 +51,22 @@ from megatron_bridge.convert.placement.rank_files import (
     stage_coords,
     stage_targets,
 )
-from megatron_bridge.convert.sources.readers import Source
+from megatron_bridge.convert.sources.readers import DistSource, HFSource, Source, TorchSource
 
 if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never import it
     import torch
 
 Advance = Callable[[int, int], None]  # (tensors, bytes)
+
+
+# The byte engine for each kind of source (convert, reshard); each yields None where it
+# cannot copy bytes (a cast, ...) and the writer then goes through tensors.
+BYTE_PATHS = {HFSource: DirectCopy.open, TorchSource: DirectReshard.open, DistSource: DirectReshard.open}
+
+
+def byte_path(source: Source):  # -> context manager of DirectCopy | DirectReshard | None
+    opener = next((o for kind, o in BYTE_PATHS.items() if isinstance(source, kind)), None)
+    return opener(source) if opener is not None else nullcontext()
 
 
 def main_dtype(source: Source) -> DType:
@@ -101,7 +113,7 @@ class DistOut:
             yield row, g.nbytes
             del g
 
-    def _direct(self, direct: DirectCopy, w: DistWriter) -> Iterator[tuple[Resolved, int]]:
+    def _direct(self, direct: DirectCopy | DirectReshard, w: DistWriter) -> Iterator[tuple[Resolved, int]]:
         shapes = self.spec.shapes(self.layout.tp)
         for row in _exported(direct.source):
             dtype, shape = direct.shard_info(row, FULL, shapes)
@@ -114,7 +126,7 @@ class DistOut:
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
         w = DistWriter(root / RELEASE)
-        with DirectCopy.open(source) as direct, Writeback(enabled=direct is None) as wb:
+        with byte_path(source) as direct, Writeback(enabled=direct is None) as wb:
             for row, nbytes in self._direct(direct, w) if direct else self._tensors(source, w):
                 extra = extra_state_location(row.megatron, self.spec)
                 if extra is not None:
@@ -162,7 +174,9 @@ class TorchOut:
             yield row, [(t, files[t.file].add(x), x.nbytes) for t, x in shards]
             del shards
 
-    def _direct(self, direct: DirectCopy, rows: list[Resolved], targets: dict, files: dict) -> Iterator[tuple]:
+    def _direct(
+        self, direct: DirectCopy | DirectReshard, rows: list[Resolved], targets: dict, files: dict
+    ) -> Iterator[tuple]:
         shapes = self.spec.shapes(self.layout.tp)
         for row in rows:
             out = []
@@ -173,7 +187,7 @@ class TorchOut:
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
         args = megatron_args(self.spec, self.layout, main_dtype(source), self.format)
-        with DirectCopy.open(source) as direct:
+        with byte_path(source) as direct:
             for pp, targets in self._stages(source):
                 files: dict[RankFile, StreamingTorchSave] = {}
                 chunks: dict[RankFile, dict[str, dict[str, tuple[int, object]]]] = {}

@@ -51,6 +51,14 @@ PREFETCH_BYTES = 256 * 2**20  # tensors read ahead of the row being written (pro
 READ_AHEAD_BYTES = 512 * 2**20  # file ranges announced to the kernel ahead of reading (page cache)
 
 
+def mismatch(where: str, name: str) -> UserError:
+    """A tensor read back (tensors, or bytes: export, reshard) that its manifest's CRC-32 refuses."""
+    return UserError(
+        f"{where}: tensor {name} does not match its checksum in the manifest: the "
+        "checkpoint files are corrupted or were modified after conversion"
+    )
+
+
 def parse_dtype(text: str) -> DType | None:
     if text not in DTYPES:
         raise UserError(f"dtype={text!r}: choose one of {', '.join(DTYPES)} (source keeps each tensor's dtype)")
@@ -99,10 +107,7 @@ class Source:
                     f"says {list(shape)} {dtype} (damaged checkpoint)"
                 )
             if name in expected and name not in self.checksums and crc32(t) != expected[name]:
-                raise UserError(
-                    f"{self.where}: tensor {name} does not match its checksum in the manifest: the "
-                    "checkpoint files are corrupted or were modified after conversion"
-                )
+                raise mismatch(self.where, name)
             if self.check_finite and t.is_floating_point() and not bool(t.isfinite().all()):
                 self.nonfinite.add(name)
             if self.dtype is not None and t.dtype != self.dtype:

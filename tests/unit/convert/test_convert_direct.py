@@ -1,9 +1,11 @@
 """The byte-move conversion (`convert/bytemove/`) against the tensor path it replaces.
 
 `mbr convert` from an HF directory without a dtype cast lays shards out straight from the
-safetensors bytes (copy_file_range, gathered writes, zero rows). The tensor path (read,
-`Mapping.shard`, `torch.save`-format records) still serves casts, export and reshard, and
-`MBR_CONVERT_DIRECT=0` forces it, so the two are compared file by file here: every output
+safetensors bytes (copy_file_range, gathered writes, zero rows); export and reshard move
+bytes too. The tensor path (read, `Mapping.shard`, `torch.save`-format records) still
+serves casts, and `MBR_CONVERT_DIRECT=0` forces it, so the two are compared file by file
+here, for all three commands (reshard: TP merges and splits, a band across source shards,
+torch_dist in and out, a damaged record still refused): every output
 byte must be the same (only DCP's random `save_id` and the manifest's paths differ), for
 layouts that exercise each transform's blocks — fused QKV with whole and split KV groups,
 row-parallel bands, vocab padding rows, experts over EP, virtual pipeline chunks. The
@@ -25,7 +27,8 @@ import pytest
 from megatron_bridge.cli import main as mbr
 from megatron_bridge.convert.bytemove import copier, direct
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
-from megatron_bridge.convert.bytemove.pieces import Band, Span, Zeros, pieces
+from megatron_bridge.convert.bytemove.direct_reshard import DirectReshard, compose
+from megatron_bridge.convert.bytemove.pieces import Band, Interleave, Span, Zeros, pieces
 from megatron_bridge.convert.sources.readers import open_checkpoint
 
 CASES = [
@@ -207,8 +210,9 @@ def test_direct_export_equals_tensor_path(tiny, tmp_path, monkeypatch, family, a
     assert_same_output(tmp_path / "direct", tmp_path / "tensors")
 
 
-def test_export_never_imports_torch(tiny, tmp_path):
-    """Export of either format runs without importing torch, as convert does."""
+def test_export_and_reshard_never_import_torch(tiny, tmp_path):
+    """Export of either format, and a reshard (per-rank tp2 -> torch_dist tp1), run without
+    importing torch, as convert does (that import alone is ~2 s of start-up)."""
     for fmt in ("torch", "torch_dist"):
         assert (
             mbr(
@@ -224,6 +228,7 @@ def test_export_never_imports_torch(tiny, tmp_path):
             == 0
         )
         run_without_torch(["export", f"src={tmp_path / fmt}", f"dst={tmp_path / (fmt + '-hf')}"])
+    run_without_torch(["reshard", f"src={tmp_path / 'torch'}", f"dst={tmp_path / 'r'}", "format=torch_dist"])
 
 
 def test_stacked_experts_convert_and_export_without_torch(tiny, tmp_path):
@@ -237,3 +242,81 @@ def test_stacked_experts_convert_and_export_without_torch(tiny, tmp_path):
     a = load_file(str(tiny["gpt_oss"] / "model.safetensors"))
     b = load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"))
     assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k]) for k in a)
+
+
+# --- reshard as byte moves (direct_reshard.py): both paths, every output byte compared ---
+
+RESHARD = [  # (family, convert args, reshard args)
+    ("llama", ["format=torch", "parallel.tp=2", "parallel.pp=2"], ["parallel.tp=1", "parallel.pp=4"]),
+    ("llama", ["format=torch", "parallel.tp=2"], ["parallel.tp=4", "parallel.pp=2"]),
+    ("llama", ["format=torch", "parallel.tp=4"], ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]),
+    ("llama", ["format=torch", "parallel.tp=2"], ["format=torch_dist"]),
+    ("llama", ["format=torch_dist"], ["parallel.tp=4"]),
+    ("qwen2", ["format=torch", "parallel.tp=2"], ["parallel.tp=1"]),
+    ("mixtral", ["format=torch", "parallel.ep=2", "parallel.tp=2"], ["parallel.ep=1", "parallel.tp=4"]),
+]
+
+
+def run(*args: str) -> None:
+    assert mbr([*args, "progress=off"]) == 0
+
+
+@pytest.mark.parametrize("family,conv,resh", RESHARD, ids=[f"{f}-{'-'.join(c + r)}" for f, c, r in RESHARD])
+def test_byte_reshard_equals_tensor_path(tiny, tmp_path, monkeypatch, family, conv, resh):
+    run("convert", f"src={tiny[family]}", f"dst={tmp_path / 'a'}", *conv)
+    for name, on in (("bytes", True), ("tensors", False)):
+        monkeypatch.setattr(direct, "ENABLED", on)
+        src = open_checkpoint(tmp_path / "a", None)
+        assert (DirectReshard.make_plan(src) is not None) == on  # each run takes the path it is meant to
+        src.close()
+        run("reshard", f"src={tmp_path / 'a'}", f"dst={tmp_path / name}", *resh)
+    assert_same_output(tmp_path / "bytes", tmp_path / "tensors")
+
+
+def test_cast_and_stacked_experts_take_the_tensor_path(tiny, tmp_path):
+    """Declared limits: a dtype cast needs values, stacked experts are strided views of
+    strided views; the plan declines both (and the tensor path gives the same as above)."""
+    from megatron_bridge.convert.formats.dtypes import FLOAT16
+
+    run("convert", f"src={tiny['llama']}", f"dst={tmp_path / 'a'}", "format=torch", "parallel.tp=2")
+    run("convert", f"src={tiny['gpt_oss']}", f"dst={tmp_path / 'g'}", "format=torch", "parallel.ep=2")
+    for path, dtype, planned in (("a", None, True), ("a", FLOAT16, False), ("g", None, False)):
+        src = open_checkpoint(tmp_path / path, dtype)
+        assert (src.tensors[next(iter(src.tensors))][1] != FLOAT16) and (
+            DirectReshard.make_plan(src) is not None
+        ) == planned
+        src.close()
+
+
+def test_damaged_record_is_refused(tiny, tmp_path, capsys):
+    """A flipped byte inside a record is found from the source bytes, after the copy, and
+    nothing is published."""
+    run("convert", f"src={tiny['llama']}", f"dst={tmp_path / 'a'}", "format=torch", "parallel.tp=2")
+    f = next((tmp_path / "a").rglob("*.pt"))
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    f.write_bytes(bytes(data))
+    import json
+
+    from megatron_bridge.convert.formats.manifest import MANIFEST
+
+    man = json.loads((tmp_path / "a" / MANIFEST).read_text())
+    man.pop("file_crc32", None)  # past the whole-file check: the tensor check must catch it
+    (tmp_path / "a" / MANIFEST).write_text(json.dumps(man))
+    rc = mbr(["reshard", f"src={tmp_path / 'a'}", f"dst={tmp_path / 'b'}", "parallel.tp=1", "progress=off"])
+    assert rc != 0 and not (tmp_path / "b").exists()
+    assert "does not match its checksum" in capsys.readouterr().err
+
+
+def test_compose():
+    """Rows and bands of an HF tensor as pieces of its records: row-split and column-split."""
+    rows = [Span("r0", 100, 4 * 8), Span("r1", 0, 4 * 8)]  # 8 rows of 8 bytes, split 4 / 4
+    assert compose(Span("hf", 16, 32), rows, 8) == [Span("r0", 116, 16), Span("r1", 0, 16)]
+    assert compose(Band("hf", 0, 8, 8, 2, 6), rows, 8) == [Band("r0", 100, 4, 8, 2, 6), Band("r1", 0, 4, 8, 2, 6)]
+    cols = [Interleave(8, (("c0", 0, 4), ("c1", 50, 4)))]  # 8 rows, columns split 4 / 4 bytes
+    assert compose(Span("hf", 16, 16), cols, 8) == [Interleave(2, (("c0", 8, 4), ("c1", 58, 4)))]
+    assert compose(Band("hf", 0, 8, 8, 4, 8), cols, 8) == [Span("c1", 50, 32)]
+    assert compose(Band("hf", 0, 8, 8, 4, 6), cols, 8) == [Band("c1", 50, 8, 4, 0, 2)]
+    assert compose(Band("hf", 8, 2, 8, 2, 6), cols, 8) == [
+        Interleave(2, (("c0", 4, 4), ("c1", 54, 4)), ((2, 4), (0, 2)))
+    ]
