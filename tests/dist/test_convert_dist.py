@@ -28,15 +28,13 @@ pytestmark = pytest.mark.dist
 
 SCRIPT = str(Path(__file__).parent / "convert_scripts" / "load_parity.py")
 TOL = 1e-5
-LAYOUT_ARGS = {
-    "tp2pp2": ["parallel.tp=2", "parallel.pp=2"],
-    "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"],
-    "ep2pp2": ["parallel.ep=2", "parallel.pp=2"],
-}
+LAYOUT_ARGS = {"tp2pp2": ["parallel.tp=2", "parallel.pp=2"], "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"],
+               "ep2pp2": ["parallel.ep=2", "parallel.pp=2"]}
 # streamed only (megatron_bridge.stream), built by the hf backend: transformers' modules, experts
 # gathered over EP and split over TP
 STREAM_HF = ["llama:tp2pp2", "qwen3_moe:ep2tp2"]
-CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtral", "ep2pp2"), ("qwen2_moe", "ep2pp2")]
+CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtral", "ep2pp2"),
+         ("qwen2_moe", "ep2pp2")]
 
 
 @pytest.fixture(scope="module")
@@ -53,54 +51,18 @@ def root(tmp_path_factory) -> Path:
     for fam, layout in CASES:
         for fmt in ("torch_dist", "torch"):
             args = LAYOUT_ARGS[layout] if fmt == "torch" else []  # torch_dist: written for tp1·pp1
-            assert (
-                mbr(
-                    [
-                        "convert",
-                        f"src={base / fam}",
-                        f"dst={base / 'ckpt' / f'{fam}-{fmt}-{layout}'}",
-                        f"format={fmt}",
-                        "progress=off",
-                        *args,
-                    ]
-                )
-                == 0
-            )
-    assert (
-        mbr(
-            [
-                "convert",
-                f"src={base / 'llama'}",
-                f"dst={base / 'ckpt' / 'llama-torch_dist_pad-tp2pp2'}",
-                "model.make_vocab_size_divisible_by=2",
-                "progress=off",
-            ]
-        )
-        == 0
-    )
+            assert mbr(["convert", f"src={base / fam}", f"dst={base / 'ckpt' / f'{fam}-{fmt}-{layout}'}",
+                        f"format={fmt}", "progress=off", *args]) == 0
+    assert mbr(["convert", f"src={base / 'llama'}", f"dst={base / 'ckpt' / 'llama-torch_dist_pad-tp2pp2'}",
+                "model.make_vocab_size_divisible_by=2", "progress=off"]) == 0
     return base
 
 
 def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
     cases = [f"{fam}:{fmt}:{layout}" for fam, layout in CASES for fmt in ("torch_dist", "torch")]
     cases.append("llama:torch_dist_pad:tp2pp2")  # stored vocab 250 rows, the model pads to 256
-    results = run_torchrun(
-        [
-            SCRIPT,
-            "--root",
-            str(root),
-            "--cases",
-            ",".join(cases),
-            "--train",
-            "llama",
-            "--stream-hf",
-            ",".join(STREAM_HF),
-            "--out",
-            str(tmp_path),
-        ],
-        nproc=4,
-        timeout=600,
-    )
+    results = run_torchrun([SCRIPT, "--root", str(root), "--cases", ",".join(cases), "--train", "llama",
+                            "--stream-hf", ",".join(STREAM_HF), "--out", str(tmp_path)], nproc=4, timeout=600)
     for case in [*cases, *(f"hf:{c}" for c in STREAM_HF)]:
         per_rank = [r[case] for r in results if case in r]
         assert len(per_rank) == 4, case

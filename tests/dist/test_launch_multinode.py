@@ -23,28 +23,10 @@ def two_nodes(args, timeout=600):
     port = free_port()
     with tempfile.TemporaryDirectory() as res:
         env = {**os.environ, RESULT_DIR_ENV: res, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nnodes=2",
-                    f"--node-rank={n}",
-                    "--nproc-per-node=2",
-                    "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}",
-                    "--rdzv-id=mbr-test",
-                    PROBE,
-                    *args,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-            for n in (0, 1)
-        ]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}", "--nproc-per-node=2",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=mbr-test", PROBE, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True) for n in (0, 1)]
         deadline, outs = time.monotonic() + timeout, []
         try:
             for p in procs:
@@ -62,27 +44,16 @@ def test_two_node_jobs_match_single_node(tmp_path):
     single-node run (3 launches, not 4: CI time): tp2·pp2 equals its single-node run to 1e-6,
     tp2·dp2 the same run to the 2e-5 that separates layouts (tests/dist/test_train.py)."""
     hf = make_tiny("llama", tmp_path / "hf")
-    common = [
-        "recipe=tiny_llama",
-        f"model.hf_path={hf}",
-        "train.steps=3",
-        "optimizer.warmup_steps=1",
-        "train.seq_length=32",
-        "train.global_batch_size=8",
-        "train.micro_batch_size=1",
-        "parallel.tp=2",
-    ]
-    multi = {
-        pp: two_nodes([str(tmp_path / f"multi_pp{pp}"), *common, f"parallel.pp={pp}", "cluster.nodes=2"])
-        for pp in (1, 2)
-    }
+    common = ["recipe=tiny_llama", f"model.hf_path={hf}", "train.steps=3", "optimizer.warmup_steps=1", "train.seq_length=32",
+              "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.tp=2"]
+    multi = {pp: two_nodes([str(tmp_path / f"multi_pp{pp}"), *common, f"parallel.pp={pp}", "cluster.nodes=2"])
+             for pp in (1, 2)}
     for ranks in multi.values():
         for r in ranks:  # TP innermost: a TP group never leaves its torchrun agent ("node")
             assert {ranks[m]["node"] for m in r["tp_group"]} == {r["node"]}, r
         assert {r["node"] for r in ranks} == {0, 1}
     assert {multi[2][m]["node"] for m in multi[2][0]["pp_group"]} == {0, 1}  # PP spans the two nodes
-    single = run_torchrun(
-        [PROBE, str(tmp_path / "single"), *common, "parallel.pp=2"], nproc=4, timeout=600, env={"GROUP_RANK": "0"}
-    )
+    single = run_torchrun([PROBE, str(tmp_path / "single"), *common, "parallel.pp=2"], nproc=4, timeout=600,
+                          env={"GROUP_RANK": "0"})
     assert single[0]["losses"] == pytest.approx(multi[2][0]["losses"], rel=1e-6)
     assert single[0]["losses"] == pytest.approx(multi[1][0]["losses"], rel=2e-5)

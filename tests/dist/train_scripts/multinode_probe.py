@@ -23,7 +23,8 @@ def main() -> None:
     tp = torch.distributed.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     pp = torch.distributed.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     assert train([*overrides, f"run_dir={run_dir}"], finalize=False) == 0
-    out = {"node": int(os.environ["GROUP_RANK"]), "rank": torch.distributed.get_rank(), "tp_group": tp, "pp_group": pp}
+    out = {"node": int(os.environ["GROUP_RANK"]), "rank": torch.distributed.get_rank(), "tp_group": tp,
+           "pp_group": pp}
     metrics = Path(run_dir) / "metrics.jsonl"
     if torch.distributed.get_rank() == 0:
         out["losses"] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
