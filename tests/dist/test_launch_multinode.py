@@ -40,20 +40,22 @@ def two_nodes(args, timeout=600):
 
 
 def test_two_node_jobs_match_single_node(tmp_path):
-    """tp2·dp2 (DP across the nodes) and tp2·pp2 (PP across them) as two-node jobs, against one
-    single-node run (3 launches, not 4: CI time): tp2·pp2 equals its single-node run to 1e-6,
-    tp2·dp2 the same run to the 2e-5 that separates layouts (tests/dist/test_train.py)."""
+    """tp2·dp2 (DP across the nodes) and tp2·pp2 (PP across them) as two-node jobs, one after the
+    other in one two-node launch, against one single-node run (2 launches: CI time): tp2·pp2
+    equals its single-node run to 1e-6, tp2·dp2 the same run to the 2e-5 that separates layouts
+    (tests/dist/test_train.py)."""
     hf = make_tiny("llama", tmp_path / "hf")
     common = ["recipe=tiny_llama", f"model.hf_path={hf}", "train.steps=3", "optimizer.warmup_steps=1", "train.seq_length=32",
               "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.tp=2"]
-    multi = {pp: two_nodes([str(tmp_path / f"multi_pp{pp}"), *common, f"parallel.pp={pp}", "cluster.nodes=2"])
-             for pp in (1, 2)}
-    for ranks in multi.values():
-        for r in ranks:  # TP innermost: a TP group never leaves its torchrun agent ("node")
-            assert {ranks[m]["node"] for m in r["tp_group"]} == {r["node"]}, r
-        assert {r["node"] for r in ranks} == {0, 1}
+    jobs = {f"pp{pp}": ",".join([*common, f"parallel.pp={pp}", "cluster.nodes=2"]) for pp in (1, 2)}
+    ranks = two_nodes([str(tmp_path / "multi"), *(f"{name}:{ov}" for name, ov in jobs.items())])
+    multi = {pp: [r[f"pp{pp}"] for r in ranks] for pp in (1, 2)}
+    for per_rank in multi.values():
+        for r in per_rank:  # TP innermost: a TP group never leaves its torchrun agent ("node")
+            assert {per_rank[m]["node"] for m in r["tp_group"]} == {r["node"]}, r
+        assert {r["node"] for r in per_rank} == {0, 1}
     assert {multi[2][m]["node"] for m in multi[2][0]["pp_group"]} == {0, 1}  # PP spans the two nodes
-    single = run_torchrun([PROBE, str(tmp_path / "single"), *common, "parallel.pp=2"], nproc=4, timeout=600,
-                          env={"GROUP_RANK": "0"})
-    assert single[0]["losses"] == pytest.approx(multi[2][0]["losses"], rel=1e-6)
-    assert single[0]["losses"] == pytest.approx(multi[1][0]["losses"], rel=2e-5)
+    single = run_torchrun([PROBE, str(tmp_path / "single"), "pp2:" + ",".join([*common, "parallel.pp=2"])], nproc=4,
+                          timeout=600, env={"GROUP_RANK": "0"})[0]["pp2"]  # fmt: skip
+    assert single["losses"] == pytest.approx(multi[2][0]["losses"], rel=1e-6)
+    assert single["losses"] == pytest.approx(multi[1][0]["losses"], rel=2e-5)
