@@ -7,11 +7,6 @@ run's. Tolerance: fp32 on CPU, the layouts differ only in the order of reduction
 all-reduce, DP gradient averaging, pipeline loss accumulation), ~1e-7 relative per op; over
 5 Adam steps we allow 2e-5 relative — far below the ~1e-2 change a wrong shard, a missed
 gradient reduction or a dropped micro-batch produces.
-
-Launches (startup dominates CPU test time: each process imports torch, megatron-core and
-transformers, ~30 s of wall time per 4-process launch on 2 shared cores): one 1-process launch for
-the references (`single`), one 2-process launch for DeepSpeed at dp2, and one 4-process launch
-(`four`) that runs every 4-process test's jobs one after another; each test asserts on its own.
 """
 
 import json
@@ -66,8 +61,7 @@ def transformers_loss(hf, step=1, gbs=8, seq=32, seed=1234):
     with torch.no_grad():
         out = model(input_ids=tokens)
         loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-        # output_router_logits: its load-balancing loss per one-sample micro-batch
-        if getattr(out, "aux_loss", None) is not None:
+        if getattr(out, "aux_loss", None) is not None:  # output_router_logits: its load-balancing loss per one-sample micro-batch
             loss += model.router_aux_loss_coef * torch.stack([model(input_ids=t[None]).aux_loss for t in tokens]).mean()
     return float(loss)
 
@@ -85,53 +79,17 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
-    return make_tiny("mixtral", tmp_path_factory.mktemp("hf") / "mixtral")
-
-
-@pytest.fixture(scope="module")
-def qwen3_moe(tmp_path_factory):
-    """transformers' router aux loss switched on, with a large coefficient so a missing term shows."""
-    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe", output_router_logits=True,
-                     router_aux_loss_coef=0.5)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def single(llama, mixtral, tmp_path_factory):
-    """The 1-process runs, one launch: native Llama (the oracle of every layout and engine) and
-    Mixtral at ep1."""
+def reference(llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("ref")
-    jobs = [job("tp1", llama, "parallel.tp=1", "parallel.pp=1"), job("ep1", mixtral)]
-    return run_torchrun([SCRIPT, str(out), *jobs], nproc=1, timeout=600)[0]["losses"]
-
-
-@pytest.fixture(scope="module")
-def reference(single):
-    losses = single["tp1"]
-    assert len(losses) == STEPS and all(x == x for x in losses.values())
+    res = run_torchrun([SCRIPT, str(out), job("tp1", llama, "parallel.tp=1", "parallel.pp=1")], nproc=1, timeout=400)
+    losses = res[0]["losses"]["tp1"]
+    assert len(losses) == STEPS and all(l == l for l in losses.values())
     assert losses[str(STEPS)] < losses["1"]  # it learns (random tokens: it can only approach ln(vocab))
     return losses
 
 
-@pytest.fixture(scope="module")
-def four(llama, cohere, mixtral, qwen3_moe, tmp_path_factory):
-    """Every 4-process job of this file in one launch (FOUR: each test's jobs, in file order).
-    Returns (rank 0's report, the launch's directory; run directories under DIR/runs)."""
-    d = tmp_path_factory.mktemp("four")
-    models = {
-        "llama": llama,
-        "cohere": cohere,
-        "mixtral": mixtral,
-        "qwen3_moe": qwen3_moe,
-        "hf": tmp_path_factory.mktemp("hf"),
-    }
-    jobs = [j for make in FOUR for j in make(models, d)]
-    return run_torchrun([SCRIPT, str(d / "runs"), *jobs], nproc=4, timeout=2400)[0], d
-
-
-def layout_jobs(m, d):
-    llama = m["llama"]
-    return [
+def test_megatron_layouts_match_single_process(llama, reference, tmp_path):
+    jobs = [
         job("tp2pp2", llama, "parallel.tp=2", "parallel.pp=2"),
         # vocab 250 pads to 512 at tp4 (256 at tp1): padded logits are masked, so the loss is the same
         job("tp4_kv2", llama, "parallel.tp=4"),
@@ -143,10 +101,8 @@ def layout_jobs(m, d):
         job("tp2_recompute_selective", llama, "parallel.tp=2", "train.recompute=selective"),
         job("tp2pp2_bf16", llama, "parallel.tp=2", "parallel.pp=2", "train.precision=bf16"),
     ]
-
-
-def test_megatron_layouts_match_single_process(four, reference):
-    losses = four[0]["losses"]
+    res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=4, timeout=900)
+    losses = res[0]["losses"]
     for name in (
         "tp2pp2",
         "tp4_kv2",
@@ -192,90 +148,24 @@ def test_deepspeed_zero_stages_match_single_process(llama, cohere, reference, tm
         assert (first | resumed)[step] == losses["ds_zero3"][step], step  # bit-exact
 
 
-def moe_jobs(m, d):
-    hf = m["mixtral"]
-    return [
-        job("ep2", hf, "parallel.ep=2"),
-        job("ep2tp2", hf, "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
-    ]
+def test_moe_ep2_matches_ep1(tmp_path_factory, tmp_path):
+    hf = make_tiny("mixtral", tmp_path_factory.mktemp("hf") / "mixtral")
+    ref = run_torchrun([SCRIPT, str(tmp_path / "r"), job("ep1", hf)], nproc=1, timeout=400)[0]["losses"]["ep1"]
+    res = run_torchrun(
+        [
+            SCRIPT,
+            str(tmp_path / "p"),
+            job("ep2", hf, "parallel.ep=2"),
+            job("ep2tp2", hf, "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
+        ],
+        nproc=4,
+        timeout=600,
+    )
+    assert_close(ref, res[0]["losses"]["ep2"], "ep2")
+    assert_close(ref, res[0]["losses"]["ep2tp2"], "ep2tp2")
 
 
-def test_moe_ep2_matches_ep1(four, single):
-    losses = four[0]["losses"]
-    assert_close(single["ep1"], losses["ep2"], "ep2")
-    assert_close(single["ep1"], losses["ep2tp2"], "ep2tp2")
-
-
-def resume_jobs(m, d):
-    llama, cohere, ck = m["llama"], m["cohere"], d / "ckpt"
-    base = ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", "train.steps=10"]
-    qwen3 = make_tiny("qwen3", m["hf"] / "qwen3")
-    hf = [*base[:3], "model.backend=hf"]
-    hck, e1, e2 = d / "hf_ckpt", d / "export_full", d / "export_resumed"
-    moe, mck, moe_hf = m["qwen3_moe"], d / "moe_ckpt", ["model.backend=hf", "train.steps=3"]
-    return [
-        job("full", llama, *base),
-        # checkpoint.async_save: saves at 2, 4 and 5 written in the background, published at later
-        # step boundaries (the last before the job ends); the sync path: the crash suite, ZeRO, hf
-        job(
-            "first5",
-            llama,
-            *base,
-            "train.exit_after=5",
-            f"checkpoint.dir={ck}",
-            "checkpoint.save_interval=2",
-            "checkpoint.async_save=true",
-        ),  # fmt: skip
-        job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
-        job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
-        job("qwen3_hf", qwen3, *hf),
-        # context parallelism on hf (runtime/hf/cp.py) at tp2·cp2, 2 steps (CI time): the loss and
-        # gradient norm of the native run's first two batches (step 1's warmup lr is 0)
-        job(
-            "qwen3_hf_cp2", qwen3, "parallel.tp=2", "parallel.cp=2", "zero.stage=1", "model.backend=hf", "train.steps=2"
-        ),  # fmt: skip
-        # an HF export every step, written behind the loop (a 64 KiB queue: the step waits on it)
-        job(
-            "cohere_full", cohere, *hf, f"export_to={e1}", "train.export_interval=1", "train.export_buffer_bytes=65536"
-        ),
-        # the same, stopped after 3 (train.exit_after: interval exports only) and resumed into the same
-        # export_to, which then holds iter_1..5 and the end-of-run export
-        job(
-            "cohere_first3",
-            cohere,
-            *hf,
-            "train.exit_after=3",
-            f"checkpoint.dir={hck}",
-            "checkpoint.save_interval=3",
-            f"export_to={e2}",
-            "train.export_interval=1",
-        ),  # fmt: skip
-        job(
-            "cohere_resumed",
-            cohere,
-            *hf,
-            f"checkpoint.dir={hck}",
-            "checkpoint.resume=true",
-            f"export_to={e2}",
-            "train.export_interval=1",
-        ),  # fmt: skip
-        job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
-        job("moe_ep1", moe, *moe_hf),
-        job("moe_ep2", moe, *moe_hf, "parallel.ep=2"),
-        job(
-            "moe_ep2_first2",
-            moe,
-            *moe_hf,
-            "parallel.ep=2",
-            "train.exit_after=2",
-            f"checkpoint.dir={mck}",
-            "checkpoint.save_interval=2",
-        ),  # fmt: skip
-        job("moe_ep2_resumed", moe, *moe_hf, "parallel.ep=2", f"checkpoint.dir={mck}", "checkpoint.resume=true"),
-    ]
-
-
-def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(four, cohere, qwen3_moe):
+def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere, tmp_path_factory, tmp_path):
     """Resume is bit-exact (native Llama), and in the same launch the hf backend trains at
     tp2·pp2 with the distributed optimizer: Qwen3 forced onto hf follows its native run step for
     step (its q/k norms are `replicated_with_grad_allreduce`), also at tp2·cp2, Cohere (no native family) starts at
@@ -283,14 +173,49 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(four, cohere,
     at transformers' loss; Qwen3-MoE on hf at ep2 with transformers' aux loss switched on (a large
     coefficient, so a missing term shows) starts at transformers' loss incl. the aux term, follows
     its ep1 run (expert and router gradients over EP) and resumes bit-exactly."""
-    res, d = four
-    ck, e1, e2 = d / "ckpt", d / "export_full", d / "export_resumed"
-    losses = res["losses"]
+    ck = tmp_path / "ckpt"
+    base = ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", "train.steps=10"]
+    qwen3 = make_tiny("qwen3", tmp_path_factory.mktemp("hf") / "qwen3")
+    hf = [*base[:3], "model.backend=hf"]
+    hck, e1, e2 = tmp_path / "hf_ckpt", tmp_path / "export_full", tmp_path / "export_resumed"
+    moe = make_tiny("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe", output_router_logits=True,
+                    router_aux_loss_coef=0.5)  # fmt: skip
+    mck, moe_hf = tmp_path / "moe_ckpt", ["model.backend=hf", "train.steps=3"]
+    jobs = [
+        job("full", llama, *base),
+        # checkpoint.async_save: saves at 2, 4 and 5 written in the background, published at later
+        # step boundaries (the last before the job ends); the sync path: the crash suite, ZeRO, hf
+        job("first5", llama, *base, "train.exit_after=5", f"checkpoint.dir={ck}", "checkpoint.save_interval=2",
+            "checkpoint.async_save=true"),  # fmt: skip
+        job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
+        job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
+        job("qwen3_hf", qwen3, *hf),
+        # context parallelism on hf (runtime/hf/cp.py) at tp2·cp2, 2 steps (CI time): the loss and
+        # gradient norm of the native run's first two batches (step 1's warmup lr is 0)
+        job("qwen3_hf_cp2", qwen3, "parallel.tp=2", "parallel.cp=2", "zero.stage=1", "model.backend=hf",
+            "train.steps=2"),  # fmt: skip
+        # an HF export every step, written behind the loop (a 64 KiB queue: the step waits on it)
+        job("cohere_full", cohere, *hf, f"export_to={e1}", "train.export_interval=1", "train.export_buffer_bytes=65536"),
+        # the same, stopped after 3 (train.exit_after: interval exports only) and resumed into the same
+        # export_to, which then holds iter_1..5 and the end-of-run export
+        job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3",
+            f"export_to={e2}", "train.export_interval=1"),  # fmt: skip
+        job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}",
+            "train.export_interval=1"),  # fmt: skip
+        job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
+        job("moe_ep1", moe, *moe_hf),
+        job("moe_ep2", moe, *moe_hf, "parallel.ep=2"),
+        job("moe_ep2_first2", moe, *moe_hf, "parallel.ep=2", "train.exit_after=2", f"checkpoint.dir={mck}",
+            "checkpoint.save_interval=2"),  # fmt: skip
+        job("moe_ep2_resumed", moe, *moe_hf, "parallel.ep=2", f"checkpoint.dir={mck}", "checkpoint.resume=true"),
+    ]
+    res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=4, timeout=900)
+    losses = res[0]["losses"]
     assert_close(losses["qwen3_native"], losses["qwen3_hf"], "qwen3 hf vs native")
     assert losses["qwen3_hf"][str(STEPS)] < losses["qwen3_hf"]["1"]  # it learns
     for what in ("losses", "grad_norms"):
-        native = {k: res[what]["qwen3_native"][k] for k in ("1", "2")}
-        assert_close(native, res[what]["qwen3_hf_cp2"], f"qwen3 hf cp2 {what}")
+        native = {k: res[0][what]["qwen3_native"][k] for k in ("1", "2")}
+        assert_close(native, res[0][what]["qwen3_hf_cp2"], f"qwen3 hf cp2 {what}")
     assert abs(losses["cohere_full"]["1"] - transformers_loss(cohere)) < 1e-5
     first, again = losses["cohere_first3"], losses["cohere_resumed"]
     assert sorted(map(int, first)) == [1, 2, 3] and sorted(map(int, again)) == [4, 5], (first, again)
@@ -306,15 +231,15 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(four, cohere,
     _assert_same_export(e1 / "iter_0000004", e2 / "iter_0000004", cohere)  # after the resume
     assert abs(transformers_loss(e1 / "iter_0000002", step=3) - losses["cohere_full"]["3"]) < 1e-5
     assert abs(losses["cohere_from_export"]["1"] - transformers_loss(e1)) < 1e-5
-    assert abs(losses["moe_ep2"]["1"] - transformers_loss(qwen3_moe)) < 1e-5
+    assert abs(losses["moe_ep2"]["1"] - transformers_loss(moe)) < 1e-5
     assert_close(losses["moe_ep1"], losses["moe_ep2"], "moe ep2 vs ep1")
     assert losses["moe_ep2_first2"] | losses["moe_ep2_resumed"] == losses["moe_ep2"]  # bit-exact
     full, first, resumed = losses["full"], losses["first5"], losses["resumed"]
     assert sorted(map(int, first)) == [1, 2, 3, 4, 5] and sorted(map(int, resumed)) == [6, 7, 8, 9, 10]
     # the training thread's time in saves / exports, on the line after each (snapshots at 2 and 4)
-    rows = {r["step"]: r for r in map(json.loads, (d / "runs/first5/metrics.jsonl").read_text().splitlines())}
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "runs/first5/metrics.jsonl").read_text().splitlines())}
     assert rows[3]["save_s"] > 0 and rows[5]["save_s"] > 0 and "save_s" not in rows[2], rows
-    exports = [json.loads(x) for x in (d / "runs/cohere_full/metrics.jsonl").read_text().splitlines()]
+    exports = [json.loads(x) for x in (tmp_path / "runs/cohere_full/metrics.jsonl").read_text().splitlines()]
     assert all(r["export_s"] > 0 and "export_wait_s" in r for r in exports[1:]), exports
     for step in map(str, range(6, 11)):
         assert resumed[step] == full[step], (step, full[step], resumed[step])  # bit-exact
@@ -327,38 +252,7 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(four, cohere,
         assert len(manifest.verify(manifest.iter_dir(ck, i))["files"]) == 4
 
 
-VAL = "val_"  # the validation jobs' prefix in the shared launch
-
-
-def validation_jobs(m, d):
-    hf = make_tiny("llama", m["hf"] / "llama_dropout", attention_dropout=0.1)
-    ev, frozen = (
-        ["train.eval_interval=2", "train.eval_iters=2"],
-        ["optimizer.lr=1e-30", "optimizer.min_lr=0"],
-    )  # lr=0 is refused; 1e-30 moves no fp32 weight
-    tp2pp2, ds = ["parallel.tp=2", "parallel.pp=2"], ["train.engine=deepspeed", "zero.stage=3"]
-    mlruns = d / "mlruns"
-    loggers = [
-        "logger.wandb.enabled=false",
-        "logger.tensorboard.enabled=false",
-        "logger.mlflow.enabled=true",
-        f"logger.mlflow.tracking_uri=file:{mlruns}",
-    ]
-    return [
-        job(VAL + "tp1", hf, *ev, *frozen),
-        job(VAL + "tp2pp2", hf, *ev, *frozen, *tp2pp2),
-        job(VAL + "cp2_dp2", hf, *ev, *frozen, "parallel.cp=2"),
-        job(VAL + "ds_zero3", hf, "train.eval_iters=2", *frozen, *ds),
-        job(VAL + "tp2pp2_train", hf, *ev, *tp2pp2),
-        # also the logger group on a real run (docs/train.md "Loggers"): wandb and TensorBoard off,
-        # MLflow to a file store
-        job(VAL + "tp2pp2_train_noeval", hf, *tp2pp2, *loggers),
-        job(VAL + "ds_zero3_train", hf, *ev, *ds),
-        job(VAL + "ds_zero3_train_noeval", hf, *ds),
-    ]
-
-
-def test_validation_loss_is_layout_independent_and_leaves_training_alone(four):
+def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_path_factory, tmp_path):
     """`val_loss` (train.eval_iters global batches of the valid split, docs/train.md "Validation"):
     - the same weights give the same value at tp1·dp4, tp2·pp2, cp2·dp2 and DeepSpeed
       ZeRO-3·dp4 (lr=1e-30 keeps the weights at the HF start; only the reduction order differs, so
@@ -369,10 +263,33 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(four):
       or touched the data order, gradients, optimizer or schedule would change the training
       losses: with evaluation they equal those without, bit for bit, on both engines. Dropout
       also differs per layout, so equal val_loss across layouts also shows eval mode."""
-    res, d = four
-    runs, mlruns = d / "runs", d / "mlruns"
-    val = {k[len(VAL) :]: v for k, v in res["val_losses"].items() if k.startswith(VAL)}
-    losses = {k[len(VAL) :]: v for k, v in res["losses"].items() if k.startswith(VAL)}
+    hf = make_tiny("llama", tmp_path_factory.mktemp("hf") / "llama_dropout", attention_dropout=0.1)
+    ev, frozen = (
+        ["train.eval_interval=2", "train.eval_iters=2"],
+        ["optimizer.lr=1e-30", "optimizer.min_lr=0"],
+    )  # lr=0 is refused; 1e-30 moves no fp32 weight
+    tp2pp2, ds = ["parallel.tp=2", "parallel.pp=2"], ["train.engine=deepspeed", "zero.stage=3"]
+    mlruns = tmp_path / "mlruns"
+    loggers = [
+        "logger.wandb.enabled=false",
+        "logger.tensorboard.enabled=false",
+        "logger.mlflow.enabled=true",
+        f"logger.mlflow.tracking_uri=file:{mlruns}",
+    ]
+    jobs = [
+        job("tp1", hf, *ev, *frozen),
+        job("tp2pp2", hf, *ev, *frozen, *tp2pp2),
+        job("cp2_dp2", hf, *ev, *frozen, "parallel.cp=2"),
+        job("ds_zero3", hf, "train.eval_iters=2", *frozen, *ds),
+        job("tp2pp2_train", hf, *ev, *tp2pp2),
+        # also the logger group on a real run (docs/train.md "Loggers"): wandb and TensorBoard off,
+        # MLflow to a file store
+        job("tp2pp2_train_noeval", hf, *tp2pp2, *loggers),
+        job("ds_zero3_train", hf, *ev, *ds),
+        job("ds_zero3_train_noeval", hf, *ds),
+    ]
+    res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=4, timeout=900)[0]
+    val, losses = res["val_losses"], res["losses"]
     for name in ("tp1", "tp2pp2", "cp2_dp2", "tp2pp2_train", "ds_zero3_train"):
         assert sorted(map(int, val[name])) == [2, 4, 5], (name, val[name])  # every 2 steps and the end
     assert list(val["ds_zero3"]) == ["5"] and not val["tp2pp2_train_noeval"] and not val["ds_zero3_train_noeval"]
@@ -384,8 +301,8 @@ def test_validation_loss_is_layout_independent_and_leaves_training_alone(four):
     for name in ("tp2pp2_train", "ds_zero3_train"):
         assert losses[name] == losses[f"{name}_noeval"], name  # bit for bit
         assert val[name]["5"] < val[name]["2"] != ref, (name, val[name])  # it evaluates the trained weights
-    assert (runs / f"{VAL}tp2pp2_train" / "tensorboard").is_dir()  # the default: TensorBoard on
-    assert not {"wandb", "tensorboard"} & {p.name for p in (runs / f"{VAL}tp2pp2_train_noeval").iterdir()}
+    assert (tmp_path / "tp2pp2_train" / "tensorboard").is_dir()  # the default: TensorBoard on
+    assert not {"wandb", "tensorboard"} & {p.name for p in (tmp_path / "tp2pp2_train_noeval").iterdir()}
     (loss,) = mlruns.rglob("metrics/loss")
     logged = {line.split()[2]: float(line.split()[1]) for line in loss.read_text().splitlines()}
     assert logged == losses["tp2pp2_train_noeval"]  # MLflow got every step's loss
@@ -410,6 +327,3 @@ def _assert_same_export(e1, e2, source):
     assert any(not torch.equal(a[k], src[k]) for k in a)  # trained
     _, info = AutoModelForCausalLM.from_pretrained(e1, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-
-
-FOUR = (layout_jobs, moe_jobs, resume_jobs, validation_jobs)
