@@ -61,7 +61,10 @@ def run_cli(fn: Callable[[Sequence[str]], int], argv: Sequence[str]) -> int:
     except UserError as e:
         if _debug_requested(argv):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        # one write, newline included: a launcher SIGTERMs the other ranks as soon as one exits,
+        # and print()'s separate write of the end would leave a killed rank's paragraph unended
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
