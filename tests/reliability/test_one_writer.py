@@ -160,12 +160,26 @@ def test_second_job_on_a_held_directory_is_refused(tmp_path):
     assert steps == list(range(1, 7))
 
 
+def _held_at_step_3(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path, Path]:
+    """A `deepspeed` launch (runner, ck, log, faults) whose 2 ranks are both held mid-step 3."""
+    faults, log, ck = tmp_path / "faults", tmp_path / "ds.log", tmp_path / "ck"
+    runner = spawn(_deepspeed_job(ck, tmp_path / "run"), job_env(faults, "pause:step:*:3"), log)
+    _wait(lambda: _faults(faults) == 2, runner, log)
+    return runner, ck, log, faults
+
+
+def _step_3_saved(out: str, ck: Path, line: str) -> None:
+    """Rank 0 printed `line` once, no rank ended as an orphan, and step 3 is published intact."""
+    assert out.count(line) == 1, out[-4000:]
+    assert "exiting so no orphaned rank keeps training" not in out, out[-4000:]
+    assert manifest.latest_iteration(ck) == 3
+    manifest.verify(manifest.iter_dir(ck, 3))
+
+
 @NEEDS_DEEPSPEED
 def test_sigterm_to_a_deepspeed_launch_saves_the_step(tmp_path):
-    faults, log, ck = tmp_path / "faults", tmp_path / "ds_term.log", tmp_path / "ck"
-    runner = spawn(_deepspeed_job(ck, tmp_path / "run"), job_env(faults, "pause:step:*:3"), log)
+    runner, ck, log, faults = _held_at_step_3(tmp_path)
     try:
-        _wait(lambda: _faults(faults) == 2, runner, log)  # both ranks held mid-step 3
         ranks = [r for p in children(runner.pid) for r in children(p)]
         os.killpg(runner.pid, signal.SIGTERM)  # runner, launch.py and both ranks, as Slurm signals a step
         time.sleep(1.0)  # the ranks note the signal while held
@@ -175,18 +189,13 @@ def test_sigterm_to_a_deepspeed_launch_saves_the_step(tmp_path):
         _kill_tree(runner)
     out = log.read_text()
     assert gone is not None, out[-4000:]
-    assert out.count("SIGTERM: stopping after step 3: saved checkpoint") == 1, out[-4000:]
-    assert "is gone; exiting so no orphaned rank keeps training" not in out, out[-4000:]
-    assert manifest.latest_iteration(ck) == 3
-    manifest.verify(manifest.iter_dir(ck, 3))
+    _step_3_saved(out, ck, "SIGTERM: stopping after step 3: saved checkpoint")
 
 
 @NEEDS_DEEPSPEED
 def test_sigterm_to_the_deepspeed_runner_alone_saves_the_step(tmp_path):
-    faults, log, ck = tmp_path / "faults", tmp_path / "ds_runner.log", tmp_path / "ck"
-    runner = spawn(_deepspeed_job(ck, tmp_path / "run"), job_env(faults, "pause:step:*:3"), log)
+    runner, ck, log, faults = _held_at_step_3(tmp_path)
     try:
-        _wait(lambda: _faults(faults) == 2, runner, log)  # both ranks held mid-step 3
         launch_py = children(runner.pid)
         ranks = [r for p in launch_py for r in children(p)]
         os.kill(runner.pid, signal.SIGTERM)  # the runner only: it dies without forwarding
@@ -207,7 +216,4 @@ def test_sigterm_to_the_deepspeed_runner_alone_saves_the_step(tmp_path):
                 pass
     out = log.read_text()
     assert gone is not None and launcher_gone is not None, out[-4000:]
-    assert out.count("launcher gone: stopping after step 3: saved checkpoint") == 1, out[-4000:]
-    assert "exiting so no orphaned rank keeps training" not in out, out[-4000:]
-    assert manifest.latest_iteration(ck) == 3
-    manifest.verify(manifest.iter_dir(ck, 3))
+    _step_3_saved(out, ck, "launcher gone: stopping after step 3: saved checkpoint")
