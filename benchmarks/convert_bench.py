@@ -171,6 +171,11 @@ def main() -> None:
         default="",
         help="comma-separated parts of job names to run (with the jobs they read from), e.g. 'tp2·pp2'",
     )
+    ap.add_argument(
+        "--workers",
+        default="",
+        help="comma-separated workers= counts: every mbr job runs once per count, e.g. '1,2' (default: the default)",
+    )
     a = ap.parse_args()
     base = Path(a.dir)
     src = base / "hf"
@@ -226,6 +231,12 @@ def main() -> None:
 
     if a.only:  # a job whose input another one writes needs that one first: both names contain the filter
         jobs = [j for j in jobs if any(part in j[0] for part in a.only.split(","))]
+    if a.workers:  # each mbr job once per count (the last one's output is what the next job reads)
+        jobs = [
+            (f"{name}, workers={w}", cmd + [f"workers={w}"], inp) if "user-space" not in name else (name, cmd, inp)
+            for name, cmd, inp in jobs
+            for w in (a.workers.split(",") if "user-space" not in name else [""])
+        ]
 
     def measure(cmd, inp):
         subprocess.run(["sync"], check=True)
@@ -242,6 +253,9 @@ def main() -> None:
             if p.name != "hf":
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
         for name, cmd, inp in jobs:  # cp right before each command: the ratio compares like with like
+            for arg in map(str, cmd):  # a job repeated with another workers= count: its output again
+                if arg.startswith("dst="):
+                    shutil.rmtree(arg[4:], ignore_errors=True)
             c = measure(cp, src)
             shutil.rmtree(base / "cp")
             r = measure(cmd, inp)

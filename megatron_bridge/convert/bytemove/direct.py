@@ -11,8 +11,9 @@ strided slices), checksums.py takes every source tensor's CRC-32 on a second thr
 
 This module is the convert direction's driver, `DirectCopy`: it decides when the byte path
 applies (no cast), resolves a table row to its source tensors (an fp8 weight dequantised
-in memory, a stacked-experts row to its expert's slab), sends column bands to a second
-thread with their own copier, and fills the source's checksums. No torch anywhere: with the
+in memory, a stacked-experts row to its expert's slab), reserves each shard's record in
+order and hands its bytes to the `workers=` pool (pool.py: a row's shards on one worker,
+with its own copier and fp8 buffers), and fills the source's checksums. No torch anywhere: with the
 torch-free zip writer and pickler, `mbr convert` never imports it (that import alone takes
 as long as copying a 1.7 GB model; docs/benchmarks.md).
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from math import prod
 from pathlib import Path
@@ -33,6 +33,7 @@ from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.checksums import Checksums
 from megatron_bridge.convert.bytemove.copier import Copier
 from megatron_bridge.convert.bytemove.pieces import Band, MemInfo, pieces
+from megatron_bridge.convert.bytemove.pool import WorkerPool
 from megatron_bridge.convert.bytemove.strided import Mem
 from megatron_bridge.convert.formats import fp8
 from megatron_bridge.convert.formats.dtypes import DType
@@ -48,18 +49,16 @@ ENABLED = os.environ.get("MBR_CONVERT_DIRECT", "1") != "0"  # 0: always build te
 class DirectCopy:
     """Shards of an HF source written as byte moves into `StreamingTorchSave` records."""
 
-    def __init__(self, source: HFSource):
-        self.source, self.copier, self.checksums = source, Copier(), Checksums(source.check_finite)
-        # Column bands (row-parallel shards) go through user space: on a second thread,
-        # with its own copier and buffer, while this one copies spans in the kernel.
-        self._band_copier, self._bands = Copier(), ThreadPoolExecutor(1, thread_name_prefix="mbr-bands")
-        self._pending: list[Future] = []
+    def __init__(self, source: HFSource, workers: int = 0):
+        self.source, self.checksums = source, Checksums(source.check_finite)
         # a band reads its whole source tensor into memory anyway: its CRC is taken there
         self._whole = {(i.file, i.start, i.nbytes): i.name for i in source.infos.values() if i.name not in source.quant}
-        self._band_copier.on_read = self._checksum_region
-        # fp8 weights of the row being written, dequantised to bf16 in memory (formats/fp8.py)
-        self._mem: dict[str, MemInfo] = {}
-        self._files = OpenFiles()
+        self.pool = WorkerPool(workers, self._worker, "mbr-convert")
+
+    def _worker(self) -> _Worker:
+        w = _Worker()
+        w.copier.on_read = self._checksum_region
+        return w
 
     def _checksum_region(self, path: Path, start: int, view: memoryview) -> None:
         name = self._whole.get((path, start, len(view)))
@@ -68,14 +67,9 @@ class DirectCopy:
             if self.checksums.check_finite and not all_finite(self.source.infos[name].dtype, view):
                 self.checksums.nonfinite.add(name)
 
-    def _band(self, p: Band, fd: int, at: int) -> None:
-        self._pending.append(self._bands.submit(self._band_copier.band, p, fd, at))
-
     def drain(self) -> None:
-        """Wait for the queued bands (before their files are finished and closed)."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        """Wait for the queued shards (before their files are finished and closed)."""
+        self.pool.drain()
 
     @staticmethod
     def possible(source: object) -> bool:
@@ -88,23 +82,22 @@ class DirectCopy:
 
     @classmethod
     @contextmanager
-    def open(cls, source: object) -> Iterator[DirectCopy | None]:
+    def open(cls, source: object, workers: int = 0) -> Iterator[DirectCopy | None]:
         """A DirectCopy if `possible(source)`, else None; on success the source's checksums
         are filled in (as its own reads would have)."""
         if not cls.possible(source):
             yield None
             return
-        d = cls(source)  # type: ignore[arg-type]
+        d = cls(source, workers)  # type: ignore[arg-type]
         try:
             yield d
+            d.drain()
             source.checksums.update(d.checksums.result())  # type: ignore[attr-defined]
             source.nonfinite |= d.checksums.nonfinite  # type: ignore[attr-defined]
         finally:
-            d._bands.shutdown(wait=True, cancel_futures=True)  # on failure: the file objects are still open
-            d.copier.close()
-            d._band_copier.close()
-            d._files.close()
-            d._mem.clear()
+            d.pool.close()  # on failure: the file objects are still open
+            for w in d.pool.states:
+                w.close()
             d.checksums.abandon()
 
     def shard_info(self, row: Resolved, s: Shard, shapes: Shapes) -> tuple[DType, tuple[int, ...]]:
@@ -113,19 +106,24 @@ class DirectCopy:
             row.mapping.transform.blocks(hf_shapes, s, shapes), hf_shapes
         )
 
-    def _infos(self, row: Resolved) -> list[TensorInfo | MemInfo]:
+    def _infos(self, row: Resolved, w: _Worker) -> list[TensorInfo | MemInfo]:
         """The row's source tensors; its fp8 weights dequantised (once per row, whatever the
-        number of shards; only the current row's are held, so memory is one row's bf16)."""
+        number of shards: a row's shards run on one worker; each worker holds only its current
+        row's, in buffers it reuses, so memory is `workers ×` one row's bf16)."""
         quant = [h for h in row.hf if h in self.source.quant]
-        if any(h not in self._mem for h in quant):
-            self._mem.clear()
-            self.drain()  # queued bands may still hold the previous row's buffers
-            for h in quant:
-                data = fp8.dequantize(self.source.quant[h], self._files)
+        if any(h not in w.mem for h in quant):
+            w.mem.clear()
+            for k, h in enumerate(quant):
+                q = self.source.quant[h]
+                if len(w.bufs) <= k:
+                    w.bufs.append(bytearray())
+                if len(w.bufs[k]) < 2 * prod(q.shape):
+                    w.bufs[k] = bytearray(2 * prod(q.shape))
+                data = fp8.dequantize(q, w.files, out=w.bufs[k])
                 self.checksums.values[h] = crc_hex(zlib_ng.crc32(data))
                 shape = self.source.tensors[h][0]
-                self._mem[h] = MemInfo(h, self.source.tensors[h][1], shape, Mem(data), 0, len(data))
-        return [self._mem[h] if h in self._mem else self.source.infos[h] for h in row.hf]
+                w.mem[h] = MemInfo(h, self.source.tensors[h][1], shape, Mem(data), 0, len(data))
+        return [w.mem[h] if h in w.mem else self.source.infos[h] for h in row.hf]
 
     @staticmethod
     def _select(row: Resolved, infos: list[TensorInfo | MemInfo]) -> list[TensorInfo | MemInfo]:
@@ -148,25 +146,43 @@ class DirectCopy:
         self, row: Resolved, s: Shard, shapes: Shapes, out: StreamingTorchSave, shape: tuple[int, ...] | None = None
     ) -> tuple[TensorRef, int]:
         """Shard `s` of `row` as one record of `out` (stored as `shape` if given, e.g. with
-        leading unit axes); returns its reference and byte count."""
-        whole = self._infos(row)
-        infos = self._select(row, whole)
-        hf_shapes = [i.shape for i in infos]
-        blocks = row.mapping.transform.blocks(hf_shapes, s, shapes)
-        shape = shape if shape is not None else out_shape(blocks, hf_shapes)
-        nbytes = prod(shape) * infos[0].dtype.itemsize
-        ref, at = out.reserve(nbytes, infos[0].dtype, shape)
-        ps = pieces(blocks, infos)
-        written = self.copier.write(ps, out.fileno(), at, self._band)
-        if written != nbytes:
-            raise RuntimeError(f"{row.megatron}: {written} bytes laid out for a {nbytes}-byte shard")
-        banded = {(p.file, p.start, p.rows * p.row_bytes) for p in ps if isinstance(p, Band)}
-        for i in whole:  # a stacked tensor's checksum covers every expert (taken once)
-            if (
-                isinstance(i, TensorInfo) and (i.file, i.start, i.nbytes) not in banded
-            ):  # else its band job checksums it
-                self.checksums.add(i)
+        leading unit axes); returns its reference and byte count. The record is reserved
+        here, in order; its bytes are written by a worker (`drain()` waits for them)."""
+        dtype, natural = self.shard_info(row, s, shapes)
+        shape = shape if shape is not None else natural
+        nbytes = prod(shape) * dtype.itemsize
+        ref, at = out.reserve(nbytes, dtype, shape)
+        fd = out.fileno()
+
+        def run(w: _Worker) -> None:
+            whole = self._infos(row, w)
+            infos = self._select(row, whole)
+            ps = pieces(row.mapping.transform.blocks([i.shape for i in infos], s, shapes), infos)
+            written = w.copier.write(ps, fd, at)
+            if written != nbytes:
+                raise RuntimeError(f"{row.megatron}: {written} bytes laid out for a {nbytes}-byte shard")
+            banded = {(p.file, p.start, p.rows * p.row_bytes) for p in ps if isinstance(p, Band)}
+            for i in whole:  # a stacked tensor's checksum covers every expert (taken once)
+                if isinstance(i, TensorInfo) and (i.file, i.start, i.nbytes) not in banded:  # else the band's read did
+                    self.checksums.add(i)
+
+        self.pool.submit(row.megatron, run, nbytes)
         return ref, nbytes
+
+
+class _Worker:
+    """One pool worker's state: its copier and the dequantised fp8 tensors of its row."""
+
+    def __init__(self) -> None:
+        self.copier, self.files = Copier(), OpenFiles()
+        self.mem: dict[str, MemInfo] = {}
+        self.bufs: list[bytearray] = []  # reused across rows: fresh pages are slow
+
+    def close(self) -> None:
+        self.copier.close()
+        self.files.close()
+        self.mem.clear()
+        self.bufs.clear()
 
 
 __all__ = ["ENABLED", "DirectCopy"]

@@ -14,15 +14,15 @@ holds, so an HF tensor is, read backwards:
 Possible when no dtype cast is asked for, every record is a plain contiguous tensor, and
 for torch_dist every parameter is one chunk (what `mbr convert` writes; a checkpoint that
 megatron-core saved split by TP goes through tensors). The CRC-32 of every written HF tensor
-is computed from the output (page cache) on a second thread and checked against the
+is computed from the output (page cache) on a checksum thread and checked against the
 manifest: a damaged checkpoint still fails the export, after the copy instead of before.
+Tensors are written by the `workers=` pool (pool.py), each into its reserved byte range.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from math import prod
 from pathlib import Path
@@ -34,6 +34,7 @@ from megatron_bridge.convert.bytemove import direct
 from megatron_bridge.convert.bytemove.checksums import Checksums
 from megatron_bridge.convert.bytemove.copier import Copier
 from megatron_bridge.convert.bytemove.pieces import Interleave, Piece, Span
+from megatron_bridge.convert.bytemove.pool import WorkerPool
 from megatron_bridge.convert.bytemove.strided import Scatter, matrix
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
@@ -166,19 +167,13 @@ def _tiles(m: tuple[int, int], geo: tuple) -> bool:
 class DirectExport:
     """HF tensors of a checkpoint source written straight from its records."""
 
-    def __init__(self, source: Source, plan: dict[str, list[Piece]]):
+    def __init__(self, source: Source, plan: dict[str, list[Piece]], workers: int = 0):
         self.source, self.plan = source, plan
-        self.copier, self.checksums = Copier(), Checksums()
-        # interleaved weights go through user space: on a second thread, with its own
-        # copier and buffers, while this one copies row ranges in the kernel
-        self._user_copier, self._pool = Copier(), ThreadPoolExecutor(1, thread_name_prefix="mbr-interleave")
-        self._pending: list[Future] = []
+        self.checksums, self.pool = Checksums(), WorkerPool(workers, Copier, "mbr-export")
 
     def drain(self) -> None:
-        """Wait for queued interleaved writes (before their file is closed)."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        """Wait for queued writes (before their file is closed)."""
+        self.pool.drain()
 
     @staticmethod
     def make_plan(source: Source) -> dict[str, list[Piece]] | None:
@@ -212,14 +207,14 @@ class DirectExport:
 
     @classmethod
     @contextmanager
-    def open(cls, source: Source) -> Iterator[DirectExport | None]:
+    def open(cls, source: Source, workers: int = 0) -> Iterator[DirectExport | None]:
         """A DirectExport if the source can be copied from (see module doc), else None. On
         success every written tensor's CRC-32 has been checked against the manifest."""
         plan = cls.make_plan(source)
         if plan is None:
             yield None
             return
-        d = cls(source, plan)
+        d = cls(source, plan, workers)
         try:
             yield d
             d.drain()
@@ -227,9 +222,9 @@ class DirectExport:
             if bad:
                 raise mismatch(source.where, bad[0])
         finally:
-            d._pool.shutdown(wait=True, cancel_futures=True)  # on failure: the files are still open
-            d.copier.close()
-            d._user_copier.close()
+            d.pool.close()  # on failure: the files are still open
+            for copier in d.pool.states:
+                copier.close()
             d.checksums.abandon()
 
     def write(self, name: str, fd: int, at: int, out_path) -> None:
@@ -243,10 +238,7 @@ class DirectExport:
             copier.write(ps, fd, at)
             self.checksums.add(info)
 
-        if any(isinstance(p, (Interleave, Scatter)) for p in ps):
-            self._pending.append(self._pool.submit(run, self._user_copier))
-        else:
-            run(self.copier)
+        self.pool.submit(name, run, info.nbytes)
 
 
 __all__ = ["DirectExport"]

@@ -17,20 +17,20 @@ without ever building the HF tensor:
 The tensor path keeps, whole, what this cannot do (`make_plan` declines; the writers then
 read tensors): a dtype cast, records export cannot copy from (`DirectExport.make_plan`:
 non-contiguous records, a torch_dist parameter in several chunks), and stacked experts (a
-strided view of a strided view). Bands and interleaves run on a second thread, as in
-convert; every HF tensor's CRC-32 is taken from the source records on a third (after its
-copy: from the page cache) and checked against the manifest at the end, so a damaged
+strided view of a strided view). Shards run on the `workers=` pool (pool.py), as in
+convert; every HF tensor's CRC-32 is taken from the source records on one more thread (after
+its copy: from the page cache) and checked against the manifest at the end, so a damaged
 checkpoint still fails the reshard, after the copy instead of before.
 
-Memory: the second thread's buffers (one band region and the parts of one interleave, each
-at most one column-split tensor) and the checksum thread's (the parts of one tensor, plus
-8 MiB): about 3 x the largest column-split tensor, whatever the model size.
+Memory: each worker's buffers (one band region and the parts of one interleave, each at
+most one column-split tensor) and the checksum thread's (the parts of one tensor, plus
+8 MiB): about (2 x workers + 1) x the largest column-split tensor, whatever the model size.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor  # the checksum thread
 from contextlib import contextmanager
 from math import prod
 from pathlib import Path
@@ -43,6 +43,7 @@ from megatron_bridge.convert.bytemove.checksums import CRC_CHUNK
 from megatron_bridge.convert.bytemove.copier import Copier
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
 from megatron_bridge.convert.bytemove.pieces import Band, Interleave, Piece, Span, Zeros, pieces
+from megatron_bridge.convert.bytemove.pool import WorkerPool
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import crc_hex
 from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
@@ -98,11 +99,9 @@ def compose(p: Span | Band, src: Sequence[Piece], row_bytes: int) -> list[Piece]
 class DirectReshard:
     """Target shards of a checkpoint source written straight from its records."""
 
-    def __init__(self, source: CheckpointSource, plan: Plan):
+    def __init__(self, source: CheckpointSource, plan: Plan, workers: int = 0):
         self.source, self.plan = source, plan
-        self.copier, self._user_copier = Copier(), Copier()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mbr-reshard-bands")
-        self._pending: list[Future] = []
+        self.pool = WorkerPool(workers, Copier, "mbr-reshard")
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="mbr-crc")
         self._crcs: dict[str, Future] = {}
         self._crc_files = OpenFiles()
@@ -123,14 +122,14 @@ class DirectReshard:
 
     @classmethod
     @contextmanager
-    def open(cls, source: object) -> Iterator[DirectReshard | None]:
+    def open(cls, source: object, workers: int = 0) -> Iterator[DirectReshard | None]:
         """A DirectReshard if `make_plan` has a plan, else None; on success every source tensor
         has been checked against the manifest and the source's checksums filled in."""
         plan = cls.make_plan(source)
         if plan is None:
             yield None
             return
-        d = cls(source, plan)  # type: ignore[arg-type]  # make_plan: a CheckpointSource
+        d = cls(source, plan, workers)  # type: ignore[arg-type]  # make_plan: a CheckpointSource
         try:
             yield d
             d.drain()
@@ -141,17 +140,15 @@ class DirectReshard:
                     raise mismatch(d.source.where, name)
             d.source.checksums.update(d.source.expected)
         finally:
-            for pool in (d._pool, d._crc_pool):
-                pool.shutdown(wait=True, cancel_futures=True)  # on failure: the files are still open
-            d.copier.close()
-            d._user_copier.close()
+            d.pool.close()  # on failure: the files are still open
+            d._crc_pool.shutdown(wait=True, cancel_futures=True)
+            for copier in d.pool.states:
+                copier.close()
             d._crc_files.close()
 
     def drain(self) -> None:
-        """Wait for the queued bands and interleaves (before their files are finished and closed)."""
-        pending, self._pending = self._pending, []
-        for f in pending:
-            f.result()
+        """Wait for the queued shards (before their files are finished and closed)."""
+        self.pool.drain()
 
     def _infos(self, row: Resolved) -> list[TensorInfo]:
         """The row's HF tensors as if stored alone from byte 0 (what `compose` offsets from)."""
@@ -189,15 +186,11 @@ class DirectReshard:
         shape = shape if shape is not None else natural
         nbytes = prod(shape) * dtype.itemsize
         ref, at = out.reserve(nbytes, dtype, shape)
-        fd, pos = out.fileno(), at
-        for p in self._pieces(row, s, shapes):
-            if isinstance(p, (Band, Interleave)):  # through user space: on the second thread
-                self._pending.append(self._pool.submit(self._user_copier.write, [p], fd, pos))
-            else:
-                self.copier.write([p], fd, pos)
-            pos += p.nbytes
-        if pos - at != nbytes:
-            raise RuntimeError(f"{row.megatron}: {pos - at} bytes laid out for a {nbytes}-byte shard")
+        ps, fd = self._pieces(row, s, shapes), out.fileno()
+        laid = sum(p.nbytes for p in ps)
+        if laid != nbytes:
+            raise RuntimeError(f"{row.megatron}: {laid} bytes laid out for a {nbytes}-byte shard")
+        self.pool.submit(row.megatron, lambda copier: copier.write(ps, fd, at), nbytes)
         for h in row.hf:
             self._check(h)
         return ref, nbytes

@@ -21,7 +21,7 @@ from typing import Literal
 class Mem:
     """Bytes held in memory standing in for a file region (an fp8 weight's bf16 dequantisation)."""
 
-    def __init__(self, data: bytearray):
+    def __init__(self, data: bytearray | memoryview):
         self.view = memoryview(data)
 
 

@@ -226,9 +226,13 @@ def read_scales(q: Quantized, files: OpenFiles) -> array:
     return out
 
 
-def dequantize(q: Quantized, files: OpenFiles, rows_per_read: int = 0) -> bytearray:
+def dequantize(
+    q: Quantized, files: OpenFiles, rows_per_read: int = 0, out: bytearray | None = None
+) -> bytearray | memoryview:
     """The whole tensor as bf16 bytes, read one group of block rows at a time (`rows_per_read`,
-    default: about 8 MiB of fp8) — numpy, no torch."""
+    default: about 8 MiB of fp8) — numpy, no torch. Into `out` (a reused buffer of at least
+    2 × rows × cols bytes; fresh pages cost as much as the arithmetic) if given: then the
+    returned view is its first 2 × rows × cols bytes."""
     import numpy as np
 
     rows, cols = q.shape
@@ -237,13 +241,13 @@ def dequantize(q: Quantized, files: OpenFiles, rows_per_read: int = 0) -> bytear
     bm = q.block[0]
     step = rows_per_read or max(bm, (8 * 2**20 // max(cols, 1)) // bm * bm)
     scales = read_scales(q, files)
-    out = bytearray(2 * rows * cols)
-    grid, buf = np.frombuffer(out, dtype="<u2").reshape(rows, cols), bytearray(min(step, rows) * cols)
+    res: bytearray | memoryview = bytearray(2 * rows * cols) if out is None else memoryview(out)[: 2 * rows * cols]
+    grid, buf = np.frombuffer(res, dtype="<u2").reshape(rows, cols), bytearray(min(step, rows) * cols)
     for r0 in range(0, rows, step):
         n = min(step, rows - r0) * cols
         read_exactly(files(q.weight.file), memoryview(buf)[:n], q.weight.start + r0 * cols, q.weight.file)
         dequant_numpy(memoryview(buf)[:n], cols, scales, r0 // bm, q.block, out=grid[r0 : r0 + n // cols])
-    return out
+    return res
 
 
 def dequant_torch(

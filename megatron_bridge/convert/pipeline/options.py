@@ -44,6 +44,9 @@ class ConvertConfig(Config):
     # NaN or infinity in a source tensor is refused (found during the conversion's own reads,
     # before anything is published); true converts such a checkpoint as it is.
     allow_nonfinite: bool = False
+    # Threads that move bytes and dequantise fp8 (0: one per core this process may use); the
+    # output is the same bytes whatever the count, and memory grows by one row's buffers each.
+    workers: int = 0
 
 
 @dataclass
@@ -55,6 +58,7 @@ class ExportConfig(Config):
     overwrite: bool = False
     progress: str = "auto"
     adapter: bool = False  # src is a peft=lora training checkpoint: write its HF PEFT adapter
+    workers: int = 0  # as ConvertConfig.workers
 
 
 @dataclass
@@ -65,6 +69,13 @@ class ReshardConfig(Config):
     dtype: str = "source"
     overwrite: bool = False
     progress: str = "auto"
+    workers: int = 0  # as ConvertConfig.workers
+
+
+def check_workers(workers: int) -> int:
+    if workers < 0:
+        raise UserError(f"workers={workers}: give the number of threads to convert with, or 0 for one per core")
+    return workers
 
 
 def check_format(fmt: str) -> str:
@@ -102,4 +113,13 @@ def describe(layout: Layout, dtype: Any | None) -> str:
     return "·".join(parts) + f", {str(dtype).replace('torch.', '') if dtype else 'source dtype'}"
 
 
-__all__ = ["ConvertConfig", "ExportConfig", "ReshardConfig", "checked_layout", "check_format", "describe", "FORMATS"]
+__all__ = [
+    "ConvertConfig",
+    "ExportConfig",
+    "ReshardConfig",
+    "checked_layout",
+    "check_format",
+    "check_workers",
+    "describe",
+    "FORMATS",
+]

@@ -25,7 +25,7 @@ from megatron_bridge.bridge.loader import _write_config_and_assets, hf_assets
 from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_crc32, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
 from megatron_bridge.convert.pipeline.dst import check_replaceable, dst_lease, publish_mode
-from megatron_bridge.convert.pipeline.options import check_format, checked_layout, describe
+from megatron_bridge.convert.pipeline.options import check_format, check_workers, checked_layout, describe
 from megatron_bridge.convert.pipeline.progress import Progress
 from megatron_bridge.convert.pipeline.writers import DistOut, HFOut, TorchOut
 from megatron_bridge.convert.placement.manifest_model import layout_record, manifest_layout
@@ -167,7 +167,7 @@ def convert(cfg: Any) -> int:
     hf_config = source.hf_config
     with _closing_on_error(source):
         layout = checked_layout(cfg, source.spec, hf_config, source.rows, source.tensors, fmt)
-    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout)
+    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout, check_workers(cfg.workers))
     assets = _assets(src)
 
     def finish(tmp: Path) -> None:
@@ -210,7 +210,15 @@ def export(cfg: Any) -> int:
         _write_config_and_assets(tmp, source.spec, None, man.hf_config, retag)
         _copy(src, tmp, man.assets)
 
-    prog = _run(source, HFOut(int(cfg.max_shard_gb * 1e9)), dst, "exported", cfg.progress, finish, cfg.overwrite)
+    prog = _run(
+        source,
+        HFOut(int(cfg.max_shard_gb * 1e9), check_workers(cfg.workers)),
+        dst,
+        "exported",
+        cfg.progress,
+        finish,
+        cfg.overwrite,
+    )
     print(
         prog.summary(str(dst), f"HF safetensors, {dtype_name(out_dtypes)}, every tensor checked against the manifest"),
         flush=True,
@@ -228,7 +236,7 @@ def reshard(cfg: Any) -> int:
     man: Manifest = source.man
     with _closing_on_error(source):
         layout = checked_layout(cfg, source.spec, man.hf_config, source.rows, source.tensors, fmt)
-    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout)
+    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout, check_workers(cfg.workers))
 
     def finish(tmp: Path) -> None:
         shutil.copy2(src / "config.json", tmp / "config.json")

@@ -64,9 +64,9 @@ Advance = Callable[[int, int], None]  # (tensors, bytes)
 BYTE_PATHS = {HFSource: DirectCopy.open, TorchSource: DirectReshard.open, DistSource: DirectReshard.open}
 
 
-def byte_path(source: Source):  # -> context manager of DirectCopy | DirectReshard | None
+def byte_path(source: Source, workers: int):  # -> context manager of DirectCopy | DirectReshard | None
     opener = next((o for kind, o in BYTE_PATHS.items() if isinstance(source, kind)), None)
-    return opener(source) if opener is not None else nullcontext()
+    return opener(source, workers) if opener is not None else nullcontext()
 
 
 def main_dtype(source: Source) -> DType:
@@ -91,8 +91,8 @@ def _exported(source: Source) -> list[Resolved]:
 class DistOut:
     format = "torch_dist"
 
-    def __init__(self, spec: BridgeSpec, layout: Layout):
-        self.spec, self.layout = spec, layout
+    def __init__(self, spec: BridgeSpec, layout: Layout, workers: int = 0):
+        self.spec, self.layout, self.workers = spec, layout, workers  # workers: the byte path's pool
 
     def total(self, source: Source) -> tuple[int, int]:
         rows = _exported(source)
@@ -126,7 +126,7 @@ class DistOut:
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
         w = DistWriter(root / RELEASE)
-        with byte_path(source) as direct, Writeback(enabled=direct is None) as wb:
+        with byte_path(source, self.workers) as direct, Writeback(enabled=direct is None) as wb:
             for row, nbytes in self._direct(direct, w) if direct else self._tensors(source, w):
                 extra = extra_state_location(row.megatron, self.spec)
                 if extra is not None:
@@ -142,8 +142,8 @@ class DistOut:
 class TorchOut:
     format = "torch"
 
-    def __init__(self, spec: BridgeSpec, layout: Layout):
-        self.spec, self.layout = spec, layout
+    def __init__(self, spec: BridgeSpec, layout: Layout, workers: int = 0):
+        self.spec, self.layout, self.workers = spec, layout, workers  # workers: the byte path's pool
         self._plan: list[tuple[int, dict]] | None = None
 
     def _stages(self, source: Source) -> list[tuple[int, dict]]:
@@ -187,7 +187,7 @@ class TorchOut:
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
         args = megatron_args(self.spec, self.layout, main_dtype(source), self.format)
-        with byte_path(source) as direct:
+        with byte_path(source, self.workers) as direct:
             for pp, targets in self._stages(source):
                 files: dict[RankFile, StreamingTorchSave] = {}
                 chunks: dict[RankFile, dict[str, dict[str, tuple[int, object]]]] = {}
@@ -255,8 +255,8 @@ class _ShardFiles:
 class HFOut:
     format = "hf"
 
-    def __init__(self, max_shard_bytes: int):
-        self.max_shard_bytes = max_shard_bytes
+    def __init__(self, max_shard_bytes: int, workers: int = 0):
+        self.max_shard_bytes, self.workers = max_shard_bytes, workers  # workers: the byte path's pool
 
     def total(self, source: Source) -> tuple[int, int]:
         rows = _exported(source)
@@ -269,7 +269,7 @@ class HFOut:
         n = len(files)
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         where = {e[0]: i for i, group in enumerate(files) for e in group}
-        with DirectExport.open(source) as direct, Writeback(enabled=direct is None) as wb:
+        with DirectExport.open(source, self.workers) as direct, Writeback(enabled=direct is None) as wb:
             out = _ShardFiles(root, names, files, where, wb, direct.drain if direct else lambda: None)
             if direct is not None:
                 for row in _exported(source):

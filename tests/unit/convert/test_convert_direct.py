@@ -320,3 +320,29 @@ def test_compose():
     assert compose(Band("hf", 8, 2, 8, 2, 6), cols, 8) == [
         Interleave(2, (("c0", 4, 4), ("c1", 54, 4)), ((2, 4), (0, 2)))
     ]
+
+
+@pytest.mark.parametrize(
+    "family,conv,resh",
+    [
+        ("mixtral", ["format=torch", "parallel.ep=2", "parallel.tp=2"], ["parallel.ep=1", "parallel.tp=4"]),
+        ("gpt_oss", ["format=torch_dist", "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"], ["format=torch"]),
+    ],
+    ids=["mixtral-bands", "gpt_oss-stacked"],
+)
+def test_workers_write_the_same_bytes(tiny, tmp_path, family, conv, resh):
+    """convert, export and reshard on the byte path give the same files whatever `workers=`
+    (1: every write in the caller's thread; 3: more workers than this machine's cores, so
+    tasks finish out of order)."""
+    for w in (1, 3):
+        out = tmp_path / f"w{w}"
+        run("convert", f"src={tiny[family]}", f"dst={out / 'conv'}", *conv, f"workers={w}")
+        run("export", f"src={out / 'conv'}", f"dst={out / 'hf'}", f"workers={w}")
+        run("reshard", f"src={out / 'conv'}", f"dst={out / 'resh'}", *resh, f"workers={w}")
+    for d in ("conv", "hf", "resh"):
+        assert_same_output(tmp_path / "w1" / d, tmp_path / "w3" / d)
+
+
+def test_workers_must_not_be_negative(tiny, tmp_path, capsys):
+    assert mbr(["convert", f"src={tiny['llama']}", f"dst={tmp_path / 'x'}", "workers=-1"]) != 0
+    assert "workers=-1" in capsys.readouterr().err and not (tmp_path / "x").exists()

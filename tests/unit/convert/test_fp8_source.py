@@ -136,11 +136,20 @@ def test_equals_transformers_dequantisation(dirs, tmp_path):
     assert_same_checkpoint(tmp_path / "a", tmp_path / "b")
 
 
-@pytest.mark.parametrize("args", [["format=torch", "parallel.tp=2", "parallel.pp=2"], ["format=torch_dist"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["format=torch", "parallel.tp=2", "parallel.pp=2"],
+        ["format=torch_dist"],
+        ["format=torch", "parallel.tp=2", "workers=3"],  # rows dequantised on 3 workers, out of order
+        ["format=torch_dist", "workers=1"],
+    ],
+)
 @pytest.mark.parametrize("direct_on", [True, False], ids=["bytes", "tensors"])
 def test_convert_partial_blocks(dirs, tmp_path, monkeypatch, args, direct_on):
     """Byte path and tensor path: the fp8 checkpoint converts to exactly what its dequantised
-    bf16 checkpoint converts to; scales are consumed; config.json loses quantization_config."""
+    bf16 checkpoint converts to (whatever `workers=`); scales are consumed; config.json loses
+    quantization_config."""
     from megatron_bridge.convert.bytemove import direct
 
     monkeypatch.setattr(direct, "ENABLED", direct_on)
