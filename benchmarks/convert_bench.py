@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from disk import evict
 
 ROOT = Path(__file__).resolve().parents[1]
 MBR = [sys.executable, "-m", "megatron_bridge.cli"]
@@ -144,19 +145,6 @@ def check_exact(src: Path, exported: Path) -> str:
         if a.dtype != b.dtype or not torch.equal(a, b):
             return f"{name} differs"
     return "bit-exact"
-
-
-def evict(directory: Path) -> None:
-    """Drop `directory`'s files from the page cache (after the sync, so they are clean): every
-    command then reads its input from disk, as cp does and as a real conversion of a model
-    bigger than RAM would. Affects only these files; needs no privileges."""
-    for p in directory.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from megatron_bridge.backends.describe import describe as describe_model
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.loader import _write_config_and_assets, hf_assets
+from megatron_bridge.convert.bytemove.pool import resolve_workers
 from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_crc32, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
 from megatron_bridge.convert.pipeline.dst import check_replaceable, dst_lease, publish_mode
@@ -135,7 +136,15 @@ def _run(
 
 
 def _manifest(
-    fmt: str, hf_config: dict, layout, source: Source, tmp: Path, assets: list[str], src: Path, created_by: str
+    fmt: str,
+    hf_config: dict,
+    layout,
+    source: Source,
+    tmp: Path,
+    assets: list[str],
+    src: Path,
+    created_by: str,
+    workers: int,
 ) -> None:
     missing = set(source.tensors) - set(source.checksums)
     if missing:
@@ -152,7 +161,7 @@ def _manifest(
         make_vocab_size_divisible_by=source.spec.make_vocab_size_divisible_by,
         tensors=tensors,
         files=(files := list_files(tmp)),
-        file_crc32=list_crc32(tmp, files),
+        file_crc32=list_crc32(tmp, files, resolve_workers(workers)),
         assets=assets,
         source=str(src),
         created_by=created_by,
@@ -184,7 +193,7 @@ def convert(cfg: Any) -> int:
         else:
             shutil.copy2(src / "config.json", tmp / "config.json")
         _copy(src, tmp, assets)
-        _manifest(fmt, hf_config, layout, source, tmp, assets, src, "mbr convert")
+        _manifest(fmt, hf_config, layout, source, tmp, assets, src, "mbr convert", cfg.workers)
 
     prog = _run(source, writer, dst, "converted", cfg.progress, finish, cfg.overwrite)
     print(prog.summary(str(dst), f"{fmt}, {describe(layout, dtype)}"), flush=True)
@@ -241,7 +250,9 @@ def reshard(cfg: Any) -> int:
     def finish(tmp: Path) -> None:
         shutil.copy2(src / "config.json", tmp / "config.json")
         _copy(src, tmp, man.assets)
-        _manifest(fmt, man.hf_config, layout, source, tmp, man.assets, Path(man.source or src), "mbr reshard")
+        _manifest(
+            fmt, man.hf_config, layout, source, tmp, man.assets, Path(man.source or src), "mbr reshard", cfg.workers
+        )
 
     prog = _run(source, writer, dst, "resharded", cfg.progress, finish, cfg.overwrite)
     old = manifest_layout(man)

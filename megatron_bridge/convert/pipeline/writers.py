@@ -32,9 +32,10 @@ from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.direct import DirectCopy
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
 from megatron_bridge.convert.bytemove.direct_reshard import DirectReshard
+from megatron_bridge.convert.bytemove.pool import resolve_workers
 from megatron_bridge.convert.formats.dist_ckpt import DistWriter
 from megatron_bridge.convert.formats.dtypes import DType
-from megatron_bridge.convert.formats.manifest import INDEX_CRC32, file_crc32
+from megatron_bridge.convert.formats.manifest import INDEX_CRC32, list_crc32
 from megatron_bridge.convert.formats.safetensors_io import INDEX, SafetensorsWriter, plan_shards
 from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
 from megatron_bridge.convert.pipeline.dst import EXPORT_MARK
@@ -288,7 +289,7 @@ class HFOut:
             out.close()
         total = sum(prod(e[2]) * e[1].itemsize for e in entries)
         weight_map = {e[0]: names[where[e[0]]] for e in sorted(entries)}
-        crcs = {f: file_crc32(root / f) for f in names}  # read back (cached): what a later load checks
+        crcs = list_crc32(root, names, resolve_workers(self.workers))  # read back (cached): what a later load checks
         meta = {"total_size": total, "written_by": EXPORT_MARK, INDEX_CRC32: crcs}
         (root / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2) + "\n")
 
