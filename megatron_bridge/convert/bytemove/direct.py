@@ -54,6 +54,7 @@ class DirectCopy:
         # a band reads its whole source tensor into memory anyway: its CRC is taken there
         self._whole = {(i.file, i.start, i.nbytes): i.name for i in source.infos.values() if i.name not in source.quant}
         self.pool = WorkerPool(workers, self._worker, "mbr-convert")
+        self._largest_fp8 = max((2 * prod(q.shape) for q in source.quant.values()), default=0)  # as bf16
 
     def _worker(self) -> _Worker:
         w = _Worker()
@@ -66,6 +67,12 @@ class DirectCopy:
             self.checksums.values[name] = crc_hex(zlib_ng.crc32(view))
             if self.checksums.check_finite and not all_finite(self.source.infos[name].dtype, view):
                 self.checksums.nonfinite.add(name)
+
+    @property
+    def leaves_disk_idle(self) -> bool:
+        """fp8 rows cost more CPU than disk: the writers then start write-out as they go
+        (pipeline/writeback.py), as on the tensor path."""
+        return bool(self.source.quant)
 
     def drain(self) -> None:
         """Wait for the queued shards (before their files are finished and closed)."""
@@ -115,10 +122,8 @@ class DirectCopy:
             w.mem.clear()
             for k, h in enumerate(quant):
                 q = self.source.quant[h]
-                if len(w.bufs) <= k:
-                    w.bufs.append(bytearray())
-                if len(w.bufs[k]) < 2 * prod(q.shape):
-                    w.bufs[k] = bytearray(2 * prod(q.shape))
+                if len(w.bufs) <= k:  # sized once for the largest: growing one faults its pages in again
+                    w.bufs.append(bytearray(self._largest_fp8))
                 data = fp8.dequantize(q, w.files, out=w.bufs[k])
                 self.checksums.values[h] = crc_hex(zlib_ng.crc32(data))
                 shape = self.source.tensors[h][0]

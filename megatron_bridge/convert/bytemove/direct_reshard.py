@@ -146,6 +146,8 @@ class DirectReshard:
                 copier.close()
             d._crc_files.close()
 
+    leaves_disk_idle = False  # byte moves keep the disk busy (pipeline/writeback.py)
+
     def drain(self) -> None:
         """Wait for the queued shards (before their files are finished and closed)."""
         self.pool.drain()

@@ -127,7 +127,10 @@ class DistOut:
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
         w = DistWriter(root / RELEASE)
-        with byte_path(source, self.workers) as direct, Writeback(enabled=direct is None) as wb:
+        with (
+            byte_path(source, self.workers) as direct,
+            Writeback(enabled=direct is None or direct.leaves_disk_idle) as wb,
+        ):
             for row, nbytes in self._direct(direct, w) if direct else self._tensors(source, w):
                 extra = extra_state_location(row.megatron, self.spec)
                 if extra is not None:
@@ -203,7 +206,7 @@ class TorchOut:
                     if direct
                     else self._tensors(source, rows, targets, files)
                 )
-                with Writeback(enabled=direct is None) as wb:
+                with Writeback(enabled=direct is None or direct.leaves_disk_idle) as wb:
                     for row, shards in made:
                         for t, ref, _ in shards:
                             chunks[t.file][t.chunk][t.local] = (source.order[row.megatron], ref)
@@ -270,7 +273,10 @@ class HFOut:
         n = len(files)
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         where = {e[0]: i for i, group in enumerate(files) for e in group}
-        with DirectExport.open(source, self.workers) as direct, Writeback(enabled=direct is None) as wb:
+        with (
+            DirectExport.open(source, self.workers) as direct,
+            Writeback(enabled=direct is None or direct.leaves_disk_idle) as wb,
+        ):
             out = _ShardFiles(root, names, files, where, wb, direct.drain if direct else lambda: None)
             if direct is not None:
                 for row in _exported(source):
