@@ -24,7 +24,13 @@ from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import resolve_megatron
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.hf.experts import gather_experts, is_expert
-from megatron_bridge.runtime.weights_base import checkpoint_tensors, gather_shards, layout_of, require_all_written
+from megatron_bridge.runtime.weights_base import (
+    checkpoint_tensors,
+    gather_merged,
+    handed_over,
+    layout_of,
+    require_all_written,
+)
 
 
 def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
@@ -85,13 +91,10 @@ def iter_tensors(
                 t = gather_experts(t)
             if not first:
                 continue
-            shards = gather_shards(t, group, everywhere)
-            if shards is None:
-                continue
-            merged = row.mapping.merge(shards, shapes)
-            del shards  # not held while the merged tensors are yielded (docs/rl.md "Memory")
-            for hf_name, t in zip(row.hf, merged):
-                yield hf_name, (t if dtype is None else t.to(dtype)).contiguous()
+            got = gather_merged(t, row.mapping.transform, shapes, group, everywhere)
+            del t
+            if got is not None:
+                yield from handed_over(row.hf, list(got), dtype)
 
 
 __all__ = ["iter_tensors", "load"]
