@@ -1,12 +1,10 @@
 """Peak extra host memory of the RL weight stream (`megatron_bridge.stream.hf_buckets`) on every
-rank of a multi-process job (gloo, CPU), against the bounds docs/rl.md states:
-
-* `mode="stage"`: a receiving rank holds at most `bucket_bytes` plus twice the largest tensor
-  (while a tensor is gathered, the shards and gloo's flat receive buffer exist together; then
-  the shards and the merged tensor);
-* `mode="broadcast"`: 2 x max(`bucket_bytes`, largest) + the largest tensor (its own bucket —
-  a tensor over `bucket_bytes` is a bucket of its own —, the packed copy being sent or
-  received, and the next tensor).
+rank of a multi-process job (gloo, CPU), against the bound docs/rl.md states, the same in both
+modes: max(`bucket_bytes`, largest) + largest + `GATHER_CHUNK_BYTES` (16 MiB) — the bucket a
+rank holds (a tensor over `bucket_bytes` is a bucket of its own), the next tensor being gathered
+(straight into its merged HF tensor, runtime/weights_base.gather_merged), and the one receive
+buffer for shard rows that do not land in place. With `bucket_bytes` >= largest that is
+`bucket_bytes` + largest + 16 MiB.
 
 Run it twice: with glibc's default malloc, freed heap memory of many mid-sized tensors is kept
 by the process (RSS, not live tensors); `MALLOC_MMAP_THRESHOLD_=131072` maps every allocation
@@ -108,6 +106,7 @@ def main() -> None:
         _worker(Path(a.worker[0]), a.worker[1], bucket)
         return
     from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights_base import GATHER_CHUNK_BYTES
     from megatron_bridge.testing import free_port
 
     mib = 2**20
@@ -131,7 +130,7 @@ def main() -> None:
             got = json.loads(next(line for line in out.splitlines() if line.startswith("ROWS "))[5:])
             largest = got["largest"]
             for r in sorted(got["rows"], key=lambda r: (r["mode"], r["rank"])):
-                bound = bucket + 2 * largest if r["mode"] == "stage" else 2 * max(bucket, largest) + largest
+                bound = max(bucket, largest) + largest + GATHER_CHUNK_BYTES
                 print(
                     f"| {name} | {r['mode']} | {r['rank']} | {r['received'] / mib:.0f} | "
                     f"+{r['peak_kib'] / 1024:.0f} | {bound / mib:.0f} |"

@@ -5,9 +5,10 @@ after every update. Handing over one tensor at a time costs a collective per ten
 over a whole pipeline stage costs the stage's size in host memory. `hf_buckets` groups the
 exporter's full HF tensors (`runtime.weights.iter_hf_tensors`: gathered over TP, EP and
 expert-TP, merged back to HF names and shapes, either backend) into buckets of at most
-`bucket_bytes`, so a receiving rank holds at most one bucket plus the one tensor that did not
-fit into it, whatever the model size; `apply_bucket` copies a bucket into a transformers model
-in place (the receiver side). docs/rl.md has the verl/slime-style loop.
+`bucket_bytes`, so a rank holds at most one bucket plus the one tensor being gathered (each
+tensor is gathered straight into its merged HF tensor: runtime/weights_base.gather_merged),
+whatever the model size; `apply_bucket` copies a bucket into a transformers model in place (the
+receiver side). docs/rl.md has the verl/slime-style loop and the measured memory.
 
 Two modes (`mode=`):
 
@@ -17,12 +18,12 @@ Two modes (`mode=`):
 * `"broadcast"` (for engines colocated with every training rank, verl's and slime's colocated
   mode): every rank receives every bucket. Every rank of a stage all-gathers its stage's
   tensors (`iter_hf_tensors(everywhere=True)`: the same sequence on all of them, so their
-  bucket boundaries agree), and the stages take turns over the pipeline group: in each round
-  the ranks exchange their next bucket's names and shapes (one small all_gather_object), then
-  each stage's bucket is broadcast from its rank in the group as one packed byte buffer. Extra
-  memory per rank: its own bucket, the packed copy being sent or received, and the next tensor
-  (2 x max(`bucket_bytes`, the largest tensor) + the largest tensor: a tensor over
-  `bucket_bytes` is a bucket of its own).
+  bucket boundaries agree), packing each bucket into one byte buffer as its tensors arrive;
+  the stages take turns over the pipeline group: at its turn a stage makes its next bucket,
+  broadcasts its names and shapes (one small object), then the buffer. Extra memory per rank:
+  the bucket it holds (its own or the one received) and the next tensor its stream gathered —
+  max(`bucket_bytes`, the largest tensor) + the largest tensor (a tensor over `bucket_bytes`
+  is a bucket of its own), as in stage mode.
 
 `adapter=True` streams a LoRA run's adapters alone, under HF PEFT's names. Every rank must
 iterate `hf_buckets` to the end, as it is collective; in broadcast mode under expert parallelism
