@@ -14,7 +14,7 @@ from megatron.core import parallel_state as ps
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords
 from megatron_bridge.bridge.lora import is_adapter_param
-from megatron_bridge.bridge.mapping import NotBlockwise, Transform
+from megatron_bridge.bridge.mapping import Transform
 from megatron_bridge.bridge.shards import Block, Shapes, Shard
 from megatron_bridge.errors import UserError
 
@@ -119,12 +119,13 @@ def gather_merged(
         return _whole(t, transform, shapes, group, everywhere)
     meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
     hf_shapes = [tuple(x.shape) for x in transform.merge([meta] * n, shapes)]
-    try:
+    try:  # NotBlockwise, or shapes the blocks do not describe: gathered and merged (correct, 2x)
         plans = [transform.blocks(hf_shapes, Shard(i, n), shapes) for i in range(n)]
-    except NotBlockwise:
+        if any(sum(b.n for b in p) != t.shape[0] for p in plans):
+            raise ValueError(f"{transform!r}: blocks do not cover a {tuple(t.shape)} shard")
+    except ValueError:
         shards = gather_shards(t, group, everywhere)
         return None if shards is None else transform.merge(shards, shapes)
-    assert all(sum(b.n for b in p) == t.shape[0] for p in plans), (transform, t.shape, hf_shapes)
     receives = everywhere or me == 0
     outs = tuple(torch.empty(s, dtype=t.dtype, device=t.device) for s in hf_shapes) if receives else ()
     for i, blocks in enumerate(plans):
