@@ -87,6 +87,9 @@ def iter_tensors(
             if not row.mapping.export:
                 continue
             t = (p if value is None else value(p)).detach()
+            if is_expert(p) and isinstance(row.mapping.transform, StackedExperts):
+                yield from _per_expert(t, row, shapes, first, everywhere, dtype)
+                continue
             if is_expert(p):  # every EP rank takes part: the first replica may hold a few of the experts
                 t = gather_experts(t)
             if not first:
@@ -95,6 +98,28 @@ def iter_tensors(
             del t
             if got is not None:
                 yield from handed_over(row.hf, list(got), dtype)
+
+
+def _per_expert(
+    t: torch.Tensor, row: Any, shapes: Any, first: bool, everywhere: bool, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked experts tensor whose checkpoint holds one tensor per expert: expert by expert,
+    each EP rank's slab broadcast over the EP group (every EP rank takes part), then gathered
+    over TP and merged into that expert's HF tensors — a rank holds one expert's tensors, not
+    the layer's every expert gathered whole (docs/rl.md "Memory")."""
+    tf = row.mapping.transform
+    one = StackedExperts(1, tf.pieces, tf.split)
+    group = ps.get_expert_model_parallel_group()
+    ep, me = group.size(), group.rank()
+    for r in range(ep):
+        names = ep_part(row.hf, ep, r)
+        for j in range(t.shape[0]):
+            slab = t[j : j + 1].contiguous() if r == me else torch.empty_like(t[j : j + 1])
+            torch.distributed.broadcast(slab, src=torch.distributed.get_global_rank(group, r), group=group)
+            got = gather_merged(slab, one, shapes, ps.get_tensor_model_parallel_group(), everywhere) if first else None
+            del slab
+            if got is not None:
+                yield from handed_over(names[j * tf.pieces : (j + 1) * tf.pieces], list(got), dtype)
 
 
 __all__ = ["iter_tensors", "load"]
