@@ -5,7 +5,8 @@ of the backend's table (`HFBackend.table`: the transform says how the tensor spl
 Loading reads only this rank's slices of the safetensors (`HFCheckpoint.slice`, the
 converter's reader); export gathers each tensor's TP shards onto the first replica and merges
 them back with the same transform, bit-exactly. A stacked experts tensor reads only this EP rank's experts'
-checkpoint tensors (backends/hf_experts.py) and is gathered over the EP group on export.
+checkpoint tensors (backends/hf_experts.py); on export it goes expert by expert when the
+checkpoint holds one tensor per expert (`_per_expert`), else it is gathered over the EP group.
 """
 
 from __future__ import annotations
