@@ -1,19 +1,18 @@
 """Peak extra host memory of the RL weight stream (`megatron_bridge.stream.hf_buckets`) on every
-rank of a multi-process job (gloo, CPU), against the bounds docs/rl.md states:
-
-* `mode="stage"`: a receiving rank holds at most `bucket_bytes` plus twice the largest tensor
-  (while a tensor is gathered, the shards and gloo's flat receive buffer exist together; then
-  the shards and the merged tensor);
-* `mode="broadcast"`: 2 x max(`bucket_bytes`, largest) + the largest tensor (its own bucket —
-  a tensor over `bucket_bytes` is a bucket of its own —, the packed copy being sent or
-  received, and the next tensor).
+rank of a multi-process job (gloo, CPU), against the bound docs/rl.md states, the same in both
+modes: max(`bucket_bytes`, largest) + largest + `GATHER_CHUNK_BYTES` (16 MiB) — the bucket a
+rank holds (a tensor over `bucket_bytes` is a bucket of its own), the next tensor being gathered
+(straight into its merged HF tensor, runtime/weights_base.gather_merged), and the one receive
+buffer for shard rows that do not land in place. With `bucket_bytes` >= largest that is
+`bucket_bytes` + largest + 16 MiB.
 
 Run it twice: with glibc's default malloc, freed heap memory of many mid-sized tensors is kept
 by the process (RSS, not live tensors); `MALLOC_MMAP_THRESHOLD_=131072` maps every allocation
 over 128 KiB on its own, so the figure is the live memory the bound is about.
 
-Two jobs of 4 processes each: a Llama-shaped fp32 model at tp2.pp2 and a Mixtral-shaped one at
-ep2.tp2 (experts gathered over EP). Each rank resets its peak RSS (`/proc/self/clear_refs` 5,
+Three jobs of 4 processes each: a Llama-shaped fp32 model at tp2.pp2, a Mixtral-shaped one at
+ep2.tp2 (experts gathered over EP), and a Qwen3-MoE-shaped one at ep2.tp2 on the hf backend
+(transformers' stacked experts, 4 per layer: 128 MiB of gate/up, exported per expert). Each rank resets its peak RSS (`/proc/self/clear_refs` 5,
 Linux) after build + load and a barrier, streams in one mode dropping each bucket as it comes,
 and reports `VmHWM - VmRSS before`; rank 0 prints a row per (job, mode, rank).
 
@@ -31,16 +30,30 @@ import sys
 import tempfile
 from pathlib import Path
 
-JOBS = {  # name -> (family, layout, model overrides beyond the hidden size)
+JOBS = {  # name -> (family, layout, backend, model overrides beyond the hidden size)
     "llama tp2.pp2": (
         "llama",
         "tp2pp2",
+        "native",
         {"num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 16},
     ),
     "mixtral ep2.tp2": (
         "mixtral",
         "ep2tp2",
+        "native",
         {"num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16, "num_local_experts": 4},
+    ),
+    "qwen3_moe ep2.tp2 (hf backend)": (  # a layer's 4 experts' gate/up, 128 MiB stacked: over the embedding
+        "qwen3_moe",
+        "ep2tp2",
+        "hf",
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 4,
+            "moe_intermediate_size": 4096,
+        },
     ),
 }
 
@@ -52,11 +65,12 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _worker(hf: Path, layout_text: str, bucket: int) -> None:
+def _worker(hf: Path, layout_text: str, backend: str, bucket: int) -> None:
     import torch
     from safetensors import safe_open
 
-    from megatron_bridge.bridge.hf_config import load_spec
+    from megatron_bridge.backends.describe import describe_hf
+    from megatron_bridge.bridge.hf_config import load_spec, read_hf_config
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.parity import ensure_groups
@@ -66,7 +80,11 @@ def _worker(hf: Path, layout_text: str, bucket: int) -> None:
     torch.distributed.init_process_group("gloo")
     layout = Layout.parse(layout_text)
     ensure_groups(layout, torch.distributed.get_world_size())
-    spec = load_spec(hf)
+    specs = {  # by backend: the native families' spec, or transformers' modules (the hf backend)
+        "native": load_spec,
+        "hf": lambda p: describe_hf(read_hf_config(p), make_vocab_size_divisible_by=128, backend="hf"),
+    }
+    spec = specs[backend](hf)
     chunks = build_model(spec, layout, load_weights=True)
     load_hf_weights(chunks, spec, hf)
     largest = 0
@@ -101,20 +119,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--bucket-mib", type=int, default=64)
-    ap.add_argument("--worker", nargs=2, metavar=("HF", "LAYOUT"))
+    ap.add_argument("--worker", nargs=3, metavar=("HF", "LAYOUT", "BACKEND"))
     a = ap.parse_args()
     bucket = a.bucket_mib << 20
     if a.worker:
-        _worker(Path(a.worker[0]), a.worker[1], bucket)
+        _worker(Path(a.worker[0]), a.worker[1], a.worker[2], bucket)
         return
     from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights_base import GATHER_CHUNK_BYTES
     from megatron_bridge.testing import free_port
 
     mib = 2**20
     print("| job | mode | rank | received MiB | peak RSS increase MiB | stated bound MiB |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (family, layout, extra) in JOBS.items():
+        for name, (family, layout, backend, extra) in JOBS.items():
             hf = make_tiny(
                 family,
                 Path(tmp) / family,
@@ -125,13 +144,13 @@ def main() -> None:
             )
             torchrun = Path(sys.executable).parent / "torchrun"
             cmd = [str(torchrun), "--nproc-per-node", "4", "--master-port", str(free_port()), __file__]
-            cmd += ["--bucket-mib", str(a.bucket_mib), "--worker", str(hf), layout]
+            cmd += ["--bucket-mib", str(a.bucket_mib), "--worker", str(hf), layout, backend]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
             got = json.loads(next(line for line in out.splitlines() if line.startswith("ROWS "))[5:])
             largest = got["largest"]
             for r in sorted(got["rows"], key=lambda r: (r["mode"], r["rank"])):
-                bound = bucket + 2 * largest if r["mode"] == "stage" else 2 * max(bucket, largest) + largest
+                bound = max(bucket, largest) + largest + GATHER_CHUNK_BYTES
                 print(
                     f"| {name} | {r['mode']} | {r['rank']} | {r['received'] / mib:.0f} | "
                     f"+{r['peak_kib'] / 1024:.0f} | {bound / mib:.0f} |"

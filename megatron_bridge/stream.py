@@ -5,9 +5,10 @@ after every update. Handing over one tensor at a time costs a collective per ten
 over a whole pipeline stage costs the stage's size in host memory. `hf_buckets` groups the
 exporter's full HF tensors (`runtime.weights.iter_hf_tensors`: gathered over TP, EP and
 expert-TP, merged back to HF names and shapes, either backend) into buckets of at most
-`bucket_bytes`, so a receiving rank holds at most one bucket plus the one tensor that did not
-fit into it, whatever the model size; `apply_bucket` copies a bucket into a transformers model
-in place (the receiver side). docs/rl.md has the verl/slime-style loop.
+`bucket_bytes`, so a rank holds at most one bucket plus the one tensor being gathered (each
+tensor is gathered straight into its merged HF tensor: runtime/weights_base.gather_merged),
+whatever the model size; `apply_bucket` copies a bucket into a transformers model in place (the
+receiver side). docs/rl.md has the verl/slime-style loop and the measured memory.
 
 Two modes (`mode=`):
 
@@ -17,12 +18,12 @@ Two modes (`mode=`):
 * `"broadcast"` (for engines colocated with every training rank, verl's and slime's colocated
   mode): every rank receives every bucket. Every rank of a stage all-gathers its stage's
   tensors (`iter_hf_tensors(everywhere=True)`: the same sequence on all of them, so their
-  bucket boundaries agree), and the stages take turns over the pipeline group: in each round
-  the ranks exchange their next bucket's names and shapes (one small all_gather_object), then
-  each stage's bucket is broadcast from its rank in the group as one packed byte buffer. Extra
-  memory per rank: its own bucket, the packed copy being sent or received, and the next tensor
-  (2 x max(`bucket_bytes`, the largest tensor) + the largest tensor: a tensor over
-  `bucket_bytes` is a bucket of its own).
+  bucket boundaries agree), packing each bucket into one byte buffer as its tensors arrive;
+  the stages take turns over the pipeline group: at its turn a stage makes its next bucket,
+  broadcasts its names and shapes (one small object), then the buffer. Extra memory per rank:
+  the bucket it holds (its own or the one received) and the next tensor its stream gathered —
+  max(`bucket_bytes`, the largest tensor) + the largest tensor (a tensor over `bucket_bytes`
+  is a bucket of its own), as in stage mode.
 
 `adapter=True` streams a LoRA run's adapters alone, under HF PEFT's names. Every rank must
 iterate `hf_buckets` to the end, as it is collective; in broadcast mode under expert parallelism
@@ -104,11 +105,10 @@ def hf_buckets(
         tensors = iter_hf_tensors(chunks, spec, dtype, everywhere=everywhere)
     if layout == "model":
         tensors = in_model_layout(tensors, spec)
-    own = _bucketed(tensors, bucket_bytes)
     if mode == "stage" or ps.get_pipeline_model_parallel_world_size() == 1:
-        yield from own
+        yield from _bucketed(tensors, bucket_bytes)
     else:
-        yield from _rounds(own)
+        yield from _turns(_packed(tensors, bucket_bytes, comm_device()))
 
 
 def in_model_layout(
@@ -167,39 +167,92 @@ def _bucketed(tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int) ->
         yield bucket
 
 
-def _rounds(own: Iterator[Bucket]) -> Iterator[Bucket]:
-    """Broadcast mode over the pipeline group: round by round, each stage's next bucket (its
-    names and shapes first, then its bytes) from that stage's rank to the others."""
+ALIGN = 64  # a packed tensor's byte offset: a view of any dtype at it is aligned
+
+
+def _packed(
+    tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int, device: torch.device
+) -> Iterator[tuple[Bucket, torch.Tensor]]:
+    """Broadcast mode's buckets with the bytes that travel: each tensor is copied into the
+    bucket's one byte buffer as it arrives and dropped, its entry a view of the buffer, so the
+    bucket is never held twice (as tensors and as their packed copy); a tensor over
+    `bucket_bytes` comes alone, as its own bytes. Offsets as `_layout` computes them."""
+    buf: torch.Tensor | None = None
+    bucket: Bucket = []
+    at = 0
+    for name, t in tensors:
+        n = _nbytes(tuple(t.shape), t.dtype)
+        if bucket and _aligned(at) + n > bucket_bytes:
+            assert buf is not None
+            yield bucket, buf[:at]
+            buf, bucket, at = None, [], 0
+        if n > bucket_bytes:
+            t = t.to(device).contiguous()
+            yield [(name, t)], t.reshape(-1).view(torch.uint8)
+            continue
+        if buf is None:
+            buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        at = _aligned(at)
+        view = buf[at : at + n].view(t.dtype).reshape(t.shape)
+        view.copy_(t)
+        del t
+        bucket.append((name, view))
+        at += n
+    if bucket:
+        assert buf is not None
+        yield bucket, buf[:at]
+
+
+def _aligned(at: int) -> int:
+    return -(-at // ALIGN) * ALIGN
+
+
+def _layout(names: list[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    """The byte offsets `_packed` gives a bucket's tensors, and its end."""
+    offsets, at = [], 0
+    for _, shape, dtype in names:
+        at = _aligned(at)
+        offsets.append(at)
+        at += _nbytes(shape, dtype)
+    return offsets, at
+
+
+def _turns(own: Iterator[tuple[Bucket, torch.Tensor]]) -> Iterator[Bucket]:
+    """Broadcast mode over the pipeline group: the stages take turns, round by round; at its
+    turn a stage makes its next bucket (its ranks gather together while the others wait),
+    broadcasts its names and shapes, then its bytes from where they lie, and yields it. A rank
+    holds no bucket of its own while it receives another stage's, only the next tensor its
+    own stream has gathered (docs/rl.md "Memory")."""
     group = ps.get_pipeline_model_parallel_group()
     me = torch.distributed.get_rank(group)
     device = comm_device()
-    while True:
-        mine = next(own, None)
-        meta: list[Any] = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(
-            meta, None if mine is None else [(n, tuple(t.shape), t.dtype) for n, t in mine], group=group
-        )
-        if all(m is None for m in meta):
-            return
-        for stage, names in enumerate(meta):
-            if names is None:
-                continue
-            # every buffer is dropped as soon as it is handed over, so a rank holds at most its own
-            # bucket, one packed buffer and the next tensor (docs/rl.md "Memory")
+    live = list(range(torch.distributed.get_world_size(group)))
+    while live:
+        for stage in list(live):
             src = torch.distributed.get_global_rank(group, stage)
-            if stage == me:
-                assert mine is not None
-                buf = torch.cat([t.to(device).contiguous().view(-1).view(torch.uint8) for _, t in mine])
-                torch.distributed.broadcast(buf, src=src, group=group)
-                del buf
-                yield mine
-                mine = None
+            mine = next(own, None) if stage == me else None
+            meta: list[Any] = [None if mine is None else [(n, tuple(t.shape), t.dtype) for n, t in mine[0]]]
+            torch.distributed.broadcast_object_list(meta, src=src, group=group)
+            names = meta[0]
+            if names is None:
+                live.remove(stage)
                 continue
-            sizes = [_nbytes(shape, dt) for _, shape, dt in names]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-            torch.distributed.broadcast(buf, src=src, group=group)
-            got = [(n, part.view(dt).reshape(shape)) for (n, shape, dt), part in zip(names, torch.split(buf, sizes))]
-            del buf  # the views keep it while the receiver holds them
+            if mine is not None:
+                bucket, data = mine
+                del mine
+                torch.distributed.broadcast(data, src=src, group=group)
+                del data
+                yield bucket
+                del bucket
+                continue
+            offsets, end = _layout(names)
+            data = torch.empty(end, dtype=torch.uint8, device=device)
+            torch.distributed.broadcast(data, src=src, group=group)
+            got = [
+                (n, data[o : o + _nbytes(shape, dt)].view(dt).reshape(shape))
+                for (n, shape, dt), o in zip(names, offsets)
+            ]
+            del data  # the views keep it while the receiver holds them
             yield got
             del got
 

@@ -40,6 +40,7 @@ class StackedExperts(Transform):
 
     def __init__(self, experts: int, pieces: int, split: str | None = None) -> None:
         self.experts, self.pieces, self.n_hf, self.split = experts, pieces, experts * pieces, split
+        self.whole = split is None  # unsplit: every TP rank holds it all
 
     def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> Any:
         raise NotBlockwise("stacked experts are built from whole per-expert tensors, not blocks")

@@ -38,6 +38,8 @@ class Concatenated(Transform):
     rank. `merge` splits it as transformers' `Chunk(dim)` does (torch.chunk), so the export is
     what `save_pretrained` writes."""
 
+    whole = True
+
     def __init__(self, pieces: int, dim: int = 0) -> None:
         self.n_hf, self.dim = pieces, dim
 

@@ -47,6 +47,9 @@ class Transform:
 
     n_hf = 1  # how many HF tensors it consumes
     stacked = False  # HF tensors hold every expert along dim 0 (table rows give one expert's slab)
+    # `merge` uses the first shard alone (the tensor is whole on every rank): the exporter moves
+    # nothing to gather it (runtime/weights_base.gather_merged)
+    whole = False
 
     def blocks(self, hf_shapes: Sequence[Shape], s: Shard, shapes: Shapes) -> list[Block]:
         """The rank-local tensor of shard `s` as blocks; raises ValueError when the shapes
@@ -72,6 +75,8 @@ class Transform:
 class Replicated(Transform):
     """Same tensor on every rank (norms, router, biases of row-parallel layers)."""
 
+    whole = True
+
     def _blocks(self, hf_shapes, s, shapes):
         return [Block(0, (0, hf_shapes[0][0]))]
 
@@ -82,6 +87,8 @@ class Replicated(Transform):
 class Scalar(Transform):
     """A 0-dim tensor (Apertus' xIELU alpha/beta), whole on every rank. It has no rows, so
     no blocks: it is read whole, and the byte copier refuses it (NotBlockwise)."""
+
+    whole = True
 
     def blocks(self, hf_shapes, s, shapes):
         raise NotBlockwise(f"{self!r}: a 0-dim tensor has no rows to copy")

@@ -75,7 +75,7 @@ class ExpertsStacked(Transform):
     def __init__(self, inner: Transform, kind: str):
         if kind not in ("gate_up", "linear", "same"):
             raise ValueError(f"ExpertsStacked kind {kind!r}: one of gate_up, linear, same")
-        self.inner, self.kind = inner, kind
+        self.inner, self.kind, self.whole = inner, kind, inner.whole
 
     def _blocks(self, hf_shapes, s, shapes):
         (sh,) = hf_shapes

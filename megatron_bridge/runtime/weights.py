@@ -43,9 +43,12 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import later
 from megatron_bridge.runtime.hf_export import HFExport
 from megatron_bridge.runtime.weights_base import (
+    cast_to,
     checkpoint_tensors,
     current_coords,
+    gather_merged,
     gather_shards,
+    handed_over,
     layout_of,
     require_all_written,
     vp_stage_of,
@@ -128,7 +131,7 @@ def _iter_native(
     table = table_for(spec)
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
-    stacks: dict[str, dict[int, torch.Tensor]] = {}  # stacked-experts HF tensors being assembled
+    stacks: dict[str, tuple[torch.Tensor, set[int]]] = {}  # stacked-experts HF tensors being assembled
     dense_writer = everywhere or ps.get_data_parallel_rank(with_context_parallel=True) == 0
     expert_writer = (everywhere or ps.get_expert_data_parallel_rank() == 0) if spec.is_moe else False
     for chunk in chunks:
@@ -145,34 +148,41 @@ def _iter_native(
             if not (expert_writer if expert else dense_writer):
                 continue
             group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-            shards = gather_shards((p if value is None else value(p)).detach(), group, everywhere)
-            if shards is None:
+            tf = row.mapping.transform
+            got = gather_merged((p if value is None else value(p)).detach(), tf, shapes, group, everywhere)
+            if got is None:
                 continue
-            merged = row.mapping.merge(shards, shapes)
-            del shards  # not held while the merged tensors are yielded (docs/rl.md "Memory")
-            if row.mapping.transform.stacked:
-                merged = _stack_experts(row, merged, spec, stacks, everywhere)
+            merged = list(got)
+            del got
+            if tf.stacked:
+                merged = list(_stack_experts(row, merged, spec, stacks, everywhere))
             elif expert and everywhere:  # every EP rank's experts, in EP rank order
                 yield from _every_ep_rank(table, names[local], merged, spec, dtype)
                 continue
-            for name, t in zip(row.hf, merged):
-                yield name, (t if dtype is None else t.to(dtype)).contiguous()
+            yield from handed_over(row.hf, merged, dtype)
 
 
 def _every_ep_rank(
     table: Any, name: str, merged: Sequence[torch.Tensor], spec: BridgeSpec, dtype: torch.dtype | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A per-expert row in `everywhere` mode: this local expert's tensors from every EP rank
-    (they hold the same local index j, so their global expert is r·n_local + j)."""
+    (they hold the same local index j, so their global expert is r·n_local + j), broadcast from
+    each rank in turn: one received tensor at a time, not every rank's at once."""
     group = ps.get_expert_model_parallel_group()
     ep, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     n_local = (spec.num_moe_experts or 0) // ep
-    per_rank = [gather_shards(t, group, everywhere=True) or [t] for t in merged]
     for r in range(ep):
         other = resolve_megatron(table, renumber(name, 0, (r - me) * n_local))
         assert other is not None, name
-        for hf_name, parts in zip(other.hf, per_rank):
-            yield hf_name, (parts[r] if dtype is None else parts[r].to(dtype)).contiguous()
+        src = torch.distributed.get_global_rank(group, r)
+        for hf_name, t in zip(other.hf, merged):
+            yield hf_name, cast_to(_broadcast_from(t, r == me, src, group), dtype)
+
+
+def _broadcast_from(t: torch.Tensor, mine: bool, src: int, group) -> torch.Tensor:
+    got = t if mine else torch.empty_like(t)
+    torch.distributed.broadcast(got, src=src, group=group)
+    return got
 
 
 def _stack_experts(
@@ -181,7 +191,9 @@ def _stack_experts(
     """Stacked-experts rows (one HF tensor holds every expert): gather this local expert's
     slab from every EP rank onto EP rank 0 and return the whole HF tensors once the last
     expert of the layer has arrived (empty until then, and always on other EP ranks). Every
-    EP rank walks the same local names in the same order, so the gathers pair up."""
+    EP rank walks the same local names in the same order, so the gathers pair up. The slabs
+    are copied into the whole tensor as they arrive (one copy of it, not the slabs and their
+    concatenation)."""
     group = ps.get_expert_model_parallel_group()
     ep = torch.distributed.get_world_size(group)
     n_all = spec.num_moe_experts
@@ -192,13 +204,16 @@ def _stack_experts(
     if got[0] is None:
         return ()
     for name, per_rank in zip(row.hf, got):
-        have = stacks.setdefault(name, {})
-        for r, t in enumerate(per_rank or ()):
-            have[r * n_local + j] = t
-    if len(stacks[row.hf[0]]) < n_all:
+        assert per_rank is not None
+        k = per_rank[0].shape[0]
+        whole, have = stacks.setdefault(name, (per_rank[0].new_empty((n_all * k, *per_rank[0].shape[1:])), set()))
+        for r, t in enumerate(per_rank):
+            e = r * n_local + j
+            whole[e * k : (e + 1) * k].copy_(t)
+            have.add(e)
+    if len(stacks[row.hf[0]][1]) < n_all:
         return ()
-    done = [stacks.pop(n) for n in row.hf]
-    return tuple(torch.cat([d[e] for e in range(n_all)], dim=0) for d in done)
+    return tuple(stacks.pop(n)[0] for n in row.hf)
 
 
 # each backend's rank-local loader and gathering exporter, by `BridgeSpec.backend` (the hf

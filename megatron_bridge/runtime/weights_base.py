@@ -1,9 +1,11 @@
 """What every backend's HF loader and exporter shares: this rank's coordinates and layout, the
-tensors a checkpoint must fill (and the proof that it did), gathering TP shards to one rank."""
+tensors a checkpoint must fill (and the proof that it did), gathering TP shards to one rank
+(`gather_merged`: straight into the merged HF tensors, so a rank holds one copy of a tensor, not
+its shards beside their merge)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +14,8 @@ from megatron.core import parallel_state as ps
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords
 from megatron_bridge.bridge.lora import is_adapter_param
+from megatron_bridge.bridge.mapping import Transform
+from megatron_bridge.bridge.shards import Block, Shapes, Shard
 from megatron_bridge.errors import UserError
 
 
@@ -90,4 +94,135 @@ def gather_shards(t: torch.Tensor, group, everywhere: bool = False) -> list[torc
     return out
 
 
-__all__ = ["checkpoint_tensors", "current_coords", "gather_shards", "layout_of", "require_all_written", "vp_stage_of"]
+# a shard's rows that do not land in place (a column range, a strided view, padding, many small
+# blocks) travel in pieces of at most this many bytes through one receive buffer: the constant
+# in the weight stream's memory bound (docs/rl.md "Memory")
+GATHER_CHUNK_BYTES = 16 << 20
+DIRECT_MAX_BLOCKS = 8  # more row blocks per shard than this (fused QKV of many groups) go chunked
+
+
+def gather_merged(
+    t: torch.Tensor, transform: Transform, shapes: Shapes, group, everywhere: bool = False
+) -> tuple[torch.Tensor, ...] | None:
+    """`transform.merge` of every rank's shard `t`, on the group's first rank (None elsewhere)
+    or on every rank (`everywhere`), always new memory. Why not gather, then merge: the shards
+    and their merge (and gloo's flat receive buffer) would be alive together, twice the tensor.
+    Here the HF tensors are allocated once and each rank's rows are received into their place
+    in them: a shard's blocks (`Transform.blocks`, the loader's description of where its rows
+    come from) read backwards. A block that is a plain row range is received in place; the rest
+    (a row-parallel column range, a strided view) pass through one buffer of at most
+    `GATHER_CHUNK_BYTES`. A transform whose merge uses one rank's tensor alone (`whole`) moves
+    nothing to the first rank; one that is not blockwise is gathered and merged as before."""
+    t = t.contiguous()
+    n, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    if transform.whole:
+        return _whole(t, transform, shapes, group, everywhere)
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    hf_shapes = [tuple(x.shape) for x in transform.merge([meta] * n, shapes)]
+    try:  # NotBlockwise, or shapes the blocks do not describe: gathered and merged (correct, 2x)
+        plans = [transform.blocks(hf_shapes, Shard(i, n), shapes) for i in range(n)]
+        if any(sum(b.n for b in p) != t.shape[0] for p in plans):
+            raise ValueError(f"{transform!r}: blocks do not cover a {tuple(t.shape)} shard")
+    except ValueError:
+        shards = gather_shards(t, group, everywhere)
+        return None if shards is None else transform.merge(shards, shapes)
+    receives = everywhere or me == 0
+    outs = tuple(torch.empty(s, dtype=t.dtype, device=t.device) for s in hf_shapes) if receives else ()
+    for i, blocks in enumerate(plans):
+        src = torch.distributed.get_global_rank(group, i)
+        for a, b, dest in _pieces(blocks, t, outs):
+            if i == me:
+                if receives:
+                    _place(blocks, a, t[a:b], outs)
+                if everywhere:
+                    torch.distributed.broadcast(t[a:b], src=src, group=group)
+                elif me != 0:
+                    torch.distributed.send(t[a:b], dst=torch.distributed.get_global_rank(group, 0), group=group)
+                continue
+            if not receives:
+                continue
+            buf = dest if dest is not None else torch.empty((b - a,) + t.shape[1:], dtype=t.dtype, device=t.device)
+            if everywhere:
+                torch.distributed.broadcast(buf, src=src, group=group)
+            else:
+                torch.distributed.recv(buf, src=src, group=group)
+            if dest is None:
+                _place(blocks, a, buf, outs)
+    return outs if receives else None
+
+
+def _plain(b: Block) -> bool:
+    return b.src is not None and b.cols is None and not b.strided and not b.lead
+
+
+def _pieces(blocks: list[Block], t: torch.Tensor, outs: tuple[torch.Tensor, ...]):
+    """(first row, end row, the view of `outs` they land in or None) of a shard's rows, in the
+    order they travel: its plain blocks one by one, or row chunks of `GATHER_CHUNK_BYTES`."""
+    real = [b for b in blocks if b.src is not None]
+    if all(_plain(b) for b in real) and len(real) <= DIRECT_MAX_BLOCKS:
+        at = 0
+        for b in blocks:
+            if b.src is not None:
+                yield at, at + b.n, outs[b.src][b.rows[0] : b.rows[1]] if outs else None
+            at += b.n
+        return
+    row = max(1, t[:1].numel() * t.element_size())
+    step = max(1, GATHER_CHUNK_BYTES // row)
+    for a in range(0, t.shape[0], step):
+        yield a, min(a + step, t.shape[0]), None
+
+
+def _place(blocks: list[Block], a: int, rows: torch.Tensor, outs: tuple[torch.Tensor, ...]) -> None:
+    """Copy a shard's rows [a, a + len(rows)) to where its blocks say they came from."""
+    at, end = 0, a + rows.shape[0]
+    for b in blocks:
+        lo, hi = max(a, at), min(end, at + b.n)
+        if b.src is not None and lo < hi:
+            x = outs[b.src]
+            x = x.reshape(tuple(x.shape[b.lead :]))
+            x = (x.T if b.transposed else x)[b.rows[0] : b.rows[1] : b.step]
+            x = x if b.cols is None else x[:, b.cols[0] : b.cols[1]]
+            x[lo - at : hi - at].copy_(rows[lo - a : hi - a])
+        at += b.n
+
+
+def _whole(t: torch.Tensor, transform: Transform, shapes: Shapes, group, everywhere: bool):
+    """A transform that merges the first rank's tensor alone: it stays there (a copy when the
+    merge would return it as it is); with `everywhere` it is broadcast from there."""
+    first = torch.distributed.get_rank(group) == 0
+    if not (first or everywhere):
+        return None
+    got = t if first else torch.empty_like(t)
+    if everywhere and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.broadcast(got, src=torch.distributed.get_global_rank(group, 0), group=group)
+    merged = transform.merge([got], shapes)
+    ptr = t.untyped_storage().data_ptr()
+    return tuple(x.clone() if x.untyped_storage().data_ptr() == ptr else x for x in merged)
+
+
+def handed_over(
+    names: Sequence[str], merged: list[torch.Tensor], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, each tensor dropped from `merged` as it is handed over, so a cast
+    copy is not held beside its source while the receiver keeps it (docs/rl.md "Memory"). As
+    `zip`: no more pairs than tensors (a stacked experts tensor not yet complete has none)."""
+    for name in names[: len(merged)]:
+        yield name, cast_to(merged.pop(0), dtype)
+
+
+def cast_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return (t if dtype is None else t.to(dtype)).contiguous()
+
+
+__all__ = [
+    "GATHER_CHUNK_BYTES",
+    "cast_to",
+    "handed_over",
+    "checkpoint_tensors",
+    "current_coords",
+    "gather_merged",
+    "gather_shards",
+    "layout_of",
+    "require_all_written",
+    "vp_stage_of",
+]

@@ -88,3 +88,30 @@ def test_model_layout_fuses_experts_as_transformers_holds_them(groups1, tmp_path
         assert torch.equal(receiver(ids).logits, want(ids).logits)
     with pytest.raises(UserError, match="not a streaming layout"):
         next(hf_buckets(chunks, spec, layout="fused"))
+
+
+def test_broadcast_buckets_pack_mixed_dtypes_where_the_receiver_unpacks_them():
+    """Broadcast mode packs each bucket's tensors into one byte buffer as they arrive; the
+    receivers cut it by `_layout` from names and shapes alone: both must agree, whatever the
+    dtypes (offsets aligned), and a tensor over the bucket comes alone."""
+    from megatron_bridge.stream import _layout, _packed
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        ("a", torch.randn(3, 5, generator=g)),
+        ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("c", torch.tensor([True, False, True])),
+        ("d", torch.randn(40, 10, generator=g)),  # 1600 bytes: over the bucket, alone
+        ("e", torch.arange(5, dtype=torch.int64)),
+        ("f", torch.randn(2, 2, generator=g).to(torch.float16)),
+    ]
+    got = list(_packed(iter(tensors), 256, torch.device("cpu")))
+    assert [[n for n, _ in b] for b, _ in got] == [["a", "b", "c"], ["d"], ["e", "f"]]
+    want = dict(tensors)
+    for bucket, data in got:
+        assert sum(t.numel() * t.element_size() for _, t in bucket) <= max(256, data.numel())
+        offsets, end = _layout([(n, tuple(t.shape), t.dtype) for n, t in bucket])
+        assert end == data.numel()
+        for (n, t), o in zip(bucket, offsets):
+            unpacked = data[o : o + t.numel() * t.element_size()].view(t.dtype).reshape(t.shape)
+            assert torch.equal(unpacked, want[n]) and torch.equal(t, want[n]), n

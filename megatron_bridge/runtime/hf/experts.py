@@ -215,11 +215,19 @@ def is_expert(param: Any) -> bool:
 
 
 def gather_experts(t: torch.Tensor) -> torch.Tensor:
-    """Collective over the EP group: the whole stacked tensor from every rank's experts."""
+    """Collective over the EP group: the whole stacked tensor from every rank's experts, each
+    rank's part broadcast into its rows (one copy of the whole, not the parts and their
+    concatenation)."""
     group = ps.get_expert_model_parallel_group()
-    parts = [torch.empty_like(t) for _ in range(group.size())]
-    torch.distributed.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, 0)
+    t = t.contiguous()
+    k = t.shape[0]
+    whole = t.new_empty((group.size() * k, *t.shape[1:]))
+    for r in range(group.size()):
+        part = whole[r * k : (r + 1) * k]
+        if r == group.rank():
+            part.copy_(t)
+        torch.distributed.broadcast(part, src=torch.distributed.get_global_rank(group, r), group=group)
+    return whole
 
 
 __all__ = [

@@ -5,7 +5,8 @@ of the backend's table (`HFBackend.table`: the transform says how the tensor spl
 Loading reads only this rank's slices of the safetensors (`HFCheckpoint.slice`, the
 converter's reader); export gathers each tensor's TP shards onto the first replica and merges
 them back with the same transform, bit-exactly. A stacked experts tensor reads only this EP rank's experts'
-checkpoint tensors (backends/hf_experts.py) and is gathered over the EP group on export.
+checkpoint tensors (backends/hf_experts.py); on export it goes expert by expert when the
+checkpoint holds one tensor per expert (`_per_expert`), else it is gathered over the EP group.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import resolve_megatron
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.hf.experts import gather_experts, is_expert
-from megatron_bridge.runtime.weights_base import checkpoint_tensors, gather_shards, layout_of, require_all_written
+from megatron_bridge.runtime.weights_base import (
+    checkpoint_tensors,
+    gather_merged,
+    handed_over,
+    layout_of,
+    require_all_written,
+)
 
 
 def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
@@ -81,17 +88,39 @@ def iter_tensors(
             if not row.mapping.export:
                 continue
             t = (p if value is None else value(p)).detach()
+            if is_expert(p) and isinstance(row.mapping.transform, StackedExperts):
+                yield from _per_expert(t, row, shapes, first, everywhere, dtype)
+                continue
             if is_expert(p):  # every EP rank takes part: the first replica may hold a few of the experts
                 t = gather_experts(t)
             if not first:
                 continue
-            shards = gather_shards(t, group, everywhere)
-            if shards is None:
-                continue
-            merged = row.mapping.merge(shards, shapes)
-            del shards  # not held while the merged tensors are yielded (docs/rl.md "Memory")
-            for hf_name, t in zip(row.hf, merged):
-                yield hf_name, (t if dtype is None else t.to(dtype)).contiguous()
+            got = gather_merged(t, row.mapping.transform, shapes, group, everywhere)
+            del t
+            if got is not None:
+                yield from handed_over(row.hf, list(got), dtype)
+
+
+def _per_expert(
+    t: torch.Tensor, row: Any, shapes: Any, first: bool, everywhere: bool, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stacked experts tensor whose checkpoint holds one tensor per expert: expert by expert,
+    each EP rank's slab broadcast over the EP group (every EP rank takes part), then gathered
+    over TP and merged into that expert's HF tensors — a rank holds one expert's tensors, not
+    the layer's every expert gathered whole (docs/rl.md "Memory")."""
+    tf = row.mapping.transform
+    one = StackedExperts(1, tf.pieces, tf.split)
+    group = ps.get_expert_model_parallel_group()
+    ep, me = group.size(), group.rank()
+    for r in range(ep):
+        names = ep_part(row.hf, ep, r)
+        for j in range(t.shape[0]):
+            slab = t[j : j + 1].contiguous() if r == me else torch.empty_like(t[j : j + 1])
+            torch.distributed.broadcast(slab, src=torch.distributed.get_global_rank(group, r), group=group)
+            got = gather_merged(slab, one, shapes, ps.get_tensor_model_parallel_group(), everywhere) if first else None
+            del slab
+            if got is not None:
+                yield from handed_over(names[j * tf.pieces : (j + 1) * tf.pieces], list(got), dtype)
 
 
 __all__ = ["iter_tensors", "load"]
