@@ -115,9 +115,10 @@ def in_model_layout(
     tensors: Iterator[tuple[str, torch.Tensor]], spec: BridgeSpec
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint-layout (name, tensor) pairs -> transformers' in-memory ones: renamed tensors
-    under their module names; per-expert pieces stacked into the fused experts tensor, and a
-    fused tensor's pieces (a linear-attention q/k/v conv, backends/hf_fused.py) concatenated,
-    once the last piece has arrived (held meanwhile: at most one layer's pieces). The names come
+    under their module names; per-expert pieces copied into the fused experts tensor as they
+    arrive (allocated at the first: memory is that tensor, not it and its pieces), and a fused
+    tensor's pieces (a linear-attention q/k/v conv, backends/hf_fused.py; small) concatenated
+    once the last piece has arrived. The names come
     from transformers' own conversion mapping, run on the meta-device model (backends/hf.py)."""
     cfg = json.loads(spec.hf_json) if spec.hf_json else backend_of(spec).hf_config(spec)
     m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="hf"))
@@ -125,9 +126,20 @@ def in_model_layout(
     groups = {**m.experts, **{name: pieces for name, (pieces, _) in m.fused.items()}}
     piece_of = {p: (whole, i) for whole, pieces in groups.items() for i, p in enumerate(pieces)}
     pending: dict[str, dict[int, torch.Tensor]] = {}
+    stacks: dict[str, tuple[torch.Tensor, list[int]]] = {}  # experts: the whole tensor, pieces still to come
     for name, t in tensors:
         if name in piece_of:
             whole, i = piece_of[name]
+            if whole in m.experts and _fits_stack(m, whole, t):  # copied into its slot now: no second copy
+                out, left = stacks.get(whole) or stacks.setdefault(whole, (t.new_empty(m.shapes[whole]), [0]))
+                per = len(groups[whole]) // out.shape[0]
+                e, k = divmod(i, per)
+                out[e, k * t.shape[0] : (k + 1) * t.shape[0]].copy_(t)
+                del t
+                left[0] += 1
+                if left[0] == len(groups[whole]):
+                    yield whole, stacks.pop(whole)[0]
+                continue
             got = pending.setdefault(whole, {})
             got[i] = t
             if len(got) < len(groups[whole]):
@@ -140,8 +152,21 @@ def in_model_layout(
             raise UserError(
                 f"{name}: no tensor of transformers' {cfg.get('model_type')} model is saved under this name"
             )
-    if pending:
-        raise UserError(f"pieces of {sorted(pending)[:2]} arrived incomplete: stream with mode='broadcast'")
+    if pending or stacks:
+        raise UserError(f"pieces of {sorted({*pending, *stacks})[:2]} arrived incomplete: stream with mode='broadcast'")
+
+
+def _fits_stack(m: Any, whole: str, piece: torch.Tensor) -> bool:
+    """Whether an expert's piece is an equal dim-0 share of its slab (gate and up of gate_up_proj,
+    or the slab itself), so it can be copied straight into the stacked tensor; else the pieces
+    are held and joined (`_joined`)."""
+    shape = m.shapes[whole]
+    per = len(m.experts[whole]) // shape[0]
+    return (
+        len(shape) == piece.dim() + 1
+        and piece.shape[0] * per == shape[1]
+        and tuple(piece.shape[1:]) == tuple(shape[2:])
+    )
 
 
 def _joined(m: Any, whole: str, pieces: list[torch.Tensor]) -> torch.Tensor:
