@@ -14,7 +14,9 @@ Three jobs of 4 processes each: a Llama-shaped fp32 model at tp2.pp2, a Mixtral-
 ep2.tp2 (experts gathered over EP), and a Qwen3-MoE-shaped one at ep2.tp2 on the hf backend
 (transformers' stacked experts, 4 per layer: 128 MiB of gate/up, exported per expert). Each rank resets its peak RSS (`/proc/self/clear_refs` 5,
 Linux) after build + load and a barrier, streams in one mode dropping each bucket as it comes,
-and reports `VmHWM - VmRSS before`; rank 0 prints a row per (job, mode, rank).
+and reports `VmHWM - VmRSS before`; rank 0 prints a row per (job, mode, rank). Modes: stage and
+broadcast in the checkpoint's layout, and broadcast with `layout="model"` (transformers'
+in-memory tensors: experts stacked, so the largest tensor is a layer's stacked experts).
 
     .venv/bin/python benchmarks/stream_memory_dist.py [--hidden 1024 --bucket-mib 64]
 """
@@ -97,17 +99,21 @@ def _worker(hf: Path, layout_text: str, backend: str, bucket: int) -> None:
                     n *= d
                 largest = max(largest, n)
     rows = []
-    for mode in ("stage", "broadcast"):
+    for mode, form in (("stage", "checkpoint"), ("broadcast", "checkpoint"), ("broadcast", "model")):
         gc.collect()
         torch.distributed.barrier()
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         base = _status_kib("VmRSS")
-        received = 0
-        for b in hf_buckets(chunks, spec, bucket_bytes=bucket, mode=mode):
-            received += sum(t.numel() * t.element_size() for _, t in b)
+        received = biggest = 0
+        for b in hf_buckets(chunks, spec, bucket_bytes=bucket, mode=mode, layout=form):
+            sizes = [t.numel() * t.element_size() for _, t in b]
+            received, biggest = received + sum(sizes), max([biggest, *sizes])
             del b
         peak = _status_kib("VmHWM") - base
-        rows.append({"rank": torch.distributed.get_rank(), "mode": mode, "received": received, "peak_kib": peak})
+        name = mode if form == "checkpoint" else f"{mode}, layout=model"  # model: experts stacked (fused)
+        rows.append(
+            {"rank": torch.distributed.get_rank(), "mode": name, "received": received, "peak_kib": peak, "big": biggest}
+        )
     out: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(out, rows)
     if torch.distributed.get_rank() == 0:
@@ -150,7 +156,8 @@ def main() -> None:
             got = json.loads(next(line for line in out.splitlines() if line.startswith("ROWS "))[5:])
             largest = got["largest"]
             for r in sorted(got["rows"], key=lambda r: (r["mode"], r["rank"])):
-                bound = max(bucket, largest) + largest + GATHER_CHUNK_BYTES
+                big = max(largest, r["big"])  # layout=model: a layer's stacked experts can be the largest
+                bound = max(bucket, big) + big + GATHER_CHUNK_BYTES
                 print(
                     f"| {name} | {r['mode']} | {r['rank']} | {r['received'] / mib:.0f} | "
                     f"+{r['peak_kib'] / 1024:.0f} | {bound / mib:.0f} |"
