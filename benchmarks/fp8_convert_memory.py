@@ -36,6 +36,8 @@ from pathlib import Path
 
 from disk import cp_seconds, evict
 
+from megatron_bridge.convert.bytemove.pool import resolve_workers
+
 HIDDEN, DENSE_FFN, MOE_FFN, HEADS, VOCAB = 7168, 18432, 2048, 128, 4096
 Q_LORA, KV_LORA, NOPE, ROPE, V_DIM = 1536, 512, 128, 64, 128
 BLOCK = 128
@@ -241,7 +243,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for args in (["format=torch_dist"], ["format=torch", "parallel.tp=2"]):
         for w in a.workers.split(","):
-            n = int(w) or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+            n = resolve_workers(int(w))
             runs = []
             for _ in range(a.reps):
                 cp = cp_seconds(src, work / "cp")

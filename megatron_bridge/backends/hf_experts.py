@@ -103,11 +103,17 @@ class WholeStackedExperts(Transform):
         return torch.cat(parts, d)
 
     def merge(self, shards: Sequence[Any], shapes: Shapes) -> tuple[Any, ...]:
-        import torch
 
         d = self.dim
         per_rank = [t.chunk(self.packs, d) for t in shards]  # [tp][pack]
-        return (torch.cat([torch.cat([r[p] for r in per_rank], d) for p in range(self.packs)], d).clone(),)
+        shape = list(shards[0].shape)
+        shape[d] *= len(shards)
+        out, at = shards[0].new_empty(shape), 0  # one allocation: every block copied into place
+        for p in range(self.packs):
+            for r in per_rank:
+                out.narrow(d, at, r[p].shape[d]).copy_(r[p])
+                at += r[p].shape[d]
+        return (out,)
 
     def __repr__(self) -> str:
         return f"WholeStackedExperts({self.split}, packs={self.packs})"

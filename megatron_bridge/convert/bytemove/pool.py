@@ -30,11 +30,14 @@ QUEUED_PER_WORKER = 8
 
 
 def default_workers() -> int:
-    """The cores this process may run on (a cgroup/affinity limit, not the host's count)."""
+    """The cores this process may run on (an affinity limit, not the host's count), at least
+    2: even on one core a second thread works in user space (bands, fp8) while the other
+    waits on the disk or copies in the kernel — what the byte paths did before the pool."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    return max(2, cores)
 
 
 def resolve_workers(workers: int) -> int:

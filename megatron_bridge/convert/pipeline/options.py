@@ -44,8 +44,8 @@ class ConvertConfig(Config):
     # NaN or infinity in a source tensor is refused (found during the conversion's own reads,
     # before anything is published); true converts such a checkpoint as it is.
     allow_nonfinite: bool = False
-    # Threads that move bytes and dequantise fp8 (0: one per core this process may use); the
-    # output is the same bytes whatever the count, and memory grows by one row's buffers each.
+    # Threads that move bytes and dequantise fp8 (0: one per core this process may use, at least
+    # 2); the output is the same bytes whatever the count, and memory grows by one row's buffers each.
     workers: int = 0
 
 
