@@ -101,10 +101,11 @@ def hf_buckets(
     if adapter:
         found = iter_adapter_tensors(chunks, everywhere=everywhere)
         tensors = ((n, t if dtype is None else t.to(dtype)) for n, t in found)
+    elif layout == "model":
+        shaped = ModelLayout(spec)
+        tensors = shaped(iter_hf_tensors(chunks, spec, dtype, everywhere=everywhere, into=shaped.slot))
     else:
         tensors = iter_hf_tensors(chunks, spec, dtype, everywhere=everywhere)
-    if layout == "model":
-        tensors = in_model_layout(tensors, spec)
     if mode == "stage" or ps.get_pipeline_model_parallel_world_size() == 1:
         yield from _bucketed(tensors, bucket_bytes)
     else:
@@ -114,59 +115,83 @@ def hf_buckets(
 def in_model_layout(
     tensors: Iterator[tuple[str, torch.Tensor]], spec: BridgeSpec
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint-layout (name, tensor) pairs -> transformers' in-memory ones (`ModelLayout`)."""
+    return ModelLayout(spec)(tensors)
+
+
+class ModelLayout:
     """Checkpoint-layout (name, tensor) pairs -> transformers' in-memory ones: renamed tensors
-    under their module names; per-expert pieces copied into the fused experts tensor as they
-    arrive (allocated at the first: memory is that tensor, not it and its pieces), and a fused
-    tensor's pieces (a linear-attention q/k/v conv, backends/hf_fused.py; small) concatenated
-    once the last piece has arrived. The names come
-    from transformers' own conversion mapping, run on the meta-device model (backends/hf.py)."""
-    cfg = json.loads(spec.hf_json) if spec.hf_json else backend_of(spec).hf_config(spec)
-    m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="hf"))
-    module_of = {saved: name for name, saved in m.saved_as.items()}
-    groups = {**m.experts, **{name: pieces for name, (pieces, _) in m.fused.items()}}
-    piece_of = {p: (whole, i) for whole, pieces in groups.items() for i, p in enumerate(pieces)}
-    pending: dict[str, dict[int, torch.Tensor]] = {}
-    stacks: dict[str, tuple[torch.Tensor, list[int]]] = {}  # experts: the whole tensor, pieces still to come
-    for name, t in tensors:
-        if name in piece_of:
-            whole, i = piece_of[name]
-            if whole in m.experts and _fits_stack(m, whole, t):  # copied into its slot now: no second copy
-                out, left = stacks.get(whole) or stacks.setdefault(whole, (t.new_empty(m.shapes[whole]), [0]))
-                per = len(groups[whole]) // out.shape[0]
-                e, k = divmod(i, per)
-                out[e, k * t.shape[0] : (k + 1) * t.shape[0]].copy_(t)
-                del t
-                left[0] += 1
-                if left[0] == len(groups[whole]):
-                    yield whole, stacks.pop(whole)[0]
-                continue
-            got = pending.setdefault(whole, {})
-            got[i] = t
-            if len(got) < len(groups[whole]):
-                continue
-            pieces = [t for _, t in sorted(pending.pop(whole).items())]
-            yield whole, _joined(m, whole, pieces)
-        elif name in module_of:
-            yield module_of[name], t
-        else:
-            raise UserError(
-                f"{name}: no tensor of transformers' {cfg.get('model_type')} model is saved under this name"
-            )
-    if pending or stacks:
-        raise UserError(f"pieces of {sorted({*pending, *stacks})[:2]} arrived incomplete: stream with mode='broadcast'")
+    under their module names; per-expert pieces land in the stacked experts tensor (allocated at
+    the first: memory is that tensor, not it and its pieces), and a fused tensor's pieces (a
+    linear-attention q/k/v conv, backends/hf_fused.py; small) are concatenated once the last
+    piece has arrived. `slot` is the exporter's `into` (runtime/weights_base.Into): handed to
+    `iter_hf_tensors`, each expert piece is gathered straight into its slot, so no piece-sized
+    buffer is held beside the stack (a piece that arrives elsewhere, e.g. after a dtype cast, is
+    copied in). The names come from transformers' own conversion mapping, run on the meta-device
+    model (backends/hf.py)."""
+
+    def __init__(self, spec: BridgeSpec) -> None:
+        cfg = json.loads(spec.hf_json) if spec.hf_json else backend_of(spec).hf_config(spec)
+        self.model_type = cfg.get("model_type")
+        self.m = m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="hf"))
+        self.module_of = {saved: name for name, saved in m.saved_as.items()}
+        self.groups = {**m.experts, **{name: pieces for name, (pieces, _) in m.fused.items()}}
+        self.piece_of = {p: (whole, i) for whole, pieces in self.groups.items() for i, p in enumerate(pieces)}
+        self.stacks: dict[str, tuple[torch.Tensor, list[int]]] = {}  # experts: the whole tensor, pieces arrived
+
+    def slot(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """Where the expert piece `name` goes in its stacked tensor (allocated at its first piece,
+        in that piece's dtype); None for any other tensor."""
+        whole, i = self.piece_of.get(name, ("", 0))
+        if whole not in self.m.experts or not _fits_stack(self.m, whole, tuple(shape)):
+            return None
+        if whole not in self.stacks:
+            self.stacks[whole] = (torch.empty(self.m.shapes[whole], dtype=dtype, device=device), [0])
+        out = self.stacks[whole][0]
+        if out.dtype != dtype or out.device != device:
+            return None
+        e, k = divmod(i, len(self.groups[whole]) // out.shape[0])
+        return out[e, k * shape[0] : (k + 1) * shape[0]]
+
+    def __call__(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        m, groups = self.m, self.groups
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        for name, t in tensors:
+            if name in self.piece_of:
+                whole, i = self.piece_of[name]
+                if whole in m.experts and _fits_stack(m, whole, tuple(t.shape)):
+                    dest = self.slot(name, tuple(t.shape), t.dtype, t.device)
+                    assert dest is not None, f"{name}: pieces of {whole} in more than one dtype"
+                    if dest.data_ptr() != t.data_ptr():  # not gathered in place: copied in
+                        dest.copy_(t)
+                    del t, dest
+                    left = self.stacks[whole][1]
+                    left[0] += 1
+                    if left[0] == len(groups[whole]):
+                        yield whole, self.stacks.pop(whole)[0]
+                    continue
+                got = pending.setdefault(whole, {})
+                got[i] = t
+                if len(got) < len(groups[whole]):
+                    continue
+                pieces = [t for _, t in sorted(pending.pop(whole).items())]
+                yield whole, _joined(m, whole, pieces)
+            elif name in self.module_of:
+                yield self.module_of[name], t
+            else:
+                raise UserError(f"{name}: no tensor of transformers' {self.model_type} model is saved under this name")
+        if pending or self.stacks:
+            short = sorted({*pending, *self.stacks})[:2]
+            raise UserError(f"pieces of {short} arrived incomplete: stream with mode='broadcast'")
 
 
-def _fits_stack(m: Any, whole: str, piece: torch.Tensor) -> bool:
+def _fits_stack(m: Any, whole: str, piece: tuple[int, ...]) -> bool:
     """Whether an expert's piece is an equal dim-0 share of its slab (gate and up of gate_up_proj,
-    or the slab itself), so it can be copied straight into the stacked tensor; else the pieces
-    are held and joined (`_joined`)."""
+    or the slab itself), so it can land straight in the stacked tensor; else the pieces are held
+    and joined (`_joined`)."""
     shape = m.shapes[whole]
     per = len(m.experts[whole]) // shape[0]
-    return (
-        len(shape) == piece.dim() + 1
-        and piece.shape[0] * per == shape[1]
-        and tuple(piece.shape[1:]) == tuple(shape[2:])
-    )
+    return len(shape) == len(piece) + 1 and piece[0] * per == shape[1] and tuple(piece[1:]) == tuple(shape[2:])
 
 
 def _joined(m: Any, whole: str, pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -303,4 +328,12 @@ def apply_bucket(model: torch.nn.Module, bucket: Bucket) -> int:
     return len(bucket)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "apply_bucket", "bucket_nbytes", "hf_buckets", "in_model_layout"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "apply_bucket",
+    "bucket_nbytes",
+    "ModelLayout",
+    "hf_buckets",
+    "in_model_layout",
+]

@@ -43,12 +43,15 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import later
 from megatron_bridge.runtime.hf_export import HFExport
 from megatron_bridge.runtime.weights_base import (
+    Into,
+    cast_free,
     cast_to,
     checkpoint_tensors,
     current_coords,
     gather_merged,
     gather_shards,
     handed_over,
+    landing,
     layout_of,
     require_all_written,
     vp_stage_of,
@@ -113,6 +116,7 @@ def iter_hf_tensors(
     value: Any | None = None,
     *,
     everywhere: bool = False,
+    into: Into | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective over all ranks: gather every exported parameter's shards to one replica and
     yield (HF name, full HF tensor) there, by the exporter of the model's backend
@@ -121,12 +125,21 @@ def iter_hf_tensors(
     (runtime/hf_export.py does). `value(param)` picks what is
     exported (default the weight; e.g. `lambda p: p.main_grad`). `everywhere`: every rank of
     a pipeline stage gathers and yields its stage's tensors, all in the same order (all-gathers
-    instead of gathers; experts from every EP rank): what stream.py's broadcast mode sends on."""
-    return EXPORTERS[spec.backend](chunks, spec, dtype, value, everywhere)
+    instead of gathers; experts from every EP rank): what stream.py's broadcast mode sends on.
+    `into` (weights_base.Into): where the caller wants named tensors to land (stream.py's
+    layout="model": an expert's slot in its stacked tensor); the tensor yielded is then that
+    destination, not new memory. Honoured only where no `dtype` cast intervenes."""
+    return EXPORTERS[spec.backend](chunks, spec, dtype, value, everywhere, into=cast_free(into, dtype))
 
 
 def _iter_native(
-    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None, value: Any | None, everywhere: bool = False
+    chunks: Sequence[Any],
+    spec: BridgeSpec,
+    dtype: torch.dtype | None,
+    value: Any | None,
+    everywhere: bool = False,
+    *,
+    into: Into | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     table = table_for(spec)
     layout = layout_of(chunks)
@@ -149,7 +162,10 @@ def _iter_native(
                 continue
             group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
             tf = row.mapping.transform
-            got = gather_merged((p if value is None else value(p)).detach(), tf, shapes, group, everywhere)
+            dest = None if tf.stacked else into  # a stacked row's gather is one expert's slab, not its HF tensor
+            t = (p if value is None else value(p)).detach()
+            got = gather_merged(t, tf, shapes, group, everywhere, names=row.hf, into=dest)
+            del t
             if got is None:
                 continue
             merged = list(got)
@@ -157,17 +173,23 @@ def _iter_native(
             if tf.stacked:
                 merged = list(_stack_experts(row, merged, spec, stacks, everywhere))
             elif expert and everywhere:  # every EP rank's experts, in EP rank order
-                yield from _every_ep_rank(table, names[local], merged, spec, dtype)
+                yield from _every_ep_rank(table, names[local], merged, spec, dtype, into)
                 continue
             yield from handed_over(row.hf, merged, dtype)
 
 
 def _every_ep_rank(
-    table: Any, name: str, merged: Sequence[torch.Tensor], spec: BridgeSpec, dtype: torch.dtype | None
+    table: Any,
+    name: str,
+    merged: Sequence[torch.Tensor],
+    spec: BridgeSpec,
+    dtype: torch.dtype | None,
+    into: Into | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A per-expert row in `everywhere` mode: this local expert's tensors from every EP rank
     (they hold the same local index j, so their global expert is r·n_local + j), broadcast from
-    each rank in turn: one received tensor at a time, not every rank's at once."""
+    each rank in turn: one received tensor at a time, not every rank's at once, each received
+    where `into` wants it if it does."""
     group = ps.get_expert_model_parallel_group()
     ep, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     n_local = (spec.num_moe_experts or 0) // ep
@@ -176,11 +198,11 @@ def _every_ep_rank(
         assert other is not None, name
         src = torch.distributed.get_global_rank(group, r)
         for hf_name, t in zip(other.hf, merged):
-            yield hf_name, cast_to(_broadcast_from(t, r == me, src, group), dtype)
+            yield hf_name, cast_to(_broadcast_from(t, r == me, src, group, hf_name, into), dtype)
 
 
-def _broadcast_from(t: torch.Tensor, mine: bool, src: int, group) -> torch.Tensor:
-    got = t if mine else torch.empty_like(t)
+def _broadcast_from(t: torch.Tensor, mine: bool, src: int, group, name: str, into: Into | None) -> torch.Tensor:
+    got = t if mine else landing(into, name, tuple(t.shape), t)
     torch.distributed.broadcast(got, src=src, group=group)
     return got
 

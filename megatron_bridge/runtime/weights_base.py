@@ -5,7 +5,7 @@ its shards beside their merge)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -100,9 +100,57 @@ def gather_shards(t: torch.Tensor, group, everywhere: bool = False) -> list[torc
 GATHER_CHUNK_BYTES = 16 << 20
 DIRECT_MAX_BLOCKS = 8  # more row blocks per shard than this (fused QKV of many groups) go chunked
 
+# where a receiver wants an HF tensor to land: (HF name, shape, dtype, device) -> a contiguous
+# tensor of that shape (e.g. its slot in a stacked experts tensor, stream.py's layout="model"),
+# or None for new memory. An exporter handed one gathers the named tensor straight into it and
+# yields that very tensor, so the receiver does not copy it from a second buffer.
+Into = Callable[[str, tuple[int, ...], torch.dtype, torch.device], "torch.Tensor | None"]
+
+
+def cast_free(into: Into | None, dtype: torch.dtype | None) -> Into | None:
+    """`into` for an export cast to `dtype`: only a tensor gathered in that dtype lands in place
+    (a cast makes new memory anyway, and the receiver's tensor is allocated in the cast dtype)."""
+    if into is None or dtype is None:
+        return into
+    inner = into
+    return lambda name, shape, dt, dev: inner(name, shape, dt, dev) if dt == dtype else None
+
+
+def landing(into: Into | None, name: str | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """The memory a received tensor `name` of `shape` (dtype and device of `like`) goes to: where
+    `into` wants it, or new memory (no `into`, no name, or a destination that does not fit)."""
+    dest = None if into is None or name is None else into(name, shape, like.dtype, like.device)
+    if dest is None or tuple(dest.shape) != shape or dest.dtype != like.dtype or not dest.is_contiguous():
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return dest
+
+
+def _outs(
+    hf_shapes: Sequence[tuple[int, ...]], t: torch.Tensor, names: Sequence[str], into: Into | None
+) -> tuple[torch.Tensor, ...]:
+    return tuple(landing(into, names[i] if i < len(names) else None, s, t) for i, s in enumerate(hf_shapes))
+
+
+def _into_outs(merged: Sequence[torch.Tensor], t: torch.Tensor, names: Sequence[str], into: Into | None):
+    """A merge made in new memory, moved to where `into` wants it (when it wants it somewhere)."""
+    if into is None:
+        return tuple(merged)
+    outs = _outs([tuple(x.shape) for x in merged], t, names, into)
+    for o, x in zip(outs, merged):
+        if o.data_ptr() != x.data_ptr():
+            o.copy_(x)
+    return outs
+
 
 def gather_merged(
-    t: torch.Tensor, transform: Transform, shapes: Shapes, group, everywhere: bool = False
+    t: torch.Tensor,
+    transform: Transform,
+    shapes: Shapes,
+    group,
+    everywhere: bool = False,
+    *,
+    names: Sequence[str] = (),
+    into: Into | None = None,
 ) -> tuple[torch.Tensor, ...] | None:
     """`transform.merge` of every rank's shard `t`, on the group's first rank (None elsewhere)
     or on every rank (`everywhere`), always new memory. Why not gather, then merge: the shards
@@ -112,11 +160,13 @@ def gather_merged(
     come from) read backwards. A block that is a plain row range is received in place; the rest
     (a row-parallel column range, a strided view) pass through one buffer of at most
     `GATHER_CHUNK_BYTES`. A transform whose merge uses one rank's tensor alone (`whole`) moves
-    nothing to the first rank; one that is not blockwise is gathered and merged as before."""
+    nothing to the first rank; one that is not blockwise is gathered and merged as before.
+    `into` (with the merged tensors' HF `names`): where the receiver wants them (`Into`)."""
     t = t.contiguous()
     n, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     if transform.whole:
-        return _whole(t, transform, shapes, group, everywhere)
+        got = _whole(t, transform, shapes, group, everywhere)
+        return None if got is None else _into_outs(got, t, names, into)
     meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
     hf_shapes = [tuple(x.shape) for x in transform.merge([meta] * n, shapes)]
     try:  # NotBlockwise, or shapes the blocks do not describe: gathered and merged (correct, 2x)
@@ -125,9 +175,9 @@ def gather_merged(
             raise ValueError(f"{transform!r}: blocks do not cover a {tuple(t.shape)} shard")
     except ValueError:
         shards = gather_shards(t, group, everywhere)
-        return None if shards is None else transform.merge(shards, shapes)
+        return None if shards is None else _into_outs(transform.merge(shards, shapes), t, names, into)
     receives = everywhere or me == 0
-    outs = tuple(torch.empty(s, dtype=t.dtype, device=t.device) for s in hf_shapes) if receives else ()
+    outs = _outs(hf_shapes, t, names, into) if receives else ()
     for i, blocks in enumerate(plans):
         src = torch.distributed.get_global_rank(group, i)
         for a, b, dest in _pieces(blocks, t, outs):
@@ -216,12 +266,15 @@ def cast_to(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 
 __all__ = [
     "GATHER_CHUNK_BYTES",
+    "Into",
+    "cast_free",
     "cast_to",
     "handed_over",
     "checkpoint_tensors",
     "current_coords",
     "gather_merged",
     "gather_shards",
+    "landing",
     "layout_of",
     "require_all_written",
     "vp_stage_of",

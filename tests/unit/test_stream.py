@@ -90,6 +90,47 @@ def test_model_layout_fuses_experts_as_transformers_holds_them(groups1, tmp_path
         next(hf_buckets(chunks, spec, layout="fused"))
 
 
+@pytest.mark.parametrize("family,backend", [("mixtral", "native"), ("qwen3_moe", "hf")])
+def test_model_layout_gathers_expert_pieces_into_their_slots(groups1, tmp_path, family, backend):
+    """layout="model" hands each expert piece's slot in its stacked tensor to the exporter
+    (`ModelLayout.slot` as `iter_hf_tensors(into=)`): every piece arrives as a view of the stack
+    (gathered there, no piece-sized buffer beside it), and the stream equals the old path's
+    (pieces gathered to new memory, then copied in) bit for bit; under a dtype cast the pieces
+    are cast copies, copied in as before."""
+    from megatron_bridge.backends.describe import describe_hf
+    from megatron_bridge.bridge.hf_config import load_spec, read_hf_config
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.tiny import make_tiny
+    from megatron_bridge.runtime.weights import iter_hf_tensors, load_hf_weights
+    from megatron_bridge.stream import ModelLayout, hf_buckets, in_model_layout
+
+    hf = make_tiny(family, tmp_path / "hf")
+    specs = {"native": load_spec, "hf": lambda p: describe_hf(read_hf_config(p), backend="hf")}
+    spec = specs[backend](hf)
+    chunks = build_model(spec, Layout(), load_weights=True)
+    load_hf_weights(chunks, spec, hf)
+    for dtype in (torch.float16, None):  # the uncast stream last: hf_buckets' below is compared to it
+        old = list(in_model_layout(iter_hf_tensors(chunks, spec, dtype), spec))
+        shaped = ModelLayout(spec)
+        in_slot = []
+
+        def watched(tensors, shaped=shaped, in_slot=in_slot):
+            for name, t in tensors:
+                whole, _ = shaped.piece_of.get(name, ("", 0))
+                if whole in shaped.stacks:
+                    stack = shaped.stacks[whole][0].untyped_storage().data_ptr()
+                    in_slot.append(t.untyped_storage().data_ptr() == stack)
+                yield name, t
+
+        new = list(shaped(watched(iter_hf_tensors(chunks, spec, dtype, into=shaped.slot))))
+        assert [n for n, _ in new] == [n for n, _ in old]
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(new, old)), dtype
+        assert len(in_slot) >= 8 and all(x == (dtype is None) for x in in_slot), (dtype, in_slot)
+    streamed = [t for b in hf_buckets(chunks, spec, bucket_bytes=1 << 16, layout="model") for _, t in b]
+    assert len(streamed) == len(old) and all(torch.equal(a, b) for a, (_, b) in zip(streamed, old))
+
+
 def test_broadcast_buckets_pack_mixed_dtypes_where_the_receiver_unpacks_them():
     """Broadcast mode packs each bucket's tensors into one byte buffer as they arrive; the
     receivers cut it by `_layout` from names and shapes alone: both must agree, whatever the

@@ -26,6 +26,7 @@ from megatron_bridge.bridge.table import resolve_megatron
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.hf.experts import gather_experts, is_expert
 from megatron_bridge.runtime.weights_base import (
+    Into,
     checkpoint_tensors,
     gather_merged,
     handed_over,
@@ -68,11 +69,17 @@ def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
 
 
 def iter_tensors(
-    chunks: Sequence[Any], spec: BridgeSpec, dtype: torch.dtype | None, value: Any | None, everywhere: bool = False
+    chunks: Sequence[Any],
+    spec: BridgeSpec,
+    dtype: torch.dtype | None,
+    value: Any | None,
+    everywhere: bool = False,
+    *,
+    into: Into | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Collective: (HF name, whole tensor) of every exported parameter and persistent buffer
     (what `load` filled), on the first data-parallel replica's first TP rank (nothing elsewhere;
-    `everywhere`: on every rank of the stage)."""
+    `everywhere`: on every rank of the stage); gathered where `into` wants them (runtime/weights.py)."""
     table = table_for(spec)
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
@@ -89,20 +96,26 @@ def iter_tensors(
                 continue
             t = (p if value is None else value(p)).detach()
             if is_expert(p) and isinstance(row.mapping.transform, StackedExperts):
-                yield from _per_expert(t, row, shapes, first, everywhere, dtype)
+                yield from _per_expert(t, row, shapes, first, everywhere, dtype, into)
                 continue
             if is_expert(p):  # every EP rank takes part: the first replica may hold a few of the experts
                 t = gather_experts(t)
             if not first:
                 continue
-            got = gather_merged(t, row.mapping.transform, shapes, group, everywhere)
+            got = gather_merged(t, row.mapping.transform, shapes, group, everywhere, names=row.hf, into=into)
             del t
             if got is not None:
                 yield from handed_over(row.hf, list(got), dtype)
 
 
 def _per_expert(
-    t: torch.Tensor, row: Any, shapes: Any, first: bool, everywhere: bool, dtype: torch.dtype | None
+    t: torch.Tensor,
+    row: Any,
+    shapes: Any,
+    first: bool,
+    everywhere: bool,
+    dtype: torch.dtype | None,
+    into: Into | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A stacked experts tensor whose checkpoint holds one tensor per expert: expert by expert,
     each EP rank's slab broadcast over the EP group (every EP rank takes part), then gathered
@@ -117,10 +130,12 @@ def _per_expert(
         for j in range(t.shape[0]):
             slab = t[j : j + 1].contiguous() if r == me else torch.empty_like(t[j : j + 1])
             torch.distributed.broadcast(slab, src=torch.distributed.get_global_rank(group, r), group=group)
-            got = gather_merged(slab, one, shapes, ps.get_tensor_model_parallel_group(), everywhere) if first else None
+            mine = names[j * tf.pieces : (j + 1) * tf.pieces]
+            tp = ps.get_tensor_model_parallel_group()
+            got = gather_merged(slab, one, shapes, tp, everywhere, names=mine, into=into) if first else None
             del slab
             if got is not None:
-                yield from handed_over(names[j * tf.pieces : (j + 1) * tf.pieces], list(got), dtype)
+                yield from handed_over(mine, list(got), dtype)
 
 
 __all__ = ["iter_tensors", "load"]

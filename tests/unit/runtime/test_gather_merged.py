@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_bridge.backends.hf_experts import WholeStackedExperts
 from megatron_bridge.bridge.mapping import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB
 from megatron_bridge.bridge.shards import Shapes, Shard
 from megatron_bridge.bridge.stacked import STACKED_GATE_UP, STACKED_QKV, ExpertsStacked
 from megatron_bridge.runtime import weights_base
-from megatron_bridge.runtime.weights_base import _pieces, _place
+from megatron_bridge.runtime.weights_base import _pieces, _place, gather_merged
 
 SHAPES = Shapes(num_attention_heads=8, num_query_groups=2, head_dim=4, vocab_size=50, padded_vocab_size=64)
 Q, KV, H, F = 32, 8, 12, 16  # q rows, k/v rows, hidden, ffn
@@ -67,3 +68,42 @@ def test_whole_transforms_declare_it():
     """A transform whose merge takes the first shard alone moves nothing to gather it."""
     assert REPLICATED.whole and ExpertsStacked(REPLICATED, "same").whole
     assert not any(tf.whole for tf, _ in CASES.values())
+
+
+INTO_CASES = {  # transform -> its HF inputs' shapes: the received-in-place path, a whole one, the fallback
+    **{k: CASES[k] for k in ("qkv", "experts down")},
+    "whole": (REPLICATED, [(F, H)]),
+    "not blockwise": (WholeStackedExperts("column", 2), [(3, 2 * F, H)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INTO_CASES))
+def test_into_lands_the_merge_where_the_receiver_wants_it(groups1, case):
+    """`into` (a receiver's destinations, stream.py's layout="model" slots): gather_merged returns
+    those very tensors, filled with the merge bit for bit, on every path; a destination of the
+    wrong shape is ignored (new memory, same values)."""
+    from megatron.core import parallel_state as ps
+
+    tf, hf_shapes = INTO_CASES[case]
+    g = torch.Generator().manual_seed(0)
+    hf = [torch.randn(s, generator=g) for s in hf_shapes]
+    shard = tf.shard(hf, Shard(0, 1), SHAPES).contiguous()
+    want = tf.merge([shard], SHAPES)
+    names = [f"t{i}" for i in range(len(want))]
+    buf = torch.full((1 + sum(x.numel() for x in want),), float("nan"))  # slots of one bigger tensor
+    slots, at = {}, 1
+    for n, x in zip(names, want):
+        slots[n], at = buf[at : at + x.numel()].view(x.shape), at + x.numel()
+    if len(names) > 1:  # the last asks a misfit: ignored
+        slots[names[-1]] = torch.empty(0)
+    asked = []
+
+    def into(name, shape, dtype, device):
+        asked.append(name)
+        return slots[name]
+
+    got = gather_merged(shard, tf, SHAPES, ps.get_tensor_model_parallel_group(), names=names, into=into)
+    assert got is not None and asked == names
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), case
+    for n, t in zip(names, got):
+        assert (t.data_ptr() == slots[n].data_ptr()) == (slots[n].numel() > 0), (case, n)
