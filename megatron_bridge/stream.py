@@ -27,8 +27,9 @@ Two modes (`mode=`):
 
 `adapter=True` streams a LoRA run's adapters alone, under HF PEFT's names. Every rank must
 iterate `hf_buckets` to the end, as it is collective; in broadcast mode under expert parallelism
-the experts' adapters (small) are all-gathered over the EP group. Not yet: the per-expert/fused
-option (the checkpoint's layout is what comes out).
+the experts' adapters (small) are all-gathered over the EP group. `layout=` picks per-expert /
+stacked tensors: "checkpoint" (what `save_pretrained` writes) or "model" (transformers' in-memory
+tensors, experts stacked; each expert gathered straight into its slot of the stacked tensor).
 """
 
 from __future__ import annotations
