@@ -28,7 +28,7 @@ from pathlib import Path
 
 from zlib_ng import zlib_ng
 
-from megatron_bridge.bridge.shards import Shapes, Shard, out_shape
+from megatron_bridge.bridge.shards import Block, Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.checksums import Checksums
 from megatron_bridge.convert.bytemove.copier import Copier
@@ -107,11 +107,14 @@ class DirectCopy:
                 w.close()
             d.checksums.abandon()
 
-    def shard_info(self, row: Resolved, s: Shard, shapes: Shapes) -> tuple[DType, tuple[int, ...]]:
+    def _plan(self, row: Resolved, s: Shard, shapes: Shapes) -> tuple[DType, tuple[int, ...], list[Block]]:
+        """Shard `s` of `row`: its dtype, shape and blocks (planned once, on the main thread)."""
         hf_shapes = row.select_shapes([self.source.tensors[h][0] for h in row.hf])
-        return self.source.tensors[row.hf[0]][1], out_shape(
-            row.mapping.transform.blocks(hf_shapes, s, shapes), hf_shapes
-        )
+        blocks = row.mapping.transform.blocks(hf_shapes, s, shapes)
+        return self.source.tensors[row.hf[0]][1], out_shape(blocks, hf_shapes), blocks
+
+    def shard_info(self, row: Resolved, s: Shard, shapes: Shapes) -> tuple[DType, tuple[int, ...]]:
+        return self._plan(row, s, shapes)[:2]
 
     def _infos(self, row: Resolved, w: _Worker) -> list[TensorInfo | MemInfo]:
         """The row's source tensors; its fp8 weights dequantised (once per row, whatever the
@@ -153,7 +156,7 @@ class DirectCopy:
         """Shard `s` of `row` as one record of `out` (stored as `shape` if given, e.g. with
         leading unit axes); returns its reference and byte count. The record is reserved
         here, in order; its bytes are written by a worker (`drain()` waits for them)."""
-        dtype, natural = self.shard_info(row, s, shapes)
+        dtype, natural, blocks = self._plan(row, s, shapes)
         shape = shape if shape is not None else natural
         nbytes = prod(shape) * dtype.itemsize
         ref, at = out.reserve(nbytes, dtype, shape)
@@ -162,7 +165,7 @@ class DirectCopy:
         def run(w: _Worker) -> None:
             whole = self._infos(row, w)
             infos = self._select(row, whole)
-            ps = pieces(row.mapping.transform.blocks([i.shape for i in infos], s, shapes), infos)
+            ps = pieces(blocks, infos)
             written = w.copier.write(ps, fd, at)
             if written != nbytes:
                 raise RuntimeError(f"{row.megatron}: {written} bytes laid out for a {nbytes}-byte shard")

@@ -22,6 +22,7 @@ from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.config.schema import Config
+from megatron_bridge.convert.bytemove.pool import resolve_workers
 from megatron_bridge.convert.sources.rows import check_layout_shards
 from megatron_bridge.errors import LayoutError, UserError
 from megatron_bridge.parallel.dims import ParallelDims
@@ -73,9 +74,10 @@ class ReshardConfig(Config):
 
 
 def check_workers(workers: int) -> int:
+    """The `workers=` count to use (0 resolved to one per core), checked before anything is opened."""
     if workers < 0:
         raise UserError(f"workers={workers}: give the number of threads to convert with, or 0 for one per core")
-    return workers
+    return resolve_workers(workers)
 
 
 def check_format(fmt: str) -> str:

@@ -22,7 +22,6 @@ from typing import Any
 from megatron_bridge.backends.describe import describe as describe_model
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.loader import _write_config_and_assets, hf_assets
-from megatron_bridge.convert.bytemove.pool import resolve_workers
 from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_crc32, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
 from megatron_bridge.convert.pipeline.dst import check_replaceable, dst_lease, publish_mode
@@ -161,7 +160,7 @@ def _manifest(
         make_vocab_size_divisible_by=source.spec.make_vocab_size_divisible_by,
         tensors=tensors,
         files=(files := list_files(tmp)),
-        file_crc32=list_crc32(tmp, files, resolve_workers(workers)),
+        file_crc32=list_crc32(tmp, files, workers),
         assets=assets,
         source=str(src),
         created_by=created_by,
@@ -171,12 +170,12 @@ def _manifest(
 def convert(cfg: Any) -> int:
     """HF directory -> torch_dist or per-rank torch checkpoint (see docs/convert.md)."""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
-    fmt, dtype = check_format(cfg.format), parse_dtype(cfg.dtype)
+    fmt, dtype, workers = check_format(cfg.format), parse_dtype(cfg.dtype), check_workers(cfg.workers)
     source = HFSource(src, dtype, lambda hf: describe_model(cfg.model, hf_path=src, hf=hf, arg="src"))
     hf_config = source.hf_config
     with _closing_on_error(source):
         layout = checked_layout(cfg, source.spec, hf_config, source.rows, source.tensors, fmt)
-    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout, check_workers(cfg.workers))
+    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout, workers)
     assets = _assets(src)
 
     def finish(tmp: Path) -> None:
@@ -193,7 +192,7 @@ def convert(cfg: Any) -> int:
         else:
             shutil.copy2(src / "config.json", tmp / "config.json")
         _copy(src, tmp, assets)
-        _manifest(fmt, hf_config, layout, source, tmp, assets, src, "mbr convert", cfg.workers)
+        _manifest(fmt, hf_config, layout, source, tmp, assets, src, "mbr convert", workers)
 
     prog = _run(source, writer, dst, "converted", cfg.progress, finish, cfg.overwrite)
     print(prog.summary(str(dst), f"{fmt}, {describe(layout, dtype)}"), flush=True)
@@ -204,7 +203,7 @@ def export(cfg: Any) -> int:
     """Converted checkpoint -> HF directory (safetensors + index, config.json, tokenizer files).
     (`adapter=true`, a LoRA training checkpoint's adapter, is `commands/export.py`'s.)"""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
-    dtype = parse_dtype(cfg.dtype)
+    dtype, workers = parse_dtype(cfg.dtype), check_workers(cfg.workers)
     if not cfg.max_shard_gb > 0:
         raise UserError(f"max_shard_gb={cfg.max_shard_gb} must be > 0")
     source = open_checkpoint(src, dtype)
@@ -221,7 +220,7 @@ def export(cfg: Any) -> int:
 
     prog = _run(
         source,
-        HFOut(int(cfg.max_shard_gb * 1e9), check_workers(cfg.workers)),
+        HFOut(int(cfg.max_shard_gb * 1e9), workers),
         dst,
         "exported",
         cfg.progress,
@@ -240,19 +239,17 @@ def export(cfg: Any) -> int:
 def reshard(cfg: Any) -> int:
     """Converted checkpoint -> the same weights in another layout (or format), without HF."""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
-    fmt, dtype = check_format(cfg.format), parse_dtype(cfg.dtype)
+    fmt, dtype, workers = check_format(cfg.format), parse_dtype(cfg.dtype), check_workers(cfg.workers)
     source = open_checkpoint(src, dtype)
     man: Manifest = source.man
     with _closing_on_error(source):
         layout = checked_layout(cfg, source.spec, man.hf_config, source.rows, source.tensors, fmt)
-    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout, check_workers(cfg.workers))
+    writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout, workers)
 
     def finish(tmp: Path) -> None:
         shutil.copy2(src / "config.json", tmp / "config.json")
         _copy(src, tmp, man.assets)
-        _manifest(
-            fmt, man.hf_config, layout, source, tmp, man.assets, Path(man.source or src), "mbr reshard", cfg.workers
-        )
+        _manifest(fmt, man.hf_config, layout, source, tmp, man.assets, Path(man.source or src), "mbr reshard", workers)
 
     prog = _run(source, writer, dst, "resharded", cfg.progress, finish, cfg.overwrite)
     old = manifest_layout(man)

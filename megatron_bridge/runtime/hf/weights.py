@@ -123,7 +123,7 @@ def _per_expert(
     the layer's every expert gathered whole (docs/rl.md "Memory")."""
     tf = row.mapping.transform
     one = StackedExperts(1, tf.pieces, tf.split)
-    group = ps.get_expert_model_parallel_group()
+    group, tp = ps.get_expert_model_parallel_group(), ps.get_tensor_model_parallel_group()
     ep, me = group.size(), group.rank()
     for r in range(ep):
         names = ep_part(row.hf, ep, r)
@@ -131,7 +131,6 @@ def _per_expert(
             slab = t[j : j + 1].contiguous() if r == me else torch.empty_like(t[j : j + 1])
             torch.distributed.broadcast(slab, src=torch.distributed.get_global_rank(group, r), group=group)
             mine = names[j * tf.pieces : (j + 1) * tf.pieces]
-            tp = ps.get_tensor_model_parallel_group()
             got = gather_merged(slab, one, shapes, tp, everywhere, names=mine, into=into) if first else None
             del slab
             if got is not None:
