@@ -106,14 +106,28 @@ def make_checkpoint(out: Path, layers: int, files: int = 4) -> int:
     return total
 
 
+# "%M %U %S" of a command into a file: /usr/bin/time, or where an image lacks it a bare Python
+# that forks the command and reads its rusage (a small process, like time, so the same holds).
+RUSAGE = ["/usr/bin/time", "-f", "%M %U %S", "-o"]
+if not Path("/usr/bin/time").exists():
+    RUSAGE = [
+        sys.executable,
+        "-S",
+        "-c",
+        "import os,sys,subprocess as s;p=s.Popen(sys.argv[2:]);_,st,u=os.wait4(p.pid,0);"
+        "open(sys.argv[1],'w').write(f'{u.ru_maxrss} {u.ru_utime} {u.ru_stime}');"
+        "sys.exit(os.waitstatus_to_exitcode(st))",
+    ]
+
+
 def timed(cmd, rss_file: Path, cwd=ROOT):
     """(seconds to exit, seconds to exit + sync, peak RSS bytes, output, CPU seconds). The peak RSS comes
-    from /usr/bin/time, a small process that execs the command: a child forked straight
+    from /usr/bin/time (RUSAGE), a small process that runs the command: a child forked straight
     from this (large) Python process would inherit its high-water mark in ru_maxrss."""
     subprocess.run(["sync"], check=True)
     t0 = time.perf_counter()
     proc = subprocess.run(
-        ["/usr/bin/time", "-o", str(rss_file), "-f", "%M %U %S", *map(str, cmd)],
+        [*RUSAGE, str(rss_file), *map(str, cmd)],
         cwd=cwd,
         text=True,
         stdout=subprocess.PIPE,

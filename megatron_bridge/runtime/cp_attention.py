@@ -108,15 +108,35 @@ def merge_from_cp(parts, seq_dim: int = 1) -> torch.Tensor:
     return torch.cat([a for a, _ in halves] + [b for _, b in reversed(halves)], dim=seq_dim)
 
 
-def capped_attention(q, k, v, allowed, scale: float, cap: float, dropout: float = 0.0) -> torch.Tensor:
-    """Attention with logit soft-capping (Gemma 2), which SDPA cannot do: the scores are
-    computed explicitly, `cap·tanh(scores·scale/cap)` before the mask, softmax in fp32 (as
-    transformers' eager attention). q [b, np, sq, hn], k/v [b, ng, sk, hn] -> [b, np, sq, hn]."""
+# PyTorch's fused attention kernels (flash, cuDNN) stop at head dim 256. Above it SDPA takes its
+# memory-efficient or math kernel, which on an H200 at head dim 512 (seq 4096, bf16, forward +
+# backward) ran 4.4-5.4x slower than the explicit matmuls of `eager_attention` and made the
+# training step 1.72x megatron-core's local attention (docs/benchmarks.md, "GPU"). The explicit
+# path holds the [b, np, sq, sk] scores, so it is taken only while those (in fp32) stay within
+# EAGER_SCORES_MAX_BYTES; longer sequences keep SDPA, whose kernels never form them.
+FUSED_SDPA_MAX_HEAD_DIM = 256
+EAGER_SCORES_MAX_BYTES = 2**30
+
+
+def sdpa_is_slow(q: torch.Tensor, sk: int) -> bool:
+    """True where SDPA has no fused kernel for q [b, np, sq, hn] on a GPU (head dim over 256)
+    and the explicit scores for `sk` keys fit EAGER_SCORES_MAX_BYTES. On the CPU SDPA stays:
+    its kernel takes any head dim."""
+    b, heads, sq, head_dim = q.shape
+    return q.is_cuda and head_dim > FUSED_SDPA_MAX_HEAD_DIM and b * heads * sq * sk * 4 <= EAGER_SCORES_MAX_BYTES
+
+
+def eager_attention(q, k, v, allowed, scale: float, cap: float = 0.0, dropout: float = 0.0) -> torch.Tensor:
+    """Attention with the scores computed explicitly, softmax in fp32 (transformers' eager
+    attention): for logit soft-capping (Gemma 2; `cap`: `cap·tanh(scores·scale/cap)` before
+    the mask), which SDPA cannot do, and for head dims SDPA has no fast kernel for
+    (`sdpa_is_slow`). q [b, np, sq, hn], k/v [b, ng, sk, hn] -> [b, np, sq, hn]."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # query head h reads KV head h // rep
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -135,7 +155,7 @@ def sink_softmax(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
 def sink_attention(q, k, v, allowed, scale: float, sink: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
     """Eager attention with the sink column (transformers' eager_attention_forward): SDPA has
     no sink, so scores are formed explicitly. Rows stay finite even when every key is masked
-    (the sink takes all the mass). Shapes as `capped_attention`."""
+    (the sink takes all the mass). Shapes as `eager_attention`."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -183,7 +203,7 @@ class ContextParallelAttention(MegatronModule):
             use_window = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
             window = config.window_size if use_window else None
         self.window = window
-        self.softcap = softcap  # attention logit soft-capping: `capped_attention` instead of SDPA
+        self.softcap = softcap  # attention logit soft-capping: `eager_attention` instead of SDPA
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self._causal_types = (AttnMaskType.causal,)
 
@@ -256,14 +276,15 @@ class ContextParallelAttention(MegatronModule):
         # step at seq 4096 (docs/benchmarks.md, "GPU").
         plain = causal and cp_size == 1 and attention_mask is None and self.window is None and sq == key.shape[0]
         allowed = None
-        if not plain or self.softmax_offset is not None or self.softcap:
+        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        explicit = self.softmax_offset is not None or self.softcap or sdpa_is_slow(q, k.shape[2])
+        if not plain or explicit:  # the explicit paths need the mask itself
             allowed = allowed_mask(cp_positions(sq, cp_size, cp_rank, query.device), k_pos, causal, self.window)
         if attention_mask is not None:  # megatron convention: True = masked out
             keep = ~attention_mask.bool()
             allowed = keep if allowed is None else keep & allowed
-        q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
-        k = key.permute(1, 2, 0, 3)
-        v = value.permute(1, 2, 0, 3)
         dropout = self.dropout_p if self.training else 0.0
         if dropout > 0:  # attention dropout draws from megatron's model-parallel RNG
             with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -300,7 +321,9 @@ class ContextParallelAttention(MegatronModule):
         if self.softmax_offset is not None:
             return sink_attention(q, k, v, allowed, self.softmax_scale, self.softmax_offset, dropout)
         if self.softcap:
-            return capped_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
+            return eager_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
+        if sdpa_is_slow(q, k.shape[2]):
+            return eager_attention(q, k, v, allowed, self.softmax_scale, dropout=dropout)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(
             q,
@@ -316,7 +339,7 @@ class ContextParallelAttention(MegatronModule):
 
 __all__ = [
     "ContextParallelAttention",
-    "capped_attention",
+    "eager_attention",
     "sink_attention",
     "sink_softmax",
     "cp_positions",

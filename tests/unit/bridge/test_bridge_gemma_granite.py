@@ -17,8 +17,8 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.blocks.scaling import scale_and_cap_logits, scale_embedding
 from megatron_bridge.runtime.cp_attention import (
     allowed_mask,
-    capped_attention,
     cp_positions,
+    eager_attention,
     merge_from_cp,
     split_for_cp,
 )
@@ -36,7 +36,7 @@ def _qkv(s=12, heads=4, groups=2, d=8, seed=0):
 
 
 @pytest.mark.parametrize("window", [None, (3, 0)])
-def test_capped_attention_equals_transformers_eager(window):
+def test_eager_attention_equals_transformers_eager(window):
     from types import SimpleNamespace
 
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
@@ -47,32 +47,32 @@ def test_capped_attention_equals_transformers_eager(window):
     mask = torch.zeros(s, s).masked_fill(~allowed, float("-inf"))
     module = SimpleNamespace(num_key_value_groups=2, head_dim=8, training=False)
     want, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.3, softcap=1.5)
-    got = capped_attention(q, k, v, allowed, scale=0.3, cap=1.5)
+    got = eager_attention(q, k, v, allowed, scale=0.3, cap=1.5)
     torch.testing.assert_close(got.transpose(1, 2), want, rtol=0, atol=1e-6)
     # the cap matters here: without it the result differs
     uncapped = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.3, enable_gqa=True)
     assert (uncapped - got).abs().max() > 1e-3
 
 
-def test_capped_attention_under_cp_chunks_and_packing():
+def test_eager_attention_under_cp_chunks_and_packing():
     q, k, v = _qkv(s=16)
     s, cp = 16, 2
-    full = capped_attention(q, k, v, allowed_mask(torch.arange(s), torch.arange(s), True, None), 0.3, 1.0)
+    full = eager_attention(q, k, v, allowed_mask(torch.arange(s), torch.arange(s), True, None), 0.3, 1.0)
     k_pos = torch.cat([cp_positions(s // cp, cp, r) for r in range(cp)])
     k_all = torch.cat([split_for_cp(k, cp, r, seq_dim=2) for r in range(cp)], dim=2)
     v_all = torch.cat([split_for_cp(v, cp, r, seq_dim=2) for r in range(cp)], dim=2)
     outs = []
     for r in range(cp):
         m = allowed_mask(cp_positions(s // cp, cp, r), k_pos, True, None)
-        outs.append(capped_attention(split_for_cp(q, cp, r, seq_dim=2), k_all, v_all, m, 0.3, 1.0))
+        outs.append(eager_attention(split_for_cp(q, cp, r, seq_dim=2), k_all, v_all, m, 0.3, 1.0))
     torch.testing.assert_close(merge_from_cp(outs, seq_dim=2), full, rtol=0, atol=1e-6)
     # packed: two sequences (10 + 6 tokens) attend only within themselves
     cu = torch.tensor([0, 10, 16])
-    packed = capped_attention(q, k, v, segment_mask(cu, s, q.device), 0.3, 1.0)  # True = may attend
-    first = capped_attention(
+    packed = eager_attention(q, k, v, segment_mask(cu, s, q.device), 0.3, 1.0)  # True = may attend
+    first = eager_attention(
         q[:, :, :10], k[:, :, :10], v[:, :, :10], allowed_mask(torch.arange(10), torch.arange(10), True, None), 0.3, 1.0
     )
-    second = capped_attention(
+    second = eager_attention(
         q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], allowed_mask(torch.arange(6), torch.arange(6), True, None), 0.3, 1.0
     )
     torch.testing.assert_close(packed, torch.cat([first, second], dim=2), rtol=0, atol=1e-6)

@@ -1,0 +1,38 @@
+"""Which attention path the local spec takes by head dim (runtime/cp_attention.py): SDPA where
+PyTorch has a fused kernel, explicit matmuls above head dim 256 on a GPU while the scores fit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from megatron_bridge.runtime.cp_attention import (
+    EAGER_SCORES_MAX_BYTES,
+    allowed_mask,
+    eager_attention,
+    sdpa_is_slow,
+)
+
+
+def test_eager_attention_without_cap_is_sdpa():
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 12, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 12, 16, dtype=torch.float64), torch.randn(2, 2, 12, 16, dtype=torch.float64)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    got = eager_attention(q, k, v, allowed_mask(torch.arange(12), torch.arange(12), True, None), 0.25)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the softmax runs in fp32
+
+
+def test_explicit_path_only_for_gpu_head_dims_without_a_fused_kernel():
+    def q(head_dim, seq=4096, heads=8, cuda=True):
+        return SimpleNamespace(is_cuda=cuda, shape=(1, heads, seq, head_dim))
+
+    assert sdpa_is_slow(q(512), 4096)  # the H200 case: 4.4-5.4x faster explicitly
+    assert not sdpa_is_slow(q(256), 4096)  # flash / cuDNN take it
+    assert not sdpa_is_slow(q(512, cuda=False), 4096)  # the CPU kernel takes any head dim
+    # scores over the cap: SDPA's kernels never form them, so long sequences stay there
+    seq = int((EAGER_SCORES_MAX_BYTES / (8 * 4)) ** 0.5) + 1
+    assert not sdpa_is_slow(q(512, seq=seq), seq)
+    assert sdpa_is_slow(q(512, seq=seq - 2), seq - 2)
+    assert not sdpa_is_slow(torch.zeros(1, 2, 4, 512), 4)
