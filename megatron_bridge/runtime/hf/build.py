@@ -29,6 +29,7 @@ from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import check_groups, skip_weight_init
+from megatron_bridge.runtime.hf import attention
 from megatron_bridge.runtime.hf.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.hf.chunk import HFChunk
 from megatron_bridge.runtime.hf.cp import cp_implementation
@@ -92,6 +93,8 @@ def build_hf(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **
             raise UserError(f"{spec.architecture}: {n} {what} do not split over tp={layout.tp} (rule backend-layout)")
     with torch.device("meta"):
         full = AutoModelForCausalLM.from_config(hf_cfg, dtype=tconfig.params_dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    full.config._attn_implementation = attention.implementation(full.config, device)  # head dims over 256
     if layout.cp > 1:  # K/V gathered over the CP group around the model's attention (runtime/hf/cp.py)
         full.config._attn_implementation = cp_implementation(full.config._attn_implementation)
     plan = model_plan(full)
@@ -99,7 +102,6 @@ def build_hf(spec: BridgeSpec, layout: Layout, *, load_weights: bool = False, **
     if refused:  # also where a check turned SP on itself (MoE gradients at tp > 1: runtime/parity.py)
         raise UserError(f"{spec.architecture} (hf backend): " + "; ".join(refused))
     kinds = meta(spec).kinds
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     pp_rank, vpp = ps.get_pipeline_model_parallel_rank(), tconfig.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp) if vpp else [None]:

@@ -31,10 +31,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from megatron_bridge.backends.hf_plan import CP_LAYER_KINDS
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.cp_attention import _GatherSeq, allowed_mask, cp_positions
+from megatron_bridge.runtime.hf import attention
 
 PREFIX = "mbr_cp_"
 # the attention implementations a CP function can wrap; the mask format each one reads
-MASK_FORMAT = {"sdpa": "bool", "eager": "additive"}
+MASK_FORMAT = {"sdpa": "bool", "eager": "additive", attention.NAME: "bool"}
 
 
 def _inner(name: str, module: torch.nn.Module) -> Any:

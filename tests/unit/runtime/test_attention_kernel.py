@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megatron_bridge.runtime.cp_attention import (
@@ -36,3 +37,40 @@ def test_explicit_path_only_for_gpu_head_dims_without_a_fused_kernel():
     assert not sdpa_is_slow(q(512, seq=seq), seq)
     assert sdpa_is_slow(q(512, seq=seq - 2), seq - 2)
     assert not sdpa_is_slow(torch.zeros(1, 2, 4, 512), 4)
+
+
+def test_hf_backend_takes_the_explicit_path_for_wide_heads_on_a_gpu():
+    from transformers import Gemma4TextConfig, LlamaConfig
+
+    from megatron_bridge.runtime.hf.attention import NAME, implementation
+
+    gemma4, llama = Gemma4TextConfig(), LlamaConfig()  # global layers: head dim 512; Llama: 128
+    for c in (gemma4, llama):
+        c._attn_implementation = "sdpa"
+    assert implementation(gemma4, torch.device("cuda")) == NAME
+    assert implementation(gemma4, torch.device("cpu")) == "sdpa"
+    assert implementation(llama, torch.device("cuda")) == "sdpa"
+    gemma4._attn_implementation = "eager"  # a user's choice stays
+    assert implementation(gemma4, torch.device("cuda")) == "eager"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_hf_explicit_path_gives_sdpas_logits(family, monkeypatch):
+    """With the rule forced on the CPU, `mbr_sdpa` (the model's eager function under SDPA's
+    masks: causal from None, Gemma 3's sliding-window boolean masks) gives SDPA's logits."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+    from megatron_bridge.runtime.hf import attention
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16)
+    small |= dict(num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(**small) if family == "llama" else Gemma3TextConfig(**small, sliding_window=3)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        want = model(ids).logits
+        model.config._attn_implementation = attention.NAME
+        monkeypatch.setattr(attention, "sdpa_is_slow", lambda q, sk: True)
+        got = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
