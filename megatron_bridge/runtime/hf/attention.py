@@ -55,11 +55,12 @@ def implementation(config: Any, device: torch.device) -> str:
     """`mbr_sdpa` for a model on a GPU whose head dim exceeds SDPA's fused kernels, else the
     implementation transformers chose."""
     current = config._attn_implementation
+    if current != "sdpa" or device.type != "cuda":
+        return current
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(text, "per_layer_config", None)  # heterogeneous configs (Gemma 4): per layer
     widths = [getattr(c, f, None) for c in (list(layers) if layers else [text]) for f in HEAD_DIM_FIELDS]
-    wide = any(isinstance(w, int) and w > FUSED_SDPA_MAX_HEAD_DIM for w in widths)
-    return NAME if current == "sdpa" and device.type == "cuda" and wide else current
+    return NAME if any(isinstance(w, int) and w > FUSED_SDPA_MAX_HEAD_DIM for w in widths) else current
 
 
 __all__ = ["NAME", "attend", "implementation"]
