@@ -57,6 +57,7 @@ print(json.dumps(d))
 def run(name: str, cmd: list[str], timeout: int, log: Path) -> tuple[int, str, float]:
     """Run one check; its whole output goes to `log/name.log`, the tail comes back."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # no progress bars in the tails
     t0 = time.time()
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -174,6 +175,16 @@ def main() -> int:
             cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape, "--heads", str(heads)]
             rc, text, secs = run(f"headdim{heads}", cmd, 240, out)
             say(f"- headdim (heads {heads}, {' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 5)}\n```")
+    if "headdim" in only:  # the hf backend at head dim 512: mbr_sdpa (runtime/hf/attention.py) vs native
+        shape = ["--hidden", "4096", "--layers", "8", "--seq", "4096", "--gbs", "8", "--steps", "12"]
+        if a.smoke:
+            shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "9"]
+        cmd = [sys.executable, "benchmarks/hf_vs_native.py", "--tp", "1", *shape, "--heads", "8"]
+        rc, text, secs = run("headdim_hf", cmd, 300, out)
+        say(f"- headdim hf vs native (heads 8, {' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 6)}\n```")
+    if "sdpa" in only:  # which SDPA kernel each head dim gets (CUDA only)
+        rc, text, secs = run("sdpa", [sys.executable, "benchmarks/gpu/sdpa_headdim.py"], 120, out)
+        say(f"- sdpa by head dim: rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
     if "async" in only:
         shape = ["--hidden", "128", "--layers", "2", "--steps", "5", "--every", "2"]
         if not a.smoke:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from functools import partial
 
 import torch
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)  # each refused backend says why, per call
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, seq {a.seq}, hidden {a.hidden}, bf16 causal")
     for head_dim in (128, 256, 512):
         heads = a.hidden // head_dim
