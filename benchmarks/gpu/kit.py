@@ -182,8 +182,9 @@ def main() -> int:
         cmd = [sys.executable, "benchmarks/hf_vs_native.py", "--tp", "1", *shape, "--heads", "8"]
         rc, text, secs = run("headdim_hf", cmd, 300, out)
         say(f"- headdim hf vs native (heads 8, {' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 6)}\n```")
-    if "sdpa" in only:  # which SDPA kernel each head dim gets (CUDA only)
-        rc, text, secs = run("sdpa", [sys.executable, "benchmarks/gpu/sdpa_headdim.py"], 120, out)
+    if "sdpa" in only:  # which SDPA kernel each head dim gets (--smoke: on the CPU, small)
+        cmd = [sys.executable, "benchmarks/gpu/sdpa_headdim.py", *(["--smoke"] if a.smoke else [])]
+        rc, text, secs = run("sdpa", cmd, 120, out)
         say(f"- sdpa by head dim: rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
     if "async" in only:
         shape = ["--hidden", "128", "--layers", "2", "--steps", "5", "--every", "2"]

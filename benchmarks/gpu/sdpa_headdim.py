@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 import warnings
 from functools import partial
 
@@ -58,14 +59,18 @@ def time_ms(fn, q, k, v, reps: int) -> float:
     for i in range(reps + 1):
         for t in (q, k, v):
             t.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        sync()
+        start = time.perf_counter()
         fn(q, k, v).sum().backward()
-        end.record()
-        torch.cuda.synchronize()
+        sync()
         if i:  # the first is a warm-up
-            out.append(start.elapsed_time(end))
+            out.append((time.perf_counter() - start) * 1e3)
     return sorted(out)[len(out) // 2]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -73,17 +78,22 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="CPU, seq 128, hidden 1024: the kit's dry run")
     a = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)  # each refused backend says why, per call
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, seq {a.seq}, hidden {a.hidden}, bf16 causal")
+    if a.smoke:
+        a.seq, a.hidden, a.reps = 128, 1024, 1
+    dev = "cpu" if a.smoke else "cuda"
+    name = "CPU" if a.smoke else torch.cuda.get_device_name()
+    print(f"torch {torch.__version__}, {name}, seq {a.seq}, hidden {a.hidden}, bf16 causal")
     for head_dim in (128, 256, 512):
         heads = a.hidden // head_dim
         for groups in (heads, heads // 2):
             gqa = groups != heads
             torch.manual_seed(0)
-            q = torch.randn(1, heads, a.seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            k = torch.randn(1, groups, a.seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            v = torch.randn(1, groups, a.seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            q = torch.randn(1, heads, a.seq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(1, groups, a.seq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(1, groups, a.seq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
             scale = 1 / math.sqrt(head_dim)
             rows = {
                 "sdpa as called": partial(sdpa, scale=scale, gqa=gqa),
@@ -107,7 +117,8 @@ def main() -> None:
                     cells.append(f"{name} {time_ms(fn, q, k, v, a.reps):.2f}")
                 except RuntimeError as e:  # a backend that refuses these inputs
                     cells.append(f"{name} n/a ({str(e).splitlines()[0][:60]})")
-                torch.cuda.empty_cache()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             print(f"head_dim {head_dim} heads {heads} kv {groups}: " + " | ".join(cells), flush=True)
 
 

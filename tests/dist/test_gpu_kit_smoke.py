@@ -24,7 +24,7 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
         "benchmarks/gpu/kit.py",
         "--smoke",
         "--only",
-        "env,resume",
+        "env,resume,sdpa",
         "--out",
         str(tmp_path),
     ]
@@ -34,3 +34,4 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
     heads = {line.split(" ")[1]: line for line in report.splitlines() if line.startswith("- ")}
     assert '"cuda": null' in heads["env:"], report  # the probe ran
     assert heads["resume:"].endswith("max |diff| = 0 (bit-exact)"), report  # steps 4-6 resumed exactly
+    assert "sdpa by head dim: rc=0" in report and "head_dim 512 heads 2 kv 1: eager vs sdpa" in report, report
