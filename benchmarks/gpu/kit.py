@@ -107,7 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_kit_out")
     ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
-    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,hfspeed")
+    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,hfspeed,te,sdpa")
     ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
     a = ap.parse_args()
     out = Path(a.out)
@@ -186,6 +186,13 @@ def main() -> int:
         cmd = [sys.executable, "benchmarks/gpu/sdpa_headdim.py", *(["--smoke"] if a.smoke else [])]
         rc, text, secs = run("sdpa", cmd, 120, out)
         say(f"- sdpa by head dim: rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
+    if "te" in only:  # Transformer Engine: an FP8 GEMM step, then mbr verify with TE's attention
+        rc, text, secs = run("te_fp8", [sys.executable, "benchmarks/gpu/te_fp8.py"], 180, out)
+        say(f"- te fp8: rc={rc} in {secs:.0f} s\n```\n{tail(text, 6)}\n```")
+        if rc == 0 and "skipped" not in text:
+            cmd = [sys.executable, "-m", "megatron_bridge.cli", "verify", "verify.tiny=llama", "verify.layouts=[tp1]"]
+            rc, text, secs = run("te_verify", [*cmd, "verify.checks=[logits,roundtrip,grads]"], 200, out)
+            say(f"- te verify llama tp1 (TE's attention): rc={rc} in {secs:.0f} s\n```\n{tail(text, 12)}\n```")
     if "async" in only:
         shape = ["--hidden", "128", "--layers", "2", "--steps", "5", "--every", "2"]
         if not a.smoke:
