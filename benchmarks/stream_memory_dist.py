@@ -10,11 +10,13 @@ Run it twice: with glibc's default malloc, freed heap memory of many mid-sized t
 by the process (RSS, not live tensors); `MALLOC_MMAP_THRESHOLD_=131072` maps every allocation
 over 128 KiB on its own, so the figure is the live memory the bound is about.
 
-Four jobs of 4 processes each: a Llama-shaped fp32 model at tp2.pp2, a Mixtral-shaped one at
+Five jobs of 4 processes each: a Llama-shaped fp32 model at tp2.pp2, a Mixtral-shaped one at
 ep2.tp2 (experts gathered over EP), a Qwen3-MoE-shaped one at ep2.tp2 on the hf backend
 (transformers' stacked experts, 4 per layer: 128 MiB of gate/up, exported per expert) and a
 Granite-MoE-shaped one likewise (its checkpoint stacks the experts too: `WholeStackedExperts`,
-one 128 MiB tensor gathered over EP and TP); `--job TEXT` runs the jobs whose name holds TEXT.
+one 128 MiB tensor gathered over EP and TP), and a GPT-OSS-shaped one at ep2.tp2 (etp1: its
+expert biases) on the native backend (stacked experts assembled expert by expert over EP);
+`--job TEXT` runs the jobs whose name holds TEXT.
 Each rank resets its peak RSS (`/proc/self/clear_refs` 5,
 Linux) after build + load and a barrier, streams in one mode dropping each bucket as it comes,
 and reports `VmHWM - VmRSS before`; rank 0 prints a row per (job, mode, rank). Modes: stage and
@@ -60,6 +62,18 @@ JOBS = {  # name -> (family, layout, backend, model overrides beyond the hidden 
             "moe_intermediate_size": 4096,
         },
     ),
+    "gpt_oss ep2.tp2": (  # native stacked experts: a layer's 4 experts' gate/up, 128 MiB, assembled over EP
+        "gpt_oss",
+        "ep2tp2etp1",
+        "native",
+        {
+            "num_hidden_layers": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_local_experts": 4,
+        },
+    ),
     "granitemoe ep2.tp2 (hf backend)": (  # experts stacked in the checkpoint too: 128 MiB of gate/up
         "granitemoe",
         "ep2tp2",
@@ -98,7 +112,7 @@ def _worker(hf: Path, layout_text: str, backend: str, bucket: int) -> None:
     from safetensors import safe_open
 
     from megatron_bridge.backends.describe import describe_hf
-    from megatron_bridge.bridge.hf_config import load_spec, read_hf_config
+    from megatron_bridge.bridge.hf_config import UnsupportedFeatures, load_spec, read_hf_config
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.runtime.parity import ensure_groups
@@ -131,10 +145,13 @@ def _worker(hf: Path, layout_text: str, backend: str, bucket: int) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         base = _status_kib("VmRSS")
         received = biggest = 0
-        for b in hf_buckets(chunks, spec, bucket_bytes=bucket, mode=mode, layout=form):
-            sizes = [t.numel() * t.element_size() for _, t in b]
-            received, biggest = received + sum(sizes), max([biggest, *sizes])
-            del b
+        try:
+            for b in hf_buckets(chunks, spec, bucket_bytes=bucket, mode=mode, layout=form):
+                sizes = [t.numel() * t.element_size() for _, t in b]
+                received, biggest = received + sum(sizes), max([biggest, *sizes])
+                del b
+        except UnsupportedFeatures:  # layout="model" of a model the hf backend cannot describe (GPT-OSS)
+            continue
         peak = _status_kib("VmHWM") - base
         name = mode if form == "checkpoint" else f"{mode}, layout=model"  # model: experts stacked (fused)
         rows.append(
