@@ -161,8 +161,9 @@ def gather_merged(
     come from) read backwards. A block that is a plain row range is received in place; the rest
     (a row-parallel column range, a strided view) pass through one buffer of at most
     `GATHER_CHUNK_BYTES`; a shard whose blocks read it as rows of another shape (`Block.view`:
-    stacked experts split inside each expert) travels as those rows. A transform whose merge uses one rank's tensor alone (`whole`) moves
-    nothing to the first rank; one that is not blockwise is gathered and merged as before.
+    stacked experts split inside each expert) travels as those rows. A transform whose merge
+    uses one rank's tensor alone (`whole`) moves nothing to the first rank; one that is not
+    blockwise is gathered and merged as before.
     `into` (with the merged tensors' HF `names`): where the receiver wants them (`Into`)."""
     t = t.contiguous()
     n, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
