@@ -18,11 +18,12 @@ back into every expert's tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from math import prod
 from typing import Any, NamedTuple
 
 from megatron_bridge.backends.hf_plan import EP_MODULE, MOE_IDENTITY, MOE_TP
 from megatron_bridge.bridge.mapping import NotBlockwise, Transform
-from megatron_bridge.bridge.shards import Shapes, Shard, Sliceable, split_range
+from megatron_bridge.bridge.shards import Block, Shapes, Shard, Sliceable, split_range
 
 # config attributes that count routed experts / experts per token, in the families' spellings
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -89,8 +90,19 @@ class WholeStackedExperts(Transform):
     def __init__(self, split: str, packs: int) -> None:
         self.split, self.packs, self.dim = split, packs, SPLIT_DIMS[split]
 
-    def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> Any:
-        raise NotBlockwise("a stacked experts tensor is split per packed block, not in row blocks")
+    def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> list[Block]:
+        """One strided block: the tensor read as rows of w·(what follows dim d) elements, where
+        w is a rank's width of one pack, is per (expert, ..., pack) the tp ranks' rows in turn,
+        so rank r's part is every tp-th row from r; its shard [E, .., packs·w, ..] is those rows
+        in order (same bytes). Lets the exporter receive each rank's part straight into place
+        (runtime/weights_base.gather_merged)."""
+        (sh,) = hf_shapes
+        d = self.dim
+        if len(sh) != 3 or sh[d] % self.packs:
+            raise ValueError(f"{self!r}: a stacked experts tensor [E, rows, cols], got shape {list(sh)}")
+        a, b = split_range(sh[d] // self.packs, s, f"expert {self.split}s")
+        outer, inner = prod(sh[:d]) * self.packs * s.size, (b - a) * prod(sh[d + 1 :])
+        return [Block(0, (s.rank, outer), step=s.size, view=(outer, inner))]
 
     def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> Any:
         import torch

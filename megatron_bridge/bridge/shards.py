@@ -57,7 +57,12 @@ class Block:
     Strided views (GPT-OSS's stacked experts, stored transposed with gate/up interleaved):
     the input's first `lead` axes are unit axes (one expert's slab) and are dropped; with
     `transposed` a 2-D input is read as its transpose (rows are its columns); `step` takes
-    every step-th row of [r0, r1). The byte copier gathers such a block in memory."""
+    every step-th row of [r0, r1). The byte copier gathers such a block in memory.
+
+    `view`: the input's bytes read as this shape first (a reshape of the contiguous tensor),
+    for a split inside each row: a stacked experts tensor [E, R, C] TP-split along dim 1 or 2
+    (hf backend's `WholeStackedExperts`) is, read as rows of one rank's piece, every tp-th row
+    (`step`). The rank-local tensor is then its blocks' tensor reshaped (same bytes)."""
 
     src: int | None
     rows: tuple[int, int]
@@ -65,6 +70,7 @@ class Block:
     step: int = 1
     transposed: bool = False
     lead: int = 0
+    view: Shape | None = None
 
     @property
     def n(self) -> int:
@@ -72,17 +78,24 @@ class Block:
 
     @property
     def strided(self) -> bool:
-        """Not a row range of the input's bytes (a transposed or stepped view)."""
-        return self.step != 1 or self.transposed
+        """Not a row range of the input's bytes (a transposed, stepped or reshaped view)."""
+        return self.step != 1 or self.transposed or self.view is not None
 
     def view_shape(self, shape: Shape) -> Shape:
         """Shape of the input as this block indexes it (lead axes dropped, maybe transposed)."""
-        x = tuple(shape[self.lead :])
+        x = self.view or tuple(shape[self.lead :])
         if self.transposed:
             if len(x) != 2:
                 raise ValueError(f"a transposed block needs a 2-D input, got shape {list(shape)}")
             return (x[1], x[0])
         return x
+
+    def of(self, x: Any) -> Any:
+        """This block's rows of torch tensor `x` (its input, or where a merge puts that input),
+        as a view of it: what the loader reads and what the exporter writes back."""
+        x = x.reshape(self.view or tuple(x.shape[self.lead :]))
+        x = (x.T if self.transposed else x)[self.rows[0] : self.rows[1] : self.step]
+        return x if self.cols is None else x[:, self.cols[0] : self.cols[1]]
 
 
 def out_shape(blocks: Sequence[Block], hf_shapes: Sequence[Shape]) -> Shape:
@@ -102,10 +115,7 @@ def assemble(blocks: Sequence[Block], hf: Sequence[Sliceable]) -> torch.Tensor:
         assert b.src is not None  # zero blocks (src None) are filled below, never taken
         t = hf[b.src]
         if b.strided or b.lead:
-            x = t if isinstance(t, torch.Tensor) else t[:]
-            x = x.reshape(tuple(x.shape[b.lead :]))
-            x = (x.T if b.transposed else x)[b.rows[0] : b.rows[1] : b.step]
-            return x if b.cols is None else x[:, b.cols[0] : b.cols[1]]
+            return b.of(t if isinstance(t, torch.Tensor) else t[:])
         if b.cols is not None:
             return t[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]
         if b.rows == (0, t.shape[0]):

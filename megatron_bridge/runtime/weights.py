@@ -162,17 +162,18 @@ def _iter_native(
                 continue
             group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
             tf = row.mapping.transform
-            dest = None if tf.stacked else into  # a stacked row's gather is one expert's slab, not its HF tensor
             t = (p if value is None else value(p)).detach()
-            got = gather_merged(t, tf, shapes, group, everywhere, names=row.hf, into=dest)
+            if tf.stacked:  # one expert's slab of an HF tensor that holds them all (GPT-OSS)
+                whole = list(_stack_experts(row, t, shapes, group, spec, stacks, into, everywhere))
+                yield from handed_over(row.hf, whole, dtype)
+                continue
+            got = gather_merged(t, tf, shapes, group, everywhere, names=row.hf, into=into)
             del t
             if got is None:
                 continue
             merged = list(got)
             del got
-            if tf.stacked:
-                merged = list(_stack_experts(row, merged, spec, stacks, everywhere))
-            elif expert and everywhere:  # every EP rank's experts, in EP rank order
+            if expert and everywhere:  # every EP rank's experts, in EP rank order
                 yield from _every_ep_rank(table, names[local], merged, spec, dtype, into)
                 continue
             yield from handed_over(row.hf, merged, dtype)
@@ -208,32 +209,63 @@ def _broadcast_from(t: torch.Tensor, mine: bool, src: int, group, name: str, int
 
 
 def _stack_experts(
-    row: Resolved, slabs: Sequence[torch.Tensor], spec: BridgeSpec, stacks: dict, everywhere: bool = False
+    row: Resolved,
+    t: torch.Tensor,
+    shapes: Any,
+    group: Any,
+    spec: BridgeSpec,
+    stacks: dict,
+    into: Into | None = None,
+    everywhere: bool = False,
 ) -> tuple:
-    """Stacked-experts rows (one HF tensor holds every expert): gather this local expert's
-    slab from every EP rank onto EP rank 0 and return the whole HF tensors once the last
-    expert of the layer has arrived (empty until then, and always on other EP ranks). Every
-    EP rank walks the same local names in the same order, so the gathers pair up. The slabs
-    are copied into the whole tensor as they arrive (one copy of it, not the slabs and their
-    concatenation)."""
-    group = ps.get_expert_model_parallel_group()
-    ep = torch.distributed.get_world_size(group)
+    """Stacked-experts rows (one HF tensor holds every expert): this local expert's slab gathered
+    over expert-TP (`group`) straight into its slot of the whole HF tensor, and every EP rank's
+    slab of the same local index received into its own slot, on EP rank 0 (every rank with
+    `everywhere`); the whole tensors once the last expert of the layer has arrived (empty until
+    then, and always on other EP ranks). Every EP rank walks the same local names in the same
+    order, so the transfers pair up. The whole tensor (allocated at its first slab, where `into`
+    wants it if it does) is the only memory: no slab beside it, no list of every EP rank's."""
+    ep_group = ps.get_expert_model_parallel_group()
+    ep, me = torch.distributed.get_world_size(ep_group), torch.distributed.get_rank(ep_group)
     n_all = spec.num_moe_experts
     assert row.expert is not None and n_all is not None
     n_local = n_all // ep
     j = row.expert % n_local
-    got = [gather_shards(s, group, everywhere) for s in slabs]
-    if got[0] is None:
+    keep = everywhere or me == 0  # the ranks that assemble the whole tensors
+
+    def slot(r: int) -> Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]:  # an `Into`
+        def at(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            if name not in stacks:
+                like = torch.empty(0, dtype=dtype, device=device)
+                stacks[name] = (landing(into, name, (n_all * shape[0], *shape[1:]), like), set())
+            e, k = r * n_local + j, shape[0]
+            stacks[name][1].add(e)
+            return stacks[name][0][e * k : (e + 1) * k]
+
+        return at
+
+    got = gather_merged(
+        t, row.mapping.transform, shapes, group, everywhere, names=row.hf, into=slot(me) if keep else None
+    )
+    if got is None:
         return ()
-    for name, per_rank in zip(row.hf, got):
-        assert per_rank is not None
-        k = per_rank[0].shape[0]
-        whole, have = stacks.setdefault(name, (per_rank[0].new_empty((n_all * k, *per_rank[0].shape[1:])), set()))
-        for r, t in enumerate(per_rank):
-            e = r * n_local + j
-            whole[e * k : (e + 1) * k].copy_(t)
-            have.add(e)
-    if len(stacks[row.hf[0]][1]) < n_all:
+    first = torch.distributed.get_global_rank(ep_group, 0)
+    for name, mine in zip(row.hf, got):
+        for r in range(ep):
+            src = torch.distributed.get_global_rank(ep_group, r)
+            dest = slot(r)(name, tuple(mine.shape), mine.dtype, mine.device) if keep else mine
+            if r == me:
+                if dest.data_ptr() != mine.data_ptr():  # gathered elsewhere (a slot that did not fit)
+                    dest.copy_(mine)
+                if everywhere:
+                    torch.distributed.broadcast(mine, src=src, group=ep_group)
+                elif me != 0:
+                    torch.distributed.send(mine, dst=first, group=ep_group)
+            elif everywhere:
+                torch.distributed.broadcast(dest, src=src, group=ep_group)
+            elif me == 0:
+                torch.distributed.recv(dest, src=src, group=ep_group)
+    if not keep or len(stacks[row.hf[0]][1]) < n_all:
         return ()
     return tuple(stacks.pop(n)[0] for n in row.hf)
 

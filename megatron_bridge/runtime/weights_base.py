@@ -6,6 +6,7 @@ its shards beside their merge)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from math import prod
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import Coords
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.mapping import Transform
-from megatron_bridge.bridge.shards import Block, Shapes, Shard
+from megatron_bridge.bridge.shards import Block, Shapes, Shard, out_shape
 from megatron_bridge.errors import UserError
 
 
@@ -159,8 +160,10 @@ def gather_merged(
     in them: a shard's blocks (`Transform.blocks`, the loader's description of where its rows
     come from) read backwards. A block that is a plain row range is received in place; the rest
     (a row-parallel column range, a strided view) pass through one buffer of at most
-    `GATHER_CHUNK_BYTES`. A transform whose merge uses one rank's tensor alone (`whole`) moves
-    nothing to the first rank; one that is not blockwise is gathered and merged as before.
+    `GATHER_CHUNK_BYTES`; a shard whose blocks read it as rows of another shape (`Block.view`:
+    stacked experts split inside each expert) travels as those rows. A transform whose merge
+    uses one rank's tensor alone (`whole`) moves nothing to the first rank; one that is not
+    blockwise is gathered and merged as before.
     `into` (with the merged tensors' HF `names`): where the receiver wants them (`Into`)."""
     t = t.contiguous()
     n, me = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
@@ -171,8 +174,10 @@ def gather_merged(
     hf_shapes = [tuple(x.shape) for x in transform.merge([meta] * n, shapes)]
     try:  # NotBlockwise, or shapes the blocks do not describe: gathered and merged (correct, 2x)
         plans = [transform.blocks(hf_shapes, Shard(i, n), shapes) for i in range(n)]
-        if any(sum(b.n for b in p) != t.shape[0] for p in plans):
+        rows = out_shape(plans[me], hf_shapes)  # the shard as its blocks describe it (a `view`: its rows)
+        if any(out_shape(p, hf_shapes) != rows for p in plans) or prod(rows) != t.numel():
             raise ValueError(f"{transform!r}: blocks do not cover a {tuple(t.shape)} shard")
+        t = t.view(rows)
     except ValueError:
         shards = gather_shards(t, group, everywhere)
         return None if shards is None else _into_outs(transform.merge(shards, shapes), t, names, into)
@@ -228,11 +233,7 @@ def _place(blocks: list[Block], a: int, rows: torch.Tensor, outs: tuple[torch.Te
     for b in blocks:
         lo, hi = max(a, at), min(end, at + b.n)
         if b.src is not None and lo < hi:
-            x = outs[b.src]
-            x = x.reshape(tuple(x.shape[b.lead :]))
-            x = (x.T if b.transposed else x)[b.rows[0] : b.rows[1] : b.step]
-            x = x if b.cols is None else x[:, b.cols[0] : b.cols[1]]
-            x[lo - at : hi - at].copy_(rows[lo - a : hi - a])
+            b.of(outs[b.src])[lo - at : hi - at].copy_(rows[lo - a : hi - a])
         at += b.n
 
 

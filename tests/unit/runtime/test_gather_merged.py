@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.backends.hf_experts import WholeStackedExperts
+from megatron_bridge.backends.hf_experts import StackedExperts, WholeStackedExperts
 from megatron_bridge.bridge.mapping import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB
-from megatron_bridge.bridge.shards import Shapes, Shard
+from megatron_bridge.bridge.shards import Shapes, Shard, out_shape
 from megatron_bridge.bridge.stacked import STACKED_GATE_UP, STACKED_QKV, ExpertsStacked
 from megatron_bridge.runtime import weights_base
 from megatron_bridge.runtime.weights_base import _pieces, _place, gather_merged
@@ -29,6 +29,11 @@ CASES = {  # transform -> its HF inputs' shapes
     "experts gate_up": (ExpertsStacked(GATE_UP, "gate_up"), [(1, H, 2 * F)]),
     "experts gate_up bias": (ExpertsStacked(GATE_UP, "gate_up"), [(1, 2 * F)]),
     "experts down": (ExpertsStacked(ROW, "linear"), [(1, F, H)]),
+    # the hf backend's stacked experts [E, rows, cols], split inside each expert (a `view` block)
+    "stacked experts column": (WholeStackedExperts("column", 1), [(3, F, H)]),
+    "stacked experts column packs 2": (WholeStackedExperts("column", 2), [(3, 2 * F, H)]),
+    "stacked experts row": (WholeStackedExperts("row", 1), [(3, H, F)]),
+    "stacked experts row packs 2": (WholeStackedExperts("row", 2), [(3, H, 2 * F)]),
 }
 
 
@@ -41,6 +46,7 @@ def _received_in_place(tf, shards: list[torch.Tensor]) -> tuple[torch.Tensor, ..
     outs = tuple(torch.full(s, float("nan"), dtype=shards[0].dtype) for s in hf_shapes)  # unfilled shows
     for i, shard in enumerate(shards):
         blocks = tf.blocks(hf_shapes, Shard(i, n), SHAPES)
+        shard = shard.view(out_shape(blocks, hf_shapes))  # as gather_merged reads it
         assert sum(b.n for b in blocks) == shard.shape[0]
         for a, b, dest in _pieces(blocks, shard, outs):
             if dest is not None:
@@ -71,9 +77,9 @@ def test_whole_transforms_declare_it():
 
 
 INTO_CASES = {  # transform -> its HF inputs' shapes: the received-in-place path, a whole one, the fallback
-    **{k: CASES[k] for k in ("qkv", "experts down")},
+    **{k: CASES[k] for k in ("qkv", "experts down", "stacked experts row packs 2")},
     "whole": (REPLICATED, [(F, H)]),
-    "not blockwise": (WholeStackedExperts("column", 2), [(3, 2 * F, H)]),
+    "not blockwise": (StackedExperts(3, 2, "column"), [(F, H)] * 6),
 }
 
 
