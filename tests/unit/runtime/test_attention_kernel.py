@@ -54,19 +54,24 @@ def test_hf_backend_takes_the_explicit_path_for_wide_heads_on_a_gpu():
     assert implementation(gemma4, torch.device("cuda")) == "eager"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gemma4_text"])
 def test_hf_explicit_path_gives_sdpas_logits(family, monkeypatch):
     """With the rule forced on the CPU, `mbr_sdpa` (the model's eager function under SDPA's
-    masks: causal from None, Gemma 3's sliding-window boolean masks) gives SDPA's logits."""
+    masks: causal from None, Gemma 3's sliding-window boolean masks; Gemma 4) gives SDPA's logits."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
+    from megatron_bridge.runtime import hf_tiny
     from megatron_bridge.runtime.hf import attention
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16)
     small |= dict(num_attention_heads=4, num_key_value_heads=2)
-    config = LlamaConfig(**small) if family == "llama" else Gemma3TextConfig(**small, sliding_window=3)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    if family == "gemma4_text":  # the target: global layers of head dim 512 in the real model
+        model = hf_tiny.build_tiny(family).eval()
+        model.config._attn_implementation = "sdpa"
+    else:
+        config = LlamaConfig(**small) if family == "llama" else Gemma3TextConfig(**small, sliding_window=3)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
     ids = torch.randint(0, 64, (2, 10))
     with torch.no_grad():
         want = model(ids).logits
