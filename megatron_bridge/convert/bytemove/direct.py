@@ -102,9 +102,7 @@ class DirectCopy:
             source.checksums.update(d.checksums.result())  # type: ignore[attr-defined]
             source.nonfinite |= d.checksums.nonfinite  # type: ignore[attr-defined]
         finally:
-            d.pool.close()  # on failure: the file objects are still open
-            for w in d.pool.states:
-                w.close()
+            d.pool.close()  # then its workers' copiers and buffers; on failure the files are still open
             d.checksums.abandon()
 
     def _plan(self, row: Resolved, s: Shard, shapes: Shapes) -> tuple[DType, tuple[int, ...], list[Block]]:

@@ -224,9 +224,7 @@ class DirectExport:
             if bad:
                 raise mismatch(source.where, bad[0])
         finally:
-            d.pool.close()  # on failure: the files are still open
-            for copier in d.pool.states:
-                copier.close()
+            d.pool.close()  # then its copiers; on failure the files are still open
             d.checksums.abandon()
 
     def write(self, name: str, fd: int, at: int, out_path) -> None:

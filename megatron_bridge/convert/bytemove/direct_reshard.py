@@ -140,10 +140,8 @@ class DirectReshard:
                     raise mismatch(d.source.where, name)
             d.source.checksums.update(d.source.expected)
         finally:
-            d.pool.close()  # on failure: the files are still open
+            d.pool.close()  # then its copiers; on failure the files are still open
             d._crc_pool.shutdown(wait=True, cancel_futures=True)
-            for copier in d.pool.states:
-                copier.close()
             d._crc_files.close()
 
     leaves_disk_idle = False  # byte moves keep the disk busy (pipeline/writeback.py)

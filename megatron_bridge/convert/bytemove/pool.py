@@ -22,9 +22,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-W = TypeVar("W")  # a worker's own state (its copier, buffers)
+
+class State(Protocol):
+    def close(self) -> None: ...
+
+
+W = TypeVar("W", bound=State)  # a worker's own state (its copier, buffers), closed with the pool
 
 QUEUED_PER_WORKER = 8
 
@@ -90,10 +95,13 @@ class WorkerPool(Generic[W]):
             self._pending.popleft().result()
 
     def close(self) -> None:
-        """Stop: queued tasks are cancelled, running ones finish (their files are still open)."""
+        """Stop: queued tasks are cancelled, running ones finish (their files are still open),
+        then every worker's state is closed."""
         for ex in self._ex:
             ex.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
+        for state in self.states:
+            state.close()
 
 
 __all__ = ["QUEUED_PER_WORKER", "WorkerPool", "default_workers", "resolve_workers"]

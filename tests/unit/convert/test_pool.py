@@ -11,8 +11,17 @@ from megatron_bridge.convert.bytemove import pool as pool_mod
 from megatron_bridge.convert.bytemove.pool import WorkerPool, resolve_workers
 
 
+class Log(list):
+    """A worker state: what ran on it, and whether the pool closed it."""
+
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
 def test_a_keys_tasks_run_on_one_worker_in_order():
-    p = WorkerPool(3, list)
+    p = WorkerPool(3, Log)
     for i in range(40):
         p.submit(i // 4, lambda state, i=i: (time.sleep(0.001 * (i % 3)), state.append(i)), nbytes=1 + i % 5)
     p.drain()
@@ -23,17 +32,18 @@ def test_a_keys_tasks_run_on_one_worker_in_order():
         for key in {i // 4 for i in state}:
             assert [i for i in state if i // 4 == key] == [4 * key + j for j in range(4)]
     assert sum(1 for state in p.states if state) > 1  # the keys were spread
+    assert all(state.closed for state in p.states)  # close() closes every worker's state
 
 
 def test_one_worker_runs_in_the_callers_thread():
-    p = WorkerPool(1, list)
+    p = WorkerPool(1, Log)
     p.submit("a", lambda state: state.append(threading.current_thread()))
     assert p.states[0] == [threading.current_thread()]
 
 
 def test_a_failure_is_raised_to_the_caller():
     """By the next submit that finds it finished, or by drain: the conversion stops there."""
-    p = WorkerPool(2, list)
+    p = WorkerPool(2, Log)
 
     def boom(state):
         raise OSError("disk full")
@@ -50,7 +60,7 @@ def test_a_failure_is_raised_to_the_caller():
 def test_the_caller_waits_when_too_much_is_queued(monkeypatch):
     monkeypatch.setattr(pool_mod, "QUEUED_PER_WORKER", 2)
     gate, running = threading.Event(), []
-    p = WorkerPool(2, list)
+    p = WorkerPool(2, Log)
     for i in range(4):  # fills the queue: 2 per worker
         p.submit(i, lambda state, i=i: (running.append(i), gate.wait()))
     t = threading.Thread(target=p.submit, args=(9, lambda state: None))
