@@ -279,7 +279,7 @@ class ContextParallelAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
-        explicit = self.softmax_offset is not None or self.softcap or sdpa_is_slow(q, k.shape[2])
+        explicit = bool(self.softmax_offset is not None or self.softcap or sdpa_is_slow(q, k.shape[2]))
         if not plain or explicit:  # the explicit paths need the mask itself
             allowed = allowed_mask(cp_positions(sq, cp_size, cp_rank, query.device), k_pos, causal, self.window)
         if attention_mask is not None:  # megatron convention: True = masked out
@@ -288,9 +288,9 @@ class ContextParallelAttention(MegatronModule):
         dropout = self.dropout_p if self.training else 0.0
         if dropout > 0:  # attention dropout draws from megatron's model-parallel RNG
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = self._attend(q, k, v, allowed, dropout, plain)
+                out = self._attend(q, k, v, allowed, dropout, plain, explicit)
         else:
-            out = self._attend(q, k, v, allowed, dropout, plain)
+            out = self._attend(q, k, v, allowed, dropout, plain, explicit)
         return out.permute(2, 0, 1, 3).reshape(sq, out.shape[0], -1)
 
     @staticmethod
@@ -315,15 +315,14 @@ class ContextParallelAttention(MegatronModule):
         local = key.shape[0] // cp_size
         return key, value, torch.cat([cp_positions(local, cp_size, r, device) for r in range(cp_size)])
 
-    def _attend(self, q, k, v, allowed, dropout: float, causal: bool) -> torch.Tensor:
-        """softmax(q·kᵀ)·v with this layer's options: sinks, soft-cap, else SDPA (`causal`: the
-        plain causal mask, given to SDPA as `is_causal`; `allowed` is then None)."""
+    def _attend(self, q, k, v, allowed, dropout: float, causal: bool, explicit: bool) -> torch.Tensor:
+        """softmax(q·kᵀ)·v with this layer's options: sinks, else (`explicit`: soft-capping, or a
+        head dim SDPA has no fast kernel for) the scores formed explicitly, else SDPA (`causal`:
+        the plain causal mask, given to SDPA as `is_causal`; `allowed` is then None)."""
         if self.softmax_offset is not None:
             return sink_attention(q, k, v, allowed, self.softmax_scale, self.softmax_offset, dropout)
-        if self.softcap:
-            return eager_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
-        if sdpa_is_slow(q, k.shape[2]):
-            return eager_attention(q, k, v, allowed, self.softmax_scale, dropout=dropout)
+        if explicit:
+            return eager_attention(q, k, v, allowed, self.softmax_scale, self.softcap or 0.0, dropout)
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(
             q,
