@@ -26,13 +26,20 @@ NAME = "mbr_sdpa"
 HEAD_DIM_FIELDS = ("head_dim", "global_head_dim")  # the widths SDPA sees, on a text config
 
 
+def function(name: str, module: torch.nn.Module) -> Any:
+    """transformers' attention function for `name`; "eager" is the model's own (soft-capping,
+    sinks), from its modeling file."""
+    if name != "eager":
+        return ALL_ATTENTION_FUNCTIONS[name]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
 def attend(module: torch.nn.Module, query, key, value, attention_mask, **kwargs: Any):
     """transformers' SDPA function, or the model's eager one where `sdpa_is_slow`: then an SDPA
     mask (bool, True = attend; None = causal, or none for a non-causal module) becomes the
     additive mask eager functions read."""
     if not sdpa_is_slow(query, key.shape[2]):
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
-    eager = sys.modules[type(module).__module__].eager_attention_forward
+        return function("sdpa", module)(module, query, key, value, attention_mask, **kwargs)
     mask = attention_mask
     causal = kwargs.get("is_causal")
     if mask is None and (getattr(module, "is_causal", True) if causal is None else causal):
@@ -44,7 +51,7 @@ def attend(module: torch.nn.Module, query, key, value, attention_mask, **kwargs:
     if mask is not None and mask.dtype == torch.bool:
         neg = torch.finfo(query.dtype).min
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, neg)
-    return eager(module, query, key, value, mask, **kwargs)
+    return function("eager", module)(module, query, key, value, mask, **kwargs)
 
 
 AttentionInterface.register(NAME, attend)
@@ -63,4 +70,4 @@ def implementation(config: Any, device: torch.device) -> str:
     return NAME if any(isinstance(w, int) and w > FUSED_SDPA_MAX_HEAD_DIM for w in widths) else current
 
 
-__all__ = ["NAME", "attend", "implementation"]
+__all__ = ["NAME", "attend", "function", "implementation"]

@@ -20,13 +20,11 @@ selections over the local tokens) cannot run this way; backends/hf.py refuses th
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
 from transformers import AttentionInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from megatron_bridge.backends.hf_plan import CP_LAYER_KINDS
 from megatron_bridge.errors import UserError
@@ -36,13 +34,6 @@ from megatron_bridge.runtime.hf import attention
 PREFIX = "mbr_cp_"
 # the attention implementations a CP function can wrap; the mask format each one reads
 MASK_FORMAT = {"sdpa": "bool", "eager": "additive", attention.NAME: "bool"}
-
-
-def _inner(name: str, module: torch.nn.Module) -> Any:
-    """transformers' function for `name`; "eager" is the model's own (soft-capping, sinks)."""
-    if name != "eager":
-        return ALL_ATTENTION_FUNCTIONS[name]
-    return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def _gather(t: torch.Tensor, group: Any) -> torch.Tensor:
@@ -71,7 +62,7 @@ def _attention(inner: str):
     def attend(module, query, key, value, attention_mask, **kwargs):
         _calls[0] += 1
         group = ps.get_context_parallel_group()
-        return _inner(inner, module)(
+        return attention.function(inner, module)(
             module, query, _gather(key, group), _gather(value, group), attention_mask, **kwargs
         )
 
