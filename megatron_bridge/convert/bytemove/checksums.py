@@ -11,13 +11,10 @@ from __future__ import annotations
 import queue
 import threading
 
-from zlib_ng import zlib_ng
-
+from megatron_bridge.convert.formats.crc import crc32_range
 from megatron_bridge.convert.formats.finite import all_finite
 from megatron_bridge.convert.formats.manifest import crc_hex
-from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
-
-CRC_CHUNK = 8 * 2**20
+from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo
 
 
 class Checksums:
@@ -39,16 +36,16 @@ class Checksums:
             self._q.put(info)
 
     def _work(self) -> None:
-        buf, files = bytearray(CRC_CHUNK), OpenFiles()
+        files = OpenFiles()
         try:
             while (info := self._q.get()) is not None:
-                crc = 0
-                for pos in range(info.start, info.end, CRC_CHUNK):
-                    view = memoryview(buf)[: min(CRC_CHUNK, info.end - pos)]
-                    read_exactly(files(info.file), view, pos, info.file)
-                    crc = zlib_ng.crc32(view, crc)
-                    if self.check_finite and info.name not in self.nonfinite and not all_finite(info.dtype, view):
+
+                def finite(view: memoryview, info: TensorInfo = info) -> None:
+                    if info.name not in self.nonfinite and not all_finite(info.dtype, view):
                         self.nonfinite.add(info.name)
+
+                each = finite if self.check_finite else None
+                crc = crc32_range(files(info.file), info.start, info.end, info.file, each=each)
                 self.values[info.name] = crc_hex(crc)
         except BaseException as e:  # re-raised by result()
             self._error = e
@@ -69,4 +66,4 @@ class Checksums:
         self._t.join()
 
 
-__all__ = ["CRC_CHUNK", "Checksums"]
+__all__ = ["Checksums"]

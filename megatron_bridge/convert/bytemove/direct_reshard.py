@@ -39,11 +39,11 @@ from zlib_ng import zlib_ng
 
 from megatron_bridge.bridge.shards import Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.convert.bytemove.checksums import CRC_CHUNK
 from megatron_bridge.convert.bytemove.copier import Copier
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
 from megatron_bridge.convert.bytemove.pieces import Band, Interleave, Piece, Span, Zeros, pieces
 from megatron_bridge.convert.bytemove.pool import WorkerPool
+from megatron_bridge.convert.formats.crc import crc32_range
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import crc_hex
 from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
@@ -105,7 +105,7 @@ class DirectReshard:
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="mbr-crc")
         self._crcs: dict[str, Future] = {}
         self._crc_files = OpenFiles()
-        self._crc_bufs: list[bytearray] = [bytearray(CRC_CHUNK)]
+        self._crc_bufs: list[bytearray] = [bytearray()]
 
     @staticmethod
     def make_plan(source: object) -> Plan | None:
@@ -143,8 +143,6 @@ class DirectReshard:
             d.pool.close()  # then its copiers; on failure the files are still open
             d._crc_pool.shutdown(wait=True, cancel_futures=True)
             d._crc_files.close()
-
-    leaves_disk_idle = False  # byte moves keep the disk busy (pipeline/writeback.py)
 
     def drain(self) -> None:
         """Wait for the queued shards (before their files are finished and closed)."""
@@ -190,7 +188,7 @@ class DirectReshard:
         laid = sum(p.nbytes for p in ps)
         if laid != nbytes:
             raise RuntimeError(f"{row.megatron}: {laid} bytes laid out for a {nbytes}-byte shard")
-        self.pool.submit(row.megatron, lambda copier: copier.write(ps, fd, at), nbytes)
+        self.pool.submit(row.megatron, lambda copier: copier.write(ps, fd, at), nbytes, lane=out.lane)
         for h in row.hf:
             self._check(h)
         return ref, nbytes
@@ -213,8 +211,7 @@ class DirectReshard:
         crc = 0
         for p in ps:
             if isinstance(p, Span):
-                for pos in range(p.start, p.start + p.nbytes, CRC_CHUNK):
-                    crc = zlib_ng.crc32(self._read(0, p.file, pos, min(CRC_CHUNK, p.start + p.nbytes - pos)), crc)  # type: ignore[arg-type]
+                crc = crc32_range(self._crc_files(p.file), p.start, p.start + p.nbytes, p.file, crc)  # type: ignore[arg-type]
             elif isinstance(p, Interleave):
                 bufs = [(self._read(k, path, start, p.rows * w), w) for k, (path, start, w) in enumerate(p.parts)]
                 for r in range(p.rows):

@@ -19,7 +19,7 @@ the vocabulary divisor); reading them as a model and a layout is `convert.placem
 from __future__ import annotations
 
 import json
-import threading
+import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from zlib_ng import zlib_ng
 
+from megatron_bridge.convert.formats.crc import crc32_file, crc32_range
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.paths import confined
 from megatron_bridge.convert.formats.safetensors_io import INDEX, ST_DTYPES, raw_header, tensor_bytes
@@ -185,28 +186,16 @@ def dtype_name(dtypes) -> str:
     return names.pop() if len(names) == 1 else "mixed"
 
 
-def file_crc32(path: Path, chunk: int = 1 << 23, buf: bytearray | None = None) -> str:
-    """CRC-32 of a file's bytes, streamed (zlib-ng) through one reused buffer (`buf`, if
-    given): a fresh `read()` block per chunk costs page faults that cost more than the CRC."""
-    view, value = memoryview(buf if buf is not None else bytearray(chunk)), 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(view):
-            value = zlib_ng.crc32(view[:n], value)
-    return crc_hex(value)
+def file_crc32(path: Path) -> str:
+    """CRC-32 of a file's bytes (zlib-ng over memory-mapped windows: formats/crc.py)."""
+    return crc_hex(crc32_file(path))
 
 
 def list_crc32(directory: Path, files: Iterable[str], workers: int = 2) -> dict[str, str]:
-    """Every file's CRC-32, on `workers` threads (reads and zlib-ng release the GIL)."""
-    local = threading.local()
-
-    def crc(rel: str) -> str:
-        if not hasattr(local, "buf"):
-            local.buf = bytearray(1 << 23)
-        return file_crc32(directory / rel, buf=local.buf)
-
+    """Every file's CRC-32, on `workers` threads (zlib-ng releases the GIL)."""
     names = list(files)
     with ThreadPoolExecutor(max(1, workers)) as ex:
-        return dict(zip(names, ex.map(crc, names)))
+        return dict(zip(names, ex.map(lambda rel: file_crc32(directory / rel), names)))
 
 
 # An HF directory we write (`mbr export`, `export_to`, interval exports) records each weight
@@ -247,15 +236,12 @@ def check_index_crc32(directory: Path) -> int:
 DATA_CRC32 = "mbr_data_crc32"
 
 
-def safetensors_data_crc32(path: Path, chunk: int = 1 << 24) -> tuple[str | None, str]:
+def safetensors_data_crc32(path: Path) -> tuple[str | None, str]:
     """(the CRC-32 its header records under DATA_CRC32 or None, the CRC-32 of its data section)."""
     header, base = raw_header(path)
     meta = header.get("__metadata__") or {}
-    value = 0
     with open(path, "rb") as f:
-        f.seek(base)
-        while block := f.read(chunk):
-            value = zlib_ng.crc32(block, value)
+        value = crc32_range(f.fileno(), base, os.fstat(f.fileno()).st_size, path)
     recorded = meta.get(DATA_CRC32) if isinstance(meta, dict) else None
     return (recorded if isinstance(recorded, str) else None), crc_hex(value)
 

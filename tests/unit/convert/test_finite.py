@@ -19,3 +19,16 @@ def test_byte_level_check_finds_nan_and_inf_in_every_float_dtype(name):
         u = t.clone()
         u[517] = bad
         assert not all_finite(BY_NAME[name], raw(u)), (name, bad)
+
+
+def test_a_bad_value_past_the_first_block_is_found(monkeypatch):
+    """The check masks a block at a time into a reused buffer: every block is looked at."""
+    from megatron_bridge.convert.formats import finite
+
+    monkeypatch.setattr(finite, "BLOCK", 1000)
+    t = torch.randn(5500).to(torch.bfloat16)
+    for at in (0, 999, 1000, 5499):
+        u = t.clone()
+        u[at] = math.inf
+        assert not all_finite(BY_NAME["bfloat16"], u.view(torch.uint8).numpy().tobytes()), at
+    assert all_finite(BY_NAME["bfloat16"], t.view(torch.uint8).numpy().tobytes())

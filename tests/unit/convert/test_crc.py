@@ -1,0 +1,63 @@
+"""CRC-32 of file ranges through memory-mapped windows (convert/formats/crc.py)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+
+import pytest
+
+from megatron_bridge.convert.formats import crc as crc_mod
+from megatron_bridge.convert.formats.crc import crc32_file, crc32_range
+from megatron_bridge.errors import UserError
+
+
+@pytest.fixture
+def blob(tmp_path):
+    data = os.urandom(5 * mmap.ALLOCATIONGRANULARITY + 1234)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    return path, data
+
+
+@pytest.mark.parametrize("window", [mmap.ALLOCATIONGRANULARITY, 3 * mmap.ALLOCATIONGRANULARITY, crc_mod.WINDOW])
+def test_any_range_and_window_gives_zlibs_crc(blob, monkeypatch, window):
+    path, data = blob
+    monkeypatch.setattr(crc_mod, "WINDOW", window)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, end in [(0, len(data)), (1, len(data) - 1), (4095, 4097), (777, 3 * 4096 + 5), (10, 10)]:
+            chunks: list[bytes] = []
+            got = crc32_range(fd, start, end, path, each=lambda v: chunks.append(bytes(v)))
+            assert got == zlib.crc32(data[start:end]), (start, end)
+            assert b"".join(chunks) == data[start:end]  # `each` sees every byte once, in order
+            assert all(len(c) % window == 0 for c in chunks[:-1])  # whole windows from `start`
+            assert crc32_range(fd, end, len(data), path, value=got) == zlib.crc32(data[start:])  # continues
+    finally:
+        os.close(fd)
+    assert crc32_file(path) == zlib.crc32(data)
+
+
+def test_a_file_that_cannot_be_mapped_is_read(blob, monkeypatch):
+    path, data = blob
+
+    def refuse(*a, **k):
+        raise OSError(19, "No such device")  # what mmap gives on filesystems without it
+
+    monkeypatch.setattr(crc_mod.mmap, "mmap", refuse)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert crc32_range(fd, 3, len(data) - 2, path) == zlib.crc32(data[3:-2])
+    finally:
+        os.close(fd)
+
+
+def test_a_range_past_the_end_is_a_truncated_file(blob):
+    path, data = blob
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(UserError, match="truncated"):
+            crc32_range(fd, 0, len(data) + 1, path)
+    finally:
+        os.close(fd)
