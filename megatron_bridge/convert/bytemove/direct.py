@@ -68,12 +68,6 @@ class DirectCopy:
             if self.checksums.check_finite and not all_finite(self.source.infos[name].dtype, view):
                 self.checksums.nonfinite.add(name)
 
-    @property
-    def leaves_disk_idle(self) -> bool:
-        """fp8 rows cost more CPU than disk: the writers then start write-out as they go
-        (pipeline/writeback.py), as on the tensor path."""
-        return bool(self.source.quant)
-
     def drain(self) -> None:
         """Wait for the queued shards (before their files are finished and closed)."""
         self.pool.drain()
@@ -172,7 +166,7 @@ class DirectCopy:
                 if isinstance(i, TensorInfo) and (i.file, i.start, i.nbytes) not in banded:  # else the band's read did
                     self.checksums.add(i)
 
-        self.pool.submit(row.megatron, run, nbytes)
+        self.pool.submit(row.megatron, run, nbytes, lane=out.lane)
         return ref, nbytes
 
 

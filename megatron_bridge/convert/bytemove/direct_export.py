@@ -171,8 +171,6 @@ class DirectExport:
         self.source, self.plan = source, plan
         self.checksums, self.pool = Checksums(), WorkerPool(workers, Copier, "mbr-export")
 
-    leaves_disk_idle = False  # byte moves keep the disk busy (pipeline/writeback.py)
-
     def drain(self) -> None:
         """Wait for queued writes (before their file is closed)."""
         self.pool.drain()

@@ -10,7 +10,9 @@ of workers or the order the tasks finish in.
 Tasks with the same key (a table row: its TP/EP shards) run on the same worker, one after
 another: a band region read for one shard serves the next, and a row's dequantised fp8
 tensors live on one worker only — so memory stays `workers ×` one row's buffers. A new key
-goes to the worker with the fewest bytes queued. The caller blocks while more than
+goes to the worker with the fewest bytes queued — unless the caller names a `lane` (its
+output file's index: dist_ckpt.DistWriter's files), then to worker `lane % workers`, so no
+two workers write into one file at once (they would contend for its inode). The caller blocks while more than
 `QUEUED_PER_WORKER` tasks per worker are queued (progress stays honest, descriptors
 bounded). `workers=1` runs every task in the caller's thread (the serial path).
 """
@@ -64,11 +66,13 @@ class WorkerPool(Generic[W]):
         self._pending: deque[Future] = deque()
         self._last: tuple[Hashable, int] | None = None
 
-    def submit(self, key: Hashable, fn: Callable[[W], object], nbytes: int = 0) -> None:
+    def submit(self, key: Hashable, fn: Callable[[W], object], nbytes: int = 0, lane: int | None = None) -> None:
         if not self._ex:
             fn(self.states[0])
             return
-        if self._last is not None and self._last[0] == key:
+        if lane is not None:
+            k = lane % self.workers
+        elif self._last is not None and self._last[0] == key:
             k = self._last[1]
         else:
             with self._lock:

@@ -32,7 +32,9 @@ from megatron_bridge.convert.formats.dtypes import DType, dtype_of
 from megatron_bridge.convert.formats.pickling import Global, Instance, Reduce, TorchPickler, torch_size
 from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave
 
-DATA_FILE = "__0_0.distcp"
+DATA_FILE = "__0_0.distcp"  # the first data file; a bigger model gets __0_1.distcp, ... (data_files)
+BYTES_PER_FILE = 2**30  # one data file per GiB of tensors ...
+MAX_FILES = 8  # ... up to this many
 DCP_VERSION = "1.0.0"  # torch.distributed.checkpoint.filesystem.CURRENTDCP_VERSION (a test holds them equal)
 DCP = "torch.distributed.checkpoint.metadata"
 PLANNER = "torch.distributed.checkpoint.planner"
@@ -61,29 +63,47 @@ class DistLocation:
         return f"{self.key}/shard_{'.'.join(map(str, offs))}_{'.'.join(map(str, axes))}"
 
 
+def data_files(nbytes: int) -> int:
+    """How many `.distcp` files hold `nbytes` of tensors: one per BYTES_PER_FILE, up to
+    MAX_FILES. Several files let the byte path's workers copy in parallel — writes into one
+    file contend for its inode (2-core box: two threads into two files 0.45-0.7 s, into one
+    file 0.93-1.04 s, one thread 1.3-1.7 s for 1.67 GB; docs/benchmarks.md). A function of
+    the size only, so the files are the same whatever `workers=` is; megatron-core's own
+    saves write two per rank (its `thread_count`), and DCP's loader takes any number."""
+    return max(1, min(MAX_FILES, -(-nbytes // BYTES_PER_FILE)))
+
+
 class DistWriter:
-    """Streams chunks into one `.distcp` file; `finish` writes the metadata that indexes them.
+    """Streams chunks into `.distcp` files (`data_files(nbytes)` of them, each chunk into the
+    one holding the fewest bytes so far); `finish` writes the metadata that indexes them.
+    A chunk's `StreamingTorchSave` carries its file's index as `lane`, so a byte path can
+    keep each file's copies on one worker.
 
     No torch: each chunk is a `StreamingTorchSave` archive, and `.metadata` is the pickle of
     DCP's `Metadata` written from stand-ins (`pickling`) — the real classes live in
     `torch.distributed.checkpoint`, an import that costs more on top of torch's."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, nbytes: int = 0):
         directory.mkdir(parents=True, exist_ok=True)
         self.dir = directory
-        self.path = directory / DATA_FILE
-        self._f = open(self.path, "wb")
+        self.names = [DATA_FILE] + [f"__0_{k}.distcp" for k in range(1, data_files(nbytes))]
+        self.paths = [directory / n for n in self.names]
+        self._files = [open(p, "wb") for p in self.paths]
         # key -> (dtype, global size, [(chunk offsets, chunk sizes)]), or None for an object
         self._md: dict[str, tuple[DType, tuple[int, ...], list[tuple[tuple[int, ...], ...]]] | None] = {}
-        self._storage: list[tuple[str, tuple[int, ...] | None, int | None, int, int]] = []
+        # (key, chunk offsets, chunk index, file index, start, length)
+        self._storage: list[tuple[str, tuple[int, ...] | None, int | None, int, int, int]] = []
 
     def _write(
         self, key: str, offsets: tuple[int, ...] | None, index: int | None, fill: Callable[[StreamingTorchSave], Any]
     ) -> None:
-        start = self._f.tell()
-        item = StreamingTorchSave(self._f)
+        k = min(range(len(self._files)), key=lambda i: self._files[i].tell())
+        f = self._files[k]
+        start = f.tell()
+        item = StreamingTorchSave(f)
+        item.lane = k
         item.finish(fill(item))
-        self._storage.append((key, offsets, index, start, self._f.tell() - start))
+        self._storage.append((key, offsets, index, k, start, f.tell() - start))
 
     def add(
         self,
@@ -126,7 +146,7 @@ class DistWriter:
                 {"properties": props, "size": torch_size(size), "chunks": [chunk(o, s) for o, s in chunks]},
             )
         storage = {}
-        for key, offsets, index, start, length in self._storage:
+        for key, offsets, index, k, start, length in self._storage:
             where = Instance(
                 DCP,
                 "MetadataIndex",
@@ -135,7 +155,7 @@ class DistWriter:
             storage[where] = Instance(
                 "torch.distributed.checkpoint.filesystem",
                 "_StorageInfo",
-                {"relative_path": DATA_FILE, "offset": start, "length": length},
+                {"relative_path": self.names[k], "offset": start, "length": length},
             )
         meta = Instance(
             DCP, "StorageMeta", {"checkpoint_id": None, "save_id": str(uuid.uuid4()), "load_id": None, "modules": []}
@@ -153,11 +173,12 @@ class DistWriter:
         )
 
     def finish(self, common: dict[str, Any]) -> None:
-        self._f.close()
+        for f in self._files:
+            f.close()
         with open(self.dir / ".metadata", "wb") as f:
             TorchPickler(f).dump(self._metadata())
         StreamingTorchSave(self.dir / "common.pt").finish(common)
         (self.dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
 
 
-__all__ = ["DistLocation", "DistWriter", "DATA_FILE", "MEGATRON_METADATA"]
+__all__ = ["DistLocation", "DistWriter", "DATA_FILE", "MEGATRON_METADATA", "data_files"]

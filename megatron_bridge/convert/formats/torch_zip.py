@@ -179,6 +179,7 @@ class StreamingTorchSave:
         self._central: list[bytes] = []
         self._names: list[str] = []
         self._n = 0
+        self.lane: int | None = None  # which of its writer's files this is (dist_ckpt.DistWriter)
 
     def fileno(self) -> int:
         return self._fd

@@ -126,17 +126,17 @@ class DistOut:
             yield row, prod(shape) * dtype.itemsize
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
-        w = DistWriter(root / RELEASE)
+        w = DistWriter(root / RELEASE, self.total(source)[1])
         with (
             byte_path(source, self.workers) as direct,
-            Writeback(enabled=direct is None or direct.leaves_disk_idle) as wb,
+            Writeback() as wb,
         ):
             for row, nbytes in self._direct(direct, w) if direct else self._tensors(source, w):
                 extra = extra_state_location(row.megatron, self.spec)
                 if extra is not None:
                     w.add_object(extra)
                 advance(source.count(row), source.nbytes(row))
-                wb.wrote((w.path,), nbytes)
+                wb.wrote(w.paths, nbytes)
             if direct:
                 direct.drain()
         w.finish(common_state(megatron_args(self.spec, self.layout, main_dtype(source), self.format)))
@@ -206,7 +206,7 @@ class TorchOut:
                     if direct
                     else self._tensors(source, rows, targets, files)
                 )
-                with Writeback(enabled=direct is None or direct.leaves_disk_idle) as wb:
+                with Writeback() as wb:
                     for row, shards in made:
                         for t, ref, _ in shards:
                             chunks[t.file][t.chunk][t.local] = (source.order[row.megatron], ref)
@@ -275,7 +275,7 @@ class HFOut:
         where = {e[0]: i for i, group in enumerate(files) for e in group}
         with (
             DirectExport.open(source, self.workers) as direct,
-            Writeback(enabled=direct is None or direct.leaves_disk_idle) as wb,
+            Writeback() as wb,
         ):
             out = _ShardFiles(root, names, files, where, wb, direct.drain if direct else lambda: None)
             if direct is not None:

@@ -73,10 +73,14 @@ def test_writeback_starts_write_out_of_the_files_it_is_told_about(tmp_path):
     for p in paths:
         p.write_bytes(data)
         wb.wrote((p,), len(data))
+    settle = lambda: wb._thread.submit(lambda: None).result()  # noqa: E731 - the kick thread's queue drained
+    settle()
     assert set(wb._fds) == set(paths) and not wb._dirty  # each crossed the threshold: kicked
     wb.wrote((tmp_path / "not-created-yet",), 2 * MB)  # a file not on disk (yet) is skipped, no error
+    settle()
     assert tmp_path / "not-created-yet" not in wb._fds
     wb.forget(paths[0])
+    settle()
     assert paths[0] not in wb._fds
     wb.close()
     assert not wb._fds and all(p.read_bytes() == data for p in paths)

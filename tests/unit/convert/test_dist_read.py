@@ -39,6 +39,26 @@ def converted(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def converted_in_files(tmp_path_factory) -> Path:
+    """The same, its chunks spread over three `.distcp` files (dist_ckpt.data_files: one per
+    BYTES_PER_FILE, here a third of the model), as a big model's are."""
+    from megatron_bridge.convert.formats import dist_ckpt
+    from megatron_bridge.runtime.tiny import make_tiny
+
+    base = tmp_path_factory.mktemp("dist3")
+    hf = make_tiny("llama", base / "hf")
+    nbytes = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dist_ckpt, "BYTES_PER_FILE", nbytes // 3 + 1)
+        assert mbr(["convert", f"src={hf}", f"dst={base / 'out'}", "progress=off", "workers=2"]) == 0
+    release = base / "out" / "release"
+    assert sorted(p.name for p in release.glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+    sizes = [p.stat().st_size for p in release.glob("*.distcp")]
+    assert max(sizes) < 2 * min(sizes)  # each chunk went to the emptiest file
+    return release
+
+
+@pytest.fixture(scope="module")
 def dcp_saved(tmp_path_factory) -> Path:
     """A checkpoint written by torch's DCP on one process: "w" as two column chunks (the
     container megatron-core uses for several shards of a key on one rank), float32, int64,
@@ -116,7 +136,7 @@ def reference(path: Path):
     return md, sd
 
 
-@pytest.mark.parametrize("which", ["converted", "dcp_saved"])
+@pytest.mark.parametrize("which", ["converted", "converted_in_files", "dcp_saved"])
 def test_metadata_reads_and_regions_match_torch(request, which):
     import torch
     from torch.distributed.checkpoint.metadata import MetadataIndex

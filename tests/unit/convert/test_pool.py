@@ -77,3 +77,14 @@ def test_the_caller_waits_when_too_much_is_queued(monkeypatch):
 def test_zero_means_one_per_core():
     assert resolve_workers(0) == pool_mod.default_workers() >= 2
     assert resolve_workers(5) == 5
+
+
+def test_a_lane_names_the_worker():
+    """A task with `lane` runs on worker `lane % workers`, whatever its key or the queue."""
+    p = WorkerPool(2, Log)
+    for i in range(12):
+        p.submit(i, lambda state, i=i: state.append(i), nbytes=100 if i % 4 else 1, lane=i % 3)
+    p.drain()
+    p.close()
+    assert p.states[0] == [i for i in range(12) if i % 3 in (0, 2)]
+    assert p.states[1] == [i for i in range(12) if i % 3 == 1]
