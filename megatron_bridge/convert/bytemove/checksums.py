@@ -11,9 +11,9 @@ from __future__ import annotations
 import queue
 import threading
 
-from megatron_bridge.convert.formats.crc import crc32_range
 from megatron_bridge.convert.formats.finite import all_finite
 from megatron_bridge.convert.formats.manifest import crc_hex
+from megatron_bridge.convert.formats.mapped import crc32_range
 from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo
 
 

@@ -43,9 +43,9 @@ from megatron_bridge.convert.bytemove.copier import Copier
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
 from megatron_bridge.convert.bytemove.pieces import Band, Interleave, Piece, Span, Zeros, pieces
 from megatron_bridge.convert.bytemove.pool import WorkerPool
-from megatron_bridge.convert.formats.crc import crc32_range
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import crc_hex
+from megatron_bridge.convert.formats.mapped import crc32_range
 from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
 from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
 from megatron_bridge.convert.sources.readers import CheckpointSource, mismatch

@@ -27,6 +27,7 @@ Two implementations, bit-identical (tests/unit/convert/test_fp8_source.py):
 
 from __future__ import annotations
 
+import mmap
 import threading
 from array import array
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, BY_ST, FLOAT32, DType
+from megatron_bridge.convert.formats.mapped import mapped
 from megatron_bridge.convert.formats.safetensors_io import OpenFiles, TensorInfo, read_exactly
 from megatron_bridge.errors import UserError
 
@@ -244,10 +246,11 @@ def read_scales(q: Quantized, files: OpenFiles) -> array:
 
 
 def dequantize(
-    q: Quantized, files: OpenFiles, rows_per_read: int = 0, out: bytearray | None = None
+    q: Quantized, files: OpenFiles, rows_per_read: int = 0, out: bytearray | mmap.mmap | None = None
 ) -> bytearray | memoryview:
     """The whole tensor as bf16 bytes, read one group of block rows at a time (`rows_per_read`,
-    default: about 8 MiB of fp8) — numpy, no torch. Into `out` (a reused buffer of at least
+    default: about 8 MiB of fp8), in place through a memory map (formats/mapped.py) — numpy,
+    no torch. Into `out` (a reused buffer of at least
     2 × rows × cols bytes; fresh pages cost as much as the arithmetic) if given: then the
     returned view is its first 2 × rows × cols bytes."""
     import numpy as np
@@ -259,11 +262,11 @@ def dequantize(
     step = rows_per_read or max(bm, (8 * 2**20 // max(cols, 1)) // bm * bm)
     scales = read_scales(q, files)
     res: bytearray | memoryview = bytearray(2 * rows * cols) if out is None else memoryview(out)[: 2 * rows * cols]
-    grid, buf = np.frombuffer(res, dtype="<u2").reshape(rows, cols), _scratch("fp8", min(step, rows) * cols).data
+    grid = np.frombuffer(res, dtype="<u2").reshape(rows, cols)
     for r0 in range(0, rows, step):
-        n = min(step, rows - r0) * cols
-        read_exactly(files(q.weight.file), memoryview(buf)[:n], q.weight.start + r0 * cols, q.weight.file)
-        dequant_numpy(memoryview(buf)[:n], cols, scales, r0 // bm, q.block, out=grid[r0 : r0 + n // cols])
+        n, at = min(step, rows - r0) * cols, q.weight.start + r0 * cols
+        with mapped(files(q.weight.file), at, at + n, q.weight.file) as raw:  # read in place: no copy out
+            dequant_numpy(raw, cols, scales, r0 // bm, q.block, out=grid[r0 : r0 + n // cols])
     return res
 
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 from zlib_ng import zlib_ng
 
-from megatron_bridge.convert.formats.crc import crc32_file, crc32_range
 from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.convert.formats.mapped import crc32_file, crc32_range
 from megatron_bridge.convert.formats.paths import confined
 from megatron_bridge.convert.formats.safetensors_io import INDEX, ST_DTYPES, raw_header, tensor_bytes
 from megatron_bridge.errors import UserError
@@ -187,7 +187,7 @@ def dtype_name(dtypes) -> str:
 
 
 def file_crc32(path: Path) -> str:
-    """CRC-32 of a file's bytes (zlib-ng over memory-mapped windows: formats/crc.py)."""
+    """CRC-32 of a file's bytes (zlib-ng over memory-mapped windows: formats/mapped.py)."""
     return crc_hex(crc32_file(path))
 
 
