@@ -14,8 +14,8 @@ The kicks run on a thread of their own: `sync_file_range` blocks while the disk'
 full, and on the caller's thread that stalled the conversion (a byte path waited on it longer
 than it saved at the final `sync`, so early write-out was off there). Off the caller's
 thread, it overlaps the disk's writing with the conversion on every path, byte moves
-included (docs/benchmarks.md, "Conversion": a 1.7 GB convert is on disk 0.6-1.2 s sooner on
-the 2-core box). `close()` waits for the last kick to be issued, not for the disk.
+included (docs/benchmarks.md, "Convert at disk speed": a 1.7 GB convert is on disk 0.5-1.4 s
+sooner on the 2-core box). `close()` waits for the last kick to be issued, not for the disk.
 """
 
 from __future__ import annotations
