@@ -187,7 +187,10 @@ class _Worker:
         self.files.close()
         self.mem.clear()
         for b in self.bufs:
-            b.close()
+            try:
+                b.close()
+            except BufferError:  # a view still held (a failure's traceback): unmapped when it dies
+                pass
         self.bufs.clear()
 
 
