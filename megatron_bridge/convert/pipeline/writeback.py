@@ -47,9 +47,11 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 class Writeback:
     """`wrote(paths, nbytes)` after each write; every KICK_BYTES the files written since the
-    last kick get their write-out started, on the kick thread. `forget(path)` kicks a
-    finished file once more and closes its fd; `close()` (or leaving a `with` block) kicks
-    what is left and waits for the thread. Every fd is opened, used and closed on the kick
+    last kick get their write-out started, on the kick thread. Once a kick happened,
+    `forget(path)` kicks a finished file once more and closes its fd, and `close()` (or
+    leaving a `with` block) kicks what is left; an output smaller than KICK_BYTES is never
+    kicked (nothing to overlap; a test suite's thousands of small conversions would
+    otherwise all queue at the disk). `close()` waits for the thread. Every fd is opened, used and closed on the kick
     thread only."""
 
     def __init__(self, kick_bytes: int = KICK_BYTES, enabled: bool = True):
@@ -61,6 +63,7 @@ class Writeback:
         self._queued: set[Path] = set()  # handed to the kick thread, not yet kicked
         self._closing: set[Path] = set()  # ... and whose fds it then closes
         self._busy = False  # a drain task is queued or running
+        self._kicked = False  # KICK_BYTES written: from then on, finished files are kicked too
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mbr-writeback") if self._fn else None
 
     def wrote(self, paths: Iterable[Path], nbytes: int) -> None:
@@ -74,6 +77,7 @@ class Writeback:
     def kick(self, closing: Iterable[Path] = ()) -> None:
         if self._thread is None:
             return
+        self._kicked = True
         with self._lock:
             self._queued |= self._dirty
             self._closing.update(closing)
@@ -105,7 +109,7 @@ class Writeback:
 
     def forget(self, path: Path) -> None:
         """Stop tracking a finished file (its last pages are started, its fd closed)."""
-        if self._fn is not None:
+        if self._fn is not None and self._kicked:
             self._dirty.add(path)
             self.kick(closing=(path,))
 
@@ -118,7 +122,8 @@ class Writeback:
     def close(self) -> None:
         if self._thread is None:
             return
-        self.kick()
+        if self._kicked:  # an output under KICK_BYTES is left to the kernel (and to a test's cleanup)
+            self.kick()
         self._thread.shutdown(wait=True)
         self._thread = None
         for fd in self._fds.values():  # the thread has ended: its fds are the caller's now

@@ -82,5 +82,11 @@ def test_writeback_starts_write_out_of_the_files_it_is_told_about(tmp_path):
     wb.forget(paths[0])
     settle()
     assert paths[0] not in wb._fds
+    small, calls = Writeback(kick_bytes=MB), []
+    small._fn = lambda *a: calls.append(a) or 0
+    small.wrote((paths[1],), MB // 2)
+    small.forget(paths[1])
+    small.close()  # under KICK_BYTES in all: never kicked
+    assert calls == []
     wb.close()
     assert not wb._fds and all(p.read_bytes() == data for p in paths)
