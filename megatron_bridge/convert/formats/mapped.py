@@ -2,10 +2,10 @@
 
 Every converted byte is checksummed at least once after it is copied (the manifest's
 per-tensor and per-file CRC-32s), and an fp8 weight is read once to be dequantised. Read with
-`pread` into a buffer, such a pass costs a memcpy out of the page cache per byte — on the
-2-core box ~0.85 s per 1.67 GB, four times the CRC itself (docs/benchmarks.md, "Convert at
-disk speed"). A read-only map of the same pages lets zlib-ng (or numpy's gather) read them
-where they are (~0.22 s). Maps cover one window (`WINDOW`) at a time and are unmapped right
+`pread` into a buffer, such a pass also copies every byte out of the page cache; a read-only
+map of the same pages lets zlib-ng (or numpy's gather) read them where they are: a CRC-32
+pass over 1.67 GB in the page cache took 0.20-0.25 s instead of 0.30-0.39 s on the 2-core box
+(benchmarks/byte_passes.py; docs/benchmarks.md, "Convert at disk speed"). Maps cover one window (`WINDOW`) at a time and are unmapped right
 after, so the process's RSS grows by at most one window per thread (a whole file kept mapped
 would count every page it touched, the reason the tensor readers avoid `mmap`).
 
