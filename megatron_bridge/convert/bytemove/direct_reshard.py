@@ -105,7 +105,7 @@ class DirectReshard:
         self._crc_pool = ThreadPoolExecutor(1, thread_name_prefix="mbr-crc")
         self._crcs: dict[str, Future] = {}
         self._crc_files = OpenFiles()
-        self._crc_bufs: list[bytearray] = [bytearray()]
+        self._crc_bufs: list[bytearray] = []  # an interleave's parts (_read)
 
     @staticmethod
     def make_plan(source: object) -> Plan | None:

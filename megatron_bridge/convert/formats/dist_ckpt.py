@@ -100,8 +100,7 @@ class DistWriter:
         k = min(range(len(self._files)), key=lambda i: self._files[i].tell())
         f = self._files[k]
         start = f.tell()
-        item = StreamingTorchSave(f)
-        item.lane = k
+        item = StreamingTorchSave(f, lane=k)
         item.finish(fill(item))
         self._storage.append((key, offsets, index, k, start, f.tell() - start))
 

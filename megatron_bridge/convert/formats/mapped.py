@@ -5,9 +5,10 @@ per-tensor and per-file CRC-32s), and an fp8 weight is read once to be dequantis
 `pread` into a buffer, such a pass also copies every byte out of the page cache; a read-only
 map of the same pages lets zlib-ng (or numpy's gather) read them where they are: a CRC-32
 pass over 1.67 GB in the page cache took 0.20-0.25 s instead of 0.30-0.39 s on the 2-core box
-(benchmarks/byte_passes.py; docs/benchmarks.md, "Convert at disk speed"). Maps cover one window (`WINDOW`) at a time and are unmapped right
-after, so the process's RSS grows by at most one window per thread (a whole file kept mapped
-would count every page it touched, the reason the tensor readers avoid `mmap`).
+(benchmarks/byte_passes.py; docs/benchmarks.md, "Convert at disk speed"). Maps cover one
+window (`WINDOW`) at a time and are unmapped right after, so the process's RSS grows by at
+most one window per thread (a whole file kept mapped would count every page it touched, the
+reason the tensor readers avoid `mmap`).
 
 A file shorter than the range (truncated) is a `UserError`, as a short read is; a file that
 cannot be mapped (some FUSE and network filesystems) is read with `pread` instead.

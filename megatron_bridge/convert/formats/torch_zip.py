@@ -159,7 +159,7 @@ class StreamingTorchSave:
     inside the zip count from there, as torch's writer does for a stream, and the file's
     position is left at the archive's end by `finish`."""
 
-    def __init__(self, path: Path | BinaryIO):
+    def __init__(self, path: Path | BinaryIO, lane: int | None = None):
         if isinstance(path, (str, os.PathLike)):
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -179,7 +179,7 @@ class StreamingTorchSave:
         self._central: list[bytes] = []
         self._names: list[str] = []
         self._n = 0
-        self.lane: int | None = None  # which of its writer's files this is (dist_ckpt.DistWriter)
+        self.lane = lane  # which of its writer's files this is (dist_ckpt.DistWriter), for the byte path's pool
 
     def fileno(self) -> int:
         return self._fd

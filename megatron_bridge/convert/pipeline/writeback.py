@@ -51,8 +51,8 @@ class Writeback:
     `forget(path)` kicks a finished file once more and closes its fd, and `close()` (or
     leaving a `with` block) kicks what is left; an output smaller than KICK_BYTES is never
     kicked (nothing to overlap; a test suite's thousands of small conversions would
-    otherwise all queue at the disk). `close()` waits for the thread. Every fd is opened, used and closed on the kick
-    thread only."""
+    otherwise all queue at the disk). `close()` waits for the thread. Every fd is opened,
+    used and closed on the kick thread only."""
 
     def __init__(self, kick_bytes: int = KICK_BYTES, enabled: bool = True):
         self._fn = _sync_file_range() if enabled else None
