@@ -77,10 +77,10 @@ def test_node_placement():
 
 def test_rank_map_16384_ranks_fast():
     d = dims_for(16384, 8, 8, 16, 1, 1, 8)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time of this process: robust to a busy machine
     text = Topology(d).format_rank_map()
     spans = Topology(d).span_summary(moe=False)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert elapsed < 1.0, elapsed
     assert "node 2047:" in text and "16383" in text
     assert spans["tp"] == "intra-node" and spans["pp"] == "inter-node"

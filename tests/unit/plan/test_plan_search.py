@@ -192,11 +192,12 @@ def test_405b_on_16384_gpus_under_2s():
     )
     from megatron_bridge.plan import report
 
-    t0 = time.perf_counter()
+    # CPU time of this process, not wall time: the suite runs beside multi-process tests
+    t0 = time.process_time()
     ctx = Context.from_config(cfg, describe(cfg.model), pinned_from_overrides(args.overrides))
     res = search(ctx)
     doc = report.build(ctx, res)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert elapsed < 2.0, elapsed
     lo = doc["choice"]["layout"]
     assert lo["tp"] == 8 and lo["dp"] * lo["pp"] * lo["cp"] * 8 == 16384
@@ -259,6 +260,6 @@ def test_divisors_are_fast_and_exact_for_huge_worlds():
     from megatron_bridge.plan.search import _divisors
 
     assert _divisors(12) == [1, 2, 3, 4, 6, 12] and _divisors(16) == [1, 2, 4, 8, 16] and _divisors(0) == []
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: robust to a busy machine
     assert _divisors(1 << 22) == [1 << i for i in range(23)]
-    assert time.perf_counter() - t < 1.0
+    assert time.process_time() - t < 1.0
