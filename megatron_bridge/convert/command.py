@@ -3,7 +3,9 @@ is imported: transparent huge pages for torch's allocator and the source's read-
 """
 
 import os
+import pickle
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -61,33 +63,94 @@ def use_huge_pages() -> None:
     conversion's CPU time. Memory use is unchanged (buffers are MBs, freed after each row).
     When torch is already loaded (a command called in-process, e.g. from tests) it would have
     no effect, so the environment is left alone rather than leaked to child processes."""
-    import sys
-
     if "torch" not in sys.modules:
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def run_command(argv: Sequence[str], schema: str, command: str | Callable[[Any], int], doc: str | None) -> int:
     """The body of `mbr convert` / `export` / `reshard`: huge pages and the source's
-    read-ahead first (before anything heavy is imported), then compose `options.<schema>`
-    (`--cfg job` prints it, `--help` prints `doc`) and run `pipeline.run.<command>` (or
-    `command(cfg)` when the caller passes a function)."""
+    read-ahead first (before anything heavy is imported), then compose `schemas.<schema>`
+    (`--cfg job` prints it, `--help` prints `doc`) — in a child process while this one imports
+    the pipeline, where that can overlap (`compose_beside`) — and run `pipeline.run.<command>`
+    (or `command(cfg)` when the caller passes a function)."""
     use_huge_pages()
     read_ahead_source(argv)
-    # after the two lines above, by design: Hydra and the pipeline load while the kernel reads ahead
-    from megatron_bridge.config.compose import parse_command, to_yaml
-    from megatron_bridge.convert.pipeline import options  # see above: after the read-ahead starts
+    composed = compose_beside(argv, schema, doc)
+    # after the lines above, by design: the pipeline loads while the kernel reads ahead and the child composes
+    from megatron_bridge.convert.pipeline import run, schemas
 
-    cfg, args = parse_command(argv, getattr(options, schema), doc=doc)
-    if args.cfg:
+    cfg, print_cfg = composed() or _compose(argv, getattr(schemas, schema), doc)
+    if print_cfg:
+        from megatron_bridge.config.compose import to_yaml  # OmegaConf, only when printing
+
         print(to_yaml(cfg), end="")
         return 0
     with sigterm_as_interrupt():
-        if callable(command):
-            return command(cfg)
-        from megatron_bridge.convert.pipeline import run  # see above: after the read-ahead starts
+        return command(cfg) if callable(command) else getattr(run, command)(cfg)
 
-        return getattr(run, command)(cfg)
+
+def _compose(argv: Sequence[str], schema: type, doc: str | None) -> tuple[Any, str | None]:
+    """(the config, `--cfg`'s value) composed in this process; Hydra and OmegaConf load only
+    here. Plain dataclasses and a string: what the child sends needs neither to unpickle."""
+    from megatron_bridge.config.compose import parse_command  # see above: after the read-ahead starts
+
+    composed: tuple[Any, Any] = parse_command(argv, schema, doc=doc)
+    return composed[0], composed[1].cfg
+
+
+def _may_fork() -> bool:
+    """A fork is safe and worth it: two cores to overlap on, no other thread (a lock one of
+    them holds would stay held in the child), torch not loaded (its thread pools do not survive
+    a fork), and this process's own stdout/stderr (a test harness's capture would not see the
+    child's output)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return (
+        hasattr(os, "fork")
+        and cores >= 2
+        and threading.active_count() == 1
+        and "torch" not in sys.modules
+        and sys.stdout is sys.__stdout__
+        and sys.stderr is sys.__stderr__
+    )
+
+
+def compose_beside(argv: Sequence[str], schema: str, doc: str | None) -> Callable[[], Any]:
+    """Start composing `schemas.<schema>` from `argv` in a forked child; returns a function that
+    waits for it: `_compose`'s (config, `--cfg`), or None when the caller must compose itself — when no child
+    was started (`_may_fork`) or composing failed there. Hydra's compose (~0.5 s on the 2-core
+    box) and importing the pipeline (~0.5 s) then overlap instead of adding up (docs/
+    benchmarks.md, "Start-up"). The child reports only success: for any error (a bad override,
+    `--help`, an interrupt) the caller composes again in-process, so the message, exit code,
+    traceback under `debug=true` and warnings are exactly those of composing in-process. The
+    result crosses an anonymous pipe from this process's own fork, pickled — in-memory IPC
+    between two copies of this program, never a file."""
+    if not _may_fork():
+        return lambda: None
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: compose, send, and leave without running the parent's exit handlers
+        os.close(read_end)
+        data = b""
+        try:
+            from megatron_bridge.convert.pipeline import schemas  # in the child: not the pipeline
+
+            data = pickle.dumps(_compose(argv, getattr(schemas, schema), doc))
+        except BaseException:  # reported by the parent's own compose
+            data = b""
+        try:
+            with os.fdopen(write_end, "wb") as f:
+                f.write(data)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+
+    def wait() -> Any:
+        with os.fdopen(read_end, "rb") as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+        return pickle.loads(data) if data else None  # our own child, over our own pipe
+
+    return wait
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -1,8 +1,5 @@
-"""The conversion commands' own config fields, and the layout check they share.
-
-Each command composes the usual recipe (`compose(argv, schema=...)`), so `parallel.*`,
-`model.make_vocab_size_divisible_by` and `recipe=` mean what they mean everywhere; the
-fields below are the command's own top-level keys (`src=... dst=... format=...`).
+"""The layout check the conversion commands share, and their option checks (their config
+fields are `schemas.py`).
 
 `checked_layout` applies the layout rules (`parallel/rules/`, the ones `mbr check` and
 training apply, minus the run rules about batches, schedules, engines and node placement,
@@ -14,14 +11,12 @@ is refused with every reason before a byte is written.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
-from megatron_bridge.config.schema import Config
 from megatron_bridge.convert.bytemove.pool import resolve_workers
 from megatron_bridge.convert.sources.rows import check_layout_shards
 from megatron_bridge.errors import LayoutError, UserError
@@ -29,48 +24,6 @@ from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate
 
 FORMATS = ("torch_dist", "torch")
-
-
-@dataclass
-class ConvertConfig(Config):
-    # The input *is* an HF model directory, so `model.hf_path=` names it too (see Config).
-    CLI_ALIASES: ClassVar[dict[str, str]] = {"model.hf_path": "src"}
-
-    src: str | None = None  # HF model directory
-    dst: str | None = None  # output directory (must not exist unless overwrite=true)
-    format: str = "torch_dist"  # torch_dist (reshardable on load) | torch (per-rank files for parallel.*)
-    dtype: str = "source"  # source | bf16 | fp32 | fp16
-    overwrite: bool = False
-    progress: str = "auto"  # auto (bar on a terminal, quiet in CI) | on | off
-    # NaN or infinity in a source tensor is refused (found during the conversion's own reads,
-    # before anything is published); true converts such a checkpoint as it is.
-    allow_nonfinite: bool = False
-    # Threads that move bytes and dequantise fp8 (0: one per core this process may use, at least
-    # 2); the output is the same bytes whatever the count, and memory grows by one row's buffers each.
-    workers: int = 0
-
-
-@dataclass
-class ExportConfig(Config):
-    src: str | None = None  # an `mbr convert` / `mbr reshard` output
-    dst: str | None = None  # HF directory to create
-    dtype: str = "source"
-    max_shard_gb: float = 5.0  # size cap of each model-0000i-of-0000n.safetensors
-    overwrite: bool = False
-    progress: str = "auto"
-    adapter: bool = False  # src is a peft=lora training checkpoint: write its HF PEFT adapter
-    workers: int = 0  # as ConvertConfig.workers
-
-
-@dataclass
-class ReshardConfig(Config):
-    src: str | None = None  # an `mbr convert` / `mbr reshard` output (either format)
-    dst: str | None = None
-    format: str = "torch"  # torch (per-rank files for parallel.*) | torch_dist
-    dtype: str = "source"
-    overwrite: bool = False
-    progress: str = "auto"
-    workers: int = 0  # as ConvertConfig.workers
 
 
 def check_workers(workers: int) -> int:
@@ -116,9 +69,6 @@ def describe(layout: Layout, dtype: Any | None) -> str:
 
 
 __all__ = [
-    "ConvertConfig",
-    "ExportConfig",
-    "ReshardConfig",
     "checked_layout",
     "check_format",
     "check_workers",

@@ -238,7 +238,7 @@ def test_src_is_model_hf_path_for_model_commands(tmp_path):
 
 
 def test_model_hf_path_is_src_for_convert():
-    from megatron_bridge.convert.pipeline.options import ConvertConfig, ExportConfig
+    from megatron_bridge.convert.pipeline.schemas import ConvertConfig, ExportConfig
 
     a, _ = compose(["model.hf_path=/some/hf", "dst=/out"], schema=ConvertConfig)
     assert a.src == "/some/hf" and a.model.hf_path is None
