@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.convert.bytemove.pool import usable_cores
+
 STARTUP_READ_AHEAD = 2**30  # at least this much, or a quarter of the available memory if more
 
 
@@ -103,10 +105,9 @@ def _may_fork() -> bool:
     them holds would stay held in the child), torch not loaded (its thread pools do not survive
     a fork), and this process's own stdout/stderr (a test harness's capture would not see the
     child's output)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return (
         hasattr(os, "fork")
-        and cores >= 2
+        and usable_cores() >= 2
         and threading.active_count() == 1
         and "torch" not in sys.modules
         and sys.stdout is sys.__stdout__
@@ -115,9 +116,9 @@ def _may_fork() -> bool:
 
 
 def compose_beside(argv: Sequence[str], schema: str, doc: str | None) -> Callable[[], Any]:
-    """Start composing `schemas.<schema>` from `argv` in a forked child; returns a function that
-    waits for it: `_compose`'s (config, `--cfg`), or None when the caller must compose itself — when no child
-    was started (`_may_fork`) or composing failed there. Hydra's compose (~0.5 s on the 2-core
+    """Start composing `schemas.<schema>` from `argv` in a forked child; returns a function
+    that waits for it: `_compose`'s (config, `--cfg`), or None when the caller must compose
+    itself — when no child was started (`_may_fork`) or composing failed there. Hydra's compose (~0.5 s on the 2-core
     box) and importing the pipeline (~0.5 s) then overlap instead of adding up (docs/
     benchmarks.md, "Start-up"). The child reports only success: for any error (a bad override,
     `--help`, an interrupt) the caller composes again in-process, so the message, exit code,
@@ -130,13 +131,13 @@ def compose_beside(argv: Sequence[str], schema: str, doc: str | None) -> Callabl
     pid = os.fork()
     if pid == 0:  # the child: compose, send, and leave without running the parent's exit handlers
         os.close(read_end)
-        data = b""
+        data = b""  # what a failure sends: the parent's own compose reports it
         try:
             from megatron_bridge.convert.pipeline import schemas  # in the child: not the pipeline
 
             data = pickle.dumps(_compose(argv, getattr(schemas, schema), doc))
-        except BaseException:  # reported by the parent's own compose
-            data = b""
+        except BaseException:
+            pass
         try:
             with os.fdopen(write_end, "wb") as f:
                 f.write(data)

@@ -36,15 +36,19 @@ W = TypeVar("W", bound=State)  # a worker's own state (its copier, buffers), clo
 QUEUED_PER_WORKER = 8
 
 
-def default_workers() -> int:
-    """The cores this process may run on (an affinity limit, not the host's count), at least
-    2: even on one core a second thread works in user space (bands, fp8) while the other
-    waits on the disk or copies in the kernel — what the byte paths did before the pool."""
+def usable_cores() -> int:
+    """The cores this process may run on: an affinity limit, not the host's count."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(2, cores)
+        return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """`usable_cores()`, at least 2: even on one core a second thread works in user space
+    (bands, fp8) while the other waits on the disk or copies in the kernel — what the byte
+    paths did before the pool."""
+    return max(2, usable_cores())
 
 
 def resolve_workers(workers: int) -> int:
