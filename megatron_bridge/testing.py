@@ -25,6 +25,10 @@ from pathlib import Path
 
 RESULT_DIR_ENV = "MBR_TEST_RESULT_DIR"
 DEFAULT_TIMEOUT = 300.0
+# `torchrun` (the default) or `fork`: megatron_bridge.fork_launch, the same ranks and
+# environment forked after the imports (tests/dist/conftest.py picks it for its tests).
+LAUNCHER_ENV = "MBR_TEST_LAUNCHER"
+LAUNCHERS = ("torchrun", "fork")
 
 
 class TorchrunError(AssertionError):
@@ -89,12 +93,17 @@ def run_torchrun(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     expect_results: bool = True,
+    launcher: str | None = None,
 ) -> list[dict]:
     """Launch `torchrun --nproc-per-node nproc <script_or_module_args>` and return the per-rank
     dicts reported with `report()`, ordered by rank. Raises `TorchrunError` (with the output) on
     a non-zero exit, on timeout (after killing every process of the launch), or when a rank
-    reported nothing while `expect_results`."""
+    reported nothing while `expect_results`. `launcher` (default: $MBR_TEST_LAUNCHER, else
+    `torchrun`): `fork` starts the same ranks with `megatron_bridge.fork_launch` instead."""
     args = list(script_or_module_args)
+    launcher = launcher or os.environ.get(LAUNCHER_ENV) or "torchrun"
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r}: one of {LAUNCHERS}")
     with tempfile.TemporaryDirectory(prefix="mbr-torchrun-") as out_dir:
         run_env = dict(os.environ)
         run_env.update(
@@ -111,7 +120,7 @@ def run_torchrun(
         for attempt in range(2):  # a second try only if the free port was taken meanwhile
             for stale in Path(out_dir).glob("rank*.json"):
                 stale.unlink()
-            returncode, output = _launch(args, nproc, out_dir, run_env, cwd, timeout)
+            returncode, output = _launch(args, nproc, out_dir, run_env, cwd, timeout, launcher)
             if returncode == 0 or not _port_clash(output) or attempt:
                 break
         if returncode != 0:
@@ -133,12 +142,13 @@ def run_torchrun(
         return results
 
 
-def torchrun_cmd(nproc: int, *args: str) -> list[str]:
-    """A local torchrun on a free port, no restarts: the command every test launch uses."""
+def torchrun_cmd(nproc: int, *args: str, launcher: str = "torchrun") -> list[str]:
+    """A local torchrun on a free port, no restarts: the command every test launch uses
+    (`launcher="fork"`: the same command line for megatron_bridge.fork_launch)."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "torch.distributed.run" if launcher == "torchrun" else "megatron_bridge.fork_launch",
         "--nproc-per-node",
         str(nproc),
         "--master-addr",
@@ -151,8 +161,8 @@ def torchrun_cmd(nproc: int, *args: str) -> list[str]:
     ]
 
 
-def _launch(args, nproc, out_dir, run_env, cwd, timeout):
-    cmd = torchrun_cmd(nproc, *args)
+def _launch(args, nproc, out_dir, run_env, cwd, timeout, launcher):
+    cmd = torchrun_cmd(nproc, *args, launcher=launcher)
     log_path = Path(out_dir) / "output.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -241,4 +251,4 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-__all__ = ["run_torchrun", "report", "free_port", "TorchrunError", "RESULT_DIR_ENV", "DEFAULT_TIMEOUT"]
+__all__ = ["run_torchrun", "report", "free_port", "TorchrunError", "RESULT_DIR_ENV", "DEFAULT_TIMEOUT", "LAUNCHER_ENV"]

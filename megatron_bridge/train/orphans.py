@@ -54,6 +54,7 @@ LAUNCHERS = {
     "deepspeed.launcher.launch": "deepspeed's launch.py",
     "srun": "srun",
     "slurmstepd": "srun's slurmstepd",
+    "megatron_bridge.fork_launch": "fork_launch",  # the test suite's launcher (fork_launch.py)
 }
 _armed: list[tuple[int, int, str]] = []  # (pid, its parent's pid, the parent's name), child first
 _grace_until = 0.0  # time.monotonic() before which a gone launcher does not end this rank (`defer`)

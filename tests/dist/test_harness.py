@@ -6,9 +6,20 @@ import time
 
 import pytest
 
-from megatron_bridge.testing import TorchrunError
+from megatron_bridge.testing import TorchrunError, run_torchrun
 
 pytestmark = pytest.mark.dist
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(params=["torchrun", "fork"])
+def torchrun(request):
+    """The harness under both launchers: torchrun, and megatron_bridge.fork_launch (tests/dist)."""
+
+    def run(args, nproc, **kwargs):
+        return run_torchrun(args, nproc, cwd=ROOT, launcher=request.param, **kwargs)
+
+    return run
 
 PROBE = "tests/dist/scripts/harness_probe.py"
 

@@ -16,6 +16,7 @@ from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.testing import RESULT_DIR_ENV, free_port, run_torchrun
 
 pytestmark = pytest.mark.dist
+LAUNCHER = "torchrun"  # the test is about torchrun's agents and rendezvous
 PROBE = "tests/dist/train_scripts/multinode_probe.py"
 
 

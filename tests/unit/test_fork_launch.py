@@ -1,0 +1,65 @@
+"""megatron_bridge.fork_launch outside a launch: its command line is torchrun's, each rank gets
+torchrun's environment, and it never forks a process that runs a second thread (it becomes
+torchrun instead). The launches themselves run in tests/dist (test_harness.py runs every
+harness check under both launchers; the other tests/dist launches use it)."""
+
+import threading
+
+import pytest
+
+from megatron_bridge import fork_launch
+from megatron_bridge.testing import torchrun_cmd
+
+
+def test_takes_the_harness_torchrun_command_line():
+    cmd = torchrun_cmd(3, "script.py", "a", "--flag", launcher="fork")
+    assert cmd[1:3] == ["-m", "megatron_bridge.fork_launch"]
+    a = fork_launch._parse(cmd[3:])
+    assert (a.nproc_per_node, a.master_addr, a.module, a.target, a.args) == (
+        3,
+        "127.0.0.1",
+        False,
+        "script.py",
+        ["a", "--flag"],
+    )
+    m = fork_launch._parse(["--nproc-per-node", "2", "--master-port", "1", "-m", "pkg.mod", "x=1"])
+    assert (m.module, m.target, m.args) == (True, "pkg.mod", ["x=1"])
+
+
+def test_refuses_restarts():
+    with pytest.raises(SystemExit):
+        fork_launch._parse(["--nproc-per-node", "2", "--master-port", "1", "--max-restarts", "3", "s.py"])
+
+
+def test_each_rank_gets_torchruns_environment():
+    a = fork_launch._parse(["--nproc-per-node", "4", "--master-port", "29999", "s.py"])
+    env = fork_launch._rank_env(a, 2, "abc")
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")} == {
+        "RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+    }  # fmt: skip
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["TORCHELASTIC_RUN_ID"]) == ("127.0.0.1", "29999", "abc")
+
+
+def test_a_second_thread_means_torchrun_not_fork(monkeypatch):
+    execs = []
+
+    class Exec(Exception):
+        pass
+
+    def fake_execv(path, argv):
+        execs.append(argv)
+        raise Exec
+
+    monkeypatch.setattr(fork_launch, "PRELOAD", ())
+    monkeypatch.setattr(fork_launch.os, "execv", fake_execv)
+    monkeypatch.setattr(fork_launch.os, "fork", lambda: pytest.fail("forked beside a second thread"))
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        with pytest.raises(Exec):
+            fork_launch.main(["--nproc-per-node", "2", "--master-port", "1", "s.py", "x"])
+    finally:
+        stop.set()
+        t.join()
+    assert execs[0][1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "1", "s.py", "x"]
