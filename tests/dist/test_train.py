@@ -27,7 +27,7 @@ def common(hf):
         f"model.hf_path={hf}",
         f"train.steps={STEPS}",
         "train.seq_length=32",
-        "train.micro_batch_size=1",
+        "train.micro_batch_size=2",  # 4 micro-batches of the global 8 at dp1: accumulation kept, half the steps' cost
         "train.global_batch_size=8",
         "optimizer.warmup_steps=2",
         "optimizer.lr=3e-3",
@@ -180,7 +180,8 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     hck, e1, e2 = tmp_path / "hf_ckpt", tmp_path / "export_full", tmp_path / "export_resumed"
     moe = make_tiny("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe", output_router_logits=True,
                     router_aux_loss_coef=0.5)  # fmt: skip
-    mck, moe_hf = tmp_path / "moe_ckpt", ["model.backend=hf", "train.steps=3"]
+    # one sample per micro-batch: transformers_loss' aux term is the mean of one-sample micro-batches'
+    mck, moe_hf = tmp_path / "moe_ckpt", ["model.backend=hf", "train.steps=3", "train.micro_batch_size=1"]
     jobs = [
         job("full", llama, *base),
         # checkpoint.async_save: saves at 2, 4 and 5 written in the background, published at later
