@@ -133,7 +133,7 @@ def _run_rank(a: argparse.Namespace, rank: int, run_id: str) -> None:
 
 def _supervise(children: dict[int, int]) -> int:
     """Wait for every rank; on the first failure stop the rest (SIGTERM, then SIGKILL)."""
-    failed: tuple[int, int] | None = None
+    failed = False
     deadline = None
 
     def forward(signum, _frame):
@@ -160,14 +160,12 @@ def _supervise(children: dict[int, int]) -> int:
         if rank is None:
             continue
         code = os.waitstatus_to_exitcode(status)
-        if code != 0 and failed is None:
-            failed = (rank, code)
+        if code != 0 and not failed:
+            failed = True
             print(f"fork_launch: rank {rank} (pid {pid}) exited with {code}; stopping the others", file=sys.stderr)
             forward(signal.SIGTERM, None)
             deadline = time.monotonic() + GRACE_S
-    if failed is None:
-        return 0
-    return 1
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,18 +6,18 @@ import time
 
 import pytest
 
-from megatron_bridge.testing import TorchrunError, run_torchrun
+from megatron_bridge.testing import TorchrunError
 
 pytestmark = pytest.mark.dist
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(params=["torchrun", "fork"])
-def torchrun(request):
-    """The harness under both launchers: torchrun, and megatron_bridge.fork_launch (tests/dist)."""
+def torchrun(request, torchrun):
+    """tests/conftest.py's `torchrun` under both launchers: torchrun, and
+    megatron_bridge.fork_launch (tests/dist)."""
 
     def run(args, nproc, **kwargs):
-        return run_torchrun(args, nproc, cwd=ROOT, launcher=request.param, **kwargs)
+        return torchrun(args, nproc, launcher=request.param, **kwargs)
 
     run.launcher = request.param
     return run
