@@ -21,8 +21,10 @@ Checks, in order of what they prove:
 On request (`--only headdim,async`, not in the default set):
 6. `headdim`: `train_overhead.py` on a ~1.6 B shape (h 4096, 8 layers, seq 4096) with head dim
    128 and 512: on 2026-11-27 ours was 1.72x the bare loop at head dim 512 (see docs).
-7. `async`: `benchmarks/async_save.py` on a ~0.33 B shape (bf16, 4.6 GB checkpoints), a save or
-   an HF export every 30 steps: the training thread's snapshot and wait per save.
+7. `async`: `benchmarks/host_snapshot.py` (a 4 GB state to host: fresh memory against the
+   reused pinned staging buffers), then `benchmarks/async_save.py` on a ~0.33 B shape (bf16,
+   4.6 GB checkpoints), a save or an HF export every 30 steps: the training thread's snapshot
+   and wait per save.
 """
 
 from __future__ import annotations
@@ -193,7 +195,10 @@ def main() -> int:
             cmd = [sys.executable, "-m", "megatron_bridge.cli", "verify", "verify.tiny=llama", "verify.layouts=[tp1]"]
             rc, text, secs = run("te_verify", [*cmd, "verify.checks=[logits,roundtrip,grads]"], 200, out)
             say(f"- te verify llama tp1 (TE's attention): rc={rc} in {secs:.0f} s\n```\n{tail(text, 12)}\n```")
-    if "async" in only:
+    if "async" in only:  # the snapshot alone (fresh memory vs pinned staging), then the training loop
+        size = ["--gb", "0.1", "--mb", "8"] if a.smoke else ["--gb", "4", "--mb", "256"]
+        rc, text, secs = run("snapshot", [sys.executable, "benchmarks/host_snapshot.py", *size], 180, out)
+        say(f"- snapshot ({' '.join(size)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 5)}\n```")
         shape = ["--hidden", "128", "--layers", "2", "--steps", "5", "--every", "2"]
         if not a.smoke:
             shape = ["--hidden", "2048", "--layers", "4", "--seq", "2048", "--gbs", "8", "--vocab", "32000"]

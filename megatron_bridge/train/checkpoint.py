@@ -24,7 +24,6 @@ file is written, after the manifest, after the rename — tests/reliability kill
 
 from __future__ import annotations
 
-import copy
 import errno
 import hashlib
 import json
@@ -46,6 +45,7 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import fault
 from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.safe_load import torch_load
+from megatron_bridge.train.host_staging import HostStaging, host_snapshot
 from megatron_bridge.train.manifest import (
     LATEST,
     MANIFEST,
@@ -101,13 +101,15 @@ def start(
     extra: Callable[[Path], None] | None = None,
     *,
     background: bool = False,
+    staging: HostStaging | None = None,
 ) -> Pending:
     """Collective: every rank calls it with its own `state`. `extra(tmp_dir)`, when given, is
     called on every rank to write engine-owned files (DeepSpeed's ZeRO partitions, a LoRA
     adapter) into the same not-yet-published directory; rank 0 checksums those too.
 
     With `background` the calling thread takes only the snapshot (`host_snapshot`: every tensor
-    copied to host memory no step touches), and a thread serialises it into the rank file,
+    copied to host memory no step touches; into `staging`'s reused, on a GPU pinned, buffers
+    when given), and a thread serialises it into the rank file,
     hashing and fsyncing it while training goes on; on a GPU, serialising in the step cost more
     than the device-to-host copy by ~10x (docs/benchmarks.md, "Async checkpoint save"). The returned `Pending`
     publishes the directory when every rank's write is done (`Pending.written_everywhere`,
@@ -124,27 +126,11 @@ def start(
         tmp.mkdir()
     if dist:
         dist.barrier()
-    data = host_snapshot(state) if background else state
+    data = host_snapshot(state, staging) if background else state
     if extra is not None:
         with _no_space(root, tmp, iteration):
             extra(tmp)
     return Pending(root, iteration, meta, f"rank_{rank:05d}.pt", data, background)
-
-
-def host_snapshot(state: Any) -> Any:
-    """`state` with every tensor copied to (new) host memory, containers rebuilt, other leaves
-    deep-copied: what a background writer may serialise while the step changes the originals.
-    A view is copied alone (its values, not the storage it views): loaded the same."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return type(state)((k, host_snapshot(v)) for k, v in state.items())
-    if isinstance(state, list):
-        return [host_snapshot(v) for v in state]
-    if isinstance(state, tuple):
-        items = [host_snapshot(v) for v in state]
-        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
-    return copy.deepcopy(state)
 
 
 def write_state(path: Path, state: Any) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from megatron_bridge.train import checkpoint as ckpt
 from megatron_bridge.train.data.loader import build_datasets, make_iterator
 from megatron_bridge.train.engines import Engine, make_engine
 from megatron_bridge.train.guard import NonFinite, NonFiniteSteps, StopSignals, check_finite_weights
+from megatron_bridge.train.host_staging import HostStaging
 from megatron_bridge.train.inflight import InFlight
 from megatron_bridge.train.init import init_weights, loads_weights
 from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
@@ -154,6 +155,7 @@ def _loop(run: _Run, start: int) -> bool:
         StopSignals(run.engine.device, save_on_launcher_gone=bool(cfg.checkpoint.dir)),
     )
     saves: InFlight[ckpt.Pending] = InFlight(lambda p: p.finish())  # checkpoint.async_save
+    staging = HostStaging() if cfg.checkpoint.async_save else None  # its host buffers, reused per save
     exports: InFlight[HFExport] = InFlight(lambda e: _published(run, e))  # train.export_interval
     try:
         stop = cfg.train.steps if cfg.train.exit_after is None else min(cfg.train.steps, start + cfg.train.exit_after)
@@ -183,7 +185,7 @@ def _loop(run: _Run, start: int) -> bool:
             if _save_due(cfg, step + 1, last=step + 1 == stop) or (stop_signal and cfg.checkpoint.dir):
                 phase = f"checkpoint save at step {step + 1}"
                 watchdog.arm(phase)
-                saves.start(partial(_save, run, step + 1))
+                saves.start(partial(_save, run, step + 1, staging))
                 if not cfg.checkpoint.async_save or ending:
                     saves.drain()  # the last one is published before the job ends
             if cfg.train.export_interval and (step + 1) % cfg.train.export_interval == 0:
@@ -262,9 +264,10 @@ def _save_due(cfg, step: int, *, last: bool) -> bool:
     return bool(cfg.checkpoint.dir) and (bool(every and step % every == 0) or last)
 
 
-def _save(run: _Run, step: int) -> ckpt.Pending:
+def _save(run: _Run, step: int, staging: HostStaging | None = None) -> ckpt.Pending:
     """Snapshot and write this step's checkpoint; published by the returned `Pending.finish`
-    (the rank files written in the background with `checkpoint.async_save`)."""
+    (the rank files written in the background with `checkpoint.async_save`, from a host copy
+    in `staging`'s buffers)."""
     check_finite_weights(run.engine.model_chunks, step, run.engine.device)  # collective; raises NonFinite
     state = {"engine": run.engine.state_dict(), "rng": ckpt.rng_state(), "step": step}
 
@@ -275,7 +278,9 @@ def _save(run: _Run, step: int) -> ckpt.Pending:
                 run.engine.model_chunks, run.cfg.peft, str(directory / ADAPTER_DIR), base_of(run.cfg, run.spec)
             )
 
-    return ckpt.start(run.cfg.checkpoint.dir, step, state, run.meta, extra, background=run.cfg.checkpoint.async_save)
+    return ckpt.start(
+        run.cfg.checkpoint.dir, step, state, run.meta, extra, background=run.cfg.checkpoint.async_save, staging=staging
+    )
 
 
 def _export(run: _Run) -> None:

@@ -127,3 +127,32 @@ def test_disk_full_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", manifest.LATEST]  # nothing half-written
     it, state = ckpt.load(tmp_path, {})
     assert it == 2 and torch.equal(state["w"], torch.ones(3))
+
+
+def test_background_saves_reuse_the_staging_buffers(tmp_path):
+    """checkpoint.async_save with `HostStaging`: the second save's snapshot goes into the first
+    one's host buffers (same memory; on a GPU pinned ones), once the first write is published;
+    each file holds its own step's values; a place whose shape changes gets a new buffer."""
+    from megatron_bridge.train.host_staging import HostStaging
+
+    staging = HostStaging()
+    w, b = torch.ones(4), torch.zeros(2, dtype=torch.bfloat16)
+    first = ckpt.start(tmp_path, 1, {"w": w, "opt": [{"b": b}], "n": 1}, {}, background=True, staging=staging)
+    first.finish()
+    ptrs = {k: t.data_ptr() for k, t in staging._buffers.items()}
+    assert set(ptrs) == {("w",), ("opt", 0, "b")} and staging.nbytes == 4 * 4 + 2 * 2
+    w.add_(1)
+    second = ckpt.start(tmp_path, 2, {"w": w, "opt": [{"b": torch.ones(3, dtype=torch.bfloat16)}], "n": 2}, {},
+                        background=True, staging=staging)  # fmt: skip
+    w.add_(1)  # after the snapshot: not in the file
+    second.finish()
+    assert staging._buffers[("w",)].data_ptr() == ptrs[("w",)]  # reused
+    assert staging._buffers[("opt", 0, "b")].shape == (3,)  # re-allocated for the new shape
+    assert torch.equal(torch_load_rank(tmp_path, 1)["w"], torch.ones(4))
+    state = torch_load_rank(tmp_path, 2)
+    assert torch.equal(state["w"], torch.full((4,), 2.0)) and state["n"] == 2
+    assert torch.equal(state["opt"][0]["b"], torch.ones(3, dtype=torch.bfloat16))
+
+
+def torch_load_rank(root, iteration):
+    return torch.load(manifest.iter_dir(root, iteration) / "rank_00000.pt", weights_only=True)
