@@ -168,11 +168,13 @@ def _supervise(children: dict[int, int]) -> int:
     return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    a = _parse(argv)
+def preload() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
+
+
+def launch(a: argparse.Namespace, argv: list[str]) -> int:
+    """Fork the ranks of `a` and supervise them (torchrun instead beside a second thread)."""
     if _threads() != 1:  # an import started a thread: forking now could copy a held lock
         _torchrun_instead(argv)
     run_id = uuid.uuid4().hex[:12]
@@ -185,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             _run_rank(a, rank, run_id)  # never returns
         children[pid] = rank
     return _supervise(children)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    a = _parse(argv)
+    preload()
+    return launch(a, argv)
 
 
 if __name__ == "__main__":

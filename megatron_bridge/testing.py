@@ -23,6 +23,9 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from megatron_bridge import fork_server
+from megatron_bridge.fork_server import SERVER_ENV
+
 RESULT_DIR_ENV = "MBR_TEST_RESULT_DIR"
 DEFAULT_TIMEOUT = 300.0
 # `torchrun` (the default) or `fork`: megatron_bridge.fork_launch, the same ranks and
@@ -165,7 +168,8 @@ def _launch(args, nproc, out_dir, run_env, cwd, timeout, launcher):
     cmd = torchrun_cmd(nproc, *args, launcher=launcher)
     log_path = Path(out_dir) / "output.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
+        proc = _forked(cmd[3:], run_env, cwd, log.fileno()) if launcher == "fork" else None
+        proc = proc or subprocess.Popen(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -186,6 +190,18 @@ def _launch(args, nproc, out_dir, run_env, cwd, timeout, launcher):
             if proc.poll() is None:
                 _kill_tree(proc)
     return returncode, log_path.read_text(errors="replace")
+
+
+def _forked(argv, run_env, cwd, out_fd):
+    """The launch from the session's fork server (`$MBR_FORK_SERVER`, megatron_bridge/fork_server.py:
+    the imports done once per pytest session), or None: start a process instead."""
+    sock = run_env.get(SERVER_ENV)
+    if not sock:
+        return None
+    try:
+        return fork_server.launch(sock, argv, run_env, cwd, out_fd)
+    except OSError:
+        return None
 
 
 def _port_clash(output: str) -> bool:

@@ -55,6 +55,7 @@ LAUNCHERS = {
     "srun": "srun",
     "slurmstepd": "srun's slurmstepd",
     "megatron_bridge.fork_launch": "fork_launch",  # the test suite's launcher (fork_launch.py)
+    "megatron_bridge.fork_server": "fork_launch",  # the same, forked from the suite's fork_server.py
 }
 _armed: list[tuple[int, int, str]] = []  # (pid, its parent's pid, the parent's name), child first
 _grace_until = 0.0  # time.monotonic() before which a gone launcher does not end this rank (`defer`)

@@ -6,15 +6,24 @@ import time
 
 import pytest
 
+from megatron_bridge.fork_server import SERVER_ENV
 from megatron_bridge.testing import TorchrunError
 
 pytestmark = pytest.mark.dist
 
 
+LAUNCHED_BY = {"torchrun": "torch.distributed.run", "fork": "megatron_bridge.fork_server"}
+
+
 @pytest.fixture(params=["torchrun", "fork"])
 def torchrun(request, torchrun):
     """tests/conftest.py's `torchrun` under both launchers: torchrun, and
-    megatron_bridge.fork_launch (tests/dist)."""
+    megatron_bridge.fork_launch from the session's fork server (tests/dist/conftest.py),
+    once that has done its imports and listens."""
+    if request.param == "fork":
+        sock, deadline = os.environ[SERVER_ENV], time.monotonic() + 120
+        while not os.path.exists(sock) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def run(args, nproc, **kwargs):
         return torchrun(args, nproc, launcher=request.param, **kwargs)
@@ -35,7 +44,10 @@ def _alive(pid: int) -> bool:
 
 def test_collects_one_dict_per_rank_in_rank_order(torchrun):
     results = torchrun([PROBE, "report", "a", "b"], 3, timeout=120)
-    assert results == [{"rank": r, "world": 3, "args": ["a", "b"], "second": True} for r in range(3)]
+    launcher = LAUNCHED_BY[torchrun.launcher]
+    assert results == [
+        {"rank": r, "world": 3, "args": ["a", "b"], "second": True, "launcher": launcher} for r in range(3)
+    ]
 
 
 def test_nonzero_exit_raises_with_the_ranks_output(torchrun):
@@ -49,9 +61,7 @@ def test_nonzero_exit_raises_with_the_ranks_output(torchrun):
 def test_hung_ranks_fail_within_the_timeout_and_are_killed(torchrun, tmp_path):
     if not os.path.isdir("/proc"):
         pytest.skip("checks process liveness through /proc")
-    # fork_launch imports torch, megatron-core, transformers and DeepSpeed before any rank
-    # starts (~10 s of CPU, longer on a loaded box): its ranks need more time to be hanging
-    timeout = 20 if torchrun.launcher == "torchrun" else 45
+    timeout = 20
     start = time.monotonic()
     with pytest.raises(TorchrunError, match=f"timed out after {timeout} s"):
         torchrun([PROBE, "hang", str(tmp_path)], 2, timeout=timeout)

@@ -63,3 +63,40 @@ def test_a_second_thread_means_torchrun_not_fork(monkeypatch):
         stop.set()
         t.join()
     assert execs[0][1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "1", "s.py", "x"]
+
+
+def test_fork_server_launches_reports_exit_codes_and_falls_back(tmp_path, monkeypatch):
+    """megatron_bridge.fork_server (here without its imports, PRELOAD empty): run_torchrun's
+    fork launches go through it — the ranks' parent is the launcher it forked, a failing rank's
+    exit code comes back — and without a server listening, a launch starts its own process."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from megatron_bridge import testing
+    from megatron_bridge.fork_server import SERVER_ENV
+    from megatron_bridge.testing import TorchrunError, run_torchrun
+
+    root, sock = Path(__file__).resolve().parents[2], str(tmp_path / "socket")
+    code = "import sys; from megatron_bridge import fork_launch, fork_server; fork_launch.PRELOAD = (); "
+    code += "fork_server.serve(sys.argv[1])"
+    server = subprocess.Popen([sys.executable, "-c", code, sock], cwd=root)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setenv(SERVER_ENV, sock)
+        probe = "tests/dist/scripts/harness_probe.py"
+        results = run_torchrun([probe, "report", "x"], 2, launcher="fork", cwd=str(root), timeout=60)
+        assert [r["rank"] for r in results] == [0, 1] and results[0]["args"] == ["x"]
+        assert {r["launcher"] for r in results} == {code}  # forked from the server (python -c CODE)
+        with pytest.raises(TorchrunError) as err:
+            run_torchrun([probe, "fail"], 2, launcher="fork", cwd=str(root), timeout=60)
+        assert err.value.returncode == 1 and "PROBE-FAILURE-MARKER" in err.value.output
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    with open(tmp_path / "log", "wb") as log:  # no server listening: the launch starts its own process
+        assert testing._forked(["s.py"], {SERVER_ENV: sock}, None, log.fileno()) is None

@@ -1,6 +1,6 @@
 """Tiny torchrun worker for the harness tests (no torch import, so a launch takes ~2 s).
 
-    harness_probe.py report ARG...   each rank reports its env and ARGs
+    harness_probe.py report ARG...   each rank reports its env, ARGs and its launcher's module
     harness_probe.py fail            rank 1 prints a marker and exits with code 3
     harness_probe.py hang PID_DIR    every rank writes its pid to PID_DIR, then sleeps forever
 """
@@ -16,6 +16,8 @@ rank = int(os.environ["RANK"])
 if mode == "report":
     report({"rank": rank, "world": int(os.environ["WORLD_SIZE"]), "args": args})
     report({"second": True})  # reports of one rank merge
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:  # python -m MODULE ...: the launcher
+        report({"launcher": f.read().split(b"\0")[2].decode()})
 elif mode == "fail":
     if rank == 1:
         print("PROBE-FAILURE-MARKER", flush=True)
