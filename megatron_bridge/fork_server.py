@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from megatron_bridge import fork_launch
+
 SERVER_ENV = "MBR_FORK_SERVER"  # the socket of a running server; unset: every launch is a process
 
 
@@ -113,8 +115,6 @@ def _receive(conn: socket.socket) -> tuple[dict, int]:
 
 def _run_launcher(listener: socket.socket, conns: dict[int, socket.socket], req: dict, out_fd: int) -> None:
     """In the forked child: become the launcher of `req` (never returns)."""
-    from megatron_bridge import fork_launch
-
     code = 1
     try:
         listener.close()
@@ -144,8 +144,6 @@ def _run_launcher(listener: socket.socket, conns: dict[int, socket.socket], req:
 
 
 def serve(sock_path: str) -> int:
-    from megatron_bridge import fork_launch
-
     fork_launch.preload()
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
