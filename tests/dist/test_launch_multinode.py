@@ -16,7 +16,7 @@ from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.testing import RESULT_DIR_ENV, free_port, run_torchrun
 
 pytestmark = pytest.mark.dist
-LAUNCHER = "torchrun"  # the test is about torchrun's agents and rendezvous
+LAUNCHER = "torchrun"  # the test is about torchrun's agents and rendezvous (its reference run: fork)
 PROBE = "tests/dist/train_scripts/multinode_probe.py"
 
 
@@ -57,6 +57,6 @@ def test_two_node_jobs_match_single_node(tmp_path):
         assert {r["node"] for r in per_rank} == {0, 1}
     assert {multi[2][m]["node"] for m in multi[2][0]["pp_group"]} == {0, 1}  # PP spans the two nodes
     single = run_torchrun([PROBE, str(tmp_path / "single"), "pp2:" + ",".join([*common, "parallel.pp=2"])], nproc=4,
-                          timeout=600, env={"GROUP_RANK": "0"})[0]["pp2"]  # fmt: skip
+                          timeout=600, env={"GROUP_RANK": "0"}, launcher="fork")[0]["pp2"]  # fmt: skip
     assert single["losses"] == pytest.approx(multi[2][0]["losses"], rel=1e-6)
     assert single["losses"] == pytest.approx(multi[1][0]["losses"], rel=2e-5)
