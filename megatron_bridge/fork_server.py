@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
 from megatron_bridge import fork_launch
 
@@ -113,12 +114,14 @@ def _receive(conn: socket.socket) -> tuple[dict, int]:
     return json.loads(body), fds[0]
 
 
-def _run_launcher(listener: socket.socket, conns: dict[int, socket.socket], req: dict, out_fd: int) -> None:
-    """In the forked child: become the launcher of `req` (never returns)."""
-    code = 1
+def _run_launcher(listener: socket.socket, open_conns: list[socket.socket], req: dict, out_fd: int) -> None:
+    """In the forked child: become the launcher of `req`; exits with its code. A rank it forks
+    comes back through here with the rank's SystemExit, which goes on up to the interpreter's
+    own exit (atexit handlers, flushes) as in a process started for the rank."""
+    me, code = os.getpid(), 1
     try:
         listener.close()
-        for c in conns.values():
+        for c in open_conns:  # the callers' connections: only the server answers them
             c.close()
         os.setsid()  # its own session: the caller's kill of this tree reaches nothing else
         os.dup2(out_fd, 1)
@@ -132,15 +135,16 @@ def _run_launcher(listener: socket.socket, conns: dict[int, socket.socket], req:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         code = fork_launch.launch(fork_launch._parse(req["argv"]), req["argv"])
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        if os.getpid() != me:
+            raise
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:
-        import traceback
-
+        if os.getpid() != me:
+            raise
         traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(sock_path: str) -> int:
@@ -175,10 +179,13 @@ def serve(sock_path: str) -> int:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _run_launcher(listener, conns, req, out_fd)
+            _run_launcher(listener, [*conns.values(), conn], req, out_fd)
         os.close(out_fd)
         conns[pid] = conn
-        _send(conn, {"pid": pid})
+        try:
+            _send(conn, {"pid": pid})
+        except OSError:
+            pass  # the caller is gone; its launch is reaped as any other
     return 0
 
 
@@ -189,6 +196,8 @@ def _send(conn: socket.socket, data: dict) -> None:
 def _reply(conn: socket.socket, data: dict) -> None:
     try:
         _send(conn, data)
+    except OSError:
+        pass  # the caller is gone
     finally:
         conn.close()
 

@@ -92,6 +92,14 @@ def test_fork_server_launches_reports_exit_codes_and_falls_back(tmp_path, monkey
         results = run_torchrun([probe, "report", "x"], 2, launcher="fork", cwd=str(root), timeout=60)
         assert [r["rank"] for r in results] == [0, 1] and results[0]["args"] == ["x"]
         assert {r["launcher"] for r in results} == {code}  # forked from the server (python -c CODE)
+        atexit_probe = tmp_path / "atexit_probe.py"  # a rank ends as its own process would: atexit runs
+        atexit_probe.write_text(
+            "import atexit, os, sys\n"
+            "atexit.register(lambda: open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close())\n"
+            "sys.exit(0)\n"
+        )
+        run_torchrun([str(atexit_probe), str(tmp_path)], 2, launcher="fork", timeout=60, expect_results=False)
+        assert (tmp_path / "0").exists() and (tmp_path / "1").exists()
         with pytest.raises(TorchrunError) as err:
             run_torchrun([probe, "fail"], 2, launcher="fork", cwd=str(root), timeout=60)
         assert err.value.returncode == 1 and "PROBE-FAILURE-MARKER" in err.value.output
