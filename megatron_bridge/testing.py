@@ -88,6 +88,16 @@ def report(data: Mapping, *, rank: int | None = None) -> None:
     tmp.replace(path)
 
 
+def launch_env() -> dict[str, str]:
+    """This process's environment with the defaults every test launch gets (one thread per
+    rank, unbuffered output, transformers' UserWarnings quiet); the fork server's too."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+    return env
+
+
 def run_torchrun(
     script_or_module_args: Sequence[str],
     nproc: int,
@@ -108,16 +118,8 @@ def run_torchrun(
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r}: one of {LAUNCHERS}")
     with tempfile.TemporaryDirectory(prefix="mbr-torchrun-") as out_dir:
-        run_env = dict(os.environ)
-        run_env.update(
-            {
-                RESULT_DIR_ENV: out_dir,
-                "OMP_NUM_THREADS": run_env.get("OMP_NUM_THREADS", "1"),
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONWARNINGS": run_env.get("PYTHONWARNINGS", "ignore::UserWarning"),
-                "TORCHELASTIC_ERROR_FILE": str(Path(out_dir) / "error.json"),
-            }
-        )
+        run_env = launch_env()
+        run_env.update({RESULT_DIR_ENV: out_dir, "TORCHELASTIC_ERROR_FILE": str(Path(out_dir) / "error.json")})
         run_env.update(env or {})
         start = time.monotonic()
         for attempt in range(2):  # a second try only if the free port was taken meanwhile

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from megatron_bridge.fork_server import SERVER_ENV
-from megatron_bridge.testing import LAUNCHER_ENV
+from megatron_bridge.testing import LAUNCHER_ENV, launch_env
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,9 +23,7 @@ def _fork_server():
         return
     with tempfile.TemporaryDirectory(prefix="mbr-fork-server-") as d:
         sock = os.path.join(d, "socket")
-        # the environment run_torchrun gives a launch, so the server's imports see the same
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
-        env.setdefault("PYTHONWARNINGS", "ignore::UserWarning")
+        env = launch_env()  # what run_torchrun gives a launch, so the server's imports see the same
         with open(os.path.join(d, "server.log"), "wb") as log:
             server = subprocess.Popen(
                 [sys.executable, "-m", "megatron_bridge.fork_server", sock], stdout=log, stderr=subprocess.STDOUT, env=env
