@@ -124,8 +124,8 @@ def initialize(
     megatron_fixes.apply()
     if not cuda:
         cpu.install()
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    release()
+    before = set(_process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -137,6 +137,7 @@ def initialize(
         order=ORDER,
         create_gloo_process_groups=create_gloo_groups,
     )
+    _MEGATRON_GROUPS[:] = [pg for pg in _process_groups() if pg not in before]
     stage_seed = seed + PP_SEED_STRIDE * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
     np.random.seed(stage_seed)
@@ -152,12 +153,45 @@ def comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def destroy() -> None:
-    """Drop megatron's groups and the default process group (tests, layout switches)."""
+def release() -> None:
+    """Take megatron's groups down and destroy the process groups `initialize` made for them;
+    the default group stays (the next layout of a launch, `job.run(finalize=False)`).
+
+    Collective: every rank calls it after its last collective on those groups. megatron's own
+    `destroy_model_parallel` only forgets them, and a forgotten gloo group lives on with its
+    transport thread waking every 10 ms (gloo's tcp loop) and two worker threads: ~17 groups a
+    layout, so a launch that ran a few dozen layouts spent a fifth of its CPU in those wake-ups
+    (docs/contributing.md, "Test time")."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if not _MEGATRON_GROUPS:
+        return
+    dist = torch.distributed
+    alive = set(_process_groups())
+    doomed = [pg for pg in _MEGATRON_GROUPS if pg in alive]
+    _MEGATRON_GROUPS.clear()
+    if doomed:
+        dist.barrier()  # no peer is still inside a collective on them
+        for pg in doomed:
+            dist.destroy_process_group(pg)
+
+
+def destroy() -> None:
+    """Drop megatron's groups and the default process group (tests, layout switches)."""
+    release()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+# The process groups the last `initialize` made for megatron-core (release() destroys them).
+_MEGATRON_GROUPS: list = []
+
+
+def _process_groups() -> list:
+    """Every process group this rank is a member of, the default one included."""
+    if not torch.distributed.is_initialized():
+        return []
+    return list(torch.distributed.distributed_c10d._world.pg_map)
 
 
 def _ranks(group) -> list[int]:

@@ -342,7 +342,7 @@ def _teardown(finalize: bool) -> None:
     if finalize:
         groups.destroy()
     else:
-        ps.destroy_model_parallel()
+        groups.release()
 
 
 def _with_fault(make, step: int, micro_batches: int):

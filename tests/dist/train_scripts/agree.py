@@ -38,8 +38,7 @@ def count_job(overrides):
     ids, first, last = stages[pp_rank]
     rp = P.rank_params(spec, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)
     del chunks
-    ps.destroy_model_parallel()
-    torch.distributed.barrier()
+    groups.release()
     return {"built": built, "planned": rp["dense"] + rp["expert"], "pp_rank": pp_rank}
 
 
