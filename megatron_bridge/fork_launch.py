@@ -24,6 +24,7 @@ torch's thread pools; where an import started another thread, it replaces itself
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import runpy
@@ -171,6 +172,9 @@ def _supervise(children: dict[int, int]) -> int:
 def preload() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
+    # What the imports made is moved out of the cyclic GC's generations: a rank's collections
+    # then neither walk it nor write its headers (each write copies a page the parent shares).
+    gc.freeze()
 
 
 def launch(a: argparse.Namespace, argv: list[str]) -> int:

@@ -158,22 +158,22 @@ def release() -> None:
     the default group stays (the next layout of a launch, `job.run(finalize=False)`).
 
     Collective: every rank calls it after its last collective on those groups. megatron's own
-    `destroy_model_parallel` only forgets them, and a forgotten gloo group lives on with its
+    `destroy_model_parallel` destroys its gloo copies and only forgets the rest, and a forgotten
+    gloo group lives on with its
     transport thread waking every 10 ms (gloo's tcp loop) and two worker threads: ~17 groups a
     layout, so a launch that ran a few dozen layouts spent a fifth of its CPU in those wake-ups
     (docs/contributing.md, "Test time")."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if not _MEGATRON_GROUPS:
-        return
-    dist = torch.distributed
-    alive = set(_process_groups())
-    doomed = [pg for pg in _MEGATRON_GROUPS if pg in alive]
+    made = list(_MEGATRON_GROUPS)
     _MEGATRON_GROUPS.clear()
+    alive = set(_process_groups())
+    doomed = [pg for pg in made if pg in alive]  # destroy_model_parallel destroys its gloo copies itself
     if doomed:
-        dist.barrier()  # no peer is still inside a collective on them
+        torch.distributed.barrier()  # no peer is still inside a collective on them
         for pg in doomed:
-            dist.destroy_process_group(pg)
+            torch.distributed.destroy_process_group(pg)
+    megatron_fixes.forget_groups(made)
 
 
 def destroy() -> None:

@@ -4,10 +4,15 @@
    router's gating GEMM tests `te_general_gemm is not None`: every MoE forward raises
    NameError — on a GPU without TE as on the CPU (seen on an H100, docs/benchmarks.md "GPU").
    Defining it as None takes megatron's own torch.mm path.
+2. `parallel_state.destroy_model_parallel()` leaves `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`
+   and its `_GLOO` copy set: a destroyed group stays referenced, and a gloo one keeps its
+   transport thread until the next layout overwrites them. `forget_groups` clears every
+   parallel_state global that still holds one of the groups `groups.release()` destroyed.
 """
 
 from __future__ import annotations
 
+from megatron.core import parallel_state
 from megatron.core.transformer.moe import moe_utils
 
 
@@ -17,4 +22,11 @@ def apply() -> None:
         moe_utils.te_general_gemm = None
 
 
-__all__ = ["apply"]
+def forget_groups(destroyed: list) -> None:
+    """Clear the parallel_state globals destroy_model_parallel left pointing at `destroyed`."""
+    for name, value in list(vars(parallel_state).items()):
+        if name.isupper() and any(value is pg for pg in destroyed):  # its _GROUP globals
+            setattr(parallel_state, name, None)
+
+
+__all__ = ["apply", "forget_groups"]

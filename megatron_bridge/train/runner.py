@@ -18,6 +18,7 @@ or save making no progress for `train.timeout_minutes` is ended by the watchdog
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 import sys
@@ -168,6 +169,9 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
 
     from megatron_bridge.train import job  # torch and megatron load only once the config is known good
 
+    # The imports' ~1 M objects (torch, megatron-core, transformers) leave the cyclic GC's
+    # generations: its full collections during training would walk them for nothing.
+    gc.freeze()
     job.run(cfg, dims, spec, args.recipe, ckpt_meta(cfg, dims, spec), finalize=finalize)
     return 0
 

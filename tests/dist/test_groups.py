@@ -40,6 +40,17 @@ def test_every_rank_reported_every_layout(results):
         assert set(r["layouts"]) == set(LAYOUTS)
 
 
+def test_a_layout_switch_destroys_the_groups_it_made(results):
+    """groups.release() (what the next layout's initialize calls) leaves only the default group
+    and its one gloo transport thread: megatron's destroy_model_parallel alone forgot ~17 groups a
+    layout, each with a thread waking every 10 ms (a fifth of the tests' CPU)."""
+    for r in results:
+        for overrides, entry in r["layouts"].items():
+            assert entry["groups_made"] >= 5, (overrides, entry["groups_made"])
+            assert entry["groups_left"] == 0, (r["rank"], overrides, entry["groups_left"])
+            assert entry["gloo_loops_left"] == 1, (r["rank"], overrides, entry["gloo_loops_left"])
+
+
 @pytest.mark.parametrize("overrides", list(LAYOUTS))
 def test_megatron_groups_equal_topology(results, overrides):
     topo = _topology(overrides)

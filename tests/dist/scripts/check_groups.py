@@ -6,7 +6,9 @@ mpu's view) plus an all-reduce over each group, so the test can compare them wit
         "recipe=tiny_llama parallel.tp=2 parallel.pp=2" "recipe=tiny_mixtral parallel.pp=2"
 """
 
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -95,6 +97,17 @@ def rng_draws():
     return {"tracker": type(tracker).__name__, "model": model, "expert": expert, "default": default}
 
 
+def gloo_loop_threads() -> int:
+    """This process's gloo transport threads (one per live gloo process group; each wakes every 10 ms)."""
+    names = []
+    for comm in Path(f"/proc/{os.getpid()}/task").glob("*/comm"):
+        try:
+            names.append(comm.read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return names.count("gloo_tcp_loop")
+
+
 def main(layouts):
     from megatron.core import parallel_state as ps
 
@@ -118,6 +131,11 @@ def main(layouts):
         entry["mpu"]["dp_group_ranks"] = list(mpu.get_data_parallel_group_ranks())
         entry["deepspeed"] = deepspeed_view(mpu)
         entry["rng"] = rng_draws()
+        entry["groups_made"] = len(torch.distributed.distributed_c10d._world.pg_map) - 1
+        del group  # the loops' last one: a referenced group (and its thread) outlives its destruction
+        groups.release()  # the next layout's initialize would too; here so the test sees what is left
+        entry["groups_left"] = len(torch.distributed.distributed_c10d._world.pg_map) - 1
+        entry["gloo_loops_left"] = gloo_loop_threads()
         out[overrides] = entry
     report({"rank": rank, "layouts": out, "shim": cpu.is_installed()})
     groups.destroy()
