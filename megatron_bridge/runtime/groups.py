@@ -125,7 +125,7 @@ def initialize(
     if not cuda:
         cpu.install()
     release()
-    before = set(_process_groups())
+    before = set(process_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -137,7 +137,7 @@ def initialize(
         order=ORDER,
         create_gloo_process_groups=create_gloo_groups,
     )
-    _MEGATRON_GROUPS[:] = [pg for pg in _process_groups() if pg not in before]
+    _MEGATRON_GROUPS[:] = [pg for pg in process_groups() if pg not in before]
     stage_seed = seed + PP_SEED_STRIDE * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
     np.random.seed(stage_seed)
@@ -159,15 +159,14 @@ def release() -> None:
 
     Collective: every rank calls it after its last collective on those groups. megatron's own
     `destroy_model_parallel` destroys its gloo copies and only forgets the rest, and a forgotten
-    gloo group lives on with its
-    transport thread waking every 10 ms (gloo's tcp loop) and two worker threads: ~17 groups a
-    layout, so a launch that ran a few dozen layouts spent a fifth of its CPU in those wake-ups
-    (docs/contributing.md, "Test time")."""
+    gloo group lives on with its transport thread waking every 10 ms (gloo's tcp loop) and two
+    worker threads: ~17 groups a layout, so a launch that ran a few dozen layouts spent a fifth
+    of its CPU in those wake-ups (docs/contributing.md, "Test time")."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     made = list(_MEGATRON_GROUPS)
     _MEGATRON_GROUPS.clear()
-    alive = set(_process_groups())
+    alive = set(process_groups())
     doomed = [pg for pg in made if pg in alive]  # destroy_model_parallel destroys its gloo copies itself
     if doomed:
         torch.distributed.barrier()  # no peer is still inside a collective on them
@@ -187,7 +186,7 @@ def destroy() -> None:
 _MEGATRON_GROUPS: list = []
 
 
-def _process_groups() -> list:
+def process_groups() -> list:
     """Every process group this rank is a member of, the default one included."""
     if not torch.distributed.is_initialized():
         return []

@@ -131,10 +131,10 @@ def main(layouts):
         entry["mpu"]["dp_group_ranks"] = list(mpu.get_data_parallel_group_ranks())
         entry["deepspeed"] = deepspeed_view(mpu)
         entry["rng"] = rng_draws()
-        entry["groups_made"] = len(torch.distributed.distributed_c10d._world.pg_map) - 1
+        entry["groups_made"] = len(groups.process_groups()) - 1
         del group  # the loops' last one: a referenced group (and its thread) outlives its destruction
         groups.release()  # the next layout's initialize would too; here so the test sees what is left
-        entry["groups_left"] = len(torch.distributed.distributed_c10d._world.pg_map) - 1
+        entry["groups_left"] = len(groups.process_groups()) - 1
         entry["gloo_loops_left"] = gloo_loop_threads()
         out[overrides] = entry
     report({"rank": rank, "layouts": out, "shim": cpu.is_installed()})
