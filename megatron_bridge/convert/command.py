@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.convert.bytemove.pool import usable_cores
+from megatron_bridge.convert.formats.readahead import read_ahead_files
 
 STARTUP_READ_AHEAD = 2**30  # at least this much, or a quarter of the available memory if more
 
@@ -28,33 +29,42 @@ def _available_memory() -> int:
     return 0
 
 
-def read_ahead_source(argv: Sequence[str], budget: int | None = None) -> None:
-    """Ask the kernel to start reading `src=`'s files (in name order, up to `budget` bytes:
-    by default a quarter of the available memory, at least 1 GiB) into the page cache
-    before anything else: the disk works during the command's start-up (imports, Hydra)
-    instead of idling, and for models that fit the budget the conversion then reads from
-    memory. Page cache, not process memory (the kernel drops it under pressure); stdlib
-    only; anything unexpected (no src, unreadable files, no fadvise) is silently skipped —
-    the command itself reports real problems."""
+def read_ahead_source(argv: Sequence[str], budget: int | None = None) -> Callable[[], None]:
+    """Start reading `src=`'s files (in name order, up to `budget` bytes: by default a quarter
+    of the available memory, at least 1 GiB) into the page cache before anything else, so
+    the disk works during the command's start-up (imports, Hydra) instead of idling, and for
+    models that fit the budget the conversion then reads from memory. The kernel is asked in
+    read-ahead-window chunks (formats/readahead.py: one call per file read 8 MiB of it), and
+    those calls block while the disk's queue is full, so they run in a forked child — only
+    where `_may_fork` allows; in-process callers (tests, harnesses) read as they go. Page
+    cache, not process memory (the kernel drops it under pressure); stdlib only; anything
+    unexpected (no src, unreadable files) is silently skipped — the command itself reports
+    real problems. Returns `stop`: ends the child if it is still reading, and reaps it."""
+    src = next((a.split("=", 1)[1] for a in argv if a.startswith("src=")), None)
+    if not src or not os.path.isdir(src) or not _may_fork():
+        return lambda: None
     if budget is None:
         budget = max(STARTUP_READ_AHEAD, _available_memory() // 4)
-    src = next((a.split("=", 1)[1] for a in argv if a.startswith("src=")), None)
-    if not src or not hasattr(os, "posix_fadvise") or not os.path.isdir(src):
-        return
-    try:
-        files = sorted(p for p in Path(src).rglob("*") if p.is_file() and not p.name.endswith(".json"))
-        for p in files:
-            if budget <= 0:
-                break
-            n = min(p.stat().st_size, budget)
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
-            budget -= n
-    except OSError:
-        pass
+    pid = os.fork()
+    if pid == 0:  # the child: queue the reads, then leave without running the parent's exit handlers
+        try:
+            os.nice(19)  # the parent's imports and the compose child come first
+            files = sorted(p for p in Path(src).rglob("*") if p.is_file() and not p.name.endswith(".json"))
+            read_ahead_files(files, budget)
+        except BaseException:
+            pass
+        finally:
+            os._exit(0)
+
+    def stop() -> None:
+        try:
+            if os.waitpid(pid, os.WNOHANG) == (0, 0):  # still queueing: what is left is not needed now
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        except OSError:
+            pass
+
+    return stop
 
 
 def use_huge_pages() -> None:
@@ -76,19 +86,22 @@ def run_command(argv: Sequence[str], schema: str, command: str | Callable[[Any],
     the pipeline, where that can overlap (`compose_beside`) — and run `pipeline.run.<command>`
     (or `command(cfg)` when the caller passes a function)."""
     use_huge_pages()
-    read_ahead_source(argv)
-    composed = compose_beside(argv, schema, doc)
-    # after the lines above, by design: the pipeline loads while the kernel reads ahead and the child composes
-    from megatron_bridge.convert.pipeline import run, schemas
+    stop_reading = read_ahead_source(argv)
+    try:
+        composed = compose_beside(argv, schema, doc)
+        # after the lines above, by design: the pipeline loads while the disk reads ahead and the child composes
+        from megatron_bridge.convert.pipeline import run, schemas
 
-    cfg, print_cfg = composed() or _compose(argv, getattr(schemas, schema), doc)
-    if print_cfg:
-        from megatron_bridge.config.compose import to_yaml  # OmegaConf, only when printing
+        cfg, print_cfg = composed() or _compose(argv, getattr(schemas, schema), doc)
+        if print_cfg:
+            from megatron_bridge.config.compose import to_yaml  # OmegaConf, only when printing
 
-        print(to_yaml(cfg), end="")
-        return 0
-    with sigterm_as_interrupt():
-        return command(cfg) if callable(command) else getattr(run, command)(cfg)
+            print(to_yaml(cfg), end="")
+            return 0
+        with sigterm_as_interrupt():
+            return command(cfg) if callable(command) else getattr(run, command)(cfg)
+    finally:
+        stop_reading()
 
 
 def _compose(argv: Sequence[str], schema: type, doc: str | None) -> tuple[Any, str | None]:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from megatron_bridge.convert.formats.dtypes import BY_ST as ST_DTYPES
 from megatron_bridge.convert.formats.dtypes import DType, dtype_of
 from megatron_bridge.convert.formats.paths import confined, require_regular
+from megatron_bridge.convert.formats.readahead import will_need
 from megatron_bridge.errors import UserError
 
 if TYPE_CHECKING:  # torch and numpy are imported where used: the byte paths and `import bridge` never need them
@@ -247,9 +248,9 @@ class PositionedReader:
 
     def advise(self, path: Path, start: int, nbytes: int) -> None:
         """Tell the kernel this range is read next: it is fetched into the page cache in the
-        background (no process memory), so the disk works while the current tensor converts."""
-        if nbytes and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._fd(path), start, nbytes, os.POSIX_FADV_WILLNEED)
+        background (no process memory), so the disk works while the current tensor converts.
+        In read-ahead-window chunks (readahead.py): one call would fetch only the first few MiB."""
+        will_need(self._fd(path), start, nbytes)
 
     def read_bytes(self, path: Path, start: int, nbytes: int) -> torch.Tensor:
         buf = self.pool.take(nbytes)
