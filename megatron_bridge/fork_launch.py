@@ -30,10 +30,10 @@ import os
 import runpy
 import signal
 import sys
-import threading
 import time
 import uuid
-from pathlib import Path
+
+from megatron_bridge.forking import threads
 
 # What the ranks of a test launch import anyway: train/job brings torch, megatron-core and the
 # runtime (through the CPU shim's import hook); the recipe composer (Hydra), the bridge,
@@ -51,9 +51,6 @@ PRELOAD = (
     "deepspeed",  # ~2.5 s: it imports mlflow (pyarrow, fastapi, pydantic) when installed
     "deepspeed.runtime.zero.muon.muon_optimizer",  # ~1.8 s (torch._inductor), at deepspeed.initialize
 )
-# Threads that may run while forking: jemalloc's background thread (pyarrow's allocator, which
-# deepspeed's import loads) — jemalloc takes and releases its locks around fork (pthread_atfork).
-FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
 GRACE_S = 10.0  # SIGTERM to SIGKILL for the surviving ranks of a failed launch
 
 
@@ -74,15 +71,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def _torchrun_instead(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv])
-
-
-def _threads() -> int:
-    """This process's threads, other than FORK_SAFE_THREADS (Linux /proc; elsewhere Python's)."""
-    try:
-        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return threading.active_count()
-    return sum(name not in FORK_SAFE_THREADS for name in names)
 
 
 def _rank_env(a: argparse.Namespace, rank: int, run_id: str) -> dict[str, str]:
@@ -179,7 +167,7 @@ def preload() -> None:
 
 def launch(a: argparse.Namespace, argv: list[str]) -> int:
     """Fork the ranks of `a` and supervise them (torchrun instead beside a second thread)."""
-    if _threads() != 1:  # an import started a thread: forking now could copy a held lock
+    if threads() != 1:  # an import started a thread: forking now could copy a held lock
         _torchrun_instead(argv)
     run_id = uuid.uuid4().hex[:12]
     sys.stdout.flush()

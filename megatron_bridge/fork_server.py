@@ -33,6 +33,7 @@ import time
 import traceback
 
 from megatron_bridge import fork_launch
+from megatron_bridge.forking import threads
 
 SERVER_ENV = "MBR_FORK_SERVER"  # the socket of a running server; unset: every launch is a process
 
@@ -171,7 +172,7 @@ def serve(sock_path: str) -> int:
         except (OSError, ValueError) as e:
             _reply(conn, {"error": f"bad request: {e}"})
             continue
-        if fork_launch._threads() != 1:  # an import started a thread: the caller starts a process
+        if threads() != 1:  # an import started a thread: the caller starts a process
             os.close(out_fd)
             _reply(conn, {"error": "the fork server has a second thread; not forking"})
             continue

@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_bridge.convert.bytemove.pool import usable_cores
 from megatron_bridge.convert.formats.readahead import read_ahead_files
+from megatron_bridge.forking import threads
 
 STARTUP_READ_AHEAD = 2**30  # at least this much, or a quarter of the available memory if more
 
@@ -121,7 +122,7 @@ def _may_fork() -> bool:
     return (
         hasattr(os, "fork")
         and usable_cores() >= 2
-        and threading.active_count() == 1
+        and threads() == 1
         and "torch" not in sys.modules
         and sys.stdout is sys.__stdout__
         and sys.stderr is sys.__stderr__
