@@ -129,6 +129,17 @@ class DirectCopy:
                 w.mem[h] = MemInfo(h, self.source.tensors[h][1], shape, Mem(data), 0, len(data))
         return [w.mem[h] if h in w.mem else self.source.infos[h] for h in row.hf]
 
+    def _reads(self, row: Resolved) -> list[tuple[Path, int, int]]:
+        """The file ranges `row`'s shards read: its source tensors whole (an fp8 weight with
+        its scales; a stacked tensor for all its experts — the pool skips a range it has
+        already announced)."""
+        out = []
+        for h in row.hf:
+            q = self.source.quant.get(h)
+            for i in (q.weight, q.scale) if q is not None else (self.source.infos[h],):
+                out.append((i.file, i.start, i.nbytes))
+        return out
+
     @staticmethod
     def _select(row: Resolved, infos: list[TensorInfo | MemInfo]) -> list[TensorInfo | MemInfo]:
         """`Resolved.select` on byte ranges: a stacked-experts row reads its expert's slab."""
@@ -170,7 +181,7 @@ class DirectCopy:
                 if isinstance(i, TensorInfo) and (i.file, i.start, i.nbytes) not in banded:  # else the band's read did
                     self.checksums.add(i)
 
-        self.pool.submit(row.megatron, run, nbytes, lane=out.lane)
+        self.pool.submit(row.megatron, run, nbytes, lane=out.lane, reads=self._reads(row))
         return ref, nbytes
 
 

@@ -33,7 +33,7 @@ from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove import direct
 from megatron_bridge.convert.bytemove.checksums import Checksums
 from megatron_bridge.convert.bytemove.copier import Copier
-from megatron_bridge.convert.bytemove.pieces import Interleave, Piece, Span
+from megatron_bridge.convert.bytemove.pieces import Interleave, Piece, Span, reads
 from megatron_bridge.convert.bytemove.pool import WorkerPool
 from megatron_bridge.convert.bytemove.strided import Scatter, matrix
 from megatron_bridge.convert.formats.dtypes import DType
@@ -236,7 +236,7 @@ class DirectExport:
             copier.write(ps, fd, at)
             self.checksums.add(info)
 
-        self.pool.submit(name, run, info.nbytes)
+        self.pool.submit(name, run, info.nbytes, reads=reads(ps))
 
 
 __all__ = ["DirectExport"]

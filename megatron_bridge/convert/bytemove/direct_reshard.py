@@ -41,7 +41,7 @@ from megatron_bridge.bridge.shards import Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.bytemove.copier import Copier
 from megatron_bridge.convert.bytemove.direct_export import DirectExport
-from megatron_bridge.convert.bytemove.pieces import Band, Interleave, Piece, Span, Zeros, pieces
+from megatron_bridge.convert.bytemove.pieces import Band, Interleave, Piece, Span, Zeros, pieces, reads
 from megatron_bridge.convert.bytemove.pool import WorkerPool
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import crc_hex
@@ -188,7 +188,7 @@ class DirectReshard:
         laid = sum(p.nbytes for p in ps)
         if laid != nbytes:
             raise RuntimeError(f"{row.megatron}: {laid} bytes laid out for a {nbytes}-byte shard")
-        self.pool.submit(row.megatron, lambda copier: copier.write(ps, fd, at), nbytes, lane=out.lane)
+        self.pool.submit(row.megatron, lambda copier: copier.write(ps, fd, at), nbytes, lane=out.lane, reads=reads(ps))
         for h in row.hf:
             self._check(h)
         return ref, nbytes

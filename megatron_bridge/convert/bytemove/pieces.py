@@ -95,6 +95,27 @@ class MemInfo:
         return self.end - self.start
 
 
+def reads(ps: Sequence[Piece]) -> list[tuple[Path, int, int]]:
+    """The file ranges (path, start, nbytes) that writing `ps` reads, in order (memory and
+    zeros read nothing): what the pool announces to the kernel ahead of the copies."""
+    out: list[tuple[Path, int, int]] = []
+    for p in ps:
+        if isinstance(p, Span) and not isinstance(p.file, Mem):
+            out.append((p.file, p.start, p.nbytes))
+        elif isinstance(p, Band) and not isinstance(p.file, Mem):
+            out.append((p.file, p.start, p.rows * p.row_bytes))
+        elif isinstance(p, Gather) and not isinstance(p.file, Mem):
+            out.append((p.file, p.start, p.shape[0] * p.shape[1] * p.itemsize))
+        elif isinstance(p, Interleave):
+            out.extend((path, start, p.rows * width) for path, start, width in p.parts)
+        elif isinstance(p, Scatter):
+            out.extend(
+                (path, start, len(range(*rows)) * (cols[1] - cols[0]) * p.itemsize)
+                for path, start, rows, cols, _ in p.parts
+            )
+    return out
+
+
 def pieces(blocks: Sequence, infos: Sequence[TensorInfo | MemInfo]) -> list[Piece]:
     """Byte pieces of a shard given as `Block`s over the HF tensors `infos` (see module doc)."""
     out: list[Piece] = []

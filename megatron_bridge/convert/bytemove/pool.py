@@ -15,6 +15,10 @@ output file's index: dist_ckpt.DistWriter's files), then to worker `lane % worke
 two workers write into one file at once (they would contend for its inode). The caller blocks while more than
 `QUEUED_PER_WORKER` tasks per worker are queued (progress stays honest, descriptors
 bounded). `workers=1` runs every task in the caller's thread (the serial path).
+
+A task names the file ranges it reads (`reads=`): they are announced to the kernel ahead of
+the workers (formats/readahead.py `RollingReadAhead`), so the disk reads at its queue depth
+instead of one sequential read-ahead window per copy.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Generic, Protocol, TypeVar
+
+from megatron_bridge.convert.formats.readahead import RollingReadAhead
 
 
 class State(Protocol):
@@ -57,8 +64,8 @@ def resolve_workers(workers: int) -> int:
 
 
 class WorkerPool(Generic[W]):
-    """`submit(key, fn, nbytes)` runs `fn(state)` on a worker (see module doc); `drain()`
-    waits for everything queued and re-raises the first failure."""
+    """`submit(key, fn, nbytes, reads=)` runs `fn(state)` on a worker (see module doc);
+    `drain()` waits for everything queued and re-raises the first failure."""
 
     def __init__(self, workers: int, make_state: Callable[[], W], name: str = "mbr-move"):
         self.workers = resolve_workers(workers)
@@ -69,9 +76,19 @@ class WorkerPool(Generic[W]):
         self._lock = threading.Lock()
         self._pending: deque[Future] = deque()
         self._last: tuple[Hashable, int] | None = None
+        self._ahead = RollingReadAhead()
 
-    def submit(self, key: Hashable, fn: Callable[[W], object], nbytes: int = 0, lane: int | None = None) -> None:
+    def submit(
+        self,
+        key: Hashable,
+        fn: Callable[[W], object],
+        nbytes: int = 0,
+        lane: int | None = None,
+        reads: Iterable[tuple[Path, int, int]] = (),
+    ) -> None:
+        announced = self._ahead.want(reads)
         if not self._ex:
+            self._ahead.started(announced)
             fn(self.states[0])
             return
         if lane is not None:
@@ -86,6 +103,7 @@ class WorkerPool(Generic[W]):
             self._queued[k] += nbytes
 
         def run() -> None:
+            self._ahead.started(announced)
             try:
                 fn(self.states[k])
             finally:
@@ -108,6 +126,7 @@ class WorkerPool(Generic[W]):
         for ex in self._ex:
             ex.shutdown(wait=True, cancel_futures=True)
         self._pending.clear()
+        self._ahead.close()
         for state in self.states:
             state.close()
 

@@ -33,6 +33,7 @@ from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.manifest import Manifest, check_index_crc32, crc32
 from megatron_bridge.convert.formats.pickle_guard import CONVERTED
+from megatron_bridge.convert.formats.readahead import READ_AHEAD_BYTES
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.convert.formats.torch_zip import TensorRef
 from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile, scan_torch_file
@@ -48,7 +49,6 @@ if TYPE_CHECKING:  # torch is imported where it is used: the byte paths never im
 DTYPES = {"bf16": BFLOAT16, "fp32": FLOAT32, "fp16": FLOAT16, "source": None}
 TensorTable = dict[str, tuple[tuple[int, ...], DType]]
 PREFETCH_BYTES = 256 * 2**20  # tensors read ahead of the row being written (process memory)
-READ_AHEAD_BYTES = 512 * 2**20  # file ranges announced to the kernel ahead of reading (page cache)
 
 
 def mismatch(where: str, name: str) -> UserError:

@@ -85,3 +85,77 @@ def test_the_start_up_read_ahead_runs_in_a_child_the_command_reaps(monkeypatch, 
     stop()
     with pytest.raises(ChildProcessError):  # reaped: no child left behind
         os.waitpid(-1, os.WNOHANG)
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_rolling_read_ahead_stays_its_bound_ahead_and_skips_repeats(monkeypatch, tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"\0" * 1000)
+    announced = []
+    monkeypatch.setattr(readahead, "will_need", lambda fd, start, n: announced.append((start, n)))
+    ahead = readahead.RollingReadAhead(ahead=150)
+    try:
+        assert ahead.want([(f, 0, 100)]) == 100
+        assert ahead.want([(f, 0, 100), (f, 100, 100)]) == 100  # the repeat is not announced again
+        assert ahead.want([(f, 200, 100), (f, 300, 0)]) == 100
+        assert _wait_for(lambda: announced == [(0, 100), (100, 100)])
+        time.sleep(0.2)
+        assert announced == [(0, 100), (100, 100)]  # 200 announced, none started: past the bound
+        ahead.started(100)
+        assert _wait_for(lambda: announced == [(0, 100), (100, 100), (200, 100)])
+        ahead.want([(f, 400, 100)])
+    finally:
+        ahead.close()  # returns with a range still queued
+    assert not ahead._thread.is_alive()
+
+
+def test_the_pool_announces_what_its_tasks_read(monkeypatch, tmp_path):
+    from megatron_bridge.convert.bytemove.pool import WorkerPool
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"\0" * 4096)
+    announced = []
+    monkeypatch.setattr(readahead, "will_need", lambda fd, start, n: announced.append((start, n)))
+
+    class State:
+        def close(self) -> None:
+            pass
+
+    ran: list[str] = []
+    for workers in (1, 2):
+        announced.clear()
+        ran.clear()
+        pool = WorkerPool(workers, State)
+        try:
+            pool.submit("a", lambda s: ran.append("a"), 10, reads=[(f, 0, 1024)])
+            pool.submit("b", lambda s: ran.append("b"), 10, reads=[(f, 1024, 2048), (f, 0, 1024)])
+            pool.drain()
+            assert _wait_for(lambda: announced == [(0, 1024), (1024, 2048)])
+        finally:
+            pool.close()
+        assert sorted(ran) == ["a", "b"]
+
+
+def test_pieces_name_the_file_ranges_they_read():
+    from pathlib import Path
+
+    from megatron_bridge.convert.bytemove.pieces import Band, Interleave, Span, Zeros, reads
+    from megatron_bridge.convert.bytemove.strided import Gather, Mem, Scatter
+
+    a, b = Path("a"), Path("b")
+    ps = [
+        Span(a, 10, 100),
+        Span(Mem(bytearray(8)), 0, 8),  # memory: nothing read
+        Zeros(64),
+        Band(a, 200, 4, 32, 8, 16),  # the band's whole rows are read
+        Interleave(3, ((a, 1000, 10), (b, 0, 20)), ((0, 5), (0, 20))),
+        Gather(b, 500, (6, 4), 2, (0, 6, 2), (0, 4), False),
+        Scatter((2, 8), 2, ((a, 0, (0, 2, 1), (0, 4), False), (b, 64, (0, 2, 1), (4, 8), False))),
+    ]
+    assert reads(ps) == [(a, 10, 100), (a, 200, 128), (a, 1000, 30), (b, 0, 60), (b, 500, 48), (a, 0, 16), (b, 64, 16)]
