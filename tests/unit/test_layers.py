@@ -20,6 +20,7 @@ PKG = "megatron_bridge"
 CORE = (
     "errors",
     "flock",
+    "forking",
     "ordered_registry",
     "config",
     "parallel",
