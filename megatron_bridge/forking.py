@@ -18,13 +18,28 @@ from pathlib import Path
 FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
 
 
+def thread_names() -> list[str] | None:
+    """The kernel's names of this process's threads (Linux /proc; None where there is none); a
+    thread that ends while they are read is left out."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names = []
+    for t in tids:
+        try:
+            names.append(Path(f"/proc/self/task/{t}/comm").read_text().strip())
+        except OSError:  # it ended meanwhile
+            pass
+    return names
+
+
 def threads() -> int:
     """This process's threads, other than FORK_SAFE_THREADS (Linux /proc; elsewhere Python's)."""
-    try:
-        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
-    except OSError:
+    names = thread_names()
+    if names is None:
         return threading.active_count()
     return sum(name not in FORK_SAFE_THREADS for name in names)
 
 
-__all__ = ["FORK_SAFE_THREADS", "threads"]
+__all__ = ["FORK_SAFE_THREADS", "thread_names", "threads"]

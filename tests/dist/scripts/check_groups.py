@@ -6,14 +6,13 @@ mpu's view) plus an all-reduce over each group, so the test can compare them wit
         "recipe=tiny_llama parallel.tp=2 parallel.pp=2" "recipe=tiny_mixtral parallel.pp=2"
 """
 
-import os
 import sys
-from pathlib import Path
 
 import torch
 
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.config.compose import compose
+from megatron_bridge.forking import thread_names
 from megatron_bridge.runtime import cpu, groups
 from megatron_bridge.testing import report
 
@@ -99,13 +98,7 @@ def rng_draws():
 
 def gloo_loop_threads() -> int:
     """This process's gloo transport threads (one per live gloo process group; each wakes every 10 ms)."""
-    names = []
-    for comm in Path(f"/proc/{os.getpid()}/task").glob("*/comm"):
-        try:
-            names.append(comm.read_text().strip())
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return names.count("gloo_tcp_loop")
+    return (thread_names() or []).count("gloo_tcp_loop")
 
 
 def main(layouts):
