@@ -87,12 +87,12 @@ class Copier:
             os.pwrite(fd, self._read(p.file, p.start + a, n), at + a)
 
     def band(self, p: Band, fd: int, at: int) -> None:
-        region = self._read(p.file, p.start, p.rows * p.row_bytes)
+        region = self._read(p.file, p.start, p.region_nbytes)
         _gather_write(fd, [region[r * p.row_bytes + p.lo : r * p.row_bytes + p.hi] for r in range(p.rows)], at)
 
     def gather(self, p: Gather, fd: int, at: int) -> None:
         f = FORMATS[p.itemsize]
-        src = self._read(p.file, p.start, p.shape[0] * p.shape[1] * p.itemsize).cast(f)
+        src = self._read(p.file, p.start, p.matrix_nbytes).cast(f)
         if len(self._out) < p.nbytes:
             self._out = bytearray(p.nbytes)
         out = memoryview(self._out)[: p.nbytes]
@@ -105,7 +105,7 @@ class Copier:
             self._out = bytearray(p.nbytes)
         out = memoryview(self._out)[: p.nbytes]
         for path, start, rows, cols, transposed in p.parts:
-            n = len(range(*rows)) * (cols[1] - cols[0]) * p.itemsize
+            n = p.part_nbytes(rows, cols)
             if len(self._buf) < n:
                 self._buf = bytearray(n)
             part = memoryview(self._buf)[:n]

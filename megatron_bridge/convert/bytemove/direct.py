@@ -176,7 +176,7 @@ class DirectCopy:
             written = w.copier.write(ps, fd, at)
             if written != nbytes:
                 raise RuntimeError(f"{row.megatron}: {written} bytes laid out for a {nbytes}-byte shard")
-            banded = {(p.file, p.start, p.rows * p.row_bytes) for p in ps if isinstance(p, Band)}
+            banded = {(p.file, p.start, p.region_nbytes) for p in ps if isinstance(p, Band)}
             for i in whole:  # a stacked tensor's checksum covers every expert (taken once)
                 if isinstance(i, TensorInfo) and (i.file, i.start, i.nbytes) not in banded:  # else the band's read did
                     self.checksums.add(i)

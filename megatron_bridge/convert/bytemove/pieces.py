@@ -50,6 +50,11 @@ class Band:
     def nbytes(self) -> int:
         return self.rows * (self.hi - self.lo)
 
+    @property
+    def region_nbytes(self) -> int:
+        """The whole rows' bytes: what is read (the columns between come with it)."""
+        return self.rows * self.row_bytes
+
 
 @dataclass(frozen=True)
 class Zeros:
@@ -103,16 +108,13 @@ def reads(ps: Sequence[Piece]) -> list[tuple[Path, int, int]]:
         if isinstance(p, Span) and not isinstance(p.file, Mem):
             out.append((p.file, p.start, p.nbytes))
         elif isinstance(p, Band) and not isinstance(p.file, Mem):
-            out.append((p.file, p.start, p.rows * p.row_bytes))
+            out.append((p.file, p.start, p.region_nbytes))
         elif isinstance(p, Gather) and not isinstance(p.file, Mem):
-            out.append((p.file, p.start, p.shape[0] * p.shape[1] * p.itemsize))
+            out.append((p.file, p.start, p.matrix_nbytes))
         elif isinstance(p, Interleave):
             out.extend((path, start, p.rows * width) for path, start, width in p.parts)
         elif isinstance(p, Scatter):
-            out.extend(
-                (path, start, len(range(*rows)) * (cols[1] - cols[0]) * p.itemsize)
-                for path, start, rows, cols, _ in p.parts
-            )
+            out.extend((path, start, p.part_nbytes(rows, cols)) for path, start, rows, cols, _ in p.parts)
     return out
 
 

@@ -44,6 +44,11 @@ class Gather:
     def nbytes(self) -> int:
         return len(range(*self.rows)) * (self.cols[1] - self.cols[0]) * self.itemsize
 
+    @property
+    def matrix_nbytes(self) -> int:
+        """The stored matrix's bytes: what is read."""
+        return self.shape[0] * self.shape[1] * self.itemsize
+
 
 @dataclass(frozen=True)
 class Scatter:
@@ -58,6 +63,10 @@ class Scatter:
     @property
     def nbytes(self) -> int:
         return self.shape[0] * self.shape[1] * self.itemsize
+
+    def part_nbytes(self, rows: tuple[int, int, int], cols: tuple[int, int]) -> int:
+        """A part's bytes in its file: its view rows × columns."""
+        return len(range(*rows)) * (cols[1] - cols[0]) * self.itemsize
 
 
 FORMATS: dict[int, Literal["B", "H", "I", "Q"]] = {
