@@ -56,6 +56,8 @@ def test_lease_refuses_a_second_writer_naming_the_holder_and_dies_with_it(tmp_pa
     finally:
         p.kill()
         p.wait()
+    with lease_path(dst).open("a") as f:  # a stale holder longer than ours: none of it may remain
+        f.write(" " * 500 + "}")
     with dst_lease(dst):  # a killed holder's lock is gone with it: taken at once
         assert json.loads(lease_path(dst).read_text())["pid"] == os.getpid()
     assert not lease_path(dst).exists()  # released: nothing left next to dst
