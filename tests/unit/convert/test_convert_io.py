@@ -90,3 +90,44 @@ def test_writeback_starts_write_out_of_the_files_it_is_told_about(tmp_path):
     assert calls == []
     wb.close()
     assert not wb._fds and all(p.read_bytes() == data for p in paths)
+
+
+def test_every_writer_reports_what_it_writes_on_both_paths(tmp_path, monkeypatch):
+    """Every output file's bytes reach `Writeback.wrote` (export's byte path once never told it,
+    and its whole output waited for the final sync), on the byte path and the tensor path."""
+    from test_convert_roundtrip import run
+
+    from megatron_bridge.convert.bytemove import direct
+    from megatron_bridge.convert.pipeline import writers
+    from megatron_bridge.runtime.tiny import make_tiny
+
+    told: dict[str, int] = {}
+
+    class Recording(Writeback):
+        def wrote(self, paths, nbytes):
+            for p in paths:
+                parts = p.parts[next(i for i, x in enumerate(p.parts) if ".partial-" in x) + 1 :]
+                key = "/".join(parts)  # in the output being written, before it is published
+                told[key] = told.get(key, 0) + nbytes / len(paths)
+            super().wrote(paths, nbytes)
+
+    monkeypatch.setattr(writers, "Writeback", Recording)
+    src = make_tiny("llama", tmp_path / "hf")
+    weights = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    for on in (True, False):
+        monkeypatch.setattr(direct, "ENABLED", on)
+        for name, args in (
+            ("dist", ["format=torch_dist"]),
+            ("t22", ["format=torch", "parallel.tp=2", "parallel.pp=2"]),
+        ):
+            told.clear()
+            run("convert", f"src={src}", f"dst={tmp_path / f'{name}{on}'}", *args)
+            out = tmp_path / f"{name}{on}"
+            outputs = {str(p.relative_to(out)) for p in [*out.rglob("*.distcp"), *out.rglob("model_optim_rng.pt")]}
+            assert outputs and set(told) >= outputs, (on, name, sorted(outputs - set(told)))
+            assert weights * 0.9 < sum(told.values()) < weights * 1.1, (on, name)  # the tensors, once
+            told.clear()
+            run("export", f"src={tmp_path / f'{name}{on}'}", f"dst={tmp_path / f'{name}{on}-hf'}", "max_shard_gb=0.0002")
+            outputs = {p.name for p in (tmp_path / f"{name}{on}-hf").glob("*.safetensors")}
+            assert len(outputs) > 1 and set(told) == outputs, (on, name, sorted(outputs ^ set(told)))
+            assert weights * 0.9 < sum(told.values()) < weights * 1.1, (on, name)
