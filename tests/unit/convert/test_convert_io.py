@@ -127,7 +127,9 @@ def test_every_writer_reports_what_it_writes_on_both_paths(tmp_path, monkeypatch
             assert outputs and set(told) >= outputs, (on, name, sorted(outputs - set(told)))
             assert weights * 0.9 < sum(told.values()) < weights * 1.1, (on, name)  # the tensors, once
             told.clear()
-            run("export", f"src={tmp_path / f'{name}{on}'}", f"dst={tmp_path / f'{name}{on}-hf'}", "max_shard_gb=0.0002")
+            run(
+                "export", f"src={tmp_path / f'{name}{on}'}", f"dst={tmp_path / f'{name}{on}-hf'}", "max_shard_gb=0.0002"
+            )
             outputs = {p.name for p in (tmp_path / f"{name}{on}-hf").glob("*.safetensors")}
             assert len(outputs) > 1 and set(told) == outputs, (on, name, sorted(outputs ^ set(told)))
             assert weights * 0.9 < sum(told.values()) < weights * 1.1, (on, name)
