@@ -51,10 +51,11 @@ class DirectCopy:
     """Shards of an HF source written as byte moves into `StreamingTorchSave` records."""
 
     def __init__(self, source: HFSource, workers: int = 0):
-        self.source, self.checksums = source, Checksums(source.check_finite)
+        self.source = source
         # a band reads its whole source tensor into memory anyway: its CRC is taken there
         self._whole = {(i.file, i.start, i.nbytes): i.name for i in source.infos.values() if i.name not in source.quant}
         self.pool = WorkerPool(workers, self._worker, "mbr-convert")
+        self.checksums = Checksums(source.check_finite, self.pool.workers)
         self._largest_fp8 = max((2 * prod(q.shape) for q in source.quant.values()), default=0)  # as bf16
 
     def _worker(self) -> _Worker:

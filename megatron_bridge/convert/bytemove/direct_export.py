@@ -169,7 +169,8 @@ class DirectExport:
 
     def __init__(self, source: Source, plan: dict[str, list[Piece]], workers: int = 0):
         self.source, self.plan = source, plan
-        self.checksums, self.pool = Checksums(), WorkerPool(workers, Copier, "mbr-export")
+        self.pool = WorkerPool(workers, Copier, "mbr-export")
+        self.checksums = Checksums(threads=self.pool.workers)
 
     def drain(self) -> None:
         """Wait for queued writes (before their file is closed)."""

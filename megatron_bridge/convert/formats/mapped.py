@@ -29,6 +29,7 @@ from megatron_bridge.errors import UserError
 
 _READ_CHUNK = 8 * 2**20  # the pread fallback's buffer
 WINDOW = 8 * _READ_CHUNK  # bytes mapped at a time
+EACH_BYTES = 2**20  # what crc32_range's `each` sees at a time: cache-sized (and WINDOW a multiple of it)
 
 
 def _check_size(fd: int, end: int, path: Path) -> None:
@@ -69,14 +70,20 @@ def crc32_range(
     each: Callable[[memoryview], None] | None = None,
 ) -> int:
     """CRC-32 of bytes [start, end) of the open file `fd` (continuing `value`), a WINDOW at a
-    time; `each(view)` also sees every window in order, each starting a whole number of
-    windows after `start` (so the windows of a tensor hold whole elements)."""
+    time; `each(view)` also sees every byte in order, in views of at most EACH_BYTES, each
+    starting a whole number of EACH_BYTES after `start` (so a tensor's views hold whole
+    elements). A view is CRC'd and handed to `each` while it is still in the CPU's cache: over
+    whole windows, the second pass read every byte from memory again (docs/benchmarks.md)."""
     _check_size(fd, end, path)
     for pos in range(start, end, WINDOW):
         with mapped(fd, pos, min(end, pos + WINDOW), path) as view:
-            value = zlib_ng.crc32(view, value)
-            if each is not None:
-                each(view)
+            if each is None:
+                value = zlib_ng.crc32(view, value)
+                continue
+            for at in range(0, len(view), EACH_BYTES):
+                with view[at : at + EACH_BYTES] as part:
+                    value = zlib_ng.crc32(part, value)
+                    each(part)
     return value
 
 
@@ -89,4 +96,4 @@ def crc32_file(path: Path) -> int:
         os.close(fd)
 
 
-__all__ = ["WINDOW", "crc32_file", "crc32_range", "mapped"]
+__all__ = ["EACH_BYTES", "WINDOW", "crc32_file", "crc32_range", "mapped"]

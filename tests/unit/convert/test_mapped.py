@@ -21,10 +21,14 @@ def blob(tmp_path):
     return path, data
 
 
-@pytest.mark.parametrize("window", [mmap.ALLOCATIONGRANULARITY, 3 * mmap.ALLOCATIONGRANULARITY, mapped_mod.WINDOW])
-def test_any_range_and_window_gives_zlibs_crc(blob, monkeypatch, window):
+G = mmap.ALLOCATIONGRANULARITY
+
+
+@pytest.mark.parametrize("window, each", [(G, mapped_mod.EACH_BYTES), (3 * G, G), (mapped_mod.WINDOW, 2 * G)])
+def test_any_range_and_window_gives_zlibs_crc(blob, monkeypatch, window, each):
     path, data = blob
     monkeypatch.setattr(mapped_mod, "WINDOW", window)
+    monkeypatch.setattr(mapped_mod, "EACH_BYTES", each)
     fd = os.open(path, os.O_RDONLY)
     try:
         for start, end in [(0, len(data)), (1, len(data) - 1), (4095, 4097), (777, 3 * 4096 + 5), (10, 10)]:
@@ -32,7 +36,7 @@ def test_any_range_and_window_gives_zlibs_crc(blob, monkeypatch, window):
             got = crc32_range(fd, start, end, path, each=lambda v, c=chunks: c.append(bytes(v)))
             assert got == zlib.crc32(data[start:end]), (start, end)
             assert b"".join(chunks) == data[start:end]  # `each` sees every byte once, in order
-            assert all(len(c) % window == 0 for c in chunks[:-1])  # whole windows from `start`
+            assert all(len(c) == min(window, each) for c in chunks[:-1])  # whole views from `start`
             assert crc32_range(fd, end, len(data), path, value=got) == zlib.crc32(data[start:])  # continues
     finally:
         os.close(fd)
