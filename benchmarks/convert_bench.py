@@ -14,11 +14,13 @@
    tp1·pp4 on its byte path and on its tensor path (`MBR_CONVERT_DIRECT=0`; the two outputs
    must be the same files: their manifests' file CRC-32s are compared) — each right after a `cp -r` of the source (the disk limit), so every ratio
    compares two runs made under the same machine load (the box is shared). Before each run:
-   `sync`, and its input is evicted from the page cache (unless --warm), so every command
+   its input is evicted from the page cache (unless --warm), then `sync` and a pause
+   (--settle, 3 s: the previous run's deletions settle), so every command
    reads from disk as cp does. Each run is timed to its exit and again after a final `sync`
    (data on disk): dirty-page writeback makes the first optimistic, the second is the disk's.
 3. Prints best and median seconds, GB/s (model bytes / seconds with sync), throughput
-   relative to cp's; the same with start-up excluded (the command's own time from its
+   relative to cp's (best against best, and the median of each run against the cp right
+   before it); the same with start-up excluded (the command's own time from its
    summary line, i.e. without the interpreter start-up — ~0.4 s for convert and export,
    which never import torch, nor does reshard's byte path; ~2 s with torch — plus the sync
    after its exit); CPU seconds, and the peak RSS (`/usr/bin/time`) against the bound
@@ -39,7 +41,7 @@ import time
 from pathlib import Path
 
 import torch
-from disk import evict
+from disk import SETTLE_SECONDS, evict, settle
 
 ROOT = Path(__file__).resolve().parents[1]
 MBR = [sys.executable, "-m", "megatron_bridge.cli"]
@@ -169,6 +171,9 @@ def main() -> None:
     ap.add_argument("--warm", action="store_true", help="leave inputs in the page cache (default: read from disk)")
     ap.add_argument("--keep", action="store_true", help="keep the generated source for the next run")
     ap.add_argument(
+        "--settle", type=float, default=SETTLE_SECONDS, help="seconds of quiet (after a sync) before every timed run"
+    )
+    ap.add_argument(
         "--only",
         default="",
         help="comma-separated parts of job names to run (with the jobs they read from), e.g. 'tp2·pp2'",
@@ -241,9 +246,9 @@ def main() -> None:
         ]
 
     def measure(cmd, inp):
-        subprocess.run(["sync"], check=True)
         if not a.warm:
             evict(inp)
+        settle(a.settle)
         t_exit, t_sync, rss, out, cpu = timed(cmd, base / "rss.txt")
         m = re.search(r" in ([0-9.]+) s \(", out)
         return t_exit, t_sync, float(m.group(1)) if m else None, rss, cpu
@@ -274,7 +279,8 @@ def main() -> None:
     print(
         f"{a.reps} runs each. 'best' = fastest run (least disturbed by other load on the shared box), 'median' "
         f"likewise; times include the final sync. GB/s = model bytes / best time. 'vs cp' = cp's best time / the "
-        f"command's best time. cp -r itself: best {cp_best:.2f} s ({nbytes / 1e9 / cp_best:.2f} GB/s), median "
+        f"command's best time; 'vs the cp before it' = the median over runs of (the cp timed right before it) / (its "
+        f"time): the disk slows as a run writes more, and this ratio pairs runs made at the same point. cp -r itself: best {cp_best:.2f} s ({nbytes / 1e9 / cp_best:.2f} GB/s), median "
         f"{med(c[1] for c in cps):.2f} s, {med(c[4] for c in cps):.2f} CPU s. 'start-up excluded' = the command's own "
         f"summary line (from its first read to its last write, without the start-up: ~0.4 s of interpreter + Hydra "
         f"for convert, export and reshard's byte path, ~2 s with torch for the tensor path) plus the sync after its exit; CPU s = user + system of "
@@ -282,10 +288,10 @@ def main() -> None:
     )
     print()
     print(
-        "| operation | best s | median s | GB/s | vs cp -r | start-up excluded: s, GB/s, vs cp -r | CPU s | "
-        "peak RSS GiB | ≤ bound |"
+        "| operation | best s | median s | GB/s | vs cp -r | vs the cp before it, median | start-up excluded: s, GB/s, "
+        "vs cp -r | CPU s | peak RSS GiB | ≤ bound |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, rs in results.items():
         best, median = min(r[1] for r in rs), med(r[1] for r in rs)
         # the command's own time (its summary line) + what was still to write at its exit (the sync after it)
@@ -293,7 +299,8 @@ def main() -> None:
         rss = max(r[3] for r in rs)
         inside = f"{min(own):.2f}, {nbytes / 1e9 / min(own):.2f}, {cp_best / min(own):.2f}×" if own else "-"
         print(
-            f"| {name} | {best:.2f} | {median:.2f} | {nbytes / 1e9 / best:.2f} | {cp_best / best:.2f}× | {inside} | "
+            f"| {name} | {best:.2f} | {median:.2f} | {nbytes / 1e9 / best:.2f} | {cp_best / best:.2f}× | "
+            f"{med(r[5] for r in rs):.2f}× | {inside} | "
             f"{min(r[4] for r in rs):.1f} | {rss / 2**30:.2f} | {'yes' if rss <= bound else 'NO'} |"
         )
     for name in (n for n in ("exp_dist", "exp_t22") if (base / n).is_dir()):

@@ -34,7 +34,7 @@ from array import array
 from math import ceil
 from pathlib import Path
 
-from disk import cp_seconds, evict
+from disk import cp_seconds, evict, settle
 
 from megatron_bridge.convert.bytemove.pool import resolve_workers
 
@@ -193,7 +193,7 @@ def convert(src: Path, dst: Path, args: list[str]) -> tuple[float, float, float]
     fresh child process whose input was evicted from the page cache first."""
     shutil.rmtree(dst, ignore_errors=True)
     evict(src)
-    subprocess.run(["sync"], check=True)
+    settle()
     code = "import sys; from megatron_bridge.cli import main; sys.exit(main(sys.argv[1:]))"
     t = time.perf_counter()
     child = subprocess.Popen(
