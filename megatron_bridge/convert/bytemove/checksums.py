@@ -1,4 +1,4 @@
-"""CRC-32 of source tensors on a second thread: the manifest's end-to-end check of a byte move.
+"""CRC-32 of source tensors on threads of their own: the manifest's end-to-end check of a byte move.
 
 Every source tensor is still read once for its CRC-32, on worker threads that trail the
 copies (`Checksums.add` after a tensor's pieces are written), so they read from the page

@@ -7,7 +7,7 @@ every row; vocab padding rows of zeros. When no dtype cast is asked for, those b
 byte ranges of the source files, so a shard is written without building a tensor:
 pieces.py turns the blocks into byte pieces (spans, column bands, zeros, strided gathers),
 copier.py writes them (`copy_file_range`, gathered `pwritev`, a zero buffer, `memoryview`
-strided slices), checksums.py takes every source tensor's CRC-32 on a second thread.
+strided slices), checksums.py takes every source tensor's CRC-32 on threads of their own.
 
 This module is the convert direction's driver, `DirectCopy`: it decides when the byte path
 applies (no cast), resolves a table row to its source tensors (an fp8 weight dequantised
