@@ -73,7 +73,7 @@ def crc32_range(
     time; `each(view)` also sees every byte in order, in views of at most EACH_BYTES, each
     starting a whole number of EACH_BYTES after `start` (so a tensor's views hold whole
     elements). A view is CRC'd and handed to `each` while it is still in the CPU's cache: over
-    whole windows, the second pass read every byte from memory again (docs/benchmarks.md)."""
+    whole windows, the second pass read every byte from memory again (docs/benchmarks.md, "After the copies")."""
     _check_size(fd, end, path)
     for pos in range(start, end, WINDOW):
         with mapped(fd, pos, min(end, pos + WINDOW), path) as view:

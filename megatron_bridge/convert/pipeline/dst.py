@@ -110,7 +110,7 @@ def dst_lease(dst: Path, arg: str = "dst") -> Iterator[None]:
     try:
         # written, then cut to its length: a truncate to 0 makes ext4 flush the file when it is
         # closed (auto_da_alloc), and that close then waited 1-2 s for the journal, which is
-        # busy committing the output (docs/benchmarks.md, "The lease's close")
+        # busy committing the output (docs/benchmarks.md, "After the copies")
         data = json.dumps(_holder()).encode()
         os.pwrite(fd, data, 0)
         os.ftruncate(fd, len(data))
