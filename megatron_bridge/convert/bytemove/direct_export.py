@@ -226,9 +226,10 @@ class DirectExport:
             d.pool.close()  # then its copiers; on failure the files are still open
             d.checksums.abandon()
 
-    def write(self, name: str, fd: int, at: int, out_path) -> None:
+    def write(self, name: str, fd: int, at: int, out_path) -> int:
         """HF tensor `name` at offset `at` of `fd` (the file `out_path`), then its checksum
-        from there (after the bytes are written, whichever thread writes them)."""
+        from there (after the bytes are written, whichever thread writes them); returns the
+        bytes it writes (queued: written by the time `drain()` returns)."""
         ps = self.plan[name]
         shape, dtype = self.source.tensors[name]
         info = TensorInfo(name, dtype, tuple(shape), out_path, at, at + sum(p.nbytes for p in ps))
@@ -238,6 +239,7 @@ class DirectExport:
             self.checksums.add(info)
 
         self.pool.submit(name, run, info.nbytes, reads=reads(ps))
+        return info.nbytes
 
 
 __all__ = ["DirectExport"]

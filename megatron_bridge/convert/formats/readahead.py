@@ -10,8 +10,7 @@ disk then reads at its full queue depth (1.67 GB in 0.5-1.1 s on the 2-core box,
 full, so callers make them off the critical path: a forked child at start-up, the tensor
 path's read-ahead thread, and `RollingReadAhead`'s thread for the byte paths' pool — which
 keeps the disk reading beyond what the start-up read-ahead covered (a source bigger than its
-budget): the copy phase of the 1.67 GB convert with a 128 MiB start-up budget took 2.2-2.3 s
-instead of 2.9-3.6 s (docs/benchmarks.md).
+budget; measured in docs/benchmarks.md, "Read-ahead in window chunks").
 """
 
 from __future__ import annotations

@@ -282,8 +282,7 @@ class HFOut:
                 for row in _exported(source):
                     for name in row.hf if source.count(row) else ():  # a stacked tensor with its expert 0
                         w = out.writer(name)
-                        direct.write(name, *w.reserve(name), w.path)
-                        wb.wrote((w.path,), source.out_dtype(name).itemsize * prod(source.tensors[name][0]))
+                        wb.wrote((w.path,), direct.write(name, *w.reserve(name), w.path))
                     advance(source.count(row), source.nbytes(row))
             else:
                 for row, hf in source.stream(_exported(source)):
