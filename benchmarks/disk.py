@@ -40,13 +40,13 @@ def settle(seconds: float = SETTLE_SECONDS) -> None:
     time.sleep(seconds)
 
 
-def cp_seconds(src: Path, dst: Path, warm: bool = False, pause: float = SETTLE_SECONDS) -> float:
+def cp_seconds(src: Path, dst: Path, warm: bool = False) -> float:
     """`cp -r src dst` (input evicted unless `warm`) until its data is on disk (a final sync);
     dst removed afterwards."""
     shutil.rmtree(dst, ignore_errors=True)
     if not warm:
         evict(src)
-    settle(pause)
+    settle()
     t = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     subprocess.run(["sync"], check=True)
