@@ -60,6 +60,9 @@ LAUNCHERS = {
 _armed: list[tuple[int, int, str]] = []  # (pid, its parent's pid, the parent's name), child first
 _grace_until = 0.0  # time.monotonic() before which a gone launcher does not end this rank (`defer`)
 _stop_hooks: list[Callable[[], None]] = []  # `stop_instead`; emptied when they have run
+# Held by whichever caller acts on a gone launcher: the signal handler (main thread) and the
+# watch thread can notice the same death at once, and the line must be printed once.
+_acting = threading.Lock()
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
@@ -122,29 +125,32 @@ def stop_instead(hook: Callable[[], None]) -> Callable[[], None]:
 
 def _exit_if_orphaned() -> None:
     gone = _gone()
-    if not gone:
-        return
-    rank = os.environ.get("RANK", "?")
-    if gone[2] and _stop_hooks:
-        defer(STOP_S)
-        print(
-            f"rank {rank}: launcher {gone[0]} (pid {gone[1]}) is gone while this rank's own launcher lives on: "
-            "stopping after the step under way and saving it, as on SIGTERM",
-            file=sys.stderr,
-            flush=True,
-        )
-        hooks = list(_stop_hooks)
-        _stop_hooks.clear()
-        for hook in hooks:
-            hook()
-        return
-    if time.monotonic() >= _grace_until:
-        print(
-            f"rank {rank}: launcher {gone[0]} (pid {gone[1]}) is gone; exiting so no orphaned rank keeps training",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(EXIT)
+    if not gone or not _acting.acquire(blocking=False):
+        return  # nothing gone, or the other caller (handler or watch thread) is acting on it
+    try:
+        rank = os.environ.get("RANK", "?")
+        if gone[2] and _stop_hooks:
+            defer(STOP_S)
+            print(
+                f"rank {rank}: launcher {gone[0]} (pid {gone[1]}) is gone while this rank's own launcher lives on: "
+                "stopping after the step under way and saving it, as on SIGTERM",
+                file=sys.stderr,
+                flush=True,
+            )
+            hooks = list(_stop_hooks)
+            _stop_hooks.clear()
+            for hook in hooks:
+                hook()
+            return
+        if time.monotonic() >= _grace_until:
+            print(
+                f"rank {rank}: launcher {gone[0]} (pid {gone[1]}) is gone; exiting so no orphaned rank keeps training",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(EXIT)
+    finally:
+        _acting.release()
 
 
 def _watch() -> None:

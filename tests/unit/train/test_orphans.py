@@ -131,3 +131,39 @@ def test_nothing_armed_outside_a_launcher(tmp_path):
         timeout=60,
     )
     assert p.returncode == 0 and (tmp_path / "armed").read_text() == "not armed"
+
+
+def test_the_handler_and_the_watch_thread_together_print_the_line_once(tmp_path):
+    # The SIGUSR2 handler and the watch thread can notice the same death at once (seen in CI: a
+    # rank printed its line twice); stderr is made slow so both are inside the print together.
+    race = textwrap.dedent(
+        """
+        import os, sys, threading, time
+        from megatron_bridge.train import orphans
+        orphans._armed.append((os.getpid(), -1, "torchrun"))  # a parent that is not ours: gone
+
+        class Slow:
+            def write(self, s):
+                time.sleep(0.3)
+                return sys.__stderr__.write(s)
+
+            def flush(self):
+                sys.__stderr__.flush()
+
+        sys.stderr = Slow()
+        threads = [threading.Thread(target=orphans._exit_if_orphaned) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        """
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", race],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "RANK": "2"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.count("rank 2: launcher torchrun (pid -1) is gone; exiting") == 1, p.stderr
