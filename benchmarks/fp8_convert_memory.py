@@ -188,9 +188,10 @@ def write_checkpoint(root: Path, layers: int, experts: int) -> None:
     (root / "config.json").write_text(json.dumps(config(layers, experts), indent=2))
 
 
-def convert(src: Path, dst: Path, args: list[str]) -> tuple[float, float, float]:
-    """(seconds until the output is on disk, CPU seconds, peak RSS in GiB) of `mbr convert` in a
-    fresh child process whose input was evicted from the page cache first."""
+def convert(src: Path, dst: Path, args: list[str]) -> tuple[float, float, float, dict[str, int]]:
+    """(seconds until the output is on disk, CPU seconds, peak RSS in GiB, the manifest's file
+    CRC-32s) of `mbr convert` in a fresh child process whose input was evicted from the page
+    cache first."""
     shutil.rmtree(dst, ignore_errors=True)
     evict(src)
     settle()
@@ -207,8 +208,12 @@ def convert(src: Path, dst: Path, args: list[str]) -> tuple[float, float, float]
     seconds = time.perf_counter() - t
     if child.returncode != 0:
         raise SystemExit(f"mbr convert {' '.join(args)} failed ({child.returncode})")
+    crcs = json.loads((dst / "mbr_manifest.json").read_text())["file_crc32"]
+    # DCP's index holds a fresh save_id (a uuid) per save, as torch's own writer does; its entries are compared
+    # in tests/unit/convert/test_convert_direct.py. Every other file must be the same bytes on every run.
+    crcs = {name: crc for name, crc in crcs.items() if not name.endswith(".metadata")}
     shutil.rmtree(dst, ignore_errors=True)
-    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 2**20, crcs  # ru_maxrss is in KiB on Linux
 
 
 def main() -> None:
@@ -241,13 +246,16 @@ def main() -> None:
         "CPU s | peak RSS GiB | bound GiB |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    same = []  # per output: whether every run (each workers= count, each repetition) wrote the same files
     for args in (["format=torch_dist"], ["format=torch", "parallel.tp=2"]):
+        files = []
         for w in a.workers.split(","):
             n = resolve_workers(int(w))
             runs = []
             for _ in range(a.reps):
                 cp = cp_seconds(src, work / "cp")
                 runs.append((cp, *convert(src, work / "out", [*args, f"workers={w}"])))
+                files.append(runs[-1][4])
             best_cp, best = min(r[0] for r in runs), min(r[1] for r in runs)
             peak = max(r[3] for r in runs)
             bound = n * 2 * largest / 2**30 + 1.0  # every worker holds one row's bf16 (2 x largest at most)
@@ -257,6 +265,8 @@ def main() -> None:
                 f"{bound:.2f} {'OK' if peak <= bound else 'OVER'} |",
                 flush=True,
             )
+        same.append(f"{' '.join(args)}: {'identical files' if all(f == files[0] for f in files) else 'FILES DIFFER'}")
+    print(f"outputs of every run and workers= count (manifest file CRC-32s, DCP's .metadata aside): {'; '.join(same)}")
 
 
 if __name__ == "__main__":
