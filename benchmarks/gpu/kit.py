@@ -42,16 +42,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, the MFU denominator
 
+# Versions from the installed metadata, not by importing the packages: importing megatron.core
+# and transformers costs ~10 s of CPU here and proves nothing the later checks do not.
 ENV_PROBE = r"""
-import importlib.util, json, torch
+import importlib.metadata as md, importlib.util, json, torch
 d = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": None}
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     d.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1), sms=p.multi_processor_count)
 for mod in ("transformer_engine", "flash_attn", "apex", "megatron.core", "transformers", "deepspeed", "peft"):
     d[mod] = importlib.util.find_spec(mod) is not None
-import megatron.core, transformers
-d["megatron.core"] = megatron.core.__version__; d["transformers"] = transformers.__version__
+for mod, dist in (("megatron.core", "megatron-core"), ("transformers", "transformers")):
+    try:
+        d[mod] = md.version(dist) if d[mod] else False
+    except md.PackageNotFoundError:
+        pass  # importable without metadata (a source tree on the path): stays True
 print(json.dumps(d))
 """
 

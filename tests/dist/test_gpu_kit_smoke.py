@@ -8,6 +8,7 @@ benchmarks/train_overhead.py and benchmarks/hf_vs_native.py, whose output the ki
 and parses for one number; run `python benchmarks/gpu/kit.py --smoke --out DIR` before
 spending device time)."""
 
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -33,5 +34,6 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
     report = (tmp_path / "gpu_report.md").read_text()
     heads = {line.split(" ")[1]: line for line in report.splitlines() if line.startswith("- ")}
     assert '"cuda": null' in heads["env:"], report  # the probe ran
+    assert f'"megatron.core": "{importlib.metadata.version("megatron-core")}"' in heads["env:"], report
     assert heads["resume:"].endswith("max |diff| = 0 (bit-exact)"), report  # steps 4-6 resumed exactly
     assert "sdpa by head dim: rc=0" in report and "head_dim 512 heads 2 kv 1: eager vs sdpa" in report, report
