@@ -134,8 +134,8 @@ def test_nothing_armed_outside_a_launcher(tmp_path):
 
 
 def test_the_handler_and_the_watch_thread_together_print_the_line_once(tmp_path):
-    # The SIGUSR2 handler and the watch thread can notice the same death at once (seen in CI: a
-    # rank printed its line twice); stderr is made slow so both are inside the print together.
+    # The SIGUSR2 handler and the watch thread can notice the same death at once (seen in a full
+    # multi-process run: a rank printed its line twice); stderr is made slow so both print at once.
     race = textwrap.dedent(
         """
         import os, sys, threading, time
