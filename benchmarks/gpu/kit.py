@@ -54,7 +54,8 @@ for mod in ("transformer_engine", "flash_attn", "apex", "megatron.core", "transf
     d[mod] = importlib.util.find_spec(mod) is not None
 for mod, dist in (("megatron.core", "megatron-core"), ("transformers", "transformers")):
     try:
-        d[mod] = md.version(dist) if d[mod] else False
+        if d[mod]:
+            d[mod] = md.version(dist)
     except md.PackageNotFoundError:
         pass  # importable without metadata (a source tree on the path): stays True
 print(json.dumps(d))
