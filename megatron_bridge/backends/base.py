@@ -1,20 +1,30 @@
 """`Backend`: the interface every model backend implements (the torch-free half).
 
-The fourth operation, building a rank's model chunks, needs torch and megatron-core, so it
-lives in the runtime layer (`runtime/build.py`, keyed by `Backend.name`); everything here is
-plain data and arithmetic that `mbr check`, `mbr plan` and `mbr convert` use without torch.
+Building a rank's model chunks needs torch and megatron-core, so it lives in the runtime
+layer (`runtime/build.py`, keyed by `Backend.name`); everything here is plain data and
+arithmetic that `mbr check`, `mbr plan` and `mbr convert` use (the hf backend reads its
+transformers model on the meta device for it). The checkpoint methods are the converter's
+whole view of a backend: which tensors a model has and their shapes, where each is stored in
+torch_dist and in Megatron's per-rank files, and what else a rank file holds.
 """
 
 from __future__ import annotations
 
+import argparse
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.registry import FamilyBridge
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
+from megatron_bridge.bridge.table import Resolved
+from megatron_bridge.convert.formats.dist_ckpt import DistLocation
+from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.plan.params import ParamCount
+
+Shape = tuple[int, ...]
 
 
 class Backend(ABC):
@@ -62,9 +72,45 @@ class Backend(ABC):
         refuses them (`mbr check`, `mbr plan`, training) before any process group."""
         return []
 
-    def convert_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
-        """(why `mbr convert` cannot write this model's megatron checkpoint, the fix)."""
-        return []
+    # -- checkpoints (convert/: `mbr convert`, export, reshard; `train.init_from`) ---------------
+    @abstractmethod
+    def expected(self, spec: BridgeSpec, padded_vocab: int) -> dict[str, Shape | None]:
+        """Every global tensor (the table's megatron side, concrete names) the config implies, in
+        table order per layer, with the shape the model gives it at tp=1 over a vocabulary
+        padded to `padded_vocab` rows (None: not known here, the transforms' checks only)."""
+
+    @abstractmethod
+    def owned(self, spec: BridgeSpec, row: Resolved, layout: Layout, coords: Coords, layers: range) -> str | None:
+        """The name `row`'s tensor has on the chunk at `coords` (holding global `layers`), or None
+        where that chunk does not hold it."""
+
+    def ep_stacked(self, spec: BridgeSpec, row: Resolved) -> bool:
+        """Whether `row`'s tensor stacks every expert on dim 0 and an expert-parallel rank keeps
+        its run of them (after the TP split): the hf backend's experts. Native expert rows are
+        one expert each (`{expert}` in the name) and placed by `owned`."""
+        return False
+
+    def integer_tensors(self, spec: BridgeSpec) -> frozenset[str]:
+        """HF tensors the model itself holds in an integer dtype (buffers such as a hash
+        router's token table): read and written as they are, never taken for quantised weights."""
+        return frozenset()
+
+    @abstractmethod
+    def dist_location(self, spec: BridgeSpec, name: str) -> DistLocation:
+        """Where global tensor `name` is stored in a torch_dist checkpoint."""
+
+    def dist_extra_state(self, spec: BridgeSpec, name: str) -> DistLocation | None:
+        """The object stored beside tensor `name` in torch_dist (megatron's linears' `_extra_state`)."""
+        return None
+
+    @abstractmethod
+    def rank_state(self, spec: BridgeSpec, entries: dict[str, tuple[int, object]], post_process: bool) -> dict:
+        """A per-rank file's state dict of one chunk, from {local name: (table position, value)},
+        with whatever else the built chunk's `state_dict()` holds."""
+
+    @abstractmethod
+    def checkpoint_args(self, spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: str) -> argparse.Namespace:
+        """The `args` stored with a checkpoint (Megatron-LM reads the parallel sizes from it)."""
 
 
 __all__ = ["Backend"]

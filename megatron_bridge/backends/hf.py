@@ -16,11 +16,14 @@ count come from the meta-device model: exact, with transformers' own names.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
-from megatron_bridge.backends.base import Backend
+from megatron_bridge.backends import hf_ckpt
+from megatron_bridge.backends.base import Backend, Shape
 from megatron_bridge.backends.hf_aux import aux_limits
 from megatron_bridge.backends.hf_experts import (
     StackedExperts,
@@ -57,6 +60,7 @@ from megatron_bridge.backends.hf_plan import (
     unbuilt_refusals,
 )
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
+from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
 from megatron_bridge.bridge.mapping import REPLICATED as REPLICATED_T
 from megatron_bridge.bridge.mapping import ROW as ROW_T
@@ -64,6 +68,9 @@ from megatron_bridge.bridge.mapping import SCALAR as SCALAR_T
 from megatron_bridge.bridge.mapping import VOCAB as VOCAB_T
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
+from megatron_bridge.bridge.table import Resolved
+from megatron_bridge.convert.formats.dist_ckpt import DistLocation
+from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import padded_vocab_size
 from megatron_bridge.plan.params import ParamCount
@@ -248,14 +255,37 @@ class HFBackend(Backend):
             )
         return out
 
-    def convert_limits(self, spec: BridgeSpec) -> list[tuple[str, str]]:
-        return [
-            (
-                f"{spec.architecture} is an hf-backend model, whose megatron checkpoints `mbr convert` does not "
-                "write yet",
-                "load the HF directory itself (model.hf_path=DIR): the hf backend reads its shards rank-locally",
-            )
-        ]
+    # -- checkpoints: transformers' names (hf_ckpt.py) ------------------------------------------
+    def expected(self, spec: BridgeSpec, padded_vocab: int) -> dict[str, Shape | None]:
+        return hf_ckpt.expected(meta(spec), spec, padded_vocab)
+
+    def owned(self, spec: BridgeSpec, row: Resolved, layout: Layout, coords: Coords, layers: range) -> str | None:
+        where = _pieces(spec).get(row.megatron)
+        if where is None:
+            raise UserError(f"{row.megatron} is no tensor of the {spec.architecture} model")
+        return hf_ckpt.owned(where, spec, row.megatron in meta(spec).shapes, row, layout, coords, layers)
+
+    def ep_stacked(self, spec: BridgeSpec, row: Resolved) -> bool:
+        return hf_ckpt.ep_stacked(meta(spec), spec, row)
+
+    def integer_tensors(self, spec: BridgeSpec) -> frozenset[str]:
+        return meta(spec).integers
+
+    def dist_location(self, spec: BridgeSpec, name: str) -> DistLocation:
+        return DistLocation(name)
+
+    def rank_state(self, spec: BridgeSpec, entries: dict[str, tuple[int, object]], post_process: bool) -> dict:
+        return hf_ckpt.rank_state(entries)
+
+    def checkpoint_args(self, spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: str) -> argparse.Namespace:
+        return hf_ckpt.checkpoint_args(spec, layout, dtype, ckpt_format)
+
+
+@lru_cache(maxsize=16)
+def _pieces(spec: BridgeSpec) -> dict[str, str | int]:
+    """Every tensor's stage piece (hf_ckpt.pieces), once per description."""
+    m = meta(spec)
+    return hf_ckpt.pieces(m, transformers_config(spec), list(hf_ckpt.expected(m, spec, 1)))
 
 
 __all__ = ["HFBackend", "Meta", "causal_lm_class_name", "config_object", "meta", "model_plan", "transformers_config"]

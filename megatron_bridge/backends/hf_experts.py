@@ -22,6 +22,7 @@ from math import prod
 from typing import Any, NamedTuple
 
 from megatron_bridge.backends.hf_plan import EP_MODULE, MOE_IDENTITY, MOE_TP
+from megatron_bridge.bridge.layout import ep_part
 from megatron_bridge.bridge.mapping import NotBlockwise, Transform
 from megatron_bridge.bridge.shards import Block, Shapes, Shard, Sliceable, split_range
 
@@ -158,12 +159,6 @@ def expert_split(name: str, style: str | None) -> ExpertSplit | None:
     """The TP split of the stacked experts tensor `name` (a parameter or plan pattern) planned
     as `style`, or None where EXPERT_TP_SPLITS has no entry for it."""
     return EXPERT_TP_SPLITS.get((style or "", name.rpartition(".")[2]))
-
-
-def ep_part(items: Any, ep: int, rank: int) -> Any:
-    """Rank `rank`'s equal run of `items` (expert-major HF tensors, or a stacked tensor's dim 0)."""
-    n = len(items) // ep
-    return items[rank * n : (rank + 1) * n]
 
 
 def unescaped(pattern: str) -> str:

@@ -121,15 +121,20 @@ def _check_convention(model: Any) -> None:
         )
 
 
-def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of what a checkpoint of `model` holds: its parameters (a tied one once)
+def checkpoint_tensors(model: Any) -> dict[str, Any]:
+    """{name: tensor} of what a checkpoint of `model` holds: its parameters (a tied one once)
     and its persistent buffers."""
-    out = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    out = dict(model.named_parameters())
     for mod_name, mod in model.named_modules():
         for b_name, b in mod._buffers.items():
             if b is not None and b_name not in mod._non_persistent_buffers_set:
-                out.setdefault(f"{mod_name}.{b_name}" if mod_name else b_name, tuple(b.shape))
+                out.setdefault(f"{mod_name}.{b_name}" if mod_name else b_name, b)
     return out
+
+
+def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of `checkpoint_tensors(model)`."""
+    return {n: tuple(t.shape) for n, t in checkpoint_tensors(model).items()}
 
 
 def checkpoint_names(
@@ -183,6 +188,7 @@ class Meta:
     saved_as: dict[str, str]
     experts: dict[str, tuple[str, ...]]  # a stacked experts tensor -> its per-expert checkpoint tensors
     fused: dict[str, tuple[tuple[str, ...], int]]  # a fused tensor -> (its checkpoint pieces, their dim)
+    integers: frozenset[str] = frozenset()  # checkpoint names of the tensors the model holds as integers
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -220,9 +226,12 @@ def meta(spec: BridgeSpec) -> Meta:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(transformers_config(spec))
     plan = model_plan(model)
-    shapes = checkpoint_shapes(model)
+    tensors = checkpoint_tensors(model)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
-    return Meta(plan, shapes, kinds, *checkpoint_names(model, shapes, kinds))
+    saved, experts, fused = checkpoint_names(model, shapes, kinds)
+    integers = frozenset(saved[n] for n, t in tensors.items() if not t.is_floating_point() and n in saved)
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers)
 
 
 __all__ = [
@@ -231,6 +240,7 @@ __all__ = [
     "causal_lm_class_name",
     "checkpoint_names",
     "checkpoint_shapes",
+    "checkpoint_tensors",
     "config_object",
     "declared",
     "meta",

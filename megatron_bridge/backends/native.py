@@ -8,15 +8,21 @@ the planner's per-layer arithmetic over the spec (plan/params.py), building is
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_bridge.backends.base import Backend
+from megatron_bridge.backends import native_ckpt
+from megatron_bridge.backends.base import Backend, Shape
 from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
+from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.registry import FamilyBridge, families, get_family, weight_family
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
+from megatron_bridge.bridge.table import Resolved
+from megatron_bridge.convert.formats.dist_ckpt import DistLocation
+from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.plan.params import ParamCount, count
 
 # model-group fields that are not architecture, or reach the spec resolved under another name
@@ -67,6 +73,26 @@ class NativeBackend(Backend):
 
     def family_of(self, spec: BridgeSpec) -> type[FamilyBridge]:
         return get_family(spec.family)
+
+    # -- checkpoints: megatron-core's names (native_ckpt.py) ----------------------------------
+    def expected(self, spec: BridgeSpec, padded_vocab: int) -> dict[str, Shape | None]:
+        names = native_ckpt.expected_names(spec, self.table(spec))
+        return {n: native_ckpt.megatron_shape(n, spec, padded_vocab) for n in names}
+
+    def owned(self, spec: BridgeSpec, row: Resolved, layout: Layout, coords: Coords, layers: range) -> str | None:
+        return native_ckpt.owned(row, spec, layout, coords, layers)
+
+    def dist_location(self, spec: BridgeSpec, name: str) -> DistLocation:
+        return native_ckpt.location(name, spec)
+
+    def dist_extra_state(self, spec: BridgeSpec, name: str) -> DistLocation | None:
+        return native_ckpt.extra_state_location(name, spec)
+
+    def rank_state(self, spec: BridgeSpec, entries: dict[str, tuple[int, object]], post_process: bool) -> dict:
+        return native_ckpt.chunk_state_dict(entries, post_process)
+
+    def checkpoint_args(self, spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: str) -> argparse.Namespace:
+        return native_ckpt.megatron_args(spec, layout, dtype, ckpt_format)
 
 
 __all__ = ["NativeBackend", "NOT_SPEC_FIELDS"]

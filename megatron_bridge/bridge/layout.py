@@ -10,11 +10,31 @@ places layers exactly where a live model has them.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any
 
 from megatron_bridge.parallel.dims import ParallelDims
 
 # The bridge's name for the one layout type: same class, same fields, same rules.
 Layout = ParallelDims
+
+
+@dataclass(frozen=True)
+class Coords:
+    """One rank's place in the layout (and which virtual chunk)."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    ep_rank: int = 0
+    etp_rank: int = 0
+    vp_stage: int | None = None
+
+    def pre_process(self, layout: Layout) -> bool:
+        return self.pp_rank == 0 and (self.vp_stage or 0) == 0
+
+    def post_process(self, layout: Layout) -> bool:
+        last_vp = (layout.vpp or 1) - 1 if layout.pp > 1 else 0
+        return self.pp_rank == layout.pp - 1 and (self.vp_stage or 0) == last_vp
 
 
 def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
@@ -23,6 +43,13 @@ def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
         raise ValueError(f"{num_experts} experts do not split over ep={ep}")
     k = num_experts // ep
     return range(ep_rank * k, (ep_rank + 1) * k)
+
+
+def ep_part(items: Any, ep: int, rank: int) -> Any:
+    """Rank `rank`'s equal run of `items` (expert-major tensor names, or a tensor stacking
+    every expert on dim 0): what an expert-parallel rank holds."""
+    n = len(items) // ep
+    return items[rank * n : (rank + 1) * n]
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -67,4 +94,4 @@ def to_local_name(global_name: str, layers: range, experts: range | None = None)
     return renumber(global_name, -layers.start if m else 0, -(experts.start if (e and experts) else 0))
 
 
-__all__ = ["Layout", "local_experts", "to_local_name", "renumber", "dist_ckpt_key"]
+__all__ = ["Coords", "Layout", "ep_part", "local_experts", "to_local_name", "renumber", "dist_ckpt_key"]

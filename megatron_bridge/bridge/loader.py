@@ -6,7 +6,8 @@ An offline converter uses it without a model or process group, and the live load
 * `HFCheckpoint` — a lazy view of an HF directory's safetensors (the converter's reader).
 * `resolve_checkpoint(spec, keys)` — every table row the checkpoint fills (unknown tensors
   are an error); `chunk_plan` — {rank-local megatron name: row} for one rank's coordinates
-  (`Coords`), `shard_for` — which piece of a row that rank holds.
+  (`Coords`, placed by the backend's `owned`), `shard_for` — which piece of a row that rank
+  holds, `shard_of` — that piece as a tensor.
 * `rank_shards(spec, layout, ckpt, coords)` — for one rank's coordinates, yield (rank-local
   megatron name, tensor) for every parameter that rank holds, reading only its slices.
 * `_write_config_and_assets` — config.json and the tokenizer files of an exported model.
@@ -17,14 +18,13 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
 from megatron_bridge.bridge.hf_config import read_hf_config
-from megatron_bridge.bridge.layout import Layout, local_experts, to_local_name
+from megatron_bridge.bridge.layout import Coords, Layout, ep_part
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved, resolve_hf
@@ -79,24 +79,6 @@ class HFCheckpoint:
         self.close()
 
 
-@dataclass(frozen=True)
-class Coords:
-    """One rank's place in the layout (and which virtual chunk)."""
-
-    tp_rank: int = 0
-    pp_rank: int = 0
-    ep_rank: int = 0
-    etp_rank: int = 0
-    vp_stage: int | None = None
-
-    def pre_process(self, layout: Layout) -> bool:
-        return self.pp_rank == 0 and (self.vp_stage or 0) == 0
-
-    def post_process(self, layout: Layout) -> bool:
-        last_vp = (layout.vpp or 1) - 1 if layout.pp > 1 else 0
-        return self.pp_rank == layout.pp - 1 and (self.vp_stage or 0) == last_vp
-
-
 def table_for(spec: BridgeSpec):
     """The rows naming and sharding `spec`'s checkpoint tensors: its backend's table."""
     return backend_of(spec).table(spec)
@@ -118,32 +100,12 @@ def resolve_checkpoint(spec: BridgeSpec, keys: Sequence[str]) -> list[Resolved]:
     return rows
 
 
-def owned(row: Resolved, spec: BridgeSpec, layout: Layout, coords: Coords, layers: range) -> str | None:
-    """The rank-local name of `row` on the chunk at `coords`, or None if it lives elsewhere.
-
-    megatron's structure, not a family's: the embedding sits in the first chunk, the final
-    norm and output layer in the last; a tied output layer exists only when those differ."""
-    name = row.megatron
-    pre, post = coords.pre_process(layout), coords.post_process(layout)
-    if name.startswith("embedding."):
-        return name if pre else None
-    if name.startswith(("output_layer.", "decoder.final_layernorm.")):
-        if not post or (name.startswith("output_layer.") and spec.tie_word_embeddings and pre):
-            return None
-        return name
-    experts = None
-    if row.mapping.is_expert:
-        assert spec.num_moe_experts is not None  # expert rows apply to MoE specs only
-        experts = local_experts(spec.num_moe_experts, layout.ep, coords.ep_rank)
-    return to_local_name(name, layers, experts)
-
-
 def chunk_plan(spec: BridgeSpec, layout: Layout, rows: Sequence[Resolved], coords: Coords) -> dict[str, Resolved]:
     """{rank-local megatron name: row} for the chunk at `coords`."""
     layers = layout.stage_layers(spec.num_layers, coords.pp_rank, coords.vp_stage)
-    plan = {}
+    backend, plan = backend_of(spec), {}
     for r in rows:
-        local = owned(r, spec, layout, coords, layers)
+        local = backend.owned(spec, r, layout, coords, layers)
         if local is not None:
             plan[local] = r
     return plan
@@ -156,7 +118,10 @@ def shard_for(row: Resolved, layout: Layout, coords: Coords) -> Shard:
 
 
 def shard_of(row: Resolved, tensors: Sequence[Any], spec: BridgeSpec, layout: Layout, coords: Coords) -> torch.Tensor:
-    return row.mapping.shard(row.select(tensors), shard_for(row, layout, coords), spec.shapes(layout.tp))
+    """The tensor the rank at `coords` holds of `row`: its TP piece, and of a tensor stacking
+    every expert (`Backend.ep_stacked`) that rank's run of experts."""
+    t = row.mapping.shard(row.select(tensors), shard_for(row, layout, coords), spec.shapes(layout.tp))
+    return ep_part(t, layout.ep, coords.ep_rank) if layout.ep > 1 and backend_of(spec).ep_stacked(spec, row) else t
 
 
 def rank_shards(
@@ -199,14 +164,12 @@ def hf_assets(source_dir: Path, skip: Collection[str] = ("config.json",)) -> lis
 
 __all__ = [
     "HFCheckpoint",
-    "Coords",
     "hf_assets",
     "WEIGHT_FILE_SUFFIXES",
     "shard_for",
     "shard_of",
     "rank_shards",
     "chunk_plan",
-    "owned",
     "resolve_checkpoint",
     "table_for",
 ]

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron_bridge.bridge.mapping import REPLICATED, Transform
-from megatron_bridge.bridge.shards import FULL, Shapes, Shard, Sliceable
+from megatron_bridge.bridge.mapping import REPLICATED, NotBlockwise, Transform
+from megatron_bridge.bridge.shards import FULL, Shapes, Shard, Sliceable, out_shape
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +108,25 @@ class Mapping:
 
     def merge(self, shards: Sequence[torch.Tensor], shapes: Shapes) -> tuple[torch.Tensor, ...]:
         return self.transform.merge(shards, shapes)
+
+    def shard_shape(self, hf_shapes: Sequence[Sequence[int]], s: Shard, shapes: Shapes) -> tuple[int, ...]:
+        """The shape of shard `s` from the HF shapes alone: the transform's blocks, or, for a
+        transform that is not blockwise (stacked experts, a 0-dim tensor) or whose blocks are
+        bytes of a reshaped tensor (`Block.view`), its `shard` run on meta-device tensors (no
+        memory). Raises ValueError where the shapes do not fit or split."""
+        try:
+            blocks = self.transform.blocks(hf_shapes, s, shapes)
+            if not any(b.view for b in blocks):  # a view's blocks are bytes of a reshaped tensor
+                return out_shape(blocks, hf_shapes)
+        except NotBlockwise:
+            pass
+        import torch  # only for what the blocks cannot describe: the hf backend's transforms, which has it
+
+        meta = [torch.empty(tuple(x), device="meta") for x in hf_shapes]
+        try:
+            return tuple(self.transform.shard(meta, s, shapes).shape)
+        except RuntimeError as e:  # torch's shape errors (cat, narrow) on shapes that do not fit
+            raise ValueError(str(e).splitlines()[0]) from None
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,9 @@ _IGNORED = ("make_vocab_size_divisible_by", "initializer_range", "attention_drop
 
 
 def _check_model(spec: Any, man: Manifest, path: Path) -> None:
-    mine = describe_hf(man.hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by)
+    mine = describe_hf(
+        man.hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, backend=man.backend
+    )
     diff = [
         f"{f.name}={getattr(spec, f.name)!r} (checkpoint: {getattr(mine, f.name)!r})"
         for f in dataclasses.fields(spec)

@@ -12,8 +12,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 
-from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.bridge.loader import Coords
+from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.mapping import Transform
 from megatron_bridge.bridge.shards import Block, Shapes, Shard, out_shape

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from math import prod
 from pathlib import Path
 
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.loader import shard_for
 from megatron_bridge.bridge.shards import FULL, Block, Shape, Shapes, Shard, out_shape
 from megatron_bridge.bridge.table import Resolved
@@ -40,7 +41,6 @@ from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.safetensors_io import TensorInfo
 from megatron_bridge.convert.formats.torch_zip import TensorRef, contiguous_stride
 from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile
-from megatron_bridge.convert.placement.dist_keys import location
 from megatron_bridge.convert.sources.readers import DistSource, Source, TorchSource, mismatch
 from megatron_bridge.errors import UserError
 
@@ -61,7 +61,7 @@ def _record(f: LazyTorchFile, ref: TensorRef, dtype: DType, where: str, lead: in
 def _shards(source: DistSource | TorchSource, row: Resolved, dtype: DType) -> list[tuple[Shard, Record]] | None:
     """The records of one replica of `row`, with the shard each holds."""
     if isinstance(source, DistSource):
-        loc = location(row.megatron, source.spec)
+        loc = backend_of(source.spec).dist_location(source.spec, row.megatron)
         region = source.reader.single_chunk(loc)
         if region is None:
             return None
@@ -73,7 +73,10 @@ def _shards(source: DistSource | TorchSource, row: Resolved, dtype: DType) -> li
         )
         return None if rec is None else [(FULL, rec)]
     out = []
-    for t in source.replica(row)[1]:
+    for group in source.replica(row)[1]:
+        if len(group) > 1:  # a tensor joined from several EP ranks' runs: not one record
+            return None
+        (t,) = group
         f, ref = source.ref(t)
         rec = _record(f, ref, dtype, f"{f.path} {t.chunk}/{t.local}")
         if rec is None:

@@ -5,8 +5,10 @@ checkpoint, and `train.init_from` recognises the directory by it). It records:
 
 * the source HF `config.json` (also copied next to it, so `model.hf_path=OUT` describes the
   model) and the non-weight files copied along (tokenizer, generation config);
-* format (`torch_dist` or `torch`), layout (tp/pp/vpp/ep/etp), dtype and
-  `make_vocab_size_divisible_by` (the padded vocab of the stored embedding);
+* format (`torch_dist` or `torch`), layout (tp/pp/vpp/ep/etp), dtype,
+  `make_vocab_size_divisible_by` (the padded vocab of the stored embedding) and the backend
+  whose names and splits the files hold (`auto` in outputs written before it was recorded:
+  the backend `model.backend=auto` picks, which is what wrote them);
 * every HF tensor: name, shape, dtype, CRC-32 of its bytes. Export and reshard rebuild each
   HF tensor and compare, so a round trip is checked bit for bit, and a corrupted or
   tampered file is reported by tensor name;
@@ -78,6 +80,7 @@ class Manifest:
     assets: list[str] = field(default_factory=list)
     source: str = ""
     created_by: str = ""
+    backend: str = "auto"  # the model's backend (its table names the stored tensors)
     version: int = VERSION
 
     # -- views ------------------------------------------------------------------------
@@ -158,6 +161,8 @@ class Manifest:
             bad.append("files: expected an object of relative path -> size in bytes")
         if not isinstance(self.assets, list):
             bad.append("assets: expected a list of file names")
+        if not isinstance(self.backend, str):
+            bad.append(f"backend={self.backend!r} is not a name")
         return bad
 
     def check_files(self, directory: Path, checksums: bool = False) -> None:

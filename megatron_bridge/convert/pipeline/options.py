@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
@@ -46,8 +45,6 @@ def checked_layout(
     cfg: Any, spec: BridgeSpec, hf_config: dict[str, Any], rows: Sequence[Resolved], tensors: dict[str, Any], fmt: str
 ) -> Layout:
     """The layout of `cfg.parallel`, validated for this checkpoint's model (see module doc)."""
-    for why, fix in backend_of(spec).convert_limits(spec):
-        raise UserError(f"src: {why}. Fix: {fix}.")
     layout = ParallelDims.from_config(cfg, smallest_world=True, moe=spec.is_moe)
     try:
         validate(cfg, spec, dims=layout, layout_only=True)

@@ -164,6 +164,7 @@ def _manifest(
         assets=assets,
         source=str(src),
         created_by=created_by,
+        backend=source.spec.backend,
     ).write(tmp)
 
 

@@ -9,8 +9,12 @@ read-ahead:
 * `DistOut`: `Mapping.to_global` -> one chunk per layer/expert (`dist_ckpt`).
 * `TorchOut`: per pipeline stage, the stage's rank files are open together and each row is
   read once and split with the bridge's `shard_of` into every rank that holds it (dense
-  rows are written to every EP rank's file, as Megatron does); Megatron's `args`,
-  `checkpoint_version` and the local spec's `_extra_state` entries complete each file.
+  rows are written to every EP rank's file, as Megatron does); the stored `args`,
+  `checkpoint_version` and what the backend's chunk state dict holds besides (the native
+  backend's `_extra_state` entries) complete each file.
+
+Where a tensor is stored and what a rank file holds are the backend's (`Backend.dist_location`,
+`owned`, `rank_state`, `checkpoint_args`); nothing here knows a backend's names.
 * `HFOut`: the HF tensors as they come, into size-capped safetensors files planned up front
   (names, shapes and dtypes are known from the source before any data is read).
 """
@@ -24,8 +28,10 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.bridge.loader import Coords, shard_for, shard_of
+from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.bridge.layout import Coords, Layout
+from megatron_bridge.bridge.loader import shard_for, shard_of
+from megatron_bridge.bridge.mapping import NotBlockwise
 from megatron_bridge.bridge.shards import FULL
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
@@ -40,15 +46,12 @@ from megatron_bridge.convert.formats.safetensors_io import INDEX, SafetensorsWri
 from megatron_bridge.convert.formats.torch_zip import StreamingTorchSave, TensorRef
 from megatron_bridge.convert.pipeline.dst import EXPORT_MARK
 from megatron_bridge.convert.pipeline.writeback import Writeback
-from megatron_bridge.convert.placement.dist_keys import extra_state_location, location
 from megatron_bridge.convert.placement.rank_files import (
     RELEASE,
     TRACKER,
     RankFile,
     chunk_key,
-    chunk_state_dict,
     common_state,
-    megatron_args,
     stage_coords,
     stage_targets,
 )
@@ -65,9 +68,32 @@ Advance = Callable[[int, int], None]  # (tensors, bytes)
 BYTE_PATHS = {HFSource: DirectCopy.open, TorchSource: DirectReshard.open, DistSource: DirectReshard.open}
 
 
-def byte_path(source: Source, workers: int):  # -> context manager of DirectCopy | DirectReshard | None
+def byte_path(
+    source: Source, workers: int, layout: Layout | None = None
+):  # -> ctx of DirectCopy | DirectReshard | None
     opener = next((o for kind, o in BYTE_PATHS.items() if isinstance(source, kind)), None)
-    return opener(source, workers) if opener is not None else nullcontext()
+    return opener(source, workers) if opener is not None and blockwise(source, layout) else nullcontext()
+
+
+def blockwise(source: Source, layout: Layout | None = None) -> bool:
+    """Whether every row is byte ranges of its HF tensors (its transform's blocks: not stacked
+    experts built from per-expert tensors, not a 0-dim tensor, not a reshaped view) and, under `layout`, a rank's
+    tensor is one TP shard of it (not a run of stacked experts, in the output's layout or a
+    per-rank source's) — what the byte engines copy."""
+    backend, shapes = backend_of(source.spec), source.spec.shapes(1)
+    ep = max(layout.ep if layout else 1, getattr(getattr(source, "layout", None), "ep", 1))  # either side's
+    for r in source.rows:
+        if ep > 1 and backend.ep_stacked(source.spec, r):
+            return False
+        try:
+            blocks = r.mapping.transform.blocks(r.select_shapes([source.tensors[h][0] for h in r.hf]), FULL, shapes)
+        except NotBlockwise:
+            return False
+        except ValueError:
+            continue  # shapes that do not fit: refused by the source's own checks
+        if any(b.view for b in blocks):  # bytes of a reshaped tensor: the stored shape is not the blocks'
+            return False
+    return True
 
 
 def main_dtype(source: Source) -> DType:
@@ -94,6 +120,7 @@ class DistOut:
 
     def __init__(self, spec: BridgeSpec, layout: Layout, workers: int = 0):
         self.spec, self.layout, self.workers = spec, layout, workers  # workers: the byte path's pool
+        self.backend = backend_of(spec)
 
     def total(self, source: Source) -> tuple[int, int]:
         rows = _exported(source)
@@ -110,7 +137,7 @@ class DistOut:
             def fill(item: StreamingTorchSave, shape: tuple[int, ...], g: torch.Tensor = g) -> TensorRef:
                 return item.add(g.reshape(shape))
 
-            w.add(location(row.megatron, self.spec), g.dtype, tuple(g.shape), fill)
+            w.add(self.backend.dist_location(self.spec, row.megatron), g.dtype, tuple(g.shape), fill)
             yield row, g.nbytes
             del g
 
@@ -122,24 +149,24 @@ class DistOut:
             def fill(item: StreamingTorchSave, shape: tuple[int, ...], row: Resolved = row) -> TensorRef:
                 return direct.write(row, FULL, shapes, item, shape)[0]
 
-            w.add(location(row.megatron, self.spec), dtype, shape, fill)
+            w.add(self.backend.dist_location(self.spec, row.megatron), dtype, shape, fill)
             yield row, prod(shape) * dtype.itemsize
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
         w = DistWriter(root / RELEASE, self.total(source)[1])
         with (
-            byte_path(source, self.workers) as direct,
+            byte_path(source, self.workers, self.layout) as direct,
             Writeback() as wb,
         ):
             for row, nbytes in self._direct(direct, w) if direct else self._tensors(source, w):
-                extra = extra_state_location(row.megatron, self.spec)
+                extra = self.backend.dist_extra_state(self.spec, row.megatron)
                 if extra is not None:
                     w.add_object(extra)
                 advance(source.count(row), source.nbytes(row))
                 wb.wrote(w.paths, nbytes)
             if direct:
                 direct.drain()
-        w.finish(common_state(megatron_args(self.spec, self.layout, main_dtype(source), self.format)))
+        w.finish(common_state(self.backend.checkpoint_args(self.spec, self.layout, main_dtype(source), self.format)))
         (root / TRACKER).write_text("release")
 
 
@@ -148,6 +175,7 @@ class TorchOut:
 
     def __init__(self, spec: BridgeSpec, layout: Layout, workers: int = 0):
         self.spec, self.layout, self.workers = spec, layout, workers  # workers: the byte path's pool
+        self.backend = backend_of(spec)
         self._plan: list[tuple[int, dict]] | None = None
 
     def _stages(self, source: Source) -> list[tuple[int, dict]]:
@@ -165,10 +193,13 @@ class TorchOut:
 
     def _tensors(self, source: Source, rows: list[Resolved], targets: dict, files: dict) -> Iterator[tuple]:
         def split(row: Resolved, hf: list[torch.Tensor]) -> list[tuple[object, torch.Tensor]]:
-            done: dict[tuple[bool, int], torch.Tensor] = {}  # dense rows: one shard per tp rank, all EP files
+            # a dense row: one shard per tp rank, written to every EP rank's file; a tensor that
+            # stacks every expert: one per (tp, ep) rank
+            done: dict[tuple[object, int], torch.Tensor] = {}
+            ep_run = self.backend.ep_stacked(self.spec, row)
             out = []
             for t in targets[row.megatron]:
-                key = (row.mapping.is_expert, t.coords.etp_rank if row.mapping.is_expert else t.coords.tp_rank)
+                key = (shard_for(row, self.layout, t.coords), t.coords.ep_rank if ep_run else 0)
                 if key not in done:
                     done[key] = compact(shard_of(row, hf, self.spec, self.layout, t.coords))
                 out.append((t, done[key]))
@@ -190,8 +221,8 @@ class TorchOut:
             yield row, out
 
     def write(self, root: Path, source: Source, advance: Advance) -> None:
-        args = megatron_args(self.spec, self.layout, main_dtype(source), self.format)
-        with byte_path(source, self.workers) as direct:
+        args = self.backend.checkpoint_args(self.spec, self.layout, main_dtype(source), self.format)
+        with byte_path(source, self.workers, self.layout) as direct:
             for pp, targets in self._stages(source):
                 files: dict[RankFile, StreamingTorchSave] = {}
                 chunks: dict[RankFile, dict[str, dict[str, tuple[int, object]]]] = {}
@@ -218,7 +249,8 @@ class TorchOut:
                     obj: dict[str, object] = dict(common_state(args))
                     for ck, entries in chunks[f].items():
                         vp = None if ck == "model" else int(ck[len("model") :])
-                        obj[ck] = chunk_state_dict(entries, Coords(pp_rank=pp, vp_stage=vp).post_process(self.layout))
+                        post = Coords(pp_rank=pp, vp_stage=vp).post_process(self.layout)
+                        obj[ck] = self.backend.rank_state(self.spec, entries, post)
                     w.finish(obj)
         (root / TRACKER).write_text("release")
 
@@ -274,7 +306,7 @@ class HFOut:
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         where = {e[0]: i for i, group in enumerate(files) for e in group}
         with (
-            DirectExport.open(source, self.workers) as direct,
+            DirectExport.open(source, self.workers) if blockwise(source) else nullcontext() as direct,
             Writeback() as wb,
         ):
             out = _ShardFiles(root, names, files, where, wb, direct.drain if direct else lambda: None)

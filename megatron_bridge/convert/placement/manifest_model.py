@@ -8,9 +8,11 @@ and the `Layout` it was written for, and a `Layout` is turned into its record.
 from __future__ import annotations
 
 from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.backends.registry import BACKENDS
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.convert.formats.manifest import LayoutRecord, Manifest
+from megatron_bridge.errors import UserError
 
 
 def layout_record(layout: Layout) -> LayoutRecord:
@@ -39,7 +41,15 @@ def manifest_layout(man: Manifest) -> Layout:
 
 
 def manifest_spec(man: Manifest) -> BridgeSpec:
-    return describe_hf(man.hf_config, make_vocab_size_divisible_by=man.make_vocab_size_divisible_by)
+    """The model the checkpoint holds, described by the backend that wrote it."""
+    if man.backend not in ("auto", *BACKENDS):
+        raise UserError(
+            f"the manifest names backend {man.backend!r}, which this mbr does not have "
+            f"(it has {', '.join(BACKENDS)}): the checkpoint was written by another version"
+        )
+    return describe_hf(
+        man.hf_config, make_vocab_size_divisible_by=man.make_vocab_size_divisible_by, backend=man.backend
+    )
 
 
 def stored_vocab_rows(man: Manifest) -> int:

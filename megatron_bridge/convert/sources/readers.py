@@ -23,6 +23,7 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
 from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.mapping import Replicated
@@ -37,7 +38,6 @@ from megatron_bridge.convert.formats.readahead import READ_AHEAD_BYTES
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.convert.formats.torch_zip import TensorRef
 from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile, scan_torch_file
-from megatron_bridge.convert.placement.dist_keys import location
 from megatron_bridge.convert.placement.manifest_model import manifest_layout, manifest_spec
 from megatron_bridge.convert.placement.rank_files import RELEASE, RankFile, Target, all_targets
 from megatron_bridge.convert.sources.rows import producers, resolve_rows
@@ -83,7 +83,10 @@ class Source:
         self.nonfinite: set[str] = set()
 
     def out_dtype(self, name: str) -> DType:
-        return self.dtype or self.tensors[name][1]
+        """The dtype `name` is written in: `dtype=`'s for floating-point tensors, the stored
+        one otherwise (a model's integer buffers are never cast)."""
+        stored = self.tensors[name][1]
+        return self.dtype if self.dtype is not None and stored.is_floating_point else stored
 
     def count(self, row: Resolved) -> int:
         """HF tensors the row stands for (a stacked tensor counts with its expert 0 only)."""
@@ -110,7 +113,7 @@ class Source:
                 raise mismatch(self.where, name)
             if self.check_finite and t.is_floating_point() and not bool(t.isfinite().all()):
                 self.nonfinite.add(name)
-            if self.dtype is not None and t.dtype != self.dtype:
+            if self.dtype is not None and t.dtype != self.dtype and t.is_floating_point():
                 t = t.to(self.dtype.torch)
             if name not in self.checksums:
                 self.checksums[name] = (
@@ -227,7 +230,10 @@ class HFSource(Source):
         self.quant: dict[str, fp8.Quantized] = {k: v for k, v in quant.items() if k not in skip}
         self.tensors = {k: v for k, v in tensors.items() if k not in skip}
         self.infos: dict[str, TensorInfo] = {k: v for k, v in stored.items() if k in self.tensors}
-        bad = sorted({str(v.dtype) for v in self.infos.values() if not v.dtype.is_floating_point})
+        integers = backend_of(self.spec).integer_tensors(self.spec)  # the model's own integer buffers
+        bad = sorted(
+            {str(v.dtype) for k, v in self.infos.items() if not v.dtype.is_floating_point and k not in integers}
+        )
         if bad:
             raise UserError(
                 f"{self.where}: non-floating-point weights ({', '.join(bad)}): quantized checkpoints are not supported"
@@ -313,11 +319,11 @@ class DistSource(CheckpointSource):
         self.reader = DistReader(path / RELEASE, self.io)
 
     def merged(self, row: Resolved) -> list[torch.Tensor]:
-        g = self.reader.read(location(row.megatron, self.spec))
+        g = self.reader.read(backend_of(self.spec).dist_location(self.spec, row.megatron))
         return list(row.mapping.merge([g], self.shapes))
 
     def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
-        return self.reader.ranges(location(self.source_row(row).megatron, self.spec))
+        return self.reader.ranges(backend_of(self.spec).dist_location(self.spec, self.source_row(row).megatron))
 
 
 class TorchSource(CheckpointSource):
@@ -359,24 +365,41 @@ class TorchSource(CheckpointSource):
         f, ref = self.ref(t)
         return f.read(ref)
 
-    def replica(self, row: Resolved) -> tuple[Resolved, list[Target]]:
-        """The exported row behind `row` and the shards of one replica of it, in TP order."""
+    def replica(self, row: Resolved) -> tuple[Resolved, list[list[Target]]]:
+        """The exported row behind `row` and the shards of one replica of it, in TP order; each
+        shard is the targets joined on dim 0 to make it: one, or for a tensor stacking every
+        expert (`Backend.ep_stacked`) every EP rank's run of them, in EP order."""
         src = self.source_row(row)
         targets = self.targets.get(src.megatron, [])
         if src.mapping.is_expert:
-            replica = sorted(targets, key=lambda t: t.coords.etp_rank)
+            replica = [[t] for t in sorted(targets, key=lambda t: t.coords.etp_rank)]
+        elif backend_of(self.spec).ep_stacked(self.spec, src):
+            by_tp: dict[int, list[Target]] = {}
+            for t in sorted(targets, key=lambda t: (t.coords.tp_rank, t.coords.ep_rank)):
+                by_tp.setdefault(t.coords.tp_rank, []).append(t)
+            replica = list(by_tp.values())
         else:
-            replica = sorted((t for t in targets if t.coords.ep_rank == 0), key=lambda t: t.coords.tp_rank)
+            replica = [
+                [t] for t in sorted((t for t in targets if t.coords.ep_rank == 0), key=lambda t: t.coords.tp_rank)
+            ]
         t = src.mapping.transform
-        return src, replica[:1] if isinstance(getattr(t, "inner", t), Replicated) else replica  # stacked: its inner
+        return src, replica[:1] if isinstance(getattr(t, "inner", t), Replicated) or t.whole else replica
 
     def merged(self, row: Resolved) -> list[torch.Tensor]:
         src, replica = self.replica(row)
-        return list(src.mapping.merge([self._read(t) for t in replica], self.shapes))
+        shards = [self._joined(group) for group in replica]
+        return list(src.mapping.merge(shards, self.shapes))
+
+    def _joined(self, group: list[Target]) -> torch.Tensor:
+        if len(group) == 1:
+            return self._read(group[0])
+        import torch
+
+        return torch.cat([self._read(t) for t in group], 0)
 
     def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
         out = []
-        for t in self.replica(row)[1]:
+        for t in (t for group in self.replica(row)[1] for t in group):
             f = self.file(t.file)
             ref = f.obj.get(t.chunk, {}).get(t.local) if isinstance(f.obj, dict) else None
             if ref is not None:

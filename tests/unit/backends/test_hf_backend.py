@@ -197,13 +197,11 @@ def test_layer_kinds_that_cannot_run_under_cp_are_refused_by_kind():
     assert cp_refusals(["full_attention", "sliding_attention"], 2) == cp_refusals(None, 2) == []
 
 
-def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(tmp_path, saved, capsys):
+def test_what_the_hf_backend_cannot_train_yet_is_refused(tmp_path, saved):
     """A plain training run of an hf-backend model passes every rule; what it cannot do yet is
     refused before anything starts (`backend-run`, what `mbr check` and the trainer apply):
-    packed SFT data, activation recomputation; and `mbr convert` (its checkpoints load from the HF
-    directory itself). LoRA is allowed, its targets checked against the backend's table
+    packed SFT data, activation recomputation. LoRA is allowed, its targets checked against the backend's table
     (transformers' module names)."""
-    from megatron_bridge.cli import main
     from megatron_bridge.parallel.rules.registry import validate
 
     cohere = saved["cohere"]
@@ -228,9 +226,6 @@ def test_what_the_hf_backend_cannot_train_yet_is_refused_and_converting_it_too(t
     assert [v.rule for v in e.value.violations] == ["backend-run"] and "data.packing=false" in str(e.value)
     cfg, _ = compose([*sft, "data.packing=false"])
     validate(cfg, spec, world_size=1)  # padded SFT trains
-    assert main(["convert", f"src={cohere}", f"dst={tmp_path / 'out'}"]) == 2
-    err = capsys.readouterr().err
-    assert "hf-backend model" in err and "model.hf_path=DIR" in err and not (tmp_path / "out").exists()
 
 
 def test_every_override_entry_is_an_architecture_the_hf_backend_now_describes():

@@ -13,8 +13,8 @@ import torch
 
 from megatron_bridge.bridge import registry
 from megatron_bridge.bridge.hf_config import load_spec, spec_from_hf, spec_to_hf_config
-from megatron_bridge.bridge.layout import Layout, renumber
-from megatron_bridge.bridge.loader import Coords, HFCheckpoint, rank_shards, resolve_checkpoint
+from megatron_bridge.bridge.layout import Coords, Layout, renumber
+from megatron_bridge.bridge.loader import HFCheckpoint, rank_shards, resolve_checkpoint
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.tiny import TINY
 from megatron_bridge.errors import UserError
