@@ -109,7 +109,7 @@ class Mapping:
     def merge(self, shards: Sequence[torch.Tensor], shapes: Shapes) -> tuple[torch.Tensor, ...]:
         return self.transform.merge(shards, shapes)
 
-    def shard_shape(self, hf_shapes: Sequence[Sequence[int]], s: Shard, shapes: Shapes) -> tuple[int, ...]:
+    def shard_shape(self, hf_shapes: Sequence[tuple[int, ...]], s: Shard, shapes: Shapes) -> tuple[int, ...]:
         """The shape of shard `s` from the HF shapes alone: the transform's blocks, or, for a
         transform that is not blockwise (stacked experts, a 0-dim tensor) or whose blocks are
         bytes of a reshaped tensor (`Block.view`), its `shard` run on meta-device tensors (no

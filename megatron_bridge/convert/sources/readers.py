@@ -382,8 +382,8 @@ class TorchSource(CheckpointSource):
             replica = [
                 [t] for t in sorted((t for t in targets if t.coords.ep_rank == 0), key=lambda t: t.coords.tp_rank)
             ]
-        t = src.mapping.transform
-        return src, replica[:1] if isinstance(getattr(t, "inner", t), Replicated) or t.whole else replica
+        tf = src.mapping.transform
+        return src, replica[:1] if isinstance(getattr(tf, "inner", tf), Replicated) or tf.whole else replica
 
     def merged(self, row: Resolved) -> list[torch.Tensor]:
         src, replica = self.replica(row)
