@@ -19,7 +19,7 @@ import json
 import shutil
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.features.mtp import mtp_keys, note_skipped
@@ -37,6 +37,17 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: resolving rows an
     import torch
 
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+class HFTensors(Protocol):
+    """What a loader reads HF tensors through: an HF directory (`HFCheckpoint`) or a converted
+    checkpoint seen as one (`convert.sources.hf_view.ConvertedTensors`); `path` for messages."""
+
+    path: Path
+
+    def keys(self) -> list[str]: ...
+
+    def slice(self, name: str) -> Any: ...
 
 
 class HFCheckpoint:
@@ -164,6 +175,7 @@ def hf_assets(source_dir: Path, skip: Collection[str] = ("config.json",)) -> lis
 
 __all__ = [
     "HFCheckpoint",
+    "HFTensors",
     "hf_assets",
     "WEIGHT_FILE_SUFFIXES",
     "shard_for",

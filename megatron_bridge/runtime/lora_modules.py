@@ -54,8 +54,9 @@ from megatron_bridge.convert.formats.dtypes import dtype_of
 from megatron_bridge.convert.formats.manifest import DATA_CRC32, crc_hex
 from megatron_bridge.convert.formats.safetensors_io import SafetensorsWriter, tensor_bytes
 from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.runtimes import runtime_of
 from megatron_bridge.runtime.safetensors_stream import save_file_key
-from megatron_bridge.runtime.weights import current_coords, gather_shards, global_names, layout_of, vp_stage_of
+from megatron_bridge.runtime.weights import current_coords, gather_shards, layout_of, vp_stage_of
 
 
 class LoraAdapter(torch.nn.Module):
@@ -222,11 +223,6 @@ def _initializer(seed: int, rank: int, given: dict[str, torch.Tensor] | None, so
     return init
 
 
-# {local parameter name: global (table) name} of one chunk, by backend: an hf chunk's names are
-# already the checkpoint's (global layer indices, runtime/hf/chunk.py)
-CHUNK_NAMES = {"native": global_names, "hf": lambda chunk: {n: n for n, _ in chunk.named_parameters()}}
-
-
 def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) -> int:
     """Freeze every weight of the built (and loaded) chunks and attach adapters to the
     linears `peft.target_modules` names. Returns the number of adapted megatron linears."""
@@ -247,7 +243,7 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
         for p in chunk.parameters():
             p.requires_grad_(False)
         coords = current_coords(vp_stage_of(chunks, i))
-        names = CHUNK_NAMES[spec.backend](chunk)
+        names = runtime_of(spec).global_names(chunk)
         for mod_name, mod in list(chunk.named_modules()):
             wname = f"{mod_name}.weight"
             row = resolve_megatron(table, names[wname]) if wname in names else None

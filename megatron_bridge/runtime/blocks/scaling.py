@@ -4,7 +4,7 @@ megatron's GPTModel has none of the model-level ones, so they are forward hooks 
 chunk: the embedding output is multiplied on pre_process chunks — by a tensor of the hidden
 dtype, as transformers' Gemma does (`embed_scale.to(dtype)`: in bf16 sqrt(3072) becomes
 55.5) — and the output layer's logits are scaled and capped on post_process chunks. That
-hook runs *before* `build.mask_vocab_padding`'s (prepended), so padded vocabulary rows are
+hook runs *before* `native.build.mask_vocab_padding`'s (prepended), so padded vocabulary rows are
 still -inf after capping. Both are elementwise, so TP shards, SP and CP need nothing more.
 
 The softmax scale is TransformerConfig.softmax_scale (every core attention takes it). The

@@ -12,17 +12,20 @@ checkpoint holds one tensor per expert (`_per_expert`), else it is gathered over
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
 
-from megatron_bridge.backends.hf_experts import StackedExperts, ep_part
-from megatron_bridge.bridge.loader import HFCheckpoint, resolve_checkpoint, table_for
+from megatron_bridge.backends.hf_experts import StackedExperts
+from megatron_bridge.bridge.layout import ep_part
+from megatron_bridge.bridge.loader import HFTensors, resolve_checkpoint, table_for
 from megatron_bridge.bridge.lora import is_adapter_param
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import resolve_megatron
+from megatron_bridge.convert.sources.hf_view import ConvertedTensors
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.hf.experts import gather_experts, is_expert
 from megatron_bridge.runtime.weights_base import (
@@ -35,7 +38,7 @@ from megatron_bridge.runtime.weights_base import (
 )
 
 
-def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
+def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFTensors) -> int:
     """Copy this rank's slices of every checkpoint tensor into `chunks`; returns how many.
     Every HF tensor must have a row (`resolve_checkpoint`), every chunk tensor a source."""
     layout = layout_of(chunks)
@@ -48,7 +51,7 @@ def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
         missing = sorted(set(targets) - set(rows))
         if missing:
             raise UserError(
-                f"HF checkpoint {ckpt.path} has no tensor for {len(missing)} of the {spec.architecture} model's "
+                f"{ckpt.path} has no tensor for {len(missing)} of the {spec.architecture} model's "
                 f"tensors on this rank: {', '.join(missing[:6])}"
             )
         written = set()
@@ -63,9 +66,17 @@ def load(chunks: Sequence[Any], spec: BridgeSpec, ckpt: HFCheckpoint) -> int:
                 raise UserError(f"{name}: HF {row.hf} gives shape {tuple(t.shape)}, the model has {tuple(p.shape)}")
             p.data.copy_(t.to(p.dtype))
             written.add(name)
-        require_all_written(targets, written, f"HF checkpoint {ckpt.path}")
+        require_all_written(targets, written, str(ckpt.path))
         n += len(written)
     return n
+
+
+def load_converted(chunks: Sequence[Any], spec: BridgeSpec, path: Path, man: Any) -> None:
+    """An `mbr convert` / `mbr reshard` output of this model (any format, written at any layout)
+    into this rank's chunks: its HF tensors (convert/sources/hf_view.py) cut as `load` cuts an HF
+    directory's."""
+    with ConvertedTensors(path) as tensors:
+        load(chunks, spec, tensors)
 
 
 def iter_tensors(
@@ -137,4 +148,4 @@ def _per_expert(
                 yield from handed_over(mine, list(got), dtype)
 
 
-__all__ = ["iter_tensors", "load"]
+__all__ = ["iter_tensors", "load", "load_converted"]

@@ -49,7 +49,7 @@ def test_init_from_reads_what_megatron_core_loads(family, divisor, groups1, tmp_
     from megatron_bridge.convert.formats.dist_read import DistReader
     from megatron_bridge.convert.formats.safetensors_io import PositionedReader
     from megatron_bridge.runtime.build import build_model
-    from megatron_bridge.runtime.load_converted import dist_state
+    from megatron_bridge.runtime.native.converted import dist_state
     from megatron_bridge.runtime.tiny import make_tiny
 
     hf = make_tiny(family, tmp_path / "hf")

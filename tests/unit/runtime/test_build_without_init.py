@@ -126,7 +126,7 @@ def test_require_all_written_names_what_was_left():
 
 def test_converted_state_must_cover_the_chunk(groups1, tiny_dirs):
     """`train.init_from=` a converted checkpoint: the same guarantee before the strict load."""
-    from megatron_bridge.runtime.load_converted import _load_chunk
+    from megatron_bridge.runtime.native.converted import load_chunk as _load_chunk
 
     _, (ref,) = _build(tiny_dirs["qwen2"], load_weights=False)
     _, (new,) = _build(tiny_dirs["qwen2"], load_weights=True)
