@@ -2,7 +2,9 @@
 
 `mbr convert` runs here, in the test process (one CPU process, no process group); the
 launch then loads every output the way training does (`train.init_from`) at tp2·pp2
-(dense, tied and untied), pp2·vpp2 and ep2·pp2 (homogeneous and mixed MoE stacks), and
+(dense, tied and untied), pp2·vpp2 and ep2·pp2 (homogeneous and mixed MoE stacks) — native
+models and hf-backed ones (transformers' modules: Cohere tied at tp2·pp2, dots.llm1's experts
+at ep2·pp2) —, and
 checks: every parameter bitwise equal to the bridge's online load of the HF directory,
 logits equal to transformers' (fp32), weights streamed by `megatron_bridge.stream` in both
 modes equal to the HF directory's tensors (per stage: once over the receiving ranks;
@@ -34,18 +36,21 @@ LAYOUT_ARGS = {"tp2pp2": ["parallel.tp=2", "parallel.pp=2"], "pp2vpp2": ["parall
 # gathered over EP and split over TP
 STREAM_HF = ["llama:tp2pp2", "qwen3_moe:ep2tp2"]
 CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtral", "ep2pp2"),
-         ("qwen2_moe", "ep2pp2")]
+         ("qwen2_moe", "ep2pp2"),
+         # the hf backend (transformers' modules): a tied dense model, experts stacked from per-expert tensors
+         ("cohere", "tp2pp2"), ("dots1", "ep2pp2")]
+HF_CATALOGUE = {"dots1"}  # built by runtime/hf_tiny.py (the hf backend's catalogue), not runtime/tiny.py
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
+    from megatron_bridge.runtime import hf_tiny, tiny
     from megatron_bridge.runtime.parity import hf_reference, make_batch
-    from megatron_bridge.runtime.tiny import make_tiny
 
     base = tmp_path_factory.mktemp("convert")
     (base / "refs").mkdir()
     for fam in sorted({f for f, _ in CASES} | {c.split(":")[0] for c in STREAM_HF}):
-        hf = make_tiny(fam, base / fam)
+        hf = (hf_tiny if fam in HF_CATALOGUE else tiny).make_tiny(fam, base / fam)
         ids, _ = make_batch(250)
         torch.save(dict(input_ids=ids, **hf_reference(hf, ids)), base / "refs" / f"{fam}.pt")
     for fam, layout in CASES:

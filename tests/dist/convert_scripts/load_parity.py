@@ -104,7 +104,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from megatron_bridge.backends.describe import describe_hf
-    from megatron_bridge.bridge.hf_config import load_spec, read_hf_config
+    from megatron_bridge.bridge.hf_config import read_hf_config
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.runtime.weights import load_hf_weights
     from megatron_bridge.runtime.build import build_model
@@ -121,7 +121,7 @@ def main() -> None:
         ensure_groups(layout, world)
         hf = root / family
         ckpt = root / "ckpt" / f"{family}-{fmt}-{text}"
-        spec = load_spec(hf, make_vocab_size_divisible_by=a.vocab_divisor)
+        spec = describe_hf(read_hf_config(hf), make_vocab_size_divisible_by=a.vocab_divisor)  # auto: native or hf
         chunks = build_model(spec, layout, load_weights=True)
         load_initial_weights(chunks, spec, str(ckpt))
         ref_chunks = build_model(spec, layout, load_weights=True)
