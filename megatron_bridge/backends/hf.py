@@ -275,7 +275,7 @@ class HFBackend(Backend):
         return DistLocation(name)
 
     def rank_state(self, spec: BridgeSpec, entries: dict[str, tuple[int, object]], post_process: bool) -> dict:
-        return hf_ckpt.rank_state(entries)
+        return hf_ckpt.rank_state(meta(spec), entries, post_process)
 
     def checkpoint_args(self, spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: str) -> argparse.Namespace:
         return hf_ckpt.checkpoint_args(spec, layout, dtype, ckpt_format)

@@ -10,7 +10,8 @@ global layer indices (`model.layers.3.self_attn.q_proj.weight`, the stacked
   `FULL`. A run at any layout reads it back through the same transforms (runtime/hf/weights.py):
   the stored tensor merged to the HF tensors, then split as that run splits them;
 * per-rank files: a chunk's `state_dict()` as the hf builder makes it — this rank's TP shards,
-  a stacked experts tensor's run of experts under EP (`ep_stacked`), the stage's pieces only.
+  a stacked experts tensor's run of experts under EP (`ep_stacked`), the stage's pieces only,
+  megatron's linears' `_extra_state` entries (`rank_state`).
 
 Which stage holds a tensor follows the builder (runtime/hf/build.py `Stage.chunk`): the
 embedding, the pieces between it and the layers and the per-layer-input modules on the first
@@ -25,7 +26,7 @@ import argparse
 
 from megatron_bridge.backends.hf_kinds import PER_LAYER_INPUTS
 from megatron_bridge.backends.hf_meta import Meta
-from megatron_bridge.backends.hf_plan import EP_TENSOR, VOCAB
+from megatron_bridge.backends.hf_plan import COLUMN, EP_TENSOR, ROW, VOCAB
 from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
@@ -101,9 +102,20 @@ def ep_stacked(m: Meta, spec: BridgeSpec, row: Resolved) -> bool:
     return spec.is_moe and m.plan.ep_style(row.megatron) == EP_TENSOR
 
 
-def rank_state(entries: dict[str, tuple[int, object]]) -> dict[str, object]:
-    """A chunk's state dict: its tensors, in table order (the chunk's own holds nothing else)."""
-    return {n: entries[n][1] for n in sorted(entries, key=lambda n: entries[n][0])}
+def rank_state(m: Meta, entries: dict[str, tuple[int, object]], post_process: bool) -> dict[str, object]:
+    """A chunk's state dict: its tensors in table order, and the `_extra_state` entries (None)
+    megatron's linears add to it — every planned linear (its tensors are `column` / `row` kind)
+    and the LM head on the last chunk — as the built chunk's `state_dict()` holds them."""
+    linears = {n.rpartition(".")[0] for n, k in m.kinds.items() if k in (COLUMN, ROW)}
+    out: dict[str, object] = {}
+    for name in sorted(entries, key=lambda n: entries[n][0]):
+        out[name] = entries[name][1]
+        module = name.rpartition(".")[0]
+        if module in linears:
+            out[f"{module}._extra_state"] = None
+    if post_process:
+        out[f"{m.plan.head}._extra_state"] = None
+    return out
 
 
 def checkpoint_args(spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: str) -> argparse.Namespace:

@@ -11,6 +11,11 @@ HF -> convert -> export is bit-exact or fails loudly. See docs/convert.md.
     mbr export src=CKPT dst=DIR adapter=true
 
 copies the HF PEFT adapter a `peft=lora` training checkpoint carries (runtime/lora_files.py).
+
+    mbr export src=CKPT dst=HF_DIR model.hf_path=HF_SRC
+
+writes the trained weights of a training checkpoint (`checkpoint.dir`: its `latest`, or one
+`iter_N`) of the model `model.hf_path` names (train/reshard.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_bridge.convert.command import run_command
+from megatron_bridge.train.manifest import is_training_checkpoint
 
 
 def _export(cfg: Any) -> int:
@@ -26,6 +32,10 @@ def _export(cfg: Any) -> int:
         from megatron_bridge.runtime.lora_files import export_checkpoint_adapter  # adapter=true only
 
         return export_checkpoint_adapter(cfg)
+    if cfg.src and is_training_checkpoint(cfg.src):
+        from megatron_bridge.train.reshard import export_training  # a training checkpoint: torch's rank files
+
+        return export_training(cfg)
     from megatron_bridge.convert.pipeline.run import export  # after run_command's huge pages and read-ahead
 
     return export(cfg)

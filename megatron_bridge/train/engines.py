@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 from megatron.core import parallel_state as ps
-from megatron.core.optimizer import ChainedOptimizer, DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -43,6 +43,7 @@ from megatron_bridge.runtime.safe_load import only_weights
 from megatron_bridge.runtime.schedule import wrap_ddp
 from megatron_bridge.train.data.sft import is_packed
 from megatron_bridge.train.ds_config import build_ds_config
+from megatron_bridge.train.optim_state import dist_model_params, load_named_state, named_state
 
 MakeIterators = Callable[[int], list[Any]]
 """`make_iterators(n)`: n fresh iterators over this step's micro-batches, one per model chunk
@@ -71,8 +72,21 @@ class Engine(abc.ABC):
     calls, and keeps the unwrapped megatron-core modules in `model_chunks`: what the HF export
     and evaluation read, whichever wrapper (megatron DDP, DeepSpeed) trains them."""
 
-    def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
+    def __init__(
+        self,
+        cfg: Any,
+        dims: Any,
+        chunks: Sequence[torch.nn.Module],
+        mpu: Any,
+        *,
+        bf16: bool,
+        global_names: Callable[[Any], dict[str, str]] | None = None,
+    ):
+        """`global_names(chunk)`: {a chunk's parameter name: its table name} (the backend's:
+        runtime/runtimes.py), the names a checkpoint keys optimizer state by (default: the
+        chunk's own)."""
         self.cfg, self.dims = cfg, dims
+        self.global_names = global_names or (lambda chunk: {name: name for name, _ in chunk.named_parameters()})
         self.model_chunks: list[torch.nn.Module] = list(chunks)
         self.device = next(chunks[0].parameters()).device
 
@@ -167,10 +181,19 @@ class MegatronEngine(Engine):
     """megatron-core's own training loop pieces: DDP (`wrap_ddp`, the one wrapping the bridge
     also verifies with), its optimizer and pipeline schedules."""
 
-    def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
+    def __init__(
+        self,
+        cfg: Any,
+        dims: Any,
+        chunks: Sequence[torch.nn.Module],
+        mpu: Any,
+        *,
+        bf16: bool,
+        global_names: Callable[[Any], dict[str, str]] | None = None,
+    ):
         """`mpu` and `bf16` go unused: megatron-core reads its groups from `parallel_state` and
         the precision from the chunks' TransformerConfig (built with the same `bf16`)."""
-        super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
+        super().__init__(cfg, dims, chunks, mpu, bf16=bf16, global_names=global_names)
         tconf = model_config(self.model_chunks)
         tconf.calculate_per_token_loss = True  # read by the schedule, DDP (built next) and finalize
         self.model = wrap_ddp(chunks, distributed_optimizer=dims.zero_stage == 1)
@@ -255,27 +278,49 @@ class MegatronEngine(Engine):
         return list(opt.chained_optimizers) if isinstance(opt, ChainedOptimizer) else [opt]
 
     def state_dict(self) -> dict[str, Any]:
+        names, params = self._names()
         opts = []
-        for opt in self._optimizers():
-            if isinstance(opt, DistributedOptimizer):  # its shard of main params + Adam
-                opts.append({"dist": [{k: v.detach().clone() for k, v in t.items()} for t in _dist_opt_states(opt)]})
-            else:
-                opts.append({"plain": opt.state_dict()})
+        for opt in self._optimizers():  # each parameter's state under its name (train/optim_state.py)
+            entry: dict[str, Any] = {"named": named_state(opt, names, params)}
+            if getattr(opt, "grad_scaler", None) is not None:
+                entry["grad_scaler"] = opt.grad_scaler.state_dict()
+            opts.append(entry)
         return {
             "model": [model_state(c) for c in self.model_chunks],  # adapters only under LoRA
             "optimizer": opts,
             "scheduler": self.scheduler.state_dict(),
         }
 
+    def _names(self) -> tuple[dict[int, str], list[torch.nn.Parameter]]:
+        """{id(model param): its table name} and the params, over this rank's chunks."""
+        names: dict[int, str] = {}
+        params = []
+        for c in self.model_chunks:
+            table = self.global_names(c)
+            for local, p in c.named_parameters():
+                names[id(p)] = table[local]
+                params.append(p)
+        return names, params
+
     def load_state_dict(self, state: dict[str, Any], directory: Path) -> None:
         with _model_must_fit(directory):
             for c, sd in zip(self.model_chunks, state["model"]):
                 load_model_state(c, sd)
-        for opt, st in zip(self._optimizers(), state["optimizer"]):
-            if "dist" in st:
-                _load_dist_opt_states(opt, st["dist"])
-            else:
-                opt.load_state_dict(st["plain"])
+        saved = state["optimizer"]
+        if all("named" in st for st in saved):  # every parameter by name, whichever optimizer held it
+            named = {k: v for st in saved for k, v in st["named"].items()}
+            names, params = self._names()
+            for i, opt in enumerate(self._optimizers()):
+                load_named_state(opt, names, params, named)
+                scaler = saved[i].get("grad_scaler") if i < len(saved) else None
+                if scaler is not None and getattr(opt, "grad_scaler", None) is not None:
+                    opt.grad_scaler.load_state_dict(scaler)
+        else:  # written before the state was keyed by name: the same layout only
+            for opt, st in zip(self._optimizers(), saved):
+                if "dist" in st:
+                    _load_dist_opt_states(opt, st["dist"])
+                else:
+                    opt.load_state_dict(st["plain"])
         self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -296,26 +341,12 @@ def _model_must_fit(directory: Path) -> Iterator[None]:
         ) from None
 
 
-def _dist_model_params(opt) -> list[torch.nn.Parameter]:
-    """Model params in the DistributedOptimizer's bucket order (stable for a layout)."""
-    out = []
-    for gbuf_range_maps in opt.gbuf_ranges:
-        for per_bucket in gbuf_range_maps.values():
-            for bucket in per_bucket:
-                out += list(bucket["param_map"].keys())
-    return out
-
-
-def _dist_opt_states(opt):
-    return [opt._get_main_param_and_optimizer_states(p) for p in _dist_model_params(opt)]
-
-
 @torch.no_grad()
 def _load_dist_opt_states(opt, saved) -> None:
     """Put back this rank's main-param shards and Adam states. Each state tensor is set as
     its own clone: megatron's `load_state_dict` path shares one `step` tensor between all
     params, which Adam then increments once per param (a resumed run would drift)."""
-    for model_param, tensors in zip(_dist_model_params(opt), saved):
+    for model_param, tensors in zip(dist_model_params(opt), saved):
         gi, go = opt.model_param_group_index_map[model_param]
         main = opt.optimizer.param_groups[gi]["params"][go]
         main.copy_(tensors["param"])
@@ -327,11 +358,20 @@ class DeepSpeedEngine(Engine):
     and no sequence parallelism: DeepSpeed reduces gradients over the DP group only, and knows
     nothing of megatron's pipeline schedule, CP/SP gradient reductions or expert-DP groups."""
 
-    def __init__(self, cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool):
+    def __init__(
+        self,
+        cfg: Any,
+        dims: Any,
+        chunks: Sequence[torch.nn.Module],
+        mpu: Any,
+        *,
+        bf16: bool,
+        global_names: Callable[[Any], dict[str, str]] | None = None,
+    ):
         import deepspeed  # on demand: importing it takes ~1.5 s and logs its accelerator choice on every run
         from deepspeed.git_version_info import installed_ops  # the ops built into the wheel
 
-        super().__init__(cfg, dims, chunks, mpu, bf16=bf16)
+        super().__init__(cfg, dims, chunks, mpu, bf16=bf16, global_names=global_names)
         module = chunks[0]
         # DeepSpeed's FusedAdam only where its CUDA op was built into the wheel: otherwise
         # DeepSpeed JIT-compiles it at the first step (nvcc needed, minutes; on an H200 with
@@ -455,6 +495,7 @@ ENGINES: dict[str, type[Engine]] = {"megatron": MegatronEngine, "deepspeed": Dee
 holds the two equal."""
 
 
-def make_engine(cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool) -> Engine:
-    """The engine `cfg.train.engine` names, around the built and initialised model chunks."""
-    return ENGINES[cfg.train.engine](cfg, dims, chunks, mpu, bf16=bf16)
+def make_engine(cfg: Any, dims: Any, chunks: Sequence[torch.nn.Module], mpu: Any, *, bf16: bool, **kw: Any) -> Engine:
+    """The engine `cfg.train.engine` names, around the built and initialised model chunks
+    (`kw`: `Engine.__init__`'s `global_names`)."""
+    return ENGINES[cfg.train.engine](cfg, dims, chunks, mpu, bf16=bf16, **kw)

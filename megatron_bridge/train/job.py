@@ -24,6 +24,7 @@ from megatron_bridge.runtime import groups
 from megatron_bridge.runtime.build import build_model
 from megatron_bridge.runtime.hf_export import HFExport
 from megatron_bridge.runtime.lora_modules import export_adapter, merged
+from megatron_bridge.runtime.runtimes import runtime_of
 from megatron_bridge.runtime.weights import export_hf_weights, start_hf_export
 from megatron_bridge.train import checkpoint as ckpt
 from megatron_bridge.train.data.loader import build_datasets, make_iterator
@@ -99,7 +100,7 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     overrides = model_overrides(cfg)
     chunks = build_model(spec, dims, load_weights=loads_weights(cfg, spec), **overrides)
     init_weights(chunks, spec, cfg)
-    engine = make_engine(cfg, dims, chunks, mpu, bf16=overrides["bf16"])
+    engine = make_engine(cfg, dims, chunks, mpu, bf16=overrides["bf16"], global_names=runtime_of(spec).global_names)
 
     datasets = build_datasets(
         cfg.data,

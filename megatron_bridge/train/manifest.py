@@ -42,6 +42,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def is_training_checkpoint(path: str | Path) -> bool:
+    """A checkpoint.dir (its `latest` pointer) or one of its iter_N directories (its manifest);
+    not an `mbr convert` output, whose Megatron-style tracker has the same name."""
+    p = Path(path)
+    if (p / "mbr_manifest.json").is_file():
+        return False
+    return (p / LATEST).is_file() or (p.name.startswith("iter_") and (p / MANIFEST).is_file())
+
+
 def latest_iteration(root: str | Path) -> int | None:
     """Iteration named by the `latest` pointer, or None when there is no checkpoint."""
     p = Path(root) / LATEST
@@ -106,7 +115,7 @@ def peek(root: str | Path) -> tuple[int, dict[str, Any]] | tuple[None, None]:
 
 
 # Recorded since a later version: a checkpoint written before lacks them and is not compared on them.
-RECORDED_LATER = ("model",)
+RECORDED_LATER = ("model", "grid")
 
 
 def check_meta(directory: str | Path, manifest: dict[str, Any], meta_must_match: dict[str, Any]) -> None:

@@ -126,11 +126,32 @@ def ckpt_meta(cfg, dims, spec) -> dict[str, Any]:
         f"{spec.architecture} layers={spec.num_layers} hidden={spec.hidden_size} ffn={spec.ffn_hidden_size} "
         f"heads={spec.num_attention_heads}/{spec.num_query_groups} vocab={spec.vocab_size}"
     )  # the shapes a rank file's tensors have: another model fails in load_state_dict otherwise
-    meta = {"layout": dims.describe(), "engine": cfg.train.engine, "model": model}
+    meta = {"layout": dims.describe(), "engine": cfg.train.engine, "model": model, "grid": grid_record(dims)}
     if cfg.peft.method != "none":  # adapters only: the checkpoint refers to its base model
         peft = f"{cfg.peft.method} r={cfg.peft.rank} {sorted(cfg.peft.target_modules)}"
         meta.update(peft=peft, base=base_of(cfg, spec))
     return meta
+
+
+GRID = (
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "etp",
+    "vpp",
+    "layers_first_stage",
+    "layers_last_stage",
+    "world_size",
+    "dp",
+    "zero_stage",
+)
+
+
+def grid_record(dims) -> dict[str, Any]:
+    """The `ParallelDims` fields that say which rank holds which shard: `mbr reshard` reads a
+    checkpoint's rank files by them (train/ckpt_source.py)."""
+    return {k: getattr(dims, k) for k in GRID}
 
 
 def validate_for_launch(cfg, spec):

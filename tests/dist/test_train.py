@@ -178,10 +178,12 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     qwen3 = make_tiny("qwen3", tmp_path_factory.mktemp("hf") / "qwen3")
     hf = [*base[:3], "model.backend=hf"]
     hck, e1, e2 = tmp_path / "hf_ckpt", tmp_path / "export_full", tmp_path / "export_resumed"
+    hck1, hck2 = tmp_path / "hf_ckpt_tp1pp2", tmp_path / "hf_ckpt_back"
     moe = make_tiny("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe", output_router_logits=True,
                     router_aux_loss_coef=0.5)  # fmt: skip
     # one sample per micro-batch: transformers_loss' aux term is the mean of one-sample micro-batches'
     mck, moe_hf = tmp_path / "moe_ckpt", ["model.backend=hf", "train.steps=3", "train.micro_batch_size=1"]
+    mck4 = tmp_path / "moe_ckpt_ep4"
     jobs = [
         job("full", llama, *base),
         # checkpoint.async_save: saves at 2, 4 and 5 written in the background, published at later
@@ -203,12 +205,24 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
             f"export_to={e2}", "train.export_interval=1"),  # fmt: skip
         job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}",
             "train.export_interval=1"),  # fmt: skip
+        # its step-3 checkpoint resharded to tp1·pp2 (dp2), optimizer state included, resumed there
+        # for steps 4-5; then that step 3 resharded back to tp2·pp2
+        mbr_job("reshard", f"src={hck / 'iter_0000003'}", f"dst={hck1}", *common(cohere), "zero.stage=1", "parallel.tp=1",
+                "parallel.pp=2"),  # fmt: skip
+        job("cohere_tp1pp2", cohere, "parallel.tp=1", "parallel.pp=2", "zero.stage=1", "model.backend=hf",
+            f"checkpoint.dir={hck1}", "checkpoint.resume=true"),  # fmt: skip
+        mbr_job("reshard", f"src={hck1 / 'iter_0000003'}", f"dst={hck2}", *common(cohere), *base[:3]),
         job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
         job("moe_ep1", moe, *moe_hf),
         job("moe_ep2", moe, *moe_hf, "parallel.ep=2"),
         job("moe_ep2_first2", moe, *moe_hf, "parallel.ep=2", "train.exit_after=2", f"checkpoint.dir={mck}",
             "checkpoint.save_interval=2"),  # fmt: skip
         job("moe_ep2_resumed", moe, *moe_hf, "parallel.ep=2", f"checkpoint.dir={mck}", "checkpoint.resume=true"),
+        # its step-2 checkpoint resharded from ep2 (the plain optimizer) to ep4 (the distributed one), resumed
+        mbr_job("reshard", f"src={mck / 'iter_0000002'}", f"dst={mck4}", *common(moe), *moe_hf, "parallel.ep=4",
+                "zero.stage=1"),  # fmt: skip
+        job("moe_ep4_resumed", moe, *moe_hf, "parallel.ep=4", "zero.stage=1", f"checkpoint.dir={mck4}",
+            "checkpoint.resume=true"),  # fmt: skip
     ]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=4, timeout=900)
     losses = res[0]["losses"]
@@ -235,6 +249,12 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     assert abs(losses["moe_ep2"]["1"] - transformers_loss(moe)) < 1e-5
     assert_close(losses["moe_ep1"], losses["moe_ep2"], "moe ep2 vs ep1")
     assert losses["moe_ep2_first2"] | losses["moe_ep2_resumed"] == losses["moe_ep2"]  # bit-exact
+    # resharded checkpoints resume with the optimizer state the run had: the next losses within 1e-5
+    for name, ref in (("cohere_tp1pp2", "cohere_full"), ("moe_ep4_resumed", "moe_ep2")):
+        got = losses[name]
+        assert got and all(abs(got[k] - losses[ref][k]) < 1e-5 for k in got), (name, got, losses[ref])
+    assert sorted(map(int, losses["cohere_tp1pp2"])) == [4, 5] and sorted(map(int, losses["moe_ep4_resumed"])) == [3]
+    _assert_resharded_back(hck, hck1, hck2, cohere, tmp_path)
     full, first, resumed = losses["full"], losses["first5"], losses["resumed"]
     assert sorted(map(int, first)) == [1, 2, 3, 4, 5] and sorted(map(int, resumed)) == [6, 7, 8, 9, 10]
     # the training thread's time in saves / exports, on the line after each (snapshots at 2 and 4)
@@ -251,6 +271,41 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     assert sorted(p.name for p in ck.glob("iter_*")) == [f"iter_{i:07d}" for i in (2, 4, 5, 10)]
     for i in (2, 4, 5, 10):  # every published one is complete: 4 rank files, checksums right
         assert len(manifest.verify(manifest.iter_dir(ck, i))["files"]) == 4
+
+
+def mbr_job(name, *argv):
+    """A job of the launch that runs `mbr NAME ARGV...` on rank 0 (layouts.py)."""
+    return f"{name}:" + ",".join(["mbr", name, "recipe=default", "progress=off", *map(str, argv)])
+
+
+def _assert_resharded_back(original, resharded, back, hf, tmp_path):
+    """tp2·pp2 -> tp1·pp2 -> tp2·pp2: every rank's model and optimizer state back bit for bit, and
+    `mbr export` of all three the same HF tensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_bridge.cli import main as mbr
+    from megatron_bridge.convert.formats.pickle_guard import TRAINING
+    from megatron_bridge.runtime.safe_load import torch_load
+
+    step3 = original / "iter_0000003"
+    for r in range(4):
+        a, b = (torch_load(d / f"rank_{r:05d}.pt", TRAINING) for d in (step3, back / "iter_0000003"))
+        ma, mb = a["engine"]["model"][0], b["engine"]["model"][0]
+        assert ma.keys() == mb.keys()  # megatron's linears' `_extra_state` (None) included
+        assert all(torch.equal(ma[k], mb[k]) if torch.is_tensor(ma[k]) else ma[k] is mb[k] is None for k in ma)
+        na, nb = ({k: v for st in s["engine"]["optimizer"] for k, v in st["named"].items()} for s in (a, b))
+        assert na.keys() == nb.keys(), r
+        for name in na:
+            assert na[name]["range"] == nb[name]["range"], (r, name)
+            assert all(torch.equal(na[name][k], nb[name][k]) for k in na[name] if k not in ("range", "shape")), (r, name)
+    exports = []
+    for i, src in enumerate((step3, resharded / "iter_0000003", back)):
+        out = tmp_path / f"export_{i}"
+        assert mbr(["export", f"src={src}", f"dst={out}", f"model.hf_path={hf}", "progress=off"]) == 0
+        exports.append({k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()})
+    for other in exports[1:]:
+        assert other.keys() == exports[0].keys() and all(torch.equal(other[k], exports[0][k]) for k in other)
 
 
 def test_validation_loss_is_layout_independent_and_leaves_training_alone(tmp_path_factory, tmp_path):

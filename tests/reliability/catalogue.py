@@ -1430,9 +1430,9 @@ CONVERT_CASES: list[Case] = [
         "export-training-ckpt",
         "convert",
         "mbr export src={FX}/ck_tp2pp2 dst=out/hf",
-        "a training checkpoint (export)",
-        "{FX}/ck_tp2pp2 is a training checkpoint (what checkpoint.dir= holds), not an `mbr convert` output",
-        "checkpoint.resume=true train.steps=ITS_ITERATION export_to=HF_DIR",
+        "a training checkpoint without its layout's grid (export)",
+        "src={FX}/ck_tp2pp2 was written by an mbr that did not record its layout's grid",
+        "resume it once with this mbr (checkpoint.resume=true)",
         out=OUT,
     ),
     C(

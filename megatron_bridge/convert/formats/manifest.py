@@ -97,10 +97,11 @@ class Manifest:
         if not path.is_file() and ((directory / "manifest.json").is_file() or any(directory.glob("iter_*"))):
             raise UserError(
                 f"{directory} is a training checkpoint (what checkpoint.dir= holds), not an `mbr convert` "
-                "output, which is what this command reads. To get its weights as a Hugging Face model, "
-                "resume it for no further steps with an export: `python -m megatron_bridge.train "
-                "recipe=... checkpoint.dir=DIR checkpoint.resume=true train.steps=ITS_ITERATION "
-                "export_to=HF_DIR`; a LoRA run's adapter: `mbr export src=DIR dst=OUT adapter=true`."
+                "output, which is what this reads. Its weights as a Hugging Face model: `mbr export src=DIR "
+                "dst=HF_DIR model.hf_path=MODEL` (or resume it for no further steps with `checkpoint.resume=true "
+                "train.steps=ITS_ITERATION export_to=HF_DIR`); as a converted checkpoint: `mbr reshard src=DIR "
+                "dst=OUT format=torch_dist model.hf_path=MODEL`; a LoRA run's adapter: `mbr export src=DIR dst=OUT "
+                "adapter=true`."
             )
         if not path.is_file():
             raise UserError(

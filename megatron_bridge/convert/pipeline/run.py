@@ -240,7 +240,7 @@ def export(cfg: Any) -> int:
 def reshard(cfg: Any) -> int:
     """Converted checkpoint -> the same weights in another layout (or format), without HF."""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
-    fmt, dtype, workers = check_format(cfg.format), parse_dtype(cfg.dtype), check_workers(cfg.workers)
+    fmt, dtype, workers = check_format(cfg.format or "torch"), parse_dtype(cfg.dtype), check_workers(cfg.workers)
     source = open_checkpoint(src, dtype)
     man: Manifest = source.man
     with _closing_on_error(source):

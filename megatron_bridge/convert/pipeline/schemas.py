@@ -37,7 +37,7 @@ class ConvertConfig(Config):
 
 @dataclass
 class ExportConfig(Config):
-    src: str | None = None  # an `mbr convert` / `mbr reshard` output
+    src: str | None = None  # an `mbr convert` / `mbr reshard` output, or a training checkpoint.dir
     dst: str | None = None  # HF directory to create
     dtype: str = "source"
     max_shard_gb: float = 5.0  # size cap of each model-0000i-of-0000n.safetensors
@@ -49,9 +49,11 @@ class ExportConfig(Config):
 
 @dataclass
 class ReshardConfig(Config):
-    src: str | None = None  # an `mbr convert` / `mbr reshard` output (either format)
+    src: str | None = None  # an `mbr convert` / `mbr reshard` output (either format), or a training checkpoint.dir
     dst: str | None = None
-    format: str = "torch"  # torch (per-rank files for parallel.*) | torch_dist
+    # torch (per-rank files for parallel.*) | torch_dist | training (a training checkpoint for the
+    # recipe's layout, optimizer state included); unset: torch, or training for a training checkpoint
+    format: str | None = None
     dtype: str = "source"
     overwrite: bool = False
     progress: str = "auto"

@@ -3,7 +3,8 @@
 argv: OUT_DIR then one argument per job: `name:override,override,...`. Each job trains in
 this same process group (startup dominates CPU test time); rank 0 reports each job's
 per-step losses and grad norms (and `val_loss` at the steps that evaluated) read back from the run's
-metrics.jsonl.
+metrics.jsonl. A job `name:mbr,ARG,ARG,...` runs `mbr ARG ...` on rank 0 instead (an `mbr reshard`
+between two trainings), the other ranks waiting at a barrier.
 """
 
 import json
@@ -19,6 +20,15 @@ def main() -> None:
     results, val, grads = {}, {}, {}
     for job in sys.argv[2:]:
         name, overrides = job.split(":", 1)
+        if overrides.startswith("mbr,"):
+            import torch
+
+            from megatron_bridge.cli import main as mbr
+
+            if torch.distributed.get_rank() == 0:
+                assert mbr(overrides.split(",")[1:]) == 0, name
+            torch.distributed.barrier()
+            continue
         run_dir = out / name
         code = train([*overrides.split(","), f"run_dir={run_dir}"], finalize=False)
         assert code == 0, (name, code)
