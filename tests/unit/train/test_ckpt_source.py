@@ -29,7 +29,9 @@ def _checkpoint(root: Path, **manifest: object) -> Path:
     buf = io.BytesIO()
     torch.save({"engine": {"model": [{}], "optimizer": [], "scheduler": {}}, "rng": {}, "step": 2}, buf)
     (d / "rank_00000.pt").write_bytes(buf.getvalue())
-    files = [{"file": "rank_00000.pt", "sha256": hashlib.sha256(buf.getvalue()).hexdigest(), "bytes": len(buf.getvalue())}]
+    files = [
+        {"file": "rank_00000.pt", "sha256": hashlib.sha256(buf.getvalue()).hexdigest(), "bytes": len(buf.getvalue())}
+    ]
     (d / MANIFEST).write_text(json.dumps({"iteration": 2, "world_size": 1, "files": files, **manifest}))
     (root / LATEST).write_text("2\n")
     return root
@@ -47,7 +49,10 @@ def _checkpoint(root: Path, **manifest: object) -> Path:
 def test_what_cannot_be_read_is_refused_naming_the_fix(case, manifest, message, tmp_path, capsys):
     ck = _checkpoint(tmp_path / case, **manifest)
     assert is_training_checkpoint(ck) and is_training_checkpoint(ck / "iter_0000002")
-    for argv in (["export", f"src={ck}", f"dst={tmp_path / 'out'}"], ["reshard", f"src={ck}", f"dst={tmp_path / 'out'}"]):
+    for argv in (
+        ["export", f"src={ck}", f"dst={tmp_path / 'out'}"],
+        ["reshard", f"src={ck}", f"dst={tmp_path / 'out'}"],
+    ):
         assert mbr([*argv, "recipe=tiny_llama", "progress=off"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
