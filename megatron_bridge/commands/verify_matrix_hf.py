@@ -3,6 +3,7 @@
     mbr verify --matrix model.backend=hf                                  # all of them
     mbr verify --matrix model.backend=hf 'verify.families=[cohere,phi]' 'verify.layouts=[tp2]'
     mbr verify --matrix model.backend=hf 'verify.families=[mixtral,qwen3_moe]'  # a subset of rows
+    mbr verify --matrix model.backend=hf 'verify.checks=[convert]'        # the checkpoint round trips alone
 
 For each architecture of `runtime/hf_tiny.architectures()`: its tiny model (`make_tiny`, its
 distinctive features on, constant weights perturbed), described with the hf backend in this
@@ -14,14 +15,21 @@ bit-exact HF round trip, as `mbr verify` checks them, each gradient allowed on t
 the fp32 rounding transformers itself shows on that tensor against its fp64 run (`grad_floor`). An exception inside the launch ends it
 at once (a rank that raised may leave the others waiting on it, so going on could hang); the
 group's architectures are then retried alone once, and the one that raises is a FAIL row with
-its exception's line, as is one that leaves no report (a hang, a crash). The output is the table
-docs/bridge.md carries.
+its exception's line, as is one that leaves no report (a hang, a crash). Every described
+architecture also makes the checkpoint round trip offline, in this process (`convert_round_trip`):
+`mbr convert` to torch_dist and to per-rank files at the widest layout the backend allows
+(tp2·pp2, with ep2 for MoE), then `mbr export` of each must give the source's every tensor back,
+names, dtypes, shapes and bytes; its result is the table's "convert ⇄ export" column and a row
+passes only with it. The output is the table docs/bridge.md carries.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -53,7 +61,13 @@ NPROC = 4
 GROUP = 12  # architectures per torchrun launch
 TOL = 1e-5  # fp32: logits, loss and every gradient
 ERROR_MARK = "hf-matrix error: "  # a worker's exception, printed as it ends the launch
-HEADER = "| architecture | layout | logits max-abs | loss abs-diff | grads max-abs (tensors) | round trip | verdict |"
+HEADER = (
+    "| architecture | layout | logits max-abs | loss abs-diff | grads max-abs (tensors) | round trip "
+    "| convert ⇄ export | verdict |"
+)
+CONVERT_HEADER = "| architecture | convert ⇄ export | verdict |"
+PER_RANK = ("ep2tp2pp2", "tp2pp2", "ep2pp2", "pp2", "tp2", "ep2")  # the first the backend allows is converted to
+CONVERT_OK = "bit-exact"
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -106,6 +120,77 @@ def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _widest(spec: Any) -> str | None:
+    """The first of PER_RANK the backend builds this model at (its `layout_limits`; ep for MoE)."""
+    for text in PER_RANK:
+        lay = Layout.parse(text)
+        if (lay.ep > 1 and not spec.is_moe) or spec.num_layers < lay.pp or spec.num_attention_heads % lay.tp:
+            continue
+        if not HFBackend().layout_limits(spec, lay):
+            return text
+    return None
+
+
+def _quiet(argv: list[str]) -> str:
+    """`mbr ARGV...` in this process, its output captured: "" on success, else its last line."""
+    from megatron_bridge.cli import main as mbr  # the commands themselves, as a user runs them
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            code = mbr(argv)
+        except Exception as e:  # not a refusal: the round trip's FAIL, never one that ends the matrix
+            return _one_line(f"{type(e).__name__}: {e}", 160)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    return "" if code == 0 else _one_line(lines[-1] if lines else f"exit {code}", 200)
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def _difference(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> str:
+    """The first way `got` is not `want` (names, dtype, shape, bytes), "" when it is."""
+    if want.keys() != got.keys():
+        return f"names differ: {sorted(set(want) ^ set(got))[:3]}"
+    for k, a in want.items():
+        b = got[k]
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return f"{k}: {a.dtype} {list(a.shape)} came back as {b.dtype} {list(b.shape)}"
+        if not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+            return f"{k}: other bytes"
+    return ""
+
+
+def convert_round_trip(hf_dir: Path, spec: Any, root: Path) -> str:
+    """`mbr convert` to torch_dist and to per-rank files at the widest layout the backend allows
+    (`_widest`), `mbr export` of each: every source tensor back bit for bit, or the first failure."""
+    want, done = _tensors(hf_dir), []
+    widest = _widest(spec)
+    for fmt, text in (("torch_dist", None), ("torch", widest)):
+        if fmt == "torch" and text is None:
+            continue
+        lay = Layout.parse(text) if text else Layout()
+        ck, ex = root / "rt" / f"{hf_dir.name}-{fmt}", root / "rt" / f"{hf_dir.name}-{fmt}-hf"
+        degrees = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.ep={lay.ep}"]
+        common = ["overwrite=true", "progress=off"]
+        err = _quiet(["convert", f"src={hf_dir}", f"dst={ck}", f"format={fmt}", "model.backend=hf", *degrees, *common])
+        if err:
+            return f"FAIL: convert to {fmt}: {err}"
+        err = _quiet(["export", f"src={ck}", f"dst={ex}", *common])
+        if err:
+            return f"FAIL: export from {fmt}: {err}"
+        diff = _difference(want, _tensors(ex))
+        if diff:
+            return f"FAIL: {fmt}: {_one_line(diff, 160)}"
+        shutil.rmtree(ck, ignore_errors=True)
+        shutil.rmtree(ex, ignore_errors=True)
+        done.append(fmt if text is None else f"torch {text}")
+    return f"{CONVERT_OK} ({len(want)} tensors; {', '.join(done)})"
+
+
 def grad_floor(
     hf_dir: Path, ids: torch.Tensor, labels: torch.Tensor, grads: dict[str, torch.Tensor]
 ) -> dict[str, float]:
@@ -154,18 +239,19 @@ def worker(argv: Sequence[str]) -> None:
     torch.distributed.barrier()
 
 
-def _row(arch: str, text: str, per_rank: list[dict[str, Any]], ref: dict[str, Any], tol: float) -> str:
-
+def _row(arch: str, text: str, per_rank: list[dict[str, Any]], ref: dict[str, Any], tol: float, conv: str) -> str:
+    """One layout's row; `conv` is the architecture's checkpoint round trip (`convert_round_trip`),
+    which a passing row needs too."""
     key = f"{arch}/{text}"
     errors = [r[key]["error"] for r in per_rank if key in r and "error" in r[key]]
     if errors:
-        return f"| {arch} | {text} | - | - | - | - | FAIL: {errors[0]} |"
+        return f"| {arch} | {text} | - | - | - | - | {conv} | FAIL: {errors[0]} |"
     refused = [r[key]["refused"] for r in per_rank if key in r and "refused" in r[key]]
     if refused:
-        return f"| {arch} | {text} | - | - | - | - | refused: {refused[0]} |"
+        return f"| {arch} | {text} | - | - | - | - | {conv} | refused: {refused[0]} |"
     f = fold(per_rank, key, ref)
     if f is None:
-        return f"| {arch} | {text} | - | - | - | - | FAIL: no rank reported |"
+        return f"| {arch} | {text} | - | - | - | - | {conv} | FAIL: no rank reported |"
     nan = float("nan")
     ok = f.get("logits_max", nan) <= tol and f.get("loss_delta", nan) <= tol
     ok &= grads_pass(f, tol)
@@ -173,9 +259,10 @@ def _row(arch: str, text: str, per_rank: list[dict[str, Any]], ref: dict[str, An
     grads = f"{f.get('grads_max', nan):.1e} ({f.get('grads_n', 0)}/{f.get('grads_want', 0)})"
     rt = f"{f['rt_n']} bit-exact" if f.get("rt_ok") else f"FAIL {str(f.get('rt_bad', ''))[:60]}"
     why = "" if ok else f" {str(f.get('grads_bad') or '')[:80]}"
+    verdict = "pass" if ok and conv.startswith(CONVERT_OK) else "FAIL" + (why if not ok else " (convert ⇄ export)")
     return (
         f"| {arch} | {text} | {f.get('logits_max', nan):.1e} | {f.get('loss_delta', nan):.1e} | {grads} | {rt} "
-        f"| {'pass' if ok else 'FAIL' + why} |"
+        f"| {conv} | {verdict} |"
     )
 
 
@@ -198,19 +285,28 @@ def run_matrix(
     """Print the table; return the counts of pass / refused / FAIL rows."""
 
     t0 = time.perf_counter()
-    echo(HEADER)
-    echo("|" + "---|" * 7)
+    echo(HEADER if layouts else CONVERT_HEADER)
+    echo("|" + "---|" * (8 if layouts else 3))
     rows: dict[tuple[str, str], str] = {}
     todo: dict[str, list[str]] = {}
+    conv: dict[str, str] = {}
     for arch in archs:
         refused = prepare(arch, root, layouts)
         if "*" in refused:
             verdict = refused["*"] if refused["*"].startswith("FAIL") else f"refused: {refused['*']}"
-            rows[arch, "*"] = f"| {arch} | all | - | - | - | - | {verdict} |"
+            rows[arch, "*"] = (
+                f"| {arch} | all | - | - | - | - | - | {verdict} |" if layouts else f"| {arch} | - | {verdict} |"
+            )
+            continue
+        spec = describe_hf(read_hf_config(root / arch), make_vocab_size_divisible_by=8, backend="hf")
+        conv[arch] = convert_round_trip(root / arch, spec, root)
+        if not layouts:  # `verify.checks=[convert]`: the checkpoint round trip alone
+            ok = conv[arch].startswith(CONVERT_OK)
+            rows[arch, "*"] = f"| {arch} | {conv[arch]} | {'pass' if ok else 'FAIL'} |"
             continue
         for text in layouts:
             if text in refused and refused[text] != NOT_MOE:
-                rows[arch, text] = f"| {arch} | {text} | - | - | - | - | refused: {refused[text]} |"
+                rows[arch, text] = f"| {arch} | {text} | - | - | - | - | {conv[arch]} | refused: {refused[text]} |"
         if runs := [t for t in layouts if t not in refused]:  # none: every layout refused or n/a (no reference made)
             todo[arch] = runs
     names = list(todo)
@@ -223,11 +319,11 @@ def run_matrix(
                 alone, why = _launch(root, {a: group[a]}, timeout / 4)
                 per_rank = [{**r, **s} for r, s in zip(per_rank, alone or [{}] * NPROC, strict=True)]
                 for t in group[a] if why else ():
-                    rows[a, t] = f"| {a} | {t} | - | - | - | - | FAIL: launch failed ({why}) |"
+                    rows[a, t] = f"| {a} | {t} | - | - | - | - | {conv[a]} | FAIL: launch failed ({why}) |"
         for a in group:
             ref = torch.load(root / f"{a}.ref.pt")
             for t in group[a]:
-                rows.setdefault((a, t), _row(a, t, per_rank, ref, tol))
+                rows.setdefault((a, t), _row(a, t, per_rank, ref, tol, conv[a]))
     counts = {"pass": 0, "refused": 0, "FAIL": 0}
     for arch in archs:
         for t in ("*", *layouts):
@@ -255,7 +351,8 @@ def main(argv: Sequence[str]) -> int:
     unknown = [a for a in archs if a not in known]
     if unknown:
         raise UserError(f"verify.families {unknown}: not causal-LM architectures with a tp plan ({len(known)} are)")
-    layouts = [x.replace("·", "") for x in (cfg.verify.layouts or LAYOUTS)]
+    convert_only = list(cfg.verify.checks) == ["convert"]  # the offline round trips alone: no launches
+    layouts = [] if convert_only else [x.replace("·", "") for x in (cfg.verify.layouts or LAYOUTS)]
     bad = [x for x in layouts if x not in ACCEPTED]
     if bad:
         raise UserError(
