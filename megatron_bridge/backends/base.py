@@ -62,6 +62,11 @@ class Backend(ABC):
         weights, LoRA targets); None for a model described without one."""
         return None
 
+    def adds_aux_loss(self, spec: BridgeSpec) -> bool:
+        """Whether training adds transformers' router load-balancing loss where the config
+        switches it on (what `mbr verify`'s reference then adds too)."""
+        return False
+
     def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
         """(what this backend cannot build under `layout`, the fix), one per limit: the
         `backend-layout` rule refuses them before any process group."""

@@ -202,6 +202,9 @@ class HFBackend(Backend):
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return dict(json.loads(spec.hf_json))
 
+    def adds_aux_loss(self, spec: BridgeSpec) -> bool:
+        return True  # transformers' own modules give it (backends/hf_aux.py)
+
     def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
         out = []
         if layout.cp > 1:

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from megatron_bridge.backends.describe import describe
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.tiny import HF_TINY, TINY
 from megatron_bridge.config.schema import Config
+from megatron_bridge.convert.sources.readers import HFSource, check_init_source
 from megatron_bridge.errors import LayoutError, UserError
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate
@@ -92,7 +94,17 @@ def prepare(cfg, out: Path):
     layouts = layouts_of(cfg, spec)
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else cfg.verify.nproc
     check_layouts(cfg, spec, layouts, world)
+    check_weights(Path(hf_dir), spec)
     return hf_dir, spec, layouts
+
+
+def check_weights(hf_dir: Path, spec) -> None:
+    """The directory's weights, checked as `mbr convert` checks them before reading a byte
+    (headers and index, only safetensors, every tensor the model has and no other, each of the
+    shape the model gives it): both sides of the comparison load them, and transformers' own
+    loader would otherwise end in a traceback."""
+    check_init_source(hf_dir, arg="model.hf_path")
+    HFSource(hf_dir, None, lambda _: spec, arg="model.hf_path").close()
 
 
 def reference(hf_dir: str, spec, cfg, path: Path) -> dict[str, Any]:
@@ -100,7 +112,9 @@ def reference(hf_dir: str, spec, cfg, path: Path) -> dict[str, Any]:
     ref = dict(
         input_ids=ids,
         labels=labels,
-        **hf_reference(hf_dir, ids, labels if "grads" in cfg.verify.checks else None, aux_loss=spec.backend == "hf"),
+        **hf_reference(
+            hf_dir, ids, labels if "grads" in cfg.verify.checks else None, aux_loss=backend_of(spec).adds_aux_loss(spec)
+        ),
     )
     torch.save(ref, path)
     return ref

@@ -1295,6 +1295,23 @@ CONVERT_CASES: list[Case] = [
         out=OUT,
     ),
     C(
+        "verify-wrong-shapes",
+        "convert",
+        "mbr verify model.hf_path={FX}/hf_wrong_shape verify.layouts=[tp2]",
+        "shapes ≠ config.json (verify: both sides load them)",
+        "model.hf_path={FX}/hf_wrong_shape: 8 tensor shape(s) disagree with config.json",
+        "the config implies [192, 32]",
+        out=OUT,
+    ),
+    C(
+        "verify-pickle-weights",
+        "convert",
+        "mbr verify model.hf_path={FX}/hf_bin_payload",
+        "pickled weights only (verify)",
+        "model.hf_path={FX}/hf_bin_payload is neither a Hugging Face model directory (config.json + *.safetensors)",
+        out=(*OUT, "{FX}/PWNED_hf_bin"),
+    ),
+    C(
         "convert-unknown-arch",
         "convert",
         "mbr convert src={FX}/hf_unknown_arch dst=out/cv",

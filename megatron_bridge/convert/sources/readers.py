@@ -202,18 +202,21 @@ class Source:
 class HFSource(Source):
     """A Hugging Face model directory (config.json + safetensors, sharded or not)."""
 
-    def __init__(self, path: Path, dtype: DType | None, describe: Callable[[dict[str, Any]], BridgeSpec]):
+    def __init__(
+        self, path: Path, dtype: DType | None, describe: Callable[[dict[str, Any]], BridgeSpec], arg: str = "src"
+    ):
         """`describe(config)`: the model description of this directory's (dequantised)
-        config.json — the command's `backends.describe` with its recipe's vocab padding."""
+        config.json — the command's `backends.describe` with its recipe's vocab padding; `arg`:
+        how the command line names the directory."""
         super().__init__(dtype)
-        self.where, self.expected = f"src={path}", {}
+        self.where, self.expected = f"{arg}={path}", {}
         self.check_finite = True
         if (path / "mbr_manifest.json").is_file():
             raise UserError(
-                f"src={path} is already a converted checkpoint: use `mbr reshard` to change its layout "
+                f"{self.where} is already a converted checkpoint: use `mbr reshard` to change its layout "
                 "or format, `mbr export` to get a Hugging Face directory back"
             )
-        config = read_hf_config(path, arg="src")
+        config = read_hf_config(path, arg=arg)
         block = fp8.block_size(config, self.where)
         # An fp8 checkpoint reads as its bf16 dequantisation (formats/fp8.py): the scales are
         # consumed, and the config written (and recorded) is the dequantised model's.
