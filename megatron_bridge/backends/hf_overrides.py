@@ -54,12 +54,20 @@ class Override:
     # the layers on n hyper-connection streams [b, s, n, h] (the embeddings repeated n times on the
     # first stage), folded by that module before the post pieces (HY-V4's hc_mult, hc_head)
     streams: tuple[str, str] | None = None
+    # the streams side by side in the hidden dim, [b, s, n·h] (the embeddings `repeat`ed along it:
+    # Qwen4-Exp), not a dim of their own
+    flat_streams: bool = False
     # rope types (keys of config.rope_parameters): every layer takes position_embeddings as the dict
     # {type: rotary(x, position_ids, type)} and picks its own (DeepSeek-V4's 'main' / 'compress')
     rotary_types: tuple[str, ...] = ()
-    # the chunk's forward inputs the model's forward hands every layer by name (DeepSeek-V4's
-    # hash-routed MoE reads input_ids); every stage has them (megatron's schedule feeds each stage)
-    layer_inputs: tuple[str, ...] = ()
+    # (decoder-layer kwarg, the chunk's forward input) the model's forward hands every layer
+    # (DeepSeek-V4's hash-routed MoE reads input_ids, Qwen4-Exp's n-gram embeddings ple_input_ids);
+    # every stage has them (megatron's schedule feeds each stage the micro-batch's ids)
+    layer_inputs: tuple[tuple[str, str], ...] = ()
+    # (decoder-layer kwarg, layer kind): every layer also takes that kind's mask (runtime/hf/chunk.py
+    # MASKS) by that keyword, as the model's forward hands it (Qwen4-Exp's conv_mask: the linear-attention
+    # padding mask, None for an unpadded batch)
+    layer_masks: tuple[tuple[str, str], ...] = ()
     layers: str = "layers"  # the pp plan's piece that is the ModuleList of decoder layers
     # (the base model's ModuleList of rotary modules, the config's per-layer list): layer i takes the
     # rotary module of its value, the list holding one per distinct non-zero value in ascending
@@ -209,7 +217,18 @@ OVERRIDES: dict[str, Override] = {
         "the norm, hands every layer the {'main', 'compress'} rotary pair and input_ids (hash-routed MoE)",
         streams=("hc_mult", "hc_head"),
         rotary_types=("main", "compress"),
-        layer_inputs=("input_ids",),
+        layer_inputs=(("input_ids", "input_ids"),),
+    ),
+    "qwen4_exp_text": Override(
+        "no base_model_pp_plan: Qwen4ExpTextModel.forward repeats the embeddings into hc_count hyper-connection "
+        "streams side by side in the hidden dim ([b, s, hc_count·h]), runs the layers on them and folds them with "
+        "hyper_connection_mixer (no final norm); every layer takes the causal mask, the linear-attention padding "
+        "mask as conv_mask and the token ids as ple_input_ids (its n-gram embeddings)",
+        pp_plan=("embed_tokens", "layers"),
+        streams=("hc_count", "hyper_connection_mixer"),
+        flat_streams=True,
+        layer_inputs=(("ple_input_ids", "input_ids"),),
+        layer_masks=(("conv_mask", "linear_attention"),),
     ),
     "nemotron_h": Override(
         "no base_model_pp_plan: NemotronHModel.forward runs embeddings -> layers -> norm_f",
