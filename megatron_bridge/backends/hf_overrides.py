@@ -292,8 +292,11 @@ FORWARD_KEYS = (
 # model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
 # scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
 FORWARD_MATH: dict[str, str] = {
-    "inkling2_text": "Inkling2ForCausalLM.forward slices the (softcapped) logits to unpadded_vocab_size, and its "
-    "embed_tokens is an Inkling2NormedEmbedding (a norm inside the embedding, not nn.Embedding)",
+    "inkling2_text": "Inkling2TextModel.forward stacks the hidden states of every n_layers_per_attn_res_block-th "
+    "layer into block_states, which every later layer and final_input (before the norm) read, a stack growing "
+    "along the layers that no stage boundary carries; Inkling2ForCausalLM.forward slices the (softcapped) logits "
+    "to unpadded_vocab_size, and its embed_tokens is an Inkling2NormedEmbedding (a norm inside the embedding, "
+    "not nn.Embedding)",
     "inkling_text": "InklingForCausalLM.forward slices the logits to unpadded_vocab_size where it is set, and its "
     "embed_tokens is an InklingNormedEmbedding (a norm inside the embedding, not nn.Embedding)",
     "doge": "DogeCDMoE.forward views the router logits of all batch x sequence tokens as (2, tokens, -1), mixing "
