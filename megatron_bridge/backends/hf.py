@@ -32,7 +32,7 @@ from megatron_bridge.backends.hf_experts import (
     expert_limits,
     expert_split,
 )
-from megatron_bridge.backends.hf_fused import Concatenated
+from megatron_bridge.backends.hf_fused import Concatenated, ConcatenatedColumns
 from megatron_bridge.backends.hf_meta import (  # re-exported: callers name the backend's module
     Meta,
     causal_lm_class_name,
@@ -167,9 +167,10 @@ class HFBackend(Backend):
                 stacked = StackedExperts(n, len(pieces) // n, split.split if split else None)
                 rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], stacked))
                 continue
-            if name in m.fused:  # whole on every rank: its pieces concatenated (backends/hf_fused.py)
+            if name in m.fused:  # its pieces concatenated (backends/hf_fused.py)
                 pieces, dim = m.fused[name]
-                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], Concatenated(len(pieces), dim)))
+                joined = ConcatenatedColumns if kind == ROW else Concatenated  # columns split over TP
+                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], joined(len(pieces), dim)))
                 continue
             split = expert_split(name, m.plan.style(name))
             if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too

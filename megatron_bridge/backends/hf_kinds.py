@@ -42,8 +42,9 @@ LAYER_KINDS = (
 # layer kinds known but not built, and the piece the stages lack for them (instead of the
 # generic "not one of LAYER_KINDS" line)
 _INKLING = (
-    "InklingModel.forward gives every layer a conv_mask (create_recurrent_attention_mask) besides its "
-    "attention mask ('hybrid' full, 'hybrid_sliding' sliding): the stages pass one mask per layer"
+    "InklingModel.forward gives every layer a conv_mask (create_recurrent_attention_mask) for its short "
+    "convolutions besides its attention mask ('hybrid' full, 'hybrid_sliding' sliding): no mask of the stages' "
+    "(runtime/hf/chunk.py MASKS) is built for these kinds yet"
 )
 UNBUILT_KINDS = {
     "hybrid": _INKLING,

@@ -161,7 +161,7 @@ def checkpoint_names(
     renamings = [c for c in saving if isinstance(c, WeightRenaming)]
     converters = [c for c in saving if isinstance(c, WeightConverter)]
     experts = stacked(conversions, dict(shapes))
-    joined = fused(conversions, dict(kinds))
+    joined = fused(conversions, dict(kinds), model.config)
     handled = experts.keys() | joined.keys()
     converted = [n for n in shapes if n not in handled and apply_converters(n, converters)[1] is not None]
     if converted:

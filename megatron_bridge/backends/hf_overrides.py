@@ -54,12 +54,20 @@ class Override:
     # the layers on n hyper-connection streams [b, s, n, h] (the embeddings repeated n times on the
     # first stage), folded by that module before the post pieces (HY-V4's hc_mult, hc_head)
     streams: tuple[str, str] | None = None
+    # the streams side by side in the hidden dim, [b, s, n·h] (the embeddings `repeat`ed along it:
+    # Qwen4-Exp), not a dim of their own
+    flat_streams: bool = False
     # rope types (keys of config.rope_parameters): every layer takes position_embeddings as the dict
     # {type: rotary(x, position_ids, type)} and picks its own (DeepSeek-V4's 'main' / 'compress')
     rotary_types: tuple[str, ...] = ()
-    # the chunk's forward inputs the model's forward hands every layer by name (DeepSeek-V4's
-    # hash-routed MoE reads input_ids); every stage has them (megatron's schedule feeds each stage)
-    layer_inputs: tuple[str, ...] = ()
+    # (decoder-layer kwarg, the chunk's forward input) the model's forward hands every layer
+    # (DeepSeek-V4's hash-routed MoE reads input_ids, Qwen4-Exp's n-gram embeddings ple_input_ids);
+    # every stage has them (megatron's schedule feeds each stage the micro-batch's ids)
+    layer_inputs: tuple[tuple[str, str], ...] = ()
+    # (decoder-layer kwarg, layer kind): every layer also takes that kind's mask (runtime/hf/chunk.py
+    # MASKS) by that keyword, as the model's forward hands it (Qwen4-Exp's conv_mask: the linear-attention
+    # padding mask, None for an unpadded batch)
+    layer_masks: tuple[tuple[str, str], ...] = ()
     layers: str = "layers"  # the pp plan's piece that is the ModuleList of decoder layers
     # (the base model's ModuleList of rotary modules, the config's per-layer list): layer i takes the
     # rotary module of its value, the list holding one per distinct non-zero value in ascending
@@ -86,7 +94,7 @@ class Override:
 
     def constants(self, cfg: Any) -> dict[str, float]:
         """{FORWARD field: value} that the chunk's forward applies, read off the transformers config."""
-        out = {k: float(getattr(cfg, v)) for k in FORWARD if (v := getattr(self, k))}
+        out = {k: float(c) for k in FORWARD if (v := getattr(self, k)) and (c := getattr(cfg, v, None)) is not None}
         if self.embed_sqrt_hidden and getattr(cfg, self.embed_sqrt_hidden):
             out["embed_scale"] = out.get("embed_scale", 1.0) * float(cfg.hidden_size) ** 0.5
         return out
@@ -119,6 +127,23 @@ OVERRIDES: dict[str, Override] = {
     "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "gemma2": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
     "vaultgemma": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    # Gemma 4 softcaps where the config sets it (released configs do; the class default None: no softcap)
+    "gemma4_text": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    "gemma4_unified_text": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    # still refused for AltUp (FORWARD_MATH); its softcap alone would be this entry
+    "gemma3n_text": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    # still refused for its hybrid layer kinds and its embedding and logits slice (FORWARD_MATH)
+    "inkling2_text": Override(
+        "Inkling2ForCausalLM.forward: its logit_softcap module (tanh(logits / c) * c) after the LM head",
+        logit_softcap="final_logit_softcapping",
+    ),
+    "inkling_text": Override(
+        "InklingForCausalLM.forward: the final hidden states / logits_mup_width_multiplier before the (bias-free) "
+        "LM head, the same as the logits divided",
+        logit_divide="logits_mup_width_multiplier",
+    ),
+    # still refused for the H/L-cycle recurrence (FORWARD_MATH)
+    "hrm_text": Override("HrmTextModel.forward: embeddings * embedding_scale", embed_scale="embedding_scale"),
     "granite": Override(
         "GraniteModel.forward: embeddings * embedding_multiplier; GraniteForCausalLM: logits / logits_scaling",
         embed_scale="embedding_multiplier",
@@ -192,7 +217,18 @@ OVERRIDES: dict[str, Override] = {
         "the norm, hands every layer the {'main', 'compress'} rotary pair and input_ids (hash-routed MoE)",
         streams=("hc_mult", "hc_head"),
         rotary_types=("main", "compress"),
-        layer_inputs=("input_ids",),
+        layer_inputs=(("input_ids", "input_ids"),),
+    ),
+    "qwen4_exp_text": Override(
+        "no base_model_pp_plan: Qwen4ExpTextModel.forward repeats the embeddings into hc_count hyper-connection "
+        "streams side by side in the hidden dim ([b, s, hc_count·h]), runs the layers on them and folds them with "
+        "hyper_connection_mixer (no final norm); every layer takes the causal mask, the linear-attention padding "
+        "mask as conv_mask and the token ids as ple_input_ids (its n-gram embeddings)",
+        pp_plan=("embed_tokens", "layers"),
+        streams=("hc_count", "hyper_connection_mixer"),
+        flat_streams=True,
+        layer_inputs=(("ple_input_ids", "input_ids"),),
+        layer_masks=(("conv_mask", "linear_attention"),),
     ),
     "nemotron_h": Override(
         "no base_model_pp_plan: NemotronHModel.forward runs embeddings -> layers -> norm_f",
@@ -251,17 +287,25 @@ FORWARD_KEYS = (
     "final_logit_softcapping",
     "embedding_scale",
     "mup_enabled",
+    "logits_mup_width_multiplier",
 )
 # model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
 # scale is its ScaledWordEmbedding module's, which the hf backend keeps: runtime/hf/build.py)
 FORWARD_MATH: dict[str, str] = {
-    "inkling2_text": "Inkling2ForCausalLM.forward slices the (softcapped) logits to unpadded_vocab_size, and its "
-    "embed_tokens is an Inkling2NormedEmbedding (a norm inside the embedding, not nn.Embedding)",
+    "inkling2_text": "Inkling2TextModel.forward stacks the hidden states of every n_layers_per_attn_res_block-th "
+    "layer into block_states, which every later layer and final_input (before the norm) read, a stack growing "
+    "along the layers that no stage boundary carries; Inkling2ForCausalLM.forward slices the (softcapped) logits "
+    "to unpadded_vocab_size, and its embed_tokens is an Inkling2NormedEmbedding (a norm inside the embedding, "
+    "not nn.Embedding)",
+    "inkling_text": "InklingForCausalLM.forward slices the logits to unpadded_vocab_size where it is set, and its "
+    "embed_tokens is an InklingNormedEmbedding (a norm inside the embedding, not nn.Embedding)",
     "doge": "DogeCDMoE.forward views the router logits of all batch x sequence tokens as (2, tokens, -1), mixing "
     "tokens across the batch (transformers' own note), so its outputs depend on the micro-batch split; and its "
     "dt_proj (rowwise) hands every TP rank all kv heads' mask values for its own heads",
-    "gemma3n_text": "Gemma3nTextModel.forward: per-layer inputs (embed_tokens_per_layer, per_layer_model_projection) "
-    "fed to every layer, and AltUp's stack of altup_num_inputs hidden states carried between the layers",
+    "gemma3n_text": "Gemma3nTextModel.forward: AltUp (the embeddings widened to altup_num_inputs magnitude-matched "
+    "copies by altup_projections, that [altup_num_inputs, b, s, h] stack run through the layers, then unembedded by "
+    "altup_unembed_projections and averaged before the norm) is arithmetic of the forward around the layers, no "
+    "stage piece",
     "hrm_text": "HrmTextModel.forward: the H/L-cycle recurrence (L_module and H_module stacks run H_cycles x "
     "L_cycles times on carried states, no one list of decoder layers to stage)",
 }
@@ -275,7 +319,7 @@ def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
     """One line per piece of forward arithmetic the hf backend would drop for this config."""
     out = []
     if model_type in FORWARD_MATH:
-        out.append(f"{FORWARD_MATH[model_type]} (no entry in backends/hf_overrides.py OVERRIDES)")
+        out.append(f"{FORWARD_MATH[model_type]} (backends/hf_overrides.py FORWARD_MATH: no Override field rebuilds it)")
     handled = override(model_type).handled()
     out += [
         f"{key}=True: {why} (backends/hf_overrides.py OVERRIDES)"

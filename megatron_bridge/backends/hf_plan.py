@@ -200,18 +200,31 @@ def plan_problems(model_type: str, tp_plan: Mapping[str, str] | None, pp_plan: M
 
 def sp_refusals(plan: Plan) -> list[str]:
     """What of this model cannot run under sequence parallelism, one line each: a planned module
-    outside the decoder layers with a style outside `SP_STYLES` (inside them `sp_whole` runs the
-    unit whole, whatever its layer kind; the base model's embedding reduce-scatters whatever its
+    outside the decoder layers and the stage pieces with a style outside `SP_STYLES` (inside the
+    layers `sp_whole` runs the unit whole, whatever its layer kind, and a stage piece holding such a
+    style runs whole, `sp_whole_piece`; the base model's embedding reduce-scatters whatever its
     entry says)."""
     where: dict[str, list[str]] = {}
+    inside = tuple(p + "." for p in (plan.layers, *plan.pre, *plan.post))
     for pattern, style in plan.tp:
-        if style not in SP_STYLES and pattern != plan.embed and not pattern.startswith(plan.layers + "."):
+        if style not in SP_STYLES and pattern != plan.embed and not pattern.startswith(inside):
             where.setdefault(style, []).append(pattern.removeprefix(plan.prefix + "."))
     return [
         f"tp style {style!r} ({', '.join(paths[:3])}) outside the decoder layers under sequence parallelism: "
         f"the hf backend splits the sequence there around {', '.join(SP_STYLES)} only"
         for style, paths in where.items()
     ]
+
+
+def sp_whole_piece(plan: Plan, path: str) -> bool:
+    """Under sequence parallelism, whether stage piece `path` (one of the plan's pre or post pieces)
+    runs whole: where a module in it has a tp style outside `SP_STYLES` (Qwen4-Exp's
+    hyper_connection_mixer, a `rowwise_split_input` fold of its streams before the head). It is
+    gathered at its entry and this rank's slice kept at its exit, as a decoder layer's unit
+    (`sp_whole`); a piece with no planned module runs on the slice (a norm)."""
+    if path not in (*plan.pre, *plan.post):
+        return False
+    return any(p.startswith(path + ".") and s not in SP_STYLES for p, s in plan.tp)
 
 
 def sp_whole(plan: Plan, kind: str) -> str | None:
@@ -319,6 +332,7 @@ __all__ = [
     "plan_problems",
     "sp_refusals",
     "sp_whole",
+    "sp_whole_piece",
     "tensor_kinds",
     "UNBUILT",
     "unbuilt_refusals",

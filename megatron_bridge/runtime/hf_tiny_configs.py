@@ -141,6 +141,8 @@ _HYBRID = ["linear_attention", "full_attention"] * (LAYERS // 2)
 # 0-1, so every pp2 split cuts a pair (refused by name); one shared layer reading the layer before
 # it keeps the pair on one stage at pp2, with both layer kinds present
 _GEMMA4_KV = "one KV-shared layer next to the layer it reads, so pp2 keeps the pair on one stage"
+# the class default leaves the final logit softcap off (None); Gemma 4's released configs set it
+_GEMMA4_SOFTCAP = "the final logit softcap is off (None) by default, on as in a released config"
 _GEMMA4_KV_FIELDS = {
     "num_kv_shared_layers": 1,
     "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "full_attention"],
@@ -196,7 +198,9 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "gemma4_text": (
         "the MoE block and K=V global attention are off by default; global layers keep a wider head (512 by default); "
-        + _GEMMA4_KV,
+        + _GEMMA4_KV
+        + "; "
+        + _GEMMA4_SOFTCAP,
         {
             "enable_moe_block": True,
             "attention_k_eq_v": True,
@@ -204,16 +208,21 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
             "global_head_dim": 56,
             "num_global_key_value_heads": 4,
             **_GEMMA4_KV_FIELDS,
+            "final_logit_softcapping": 30.0,
         },
     ),
     "gemma4_unified_text": (
-        "K=V global attention is off by default; global layers keep a wider head (512 by default); " + _GEMMA4_KV,
+        "K=V global attention is off by default; global layers keep a wider head (512 by default); "
+        + _GEMMA4_KV
+        + "; "
+        + _GEMMA4_SOFTCAP,
         {
             "attention_k_eq_v": True,
             "use_double_wide_mlp": True,
             "global_head_dim": 56,
             "num_global_key_value_heads": 4,
             **_GEMMA4_KV_FIELDS,
+            "final_logit_softcapping": 30.0,
         },
     ),
     "granitemoehybrid": (
@@ -262,7 +271,8 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen4_exp_text": (
-        "the QSA indexer and per-layer n-gram embeddings (which need an eos id) are off by default; the n-gram table has 20M rows",
+        "the QSA indexer and per-layer n-gram embeddings (which need an eos id) are off by default; the n-gram table has "
+        "20M rows, saved in two pieces as a released checkpoint saves it in many",
         {
             "indexer_n_heads": 4,
             "indexer_kv_heads": 1,
@@ -275,7 +285,7 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
             "heads_per_ngram": 2,
             "ngram_vocab_size_base": 97,
             "make_ngram_vocab_size_divisible_by": 8,
-            "split_ngram_parts": 1,
+            "split_ngram_parts": 2,
             "eos_token_id": 2,
         },
     ),

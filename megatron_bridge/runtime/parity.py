@@ -96,9 +96,11 @@ def hf_reference(
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-        saved = model.state_dict()  # saved buffers (DeepSeek-V3's correction bias) are frozen: grad 0
+        # saved buffers (DeepSeek-V3's correction bias, Qwen4-Exp's integer n-gram hash multipliers) are
+        # frozen: grad 0, as the bridge reports them
+        saved = model.state_dict()
         for name, b in model.named_buffers():
-            if name in saved and b.is_floating_point():
+            if name in saved:
                 b.zero_()
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)

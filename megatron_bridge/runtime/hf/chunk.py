@@ -109,6 +109,7 @@ class HFChunk(MegatronModule):
         self.streams = streams
         ov = override(hf_config.model_type)
         self.rotary_types, self.layer_inputs = ov.rotary_types, ov.layer_inputs  # hf_overrides.Override
+        self.flat_streams, self.layer_masks = ov.flat_streams, ov.layer_masks
         self.layer_kwargs = dict(ov.layer_kwargs)  # Falcon's alibi=None
         # pre pieces kept but not run for a text-only batch (Override.text_identity: the embeddings unchanged)
         self.text_identity = {f"{plan.prefix}.{n}" for n in ov.text_identity}
@@ -190,7 +191,9 @@ class HFChunk(MegatronModule):
             for path in self.plan.pre:
                 if path not in self.text_identity:
                     h = self.get_submodule(path)(h)
-            if self.streams > 1:  # every stream starts as the embeddings
+            if self.streams > 1 and self.flat_streams:  # every stream starts as the embeddings
+                h = h.repeat(1, 1, self.streams)
+            elif self.streams > 1:
                 h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         else:
             assert self.input_tensor is not None, "a later pipeline stage runs on the previous stage's output"
@@ -198,13 +201,14 @@ class HFChunk(MegatronModule):
                 h, per_layer = self.per_layer.unpack(self.input_tensor)
             else:  # megatron's [s, b, h] -> transformers' [b, s, h]
                 h, per_layer = self.input_tensor.transpose(0, 1), None
-            if self.streams > 1:
+            if self.streams > 1 and not self.flat_streams:
                 h = h.unflatten(-1, (self.streams, -1))
         h = self._layers(h, position_ids, {"input_ids": input_ids}, per_layer)
         if not self.post_process:
             if self.per_layer and per_layer is not None:
                 return self.per_layer.pack(h, per_layer)
-            return (h.flatten(2) if self.streams > 1 else h).transpose(0, 1).contiguous()
+            stacked = self.streams > 1 and not self.flat_streams
+            return (h.flatten(2) if stacked else h).transpose(0, 1).contiguous()
         for path in self.plan.post:
             h = self.get_submodule(path)(h)
         return self._head(h, labels)
@@ -221,7 +225,7 @@ class HFChunk(MegatronModule):
         before = calls()
         embeddings: dict[str | None, Any] = {}
         carried: dict[str, Any] = {}
-        given = {k: inputs[k] for k in self.layer_inputs}  # hf_overrides.Override.layer_inputs
+        given = {kw: inputs[name] for kw, name in self.layer_inputs}  # hf_overrides.Override.layer_inputs
         states: dict[str, dict[str, Any]] = {kw: {} for kw in self.shared_state}
         # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
         # of it (sequence parallelism): they read only its batch, length, dtype and device
@@ -230,14 +234,16 @@ class HFChunk(MegatronModule):
         typed = {t: rotary(whole, position_ids, t) for t in self.rotary_types} if rotary is not None else {}
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
-            if kind not in masks:
-                masks[kind] = make_mask[kind](
-                    config=self.hf_config,
-                    inputs_embeds=whole,
-                    attention_mask=None,
-                    past_key_values=None,
-                    position_ids=position_ids,
-                )
+            for k in (kind, *(k for _, k in self.layer_masks)):
+                if k not in masks:
+                    masks[k] = make_mask[k](
+                        config=self.hf_config,
+                        inputs_embeds=whole,
+                        attention_mask=None,
+                        past_key_values=None,
+                        position_ids=position_ids,
+                    )
+            extra = {kw: masks[k] for kw, k in self.layer_masks}  # hf_overrides.Override.layer_masks
             key: Any = kind if self.rotary_by_kind else None  # a kind, or a rotary_of index
             if self.rotary_of:  # the layer's own rotary module, or none
                 key = self.rotary_of[int(i)]
@@ -247,7 +253,8 @@ class HFChunk(MegatronModule):
                 embeddings[key] = (
                     rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
                 )
-            extra = {k: fn(position_ids) for k, fn in self.nope_kwargs.items()} if kind in self.nope else {}
+            if kind in self.nope:
+                extra.update({k: fn(position_ids) for k, fn in self.nope_kwargs.items()})
             if per_layer is not None and self.per_layer is not None:
                 extra[self.per_layer.keyword] = per_layer[:, :, int(i)]
             out = layer(

@@ -37,6 +37,7 @@ from megatron_bridge.backends.hf_plan import (
     WHOLE_ATTENTION,
     Plan,
     sp_whole,
+    sp_whole_piece,
 )
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
@@ -138,7 +139,10 @@ class Pieces:
     def _whole(self, path: str, module: torch.nn.Module) -> str | None:
         """Under SP, the path of what of decoder layer `path` runs whole (`hf_plan.sp_whole`):
         its attention module (the first of `ATTENTION_NAMES` it has, called as a module: not a
-        container), else the layer; None where everything splits or `path` is no decoder layer."""
+        container), else the layer; None where everything splits or `path` is no decoder layer.
+        A stage piece runs whole where `hf_plan.sp_whole_piece` says so."""
+        if self.sp and sp_whole_piece(self.plan, path):
+            return path
         i = self.plan.layer_index(path + ".")
         if not self.sp or i is None or path != f"{self.plan.layers}.{i}":
             return None

@@ -54,6 +54,21 @@ def test_a_style_outside_sp_styles_outside_the_layers_is_still_refused_naming_it
     assert "'colwise_gather_output' (per_layer_projection) outside the decoder layers" in why  # not the embedding
 
 
+def test_a_stage_piece_holding_a_style_outside_sp_styles_runs_whole_instead_of_refusing():
+    """Qwen4-Exp's fold of its streams before the head (no pp plan; Override.streams) holds a
+    `rowwise_split_input` linear: the piece runs whole under SP (gathered in, sliced out), the
+    decoder layers' own `rowwise_split_input` hyper-connections run whole with their layer."""
+    from megatron_bridge.backends.hf_plan import sp_whole_piece
+
+    tp = {"hyper_connection_mixer.input_mix_weight_down": "rowwise_split_input", "layers.*.mlp.up_proj": "colwise"}
+    plan = plan_of("qwen4_exp_text", "model", tp, None, ["lm_head"])
+    assert plan.post == ("model.hyper_connection_mixer",)
+    assert sp_whole_piece(plan, "model.hyper_connection_mixer") and sp_refusals(plan) == []
+    assert not sp_whole_piece(plan, "model.layers.0") and not sp_whole_piece(plan, "model.embed_tokens")
+    norm = plan_of("x", "model", {"layers.*.mlp.up_proj": "colwise"}, None, ["lm_head"])
+    assert not sp_whole_piece(norm, "model.norm")  # nothing planned in it: it runs on the slice
+
+
 class Mixer(torch.nn.Module):
     """A token mixer as an unsplittable attention is: a causal sum over the sequence, then a
     column/row-parallel pair (plain TP) and a replicated linear; a tuple out, as HF attention's."""

@@ -5,7 +5,8 @@ feature on, constants perturbed), one per kind of tensor its table holds: plain 
 vocab splits and per-head norms (Cohere, tied), experts saved one tensor per expert and stacked
 in the model (dots.llm1, with a dense first layer), experts stacked in the file too (Granite-MoE),
 linear-attention layers beside attention layers (Qwen3-Next), 0-dim tensors (Apertus), a fused
-conv saved as pieces (Kimi-Linear), integer buffers (DeepSeek-V4's hash-routing table). HF ->
+conv saved as pieces (Kimi-Linear), integer buffers (DeepSeek-V4's hash-routing table), an
+embedding saved in row pieces and split over TP by its columns (Qwen4-Exp's n-gram table). HF ->
 either format at a layout -> export gives back every tensor bit for bit (names, dtypes, shapes);
 reshard A -> B -> export the same; A -> torch_dist -> A the same rank files (names, tensors, args). That such
 checkpoints load into real chunks at those layouts is tests/dist/test_convert_dist.py.
@@ -31,6 +32,7 @@ CASES = [
     ("apertus", DENSE, ["parallel.tp=1", "parallel.pp=2"]),
     ("kimi_linear", MOE, ["parallel.ep=1", "parallel.tp=2", "parallel.pp=1"]),
     ("deepseek_v4", MOE, ["parallel.ep=4", "parallel.tp=1", "parallel.pp=1"]),
+    ("qwen4_exp_text", MOE, ["parallel.ep=1", "parallel.tp=1", "parallel.pp=1"]),
 ]
 
 

@@ -1,13 +1,16 @@
 """Fused tensors transformers concatenates at load (backends/hf_fused.py): the linear-attention
 hybrids' q/k/v convs are one table row of three checkpoint tensors, a tiny Kimi-Linear loads
-and exports bit-exactly in one process (tp1, gloo) with transformers' logits. TP2 runs in the matrix (`mbr verify --matrix`, docs/bridge.md)."""
+and exports bit-exactly in one process (tp1, gloo) with transformers' logits; Qwen4-Exp's n-gram
+table, saved in `split_ngram_parts` row pieces and split over TP by its columns, is one row of those
+pieces, each TP rank reading its column slice of every piece, and loads and exports bit-exactly
+too. TP2 runs in the matrix (`mbr verify --matrix`, docs/bridge.md)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_bridge.backends.hf_fused import Concatenated
+from megatron_bridge.backends.hf_fused import Concatenated, ConcatenatedColumns
 from megatron_bridge.bridge.shards import Shapes, Shard
 
 TOL = 1e-5
@@ -22,6 +25,16 @@ def test_concatenated_joins_the_pieces_and_splits_them_as_transformers_chunk_doe
     assert all(torch.equal(a, b) for a, b in zip(back, pieces, strict=True))
     cols = [torch.randn(2, 3), torch.randn(2, 5)]
     assert torch.equal(Concatenated(2, dim=1).shard(cols, Shard(0, 1), SHAPES), torch.cat(cols, 1))
+
+
+def test_concatenated_columns_gives_each_rank_its_columns_of_every_piece():
+    pieces = [torch.randn(3, 4), torch.randn(3, 4), torch.randn(2, 4)]  # torch.chunk's sizes of 8 rows
+    cat = torch.cat(pieces)
+    shards = [ConcatenatedColumns(3).shard(pieces, Shard(r, 2), SHAPES) for r in range(2)]
+    assert all(torch.equal(t, cat[:, 2 * r : 2 * r + 2]) for r, t in enumerate(shards))
+    back = ConcatenatedColumns(3).merge(shards, SHAPES)
+    assert all(torch.equal(a, b) for a, b in zip(back, pieces, strict=True))
+    assert torch.equal(ConcatenatedColumns(3).shard(pieces, Shard(0, 1), SHAPES), cat)
 
 
 def test_only_whole_tensors_of_literal_concatenating_converters_are_fused():
@@ -39,6 +52,21 @@ def test_only_whole_tensors_of_literal_concatenating_converters_are_fused():
         ["a.q_conv.weight", "a.k_conv.weight"], "a.conv.weight", operations=[MergeModulelist(dim=0)]
     )
     assert fused([regex, stack], {"m.a.conv.weight": "replicated"}) == {}
+    # a config-given count of row pieces (Qwen4-Exp's n-gram table), its columns split over TP
+    shards = WeightConverter(
+        "e.shard_*.weight", "e.weight", operations=[Concatenate(dim=0, num_shards_attribute="parts")]
+    )
+
+    class Cfg:
+        parts = 3
+
+        def get_text_config(self):
+            return self
+
+    assert fused([shards], {"m.e.weight": "row"}, Cfg()) == {
+        "m.e.weight": (("m.e.shard_0.weight", "m.e.shard_1.weight", "m.e.shard_2.weight"), 0)
+    }
+    assert fused([shards], {"m.e.weight": "row"}) == {}  # no config: the count is unknown
 
 
 @pytest.mark.parametrize(
@@ -85,3 +113,27 @@ def test_kimi_linear_loads_and_exports_bit_exactly_with_transformers_logits(grou
     with safe_open(str(next((tmp_path / "roundtrip").glob("*.safetensors"))), "pt") as f:
         names = set(f.keys())
     assert "model.layers.0.self_attn.q_conv1d.weight" in names and not any(".conv1d." in n for n in names)
+
+
+def test_qwen4_exp_ngram_table_in_row_pieces_loads_and_exports_bit_exactly(groups1, tmp_path):
+    from megatron_bridge.backends.describe import describe_hf
+    from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.bridge.hf_config import read_hf_config
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.hf_tiny import make_tiny
+    from megatron_bridge.runtime.parity import check_layout, hf_reference, make_batch
+
+    path = make_tiny("qwen4_exp_text", tmp_path / "qwen4")  # its table saved in two pieces
+    spec = describe_hf(read_hf_config(path), backend="hf", make_vocab_size_divisible_by=1)
+    table = "model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"
+    (row,) = [r for r in HFBackend().table(spec) if r.megatron == table]
+    assert isinstance(row.transform, ConcatenatedColumns) and list(row.hf) == [
+        f"model.layers.{{layer}}.ple.ple_embedding.ngram_embedding.shard_{i}.weight" for i in range(2)
+    ]
+    ids, _ = make_batch(250, batch=1, seq=16)
+    ref = hf_reference(path, ids)
+    res = check_layout(
+        path, Layout(), ["logits", "roundtrip"], ref=ref, input_ids=ids, export_dir=tmp_path, backend="hf"
+    )
+    assert res["logits"]["max_abs"] < TOL, res["logits"]
+    assert res["roundtrip"]["ok"], res["roundtrip"]  # both pieces back under their names, bit-exact

@@ -1,9 +1,12 @@
-"""Hyper-connection streams on the hf backend (hf_overrides.Override.streams; HY-V4, DeepSeek-V4) in one
-process: two chunks cut from the same meta model (layers 0-1 with the embedding, layers 2-3 with
-hc_head, the norm and the head) hand each other the [s, b, hc_mult·h] activation a pipeline stage
-sends, and give transformers' logits; DeepSeek-V4's extra layer inputs (the {'main', 'compress'}
-rotary pair, input_ids for its hash-routed MoE) reach the second chunk too. The multi-process
-layouts (tp2, pp2, tp2·pp2, ep2) are `mbr verify --matrix model.backend=hf` rows (docs/bridge.md)."""
+"""Hyper-connection streams on the hf backend (hf_overrides.Override.streams; HY-V4, DeepSeek-V4,
+Qwen4-Exp) in one process: two chunks cut from the same meta model (layers 0-1 with the embedding,
+layers 2-3 with the fold module, the norm and the head) hand each other the [s, b, n·h] activation a
+pipeline stage sends, and give transformers' logits; DeepSeek-V4's extra layer inputs (the {'main',
+'compress'} rotary pair, input_ids for its hash-routed MoE) reach the second chunk too, as do
+Qwen4-Exp's (its streams side by side in the hidden dim, folded by hyper_connection_mixer with no
+final norm; ple_input_ids for the n-gram embeddings of layer 0, on the first chunk, and conv_mask).
+The multi-process layouts (tp2, pp2, tp2·pp2, ep2) are `mbr verify --matrix model.backend=hf` rows
+(docs/bridge.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,14 @@ def one_rank(tmp_path):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("model_type", ["hy_v4", "deepseek_v4"])
+POST = {
+    "hy_v4": ("model.hc_head", "model.norm"),
+    "deepseek_v4": ("model.hc_head", "model.norm"),
+    "qwen4_exp_text": ("model.hyper_connection_mixer",),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(POST))
 def test_two_stages_pass_the_streams_folded_and_give_transformers_logits(one_rank, model_type):
     from megatron_bridge.runtime.hf.build import Stage, transformer_config
     from megatron_bridge.runtime.hf_tiny import build_tiny
@@ -37,8 +47,9 @@ def test_two_stages_pass_the_streams_folded_and_give_transformers_logits(one_ran
     ref = build_tiny(model_type).eval()
     cfg = ref.config
     spec = describe_hf({**cfg.to_dict(), "model_type": model_type}, make_vocab_size_divisible_by=1, backend="hf")
-    n, h = override(model_type).stream_count(cfg), cfg.hidden_size
-    assert n == cfg.hc_mult > 1 and model_plan(ref).post == ("model.hc_head", "model.norm")
+    ov = override(model_type)
+    n, h = ov.stream_count(cfg), cfg.hidden_size
+    assert n == getattr(cfg, ov.streams[0]) > 1 and model_plan(ref).post == POST[model_type]
     with torch.device("meta"):
         full = type(ref)(cfg)
     tconfig = transformer_config(spec, ParallelDims())
@@ -52,10 +63,12 @@ def test_two_stages_pass_the_streams_folded_and_give_transformers_logits(one_ran
                 if isinstance(t, torch.Tensor):  # megatron layers' `_extra_state` entries are None
                     t.copy_(weights[name])
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    # one row of positions per sample, as the trainer's batches have (Qwen4-Exp's indexer reads them so)
+    pos = torch.arange(16).expand(2, -1)
     with torch.no_grad():
-        sent = first.eval()(ids)
+        sent = first.eval()(ids, pos)
         assert sent.shape == (16, 2, n * h)  # what megatron's p2p carries: hidden_size n·h (runtime/hf/build.py)
         last.eval().set_input_tensor(sent)
-        got = last(ids)
+        got = last(ids, pos)
         want = ref(ids).logits
     assert (got - want).abs().max() < 1e-5
