@@ -151,7 +151,7 @@ GRID = (
 def grid_record(dims) -> dict[str, Any]:
     """The `ParallelDims` fields that say which rank holds which shard: `mbr reshard` reads a
     checkpoint's rank files by them (train/ckpt_source.py)."""
-    return {k: getattr(dims, k) for k in GRID}
+    return {k: v for k, v in dataclasses.asdict(dims).items() if k in GRID}
 
 
 def validate_for_launch(cfg, spec):
