@@ -30,6 +30,7 @@ import torch
 
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.loader import _write_config_and_assets, shard_of
 from megatron_bridge.convert.formats.manifest import dtype_name
@@ -109,11 +110,7 @@ def _to_converted(cfg: Any, fmt: str) -> int:
     layout = checked_layout(cfg, spec, {}, source.rows, source.tensors, fmt)
     writer = (DistOut if fmt == "torch_dist" else TorchOut)(spec, layout, workers)
     tensors, nbytes = writer.total(source)
-    hf_config = (
-        backend_of(spec).hf_config(spec)
-        if not spec.source
-        else json.loads(Path(spec.source, "config.json").read_text())
-    )
+    hf_config = read_hf_config(spec.source) if spec.source else backend_of(spec).hf_config(spec)
     with atomic_output(dst, cfg.overwrite) as tmp:
         with Progress("resharded", tensors, nbytes, cfg.progress) as prog:
             writer.write(tmp, source, prog.advance)
