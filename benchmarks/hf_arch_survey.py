@@ -1,4 +1,4 @@
-"""What the `hf` backend meets in every causal-LM architecture transformers ships with a tp plan.
+"""What the transformers backend meets in every causal-LM architecture transformers ships with a tp plan.
 
     python benchmarks/hf_arch_survey.py [MODEL_TYPE ...] [--out docs/hf_architectures.md]
 
@@ -405,7 +405,7 @@ def summary(facts: list[Facts]) -> str:
 
 HEADER = """# Architectures transformers ships with a tp plan
 
-The catalogue the `hf` backend's matrix runs over (issue 22, item 7): every causal-LM model type of
+The catalogue the transformers backend's matrix runs over (issue 22, item 7): every causal-LM model type of
 transformers {version} whose config declares `base_model_tp_plan`, each built by
 `megatron_bridge/runtime/hf_tiny.py` (a tiny config derived from its config class with its
 distinctive features on, constant weights perturbed), run forward and backward in fp32 on CPU with

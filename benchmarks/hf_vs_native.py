@@ -1,8 +1,8 @@
-"""Step time of the `hf` backend against the native one on the same Llama (issue 22 item 9).
+"""Step time of the transformers backend against the native one on the same Llama.
 
 One script, both runs: a random Llama is saved with transformers (`save_pretrained`), then
 `python -m megatron_bridge.train model.hf_path=DIR` trains it under `model.backend=native`
-and under `model.backend=hf`, same layout, batch and synthetic data, one torchrun launch each.
+and under `model.backend=transformers`, same layout, batch and synthetic data, one torchrun launch each.
 It prints the median step time of each (steps after the first third), their ratio (goal
 <= 1.25) and, on a GPU, model TFLOP/s and MFU of each.
 
@@ -98,7 +98,7 @@ def main() -> None:
     skip = max(1, a.steps // 3)
     with tempfile.TemporaryDirectory() as tmp:
         params = save_llama(Path(tmp) / "llama", a, cuda)
-        runs = {b: train(b, Path(tmp) / "llama", a, nproc) for b in ("native", "hf")}
+        runs = {b: train(b, Path(tmp) / "llama", a, nproc) for b in ("native", "transformers")}
     print(f"Llama h={a.hidden} L={a.layers} seq={a.seq} gbs={a.gbs} tp={a.tp} pp={a.pp} ({params / 1e6:.1f} M params), "
           f"{a.steps} steps, median of steps > {skip}, {'GPU bf16' if cuda else 'CPU fp32'}")  # fmt: skip
     med = {}
@@ -110,7 +110,7 @@ def main() -> None:
             tflops = flops / med[b] / 1e12 / nproc
             line += f"   {tflops:6.1f} TFLOP/s per GPU, MFU {tflops / PEAK_TFLOPS:.1%}"
         print(line)
-    print(f"  step time ratio (hf / native): {med['hf'] / med['native']:.3f}  (goal <= 1.25)")
+    print(f"  step time ratio (transformers / native): {med['transformers'] / med['native']:.3f}  (goal <= 1.25)")
 
 
 if __name__ == "__main__":

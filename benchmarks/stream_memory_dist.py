@@ -11,7 +11,7 @@ by the process (RSS, not live tensors); `MALLOC_MMAP_THRESHOLD_=131072` maps eve
 over 128 KiB on its own, so the figure is the live memory the bound is about.
 
 Five jobs of 4 processes each: a Llama-shaped fp32 model at tp2.pp2, a Mixtral-shaped one at
-ep2.tp2 (experts gathered over EP), a Qwen3-MoE-shaped one at ep2.tp2 on the hf backend
+ep2.tp2 (experts gathered over EP), a Qwen3-MoE-shaped one at ep2.tp2 on the transformers backend
 (transformers' stacked experts, 4 per layer: 128 MiB of gate/up, exported per expert) and a
 Granite-MoE-shaped one likewise (its checkpoint stacks the experts too: `WholeStackedExperts`,
 one 128 MiB tensor gathered over EP and TP), and a GPT-OSS-shaped one at ep2.tp2 (etp1: its
@@ -50,10 +50,10 @@ JOBS = {  # name -> (family, layout, backend, model overrides beyond the hidden 
         "native",
         {"num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16, "num_local_experts": 4},
     ),
-    "qwen3_moe ep2.tp2 (hf backend)": (  # a layer's 4 experts' gate/up, 128 MiB stacked: over the embedding
+    "qwen3_moe ep2.tp2 (transformers backend)": (  # a layer's 4 experts' gate/up, 128 MiB stacked: over the embedding
         "qwen3_moe",
         "ep2tp2",
-        "hf",
+        "transformers",
         {
             "num_hidden_layers": 2,
             "num_attention_heads": 16,
@@ -74,10 +74,10 @@ JOBS = {  # name -> (family, layout, backend, model overrides beyond the hidden 
             "num_local_experts": 4,
         },
     ),
-    "granitemoe ep2.tp2 (hf backend)": (  # experts stacked in the checkpoint too: 128 MiB of gate/up
+    "granitemoe ep2.tp2 (transformers backend)": (  # experts stacked in the checkpoint too: 128 MiB of gate/up
         "granitemoe",
         "ep2tp2",
-        "hf",
+        "transformers",
         {"num_hidden_layers": 2, "num_attention_heads": 16, "num_key_value_heads": 16, "num_local_experts": 4},
     ),
 }
@@ -122,9 +122,11 @@ def _worker(hf: Path, layout_text: str, backend: str, bucket: int) -> None:
     torch.distributed.init_process_group("gloo")
     layout = Layout.parse(layout_text)
     ensure_groups(layout, torch.distributed.get_world_size())
-    specs = {  # by backend: the native families' spec, or transformers' modules (the hf backend)
+    specs = {  # by backend: the native families' spec, or transformers' modules (the transformers backend)
         "native": load_spec,
-        "hf": lambda p: describe_hf(read_hf_config(p), make_vocab_size_divisible_by=128, backend="hf"),
+        "transformers": lambda p: describe_hf(
+            read_hf_config(p), make_vocab_size_divisible_by=128, backend="transformers"
+        ),
     }
     spec = specs[backend](hf)
     chunks = build_model(spec, layout, load_weights=True)
@@ -150,7 +152,7 @@ def _worker(hf: Path, layout_text: str, backend: str, bucket: int) -> None:
                 sizes = [t.numel() * t.element_size() for _, t in b]
                 received, biggest = received + sum(sizes), max([biggest, *sizes])
                 del b
-        except UnsupportedFeatures:  # layout="model" of a model the hf backend cannot describe (GPT-OSS)
+        except UnsupportedFeatures:  # layout="model" of a model the transformers backend cannot describe (GPT-OSS)
             continue
         peak = _status_kib("VmHWM") - base
         name = mode if form == "checkpoint" else f"{mode}, layout=model"  # model: experts stacked (fused)

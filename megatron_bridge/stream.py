@@ -43,8 +43,8 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_bridge.backends.describe import describe_hf
-from megatron_bridge.backends.hf import meta
 from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.backends.transformers.backend import meta
 from megatron_bridge.bridge.hf_config import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.groups import comm_device
@@ -124,17 +124,17 @@ class ModelLayout:
     """Checkpoint-layout (name, tensor) pairs -> transformers' in-memory ones: renamed tensors
     under their module names; per-expert pieces land in the stacked experts tensor (allocated at
     the first: memory is that tensor, not it and its pieces), and a fused tensor's pieces (a
-    linear-attention q/k/v conv, backends/hf_fused.py; small) are concatenated once the last
+    linear-attention q/k/v conv, backends/transformers/fused.py; small) are concatenated once the last
     piece has arrived. `slot` is the exporter's `into` (runtime/weights_base.Into): handed to
     `iter_hf_tensors`, each expert piece is gathered straight into its slot, so no piece-sized
     buffer is held beside the stack (a piece that arrives elsewhere, e.g. after a dtype cast, is
     copied in). The names come from transformers' own conversion mapping, run on the meta-device
-    model (backends/hf.py)."""
+    model (backends/transformers/backend.py)."""
 
     def __init__(self, spec: BridgeSpec) -> None:
         cfg = json.loads(spec.hf_json) if spec.hf_json else backend_of(spec).hf_config(spec)
         self.model_type = cfg.get("model_type")
-        self.m = m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="hf"))
+        self.m = m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="transformers"))
         self.module_of = {saved: name for name, saved in m.saved_as.items()}
         self.groups = {**m.experts, **{name: pieces for name, (pieces, _) in m.fused.items()}}
         self.piece_of = {p: (whole, i) for whole, pieces in self.groups.items() for i, p in enumerate(pieces)}

@@ -9,13 +9,13 @@ and the rest still run; the report (markdown) goes to stdout and to `--out/gpu_r
 Checks, in order of what they prove:
 1. `env`: torch / CUDA / GPU, and whether Transformer Engine and flash-attn are importable.
 2. `verify`: `mbr verify` at tp1 on the device (NCCL, no CPU shim) against transformers
-   (fp32, CPU) for a dense (llama), an MoE (qwen3_moe) and an hf-backend (cohere) model.
+   (fp32, CPU) for a dense (llama), an MoE (qwen3_moe) and a transformers-backend (cohere) model.
 3. `resume` (and `resume_ds`, the same under DeepSpeed ZeRO-2): tiny Llama trains 6 steps on the device, checkpointing at 3; a second run resumes
    at 3; the loss of steps 4-6 of both is compared (GPU kernels need not be deterministic, so
    the report prints the difference rather than asserting it).
 4. `overhead`: `benchmarks/train_overhead.py` at tp1 on a ~0.9B-parameter Llama shape (bf16):
    our step time over a bare megatron-core loop's, and the model TFLOP/s and MFU.
-5. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the `hf` backend's step
+5. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the transformers backend's step
    time over the native one's on one saved Llama, and each one's TFLOP/s and MFU.
 
 On request (`--only headdim,async`, not in the default set):
@@ -136,7 +136,7 @@ def main() -> int:
         for name, args in (
             ("llama", ["verify.tiny=llama"]),
             ("qwen3_moe", ["verify.tiny=qwen3_moe"]),
-            ("cohere_hf", ["verify.tiny=cohere", "model.backend=hf"]),
+            ("cohere_hf", ["verify.tiny=cohere", "model.backend=transformers"]),
         ):
             if name not in a.verify.split(","):
                 continue
@@ -183,7 +183,9 @@ def main() -> int:
             cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape, "--heads", str(heads)]
             rc, text, secs = run(f"headdim{heads}", cmd, 240, out)
             say(f"- headdim (heads {heads}, {' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 5)}\n```")
-    if "headdim" in only:  # the hf backend at head dim 512: mbr_sdpa (runtime/hf/attention.py) vs native
+    if (
+        "headdim" in only
+    ):  # the transformers backend at head dim 512: mbr_sdpa (runtime/transformers/attention.py) vs native
         shape = ["--hidden", "4096", "--layers", "8", "--seq", "4096", "--gbs", "8", "--steps", "12"]
         if a.smoke:
             shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "9"]

@@ -2,7 +2,7 @@
 
 Building a rank's model chunks needs torch and megatron-core, so it lives in the runtime
 layer (`runtime/build.py`, keyed by `Backend.name`); everything here is plain data and
-arithmetic that `mbr check`, `mbr plan` and `mbr convert` use (the hf backend reads its
+arithmetic that `mbr check`, `mbr plan` and `mbr convert` use (the transformers backend reads its
 transformers model on the meta device for it). The checkpoint methods are the converter's
 whole view of a backend: which tensors a model has and their shapes, where each is stored in
 torch_dist and in Megatron's per-rank files, and what else a rank file holds.
@@ -31,6 +31,7 @@ class Backend(ABC):
     """One way of turning an HF model into megatron-parallel modules."""
 
     name: ClassVar[str]
+    from_fields: ClassVar[bool] = True  # describes a model from the recipe's model-group fields alone
 
     @abstractmethod
     def handles(self, hf: Mapping[str, Any]) -> bool:
@@ -91,7 +92,7 @@ class Backend(ABC):
 
     def ep_stacked(self, spec: BridgeSpec, row: Resolved) -> bool:
         """Whether `row`'s tensor stacks every expert on dim 0 and an expert-parallel rank keeps
-        its run of them (after the TP split): the hf backend's experts. Native expert rows are
+        its run of them (after the TP split): the transformers backend's experts. Native expert rows are
         one expert each (`{expert}` in the name) and placed by `owned`."""
         return False
 

@@ -11,8 +11,9 @@ read config.json for its own checks, the parsed dict as `hf=`).
 
 A config the backend cannot reproduce, or a family no backend knows, is refused here as the
 violation of a named rule (`hf-model`, `model-family`, `hidden-heads`, `model-backend`), like
-every other rule. `model.backend` (auto | native | hf) picks the backend; `auto` takes the
-native family where one exists, else transformers' own modeling code (`hf`), and says so once.
+every other rule. `model.backend` (auto | native | transformers; `hf` is another spelling of
+transformers) picks the backend; `auto` takes the native family where one exists, else
+transformers' own modeling code (`transformers`), and says so once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from megatron_bridge.backends.registry import BACKENDS, backend_for
+from megatron_bridge.backends.registry import BACKENDS, backend_for, backend_named
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, read_hf_config
 from megatron_bridge.bridge.registry import families
 from megatron_bridge.bridge.spec import BridgeSpec
@@ -41,8 +42,8 @@ def describe(
 ) -> BridgeSpec:
     """The description of `model` (a composed `ModelConfig`), or of the HF model `hf_path`
     (`arg` is how the command line names it) when the command's input is one. `model.backend`
-    picks the backend (`auto`: the native family where one exists, else `hf`)."""
-    choice = getattr(model, "backend", "auto")
+    picks the backend (`auto`: the native family where one exists, else `transformers`)."""
+    choice = chosen_backend(model)
     if choice not in ("auto", *BACKENDS):
         raise _refused(
             "model-backend", f"model.backend={choice!r} is not a backend", f"use one of auto, {', '.join(BACKENDS)}"
@@ -56,14 +57,15 @@ def describe(
             raise _refused(
                 "hf-model",
                 f"{arg}={path}: {e}",
-                "use a model whose features its backend reproduces, or the other backend (model.backend=native|hf; "
+                "use a model whose features its backend reproduces, or the other backend (model.backend=native|transformers; "
                 "`mbr verify --list`, docs/bridge.md)",
             ) from None
         return dataclasses.replace(spec, source=None if path is None else str(path))
-    if choice == "hf":
+    if choice != "auto" and not BACKENDS[choice].from_fields:
         raise _refused(
             "model-backend",
-            "model.backend=hf builds transformers' own model class from a config.json, and no model.hf_path is set",
+            f"model.backend={choice} builds transformers' own model class from a config.json, and no model.hf_path "
+            "is set",
             "set model.hf_path=DIR (the recipe's model fields describe native families only)",
         )
     known = {f.name for f in families()}
@@ -83,12 +85,19 @@ def describe(
     return dataclasses.replace(spec, name=model.name, described_from="model fields")
 
 
+def chosen_backend(model: Any) -> str:
+    """The backend `model.backend` names ("auto", or a registered name; another spelling resolved):
+    what a command that runs per backend (`mbr verify --matrix`) dispatches on, before describing."""
+    return backend_named(getattr(model, "backend", "auto"))
+
+
 def describe_hf(hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int = 128, backend: str = "auto") -> BridgeSpec:
     """The description of a parsed config.json by `backend` (`auto`: the first that handles it,
     native before hf, said once on stderr when it is not native). A converted checkpoint's
     manifest records one; export and reshard describe it with this. Raises
     `UnsupportedFeatures` naming what is missing."""
     native = BACKENDS["native"]
+    backend = backend_named(backend)
     chosen = backend_for(hf) if backend == "auto" else BACKENDS[backend]
     if chosen is None or not chosen.handles(hf):
         raise UnsupportedFeatures(_unhandled(hf, backend))
@@ -96,7 +105,9 @@ def describe_hf(hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int = 12
         spec = chosen.describe(hf, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     except UnsupportedFeatures as e:
         if chosen is native and _hf_runs(hf):
-            raise UnsupportedFeatures(f"{e}\n  model.backend=hf runs it with transformers' own modeling code") from None
+            raise UnsupportedFeatures(
+                f"{e}\n  model.backend=transformers runs it with transformers' own modeling code"
+            ) from None
         if backend == "auto" and chosen is not native:
             raise UnsupportedFeatures(f"{_arch(hf)} has no native family, and {e}") from None
         raise
@@ -114,7 +125,7 @@ def _arch(hf: Mapping[str, Any]) -> str:
 
 
 def _hf_runs(hf: Mapping[str, Any]) -> bool:
-    b = BACKENDS["hf"]
+    b = BACKENDS["transformers"]
     try:
         return b.handles(hf) and bool(b.describe(hf, make_vocab_size_divisible_by=1))
     except UserError:
@@ -129,17 +140,17 @@ def _unhandled(hf: Mapping[str, Any], backend: str) -> str:
             f"{_arch(hf)} has no native family: the native backend has no weight table or building blocks "
             "for it (bridge/families/)"
         )
-    hf_backend = BACKENDS["hf"]
-    if backend in ("auto", "hf") or hf_backend.handles(hf):
+    hf_backend = BACKENDS["transformers"]
+    if backend in ("auto", "transformers") or hf_backend.handles(hf):
         if not hf_backend.handles(hf):
             lines.append(f"transformers has no causal-LM class for model_type {hf.get('model_type', '')!r}")
         elif _hf_runs(hf):
-            lines.append("model.backend=hf runs it with transformers' own modeling code")
+            lines.append("model.backend=transformers runs it with transformers' own modeling code")
         else:
             try:
                 hf_backend.describe(hf, make_vocab_size_divisible_by=1)
             except UserError as e:
-                lines.append(f"model.backend=hf cannot run it either: {e}")
+                lines.append(f"model.backend=transformers cannot run it either: {e}")
     return "\n  ".join(lines)
 
 
@@ -158,4 +169,4 @@ def _refused(rule: str, detail: str, fix: str) -> LayoutError:
     return LayoutError([Violation(rule, detail, fix)], header="The model breaks 1 rule:")
 
 
-__all__ = ["describe", "describe_hf"]
+__all__ = ["chosen_backend", "describe", "describe_hf"]

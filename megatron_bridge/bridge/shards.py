@@ -61,7 +61,7 @@ class Block:
 
     `view`: the input's bytes read as this shape first (a reshape of the contiguous tensor),
     for a split inside each row: a stacked experts tensor [E, R, C] TP-split along dim 1 or 2
-    (hf backend's `WholeStackedExperts`) is, read as rows of one rank's piece, every tp-th row
+    (transformers backend's `WholeStackedExperts`) is, read as rows of one rank's piece, every tp-th row
     (`step`). The rank-local tensor is then its blocks' tensor reshaped (same bytes)."""
 
     src: int | None

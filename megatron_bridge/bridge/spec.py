@@ -110,7 +110,9 @@ class BridgeSpec:
     final_logit_softcapping: float | None = None  # logits -> cap·tanh(logits/cap) (Gemma 2)
     # ---- which backend owns the model, and where the description came from
     backend: str = "native"  # backends/: describes, builds, names/shards and counts it
-    hf_json: str = ""  # the hf backend: the config.json it rebuilds transformers' config from (sorted JSON text)
+    hf_json: str = (
+        ""  # the transformers backend: the config.json it rebuilds transformers' config from (sorted JSON text)
+    )
     name: str = field(default="", compare=False)  # for messages and reports (model.name, or config.json's name)
     source: str | None = field(default=None, compare=False)  # the HF directory config.json was read from
     described_from: str = field(default="config.json", compare=False)  # or "model fields" (no config.json)

@@ -120,7 +120,7 @@ class Mapping:
                 return out_shape(blocks, hf_shapes)
         except NotBlockwise:
             pass
-        import torch  # only for what the blocks cannot describe: the hf backend's transforms, which has it
+        import torch  # only for what the blocks cannot describe: the transformers backend's transforms, which has it
 
         meta = [torch.empty(tuple(x), device="meta") for x in hf_shapes]
         try:

@@ -1,4 +1,4 @@
-"""Tiny but complete HF models of every supported family (and of the hf backend's sample
+"""Tiny but complete HF models of every supported family (and of the transformers backend's sample
 architectures, `HF_TINY`): their configs.
 
 Used by the tests and by `mbr verify --tiny FAMILY`: each config exercises what the family
@@ -35,11 +35,11 @@ def _tiny_configs() -> dict[str, tuple[str, dict[str, Any]]]:
 
 TINY: dict[str, tuple[str, dict[str, Any]]] = _tiny_configs()
 
-# The hf backend's sample architectures (transformers' own modeling code, docs/bridge.md "The
-# hf backend"): config class + overrides of COMMON, each with what is distinctive about it on;
+# The transformers backend's sample architectures (transformers' own modeling code, docs/bridge.md "The
+# transformers backend"): config class + overrides of COMMON, each with what is distinctive about it on;
 # sliding windows are shorter than the test sequences. All but qwen3_swa have no native family
 # (`auto` runs them on hf); qwen3_swa (and any native family's TINY model) runs on hf with
-# `model.backend=hf`.
+# `model.backend=transformers`.
 HF_TINY: dict[str, tuple[str, dict[str, Any]]] = {
     # per-head qk LayerNorm ([heads, head_dim], split by head), logit scale, parallel
     # attention+MLP block, tied embeddings, padding_idx 0
@@ -54,7 +54,7 @@ HF_TINY: dict[str, tuple[str, dict[str, Any]]] = {
             eos_token_id=None,
         ),
     ),
-    # Qwen3 on the hf backend: q/k norm replicated_with_grad_allreduce, explicit head_dim,
+    # Qwen3 on the transformers backend: q/k norm replicated_with_grad_allreduce, explicit head_dim,
     # sliding layers from layer 2 (masks by global layer index)
     "qwen3_swa": ("Qwen3Config", dict(head_dim=16, use_sliding_window=True, sliding_window=8, max_window_layers=2)),
     # fused per-head query_key_value, parallel residual, partial rotary, biases, LayerNorm

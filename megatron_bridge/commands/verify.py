@@ -3,8 +3,8 @@
     mbr verify model.hf_path=DIR parallel.tp=2 parallel.pp=2
     mbr verify model.hf_path=DIR 'verify.layouts=[tp1,tp2pp2,cp2tp2,ep2]' 'verify.checks=[logits,roundtrip,grads]'
     mbr verify verify.tiny=mixtral 'verify.layouts=[ep2tp2]'      # a tiny random model of a family
-    mbr verify verify.tiny=cohere 'verify.layouts=[tp2,pp2]'      # ... or of an hf-backend architecture
-    mbr verify model.backend=hf model.hf_path=DIR 'verify.layouts=[tp2,pp2,tp2pp2]'  # transformers' modeling code
+    mbr verify verify.tiny=cohere 'verify.layouts=[tp2,pp2]'      # ... or of a transformers-backend architecture
+    mbr verify model.backend=transformers model.hf_path=DIR 'verify.layouts=[tp2,pp2,tp2pp2]'  # transformers' modeling code
     mbr verify --list                                              # supported families
     mbr verify --matrix                                            # every family x layout, measured
 

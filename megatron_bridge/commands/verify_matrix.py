@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_bridge.backends.describe import describe
+from megatron_bridge.backends.describe import chosen_backend, describe
 from megatron_bridge.bridge.tiny import TINY
-from megatron_bridge.commands import verify_matrix_hf
+from megatron_bridge.commands import verify_matrix_transformers
 from megatron_bridge.commands.verify_setup import VerifyConfig, layouts_of, needed_world, reference
 from megatron_bridge.config.compose import parse_command
 from megatron_bridge.errors import LayoutError, UserError
@@ -105,12 +105,17 @@ def _family(argv: Sequence[str], fam: str, root: Path) -> tuple[list[str], bool]
     return rows, ok
 
 
+# a backend whose matrix is its own command, by `model.backend` (the rest: the native families' above)
+MATRICES = {"transformers": verify_matrix_transformers.main}
+
+
 def main(argv: Sequence[str]) -> int:
     """Print the matrix (markdown); exit 1 when any verified layout is over tolerance."""
     argv = [a for a in argv if a != "--matrix"]
-    if "model.backend=hf" in argv:  # every architecture transformers ships with a tp plan
-        return verify_matrix_hf.main(argv)
     cfg, _ = parse_command(argv, VerifyConfig, doc=__doc__)
+    own = MATRICES.get(chosen_backend(cfg.model))
+    if own is not None:  # a backend's own catalogue (the transformers backend: every architecture with a tp plan)
+        return own(argv)
     fams = list(cfg.verify.families) or list(TINY)
     unknown = [f for f in fams if f not in TINY]
     if unknown:

@@ -34,7 +34,9 @@ class VerifyOptions:
     batch_size: int = 2
     seq_length: int = 32
     seed: int = 0
-    tiny: str | None = None  # a tiny random model of this family (or hf-backend architecture) instead of model.hf_path
+    tiny: str | None = (
+        None  # a tiny random model of this family (or transformers-backend architecture) instead of model.hf_path
+    )
     families: list[str] = field(default_factory=list)  # --matrix: these families (default: every tiny model)
     nproc: int | None = None  # local processes to start; default: what the layouts need
     out: str | None = None  # keep exports (and the reference) here; default: a temp dir
@@ -80,7 +82,7 @@ def prepare(cfg, out: Path):
         if cfg.verify.tiny not in TINY and cfg.verify.tiny not in HF_TINY:
             raise UserError(
                 f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for the families {', '.join(TINY)} and, "
-                f"on the hf backend, {', '.join(HF_TINY)}"
+                f"on the transformers backend, {', '.join(HF_TINY)}"
             )
         hf_dir = str(out / "tiny" / cfg.verify.tiny)
         if not (Path(hf_dir) / "config.json").is_file():

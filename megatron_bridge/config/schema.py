@@ -23,8 +23,9 @@ class ModelConfig:
 
     name: str = "custom"
     hf_path: str | None = None
-    # auto: the native family where one exists, else transformers' own modeling code (hf);
-    # native | hf force one (docs/bridge.md, "The hf backend")
+    # auto: the native family where one exists, else transformers' own modeling code
+    # (transformers); native | transformers force one ("hf" is another spelling of transformers;
+    # docs/bridge.md, "The transformers backend")
     backend: str = "auto"
     family: str = "llama"  # bridge family: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, gpt
     num_layers: int = 2

@@ -7,7 +7,7 @@ SwiGLU's third matrix, untied output layers, 128k vocabularies, MoE routers, MLA
 projections) is tens of GB per GPU at the sizes this tool is for.
 
 The one description counted is the `BridgeSpec` (bridge/spec.py), the same object the
-builder turns into megatron-core modules (the native backend's `count`, backends/native.py).
+builder turns into megatron-core modules (the native backend's `count`, backends/native/backend.py).
 The spec is frozen and hashable, so it is also the cache key. Layers may differ
 (`moe_layer_pattern`: dense-first DeepSeek layers, Qwen2-MoE's `mlp_only_layers`), so every
 count is per layer kind and a pipeline stage sums the kinds of the layers it really holds.

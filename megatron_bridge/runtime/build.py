@@ -3,7 +3,7 @@
 `build_model` returns one chunk per virtual pipeline stage (a list of one without VPP), each
 with pre_process/post_process set for its stage: megatron-core GPTModels for the native backend
 (runtime/native/build.py), transformers' modules under megatron's parallel layers for the hf
-backend (runtime/hf/build.py). To megatron's schedules, DDP and optimizers every chunk is a
+backend (runtime/transformers/build.py). To megatron's schedules, DDP and optimizers every chunk is a
 GPTModel (runtime/schedule.py runs either).
 """
 

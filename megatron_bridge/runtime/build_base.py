@@ -108,7 +108,7 @@ def skip_weight_init(active: bool = True) -> Iterator[None]:
 def later(target: str) -> Callable[..., Any]:
     """`"package.module:function"`, imported at its first call. A backend's runtime half is
     declared by name in its runtime object (runtime/runtimes.py `RUNTIMES`), so a process
-    that never builds one of its models never imports it: the hf backend's pulls in transformers'
+    that never builds one of its models never imports it: the transformers backend's pulls in transformers'
     modeling code, ~0.7 s of every launch's start-up (docs/benchmarks.md, "Start-up").
     tests/unit/test_layers.py counts a target as an import inside a function."""
     module, _, name = target.partition(":")

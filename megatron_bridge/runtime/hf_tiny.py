@@ -1,9 +1,9 @@
 """Tiny models of every causal-LM architecture transformers ships with a tensor-parallel plan.
 
-The catalogue the `hf` backend's matrix runs over (issue 22, item 7). `architectures()` lists the
+The catalogue the transformers backend's matrix runs over (issue 22, item 7). `architectures()` lists the
 model types from the installed transformers itself: those of MODEL_FOR_CAUSAL_LM_MAPPING whose
-config class declares `base_model_tp_plan` (100 in transformers 5.23) or that the hf backend's
-override table gives one (backends/hf_overrides.py OVERRIDES: Falcon), and the `VARIANTS` of a model
+config class declares `base_model_tp_plan` (100 in transformers 5.23) or that the transformers backend's
+override table gives one (backends/transformers/overrides.py OVERRIDES: Falcon), and the `VARIANTS` of a model
 type whose config flags switch its layout (Falcon's). `tiny_config(model_type)`
 builds a config from that class by one generic rule, read off the class's own fields:
 
@@ -54,7 +54,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from megatron_bridge.backends.hf_plan import override
+from megatron_bridge.backends.transformers.plan import override
 from megatron_bridge.runtime.hf_tiny_configs import (
     FEATURES,
     HEADS,
@@ -69,7 +69,7 @@ from megatron_bridge.runtime.hf_tiny_configs import (
 
 def architectures() -> list[str]:
     """Every causal-LM model type of the installed transformers with a tp plan (its config's, or
-    the hf backend's override for it), and the tiny variants of those."""
+    the transformers backend's override for it), and the tiny variants of those."""
     types = [
         mt
         for mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -4,7 +4,7 @@ Before touching files the run's model is compared with the checkpoint's config.j
 mismatch is one message naming the differing fields and the fix, not a shape error deep in
 a load. The load itself is the backend's (`runtime_of(spec).load_converted`): the native
 backend reads each chunk's boxes as megatron-core's `sharded_state_dict()` states them
-(runtime/native/converted.py), the hf backend cuts its shards from the checkpoint's HF tensors
+(runtime/native/converted.py), the transformers backend cuts its shards from the checkpoint's HF tensors
 (convert/sources/hf_view.py) with the code that loads an HF directory. Rank-local: no collective.
 """
 

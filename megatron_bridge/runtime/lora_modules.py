@@ -100,7 +100,7 @@ class LoraAdapter(torch.nn.Module):
 
     # -- forward ------------------------------------------------------------------------
     def hook(self, _linear, inputs, output):
-        """megatron's linears return (output, bias); the hf backend's (runtime/hf/layers.py)
+        """megatron's linears return (output, bias); the transformers backend's (runtime/transformers/layers.py)
         return the output alone, as the transformers module they replace."""
         if isinstance(output, torch.Tensor):
             return output + self.delta(inputs[0]).to(output.dtype)

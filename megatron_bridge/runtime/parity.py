@@ -58,9 +58,9 @@ def hf_reference(
 ) -> dict[str, Any]:
     """transformers' fp32 logits (and, with labels, loss and per-tensor grads). `aux_loss`:
     include transformers' router load-balancing term where the config switches it on (what
-    the hf backend trains with); False for the native backend, whose MoE layers do not add it.
+    the transformers backend trains with); False for the native backend, whose MoE layers do not add it.
     `dtype` float64: the same in fp64 (experts unfused: grouped_mm has no fp64 kernel), the
-    exact answer fp32 rounding is measured against (`grad_floor` in commands/verify_matrix_hf.py).
+    exact answer fp32 rounding is measured against (`grad_floor` in commands/verify_matrix_transformers.py).
 
     Grads are keyed by *checkpoint* names: transformers 5 keeps MoE experts fused in memory
     (`experts.gate_up_proj`) but saves them per expert, so the grads are written through
@@ -88,7 +88,7 @@ def hf_reference(
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         if aux_loss and getattr(res, "aux_loss", None) is not None:
             # transformers' load-balancing loss (config.output_router_logits) of each one-sample
-            # micro-batch the schedule runs, averaged as their token losses are (runtime/hf/aux_loss.py)
+            # micro-batch the schedule runs, averaged as their token losses are (runtime/transformers/aux_loss.py)
             aux = torch.stack([model(row[None]).aux_loss for row in input_ids]).mean()
             loss = loss + model.router_aux_loss_coef * aux
         loss.backward()
@@ -253,8 +253,8 @@ def training_layout(spec: Any, layout: Layout) -> Layout:
     """megatron-core needs sequence parallelism to train MoE with TP (it refuses training
     mode otherwise, and without SP the expert weight gradients come out wrong), so gradient
     checks of MoE models at tp > 1 turn SP on. Not where the backend cannot run the model
-    with SP (an hf-backend plan style SP does not cover): the hf backend's experts are exact at
-    TP without SP (runtime/hf/experts.py `ExpertsTP`), megatron's MoE layer is not run there."""
+    with SP (a transformers-backend plan style SP does not cover): the transformers backend's experts are exact at
+    TP without SP (runtime/transformers/experts.py `ExpertsTP`), megatron's MoE layer is not run there."""
     if layout.sequence_parallel_required(spec.is_moe, layout.tp) and not layout.sequence_parallel:
         sp = dataclasses.replace(layout, sequence_parallel=True)
         backend = backend_of(spec)

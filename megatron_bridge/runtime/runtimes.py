@@ -4,7 +4,7 @@ The core half of a backend (`backends/`: describing, counting, limits, checkpoin
 no torch; what needs torch and megatron-core lives here, in the runtime layer, and shared code
 reaches it through `runtime_of(spec)`: build this rank's chunks, load HF tensors into them
 (from an HF directory, or any view with its `keys()` / `slice(name)`), load a converted
-checkpoint, and gather the chunks' tensors back to HF names for export. The hf backend's half
+checkpoint, and gather the chunks' tensors back to HF names for export. The transformers backend's half
 is imported at its first use (`later`): it pulls in transformers' modeling code, ~0.7 s of a
 launch's start-up that a native model never pays (docs/benchmarks.md, "Start-up").
 """
@@ -41,7 +41,7 @@ class BackendRuntime:
 
 
 def _same_names(chunk: Any) -> dict[str, str]:
-    """An hf chunk's names are already the checkpoint's (global layer indices, runtime/hf/chunk.py)."""
+    """An hf chunk's names are already the checkpoint's (global layer indices, runtime/transformers/chunk.py)."""
     return {n: n for n, _ in chunk.named_parameters()}
 
 
@@ -53,11 +53,11 @@ RUNTIMES: dict[str, BackendRuntime] = {
         native_weights.iter_tensors,
         native_weights.global_names,
     ),
-    "hf": BackendRuntime(  # each deferred: transformers' modeling code
-        later("megatron_bridge.runtime.hf.build:build_hf"),  # deferred
-        later("megatron_bridge.runtime.hf.weights:load"),  # deferred
-        later("megatron_bridge.runtime.hf.weights:load_converted"),  # deferred
-        later("megatron_bridge.runtime.hf.weights:iter_tensors"),  # deferred
+    "transformers": BackendRuntime(  # each deferred: transformers' modeling code
+        later("megatron_bridge.runtime.transformers.build:build_transformers"),  # deferred
+        later("megatron_bridge.runtime.transformers.weights:load"),  # deferred
+        later("megatron_bridge.runtime.transformers.weights:load_converted"),  # deferred
+        later("megatron_bridge.runtime.transformers.weights:iter_tensors"),  # deferred
         _same_names,
     ),
 }

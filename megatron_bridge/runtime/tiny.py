@@ -12,14 +12,13 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from megatron_bridge.backends.registry import BACKENDS
-from megatron_bridge.bridge.hf_config import spec_from_hf
+from megatron_bridge.backends.registry import backend_for
 from megatron_bridge.bridge.tiny import COMMON, HF_TINY, TINY
 
 
 def tiny_config(family: str, **overrides: Any):
     """The transformers config object of `family`'s tiny model (`overrides` win): a native
-    family's (`TINY`) or an hf-backend architecture's (`HF_TINY`, by model_type)."""
+    family's (`TINY`) or a transformers-backend architecture's (`HF_TINY`, by model_type)."""
     cls_name, extra = TINY[family] if family in TINY else HF_TINY[family]
     kw = {**COMMON, **extra, **overrides}
     return getattr(transformers, cls_name)(**kw)
@@ -32,7 +31,10 @@ def randomize_(model, seed: int = 0, scale: float = 0.08) -> None:
     weights of 1 would double the activations at every norm and turn fp32 reduction-order
     noise into differences as large as the tolerances."""
     hf = model.config.to_dict()
-    centre = 0.0 if BACKENDS["native"].handles(hf) and spec_from_hf(hf).zero_centered_norm else 1.0
+    backend = backend_for(hf)  # the description `model.backend=auto` makes: does its norm store w in x·(1 + w)?
+    centre = (
+        0.0 if backend is not None and backend.describe(hf, make_vocab_size_divisible_by=1).zero_centered_norm else 1.0
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

@@ -1,7 +1,7 @@
 """HF weights into and out of a live model: this rank's chunks, by the model's backend.
 
 Loading and gathering are the backend's (`runtime_of(spec).load` / `.iter_tensors`:
-runtime/native/weights.py, runtime/hf/weights.py); writing the directory is shared:
+runtime/native/weights.py, runtime/transformers/weights.py); writing the directory is shared:
 
 * `load_hf_weights(chunks, spec, path)` — this rank's slices of an HF directory's tensors
   into its chunks, names checked both ways, nothing read that the rank does not hold.

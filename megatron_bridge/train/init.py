@@ -44,7 +44,7 @@ def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
 def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:
     """`train.init_from`: an HF directory or a converted checkpoint (`init_kind`; the runner's
     preflight has checked it with `check_init_source` already)."""
-    if init_kind(path) == "hf":
+    if init_kind(path) == "hf_dir":
         load_hf_weights(chunks, spec, Path(path))
     else:
         load_converted(chunks, spec, Path(path))

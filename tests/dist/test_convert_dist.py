@@ -3,12 +3,12 @@
 `mbr convert` runs here, in the test process (one CPU process, no process group); the
 launch then loads every output the way training does (`train.init_from`) at tp2·pp2
 (dense, tied and untied), pp2·vpp2 and ep2·pp2 (homogeneous and mixed MoE stacks) — native
-models and hf-backed ones (transformers' modules: Cohere tied at tp2·pp2, dots.llm1's experts
+models and transformers-backed ones (transformers' modules: Cohere tied at tp2·pp2, dots.llm1's experts
 at ep2·pp2) —, and
 checks: every parameter bitwise equal to the bridge's online load of the HF directory,
 logits equal to transformers' (fp32), weights streamed by `megatron_bridge.stream` in both
 modes equal to the HF directory's tensors (per stage: once over the receiving ranks;
-broadcast: on every rank) — and, for the hf backend's tp2·pp2 dense and ep2·tp2 MoE cases,
+broadcast: on every rank) — and, for the transformers backend's tp2·pp2 dense and ep2·tp2 MoE cases,
 streamed into a separate process (convert_scripts/stream_receiver.py) whose transformers
 model then gives the reference logits —, and 2 training steps from either format reproducing the
 HF-initialized run's losses exactly. torch_dist checkpoints are always written for
@@ -32,14 +32,14 @@ SCRIPT = str(Path(__file__).parent / "convert_scripts" / "load_parity.py")
 TOL = 1e-5
 LAYOUT_ARGS = {"tp2pp2": ["parallel.tp=2", "parallel.pp=2"], "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"],
                "ep2pp2": ["parallel.ep=2", "parallel.pp=2"]}
-# streamed only (megatron_bridge.stream), built by the hf backend: transformers' modules, experts
+# streamed only (megatron_bridge.stream), built by the transformers backend: transformers' modules, experts
 # gathered over EP and split over TP
 STREAM_HF = ["llama:tp2pp2", "qwen3_moe:ep2tp2"]
 CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtral", "ep2pp2"),
          ("qwen2_moe", "ep2pp2"),
-         # the hf backend (transformers' modules): a tied dense model, experts stacked from per-expert tensors
+         # the transformers backend (transformers' modules): a tied dense model, experts stacked from per-expert tensors
          ("cohere", "tp2pp2"), ("dots1", "ep2pp2")]
-HF_CATALOGUE = {"dots1"}  # built by runtime/hf_tiny.py (the hf backend's catalogue), not runtime/tiny.py
+HF_CATALOGUE = {"dots1"}  # built by runtime/hf_tiny.py (the transformers backend's catalogue), not runtime/tiny.py
 
 
 @pytest.fixture(scope="module")

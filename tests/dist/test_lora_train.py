@@ -7,7 +7,7 @@ Jobs, all from the same tiny HF Llama and the same synthetic batches:
   the losses must equal `full`'s bit for bit, and the checkpoint holds adapters only (plus
   their optimizer state) and names its base model;
 * `ds`: DeepSpeed ZeRO-2 at tp2 (dp2): same losses as `full` (reduction order only differs);
-* `hf`: the same model on the hf backend (transformers' modules, megatron's parallel linears)
+* `hf`: the same model on the transformers backend (transformers' modules, megatron's parallel linears)
   at tp2 (dp2), 2 steps: step 1 (B = 0, so the peft model's loss is the base's) equals
   `full`'s; its adapter, on transformers' module names, exported after step 2.
 Each exported adapter, loaded by HF PEFT onto the base, gives its merged export's logits;
@@ -43,7 +43,7 @@ def test_lora_training_resume_export_and_deepspeed(tmp_path):
         f"first3:{mg},train.exit_after=3,checkpoint.dir={ck},checkpoint.save_interval=3",
         f"resumed:{mg},checkpoint.dir={ck},checkpoint.resume=true",
         f"ds:{common},parallel.tp=2,train.engine=deepspeed,zero.stage=2",
-        f"hf:{common},train.steps=2,model.backend=hf,parallel.tp=2,"  # 2 steps: CI time
+        f"hf:{common},train.steps=2,model.backend=transformers,parallel.tp=2,"  # 2 steps: CI time
         f"export_adapter_to={tmp_path / 'hf_adapter'},export_to={tmp_path / 'hf_merged'}",
     ]
     losses = run_torchrun([SCRIPT, str(runs), *jobs], nproc=4, timeout=900)[0]["losses"]

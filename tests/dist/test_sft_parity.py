@@ -10,7 +10,7 @@ update) must equal them (fp32, 1e-5 / 1e-4 relative) for:
   per-micro-batch means would be off by far more than the tolerance), and DeepSpeed ZeRO-2·dp4;
 - padded samples of exactly the conversations the packed batch holds (tp2·pp2): packed = padded;
 - padded samples at cp2·dp2 (packing with cp>1 is refused by the sft-packing-cp rule);
-- padded samples on the hf backend (transformers' modules, megatron's parallel linears) at
+- padded samples on the transformers backend (transformers' modules, megatron's parallel linears) at
   tp2·pp2 (packed samples on hf are refused by `backend-run`);
 - `val_loss` of the packed tp2·dp2 run: the valid split's first global batch.
 (lr=0: the weights stay the HF ones, the step still computes and reduces the gradients.)
@@ -97,7 +97,7 @@ def test_sft_loss_matches_transformers_per_conversation(setup, tmp_path):
         job("padded_tp2pp2", "data.packing=false", "parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=1",
             f"train.global_batch_size={len(convs)}"),
         job("padded_cp2dp2", "data.packing=false", "parallel.cp=2", "train.micro_batch_size=1", gbs),
-        job("padded_hf_tp2pp2", "model.backend=hf", "data.packing=false", "parallel.tp=2", "parallel.pp=2",
+        job("padded_hf_tp2pp2", "model.backend=transformers", "data.packing=false", "parallel.tp=2", "parallel.pp=2",
             "train.micro_batch_size=1", f"train.global_batch_size={len(convs)}"),
     ]
     res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=4, timeout=900)[0]

@@ -48,7 +48,7 @@ def assert_close(ref, got, name):
 def transformers_loss(hf, step=1, gbs=8, seq=32, seed=1234):
     """transformers' mean token loss on the synthetic global batch of `step` (samples
     (step-1)·gbs … step·gbs-1), with its router aux loss where the config asks for it (the mean of
-    the micro-batches', one sample each): the oracle for an hf-backend run's loss before any update."""
+    the micro-batches', one sample each): the oracle for a transformers-backend run's loss before any update."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -68,7 +68,7 @@ def transformers_loss(hf, step=1, gbs=8, seq=32, seed=1234):
 
 @pytest.fixture(scope="module")
 def cohere(tmp_path_factory):
-    """An architecture with no native family (the hf backend: per-head q/k norms, logit scale,
+    """An architecture with no native family (the transformers backend: per-head q/k norms, logit scale,
     parallel block, tied embeddings)."""
     return make_tiny("cohere", tmp_path_factory.mktemp("hf") / "cohere")
 
@@ -127,8 +127,8 @@ def test_deepspeed_zero_stages_match_single_process(llama, cohere, reference, tm
     z3 = ["train.engine=deepspeed", "zero.stage=3", f"checkpoint.dir={ck}"]
     jobs.append(job("ds_zero3_first3", llama, *z3, "train.exit_after=3", "checkpoint.save_interval=3"))
     jobs.append(job("ds_zero3_resumed", llama, *z3, "checkpoint.resume=true"))
-    # the hf backend under ZeRO-2 at dp2 (Cohere: no native family): transformers' loss, exact resume
-    hf = ["train.engine=deepspeed", "zero.stage=2", "model.backend=hf"]
+    # the transformers backend under ZeRO-2 at dp2 (Cohere: no native family): transformers' loss, exact resume
+    hf = ["train.engine=deepspeed", "zero.stage=2", "model.backend=transformers"]
     hck = tmp_path / "hf_ds_ckpt"
     jobs.append(job("hf_zero2", cohere, *hf))
     jobs.append(job("hf_zero2_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}",
@@ -166,7 +166,7 @@ def test_moe_ep2_matches_ep1(tmp_path_factory, tmp_path):
 
 
 def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere, tmp_path_factory, tmp_path):
-    """Resume is bit-exact (native Llama), and in the same launch the hf backend trains at
+    """Resume is bit-exact (native Llama), and in the same launch the transformers backend trains at
     tp2·pp2 with the distributed optimizer: Qwen3 forced onto hf follows its native run step for
     step (its q/k norms are `replicated_with_grad_allreduce`), also at tp2·cp2, Cohere (no native family) starts at
     transformers' loss, resumes bit-exactly, and its export loads in transformers and in a new run
@@ -176,13 +176,13 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
     ck = tmp_path / "ckpt"
     base = ["parallel.tp=2", "parallel.pp=2", "zero.stage=1", "train.steps=10"]
     qwen3 = make_tiny("qwen3", tmp_path_factory.mktemp("hf") / "qwen3")
-    hf = [*base[:3], "model.backend=hf"]
+    hf = [*base[:3], "model.backend=transformers"]
     hck, e1, e2 = tmp_path / "hf_ckpt", tmp_path / "export_full", tmp_path / "export_resumed"
     hck1, hck2 = tmp_path / "hf_ckpt_tp1pp2", tmp_path / "hf_ckpt_back"
     moe = make_tiny("qwen3_moe", tmp_path_factory.mktemp("hf") / "qwen3_moe", output_router_logits=True,
                     router_aux_loss_coef=0.5)  # fmt: skip
     # one sample per micro-batch: transformers_loss' aux term is the mean of one-sample micro-batches'
-    mck, moe_hf = tmp_path / "moe_ckpt", ["model.backend=hf", "train.steps=3", "train.micro_batch_size=1"]
+    mck, moe_hf = tmp_path / "moe_ckpt", ["model.backend=transformers", "train.steps=3", "train.micro_batch_size=1"]
     mck4 = tmp_path / "moe_ckpt_ep4"
     jobs = [
         job("full", llama, *base),
@@ -193,9 +193,9 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
         job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
         job("qwen3_hf", qwen3, *hf),
-        # context parallelism on hf (runtime/hf/cp.py) at tp2·cp2, 2 steps (CI time): the loss and
+        # context parallelism on hf (runtime/transformers/cp.py) at tp2·cp2, 2 steps (CI time): the loss and
         # gradient norm of the native run's first two batches (step 1's warmup lr is 0)
-        job("qwen3_hf_cp2", qwen3, "parallel.tp=2", "parallel.cp=2", "zero.stage=1", "model.backend=hf",
+        job("qwen3_hf_cp2", qwen3, "parallel.tp=2", "parallel.cp=2", "zero.stage=1", "model.backend=transformers",
             "train.steps=2"),  # fmt: skip
         # an HF export every step, written behind the loop (a 64 KiB queue: the step waits on it)
         job("cohere_full", cohere, *hf, f"export_to={e1}", "train.export_interval=1", "train.export_buffer_bytes=65536"),
@@ -209,7 +209,7 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         # for steps 4-5; then that step 3 resharded back to tp2·pp2
         mbr_job("reshard", f"src={hck / 'iter_0000003'}", f"dst={hck1}", *common(cohere), "zero.stage=1", "parallel.tp=1",
                 "parallel.pp=2"),  # fmt: skip
-        job("cohere_tp1pp2", cohere, "parallel.tp=1", "parallel.pp=2", "zero.stage=1", "model.backend=hf",
+        job("cohere_tp1pp2", cohere, "parallel.tp=1", "parallel.pp=2", "zero.stage=1", "model.backend=transformers",
             f"checkpoint.dir={hck1}", "checkpoint.resume=true"),  # fmt: skip
         mbr_job("reshard", f"src={hck1 / 'iter_0000003'}", f"dst={hck2}", *common(cohere), *base[:3]),
         job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),

@@ -90,7 +90,7 @@ def test_model_layout_fuses_experts_as_transformers_holds_them(groups1, tmp_path
         next(hf_buckets(chunks, spec, layout="fused"))
 
 
-@pytest.mark.parametrize("family,backend", [("mixtral", "native"), ("qwen3_moe", "hf")])
+@pytest.mark.parametrize("family,backend", [("mixtral", "native"), ("qwen3_moe", "transformers")])
 def test_model_layout_gathers_expert_pieces_into_their_slots(groups1, tmp_path, family, backend):
     """layout="model" hands each expert piece's slot in its stacked tensor to the exporter
     (`ModelLayout.slot` as `iter_hf_tensors(into=)`): every piece arrives as a view of the stack
@@ -106,7 +106,7 @@ def test_model_layout_gathers_expert_pieces_into_their_slots(groups1, tmp_path, 
     from megatron_bridge.stream import ModelLayout, hf_buckets, in_model_layout
 
     hf = make_tiny(family, tmp_path / "hf")
-    specs = {"native": load_spec, "hf": lambda p: describe_hf(read_hf_config(p), backend="hf")}
+    specs = {"native": load_spec, "transformers": lambda p: describe_hf(read_hf_config(p), backend="transformers")}
     spec = specs[backend](hf)
     chunks = build_model(spec, Layout(), load_weights=True)
     load_hf_weights(chunks, spec, hf)

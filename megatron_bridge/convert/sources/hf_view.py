@@ -1,6 +1,6 @@
 """A converted checkpoint seen as an HF directory's tensors: `keys()` and `slice(name)`.
 
-What a backend that loads from HF tensors (the hf backend: each rank cuts its shards from the HF
+What a backend that loads from HF tensors (the transformers backend: each rank cuts its shards from the HF
 tensors with its table's transforms) reads an `mbr convert` / `mbr reshard` output through, so
 a run at any layout loads it by the same code that loads an HF directory. A tensor stored as
 rows [0, n) of its torch_dist record (a plain, column-, row- or vocab-split tensor: one HF

@@ -437,12 +437,12 @@ def check_data_only(path: Path) -> Manifest:
 
 
 def init_kind(path: str | Path, arg: str = "train.init_from") -> str:
-    """What a directory to start training from is: "hf" (config.json + safetensors) or
+    """What a directory to start training from is: "hf_dir" (config.json + safetensors) or
     "converted" (an `mbr convert` / `mbr reshard` output); UserError for anything else (a
     directory of pickled `.bin` weights included: those are never loaded)."""
     p = Path(path)
     if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-        return "hf"
+        return "hf_dir"
     if (p / "mbr_manifest.json").is_file():
         return "converted"
     raise UserError(
@@ -456,7 +456,7 @@ def check_init_source(path: str | Path, arg: str = "train.init_from") -> None:
     an HF directory's index and headers (names confined, no FIFO: `scan_dir`) and, where its
     index records them (our exports), its files' CRC-32; a converted checkpoint's manifest and
     pickles (`check_data_only`). Reads no tensor (the checksums read the files' bytes)."""
-    if init_kind(path, arg) == "hf":
+    if init_kind(path, arg) == "hf_dir":
         scan_dir(Path(path))
         check_index_crc32(Path(path))  # a directory we exported records its files' CRC-32
     else:

@@ -41,8 +41,7 @@ def lora_targets(f: Facts) -> list[Violation]:
     p = getattr(cfg, "peft", None)
     if p is None or p.method != "lora":
         return []
-    fam = backend_of(m).family_of(m)
-    table = fam.table if fam is not None else backend_of(m).table(m)  # the hf backend: one row per HF tensor
+    table = backend_of(m).table(m)  # the rows that apply to this model: its linears by their HF names
     try:
         targets = resolve_targets(table, list(p.target_modules), m.family)
     except UserError as e:

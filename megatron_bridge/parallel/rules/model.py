@@ -35,7 +35,7 @@ def model_architecture(f: Facts) -> list[Violation]:
         if getattr(m, key) not in allowed:
             out += _v("choice", f"model.{key}={getattr(m, key)!r} is not one of {allowed}", f"set model.{key} to one")
     fam = backend_of(m).family_of(m)
-    if fam is None:  # no family declarations (the hf backend builds what config.json says)
+    if fam is None:  # no family declarations (the transformers backend builds what config.json says)
         return out
     for key, want in fam.fixed.items():
         if getattr(m, key) != want:
@@ -64,7 +64,7 @@ def hf_weights(f: Facts) -> list[Violation]:
 
 @RULES.layout(reads=("layout", "model"))
 def backend_layout(f: Facts) -> list[Violation]:
-    """What the model's backend cannot build under this layout (the hf backend: no context or
+    """What the model's backend cannot build under this layout (the transformers backend: no context or
     sequence parallelism yet, whole KV heads per TP rank), refused before any process group."""
     out = []
     for what, fix in backend_of(f.model).layout_limits(f.model, f.layout):
@@ -74,7 +74,7 @@ def backend_layout(f: Facts) -> list[Violation]:
 
 @RULES.run(reads=("model", "run"))
 def backend_run(f: Facts) -> list[Violation]:
-    """What the model's backend cannot do in this training run (the hf backend: packed SFT data,
+    """What the model's backend cannot do in this training run (the transformers backend: packed SFT data,
     recomputation, MoE with transformers' aux loss at pp > 1), refused by `mbr check`, `mbr plan`
     and the trainer before any process group."""
     out = []

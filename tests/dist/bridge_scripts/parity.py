@@ -7,7 +7,7 @@ DIR holds one tiny HF model per family (DIR/<family>) and its transformers refer
 (DIR/refs/<family>.pt: input_ids, labels, logits, loss, grads). A layout may name its own
 checks after a colon (default --checks). Layouts with ep > 1 run for MoE families only;
 --skip names family/layout pairs a rule refuses; --backend describes every model as
-`model.backend` does (hf: transformers' own modeling code, tests/dist/test_hf_backend_parity.py).
+`model.backend` does (hf: transformers' own modeling code, tests/dist/test_transformers_backend_parity.py).
 Every rank reports
 {"<family>/<layout>/<check>": findings} through megatron_bridge.testing.report.
 """

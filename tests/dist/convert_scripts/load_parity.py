@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--root", required=True)
     ap.add_argument("--cases", required=True)
     ap.add_argument("--train", default="")
-    ap.add_argument("--stream-hf", default="", help="family:layout,... built by the hf backend, streamed only")
+    ap.add_argument("--stream-hf", default="", help="family:layout,... built by the transformers backend, streamed only")
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocab-divisor", type=int, default=64)  # the default recipe's, as training uses
     a = ap.parse_args()
@@ -136,12 +136,12 @@ def main() -> None:
             res["max_abs"] = float((logits[..., :v] - ref["logits"]).abs().max())
         report({case: res})
 
-    for case in filter(None, a.stream_hf.split(",")):  # the hf backend's exporter streams the same way
+    for case in filter(None, a.stream_hf.split(",")):  # the transformers backend's exporter streams the same way
         family, text = case.split(":")
         layout = Layout.parse(text)
         ensure_groups(layout, world)
         hf = root / family
-        spec = describe_hf(read_hf_config(hf), make_vocab_size_divisible_by=a.vocab_divisor, backend="hf")
+        spec = describe_hf(read_hf_config(hf), make_vocab_size_divisible_by=a.vocab_divisor, backend="transformers")
         chunks = build_model(spec, layout, load_weights=True)
         load_hf_weights(chunks, spec, hf)
         out = Path(a.out) / f"receiver-{family}-{text}"

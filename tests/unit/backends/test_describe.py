@@ -25,8 +25,8 @@ def _sources():
 
 
 def test_only_describe_reads_the_model_group():
-    """`<config>.model` appears only as the argument of a `describe(...)` call, outside
-    backends/describe.py (which reads its fields)."""
+    """`<config>.model` appears only as the argument of a `describe(...)` call (or of
+    `chosen_backend(...)`, the backend it names), outside backends/describe.py (which reads its fields)."""
     bad = []
     for rel, tree in _sources():
         if rel == "backends/describe.py":
@@ -36,6 +36,7 @@ def test_only_describe_reads_the_model_group():
             if isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", "")) in (
                 "describe",
                 "describe_model",
+                "chosen_backend",
             ):
                 allowed |= {id(a) for a in call.args}
         for node in ast.walk(tree):

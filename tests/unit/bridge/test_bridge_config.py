@@ -274,7 +274,7 @@ def test_every_model_field_reaches_the_spec():
     import dataclasses
 
     from megatron_bridge.backends.describe import describe
-    from megatron_bridge.backends.native import NOT_SPEC_FIELDS
+    from megatron_bridge.backends.native.backend import NOT_SPEC_FIELDS
     from megatron_bridge.bridge.spec import BridgeSpec
     from megatron_bridge.config.schema import ModelConfig
 

@@ -107,7 +107,7 @@ def test_model_from_hf_path(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     r = mbr("check", f"model.hf_path={tmp_path}")
     assert r.returncode == 2 and "(model_type 'bert') has no native family" in r.stderr
-    assert "no base_model_tp_plan" in r.stderr  # and what the hf backend lacks to run it
+    assert "no base_model_tp_plan" in r.stderr  # and what the transformers backend lacks to run it
 
 
 def test_deepspeed_local_rank_argument_dropped():

@@ -1,19 +1,19 @@
-"""The hf matrix's in-process half (`mbr verify --matrix model.backend=hf`): a refused
+"""The transformers matrix's in-process half (`mbr verify --matrix model.backend=transformers`): a refused
 architecture is one row with the refusal's first reason; the launches are the full command's."""
 
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures
-from megatron_bridge.commands import verify_matrix_hf as V
+from megatron_bridge.commands import verify_matrix_transformers as V
 
 
 def test_a_refusal_is_its_first_reason_on_one_line():
-    e = UnsupportedFeatures("X cannot run on the hf backend yet:\n  - no pp plan\n  - experts | 4")
+    e = UnsupportedFeatures("X cannot run on the transformers backend yet:\n  - no pp plan\n  - experts | 4")
     assert V.refusal(e) == "no pp plan (+1 more)"
     assert V.refusal(UnsupportedFeatures("one | line")) == "one / line"
 
 
 def test_a_model_the_backend_refuses_is_one_refused_row(tmp_path, monkeypatch):
     def refuse(*a, **k):
-        raise UnsupportedFeatures("MixtralForCausalLM cannot run on the hf backend yet:\n  - a missing piece")
+        raise UnsupportedFeatures("MixtralForCausalLM cannot run on the transformers backend yet:\n  - a missing piece")
 
     monkeypatch.setattr(V, "describe_hf", refuse)  # which models are refused changes as the backend grows
     out = V.prepare("mixtral", tmp_path, V.LAYOUTS)
@@ -25,7 +25,7 @@ def test_a_config_with_non_finite_floats_is_described_and_refused_by_its_layers(
     """Mamba hybrids write time_step_limit's Infinity as {"__float__": "Infinity"}: decoded as
     transformers' reader does, the rows are named refusals or runs (here every layout runs:
     transformers' reference is made), never a FAIL."""
-    from megatron_bridge.backends.hf import config_object
+    from megatron_bridge.backends.transformers.backend import config_object
 
     cfg = config_object({"model_type": "nemotron_h", "time_step_limit": [0.0, {"__float__": "Infinity"}]})
     assert cfg.time_step_limit[1] == float("inf")
@@ -41,14 +41,14 @@ def test_a_zero_dim_tensor_is_read_whole_and_merged_back(tmp_path):
     import torch
 
     from megatron_bridge.backends.describe import describe_hf
-    from megatron_bridge.backends.hf import HFBackend
+    from megatron_bridge.backends.transformers.backend import TransformersBackend
     from megatron_bridge.bridge.hf_config import read_hf_config
     from megatron_bridge.bridge.mapping import SCALAR, NotBlockwise
     from megatron_bridge.bridge.shards import Shard
     from megatron_bridge.runtime.hf_tiny import make_tiny
 
-    spec = describe_hf(read_hf_config(make_tiny("apertus", tmp_path / "apertus")), backend="hf")
-    scalars = [r.megatron for r in HFBackend().table(spec) if r.transform is SCALAR]
+    spec = describe_hf(read_hf_config(make_tiny("apertus", tmp_path / "apertus")), backend="transformers")
+    scalars = [r.megatron for r in TransformersBackend().table(spec) if r.transform is SCALAR]
     assert scalars == ["model.layers.{layer}.mlp.act_fn.beta", "model.layers.{layer}.mlp.act_fn.eps"], scalars
     t = torch.tensor(0.5)
     assert SCALAR.shard([t], Shard(1, 2), spec.shapes(2)) is t and SCALAR.merge([t, t], spec.shapes(2)) == (t,)

@@ -13,7 +13,7 @@ from megatron_bridge.runtime.tiny import tiny_config
 
 @pytest.mark.parametrize("family", list(TINY))
 def test_writer_keys_are_megatrons(family, groups1):
-    from megatron_bridge.backends.native_ckpt import extra_state_location, location
+    from megatron_bridge.backends.native.checkpoint import extra_state_location, location
     from megatron_bridge.bridge.hf_config import spec_from_hf
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.runtime.build import build_model

@@ -42,7 +42,7 @@ def test_explicit_path_only_for_gpu_head_dims_without_a_fused_kernel():
 def test_hf_backend_takes_the_explicit_path_for_wide_heads_on_a_gpu():
     from transformers import Gemma4TextConfig, LlamaConfig
 
-    from megatron_bridge.runtime.hf.attention import NAME, implementation
+    from megatron_bridge.runtime.transformers.attention import NAME, implementation
 
     gemma4, llama = Gemma4TextConfig(), LlamaConfig()  # global layers: head dim 512; Llama: 128
     for c in (gemma4, llama):
@@ -61,7 +61,7 @@ def test_hf_explicit_path_gives_sdpas_logits(family, monkeypatch):
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 
     from megatron_bridge.runtime import hf_tiny
-    from megatron_bridge.runtime.hf import attention
+    from megatron_bridge.runtime.transformers import attention
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16)
     small |= dict(num_attention_heads=4, num_key_value_heads=2)

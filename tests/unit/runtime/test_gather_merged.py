@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bridge.backends.hf_experts import StackedExperts, WholeStackedExperts
+from megatron_bridge.backends.transformers.experts import StackedExperts, WholeStackedExperts
 from megatron_bridge.bridge.mapping import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB
 from megatron_bridge.bridge.shards import Shapes, Shard, out_shape
 from megatron_bridge.bridge.stacked import STACKED_GATE_UP, STACKED_QKV, ExpertsStacked
@@ -29,7 +29,7 @@ CASES = {  # transform -> its HF inputs' shapes
     "experts gate_up": (ExpertsStacked(GATE_UP, "gate_up"), [(1, H, 2 * F)]),
     "experts gate_up bias": (ExpertsStacked(GATE_UP, "gate_up"), [(1, 2 * F)]),
     "experts down": (ExpertsStacked(ROW, "linear"), [(1, F, H)]),
-    # the hf backend's stacked experts [E, rows, cols], split inside each expert (a `view` block)
+    # the transformers backend's stacked experts [E, rows, cols], split inside each expert (a `view` block)
     "stacked experts column": (WholeStackedExperts("column", 1), [(3, F, H)]),
     "stacked experts column packs 2": (WholeStackedExperts("column", 2), [(3, 2 * F, H)]),
     "stacked experts row": (WholeStackedExperts("row", 1), [(3, H, F)]),

@@ -23,9 +23,9 @@ def test_architectures_come_from_the_library_and_all_have_a_tp_plan():
     assert {"llama", "cohere", "gpt_neox", "starcoder2", "phi", "qwen3_next", "llama4_text", "deepseek_v32"} <= set(
         archs
     )
-    from megatron_bridge.backends.hf_plan import override
+    from megatron_bridge.backends.transformers.plan import override
 
-    # a tp plan of transformers' own, or the hf backend's override for a model type without one (Falcon)
+    # a tp plan of transformers' own, or the transformers backend's override for a model type without one (Falcon)
     assert all(hf_tiny.config_class(a).base_model_tp_plan or override(hf_tiny.model_type_of(a)).tp_plan for a in archs)
     assert {"falcon", "falcon_new_decoder", "falcon_rw"} <= set(archs)
 

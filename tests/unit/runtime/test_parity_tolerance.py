@@ -22,7 +22,7 @@ def test_large_gradients_may_move_by_their_relative_rounding_small_ones_may_not(
 
 
 def test_a_tensors_fp32_floor_widens_its_own_allowance_only():
-    """The hf matrix's floor (transformers' own fp32-vs-fp64 error, per tensor) is added to
+    """The transformers matrix's floor (transformers' own fp32-vs-fp64 error, per tensor) is added to
     that tensor's allowance; a tensor without one keeps the plain verdict."""
     w = torch.full((4,), 0.1)
     res = _compare_dict({"a": w + 2.5e-5, "b": w}, {"a": w, "b": w}, exact=False, floor={"a": 2e-5})
@@ -35,7 +35,7 @@ def test_grad_floor_is_the_tiny_models_own_rounding_tensor_by_tensor(tmp_path):
     """Measured: the tiny Gemma 4's tied embedding carries ~2e-5 of fp32 rounding in
     transformers itself (what its tp2 split lands within, docs/bridge.md); most of its other
     tensors ~1e-6 or less, so the widening is where the rounding is, not everywhere."""
-    from megatron_bridge.commands.verify_matrix_hf import grad_floor
+    from megatron_bridge.commands.verify_matrix_transformers import grad_floor
     from megatron_bridge.runtime.hf_tiny import make_tiny
     from megatron_bridge.runtime.parity import hf_reference, make_batch
 

@@ -1,0 +1,304 @@
+"""`transformers`: transformers' own modeling code under megatron's parallel layers and schedules.
+
+For an architecture with no native family: the causal-LM class transformers has for the
+config's `model_type` is built on the meta device, each pipeline stage keeps its pieces of the
+model (`plan.Plan`, from transformers' `base_model_pp_plan`), and every linear the
+`base_model_tp_plan` names becomes megatron's column/row-parallel linear holding its shard
+(runtime/transformers/); MoE experts modules are split over EP (backends/transformers/experts.py). This slice covers
+decoder-only models at TP and PP, and MoE at EP·PP without TP (docs/bridge.md, "The hf
+backend"); what it cannot do yet is refused here, one line each.
+
+The description keeps the common dimensions (`bridge.hf_config.HF_KEYS`, read from
+transformers' config object, so its defaults count) for the rules and the planner, and the
+config.json itself (`BridgeSpec.hf_json`) for the builder. The weight table and the parameter
+count come from the meta-device model: exact, with transformers' own names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+from megatron_bridge.backends.base import Backend, Shape
+from megatron_bridge.backends.transformers import checkpoint
+from megatron_bridge.backends.transformers.aux import aux_limits
+from megatron_bridge.backends.transformers.experts import (
+    StackedExperts,
+    WholeStackedExperts,
+    expert_fields,
+    expert_limits,
+    expert_split,
+)
+from megatron_bridge.backends.transformers.fused import Concatenated, ConcatenatedColumns
+from megatron_bridge.backends.transformers.meta import (  # re-exported: callers name the backend's module
+    Meta,
+    causal_lm_class_name,
+    config_object,
+    declared,
+    meta,
+    model_plan,
+    transformers_config,
+)
+from megatron_bridge.backends.transformers.plan import (
+    COLUMN,
+    GRAD_ALLREDUCE,
+    HEAD,
+    LAYER_KINDS,
+    MOE_TP,
+    REPLICATED,
+    ROW,
+    UNBUILT_KINDS,
+    VOCAB,
+    cp_refusals,
+    forward_refusals,
+    layer_limits,
+    plan_problems,
+    sp_refusals,
+    unbuilt_refusals,
+)
+from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
+from megatron_bridge.bridge.layout import Coords, Layout
+from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
+from megatron_bridge.bridge.mapping import REPLICATED as REPLICATED_T
+from megatron_bridge.bridge.mapping import ROW as ROW_T
+from megatron_bridge.bridge.mapping import SCALAR as SCALAR_T
+from megatron_bridge.bridge.mapping import VOCAB as VOCAB_T
+from megatron_bridge.bridge.spec import BridgeSpec
+from megatron_bridge.bridge.table import Mapping as Row
+from megatron_bridge.bridge.table import Resolved
+from megatron_bridge.convert.formats.dist_ckpt import DistLocation
+from megatron_bridge.convert.formats.dtypes import DType
+from megatron_bridge.errors import UserError
+from megatron_bridge.parallel.dims import padded_vocab_size
+from megatron_bridge.plan.params import ParamCount
+
+TRANSFORMS = {
+    VOCAB: VOCAB_T,
+    COLUMN: COLUMN_T,
+    HEAD: COLUMN_T,
+    ROW: ROW_T,
+    GRAD_ALLREDUCE: REPLICATED_T,
+    REPLICATED: REPLICATED_T,
+}
+
+
+def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
+    mt = cfg.model_type
+    out = plan_problems(mt, cfg.base_model_tp_plan, cfg.base_model_pp_plan)
+    kinds = list(getattr(cfg, "layer_types", None) or ())
+    for kind in dict.fromkeys(kinds):
+        if kind not in LAYER_KINDS:
+            where = [i for i, k in enumerate(kinds) if k == kind]
+            why = UNBUILT_KINDS.get(kind, f"the transformers backend builds {LAYER_KINDS}")
+            out.append(f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}): {why}")
+    out += forward_refusals(mt, hf)
+    out += unbuilt_refusals(declared(cfg))
+    return out
+
+
+class TransformersBackend(Backend):
+    name = "transformers"
+    from_fields = False  # a model of transformers' classes is its config.json
+
+    def handles(self, hf: Mapping[str, Any]) -> bool:
+        return causal_lm_class_name(str(hf.get("model_type", ""))) is not None
+
+    def describe(self, hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int) -> BridgeSpec:
+        mt = str(hf.get("model_type", ""))
+        arch = causal_lm_class_name(mt)
+        if arch is None:
+            raise UnsupportedFeatures(f"model_type {mt!r}: transformers has no causal-LM class for it")
+        try:
+            cfg = config_object(hf)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedFeatures(f"{arch}: transformers refuses this config.json ({e})") from None
+        problems = _problems(hf, cfg)
+        if problems:
+            raise UnsupportedFeatures(
+                f"{arch} cannot run on the transformers backend yet:\n" + "\n".join(f"  - {p}" for p in problems)
+            )
+        base = base_fields(declared(cfg))
+        missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size") if not base.get(k)]
+        if missing:
+            raise UnsupportedFeatures(f"{arch}: config.json lacks {', '.join(missing)}")
+        heads = int(base["num_attention_heads"])
+        f: dict[str, Any] = {k: base[k] for k in ("num_layers", "hidden_size", "vocab_size")}
+        f.update(
+            family=mt,
+            architecture=arch,
+            ffn_hidden_size=int(base.get("ffn_hidden_size") or 4 * base["hidden_size"]),
+            num_attention_heads=heads,
+            num_query_groups=int(base.get("num_query_groups") or heads),
+            head_dim=int(base.get("head_dim") or base["hidden_size"] // heads),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+            initializer_range=float(getattr(cfg, "initializer_range", 0.02) or 0.02),
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+            backend=self.name,
+            hf_json=json.dumps(dict(hf), sort_keys=True),
+            name=hf.get("_name_or_path") or mt,
+        )
+        f.update(expert_fields(cfg))
+        for k in ("max_position_embeddings", "norm_epsilon", "rotary_base"):
+            if base.get(k) is not None:
+                f[k] = base[k]
+        return BridgeSpec(**f)
+
+    def describe_fields(self, fields: Mapping[str, Any]) -> BridgeSpec:
+        raise UserError(
+            "model.backend=transformers builds transformers' model class from a config.json: set model.hf_path=DIR "
+            "(the recipe's model fields describe native families only)"
+        )
+
+    def table(self, spec: BridgeSpec) -> tuple[Row, ...]:
+        """One row per checkpoint tensor (layer index as `{layer}`): the chunk's name (the
+        module's) <- the checkpoint's (`checkpoint_names`); a tied LM head reads the embedding
+        (and is not written back)."""
+        m = meta(spec)
+        rows: dict[str, Row] = {}
+        for name, kind in m.kinds.items():
+            t = m.plan.template(name)
+            if name in m.experts:
+                pieces = m.experts[name]
+                n = m.shapes[name][0]
+                split = expert_split(name, m.plan.style(name))
+                stacked = StackedExperts(n, len(pieces) // n, split.split if split else None)
+                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], stacked))
+                continue
+            if name in m.fused:  # its pieces concatenated (backends/transformers/fused.py)
+                pieces, dim = m.fused[name]
+                joined = ConcatenatedColumns if kind == ROW else Concatenated  # columns split over TP
+                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], joined(len(pieces), dim)))
+                continue
+            split = expert_split(name, m.plan.style(name))
+            if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too
+                rows.setdefault(t, Row(t, m.hf_template(name), WholeStackedExperts(*split)))
+                continue
+            transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
+            rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], transform))
+        head, embed = f"{m.plan.head}.weight", f"{m.plan.embed}.weight"
+        if spec.tie_word_embeddings and head not in m.shapes:
+            rows[head] = Row(head, m.saved_as[embed], VOCAB_T, export=False)
+        return tuple(rows.values())
+
+    def count(self, spec: BridgeSpec) -> ParamCount:
+        m = meta(spec)
+        total = sum(m.numel(n) for n in m.shapes)
+        embedding = sum(m.numel(n) for n, k in m.kinds.items() if k == VOCAB)
+        per_layer: dict[int, int] = {}
+        for n in m.shapes:
+            i = m.plan.layer_index(n)
+            if i is not None:
+                per_layer[i] = per_layer.get(i, 0) + m.numel(n)
+        return ParamCount(
+            total=total,
+            active=total,
+            embedding=embedding,
+            per_layer=max(per_layer.values(), default=0),
+            padded_vocab=padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, 1),
+        )
+
+    def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
+        return dict(json.loads(spec.hf_json))
+
+    def adds_aux_loss(self, spec: BridgeSpec) -> bool:
+        return True  # transformers' own modules give it (backends/transformers/aux.py)
+
+    def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
+        out = []
+        if layout.cp > 1:
+            out += cp_refusals(self.hf_config(spec).get("layer_types"), layout.cp)
+        if layout.sequence_parallel and layout.tp > 1:
+            out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan)]
+        plan = meta(spec).plan if spec.is_moe else None
+        out += expert_limits(spec, layout, plan.ep if plan else (), plan.tp if plan else ())
+        out += layer_limits(declared(transformers_config(spec)), layout)  # with the class defaults (layer_types)
+        if layout.tp > 1 and spec.num_query_groups % layout.tp:
+            out.append(
+                (
+                    f"the transformers backend gives each TP rank whole KV heads: {spec.num_query_groups} KV heads do not "
+                    f"split over tp={layout.tp}",
+                    "choose tp dividing the KV heads",
+                )
+            )
+        return out
+
+    def run_limits(self, spec: BridgeSpec, run: Any) -> list[tuple[str, str]]:
+        """Training runs: pretraining (megatron DDP / distributed optimizer at tp·pp·vpp·dp,
+        DeepSpeed ZeRO at dp·tp), checkpoints, resume, the HF export and LoRA on the planned
+        linears (peft module names, HF PEFT adapter export), SFT with padded samples (a loss
+        mask, causal attention: the pads come after the conversation), at cp as well, and MoE with
+        transformers' load-balancing loss where its config switches it on (backends/transformers/aux.py).
+        Not yet: the rest (what sp does not cover is refused by `layout_limits`)."""
+        out = aux_limits(transformers_config(spec), run.parallel.pp) if spec.is_moe else []
+        if run.data.kind == "sft" and getattr(run.data, "packing", False):
+            out.append(  # the chunk would attend across documents: it has no block-diagonal mask yet
+                (
+                    "packed SFT samples (per-document positions, block-diagonal attention) are not implemented "
+                    "for the transformers backend yet",
+                    "set data.packing=false (one conversation per padded sample), or use a model with a native family",
+                )
+            )
+        if run.peft.method == "lora" and run.parallel.sequence_parallel and run.parallel.tp > 1:
+            out.append(  # the adapters' SP regions assume megatron's gather inside the linear, not at its module
+                (
+                    "LoRA with sequence parallelism is not verified for the transformers backend yet (its column linears "
+                    "take an input gathered at their module's entry)",
+                    "set parallel.sequence_parallel=false",
+                )
+            )
+        if run.train.recompute != "none":
+            out.append(
+                (
+                    f"train.recompute={run.train.recompute}: activation recomputation is not implemented for the "
+                    "transformers backend yet",
+                    "set train.recompute=none",
+                )
+            )
+        return out
+
+    # -- checkpoints: transformers' names (transformers/checkpoint.py) ------------------------------------------
+    def expected(self, spec: BridgeSpec, padded_vocab: int) -> dict[str, Shape | None]:
+        return checkpoint.expected(meta(spec), spec, padded_vocab)
+
+    def owned(self, spec: BridgeSpec, row: Resolved, layout: Layout, coords: Coords, layers: range) -> str | None:
+        where = _pieces(spec).get(row.megatron)
+        if where is None:
+            raise UserError(f"{row.megatron} is no tensor of the {spec.architecture} model")
+        return checkpoint.owned(where, spec, row.megatron in meta(spec).shapes, row, layout, coords, layers)
+
+    def ep_stacked(self, spec: BridgeSpec, row: Resolved) -> bool:
+        return checkpoint.ep_stacked(meta(spec), spec, row)
+
+    def integer_tensors(self, spec: BridgeSpec) -> frozenset[str]:
+        return meta(spec).integers
+
+    def dist_location(self, spec: BridgeSpec, name: str) -> DistLocation:
+        return DistLocation(name)
+
+    def rank_state(self, spec: BridgeSpec, entries: dict[str, tuple[int, object]], post_process: bool) -> dict:
+        return checkpoint.rank_state(meta(spec), entries, post_process)
+
+    def checkpoint_args(self, spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: str) -> argparse.Namespace:
+        return checkpoint.checkpoint_args(spec, layout, dtype, ckpt_format)
+
+
+@lru_cache(maxsize=16)
+def _pieces(spec: BridgeSpec) -> dict[str, str | int]:
+    """Every tensor's stage piece (checkpoint.pieces), once per description."""
+    m = meta(spec)
+    return checkpoint.pieces(m, transformers_config(spec), list(checkpoint.expected(m, spec, 1)))
+
+
+__all__ = [
+    "TransformersBackend",
+    "Meta",
+    "causal_lm_class_name",
+    "config_object",
+    "meta",
+    "model_plan",
+    "transformers_config",
+]

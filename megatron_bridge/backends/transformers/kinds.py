@@ -1,0 +1,195 @@
+"""The transformers backend's layer kinds, and what else a model's forward does between its layers (torch-free).
+
+`config.layer_types` names each decoder layer's kind; a stage rebuilds each kind's mask with
+the model's own mask function (runtime/transformers/chunk.py `MASKS`, one entry per `LAYER_KINDS` kind).
+Here, declared once: which kinds are built, which are known but not (with the piece the stages
+lack), which submodules stay whole on every TP rank, what a layer hands the next, which kinds
+run under context parallelism (and why the others cannot), and the config keys that switch on
+state the stages do not rebuild. backends/transformers/backend.py refuses from these tables; transformers/plan.py re-exports
+them with the plans it reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# layer kinds (`config.layer_types`) whose masks the stages rebuild (runtime/transformers/chunk.py MASKS);
+# `indexed_attention` (DeepSeek-V3.2's sparse attention, GLM-5): the causal mask, which the
+# layer's indexer narrows to its top-k keys inside the layer; `minimax_m3_sparse` (MiniMax-M3):
+# the causal mask, narrowed to the indexer's key blocks inside the layer; `chunked_attention`:
+# Llama 4's local attention (blocks of attention_chunk_size tokens); `compressed_sparse_attention` /
+# `heavily_compressed_attention` (DeepSeek-V4): the sliding-window mask, which the layer extends
+# with its compressor's pooled keys inside the layer
+# `linear_attention` / `conv` mixers (gated DeltaNet, lightning attention, short convolutions) run
+# whole on every TP rank, as transformers' plans declare: their projections `colwise_gather_output`
+# or unplanned, their other tensors (conv1d, A_log, dt_bias, gated norm) `replicated`;
+# `mlp` / `moe` (Nemotron-H's blocks without a token mixer): no mask (NemotronHModel.forward
+# passes `causal_mask_mapping.get(block_type)`, None for them)
+LAYER_KINDS = (
+    "full_attention",
+    "sliding_attention",
+    "indexed_attention",
+    "minimax_m3_sparse",
+    "linear_attention",
+    "conv",
+    "chunked_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "mlp",
+    "moe",
+)
+# layer kinds known but not built, and the piece the stages lack for them (instead of the
+# generic "not one of LAYER_KINDS" line)
+_INKLING = (
+    "InklingModel.forward gives every layer a conv_mask (create_recurrent_attention_mask) for its short "
+    "convolutions besides its attention mask ('hybrid' full, 'hybrid_sliding' sliding): no mask of the stages' "
+    "(runtime/transformers/chunk.py MASKS) is built for these kinds yet"
+)
+UNBUILT_KINDS = {
+    "hybrid": _INKLING,
+    "hybrid_sliding": _INKLING,
+}
+# submodules (by attribute name) that stay whole on every TP rank and are never split by head,
+# whatever the plan next to them splits: a sparse-attention indexer reads whole tensors (the
+# hidden states, the q latent) under `torch.no_grad` and returns top-k key indices shared by all
+# heads, so every rank computes the same selection for its own heads (no gradient reaches it)
+WHOLE_MODULES = ("indexer",)
+# what a decoder layer hands the next one: {keyword the next layer takes: (index in the layer's
+# output tuple, config list marking the layers that read it, the marking value)}. GLM-5's and
+# HY-V4's "shared" indexer layers reuse the previous layer's top-k (GlmMoeDsaModel.forward);
+# megatron's schedules pass one activation tensor between stages, so no stage may start at one
+CARRY = {"prev_topk_indices": (1, "indexer_types", "shared")}
+# layer kinds context parallelism cannot run, and why
+_RECURRENT = "it carries a state along the sequence: a CP rank's chunks would need the earlier chunks' state"
+NO_CP_KINDS = {
+    "indexed_attention": "its indexer scores every query against all keys and keeps the top-k; a CP rank holds a "
+    "slice of the keys",
+    "compressed_sparse_attention": "its compressor pools blocks of the sequence's keys (and its indexer scores "
+    "them all); a CP rank holds a slice of the sequence",
+    "heavily_compressed_attention": "its compressor pools blocks of the sequence's keys; a CP rank holds a slice "
+    "of the sequence",
+    "linear_attention": _RECURRENT,
+    "conv": _RECURRENT,
+}
+# layer kinds that run under context parallelism (runtime/transformers/cp.py: K/V all-gathered, the mask
+# from global positions) -> the config key holding their window; linear attention, convs and
+# sparse indexers keep state or selections over the local tokens and are refused at cp > 1
+CP_LAYER_KINDS = {"full_attention": None, "sliding_attention": "sliding_window"}
+
+# values the base model's forward computes once from the inputs and hands every layer its slice of:
+# {config key switching it on: (the decoder layer's keyword, the base model's modules that make it)}.
+# Gemma 4's per-layer inputs (Gemma4TextModel.get_per_layer_inputs / project_per_layer_inputs:
+# embed_tokens_per_layer(input_ids) plus a normed projection of the embeddings, [b, s, L, d_pl],
+# layer i takes [:, :, i]). The first stage computes them (the projection reads the embeddings,
+# which only it holds) and they travel between stages packed behind the hidden states
+# (runtime/transformers/per_layer.py): megatron's schedules pass one tensor, so it is widened.
+PER_LAYER_INPUTS = {
+    "hidden_size_per_layer_input": (
+        "per_layer_input",
+        ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"),
+    )
+}
+# a container the base model's forward creates once and passes to every layer, which layers
+# write to and later layers read from: {the layers' keyword: the config key switching the reading
+# on}. Gemma 4's KV sharing (Gemma4TextModel.forward: `shared_kv_states`): the last
+# num_kv_shared_layers layers reuse the keys and values the last earlier layer of their layer kind
+# stored. A stage passes one container to its layers; a stage split that puts a reader and its
+# writer on different stages is refused (`layer_limits`): keys and values are not carried.
+SHARED_STATE = {"shared_kv_states": "num_kv_shared_layers"}
+
+# config keys that switch on state the base model's forward threads past its layers' own
+# inputs, which the stages do not rebuild (nor carry across pipeline stages) yet: refused by value
+# (Gemma 3n's per-layer inputs and KV sharing come with AltUp: refused by `plan.FORWARD_MATH`)
+UNBUILT: dict[str, str] = {}
+
+
+def kv_share_sources(hf: Mapping[str, Any]) -> dict[int, int]:
+    """{layer reading shared keys and values: the layer that stores them}, by transformers' rule
+    (Gemma4TextConfig.kv_sharing_modes: the last `num_kv_shared_layers` layers read; each reads
+    the last earlier, non-reading layer of its own layer kind)."""
+    kinds = list(hf.get("layer_types") or ())
+    shared = int(hf.get("num_kv_shared_layers") or 0)
+    first = len(kinds) - shared
+    if not shared or first <= 0:
+        return {}
+    last = {k: i for i, k in enumerate(kinds[:first])}
+    return {i: last[kinds[i]] for i in range(first, len(kinds)) if kinds[i] in last}
+
+
+def unbuilt_refusals(hf: Mapping[str, Any]) -> list[str]:
+    """One line per UNBUILT key this config switches on."""
+    return [
+        f"{key}={hf[key]!r}: {why}, not built by the transformers backend yet"
+        for key, why in UNBUILT.items()
+        if hf.get(key)
+    ]
+
+
+def layer_limits(hf: Mapping[str, Any], layout: Any) -> list[tuple[str, str]]:
+    """(problem, fix) for the carried values this layout cannot run: a pipeline stage that would
+    start at a layer reading a value the previous layer hands over (`CARRY`), or separate a
+    layer reading shared keys and values from the one storing them (`SHARED_STATE`). (Layer kinds under
+    context parallelism: `cp_refusals`.)"""
+    out = []
+    kinds = list(hf.get("layer_types") or ())
+    n = int(hf.get("num_hidden_layers") or len(kinds))
+    starts = {layout.stage_layers(n, r, v).start for r in range(layout.pp) for v in range(layout.vpp_or_1)}
+    stage_of = {
+        i: (r, v) for r in range(layout.pp) for v in range(layout.vpp_or_1) for i in layout.stage_layers(n, r, v)
+    }
+    for reader, writer in kv_share_sources(hf).items():
+        if layout.pp > 1 and stage_of.get(reader) != stage_of.get(writer):
+            out.append(
+                (
+                    f"layer {reader} reuses the keys and values layer {writer} stores (KV sharing, "
+                    f"num_kv_shared_layers={hf.get('num_kv_shared_layers')}), which is on another pipeline stage "
+                    "(the transformers backend passes shared_kv_states between the layers of one stage only)",
+                    f"choose a stage split that keeps layers {writer}..{reader} on one stage "
+                    "(parallel.layers_first_stage / layers_last_stage)",
+                )
+            )
+    for kw, (_, field, value) in CARRY.items():
+        marks = list(hf.get(field) or ())
+        for s in sorted(i for i in starts if 0 < i < len(marks) and marks[i] == value):
+            out.append(
+                (
+                    f"layer {s} ({field}[{s}]={value!r}) takes {kw} from layer {s - 1}, which is on the previous "
+                    "pipeline stage (megatron's schedules pass one activation tensor between stages)",
+                    f"choose a stage split whose stages start at a layer that is not {value!r}",
+                )
+            )
+    return out
+
+
+def cp_refusals(layer_types: list[str] | None, cp: int) -> list[tuple[str, str]]:
+    """One refusal per layer kind that cannot run at cp > 1 (see `CP_LAYER_KINDS`), with the
+    reason where `NO_CP_KINDS` gives one."""
+    kinds = list(layer_types or ())
+    return [
+        (
+            f"layer kind {kind!r} (layers {', '.join(str(i) for i, k in enumerate(kinds) if k == kind)}) cannot run "
+            f"under context parallelism (cp={cp}) in the transformers backend: "
+            + NO_CP_KINDS.get(kind, f"it runs {tuple(CP_LAYER_KINDS)}"),
+            "set cp=1",
+        )
+        for kind in dict.fromkeys(kinds)
+        if kind not in CP_LAYER_KINDS
+    ]
+
+
+__all__ = [
+    "CARRY",
+    "CP_LAYER_KINDS",
+    "LAYER_KINDS",
+    "NO_CP_KINDS",
+    "PER_LAYER_INPUTS",
+    "SHARED_STATE",
+    "UNBUILT",
+    "UNBUILT_KINDS",
+    "WHOLE_MODULES",
+    "cp_refusals",
+    "kv_share_sources",
+    "layer_limits",
+    "unbuilt_refusals",
+]

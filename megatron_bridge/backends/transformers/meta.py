@@ -1,0 +1,250 @@
+"""The transformers backend's meta-device model: transformers' config object for a config.json, the
+causal LM built on the meta device (no memory), and what it says once per description — its
+stage pieces and tp plan (`plan.Plan`), every checkpoint tensor's shape and TP kind, and the
+names `save_pretrained` writes (transformers' own conversion mapping). backends/transformers/backend.py describes,
+counts and tables a model from this; the runtime builds the real one from the same plan.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from megatron_bridge.backends.transformers.experts import stacked
+from megatron_bridge.backends.transformers.fused import fused
+from megatron_bridge.backends.transformers.plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
+from megatron_bridge.bridge.hf_config import HF_KEYS, UnsupportedFeatures
+from megatron_bridge.bridge.spec import BridgeSpec
+
+
+def causal_lm_class_name(model_type: str) -> str | None:
+    """transformers' causal-LM class for `model_type`, None if it has none."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) else None
+
+
+def config_object(hf: Mapping[str, Any]) -> Any:
+    """transformers' config object of a parsed config.json (its class's defaults filled in).
+    config.json writes non-finite floats as {"__float__": "Infinity"} (Mamba's time_step_limit);
+    they are decoded as transformers' own reader does, or the strict config class refuses them."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[hf["model_type"]]
+    return runs_on(hf["model_type"], cls.from_dict(cls._decode_special_floats(dict(hf))))
+
+
+def runs_on(model_type: str, cfg: Any) -> Any:
+    """The config the causal-LM class runs on: a composite config (llama4's, its text_config
+    inside) gives its text config where the causal LM is declared on that class, as
+    AutoModelForCausalLM.from_config does; the other sub-configs (vision) build nothing."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text_cls = getattr(cfg, "sub_configs", {}).get("text_config")
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    if text_cls is not None and getattr(model_cls, "config_class", None) == text_cls:
+        return cfg.get_text_config()
+    return cfg
+
+
+def declared(cfg: Any) -> dict[str, Any]:
+    """The config's values for the fields its class declares (defaults filled in): a key the
+    class does not know (`num_key_value_heads` in a GPT-NeoX config.json) is kept by
+    transformers but used by nothing, so it must not describe the model. A size the class
+    computes (a property: Nemotron-H's num_hidden_layers, from layers_block_type) is never
+    serialised, so it is read off the object where no serialised key gives that field
+    (LongCat-Flash's num_hidden_layers, 2 x its num_layers, counts sublayers)."""
+    cls = type(cfg)
+    known = set(getattr(cls, "attribute_map", {}) or {})
+    out = {k: v for k, v in cfg.to_dict().items() if hasattr(cls, k) or k in known}
+    for keys in HF_KEYS.values():
+        computed = [k for k in keys if isinstance(vars(cls).get(k), property)]
+        if computed and not any(out.get(k) is not None for k in keys):
+            out[computed[0]] = getattr(cfg, computed[0])
+    return out
+
+
+def transformers_config(spec: BridgeSpec) -> Any:
+    """The config object the transformers backend builds `spec` from."""
+    return config_object(json.loads(spec.hf_json))
+
+
+def model_plan(model: Any) -> Plan:
+    """The plan of a built (meta or real) transformers causal LM."""
+    cfg = model.config
+    head = getattr(type(model), "_pp_plan", None) or {}
+    if not cfg.base_model_pp_plan and not override(cfg.model_type).pp_plan:
+        _check_convention(model)
+    return plan_of(
+        cfg.model_type,
+        base_prefix(model),
+        cfg.base_model_tp_plan,
+        cfg.base_model_pp_plan,
+        head,
+        getattr(cfg, "base_model_ep_plan", None),
+        cfg,
+    )
+
+
+def base_prefix(model: Any) -> str:
+    """The causal LM's attribute holding the base model: its class's `base_model_prefix`, or the
+    model type's OVERRIDES `prefix` where that names no attribute (Llama4ForCausalLM says
+    `language_model`, its composite parent's name, and holds `model`)."""
+    return override(model.config.model_type).prefix or model.base_model_prefix
+
+
+def _check_convention(model: Any) -> None:
+    """A model without a pp plan is staged by transformers' convention (`PP_CONVENTION`) only
+    where its base model is exactly that: those children, a ModuleList of layers, and nothing
+    else but its rotary module, which the stages rebuild. A base model with other modules (a
+    second embedding, a norm before the layers) needs an OVERRIDES entry: its forward is not
+    the convention's."""
+    base = getattr(model, base_prefix(model))
+    children = dict(base.named_children())
+    missing = [n for n in PP_CONVENTION if n not in children]
+    other = [n for n, m in children.items() if n not in PP_CONVENTION and "Rotary" not in type(m).__name__]
+    if missing or other or type(children["layers"]).__name__ != "ModuleList":
+        raise UnsupportedFeatures(
+            f"{type(model).__name__}: no base_model_pp_plan, and its {base_prefix(model)} is not "
+            f"{' -> '.join(PP_CONVENTION)} (missing: {', '.join(missing) or '-'}; other modules: "
+            f"{', '.join(other) or '-'}): its stage pieces need a pp_plan entry in backends/transformers/overrides.py OVERRIDES"
+        )
+
+
+def checkpoint_tensors(model: Any) -> dict[str, Any]:
+    """{name: tensor} of what a checkpoint of `model` holds: its parameters (a tied one once)
+    and its persistent buffers."""
+    out = dict(model.named_parameters())
+    for mod_name, mod in model.named_modules():
+        for b_name, b in mod._buffers.items():
+            if b is not None and b_name not in mod._non_persistent_buffers_set:
+                out.setdefault(f"{mod_name}.{b_name}" if mod_name else b_name, b)
+    return out
+
+
+def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of `checkpoint_tensors(model)`."""
+    return {n: tuple(t.shape) for n, t in checkpoint_tensors(model).items()}
+
+
+def checkpoint_names(
+    model: Any, shapes: Mapping[str, tuple[int, ...]], kinds: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, tuple[str, ...]], dict[str, tuple[tuple[str, ...], int]]]:
+    """({module tensor name: its name in a checkpoint}, {stacked experts tensor: its
+    per-expert names}, {fused tensor: (its pieces' names, the dim they join on)}) — what
+    `save_pretrained` writes, by transformers' own conversion mapping run in the saving
+    direction (GPT-NeoX's `lm_head` is saved as `embed_out`; experts one tensor each:
+    backends/transformers/experts.py; a fused q/k/v conv as its pieces: backends/transformers/fused.py). A tensor
+    any other converter would rewrite is refused."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+        apply_converters,
+        apply_renamings,
+    )
+
+    conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    saving = [c.reverse_transform() for c in conversions[::-1]]
+    renamings = [c for c in saving if isinstance(c, WeightRenaming)]
+    converters = [c for c in saving if isinstance(c, WeightConverter)]
+    experts = stacked(conversions, dict(shapes))
+    joined = fused(conversions, dict(kinds), model.config)
+    handled = experts.keys() | joined.keys()
+    converted = [n for n in shapes if n not in handled and apply_converters(n, converters)[1] is not None]
+    if converted:
+        raise UnsupportedFeatures(
+            f"{type(model).__name__}: transformers converts {', '.join(converted[:4])} between the checkpoint and "
+            "the model (not a rename), which the transformers backend does not do yet"
+        )
+    saved = {n: apply_renamings(n, renamings) for n in shapes if n not in handled}
+    return (
+        saved,
+        {n: tuple(apply_renamings(h, renamings) for h in hs) for n, hs in experts.items()},
+        {n: (tuple(apply_renamings(h, renamings) for h in hs), dim) for n, (hs, dim) in joined.items()},
+    )
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What the meta-device model says about `spec`: its plan and every checkpoint tensor
+    (shape, TP kind, name in a checkpoint)."""
+
+    plan: Plan
+    shapes: dict[str, tuple[int, ...]]
+    kinds: dict[str, str]
+    saved_as: dict[str, str]
+    experts: dict[str, tuple[str, ...]]  # a stacked experts tensor -> its per-expert checkpoint tensors
+    fused: dict[str, tuple[tuple[str, ...], int]]  # a fused tensor -> (its checkpoint pieces, their dim)
+    integers: frozenset[str] = frozenset()  # checkpoint names of the tensors the model holds as integers
+
+    def hf_template(self, name: str, saved: str | None = None) -> str:
+        """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
+        tensors) with `{layer}` where its layer index is (the concrete name when a rename
+        moved the index)."""
+        saved = self.saved_as[name] if saved is None else saved
+        i = self.plan.layer_index(name)
+        if i is None:
+            return saved
+        mine = f"{self.plan.layers}.{i}."
+        if saved.startswith(mine):
+            return saved.replace(mine, f"{self.plan.layers}.{{layer}}.", 1)
+        # a renamed prefix (Nemotron-H saves `backbone.layers.i.` for `model.layers.i.`): the
+        # layer list's own name and index, wherever the prefix put them
+        leaf = f"{self.plan.layers.rpartition('.')[2]}.{i}."
+        at = saved.find(leaf)
+        if at < 0 or (at and saved[at - 1] != "."):
+            return saved
+        return saved[:at] + leaf.replace(f".{i}.", ".{layer}.") + saved[at + len(leaf) :]
+
+    def numel(self, name: str) -> int:
+        n = 1
+        for d in self.shapes[name]:
+            n *= d
+        return n
+
+
+@lru_cache(maxsize=16)
+def meta(spec: BridgeSpec) -> Meta:
+    """The model built on the meta device (no memory), read once per description."""
+    # torch and transformers imported here: the core imports third-party packages only inside functions
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(transformers_config(spec))
+    plan = model_plan(model)
+    tensors = checkpoint_tensors(model)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
+    saved, experts, fused = checkpoint_names(model, shapes, kinds)
+    integers = frozenset(saved[n] for n, t in tensors.items() if not t.is_floating_point() and n in saved)
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers)
+
+
+__all__ = [
+    "Meta",
+    "base_prefix",
+    "causal_lm_class_name",
+    "checkpoint_names",
+    "checkpoint_shapes",
+    "checkpoint_tensors",
+    "config_object",
+    "declared",
+    "meta",
+    "model_plan",
+    "runs_on",
+    "transformers_config",
+]

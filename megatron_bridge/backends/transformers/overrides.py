@@ -1,0 +1,350 @@
+"""The transformers backend's override table (torch-free): what a model type's forward does outside its
+modules, which the transformers backend's stages must redo (backends/transformers/plan.py re-exports it).
+
+The transformers backend keeps transformers' modules and rebuilds the forward around them (runtime/transformers/
+chunk.py), so every step of a model's forward that is not a module — a logit scale, an embedding
+multiplier, a stage layout without a pp plan, Falcon's whole tp plan, hyper-connection streams —
+is one `Override` entry keyed by model type. A config that switches such a step on without an
+entry is refused naming it (`forward_refusals`), never run wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# `mqa_fused_qkv` (the transformers backend's own plan string, from OVERRIDES only): a fused projection laid
+# out [query heads..., key, value] with one K/V head for every query head (Falcon's multi-query
+# attention). One head does not split over TP, so the linear stays whole on every rank and each
+# rank keeps its query heads and the K/V head of the output (runtime/transformers/layers.py `mqa_qkv_hooks`);
+# its input's gradient is summed over TP as a column-parallel linear's is, its weight's too
+# (`grad_allreduce`: each rank's part of the gradient comes from its own heads).
+MQA_QKV = "mqa_fused_qkv"
+
+
+@dataclass(frozen=True)
+class Override:
+    """What one model type's forward does outside its modules, that a stage must redo; each
+    field names the config key that holds the constant (checked by `mbr verify --matrix
+    model.backend=transformers`, docs/bridge.md)."""
+
+    reason: str = ""  # where transformers' forward does it
+    logit_scale: str | None = None  # config key: logits multiplied by it
+    logit_divide: str | None = None  # config key: logits divided by it
+    logit_softcap: str | None = None  # config key c: logits = c * tanh(logits / c)
+    embed_scale: str | None = None  # config key: the embeddings multiplied by it (first stage)
+    embed_sqrt_hidden: str | None = None  # config key of a flag: when on, embeddings * sqrt(hidden_size) (muP)
+    tp_plan: tuple[tuple[str, str], ...] = ()  # extra or replacement plan entries (models without a plan)
+    # extra base_model_ep_plan entries (`ep_dispatch_experts`, `grouped_gemm`; runtime/transformers/experts.py), merged
+    # over the config's as tp_plan is: Llama 4 declares none though its experts exchange over EP
+    ep_plan: tuple[tuple[str, str], ...] = ()
+    pp_plan: tuple[str, ...] = ()  # the base model's stage pieces in forward order (over its base_model_pp_plan)
+    # stage pieces kept (weights loaded, exported, no gradient) but not called: for a text-only batch they
+    # return the embeddings unchanged (Phi-4-multimodal's embed_tokens_extend merges image/audio embeddings)
+    text_identity: tuple[str, ...] = ()
+    # (decoder-layer kwarg, function of position_ids in the modeling module) the forward passes to
+    # the layers whose layer kind has no rotary embedding (Beam's NoPE query scale)
+    nope_kwargs: tuple[tuple[str, str], ...] = ()
+    window_full_attention: str | None = (
+        None  # config key: when set, `full_attention` layers take the sliding-window mask
+    )
+    prefix: str | None = None  # the base model's attribute, where the class's base_model_prefix names none
+    # (config key of the stream count n, the base model's module that folds them): the forward runs
+    # the layers on n hyper-connection streams [b, s, n, h] (the embeddings repeated n times on the
+    # first stage), folded by that module before the post pieces (HY-V4's hc_mult, hc_head)
+    streams: tuple[str, str] | None = None
+    # the streams side by side in the hidden dim, [b, s, n·h] (the embeddings `repeat`ed along it:
+    # Qwen4-Exp), not a dim of their own
+    flat_streams: bool = False
+    # rope types (keys of config.rope_parameters): every layer takes position_embeddings as the dict
+    # {type: rotary(x, position_ids, type)} and picks its own (DeepSeek-V4's 'main' / 'compress')
+    rotary_types: tuple[str, ...] = ()
+    # (decoder-layer kwarg, the chunk's forward input) the model's forward hands every layer
+    # (DeepSeek-V4's hash-routed MoE reads input_ids, Qwen4-Exp's n-gram embeddings ple_input_ids);
+    # every stage has them (megatron's schedule feeds each stage the micro-batch's ids)
+    layer_inputs: tuple[tuple[str, str], ...] = ()
+    # (decoder-layer kwarg, layer kind): every layer also takes that kind's mask (runtime/transformers/chunk.py
+    # MASKS) by that keyword, as the model's forward hands it (Qwen4-Exp's conv_mask: the linear-attention
+    # padding mask, None for an unpadded batch)
+    layer_masks: tuple[tuple[str, str], ...] = ()
+    layers: str = "layers"  # the pp plan's piece that is the ModuleList of decoder layers
+    # (the base model's ModuleList of rotary modules, the config's per-layer list): layer i takes the
+    # rotary module of its value, the list holding one per distinct non-zero value in ascending
+    # order; 0 means no rotary (NoPE). Granite-MoE-SWA's rotary_embs by layer_rope_theta.
+    layer_rotary: tuple[str, str] | None = None
+    # (kwarg, value) every decoder layer is called with, where its forward takes it without a default
+    layer_kwargs: tuple[tuple[str, Any], ...] = ()
+    # (config key, why): a config with the key truthy is refused, naming it (a feature the stages do not rebuild)
+    refused: tuple[tuple[str, str], ...] = ()
+    # ({config key: value, ...}, tp plan entries): entries that replace tp_plan's where the config matches
+    # (a fused projection whose layout follows a config flag)
+    tp_plan_when: tuple[tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]], ...] = ()
+
+    def tp_entries(self, cfg: Any = None) -> dict[str, str]:
+        """tp_plan with the `tp_plan_when` entries whose config values `cfg` (an object) holds."""
+        out = dict(self.tp_plan)
+        for when, entries in self.tp_plan_when:
+            if cfg is not None and all(getattr(cfg, k, None) == v for k, v in when):
+                out.update(entries)
+        return out
+
+    def handled(self) -> set[str | None]:
+        return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
+
+    def constants(self, cfg: Any) -> dict[str, float]:
+        """{FORWARD field: value} that the chunk's forward applies, read off the transformers config."""
+        out = {k: float(c) for k in FORWARD if (v := getattr(self, k)) and (c := getattr(cfg, v, None)) is not None}
+        if self.embed_sqrt_hidden and getattr(cfg, self.embed_sqrt_hidden):
+            out["embed_scale"] = out.get("embed_scale", 1.0) * float(cfg.hidden_size) ** 0.5
+        return out
+
+    def stream_count(self, cfg: Any) -> int:
+        """How many hyper-connection streams the layers run on (1: one plain stream)."""
+        return int(getattr(cfg, self.streams[0])) if self.streams else 1
+
+
+# the Override fields that hold a config key of a constant the chunk's forward applies
+FORWARD = ("logit_scale", "logit_divide", "logit_softcap", "embed_scale")
+# the stage pieces of a model that declares no base_model_pp_plan: transformers' own convention
+# (`base_model_pp_plan = {"embed_tokens": ..., "layers": ..., "norm": ...}`), taken where the base
+# model has exactly these children with weights (`hf.model_plan` checks, and refuses the others)
+PP_CONVENTION = ("embed_tokens", "layers", "norm")
+_SOFTCAP = "CausalLM.forward: logits / c, tanh, * c"
+OVERRIDES: dict[str, Override] = {
+    "llama4_text": Override(
+        "Llama4ForCausalLM.base_model_prefix is `language_model` (its composite parent's name); it holds `model`; "
+        "its config has no base_model_ep_plan (nothing to dispatch), but its pre-scaled experts split over EP "
+        "by a fixed exchange (runtime/transformers/experts.py PrescaledExpertsEP)",
+        prefix="model",
+        ep_plan=(
+            ("layers.*.feed_forward.experts", "ep_dispatch_experts"),
+            ("layers.*.feed_forward.experts.gate_up_proj", "grouped_gemm"),
+            ("layers.*.feed_forward.experts.down_proj", "grouped_gemm"),
+        ),
+    ),
+    "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
+    "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
+    "gemma2": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    "vaultgemma": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    # Gemma 4 softcaps where the config sets it (released configs do; the class default None: no softcap)
+    "gemma4_text": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    "gemma4_unified_text": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    # still refused for AltUp (FORWARD_MATH); its softcap alone would be this entry
+    "gemma3n_text": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),
+    # still refused for its hybrid layer kinds and its embedding and logits slice (FORWARD_MATH)
+    "inkling2_text": Override(
+        "Inkling2ForCausalLM.forward: its logit_softcap module (tanh(logits / c) * c) after the LM head",
+        logit_softcap="final_logit_softcapping",
+    ),
+    "inkling_text": Override(
+        "InklingForCausalLM.forward: the final hidden states / logits_mup_width_multiplier before the (bias-free) "
+        "LM head, the same as the logits divided",
+        logit_divide="logits_mup_width_multiplier",
+    ),
+    # still refused for the H/L-cycle recurrence (FORWARD_MATH)
+    "hrm_text": Override("HrmTextModel.forward: embeddings * embedding_scale", embed_scale="embedding_scale"),
+    "granite": Override(
+        "GraniteModel.forward: embeddings * embedding_multiplier; GraniteForCausalLM: logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "nanochat": Override(
+        "no base_model_pp_plan: its model norms (weightless RMSNorm) before and after the layers; "
+        "CausalLM.forward softcaps the logits",
+        pp_plan=("embed_tokens", "norm", "layers", "norm"),
+        logit_softcap="final_logit_softcapping",
+    ),
+    "minicpm3": Override(
+        "MiniCPM3ForCausalLM.forward: hidden states / logits_scaling before the (bias-free) LM head",
+        logit_divide="logits_scaling",
+    ),
+    "granite_swa": Override(
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "granitemoe": Override(
+        "as granite: GraniteMoeModel.forward: embeddings * embedding_multiplier; its CausalLM: logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "granitemoeshared": Override(
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "granitemoehybrid": Override(
+        "as granite: GraniteMoeHybridModel.forward: embeddings * embedding_multiplier; its CausalLM: logits / "
+        "logits_scaling",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+    ),
+    "granitemoe_swa": Override(
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling; no base_model_pp_plan, its "
+        "model holds one rotary module per distinct layer_rope_theta (rotary_embs; 0: NoPE) beside the convention",
+        embed_scale="embedding_multiplier",
+        logit_divide="logits_scaling",
+        pp_plan=PP_CONVENTION,
+        layer_rotary=("rotary_embs", "layer_rope_theta"),
+    ),
+    "cohere2_moe": Override("Cohere2MoeForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
+    "afmoe": Override(
+        "AfmoeModel.forward: embeddings * hidden_size**0.5 when mup_enabled (muP input scaling)",
+        embed_sqrt_hidden="mup_enabled",
+    ),
+    "beam": Override(
+        "BeamForCausalLM.forward softcaps the logits; BeamModel.forward passes NoPE (full-attention) layers "
+        "attention_scaling=compute_attention_scaling(position_ids)",
+        logit_softcap="final_logit_softcapping",
+        nope_kwargs=(("attention_scaling", "compute_attention_scaling"),),
+    ),
+    "minimax": Override(
+        "MiniMaxModel.forward: the full-attention layers' mask is the sliding-window one when sliding_window is set",
+        window_full_attention="sliding_window",
+    ),
+    "lfm2_moe": Override(
+        "no base_model_pp_plan: its final norm is named embedding_norm (Lfm2MoeModel.forward applies it after the layers)",
+        pp_plan=("embed_tokens", "layers", "embedding_norm"),
+    ),
+    "hy_v4": Override(
+        "HYV4Model.forward runs the layers on hc_mult hyper-connection streams ([b, s, hc_mult, h], the "
+        "embeddings repeated) and folds them with hc_head before the norm",
+        streams=("hc_mult", "hc_head"),
+    ),
+    "deepseek_v4": Override(
+        "DeepseekV4Model.forward runs the layers on hc_mult hyper-connection streams folded by hc_head before "
+        "the norm, hands every layer the {'main', 'compress'} rotary pair and input_ids (hash-routed MoE)",
+        streams=("hc_mult", "hc_head"),
+        rotary_types=("main", "compress"),
+        layer_inputs=(("input_ids", "input_ids"),),
+    ),
+    "qwen4_exp_text": Override(
+        "no base_model_pp_plan: Qwen4ExpTextModel.forward repeats the embeddings into hc_count hyper-connection "
+        "streams side by side in the hidden dim ([b, s, hc_count·h]), runs the layers on them and folds them with "
+        "hyper_connection_mixer (no final norm); every layer takes the causal mask, the linear-attention padding "
+        "mask as conv_mask and the token ids as ple_input_ids (its n-gram embeddings)",
+        pp_plan=("embed_tokens", "layers"),
+        streams=("hc_count", "hyper_connection_mixer"),
+        flat_streams=True,
+        layer_inputs=(("ple_input_ids", "input_ids"),),
+        layer_masks=(("conv_mask", "linear_attention"),),
+    ),
+    "nemotron_h": Override(
+        "no base_model_pp_plan: NemotronHModel.forward runs embeddings -> layers -> norm_f",
+        pp_plan=("embeddings", "layers", "norm_f"),
+    ),
+    "falcon": Override(
+        "no base_model_tp_plan or pp_plan: FalconModel is word_embeddings -> h -> ln_f; query_key_value is "
+        "fused per K/V group ([H/G query heads, key, value] x G: per head with G = H by default, "
+        "new_decoder_architecture's num_kv_heads groups), so a row split gives each rank whole groups; "
+        "multi_query's one K/V head (after all query heads) stays whole (mqa_fused_qkv); the decoder "
+        "layer takes `alibi` positionally (None: rotary)",
+        tp_plan=(
+            ("h.*.self_attention.query_key_value", "colwise"),
+            ("h.*.self_attention.dense", "rowwise"),
+            ("h.*.mlp.dense_h_to_4h", "colwise"),
+            ("h.*.mlp.dense_4h_to_h", "rowwise"),
+        ),
+        tp_plan_when=(
+            (
+                (("multi_query", True), ("new_decoder_architecture", False)),
+                (("h.*.self_attention.query_key_value", MQA_QKV),),
+            ),
+        ),
+        pp_plan=("word_embeddings", "h", "ln_f"),
+        layers="h",
+        layer_kwargs=(("alibi", None),),
+        refused=(
+            (
+                "alibi",
+                "FalconModel.forward adds the ALiBi bias (per head, from the padding mask) to the attention "
+                "mask; the transformers backend's stages build plain causal masks",
+            ),
+        ),
+    ),
+    "jamba": Override(
+        "no base_model_pp_plan: JambaModel.forward applies its final norm, named final_layernorm, after the layers",
+        pp_plan=("embed_tokens", "layers", "final_layernorm"),
+    ),
+    "phi4_multimodal": Override(
+        "Phi4MultimodalModel.forward runs embed_tokens_extend (the vision and audio encoders) after the embedding; "
+        "with no image or audio input it returns the text embeddings unchanged",
+        pp_plan=("embed_tokens", "embed_tokens_extend", "layers", "norm"),
+        text_identity=("embed_tokens_extend",),
+    ),
+    "hyperclovax": Override(
+        "HyperCLOVAXModel.forward: embeddings * embedding_multiplier; its CausalLM: logits * logits_scaling (muP)",
+        embed_scale="embedding_multiplier",
+        logit_scale="logits_scaling",
+    ),
+}
+# config keys that switch on forward-level arithmetic; without an override entry they are refused
+FORWARD_KEYS = (
+    "logit_scale",
+    "logits_scaling",
+    "embedding_multiplier",
+    "final_logit_softcapping",
+    "embedding_scale",
+    "mup_enabled",
+    "logits_mup_width_multiplier",
+)
+# model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
+# scale is its ScaledWordEmbedding module's, which the transformers backend keeps: runtime/transformers/build.py)
+FORWARD_MATH: dict[str, str] = {
+    "inkling2_text": "Inkling2TextModel.forward stacks the hidden states of every n_layers_per_attn_res_block-th "
+    "layer into block_states, which every later layer and final_input (before the norm) read, a stack growing "
+    "along the layers that no stage boundary carries; Inkling2ForCausalLM.forward slices the (softcapped) logits "
+    "to unpadded_vocab_size, and its embed_tokens is an Inkling2NormedEmbedding (a norm inside the embedding, "
+    "not nn.Embedding)",
+    "inkling_text": "InklingForCausalLM.forward slices the logits to unpadded_vocab_size where it is set, and its "
+    "embed_tokens is an InklingNormedEmbedding (a norm inside the embedding, not nn.Embedding)",
+    "doge": "DogeCDMoE.forward views the router logits of all batch x sequence tokens as (2, tokens, -1), mixing "
+    "tokens across the batch (transformers' own note), so its outputs depend on the micro-batch split; and its "
+    "dt_proj (rowwise) hands every TP rank all kv heads' mask values for its own heads",
+    "gemma3n_text": "Gemma3nTextModel.forward: AltUp (the embeddings widened to altup_num_inputs magnitude-matched "
+    "copies by altup_projections, that [altup_num_inputs, b, s, h] stack run through the layers, then unembedded by "
+    "altup_unembed_projections and averaged before the norm) is arithmetic of the forward around the layers, no "
+    "stage piece",
+    "hrm_text": "HrmTextModel.forward: the H/L-cycle recurrence (L_module and H_module stacks run H_cycles x "
+    "L_cycles times on carried states, no one list of decoder layers to stage)",
+}
+
+
+def override(model_type: str) -> Override:
+    return OVERRIDES.get(model_type, Override())
+
+
+def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
+    """One line per piece of forward arithmetic the transformers backend would drop for this config."""
+    out = []
+    if model_type in FORWARD_MATH:
+        out.append(
+            f"{FORWARD_MATH[model_type]} (backends/transformers/overrides.py FORWARD_MATH: no Override field rebuilds it)"
+        )
+    handled = override(model_type).handled()
+    out += [
+        f"{key}=True: {why} (backends/transformers/overrides.py OVERRIDES)"
+        for key, why in override(model_type).refused
+        if hf.get(key)
+    ]
+    for key in FORWARD_KEYS:
+        v = hf.get(key)
+        if key not in handled and (v is True or v not in (None, 0, 1, 1.0, False)):  # a flag, or a constant
+            out.append(
+                f"{key}={v!r} is applied in the model's forward (no entry in backends/transformers/overrides.py OVERRIDES)"
+            )
+    return out
+
+
+__all__ = [
+    "FORWARD",
+    "FORWARD_KEYS",
+    "FORWARD_MATH",
+    "MQA_QKV",
+    "OVERRIDES",
+    "PP_CONVENTION",
+    "Override",
+    "forward_refusals",
+    "override",
+]

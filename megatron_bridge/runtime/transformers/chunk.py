@@ -1,0 +1,299 @@
+"""`HFChunk`: one pipeline chunk of a transformers causal LM, shaped for megatron's schedules.
+
+To megatron it is a GPTModel: `.config` is a TransformerConfig, `set_input_tensor` takes the
+previous stage's activations, `pre_process` / `post_process` say which end it is, forward
+(input_ids, position_ids, attention_mask, labels=None) returns vocab-parallel logits
+[b, s, V/tp] (or the per-token loss [b, s] with labels) on the last stage and [s, b, h]
+activations elsewhere ([s/tp, b, h] under sequence parallelism: runtime/transformers/layers.py); a tied embedding is shared with the last stage through megatron's
+embedding group (`shared_embedding_or_output_weight`).
+
+Inside, it is the model's own modules under transformers' names (`model.layers.7.mlp...`,
+global layer indices), so a checkpoint's names are the chunk's. Its forward is the base
+model's, rebuilt per stage: the embedding (first stage), then each decoder layer called with
+the rotary embeddings and mask of its own layer kind (`config.layer_types[i]` by the *global*
+index i), made with the model's own rotary module and transformers' mask functions; the final
+norm and the head (last stage), with the model type's forward arithmetic (`overrides.OVERRIDES`),
+and transformers' router load-balancing loss where the config asks for it (aux_loss.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_chunked_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
+
+from megatron_bridge.backends.transformers.kinds import SHARED_STATE
+from megatron_bridge.backends.transformers.plan import CARRY, Plan, override
+from megatron_bridge.runtime.transformers.aux_loss import RouterAuxLoss
+from megatron_bridge.runtime.transformers.cp import CP_MASKS, calls, check_attended
+from megatron_bridge.runtime.transformers.per_layer import PerLayerInputs
+
+# layer kind -> the mask function the model's own forward calls for it (kinds.LAYER_KINDS);
+# an indexed layer slices its mask (`mask[:, 0]`) for its indexer, so it must exist even where
+# sdpa could skip a plain causal mask (DeepseekV32Model.forward: allow_is_causal_skip=False);
+# linear-attention and conv mixers take the 2-D padding mask (`create_recurrent_attention_mask`),
+# None for unpadded batches
+MASKS: dict[str, Callable[..., Any]] = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+    "indexed_attention": partial(create_causal_mask, allow_is_causal_skip=False),
+    "minimax_m3_sparse": create_causal_mask,  # MiniMaxM3VLTextModel.forward: one causal mask for every layer
+    "linear_attention": create_recurrent_attention_mask,
+    "conv": create_recurrent_attention_mask,
+    "chunked_attention": create_chunked_causal_mask,  # Llama 4's local attention
+    # DeepseekV4Model.forward: one sliding-window mask for every layer (extended inside the layer)
+    "compressed_sparse_attention": create_sliding_window_causal_mask,
+    "heavily_compressed_attention": create_sliding_window_causal_mask,
+    "mlp": lambda **_: None,  # blocks without a token mixer (Nemotron-H): no mask
+    "moe": lambda **_: None,
+}
+
+
+class Pieces(torch.nn.Module):
+    """A container that gives the kept modules their transformers paths."""
+
+
+def layer_kind(hf_config: Any, i: int) -> str:
+    """Layer `i`'s kind: `layer_types[i]`, else sliding or full attention as the config says."""
+    kinds = getattr(hf_config, "layer_types", None)
+    if kinds:
+        return str(kinds[i])
+    sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
+    return "sliding_attention" if sliding else "full_attention"
+
+
+class HFChunk(MegatronModule):
+    def __init__(
+        self,
+        config: Any,
+        hf_config: Any,
+        plan: Plan,
+        modules: dict[str, torch.nn.Module],
+        layers: dict[int, torch.nn.Module],
+        rotary: tuple[str, torch.nn.Module] | None,
+        *,
+        pre_process: bool,
+        post_process: bool,
+        vocab_size: int,
+        tied: bool,
+        forward_math: dict[str, float],
+        aux: RouterAuxLoss | None = None,
+        nope_kwargs: dict[str, Any] | None = None,
+        streams: int = 1,
+        per_layer: PerLayerInputs | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.hf_config = hf_config
+        self.plan = plan
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = tied
+        self.model_type = ModelType.encoder_or_decoder
+        self.vocab_size = vocab_size
+        self.forward_math = forward_math  # overrides.OVERRIDES constants: embed_scale, logit_scale, ...
+        self.nope_kwargs = nope_kwargs or {}  # overrides.Override.nope_kwargs: {kwarg: fn(position_ids)}
+        # hyper-connection streams (overrides.Override.streams): the layers run on [b, s, n, h], which
+        # travels between stages as [s, b, n*h] (the schedule's hidden size is n*h: build.py)
+        self.streams = streams
+        ov = override(hf_config.model_type)
+        self.rotary_types, self.layer_inputs = ov.rotary_types, ov.layer_inputs  # overrides.Override
+        self.flat_streams, self.layer_masks = ov.flat_streams, ov.layer_masks
+        self.layer_kwargs = dict(ov.layer_kwargs)  # Falcon's alibi=None
+        # pre pieces kept but not run for a text-only batch (Override.text_identity: the embeddings unchanged)
+        self.text_identity = {f"{plan.prefix}.{n}" for n in ov.text_identity}
+        self.input_tensor: torch.Tensor | None = None
+        for path, module in modules.items():
+            self._place(path, module)
+        self._place(plan.layers, torch.nn.ModuleDict({str(i): layer for i, layer in layers.items()}))
+        self.aux = aux  # transformers' load-balancing loss, added to the token losses (aux_loss.py)
+        if aux is not None:
+            aux.attach(self.get_submodule(plan.layers))
+        self.rotary_path = None
+        if rotary is not None:
+            self.rotary_path = rotary[0]
+            self._place(*rotary)
+        fwd = inspect.signature(rotary[1].forward).parameters if rotary is not None else {}
+        self.rotary_by_kind = "layer_type" in fwd
+        self.kinds = {i: layer_kind(hf_config, i) for i in layers}
+        # what each layer hands the next (kinds.CARRY), where the layers take it
+        takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
+        self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
+        # one container per forward, shared by the stage's layers (kinds.SHARED_STATE)
+        self.shared_state = tuple(kw for kw in SHARED_STATE if kw in takes)
+        self.per_layer = per_layer  # per-layer inputs (runtime/transformers/per_layer.py), sent between stages
+        window = ov.window_full_attention
+        # the mask function per layer kind (MASKS, or the sliding-window one where the override says so)
+        self.masks: dict[str, Any] = dict(MASKS)
+        if window and getattr(hf_config, window, None) is not None:
+            self.masks["full_attention"] = create_sliding_window_causal_mask
+        rope = getattr(hf_config, "rope_parameters", None)
+        # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
+        # NoPE full-attention layers), as the model's own forward decides
+        self.nope = {k for k in self.kinds.values() if isinstance(rope, dict) and k in rope and rope[k] is None}
+        # layer -> its index in a per-layer rotary list (overrides.Override.layer_rotary), None: no rotary
+        self.rotary_of: dict[int, int | None] = {}
+        if layer_rotary := ov.layer_rotary:
+            values = getattr(hf_config, layer_rotary[1])
+            distinct = sorted({v for v in values if v})
+            self.rotary_of = {i: distinct.index(values[i]) if values[i] else None for i in layers}
+
+    def _place(self, path: str, module: torch.nn.Module) -> None:
+        parent: torch.nn.Module = self
+        *outer, leaf = path.split(".")
+        for part in outer:
+            if not hasattr(parent, part):
+                parent.add_module(part, Pieces())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, module)
+
+    # -- what megatron's schedules and finalize_model_grads call --------------------------------
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        if isinstance(input_tensor, list):
+            assert len(input_tensor) == 1, "one input tensor per chunk"
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        if self.pre_process:
+            return self.get_submodule(self.plan.embed).weight
+        return self.get_submodule(self.plan.head).weight
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: Any = None,
+        labels: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        if self.aux is not None:
+            self.aux.start()
+        if self.pre_process:
+            h = self.get_submodule(self.plan.embed)(input_ids)
+            if "embed_scale" in self.forward_math:
+                h = h * self.forward_math["embed_scale"]
+            per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
+            for path in self.plan.pre:
+                if path not in self.text_identity:
+                    h = self.get_submodule(path)(h)
+            if self.streams > 1 and self.flat_streams:  # every stream starts as the embeddings
+                h = h.repeat(1, 1, self.streams)
+            elif self.streams > 1:
+                h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
+        else:
+            assert self.input_tensor is not None, "a later pipeline stage runs on the previous stage's output"
+            if self.per_layer:
+                h, per_layer = self.per_layer.unpack(self.input_tensor)
+            else:  # megatron's [s, b, h] -> transformers' [b, s, h]
+                h, per_layer = self.input_tensor.transpose(0, 1), None
+            if self.streams > 1 and not self.flat_streams:
+                h = h.unflatten(-1, (self.streams, -1))
+        h = self._layers(h, position_ids, {"input_ids": input_ids}, per_layer)
+        if not self.post_process:
+            if self.per_layer and per_layer is not None:
+                return self.per_layer.pack(h, per_layer)
+            stacked = self.streams > 1 and not self.flat_streams
+            return (h.flatten(2) if stacked else h).transpose(0, 1).contiguous()
+        for path in self.plan.post:
+            h = self.get_submodule(path)(h)
+        return self._head(h, labels)
+
+    def _layers(
+        self, h: torch.Tensor, position_ids: torch.Tensor, inputs: dict[str, Any], per_layer: torch.Tensor | None
+    ) -> torch.Tensor:
+        layers = self.get_submodule(self.plan.layers)
+        if not len(layers):
+            return h
+        rotary = self.get_submodule(self.rotary_path) if self.rotary_path else None
+        masks: dict[str, Any] = {}
+        make_mask = CP_MASKS if ps.get_context_parallel_world_size() > 1 else self.masks  # runtime/transformers/cp.py
+        before = calls()
+        embeddings: dict[str | None, Any] = {}
+        carried: dict[str, Any] = {}
+        given = {kw: inputs[name] for kw, name in self.layer_inputs}  # overrides.Override.layer_inputs
+        states: dict[str, dict[str, Any]] = {kw: {} for kw in self.shared_state}
+        # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
+        # of it (sequence parallelism): they read only its batch, length, dtype and device
+        whole = h.new_zeros(()).expand(h.shape[0], position_ids.shape[-1], h.shape[-1])
+        # every layer takes the one {rope type: embedding} dict where the override names the types
+        typed = {t: rotary(whole, position_ids, t) for t in self.rotary_types} if rotary is not None else {}
+        for i, layer in layers.items():
+            kind = self.kinds[int(i)]
+            for k in (kind, *(k for _, k in self.layer_masks)):
+                if k not in masks:
+                    masks[k] = make_mask[k](
+                        config=self.hf_config,
+                        inputs_embeds=whole,
+                        attention_mask=None,
+                        past_key_values=None,
+                        position_ids=position_ids,
+                    )
+            extra = {kw: masks[k] for kw, k in self.layer_masks}  # overrides.Override.layer_masks
+            key: Any = kind if self.rotary_by_kind else None  # a kind, or a rotary_of index
+            if self.rotary_of:  # the layer's own rotary module, or none
+                key = self.rotary_of[int(i)]
+                if key is not None and key not in embeddings:
+                    embeddings[key] = rotary[key](whole, position_ids)  # type: ignore[index]
+            elif rotary is not None and not typed and key not in embeddings and kind not in self.nope:
+                embeddings[key] = (
+                    rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
+                )
+            if kind in self.nope:
+                extra.update({k: fn(position_ids) for k, fn in self.nope_kwargs.items()})
+            if per_layer is not None and self.per_layer is not None:
+                extra[self.per_layer.keyword] = per_layer[:, :, int(i)]
+            out = layer(
+                h,
+                attention_mask=masks[kind],
+                position_ids=position_ids,
+                position_embeddings=typed or embeddings.get(key),
+                **carried,
+                **states,
+                **extra,
+                **given,
+                **self.layer_kwargs,
+            )
+            h = out[0] if isinstance(out, tuple) else out
+            carried = {kw: out[index] for kw, index in self.carry.items()}
+        if make_mask is CP_MASKS:
+            check_attended(before, len(layers))
+        return h
+
+    def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        head = self.get_submodule(self.plan.head)
+        tied_here = self.share_embeddings_and_output_weights and self.pre_process
+        logits = head(h, weight=self.shared_embedding_or_output_weight() if tied_here else None)
+        math = self.forward_math  # in transformers' order (overrides.OVERRIDES)
+        if "logit_scale" in math:
+            logits = logits * math["logit_scale"]
+        if "logit_divide" in math:
+            logits = logits / math["logit_divide"]
+        if "logit_softcap" in math:
+            logits = torch.tanh(logits / math["logit_softcap"]) * math["logit_softcap"]
+        first_pad = self.vocab_size - head.output_size_per_partition * ps.get_tensor_model_parallel_rank()
+        if first_pad < logits.shape[-1]:  # padded vocab rows (megatron pads to a multiple of tp): logit -inf
+            pad = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            pad[max(first_pad, 0) :] = True
+            logits = logits.masked_fill(pad, float("-inf"))
+        if labels is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits, labels)
+        return self.aux.add(loss) if self.aux is not None else loss
+
+
+__all__ = ["HFChunk", "MASKS", "Pieces", "layer_kind"]

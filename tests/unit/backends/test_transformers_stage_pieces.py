@@ -1,0 +1,53 @@
+"""Stage pieces from the override table (backends/transformers/overrides.py OVERRIDES) for base models that are
+not transformers' convention: Jamba's final norm under another name, Phi-4-multimodal's
+multimodal embedding kept but not run for text, Granite-MoE-SWA's rotary module per layer theta.
+Read off the meta model in process; the numbers at tp2 / pp2 / ep2 are the matrix's."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from megatron_bridge.backends.transformers.meta import model_plan
+from megatron_bridge.backends.transformers.plan import override
+from megatron_bridge.runtime.hf_tiny import tiny_config
+
+
+def _plan(model_type: str):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    return model, model_plan(model)
+
+
+def test_jamba_stages_its_final_layernorm():
+    _, plan = _plan("jamba")
+    assert (plan.embed, plan.pre, plan.layers, plan.post) == (
+        "model.embed_tokens",
+        (),
+        "model.layers",
+        ("model.final_layernorm",),
+    )
+
+
+def test_phi4_multimodal_keeps_its_multimodal_embedding_on_the_first_stage_without_running_it():
+    model, plan = _plan("phi4_multimodal")
+    assert plan.pre == ("model.embed_tokens_extend",) and plan.post == ("model.norm",)
+    assert override("phi4_multimodal").text_identity == ("embed_tokens_extend",)
+    # what makes skipping it right: for input ids alone it returns the embeddings it was given
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(tiny_config("phi4_multimodal"))
+    ids = torch.randint(0, 200, (1, 6))
+    emb = model.model.embed_tokens(ids)
+    assert torch.equal(model.model.embed_tokens_extend(ids, emb), emb)
+
+
+def test_granitemoe_swa_has_a_rotary_module_per_distinct_theta_and_nope_layers():
+    model, plan = _plan("granitemoe_swa")
+    assert plan.layers == "model.layers" and plan.post == ("model.norm",)
+    name, key = override("granitemoe_swa").layer_rotary or ("", "")
+    thetas = getattr(model.config, key)
+    rotaries = getattr(model.model, name)
+    # the chunk's rule (runtime/transformers/chunk.py rotary_of): the i-th distinct non-zero theta, ascending
+    distinct = sorted({t for t in thetas if t})
+    assert 0 in thetas and len(distinct) == len(rotaries) == 2
+    assert [r.config.rope_parameters["rope_theta"] for r in rotaries] == distinct
