@@ -17,7 +17,8 @@ from megatron_bridge.backends.describe import describe
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.tiny import HF_TINY, TINY
 from megatron_bridge.config.schema import Config
-from megatron_bridge.convert.sources.readers import HFSource, check_init_source
+from megatron_bridge.convert.sources.preflight import check_init_source
+from megatron_bridge.convert.sources.readers import HFSource
 from megatron_bridge.errors import LayoutError, UserError
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate

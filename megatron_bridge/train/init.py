@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_bridge.convert.sources.readers import init_kind
+from megatron_bridge.convert.sources.preflight import init_kind
 from megatron_bridge.runtime.load_converted import load_converted
 from megatron_bridge.runtime.lora_modules import apply_lora
 from megatron_bridge.runtime.weights import load_hf_weights

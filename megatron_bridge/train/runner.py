@@ -33,7 +33,7 @@ from megatron_bridge.bridge.lora import base_of
 from megatron_bridge.config.compose import compose
 from megatron_bridge.config.schema import Config
 from megatron_bridge.convert.formats.safetensors_io import scan_dir
-from megatron_bridge.convert.sources.readers import check_init_source
+from megatron_bridge.convert.sources.preflight import check_init_source
 from megatron_bridge.data.indexed import check_indexed_data
 from megatron_bridge.errors import LayoutError, UserError, run_cli
 from megatron_bridge.parallel.dims import ParallelDims

@@ -6,7 +6,7 @@ The format is PyTorch Distributed Checkpoint (DCP) plus two megatron files:
 shape, dtype, chunk list; per chunk: file, byte offset, length) and each chunk is one
 `torch.save`d tensor inside a `.distcp` file. A chunk is addressed by a `DistLocation`: its
 key and its position on the key's leading (layer[, expert]) axes. Which key and axes a
-model's parameter has is the model's business (`convert.placement.dist_keys`, the names
+model's parameter has is the model's business (its backend's `Backend.dist_location`, the names
 megatron's `GPTModel.sharded_state_dict()` gives); this module only writes what it is given.
 
 megatron's own `dist_checkpointing.save` needs every tensor in memory at once and a process

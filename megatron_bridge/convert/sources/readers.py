@@ -417,52 +417,6 @@ def scan_rank_files(path: Path, man: Manifest) -> None:
             scan_torch_file(path / rel, CONVERTED)
 
 
-def check_data_only(path: Path) -> Manifest:
-    """A converted checkpoint checked before anything loads it (`train.init_from`'s preflight):
-    its manifest (names confined, sizes), and every pickle in it — the rank files of
-    format=torch, the stored objects (`_extra_state`, ...) of torch_dist — names only data.
-    Reads the pickles and checksums every file against the CRC-32 written at conversion (a
-    changed byte, same size); runs nothing."""
-    man = Manifest.read(path)
-    man.check_files(path, checksums=True)
-    if man.format == "torch_dist":
-        io = PositionedReader()
-        try:
-            DistReader(path / RELEASE, io).scan_objects()
-        finally:
-            io.close()
-    else:
-        scan_rank_files(path, man)
-    return man
-
-
-def init_kind(path: str | Path, arg: str = "train.init_from") -> str:
-    """What a directory to start training from is: "hf_dir" (config.json + safetensors) or
-    "converted" (an `mbr convert` / `mbr reshard` output); UserError for anything else (a
-    directory of pickled `.bin` weights included: those are never loaded)."""
-    p = Path(path)
-    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
-        return "hf_dir"
-    if (p / "mbr_manifest.json").is_file():
-        return "converted"
-    raise UserError(
-        f"{arg}={path} is neither a Hugging Face model directory (config.json + "
-        "*.safetensors) nor a `mbr convert` output (mbr_manifest.json)."
-    )
-
-
-def check_init_source(path: str | Path, arg: str = "train.init_from") -> None:
-    """The trainer's preflight of the weights it will start from, before any process group:
-    an HF directory's index and headers (names confined, no FIFO: `scan_dir`) and, where its
-    index records them (our exports), its files' CRC-32; a converted checkpoint's manifest and
-    pickles (`check_data_only`). Reads no tensor (the checksums read the files' bytes)."""
-    if init_kind(path, arg) == "hf_dir":
-        scan_dir(Path(path))
-        check_index_crc32(Path(path))  # a directory we exported records its files' CRC-32
-    else:
-        check_data_only(Path(path))
-
-
 def open_checkpoint(path: Path, dtype: DType | None) -> CheckpointSource:
     man = Manifest.read(path)
     return (DistSource if man.format == "torch_dist" else TorchSource)(path, man, dtype)
@@ -475,9 +429,6 @@ __all__ = [
     "DistSource",
     "TorchSource",
     "open_checkpoint",
-    "check_data_only",
-    "check_init_source",
-    "init_kind",
     "parse_dtype",
     "DTYPES",
 ]

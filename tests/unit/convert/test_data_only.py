@@ -24,7 +24,7 @@ from megatron_bridge.convert.formats.paths import confined
 from megatron_bridge.convert.formats.pickle_guard import CONVERTED, TRAINING
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, scan_dir
 from megatron_bridge.convert.formats.torch_zip_read import LazyTorchFile, scan_torch_file
-from megatron_bridge.convert.sources.readers import check_data_only
+from megatron_bridge.convert.sources.preflight import check_data_only
 from megatron_bridge.errors import UserError
 from tests.payloads import MarkerPayload, payload_in_extra_state, payload_in_rank_file, torch_bytes
 

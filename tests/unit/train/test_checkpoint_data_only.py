@@ -131,10 +131,10 @@ def test_a_tampered_rank_file_with_its_checksum_fixed_still_fails_the_scan(tmp_p
 
 
 def test_resuming_another_models_state_is_one_message():
-    from megatron_bridge.train.engines import _model_must_fit
+    from megatron_bridge.train.engines import model_must_fit
 
     with pytest.raises(UserError, match="cannot resume ck: it holds the state of another model.*Resume with the model"):
-        with _model_must_fit(Path("ck")):
+        with model_must_fit(Path("ck")):
             torch.nn.Linear(2, 2).load_state_dict({"weight": torch.zeros(3, 2), "bias": torch.zeros(2)})
 
 
