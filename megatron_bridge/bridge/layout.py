@@ -37,6 +37,18 @@ class Coords:
         return self.pp_rank == layout.pp - 1 and (self.vp_stage or 0) == last_vp
 
 
+def megatron_degrees(layout: Layout) -> dict[str, int | None]:
+    """The parallel sizes under the names Megatron-LM's `args` give them (what it reads back from
+    a checkpoint's `common.pt` / rank files)."""
+    return {
+        "tensor_model_parallel_size": layout.tp,
+        "pipeline_model_parallel_size": layout.pp,
+        "virtual_pipeline_model_parallel_size": layout.vpp,
+        "expert_model_parallel_size": layout.ep,
+        "expert_tensor_parallel_size": layout.etp,
+    }
+
+
 def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
     """Global expert indices held by expert-parallel rank `ep_rank` (contiguous blocks)."""
     if num_experts % ep:
@@ -94,4 +106,13 @@ def to_local_name(global_name: str, layers: range, experts: range | None = None)
     return renumber(global_name, -layers.start if m else 0, -(experts.start if (e and experts) else 0))
 
 
-__all__ = ["Coords", "Layout", "ep_part", "local_experts", "to_local_name", "renumber", "dist_ckpt_key"]
+__all__ = [
+    "Coords",
+    "Layout",
+    "ep_part",
+    "megatron_degrees",
+    "local_experts",
+    "to_local_name",
+    "renumber",
+    "dist_ckpt_key",
+]

@@ -26,7 +26,7 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 
-from megatron_bridge.bridge.layout import Coords, Layout, dist_ckpt_key, local_experts, to_local_name
+from megatron_bridge.bridge.layout import Coords, Layout, dist_ckpt_key, local_experts, megatron_degrees, to_local_name
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping, Resolved
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
@@ -229,11 +229,7 @@ def megatron_args(spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: s
     from a torch_dist checkpoint's args; other fields document the model). `params_dtype` is a
     DType, which the converter's pickler writes as the torch dtype of that name."""
     return argparse.Namespace(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        **megatron_degrees(layout),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,

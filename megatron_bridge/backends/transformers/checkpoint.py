@@ -27,7 +27,7 @@ import argparse
 from megatron_bridge.backends.transformers.kinds import PER_LAYER_INPUTS
 from megatron_bridge.backends.transformers.meta import Meta
 from megatron_bridge.backends.transformers.plan import COLUMN, EP_TENSOR, ROW, VOCAB
-from megatron_bridge.bridge.layout import Coords, Layout
+from megatron_bridge.bridge.layout import Coords, Layout, megatron_degrees
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats.dtypes import DType
@@ -122,11 +122,7 @@ def checkpoint_args(spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format:
     """The parallel sizes and the few sizes megatron reads; the architecture is config.json's
     (Megatron-LM cannot build these models: the args only document the checkpoint)."""
     return argparse.Namespace(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        **megatron_degrees(layout),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
