@@ -75,6 +75,7 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import padded_vocab_size
 from megatron_bridge.plan.params import ParamCount
 
+AS_HELD = "#as-held"  # the key of a tensor's second row (see `table`)
 TRANSFORMS = {
     VOCAB: VOCAB_T,
     COLUMN: COLUMN_T,
@@ -156,7 +157,10 @@ class TransformersBackend(Backend):
     def table(self, spec: BridgeSpec) -> tuple[Row, ...]:
         """One row per checkpoint tensor (layer index as `{layer}`): the chunk's name (the
         module's) <- the checkpoint's (`checkpoint_names`); a tied LM head reads the embedding
-        (and is not written back)."""
+        (and is not written back). A tensor transformers converts on load (per-expert tensors
+        stacked, pieces joined) has a second row reading it as the model holds it, under its
+        module name: transformers loads a checkpoint in either form, and so does this; the first
+        row (what `save_pretrained` writes) is the one an export from a live model writes."""
         m = meta(spec)
         rows: dict[str, Row] = {}
         for name, kind in m.kinds.items():
@@ -167,11 +171,14 @@ class TransformersBackend(Backend):
                 split = expert_split(name, m.plan.style(name))
                 stacked = StackedExperts(n, len(pieces) // n, split.split if split else None)
                 rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], stacked))
+                # a checkpoint may hold it as the model does (transformers loads either): stacked
+                rows.setdefault(t + AS_HELD, Row(t, t, WholeStackedExperts(*split) if split else REPLICATED_T))
                 continue
             if name in m.fused:  # its pieces concatenated (backends/transformers/fused.py)
                 pieces, dim = m.fused[name]
                 joined = ConcatenatedColumns if kind == ROW else Concatenated  # columns split over TP
                 rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], joined(len(pieces), dim)))
+                rows.setdefault(t + AS_HELD, Row(t, t, TRANSFORMS[kind]))  # or already joined, as the model holds it
                 continue
             split = expert_split(name, m.plan.style(name))
             if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too

@@ -168,3 +168,36 @@ def test_a_wrongly_shaped_or_missing_tensor_is_named(tiny, tmp_path, capsys):
             assert "model.layers.0.linear_attn.out_proj.weight [[3, 3]]" in err, err
         else:
             assert "incomplete" in err and "experts.2.up_proj.weight'], absent" in err and "self_attn" not in err, err
+
+
+def test_a_checkpoint_holding_the_experts_as_the_model_does_converts_and_loads(tiny, tmp_path, groups1):
+    """transformers loads a checkpoint saved either way: experts one tensor each (what
+    `save_pretrained` writes) or stacked as the model holds them (`mlp.experts.gate_up_proj`, a
+    state dict saved as it is). Both convert and export back as they were, and load the same weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_bridge.backends.describe import describe_hf
+    from megatron_bridge.bridge.hf_config import read_hf_config
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.weights import checkpoint_tensors, load_hf_weights
+
+    src = tiny["dots1"]
+    held = tmp_path / "held"
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    held.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(held / "model.safetensors"))
+    model.config.save_pretrained(held)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in hf_tensors(held)
+    for fmt in (["format=torch_dist"], ["format=torch", *MOE]):
+        run("convert", f"src={held}", f"dst={tmp_path / 'ck'}", "overwrite=true", *fmt)
+        run("export", f"src={tmp_path / 'ck'}", f"dst={tmp_path / 'out'}", "overwrite=true")
+        assert_same(hf_tensors(held), hf_tensors(tmp_path / "out"))
+    spec = describe_hf(read_hf_config(src), make_vocab_size_divisible_by=64)
+    loaded = []
+    for d in (src, held):
+        (chunk,) = build_model(spec, Layout(), load_weights=True)
+        load_hf_weights([chunk], spec, d)
+        loaded.append(checkpoint_tensors(chunk))
+    assert all(torch.equal(loaded[0][k], loaded[1][k]) for k in loaded[0])
