@@ -126,7 +126,8 @@ def test_qwen4_exp_ngram_table_in_row_pieces_loads_and_exports_bit_exactly(group
     path = make_tiny("qwen4_exp_text", tmp_path / "qwen4")  # its table saved in two pieces
     spec = describe_hf(read_hf_config(path), backend="transformers", make_vocab_size_divisible_by=1)
     table = "model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"
-    (row,) = [r for r in TransformersBackend().table(spec) if r.megatron == table]
+    row, held = [r for r in TransformersBackend().table(spec) if r.megatron == table]  # saved in pieces, or joined
+    assert held.hf == (table,) and not isinstance(held.transform, ConcatenatedColumns)
     assert isinstance(row.transform, ConcatenatedColumns) and list(row.hf) == [
         f"model.layers.{{layer}}.ple.ple_embedding.ngram_embedding.shard_{i}.weight" for i in range(2)
     ]
