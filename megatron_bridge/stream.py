@@ -34,7 +34,6 @@ tensors, experts stacked; each expert gathered straight into its slot of the sta
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -132,7 +131,7 @@ class ModelLayout:
     model (backends/transformers/backend.py)."""
 
     def __init__(self, spec: BridgeSpec) -> None:
-        cfg = json.loads(spec.hf_json) if spec.hf_json else backend_of(spec).hf_config(spec)
+        cfg = backend_of(spec).hf_config(spec)
         self.model_type = cfg.get("model_type")
         self.m = m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="transformers"))
         self.module_of = {saved: name for name, saved in m.saved_as.items()}

@@ -216,7 +216,7 @@ def spec_from_hf(hf: TMapping[str, Any], *, make_vocab_size_divisible_by: int = 
             f"{f['architecture']} config cannot be bridged faithfully:\n" + "\n".join(f"  - {p}" for p in problems)
         )
     f["name"] = hf.get("_name_or_path") or hf.get("model_type", "")
-    return BridgeSpec(**f)
+    return BridgeSpec.make(**f)
 
 
 def load_spec(path: str | Path, *, make_vocab_size_divisible_by: int = 128) -> BridgeSpec:

@@ -10,12 +10,12 @@ backend reads each chunk's boxes as megatron-core's `sharded_state_dict()` state
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.bridge.spec import field_names
 from megatron_bridge.convert.formats.manifest import Manifest
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.runtimes import runtime_of
@@ -28,9 +28,9 @@ def _check_model(spec: Any, man: Manifest, path: Path) -> None:
         man.hf_config, make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by, backend=man.backend
     )
     diff = [
-        f"{f.name}={getattr(spec, f.name)!r} (checkpoint: {getattr(mine, f.name)!r})"
-        for f in dataclasses.fields(spec)
-        if f.compare and f.name not in _IGNORED and getattr(spec, f.name) != getattr(mine, f.name)
+        f"{k}={getattr(spec, k, None)!r} (checkpoint: {getattr(mine, k, None)!r})"
+        for k in sorted(field_names())
+        if k not in _IGNORED and getattr(spec, k, None) != getattr(mine, k, None)
     ]
     if diff:
         raise UserError(

@@ -32,9 +32,8 @@ def randomize_(model, seed: int = 0, scale: float = 0.08) -> None:
     noise into differences as large as the tolerances."""
     hf = model.config.to_dict()
     backend = backend_for(hf)  # the description `model.backend=auto` makes: does its norm store w in x·(1 + w)?
-    centre = (
-        0.0 if backend is not None and backend.describe(hf, make_vocab_size_divisible_by=1).zero_centered_norm else 1.0
-    )
+    part = backend.describe(hf, make_vocab_size_divisible_by=1).part if backend is not None else None
+    centre = 0.0 if getattr(part, "zero_centered_norm", False) else 1.0  # a native part's setting
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

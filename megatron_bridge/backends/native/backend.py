@@ -9,7 +9,6 @@ the planner's per-layer arithmetic over the spec (plan/params.py), building is
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,7 +17,7 @@ from megatron_bridge.backends.native import checkpoint
 from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.registry import FamilyBridge, families, get_family, weight_family
-from megatron_bridge.bridge.spec import BridgeSpec
+from megatron_bridge.bridge.spec import BridgeSpec, field_names
 from megatron_bridge.bridge.table import Mapping as Row
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
@@ -45,7 +44,7 @@ class NativeBackend(Backend):
         counts or the rules check can be dropped on the way to the builder."""
         fam = get_family(fields["family"])
         heads = fields["num_attention_heads"]
-        spec_fields = {f.name for f in dataclasses.fields(BridgeSpec)}
+        spec_fields = field_names()
         f = {k: v for k, v in fields.items() if k in spec_fields and k not in NOT_SPEC_FIELDS}
         f.update(
             family=fam.name,
@@ -60,7 +59,7 @@ class NativeBackend(Backend):
                 f["moe_shared_expert_gate"] = False
         else:
             f.update(num_moe_experts=None, moe_shared_expert_intermediate_size=None)
-        return BridgeSpec(**f)
+        return BridgeSpec.make(**f)
 
     def table(self, spec: BridgeSpec) -> tuple[Row, ...]:
         return weight_family(spec.family).mappings(spec)

@@ -100,6 +100,27 @@ def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
     return out
 
 
+def _latent_attention(cfg: Any) -> dict[str, Any]:
+    """Multi-head latent attention's sizes (DeepSeek-V2/V3, MiniCPM3, ...), where the config has
+    them: what the planner's activation memory reads."""
+    kv = getattr(cfg, "kv_lora_rank", None)
+    if not isinstance(kv, int) or kv <= 0:
+        return {}
+    out: dict[str, Any] = {
+        "multi_latent_attention": True,
+        "kv_lora_rank": kv,
+        "q_lora_rank": getattr(cfg, "q_lora_rank", None),
+    }
+    for ours, theirs in (
+        ("qk_head_dim", "qk_nope_head_dim"),
+        ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
+        ("v_head_dim", "v_head_dim"),
+    ):
+        if isinstance(getattr(cfg, theirs, None), int):
+            out[ours] = getattr(cfg, theirs)
+    return out
+
+
 class TransformersBackend(Backend):
     name = "transformers"
     from_fields = False  # a model of transformers' classes is its config.json
@@ -146,7 +167,12 @@ class TransformersBackend(Backend):
         for k in ("max_position_embeddings", "norm_epsilon", "rotary_base"):
             if base.get(k) is not None:
                 f[k] = base[k]
-        return BridgeSpec(**f)
+        if f.get("num_moe_experts"):  # the planner's expert widths
+            for k in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+                if base.get(k):
+                    f[k] = int(base[k])
+        f.update(_latent_attention(cfg))
+        return BridgeSpec.make(**f)
 
     def describe_fields(self, fields: Mapping[str, Any]) -> BridgeSpec:
         raise UserError(

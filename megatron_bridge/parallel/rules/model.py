@@ -9,11 +9,11 @@ where the description is derived: `backends/describe.py`.)
 
 from __future__ import annotations
 
-import dataclasses
 from functools import lru_cache
 
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
+from megatron_bridge.bridge.spec import NATIVE_FIELDS, field_names
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.base import Facts, RuleSet, Violation
 from megatron_bridge.parallel.rules.base import violation as _v
@@ -32,6 +32,8 @@ def model_architecture(f: Facts) -> list[Violation]:
     family's HF architecture (its weight table) does not have, is refused, never ignored."""
     m, out = f.model, []
     for key, allowed in MODEL_CHOICES.items():
+        if key in NATIVE_FIELDS and not hasattr(m.part, key):
+            continue  # a setting of the native part: a model of another backend is its config.json
         if getattr(m, key) not in allowed:
             out += _v("choice", f"model.{key}={getattr(m, key)!r} is not one of {allowed}", f"set model.{key} to one")
     fam = backend_of(m).family_of(m)
@@ -87,7 +89,7 @@ def backend_run(f: Facts) -> list[Violation]:
 def moe_bias_etp(f: Facts) -> list[Violation]:
     """megatron-core refuses biased experts (GPT-OSS) under expert-TP > 1."""
     d, m = f.layout, f.model
-    if not m.num_moe_experts or d.etp == 1 or not m.mlp_bias:
+    if not m.num_moe_experts or d.etp == 1 or not getattr(m.part, "mlp_bias", False):  # the native part's setting
         return []
     return _v(
         "moe-bias-etp",
@@ -102,6 +104,8 @@ def latent_attention_tp(f: Facts) -> list[Violation]:
     """MLA's q down-projection (q_a_proj) is column-parallel: tp must divide q_lora_rank."""
     d, m = f.layout, f.model
     if d.tp < 2 or not m.multi_latent_attention or not m.q_lora_rank or m.q_lora_rank % d.tp == 0:
+        return []
+    if backend_of(m).family_of(m) is None:  # megatron-core's MLA layer; transformers' keeps q_a_proj whole
         return []
     return _v(
         "mla-q-lora-tp",
@@ -141,7 +145,7 @@ def _fields_problem(spec) -> str | None:
     except UserError as e:
         return f"its HF config cannot be written ({' '.join(str(e).split())[:240]})"
     a, b = _scaled(spec), _scaled(back)
-    diff = [k.name for k in dataclasses.fields(spec) if k.compare and getattr(a, k.name) != getattr(b, k.name)]
+    diff = [k for k in sorted(field_names()) if getattr(a, k, None) != getattr(b, k, None)]
     if not diff:
         return None
     shown = ", ".join(f"{k}={getattr(spec, k)!r} would read back as {getattr(back, k)!r}" for k in diff[:3])
@@ -153,4 +157,4 @@ def _scaled(spec):
     a config that writes the default explicitly (Granite's attention_multiplier) is the same."""
     if spec.softmax_scale is not None or spec.multi_latent_attention:
         return spec
-    return dataclasses.replace(spec, softmax_scale=spec.head_dim**-0.5)
+    return spec.replace(softmax_scale=spec.head_dim**-0.5)

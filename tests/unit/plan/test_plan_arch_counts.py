@@ -59,7 +59,7 @@ def _hand_spec(cfg, **fields) -> BridgeSpec:
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
     )
     f.update(fields)
-    return BridgeSpec(**f)
+    return BridgeSpec.make(**f)
 
 
 def _moe(cfg, experts: int, *, shared: int | None = None, gate: bool = False, pattern=(), **kw) -> dict:
