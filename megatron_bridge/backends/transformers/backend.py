@@ -102,23 +102,32 @@ def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
 
 def _latent_attention(cfg: Any) -> dict[str, Any]:
     """Multi-head latent attention's sizes (DeepSeek-V2/V3, MiniCPM3, ...), where the config has
-    them: what the planner's activation memory reads."""
-    kv = getattr(cfg, "kv_lora_rank", None)
+    them as one value for every layer: what the planner's activation memory reads."""
+    kv = _uniform(cfg, "kv_lora_rank")
     if not isinstance(kv, int) or kv <= 0:
         return {}
     out: dict[str, Any] = {
         "multi_latent_attention": True,
         "kv_lora_rank": kv,
-        "q_lora_rank": getattr(cfg, "q_lora_rank", None),
+        "q_lora_rank": _uniform(cfg, "q_lora_rank"),
     }
     for ours, theirs in (
         ("qk_head_dim", "qk_nope_head_dim"),
         ("qk_pos_emb_head_dim", "qk_rope_head_dim"),
         ("v_head_dim", "v_head_dim"),
     ):
-        if isinstance(getattr(cfg, theirs, None), int):
-            out[ours] = getattr(cfg, theirs)
+        if isinstance(value := _uniform(cfg, theirs), int):
+            out[ours] = value
     return out
+
+
+def _uniform(cfg: Any, key: str) -> Any:
+    """`cfg.key`, or None where the config has no such key or holds it per layer (transformers'
+    heterogeneous configs refuse a global read of a per-layer attribute)."""
+    try:
+        return getattr(cfg, key, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return None
 
 
 class TransformersBackend(Backend):
