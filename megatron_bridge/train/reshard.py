@@ -123,39 +123,44 @@ def _to_converted(cfg: Any, fmt: str) -> int:
 
 
 def _write_ranks(ckpt: TrainingCheckpoint, spec: Any, dims: Any, out: Path) -> list[dict[str, Any]]:
-    """Every rank file of `dims`, a pipeline stage at a time (its rows merged once)."""
+    """Every rank file of `dims`, a pipeline stage at a time (the stage's rows merged once)."""
     backend, shapes = backend_of(spec), spec.shapes(ckpt.layout.tp)
-    coords = Topology(dims).coords
+    grid = Topology(dims).coords
     first = ckpt.states[0]
+    chunks = [vp if dims.vpp else None for vp in range(dims.vpp or 1)]
+
+    def held(rank: int, vp: int | None) -> dict[str, tuple[int, Any, Coords]]:
+        """{table name: (table position, its name there, coordinates)} of one chunk of `rank`."""
+        c = Coords(int(grid["tp"][rank]), int(grid["pp"][rank]), int(grid["ep"][rank]), int(grid["etp"][rank]), vp)
+        layers = dims.stage_layers(spec.num_layers, c.pp_rank, vp)
+        out = {}
+        for pos, r in enumerate(ckpt.rows):
+            local = backend.owned(spec, r, dims, c, layers)
+            if local is not None:
+                out[r.megatron] = (pos, local, c)
+        return out
+
     files: list[dict[str, Any]] = []
     for pp in range(dims.pp):
-        chunks = [vp if dims.vpp else None for vp in range(dims.vpp or 1)]
-        owned = {}
-        for vp in chunks:
-            c = Coords(0, pp, 0, 0, vp)
-            layers = dims.stage_layers(spec.num_layers, pp, vp)
-            for r in ckpt.rows:
-                if any(_local(backend, spec, r, dims, c2, layers) for c2 in _coords_at(dims, pp, vp)):
-                    owned[r.megatron] = r
-        merged = {name: _merged(ckpt, r, shapes) for name, r in owned.items()}
-        for rank in (r for r in range(dims.world_size) if int(coords["pp"][r]) == pp):
-            model, named = [], {}
-            for vp in chunks:
-                c = Coords(int(coords["tp"][rank]), pp, int(coords["ep"][rank]), int(coords["etp"][rank]), vp)
-                layers = dims.stage_layers(spec.num_layers, pp, vp)
+        ranks = [r for r in range(dims.world_size) if int(grid["pp"][r]) == pp]
+        plan = {rank: [held(rank, vp) for vp in chunks] for rank in ranks}
+        rows = {r.megatron: r for r in ckpt.rows if any(r.megatron in h for hs in plan.values() for h in hs)}
+        merged = {name: _merged(ckpt, r, shapes) for name, r in rows.items()}
+        for rank in ranks:
+            model: list[dict] = []
+            named: dict[str, dict[str, Any]] = {}
+            for h in plan[rank]:
                 entries: dict[str, tuple[int, object]] = {}
-                for pos, r in enumerate(ckpt.rows):
-                    local = _local(backend, spec, r, dims, c, layers)
-                    if local is None:
-                        continue
-                    weights, states = merged[r.megatron]
+                for name, (pos, local, c) in h.items():
+                    r, (weights, states) = rows[name], merged[name]
                     t = shard_of(r, weights, spec, dims, c).contiguous().clone()
                     entries[local] = (pos, t)
-                    named[r.megatron] = {"range": (0, t.numel()), "shape": tuple(t.shape)} | {
+                    named[name] = {"range": (0, t.numel()), "shape": tuple(t.shape)} | {
                         k: v.clone() if not isinstance(v, list) else shard_of(r, v, spec, dims, c).reshape(-1).clone()
                         for k, v in states.items()
                     }
-                model.append(backend.rank_state(spec, entries, c.post_process(dims)))
+                post = Coords(pp_rank=pp, vp_stage=chunks[len(model)]).post_process(dims)
+                model.append(backend.rank_state(spec, entries, post))
             state = {
                 "engine": {"model": model, "optimizer": [{"named": named}], "scheduler": first["engine"]["scheduler"]},
                 "rng": first["rng"],
@@ -165,14 +170,6 @@ def _write_ranks(ckpt: TrainingCheckpoint, spec: Any, dims: Any, out: Path) -> l
             del state, model, named
         del merged
     return files
-
-
-def _local(backend: Any, spec: Any, row: Any, dims: Any, c: Coords, layers: range) -> str | None:
-    return backend.owned(spec, row, dims, c, layers)
-
-
-def _coords_at(dims: Any, pp: int, vp: int | None) -> list[Coords]:
-    return [Coords(tp, pp, ep, tp, vp) for ep in range(dims.ep) for tp in range(dims.tp)]
 
 
 def _merged(ckpt: TrainingCheckpoint, row: Any, shapes: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
