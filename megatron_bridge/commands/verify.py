@@ -82,6 +82,7 @@ def _launched(cfg, worker: bool) -> int:
             export_dir=out / lay.describe().replace("·", "").replace(" ", ""),
             make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
             backend=spec.backend,
+            weights=cfg.verify.checkpoint,
         )
         res["seconds"] = round(time.perf_counter() - t0, 2)
         mine[lay.describe()] = res

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import lcm
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from megatron_bridge.backends.describe import describe
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.tiny import HF_TINY, TINY
 from megatron_bridge.config.schema import Config
+from megatron_bridge.convert.pipeline.run import export
 from megatron_bridge.convert.sources.preflight import check_init_source
 from megatron_bridge.convert.sources.readers import HFSource
 from megatron_bridge.errors import LayoutError, UserError
@@ -41,6 +43,8 @@ class VerifyOptions:
     families: list[str] = field(default_factory=list)  # --matrix: these families (default: every tiny model)
     nproc: int | None = None  # local processes to start; default: what the layouts need
     out: str | None = None  # keep exports (and the reference) here; default: a temp dir
+    checkpoint: str | None = None  # a Megatron-LM / NeMo / Megatron-Bridge checkpoint: exported to HF (model.hf_path
+    # names its tensors), transformers runs that export, the megatron side loads the checkpoint itself
     timeout_s: float = 1800.0
 
 
@@ -89,6 +93,9 @@ def prepare(cfg, out: Path):
         if not (Path(hf_dir) / "config.json").is_file():
             make_tiny(cfg.verify.tiny, hf_dir)
         spec = describe(cfg.model, hf_path=hf_dir)  # the rules see the model being verified
+    elif cfg.verify.checkpoint:
+        hf_dir = str(export_checkpoint(cfg, out / "checkpoint_hf"))
+        spec = describe(cfg.model, hf_path=hf_dir)
     else:
         spec = describe(cfg.model)
         if spec.source is None:
@@ -99,6 +106,23 @@ def prepare(cfg, out: Path):
     check_layouts(cfg, spec, layouts, world)
     check_weights(Path(hf_dir), spec)
     return hf_dir, spec, layouts
+
+
+def export_checkpoint(cfg, dst: Path) -> Path:
+    """`verify.checkpoint`'s HF export (`mbr export`, model.hf_path's names), written once into `dst`."""
+    if not (dst / "config.json").is_file():
+        opts = SimpleNamespace(
+            src=cfg.verify.checkpoint,
+            dst=str(dst),
+            overwrite=False,
+            dtype="source",
+            workers=1,
+            max_shard_gb=5.0,
+            progress="off",
+            model=cfg.model,
+        )
+        export(opts)
+    return dst
 
 
 def check_weights(hf_dir: Path, spec) -> None:

@@ -32,9 +32,11 @@ from megatron_bridge.bridge.features.mtp import mtp_keys
 from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import HFCheckpoint
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime import groups
 from megatron_bridge.runtime.build import build_model, check_groups
+from megatron_bridge.runtime.load_converted import load_megatron
 from megatron_bridge.runtime.schedule import forward_backward, forward_logits, sgd_step, unwrap, wrap_ddp
 from megatron_bridge.runtime.weights import export_hf_weights, iter_hf_tensors, load_hf_weights
 
@@ -176,6 +178,14 @@ def _compare_dict(
     return {"n": len(mine), "max_abs": worst, "max_over": over, "worst": name, "bad": bad}
 
 
+def _load(chunks: Sequence[Any], spec: BridgeSpec, hf_dir: str | Path, weights: str | Path | None) -> None:
+    if weights:
+        with torch.no_grad():
+            load_megatron(chunks, spec, weights)
+    else:
+        load_hf_weights(chunks, spec, hf_dir)
+
+
 def check_layout(
     hf_dir: str | Path,
     layout: Layout,
@@ -189,10 +199,12 @@ def check_layout(
     init_groups: bool = True,
     make_vocab_size_divisible_by: int = 8,
     backend: str = "auto",
+    weights: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run `checks` for one (model, layout) on every rank of the launch; returns this rank's
     findings (empty entries on ranks that hold nothing to compare). `backend` (auto | native
-    | hf) describes the model as `model.backend` does."""
+    | hf) describes the model as `model.backend` does; `weights`: a Megatron-written checkpoint
+    the megatron side loads instead of `hf_dir` (`hf_dir` is then its HF export)."""
     unknown = set(checks) - set(CHECKS)
     if unknown:
         raise ValueError(f"unknown checks {sorted(unknown)}; choose from {CHECKS}")
@@ -209,7 +221,7 @@ def check_layout(
     if "logits" in checks or "roundtrip" in checks:
         spec = describe_hf(hf, make_vocab_size_divisible_by=make_vocab_size_divisible_by, backend=backend)
         chunks = build_model(spec, layout, load_weights=True)
-        load_hf_weights(chunks, spec, hf_dir)
+        _load(chunks, spec, hf_dir, weights)
         if "logits" in checks:
             assert input_ids is not None and ref is not None, "the logits check needs input_ids and ref"
             logits = forward_logits(chunks, input_ids)
@@ -229,7 +241,7 @@ def check_layout(
         if glayout != layout:
             out["grad_layout"] = glayout.describe()
         chunks = build_model(spec, glayout, load_weights=True)
-        load_hf_weights(chunks, spec, hf_dir)
+        _load(chunks, spec, hf_dir, weights)
         ddp = wrap_ddp(chunks)
         assert input_ids is not None and labels is not None, "the grads and train checks need input_ids and labels"
         loss = forward_backward(ddp, input_ids, labels, train="train" in checks)

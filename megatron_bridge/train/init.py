@@ -1,8 +1,9 @@
 """The weights training starts from: `model.hf_path` (`spec.source`), or `train.init_from=DIR`.
 
 An HF directory (config.json + safetensors) goes through the bridge's mapping tables, each
-rank reading only its shard (runtime/weights.py). `mbr convert` outputs are loaded by
-runtime/load_converted.py, on the converter's formats and the same tables.
+rank reading only its shard (runtime/weights.py). `mbr convert` outputs and checkpoints
+Megatron-LM, NeMo or Megatron-Bridge wrote are loaded by runtime/load_converted.py, on the
+converter's formats and the same tables.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.convert.sources.preflight import init_kind
-from megatron_bridge.runtime.load_converted import load_converted
+from megatron_bridge.runtime.load_converted import load_converted, load_megatron
 from megatron_bridge.runtime.lora_modules import apply_lora
 from megatron_bridge.runtime.weights import load_hf_weights
 
@@ -42,9 +43,12 @@ def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
 
 
 def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:
-    """`train.init_from`: an HF directory or a converted checkpoint (`init_kind`; the runner's
-    preflight has checked it with `check_init_source` already)."""
-    if init_kind(path) == "hf_dir":
+    """`train.init_from`: an HF directory, a converted checkpoint or a Megatron-written one
+    (`init_kind`; the runner's preflight has checked it with `check_init_source` already)."""
+    kind = init_kind(path)
+    if kind == "hf_dir":
         load_hf_weights(chunks, spec, Path(path))
+    elif kind == "megatron":
+        load_megatron(chunks, spec, path)
     else:
         load_converted(chunks, spec, Path(path))

@@ -23,6 +23,7 @@ from typing import Any
 from megatron_bridge.convert.formats.paths import confined
 from megatron_bridge.convert.formats.pickle_guard import TRAINING
 from megatron_bridge.convert.formats.torch_zip_read import scan_torch_file
+from megatron_bridge.convert.sources.megatron import find_megatron
 from megatron_bridge.errors import UserError
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -44,9 +45,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def is_training_checkpoint(path: str | Path) -> bool:
     """A checkpoint.dir (its `latest` pointer) or one of its iter_N directories (its manifest);
-    not an `mbr convert` output, whose Megatron-style tracker has the same name."""
+    not an `mbr convert` output or a checkpoint Megatron-LM wrote, whose tracker has the same name."""
     p = Path(path)
-    if (p / "mbr_manifest.json").is_file():
+    if (p / "mbr_manifest.json").is_file() or find_megatron(p) is not None:
         return False
     return (p / LATEST).is_file() or (p.name.startswith("iter_") and (p / MANIFEST).is_file())
 

@@ -39,6 +39,10 @@ CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtr
          ("qwen2_moe", "ep2pp2"),
          # the transformers backend (transformers' modules): a tied dense model, experts stacked from per-expert tensors
          ("cohere", "tp2pp2"), ("dots1", "ep2pp2")]
+# checkpoints megatron-core / Megatron-LM wrote (tests/megatron_ckpts.py), loaded through `train.init_from`
+# at another layout: torch_dist by `dist_checkpointing.save` (local spec; TE names with shared experts),
+# per-rank tp2 files with TE names, and `mbr reshard` of the first into per-rank tp2·pp2 files
+MEGATRON = ["llama:mlm_dist:tp2pp2", "llama:mlm_torch:tp2pp2", "qwen2_moe:mlm_te:ep2pp2", "llama:mlm_reshard:tp2pp2"]
 HF_CATALOGUE = {"dots1"}  # built by runtime/hf_tiny.py (the transformers backend's catalogue), not runtime/tiny.py
 
 
@@ -60,12 +64,21 @@ def root(tmp_path_factory) -> Path:
                         f"format={fmt}", "progress=off", *args]) == 0
     assert mbr(["convert", f"src={base / 'llama'}", f"dst={base / 'ckpt' / 'llama-torch_dist_pad-tp2pp2'}",
                 "model.make_vocab_size_divisible_by=2", "progress=off"]) == 0
+    from tests import megatron_ckpts as mc
+
+    ck = base / "ckpt"
+    mc.write_dist(base / "llama", ck / "llama-mlm_dist-tp2pp2")
+    mc.write_torch(base / "llama", ck / "llama-mlm_torch-tp2pp2", tp=2)
+    mc.write_dist(base / "qwen2_moe", ck / "qwen2_moe-mlm_te-ep2pp2", te_names=True)
+    assert mbr(["reshard", f"src={ck / 'llama-mlm_dist-tp2pp2'}", f"dst={ck / 'llama-mlm_reshard-tp2pp2'}",
+                f"model.hf_path={base / 'llama'}", "parallel.tp=2", "parallel.pp=2", "progress=off"]) == 0
     return base
 
 
 def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
     cases = [f"{fam}:{fmt}:{layout}" for fam, layout in CASES for fmt in ("torch_dist", "torch")]
     cases.append("llama:torch_dist_pad:tp2pp2")  # stored vocab 250 rows, the model pads to 256
+    cases += MEGATRON
     results = run_torchrun([SCRIPT, "--root", str(root), "--cases", ",".join(cases), "--train", "llama",
                             "--stream-hf", ",".join(STREAM_HF), "--out", str(tmp_path)], nproc=4, timeout=600)
     for case in [*cases, *(f"hf:{c}" for c in STREAM_HF)]:
@@ -90,3 +103,5 @@ def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
     losses = next(r["losses"] for r in results if "losses" in r)
     assert len(losses["hf"]) == 2
     assert losses["torch_dist"] == losses["hf"] and losses["torch"] == losses["hf"], losses
+    for name in ("mlm_dist", "mlm_reshard"):  # a Megatron-LM checkpoint, and its reshard, start the same run
+        assert max(abs(a - b) for a, b in zip(losses[name], losses["hf"])) <= TOL, losses

@@ -161,6 +161,7 @@ def build(fx: Path) -> None:
         c.write_text(json.dumps({**json.loads(c.read_text()), **change}))
     _lora_fixtures(fx)
     _stranger_fixtures(fx, hf)
+    _megatron_fixtures(fx, hf)
     _numerics_fixtures(fx, hf)
     _weak_fixtures(fx)
 
@@ -285,6 +286,20 @@ def _stranger_fixtures(fx: Path, hf: Path) -> None:
         m["files"].append({"file": entry, "sha256": "0" * 64, "bytes": 0})
         (d / ck.MANIFEST).write_text(json.dumps(m))
     os.mkfifo(ck.iter_dir(fx / "ck_fifo", 2) / "extra.pt")
+
+
+def _megatron_fixtures(fx: Path, hf: Path) -> None:
+    """Checkpoints as Megatron-LM writes them (our conversions without their manifest: the
+    tracker, `release/`, the `args` in every file), one with a payload in a rank file, and HF
+    configs of other models (another layer count, another vocabulary) to describe them by."""
+    for name, src in (("mlm_dist", "cv_torch_dist"), ("mlm_torch", "cv_torch"), ("mlm_payload", "cv_payload_torch")):
+        d = Path(shutil.copytree(fx / src, fx / name))
+        for f in ("mbr_manifest.json", "config.json"):
+            (d / f).unlink()
+    config = json.loads((hf / "config.json").read_text())
+    for name, field, delta in (("hf_other_layers", "num_hidden_layers", 1), ("hf_other_vocab", "vocab_size", 100)):
+        (fx / name).mkdir()
+        (fx / name / "config.json").write_text(json.dumps({**config, field: config[field] + delta}))
 
 
 def _lora_fixtures(fx: Path) -> None:

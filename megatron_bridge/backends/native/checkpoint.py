@@ -173,6 +173,31 @@ def location(name: str, spec: BridgeSpec) -> DistLocation:
     return DistLocation(key + rest, offsets, axes)
 
 
+# The names megatron-core's other layer specs give a local-spec parameter, in a state dict or
+# a torch_dist key: Transformer Engine's spec fuses the norms into the linear after them
+# (`linear_qkv.layer_norm_weight`; MLA's q/kv norms into their up-projections; its MoE layers keep
+# `pre_mlp_layernorm`, which the local spec's keys map renames) and its grouped-GEMM experts
+# are one module with a weight per local expert (`experts.linear_fc1.weight3`). A checkpoint
+# written with either spec reads the same (`aliases`).
+_ALIASES: Sequence[tuple[re.Pattern[str], str]] = tuple(
+    (re.compile(p), r)
+    for p, r in (
+        (r"\.input_layernorm\.(weight|bias)$", r".self_attention.linear_qkv.layer_norm_\1"),
+        (r"\.pre_mlp_layernorm\.(weight|bias)$", r".mlp.linear_fc1.layer_norm_\1"),
+        (r"\.mlp\.linear_fc1\.layer_norm_(weight|bias)$", r".pre_mlp_layernorm.\1"),
+        (r"\.self_attention\.q_layernorm\.weight$", r".self_attention.linear_q_up_proj.layer_norm_weight"),
+        (r"\.self_attention\.kv_layernorm\.weight$", r".self_attention.linear_kv_up_proj.layer_norm_weight"),
+        (r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$", r".experts.\2.\3\1"),
+    )
+)
+
+
+def aliases(name: str) -> list[str]:
+    """Other names of local-spec parameter (or torch_dist key) `name` in checkpoints written
+    with megatron-core's Transformer Engine spec (see `_ALIASES`)."""
+    return [p.sub(r, name) for p, r in _ALIASES if p.search(name)]
+
+
 def extra_state_location(name: str, spec: BridgeSpec) -> DistLocation | None:
     """The `_extra_state` object that goes with a linear layer's weight (inside the layers)."""
     module, _, leaf = name.rpartition(".")
@@ -269,6 +294,7 @@ def megatron_args(spec: BridgeSpec, layout: Layout, dtype: DType, ckpt_format: s
 
 __all__ = [
     "LINEAR_MODULES",
+    "aliases",
     "chunk_state_dict",
     "expected_names",
     "extra_state_location",

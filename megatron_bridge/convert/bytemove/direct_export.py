@@ -181,7 +181,7 @@ class DirectExport:
 
     @staticmethod
     def make_plan(source: Source) -> dict[str, list[Piece]] | None:
-        if not direct.ENABLED or not isinstance(source, (DistSource, TorchSource)):
+        if not direct.ENABLED or not isinstance(source, (DistSource, TorchSource)) or not source.byte_paths:
             return None
         shapes = source.shapes
         plan: dict[str, list[Piece]] = {}

@@ -146,7 +146,9 @@ class DistReader:
     Finding chunks needs no torch (the metadata loads into stand-ins); only `read`, which
     builds tensors, imports it."""
 
-    def __init__(self, directory: Path, reader: PositionedReader):
+    def __init__(self, directory: Path, reader: PositionedReader, prefix: str = ""):
+        """`prefix`: of every key the checkpoint stores (NeMo 2 saves megatron-core's keys
+        under `module.`); keys are read without it, and keys outside it are not seen."""
         self.dir, self._io = directory, reader
         try:
             for name in ("metadata.json", ".metadata"):
@@ -162,9 +164,15 @@ class DistReader:
                 and isinstance(self.md.storage_data, dict)
             ):
                 raise ValueError(".metadata does not hold DCP's Metadata")
+            if prefix:
+                self.md.state_dict_metadata = {
+                    k[len(prefix) :]: v for k, v in self.md.state_dict_metadata.items() if k.startswith(prefix)
+                }
             # what MetadataIndex's hash and equality look at: the key and the chunk's offsets
             self._storage: dict[tuple[str, tuple[int, ...]], _StorageInfo] = {
-                (i.fqn, tuple(i.offset or ())): info for i, info in self.md.storage_data.items()
+                (i.fqn[len(prefix) :], tuple(i.offset or ())): info
+                for i, info in self.md.storage_data.items()
+                if i.fqn.startswith(prefix)
             }
         except Refused as e:
             raise refusal(directory / ".metadata", e.what) from None
@@ -197,6 +205,17 @@ class DistReader:
         if not isinstance(tmd, _TensorEntry):
             raise UserError(f"{self.dir}: the checkpoint has no tensor {key}")
         return tmd
+
+    def keys(self) -> list[str]:
+        """Every stored key (tensors and objects)."""
+        return list(self.md.state_dict_metadata)
+
+    def is_tensor(self, key: str) -> bool:
+        return isinstance(self.md.state_dict_metadata.get(key), _TensorEntry)
+
+    def dtype(self, key: str) -> DType:
+        """The stored dtype of tensor `key`."""
+        return self._entry(key).properties.dtype
 
     def size(self, key: str) -> tuple[int, ...]:
         """The global shape of tensor `key`."""

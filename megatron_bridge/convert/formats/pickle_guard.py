@@ -85,11 +85,38 @@ DEEPSPEED: frozenset[Name] = frozenset(
         ("deepspeed.utils.tensor_fragment", "fragment_address"),
     }
 )
+# What megatron-core itself allows when it loads a checkpoint (`megatron.core.safe_globals`):
+# the `args` Megatron-LM stores (a Namespace holding dtypes and megatron's enums), its RNG and
+# rerun-state records, `_extra_state` as BytesIO, and the `bytes` of protocol-2 pickles
+# (`_codecs.encode(text, "latin1")`, as torch's own weights-only loader admits). Each is a
+# plain record, an enum value or that one conversion.
+MEGATRON_RECORDS: frozenset[Name] = frozenset(
+    {
+        ("argparse", "Namespace"),
+        ("types", "SimpleNamespace"),
+        ("pathlib", "PosixPath"),
+        ("io", "BytesIO"),
+        ("_io", "BytesIO"),
+        ("_codecs", "encode"),
+        ("signal", "Signals"),
+        ("numpy.dtypes", "UInt32DType"),
+        ("megatron.core.enums", "ModelType"),
+        ("megatron.core.transformer.enums", "AttnBackend"),
+        ("megatron.core.transformer.enums", "CudaGraphScope"),
+        ("megatron.core.optimizer.optimizer_config", "OptimizerConfig"),
+        ("megatron.core.rerun_state_machine", "RerunDiagnostic"),
+        ("megatron.core.rerun_state_machine", "RerunMode"),
+        ("megatron.core.rerun_state_machine", "RerunState"),
+    }
+)
 TRAINING = TORCH | NUMPY | DEEPSPEED
 """What the files of a training checkpoint (`checkpoint.dir`) may name: this project's rank
 files (model, optimizer, scheduler, RNG states) and DeepSpeed's model and ZeRO files."""
 CONVERTED = TORCH | ARGPARSE
 """What the files of an `mbr convert` output may name (Megatron's per-rank files carry `args`)."""
+MEGATRON = TORCH | NUMPY | MEGATRON_RECORDS
+"""What a checkpoint written by Megatron-LM, NeMo or Megatron-Bridge may name (`common.pt`, the
+per-rank `model_optim_rng.pt`): exactly the names megatron-core's own loader admits."""
 
 
 def allows(allowed: frozenset[Name], module: str, name: str) -> bool:
@@ -177,6 +204,8 @@ __all__ = [
     "ARGPARSE",
     "CONVERTED",
     "DEEPSPEED",
+    "MEGATRON",
+    "MEGATRON_RECORDS",
     "NUMPY",
     "TORCH",
     "TRAINING",

@@ -15,13 +15,22 @@ import io
 import os
 import pickle
 import struct
-from collections.abc import Sequence
+import types
+from collections.abc import Mapping, Sequence
 from math import prod
-from pathlib import Path
-from typing import TYPE_CHECKING
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.convert.formats.dtypes import BY_NAME, DType
-from megatron_bridge.convert.formats.pickle_guard import Name, Refused, ScanUnpickler, python3_name, refusal
+from megatron_bridge.convert.formats.pickle_guard import (
+    MEGATRON_RECORDS,
+    NUMPY,
+    Name,
+    Refused,
+    ScanUnpickler,
+    python3_name,
+    refusal,
+)
 from megatron_bridge.convert.formats.torch_zip import (
     STORAGE_DTYPE,
     ZIP64_END,
@@ -41,9 +50,73 @@ if TYPE_CHECKING:
     from megatron_bridge.convert.formats.safetensors_io import PositionedReader
 
 
+class Opaque:
+    """An allowed object that is kept by name and never built: an enum value, a `BytesIO`, a
+    NumPy array of an RNG state, a record class of megatron-core's (`what`: its module.name;
+    `args` and `state`: what the pickle gave it). Made per name by `opaque`."""
+
+    what = ""
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any) -> Opaque:
+        self = object.__new__(cls)
+        self.args, self.state = args, None
+        return self
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"<{self.what}{self.args!r}>"
+
+
+def opaque(module: str, name: str) -> type[Opaque]:
+    return type(name, (Opaque,), {"what": f"{module}.{name}"})
+
+
+def _posix_path(*parts: str) -> str:
+    return str(PurePosixPath(*parts))
+
+
+def _latin1(text: str, encoding: str = "latin1") -> bytes:
+    """`_codecs.encode` as protocol-2 pickles call it for a `bytes` value, and only so."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"_codecs.encode called with {encoding!r}: not a bytes value")
+    return text.encode("latin1")
+
+
+# What a Megatron-LM / NeMo / Megatron-Bridge file's names load as (`pickle_guard.MEGATRON`):
+# namespaces as themselves (their `args`), paths as strings, everything else opaque.
+MEGATRON_STANDINS: dict[Name, Any] = {
+    **{n: opaque(*n) for n in MEGATRON_RECORDS | NUMPY},
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("types", "SimpleNamespace"): types.SimpleNamespace,
+    ("pathlib", "PosixPath"): _posix_path,
+    ("_codecs", "encode"): _latin1,
+}
+
+
 class _StubUnpickler(pickle.Unpickler):
     """Unpickles a torch.save pickle into TensorRefs; refuses any global outside the allowlist
-    (`pickle_guard.Refused`, before it is called). dtypes come back as `DType`s."""
+    (`pickle_guard.Refused`, before it is called). dtypes come back as `DType`s; `extra`:
+    further allowed names and what each loads as (`MEGATRON_STANDINS`)."""
+
+    def __init__(self, file: Any, extra: Mapping[Name, Any] | None = None):
+        super().__init__(file)
+        self._extra = extra or {}
 
     SAFE = {
         ("collections", "OrderedDict"): collections.OrderedDict,
@@ -57,6 +130,8 @@ class _StubUnpickler(pickle.Unpickler):
         module, name = python3_name(module, name)
         if (module, name) in self.SAFE:
             return self.SAFE[(module, name)]
+        if (module, name) in self._extra:
+            return self._extra[(module, name)]
         if module == "torch" and name in STORAGE_DTYPE:
             return STORAGE_DTYPE[name]
         if module == "torch" and name in BY_NAME:
@@ -194,7 +269,16 @@ class LazyTorchFile:
     [start, start + length) of one), one positioned read per tensor. Only `read` imports
     torch: listing the records and unpickling the stubs is plain Python."""
 
-    def __init__(self, path: Path, reader: PositionedReader, start: int = 0, length: int | None = None):
+    def __init__(
+        self,
+        path: Path,
+        reader: PositionedReader,
+        start: int = 0,
+        length: int | None = None,
+        extra: Mapping[Name, Any] | None = None,
+    ):
+        """`extra`: names allowed besides tensors and `argparse.Namespace`, and their
+        stand-ins (`MEGATRON_STANDINS` for a checkpoint Megatron-LM wrote)."""
         self.path, self._io = path, reader
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -203,7 +287,7 @@ class LazyTorchFile:
                 if "data.pkl" not in records:
                     raise ValueError("no data.pkl record")
                 at, size = records["data.pkl"]
-                self.obj = _StubUnpickler(io.BytesIO(_pread(fd, size, at))).load()
+                self.obj = _StubUnpickler(io.BytesIO(_pread(fd, size, at)), extra).load()
             finally:
                 os.close(fd)
             self._offsets = {r[len("data/") :]: at for r, (at, _) in records.items() if r.startswith("data/")}
@@ -245,4 +329,4 @@ class LazyTorchFile:
         return t if t.numel() == last - first + 1 else t.clone()
 
 
-__all__ = ["LazyTorchFile", "scan_torch_file"]
+__all__ = ["LazyTorchFile", "MEGATRON_STANDINS", "Opaque", "scan_torch_file"]

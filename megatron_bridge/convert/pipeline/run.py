@@ -30,7 +30,8 @@ from megatron_bridge.convert.pipeline.progress import Progress
 from megatron_bridge.convert.pipeline.writers import DistOut, HFOut, TorchOut
 from megatron_bridge.convert.placement.manifest_model import layout_record, manifest_layout
 from megatron_bridge.convert.placement.rank_files import RELEASE, TRACKER
-from megatron_bridge.convert.sources.readers import HFSource, Source, open_checkpoint, parse_dtype
+from megatron_bridge.convert.sources.megatron_source import open_any
+from megatron_bridge.convert.sources.readers import HFSource, Source, parse_dtype
 from megatron_bridge.errors import UserError
 
 RESERVED = {MANIFEST, TRACKER, RELEASE, "config.json"}
@@ -207,7 +208,7 @@ def export(cfg: Any) -> int:
     dtype, workers = parse_dtype(cfg.dtype), check_workers(cfg.workers)
     if not cfg.max_shard_gb > 0:
         raise UserError(f"max_shard_gb={cfg.max_shard_gb} must be > 0")
-    source = open_checkpoint(src, dtype)
+    source = open_any(src, dtype, cfg.model)
     man: Manifest = source.man
     out_dtypes = {source.out_dtype(n) for n in source.tensors}
     declared = man.hf_config.get("dtype", man.hf_config.get("torch_dtype"))
@@ -217,7 +218,7 @@ def export(cfg: Any) -> int:
 
     def finish(tmp: Path) -> None:
         _write_config_and_assets(tmp, source.spec, None, man.hf_config, retag)
-        _copy(src, tmp, man.assets)
+        _copy(source.assets_dir, tmp, man.assets)
 
     prog = _run(
         source,
@@ -229,7 +230,15 @@ def export(cfg: Any) -> int:
         cfg.overwrite,
     )
     print(
-        prog.summary(str(dst), f"HF safetensors, {dtype_name(out_dtypes)}, every tensor checked against the manifest"),
+        prog.summary(
+            str(dst),
+            f"HF safetensors, {dtype_name(out_dtypes)}, "
+            + (
+                "every tensor checked against the manifest"
+                if source.expected
+                else f"from a {man.created_by} checkpoint"
+            ),
+        ),
         flush=True,
     )
 
@@ -241,15 +250,18 @@ def reshard(cfg: Any) -> int:
     """Converted checkpoint -> the same weights in another layout (or format), without HF."""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
     fmt, dtype, workers = check_format(cfg.format or "torch"), parse_dtype(cfg.dtype), check_workers(cfg.workers)
-    source = open_checkpoint(src, dtype)
+    source = open_any(src, dtype, cfg.model)
     man: Manifest = source.man
     with _closing_on_error(source):
         layout = checked_layout(cfg, source.spec, man.hf_config, source.rows, source.tensors, fmt)
     writer = (DistOut if fmt == "torch_dist" else TorchOut)(source.spec, layout, workers)
 
     def finish(tmp: Path) -> None:
-        shutil.copy2(src / "config.json", tmp / "config.json")
-        _copy(src, tmp, man.assets)
+        if source.config_file is not None:
+            shutil.copy2(source.config_file, tmp / "config.json")
+        else:
+            (tmp / "config.json").write_text(json.dumps(man.hf_config, indent=2) + "\n")
+        _copy(source.assets_dir, tmp, man.assets)
         _manifest(fmt, man.hf_config, layout, source, tmp, man.assets, Path(man.source or src), "mbr reshard", workers)
 
     prog = _run(source, writer, dst, "resharded", cfg.progress, finish, cfg.overwrite)

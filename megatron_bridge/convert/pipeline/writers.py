@@ -80,6 +80,8 @@ def blockwise(source: Source, layout: Layout | None = None) -> bool:
     experts built from per-expert tensors, not a 0-dim tensor, not a reshaped view) and, under `layout`, a rank's
     tensor is one TP shard of it (not a run of stacked experts, in the output's layout or a
     per-rank source's) — what the byte engines copy."""
+    if not source.byte_paths:
+        return False
     backend, shapes = backend_of(source.spec), source.spec.shapes(1)
     ep = max(layout.ep if layout else 1, getattr(getattr(source, "layout", None), "ep", 1))  # either side's
     for r in source.rows:

@@ -16,7 +16,6 @@ from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.mapping import NotBlockwise
 from megatron_bridge.bridge.shards import FULL
 from megatron_bridge.bridge.table import Resolved
@@ -54,11 +53,12 @@ class DistSlice:
 
 
 class ConvertedTensors:
-    """The HF tensors of the converted checkpoint at `path` (see the module doc)."""
+    """The HF tensors of the converted checkpoint at `path` (see the module doc), or of an
+    already opened `source` (a Megatron-written checkpoint: `megatron_source`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, source: CheckpointSource | None = None):
         self.path = path
-        self.source: CheckpointSource = open_checkpoint(path, None)
+        self.source: CheckpointSource = source if source is not None else open_checkpoint(path, None)
         self._where = {h: (r, i) for r in self.source.rows if r.mapping.export for i, h in enumerate(r.hf)}
         self._held: tuple[str, list[torch.Tensor]] | None = None  # the last merged row's tensors
 
@@ -90,7 +90,7 @@ class ConvertedTensors:
         plain = first.src == 0 and first.rows == (0, shape[0]) and first.cols is None and first.step == 1
         if not plain or first.view or first.transposed or any(b.src is not None for b in blocks[1:]):
             return None
-        key = backend_of(src.spec).dist_location(src.spec, row.megatron).key
+        key = src.location(row.megatron).key
         if src.reader.size(key)[1:] != shape[1:] or prod(shape) == 0:
             return None
         return DistSlice(src.reader, key, shape, dtype)

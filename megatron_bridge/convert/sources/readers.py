@@ -30,6 +30,7 @@ from megatron_bridge.bridge.mapping import Replicated
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats import fp8
+from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.manifest import Manifest, check_index_crc32, crc32
@@ -74,6 +75,7 @@ class Source:
     tensors: TensorTable
     where: str  # how messages name the source ("src=PATH")
     expected: dict[str, str]  # HF name -> CRC-32 the manifest records (none for an HF directory)
+    byte_paths = True  # the byte engines may copy its records (they verify against `expected`)
 
     def __init__(self, dtype: DType | None):
         self.dtype = dtype  # None = keep the stored dtype
@@ -268,16 +270,21 @@ class CheckpointSource(Source):
     def __init__(self, path: Path, man: Manifest, dtype: DType | None):
         super().__init__(dtype)
         self.where, self.man = f"src={path}", man
+        self.assets_dir: Path = path  # where the manifest's assets are (export and reshard copy them)
+        self.config_file: Path | None = path / "config.json"  # copied by reshard (None: written from man.hf_config)
         man.check_files(path)
         self.spec = manifest_spec(man)
         self.layout = manifest_layout(man)
-        self.tensors = man.tensor_table()
-        self.rows = resolve_rows(self.spec, self.tensors, tp=self.layout.tp, where=self.where)
+        tensors = man.tensor_table()
+        self.use_rows(tensors, resolve_rows(self.spec, tensors, tp=self.layout.tp, where=self.where))
+        self.expected = {k: v["crc32"] for k, v in man.tensors.items()}
+
+    def use_rows(self, tensors: TensorTable, rows: list[Resolved]) -> None:
+        """The HF tensors and the rows read, in order, and what is derived from them."""
+        self.tensors, self.rows = tensors, rows
         self.order = {r.megatron: i for i, r in enumerate(self.rows)}
         self.producer = producers(self.rows)
         self.shapes = self.spec.shapes(self.layout.tp)
-        self.expected = {k: v["crc32"] for k, v in man.tensors.items()}
-
         # stacked-experts tensors (GPT-OSS): the rows of their experts, in expert order
         self._experts: dict[tuple[str, ...], list[Resolved]] = {}
         for r in self.rows:
@@ -321,12 +328,16 @@ class DistSource(CheckpointSource):
         super().__init__(path, man, dtype)
         self.reader = DistReader(path / RELEASE, self.io)
 
+    def location(self, name: str) -> DistLocation:
+        """Where megatron parameter `name` is stored (its backend's key)."""
+        return backend_of(self.spec).dist_location(self.spec, name)
+
     def merged(self, row: Resolved) -> list[torch.Tensor]:
-        g = self.reader.read(backend_of(self.spec).dist_location(self.spec, row.megatron))
+        g = self.reader.read(self.location(row.megatron))
         return list(row.mapping.merge([g], self.shapes))
 
     def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
-        return self.reader.ranges(backend_of(self.spec).dist_location(self.spec, self.source_row(row).megatron))
+        return self.reader.ranges(self.location(self.source_row(row).megatron))
 
 
 class TorchSource(CheckpointSource):
@@ -348,21 +359,30 @@ class TorchSource(CheckpointSource):
         if f in self._files:
             self._files.move_to_end(f)
         else:
-            self._files[f] = LazyTorchFile(self.root / f.relpath(self.layout), self.io)
+            self._files[f] = LazyTorchFile(self.path_of(f), self.io)
             if len(self._files) > self.MAX_OPEN:
                 self._files.popitem(last=False)
         return self._files[f]
 
+    def path_of(self, f: RankFile) -> Path:
+        """Where rank file `f` is."""
+        return self.root / f.relpath(self.layout)
+
+    def stored(self, f: LazyTorchFile, t: Target) -> TensorRef | None:
+        """`t`'s record in its rank file `f`, or None."""
+        chunk = f.obj.get(t.chunk) if isinstance(f.obj, dict) else None
+        ref = chunk.get(t.local) if isinstance(chunk, dict) else None
+        return ref if isinstance(ref, TensorRef) else None
+
     def ref(self, t: Target) -> tuple[LazyTorchFile, TensorRef]:
         """The rank file holding `t` and its record of it."""
         f = self.file(t.file)
-        try:
-            return f, f.obj[t.chunk][t.local]
-        except (KeyError, TypeError):
+        ref = self.stored(f, t)
+        if ref is None:
             raise UserError(
-                f"{self.root / t.file.relpath(self.layout)} has no {t.chunk}/{t.local} "
-                "(not the layout its manifest records, or damaged)"
-            ) from None
+                f"{self.path_of(t.file)} has no {t.chunk}/{t.local} (not the layout its manifest records, or damaged)"
+            )
+        return f, ref
 
     def _read(self, t: Target) -> torch.Tensor:
         f, ref = self.ref(t)
@@ -404,7 +424,7 @@ class TorchSource(CheckpointSource):
         out = []
         for t in (t for group in self.replica(row)[1] for t in group):
             f = self.file(t.file)
-            ref = f.obj.get(t.chunk, {}).get(t.local) if isinstance(f.obj, dict) else None
+            ref = self.stored(f, t)
             if ref is not None:
                 out.append(f.range(ref))
         return out

@@ -159,6 +159,10 @@ def main() -> None:
         for fmt in ("torch_dist", "torch"):
             ckpt = root / "ckpt" / f"{a.train}-{fmt}-tp2pp2"
             jobs[fmt] = [f"model.hf_path={ckpt}", f"train.init_from={ckpt}"]
+        mlm, resharded = root / "ckpt" / f"{a.train}-mlm_dist-tp2pp2", root / "ckpt" / f"{a.train}-mlm_reshard-tp2pp2"
+        if mlm.is_dir():  # a Megatron-LM checkpoint (described by the HF directory), and its `mbr reshard`
+            jobs["mlm_dist"] = [f"model.hf_path={hf}", f"train.init_from={mlm}"]
+            jobs["mlm_reshard"] = [f"model.hf_path={resharded}", f"train.init_from={resharded}"]
         losses = {}
         for name, extra in jobs.items():
             run_dir = Path(a.out) / name
