@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import random
 import re
@@ -192,7 +193,30 @@ def write_dist(
     """A Megatron-LM torch_dist checkpoint of the tiny HF model at `hf_dir`, saved by
     megatron-core's `dist_checkpointing.save` (tp1; torch_dist loads at any layout), with the
     top-level entries Megatron-LM's `generate_state_dict` writes; `rng`: its `rng_state`
-    ShardedObject ((pp, tp) grid). Returns the tracker dir `out`."""
+    ShardedObject ((pp, tp) grid). Returns the tracker dir `out`. Saved in a child interpreter:
+    the save's writer processes would otherwise outlive it as children of the caller."""
+    opts = {"iteration": iteration, "te_names": te_names, "args_overrides": dict(args_overrides or {}), "rng": rng}
+    code = "import json, sys; from tests.megatron_ckpts import _write_dist; _write_dist(*sys.argv[1:3], **json.loads(sys.argv[3]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(hf_dir), str(out), json.dumps(opts)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise RuntimeError(f"writing the torch_dist checkpoint failed:\n{done.stdout}\n{done.stderr}")
+    return Path(out)
+
+
+def _write_dist(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    iteration: int,
+    te_names: bool,
+    args_overrides: Mapping[str, Any],
+    rng: bool,
+) -> Path:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject
 

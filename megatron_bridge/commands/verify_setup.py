@@ -119,9 +119,8 @@ def export_checkpoint(cfg, dst: Path) -> Path:
             workers=1,
             max_shard_gb=5.0,
             progress="off",
-            model=cfg.model,
         )
-        export(opts)
+        export(opts, spec=describe(cfg.model))
     return dst
 
 

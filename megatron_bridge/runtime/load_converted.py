@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.backends.describe import describe_hf
-from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.spec import field_names
 from megatron_bridge.convert.formats.manifest import Manifest
 from megatron_bridge.convert.sources.hf_view import ConvertedTensors
-from megatron_bridge.convert.sources.megatron import find_megatron
-from megatron_bridge.convert.sources.megatron_source import open_megatron
+from megatron_bridge.convert.sources.megatron_source import open_for
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.runtimes import runtime_of
 
@@ -57,11 +55,7 @@ def load_megatron(chunks: Sequence[Any], spec: Any, path: str | Path) -> None:
     """A checkpoint Megatron-LM, NeMo or Megatron-Bridge wrote (any format, written at any
     layout) into this rank's chunks: its HF tensors, as the model `model.hf_path` describes
     names them (convert/sources/megatron_source.py), cut as an HF directory's are."""
-    md = find_megatron(path)
-    if md is None:
-        raise UserError(f"train.init_from={path} is not a Megatron-written checkpoint")
-    described_by = spec.source or backend_of(spec).hf_config(spec)  # model.hf_path, or the recipe's model
-    source = open_megatron(md, described_by, spec.make_vocab_size_divisible_by, None)
+    source = open_for(Path(path), spec, None)
     with ConvertedTensors(Path(path), source) as tensors:
         runtime_of(spec).load(chunks, spec, tensors)
 

@@ -73,7 +73,7 @@ def preflight(cfg, dims, spec) -> None:
             "directory or an `mbr convert` output, or drop train.init_from to start from scratch."
         )
     if cfg.train.init_from:  # HF headers and names, or a converted checkpoint's pickles: data only
-        check_init_source(cfg.train.init_from, model=cfg.model)
+        check_init_source(cfg.train.init_from, spec=spec)
     elif spec.source and any(Path(spec.source).glob("*.safetensors")):
         scan_dir(Path(spec.source))  # model.hf_path's weights: names confined, no FIFO
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:

@@ -22,6 +22,7 @@ from typing import Any
 from megatron_bridge.backends.describe import describe as describe_model
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.loader import _write_config_and_assets, hf_assets
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.convert.formats.manifest import MANIFEST, Manifest, dtype_name, list_crc32, list_files
 from megatron_bridge.convert.formats.safetensors_io import st_name
 from megatron_bridge.convert.pipeline.dst import check_replaceable, dst_lease, publish_mode
@@ -30,8 +31,9 @@ from megatron_bridge.convert.pipeline.progress import Progress
 from megatron_bridge.convert.pipeline.writers import DistOut, HFOut, TorchOut
 from megatron_bridge.convert.placement.manifest_model import layout_record, manifest_layout
 from megatron_bridge.convert.placement.rank_files import RELEASE, TRACKER
-from megatron_bridge.convert.sources.megatron_source import open_any
-from megatron_bridge.convert.sources.readers import HFSource, Source, parse_dtype
+from megatron_bridge.convert.sources.megatron import find_megatron
+from megatron_bridge.convert.sources.megatron_source import open_megatron
+from megatron_bridge.convert.sources.readers import CheckpointSource, HFSource, Source, open_checkpoint, parse_dtype
 from megatron_bridge.errors import UserError
 
 RESERVED = {MANIFEST, TRACKER, RELEASE, "config.json"}
@@ -201,14 +203,24 @@ def convert(cfg: Any) -> int:
     return 0
 
 
-def export(cfg: Any) -> int:
+def _open(src: Path, dtype: Any, cfg: Any, spec: BridgeSpec | None) -> CheckpointSource:
+    """`src`: a converted checkpoint, or a Megatron-written one of the model `model.hf_path`
+    describes (`spec`: already described by the caller)."""
+    md = find_megatron(src)
+    if md is None:
+        return open_checkpoint(src, dtype)
+    spec = spec or describe_model(cfg.model)
+    return open_megatron(md, spec.source, spec.make_vocab_size_divisible_by, dtype)
+
+
+def export(cfg: Any, spec: BridgeSpec | None = None) -> int:
     """Converted checkpoint -> HF directory (safetensors + index, config.json, tokenizer files).
     (`adapter=true`, a LoRA training checkpoint's adapter, is `commands/export.py`'s.)"""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
     dtype, workers = parse_dtype(cfg.dtype), check_workers(cfg.workers)
     if not cfg.max_shard_gb > 0:
         raise UserError(f"max_shard_gb={cfg.max_shard_gb} must be > 0")
-    source = open_any(src, dtype, cfg.model)
+    source = _open(src, dtype, cfg, spec)
     man: Manifest = source.man
     out_dtypes = {source.out_dtype(n) for n in source.tensors}
     declared = man.hf_config.get("dtype", man.hf_config.get("torch_dtype"))
@@ -250,7 +262,7 @@ def reshard(cfg: Any) -> int:
     """Converted checkpoint -> the same weights in another layout (or format), without HF."""
     src, dst = check_paths(cfg.src, cfg.dst, cfg.overwrite)
     fmt, dtype, workers = check_format(cfg.format or "torch"), parse_dtype(cfg.dtype), check_workers(cfg.workers)
-    source = open_any(src, dtype, cfg.model)
+    source = _open(src, dtype, cfg, None)
     man: Manifest = source.man
     with _closing_on_error(source):
         layout = checked_layout(cfg, source.spec, man.hf_config, source.rows, source.tensors, fmt)

@@ -27,6 +27,7 @@ from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import shard_for
+from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import DType
@@ -301,13 +302,15 @@ def open_megatron(
     return cls(md, hf_path, default_divisor, dtype, arg)
 
 
-def open_any(path: Path, dtype: DType | None, model: Any, arg: str = "model.hf_path") -> CheckpointSource:
-    """The checkpoint at `path`: an `mbr convert` / `mbr reshard` output (its manifest describes
-    it), or a Megatron-written one of the model `model` (`model.hf_path`) describes."""
+def open_for(path: Path, spec: BridgeSpec, dtype: DType | None, arg: str = "model.hf_path") -> CheckpointSource:
+    """The checkpoint at `path` as the source of the model `spec` describes: an `mbr convert` /
+    `mbr reshard` output (its manifest describes it), or a Megatron-written one, whose names
+    come from `spec`'s HF config (`model.hf_path`, else the recipe's model as config.json)."""
     md = find_megatron(path)
     if md is None:
         return open_checkpoint(path, dtype)
-    return open_megatron(md, model.hf_path, model.make_vocab_size_divisible_by, dtype, arg)
+    described_by = spec.source or backend_of(spec).hf_config(spec)
+    return open_megatron(md, described_by, spec.make_vocab_size_divisible_by, dtype, arg)
 
 
-__all__ = ["MegatronDistSource", "MegatronTorchSource", "open_any", "open_megatron"]
+__all__ = ["MegatronDistSource", "MegatronTorchSource", "open_for", "open_megatron"]

@@ -14,7 +14,7 @@ from megatron_bridge.convert.formats.manifest import Manifest, check_index_crc32
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, scan_dir
 from megatron_bridge.convert.placement.rank_files import RELEASE
 from megatron_bridge.convert.sources.megatron import find_megatron
-from megatron_bridge.convert.sources.megatron_source import open_any
+from megatron_bridge.convert.sources.megatron_source import open_for
 from megatron_bridge.convert.sources.readers import scan_rank_files
 from megatron_bridge.errors import UserError
 
@@ -58,20 +58,20 @@ def init_kind(path: str | Path, arg: str = "train.init_from") -> str:
     )
 
 
-def check_init_source(path: str | Path, arg: str = "train.init_from", model: Any = None) -> None:
+def check_init_source(path: str | Path, arg: str = "train.init_from", spec: Any = None) -> None:
     """The trainer's preflight of the weights it will start from, before any process group:
     an HF directory's index and headers (names confined, no FIFO: `scan_dir`) and, where its
     index records them (our exports), its files' CRC-32; a converted checkpoint's manifest and
     pickles (`check_data_only`); a Megatron-written checkpoint opened as the source of the run's
-    `model` (its pickles scanned, the model checked against what it recorded and holds:
+    model `spec` (its pickles scanned, the model checked against what it recorded and holds:
     `megatron_source`). Reads no tensor (the checksums read the files' bytes)."""
     kind = init_kind(path, arg)
     if kind == "hf_dir":
         scan_dir(Path(path))
         check_index_crc32(Path(path))  # a directory we exported records its files' CRC-32
     elif kind == "megatron":
-        if model is not None:
-            open_any(Path(path), None, model).close()
+        if spec is not None:
+            open_for(Path(path), spec, None).close()
     else:
         check_data_only(Path(path))
 
