@@ -22,7 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,19 +193,27 @@ def write_dist(
     """A Megatron-LM torch_dist checkpoint of the tiny HF model at `hf_dir`, saved by
     megatron-core's `dist_checkpointing.save` (tp1; torch_dist loads at any layout), with the
     top-level entries Megatron-LM's `generate_state_dict` writes; `rng`: its `rng_state`
-    ShardedObject ((pp, tp) grid). Returns the tracker dir `out`. Saved in a child interpreter:
-    the save's writer processes would otherwise outlive it as children of the caller."""
+    ShardedObject ((pp, tp) grid). Returns the tracker dir `out`."""
     opts = {"iteration": iteration, "te_names": te_names, "args_overrides": dict(args_overrides or {}), "rng": rng}
-    code = "import json, sys; from tests.megatron_ckpts import _write_dist; _write_dist(*sys.argv[1:3], **json.loads(sys.argv[3]))"
+    return write_dists([(hf_dir, out, opts)])[0]
+
+
+def write_dists(jobs: Sequence[tuple[str | Path, str | Path, Mapping[str, Any]]]) -> list[Path]:
+    """`write_dist(hf_dir, out, **opts)` for each job, all in one child interpreter: the save's
+    writer processes would otherwise outlive it as children of the caller (and an interpreter
+    with megatron-core takes seconds to start)."""
+    full = {"iteration": 10, "te_names": False, "args_overrides": {}, "rng": True}
+    payload = json.dumps([[str(h), str(o), {**full, **dict(opts)}] for h, o, opts in jobs])
+    code = (
+        "import json, sys; from tests.megatron_ckpts import _write_dist\n"
+        "for h, o, opts in json.loads(sys.argv[1]): _write_dist(h, o, **opts)"
+    )
     done = subprocess.run(
-        [sys.executable, "-c", code, str(hf_dir), str(out), json.dumps(opts)],
-        cwd=Path(__file__).resolve().parents[1],
-        capture_output=True,
-        text=True,
+        [sys.executable, "-c", code, payload], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True
     )
     if done.returncode:
-        raise RuntimeError(f"writing the torch_dist checkpoint failed:\n{done.stdout}\n{done.stderr}")
-    return Path(out)
+        raise RuntimeError(f"writing the torch_dist checkpoints failed:\n{done.stdout}\n{done.stderr}")
+    return [Path(o) for _, o, _ in jobs]
 
 
 def _write_dist(

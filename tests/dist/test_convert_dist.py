@@ -67,9 +67,9 @@ def root(tmp_path_factory) -> Path:
     from tests import megatron_ckpts as mc
 
     ck = base / "ckpt"
-    mc.write_dist(base / "llama", ck / "llama-mlm_dist-tp2pp2")
+    mc.write_dists([(base / "llama", ck / "llama-mlm_dist-tp2pp2", {}),
+                    (base / "qwen2_moe", ck / "qwen2_moe-mlm_te-ep2pp2", {"te_names": True})])
     mc.write_torch(base / "llama", ck / "llama-mlm_torch-tp2pp2", tp=2)
-    mc.write_dist(base / "qwen2_moe", ck / "qwen2_moe-mlm_te-ep2pp2", te_names=True)
     assert mbr(["reshard", f"src={ck / 'llama-mlm_dist-tp2pp2'}", f"dst={ck / 'llama-mlm_reshard-tp2pp2'}",
                 f"model.hf_path={base / 'llama'}", "parallel.tp=2", "parallel.pp=2", "progress=off"]) == 0
     return base

@@ -1333,10 +1333,10 @@ CONVERT_CASES: list[Case] = [
     C(
         "megatron-no-hf-path",
         "convert",
-        "mbr export src={FX}/mlm_dist dst=out/ex",
-        "Megatron checkpoint without model.hf_path",
-        "is a Megatron-LM checkpoint (torch_dist, iteration release)",
-        "set model.hf_path=DIR",
+        "mbr export src={FX}/mlm_noargs dst=out/ex",
+        "Megatron checkpoint without args or model.hf_path",
+        "is a Megatron-LM checkpoint (torch_dist, iteration release), and the checkpoint records no training",
+        "Set model.hf_path=DIR",
         out=OUT,
     ),
     C(

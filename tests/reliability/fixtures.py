@@ -296,6 +296,8 @@ def _megatron_fixtures(fx: Path, hf: Path) -> None:
         d = Path(shutil.copytree(fx / src, fx / name))
         for f in ("mbr_manifest.json", "config.json"):
             (d / f).unlink()
+    d = Path(shutil.copytree(fx / "mlm_dist", fx / "mlm_noargs"))
+    (d / "release" / "common.pt").unlink()  # no `args`: nothing says what the model is
     config = json.loads((hf / "config.json").read_text())
     for name, field, delta in (("hf_other_layers", "num_hidden_layers", 1), ("hf_other_vocab", "vocab_size", 100)):
         (fx / name).mkdir()

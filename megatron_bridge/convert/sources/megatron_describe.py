@@ -24,6 +24,7 @@ from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.convert.formats.manifest import Manifest
 from megatron_bridge.convert.placement.manifest_model import layout_record
 from megatron_bridge.convert.sources.megatron import MegatronDir
+from megatron_bridge.convert.sources.megatron_derive import derive_hf_config
 from megatron_bridge.convert.sources.megatron_model import RunRecord, check_facts, run_record
 from megatron_bridge.convert.sources.readers import TensorTable
 from megatron_bridge.convert.sources.rows import resolve_rows
@@ -91,23 +92,34 @@ def describe_source(
     arg: str,
     hf: dict[str, Any] | None = None,
 ) -> Described:
-    """The description of `md`'s model: `hf_path`'s config.json (or the run's model's, `hf`)
-    padded as the embedding's `rows` say, every fact the run recorded checked against it (one
-    error naming each mismatch)."""
+    """The description of `md`'s model: `hf_path`'s config.json (or the run's model's, `hf`;
+    neither: the one its run's record gives, `megatron_derive`) padded as the embedding's `rows`
+    say, every fact the run recorded checked against it (one error naming each mismatch)."""
     where = str(md.given)
-    if hf is None and not hf_path:
-        raise UserError(
-            f"{where} is a {md.describe()}; its weights' HF names come from the model's HF config: "
-            f"set {arg}=DIR (the HF directory of the model it trained, or just its config.json; the "
-            "tokenizer files beside it are copied into an export)"
-        )
-    by = f"{arg}={hf_path}" if hf is None else "the run's model"
+    record = run_record(md, state)
     config_file = None
-    if hf is None:
+    if hf is None and not hf_path:
+        hf, note = derive_hf_config(record, rows)
+        if hf is None:
+            raise UserError(
+                f"{where} is a {md.describe()}, and {note}: the HF model it holds cannot be derived from what "
+                f"its run recorded. Set {arg}=DIR (the HF directory of the model it trained, or just its "
+                "config.json; the tokenizer files beside it are copied into an export)"
+            )
+        by = "the config its run's record gives"
+        print(
+            f"note: no {arg}: {where} is described as the {hf['architectures'][0]} its run recorded"
+            + (f"; {note}" if note else "")
+            + f"; an export carries no tokenizer files ({arg}=DIR names the model and copies them)",
+            flush=True,
+        )
+    elif hf is None:
         assert hf_path is not None
+        by = f"{arg}={hf_path}"
         hf = read_hf_config(hf_path, arg=arg)
         config_file = Path(hf_path) / "config.json" if Path(hf_path).is_dir() else Path(hf_path)
-    record = run_record(md, state)
+    else:
+        by = "the run's model"
     divisor = _divisor(hf, record, rows, default_divisor, where, by)
     # the native backend's: a megatron-core GPTModel's parameters are what these checkpoints hold
     spec = describe_hf(hf, make_vocab_size_divisible_by=divisor, backend="native")

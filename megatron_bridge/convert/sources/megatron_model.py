@@ -55,6 +55,22 @@ def _moe(s: BridgeSpec) -> bool:
     return s.is_moe
 
 
+_LLAMA3 = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(s: BridgeSpec) -> Any:
+    """The rotary scaling as Megatron-LM can state it: none, or Llama 3.1's (`--use-rope-scaling`)."""
+    if s.rope_type == "default":
+        return "default"
+    params = dict(s.rope_params)
+    return (s.rope_type, *(float(params.get(k, 0.0)) for k in _LLAMA3))
+
+
+def _rope_recorded(use: Any, factor: Any) -> Any:
+    # megatron-core's `_apply_scaling`: low 1, high 4 and 8192 original positions are fixed
+    return ("llama3", float(factor or 8.0), 1.0, 4.0, 8192.0) if use else "default"
+
+
 def _silu_glu(s: BridgeSpec) -> bool:
     return s.gated_linear_unit and s.activation == "silu"
 

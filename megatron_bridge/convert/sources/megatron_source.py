@@ -26,8 +26,9 @@ from megatron_bridge.backends.native import checkpoint as names
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.bridge.loader import shard_for
+from megatron_bridge.bridge.loader import shard_for, table_for
 from megatron_bridge.bridge.spec import BridgeSpec
+from megatron_bridge.bridge.table import resolve_megatron
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import DType
@@ -70,7 +71,11 @@ class MegatronDistSource(DistSource):
         found: dict[str, tuple[tuple[int, ...], DType]] = {}
         want = backend_of(self.spec).expected(self.spec, self.spec.shapes(self.layout.tp).padded_vocab_size)
         bad, missing = [], []
+        table = table_for(self.spec)
         for name, shape in want.items():
+            row = resolve_megatron(table, name)
+            if row is not None and not row.mapping.export:
+                continue  # the tied output layer: the embedding's tensor (not stored again)
             loc = self._find(name)
             if loc is None:
                 missing.append(name)
@@ -273,7 +278,10 @@ class MegatronTorchSource(TorchSource):
                 extra = [
                     k
                     for k, v in obj[chunk].items()
-                    if isinstance(v, TensorRef) and k not in known and not k.endswith("_extra_state")
+                    if isinstance(v, TensorRef)
+                    and k not in known
+                    and not k.endswith("_extra_state")
+                    and not (k == "output_layer.weight" and self.spec.tie_word_embeddings)  # the last stage's copy
                 ]
                 if extra:
                     legacy = [k for k in extra if k.endswith((".experts.weight1", ".experts.weight2"))]

@@ -27,8 +27,9 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.tiny import make_tiny
 from tests import megatron_ckpts as mc
 
-# dense; MoE with a dense layer (grouped-GEMM names under TE); MoE with shared experts
-FAMILIES = ("llama", "qwen3_moe", "qwen2_moe")
+# dense; dense with tied embeddings and qkv bias; MoE with a dense layer (grouped-GEMM names under
+# TE); MoE with shared experts
+FAMILIES = ("llama", "qwen2", "qwen3_moe", "qwen2_moe")
 KINDS = ("dist", "dist_te", "torch", "torch_te")
 
 
@@ -36,12 +37,16 @@ KINDS = ("dist", "dist_te", "torch", "torch_te")
 def made(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mlm")
     out: dict[str, Path] = {}
-    for fam in FAMILIES:
+    dists = []
+    for fam in (*FAMILIES, "qwen3"):
         hf = out[fam] = make_tiny(fam, root / fam)
-        out[f"{fam}:dist"] = mc.write_dist(hf, root / f"{fam}-dist")
-        out[f"{fam}:dist_te"] = mc.write_dist(hf, root / f"{fam}-dist_te", te_names=True)
-        out[f"{fam}:torch"] = mc.write_torch(hf, root / f"{fam}-torch", te_names=False)
-        out[f"{fam}:torch_te"] = mc.write_torch(hf, root / f"{fam}-torch_te")
+        for kind, te in (("dist", False), ("dist_te", True)):
+            out[f"{fam}:{kind}"] = root / f"{fam}-{kind}"
+            dists.append((hf, root / f"{fam}-{kind}", {"te_names": te}))
+        if fam in FAMILIES:
+            out[f"{fam}:torch"] = mc.write_torch(hf, root / f"{fam}-torch", te_names=False)
+            out[f"{fam}:torch_te"] = mc.write_torch(hf, root / f"{fam}-torch_te")
+    mc.write_dists(dists)
     return out
 
 
@@ -158,8 +163,31 @@ def test_another_model_is_refused_naming_both_values(made, kind, tmp_path, capsy
         _refused(capsys, argv, "vocab padding: model.hf_path=.* pads to 128 rows; the checkpoint's embedding has 256")
 
 
-def test_without_hf_path_the_option_is_named(made, tmp_path, capsys):
-    _refused(capsys, ["export", f"src={made['llama:dist']}", f"dst={tmp_path / 'x'}"], "set model.hf_path=DIR")
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # qk-norm; qkv bias
+def test_without_hf_path_a_dense_model_is_described_by_its_args(made, family, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    hf, ck = made[family], made[f"{family}:dist"]
+    capsys.readouterr()
+    assert mbr(["export", f"src={ck}", f"dst={tmp_path / 'ex'}", "progress=off"]) == 0
+    assert "is described as the" in capsys.readouterr().out
+    config = json.loads((tmp_path / "ex" / "config.json").read_text())
+    want, got = _tensors(hf), _tensors(tmp_path / "ex")
+    assert config["architectures"] == json.loads((hf / "config.json").read_text())["architectures"]
+    assert sorted(got) == sorted(want)
+    vocab = want["model.embed_tokens.weight"].shape[0]
+    for n in want:  # the embedding keeps its padding rows (the run recorded no --vocab-size)
+        assert torch.equal(got[n][:vocab] if got[n].shape != want[n].shape else got[n], want[n]), n
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(ids).logits
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ex", dtype=torch.float32).eval()(ids).logits
+    assert float((ours[..., :vocab] - ref).abs().max()) <= 1e-5
+
+
+def test_without_hf_path_a_moe_model_is_refused_naming_the_option(made, tmp_path, capsys):
+    argv = ["export", f"src={made['qwen3_moe:dist']}", f"dst={tmp_path / 'x'}"]
+    _refused(capsys, argv, "it is a MoE model .*Set model.hf_path=DIR")
 
 
 def test_a_payload_in_a_rank_file_is_refused_and_never_run(made, tmp_path, capsys):
