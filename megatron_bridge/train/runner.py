@@ -70,7 +70,8 @@ def preflight(cfg, dims, spec) -> None:
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
         raise UserError(
             f"train.init_from={cfg.train.init_from} does not exist. Point it at a Hugging Face model "
-            "directory or an `mbr convert` output, or drop train.init_from to start from scratch."
+            "directory, an `mbr convert` output or a Megatron-LM / NeMo / Megatron-Bridge checkpoint, or drop "
+            "train.init_from to start from scratch."
         )
     if cfg.train.init_from:  # HF headers and names, or a converted checkpoint's pickles: data only
         check_init_source(cfg.train.init_from, spec=spec)

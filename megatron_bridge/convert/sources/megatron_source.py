@@ -24,7 +24,6 @@ from typing import Any
 
 from megatron_bridge.backends.native import checkpoint as names
 from megatron_bridge.backends.registry import backend_of
-from megatron_bridge.bridge.features.mtp import note_skipped
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import shard_for, table_for
 from megatron_bridge.bridge.spec import BridgeSpec
@@ -50,6 +49,19 @@ from megatron_bridge.errors import UserError
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 IGNORED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine", "opt_param_scheduler")
+
+
+def _without_mtp(keys: list[str], where: str) -> list[str]:
+    """`keys` but megatron-core's multi-token-prediction layers' (`mtp.`), which are skipped
+    with a note, as an HF source's MTP layers are: the bridge does not build them."""
+    mtp = [k for k in keys if k.startswith("mtp.")]
+    if mtp:
+        print(
+            f"note: {where}: skipping {len(mtp)} tensor(s) of its multi-token-prediction layers (mtp.*): "
+            "the bridge does not build MTP layers",
+            flush=True,
+        )
+    return [k for k in keys if not k.startswith("mtp.")]
 
 
 class MegatronDistSource(DistSource):
@@ -135,10 +147,7 @@ class MegatronDistSource(DistSource):
             for k in self.reader.keys()
             if self.reader.is_tensor(k) and k not in used and not k.startswith(IGNORED_PREFIXES)
         ]
-        mtp = [k for k in extra if k.startswith("mtp.")]
-        if mtp:
-            note_skipped(self.spec, mtp)
-        extra = [k for k in extra if not k.startswith("mtp.")]
+        extra = _without_mtp(extra, self.where)
         if extra:
             raise UserError(
                 f"{self.where} holds {len(extra)} tensor(s) the model model.hf_path describes has no place for, "
@@ -283,6 +292,7 @@ class MegatronTorchSource(TorchSource):
                     and not k.endswith("_extra_state")
                     and not (k == "output_layer.weight" and self.spec.tie_word_embeddings)  # the last stage's copy
                 ]
+                extra = _without_mtp(extra, str(self.path_of(f)))
                 if extra:
                     legacy = [k for k in extra if k.endswith((".experts.weight1", ".experts.weight2"))]
                     hint = (

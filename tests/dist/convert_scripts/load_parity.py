@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--root", required=True)
     ap.add_argument("--cases", required=True)
     ap.add_argument("--train", default="")
+    ap.add_argument("--train-moe", default="", help="a MoE family trained at ep2·pp2 from HF and its Megatron checkpoints")
     ap.add_argument("--stream-hf", default="", help="family:layout,... built by the transformers backend, streamed only")
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocab-divisor", type=int, default=64)  # the default recipe's, as training uses
@@ -159,10 +160,20 @@ def main() -> None:
         for fmt in ("torch_dist", "torch"):
             ckpt = root / "ckpt" / f"{a.train}-{fmt}-tp2pp2"
             jobs[fmt] = [f"model.hf_path={ckpt}", f"train.init_from={ckpt}"]
-        mlm, resharded = root / "ckpt" / f"{a.train}-mlm_dist-tp2pp2", root / "ckpt" / f"{a.train}-mlm_reshard-tp2pp2"
-        if mlm.is_dir():  # a Megatron-LM checkpoint (described by the HF directory), and its `mbr reshard`
-            jobs["mlm_dist"] = [f"model.hf_path={hf}", f"train.init_from={mlm}"]
+        ck = root / "ckpt"
+        if (ck / f"{a.train}-mlm_dist-tp2pp2").is_dir():  # Megatron-LM checkpoints (described by the HF
+            # directory): torch_dist, per-rank tp2 files, and the first's `mbr reshard`
+            for name in ("mlm_dist", "mlm_torch"):
+                jobs[name] = [f"model.hf_path={hf}", f"train.init_from={ck / f'{a.train}-{name}-tp2pp2'}"]
+            resharded = ck / f"{a.train}-mlm_reshard-tp2pp2"
             jobs["mlm_reshard"] = [f"model.hf_path={resharded}", f"train.init_from={resharded}"]
+        moe = ["parallel.tp=1", "parallel.ep=2", "parallel.pp=2"]  # after `common`: the last value wins
+        if a.train_moe:  # a MoE model from HF, from its TE-named torch_dist and from that one's reshard
+            hf_moe = root / a.train_moe
+            jobs["moe_hf"] = [*moe, f"model.hf_path={hf_moe}"]
+            jobs["moe_mlm"] = [*moe, f"model.hf_path={hf_moe}", f"train.init_from={ck / f'{a.train_moe}-mlm_te-ep2pp2'}"]
+            resharded = ck / f"{a.train_moe}-mlm_reshard-ep2pp2"
+            jobs["moe_mlm_reshard"] = [*moe, f"model.hf_path={resharded}", f"train.init_from={resharded}"]
         losses = {}
         for name, extra in jobs.items():
             run_dir = Path(a.out) / name

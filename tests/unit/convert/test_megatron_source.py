@@ -262,3 +262,50 @@ def test_tracker_and_iteration_directories(made, tmp_path):
     with pytest.raises(UserError, match="Megatron writes an iteration number or `release` there"):
         find_megatron(ck)
     assert find_megatron(tmp_path) is None  # not a checkpoint at all
+
+
+@pytest.mark.parametrize(
+    "family,layout",
+    [
+        ("llama", ["parallel.pp=2", "parallel.vpp=2"]),
+        ("qwen3_moe", ["parallel.ep=2"]),
+        ("qwen3_moe", ["parallel.tp=2", "parallel.pp=2", "parallel.ep=2"]),
+    ],
+)
+def test_per_rank_files_of_any_layout_the_args_record(made, family, layout, tmp_path):
+    """Per-rank files named as Megatron-LM's `get_checkpoint_name` names them (`mp_rank_TT_EEE` at
+    pp1: the second number is the EP rank), `model0`/`model1` chunks: which rank holds what
+    comes from the args' parallel sizes (our conversion without its manifest is such a checkpoint)."""
+    hf = made[family]
+    ck = tmp_path / "ck"
+    assert mbr(["convert", f"src={hf}", f"dst={ck}", "format=torch", "progress=off", *layout]) == 0
+    for f in ("mbr_manifest.json", "config.json"):
+        (ck / f).unlink()
+    assert mbr(["export", f"src={ck}", f"dst={tmp_path / 'ex'}", f"model.hf_path={hf}", "progress=off"]) == 0
+    want, got = _tensors(hf), _tensors(tmp_path / "ex")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def _with_key(dist: Path, out: Path, key: str) -> Path:
+    """A copy of torch_dist checkpoint `dist` whose metadata names one more tensor, `key`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shutil.copytree(dist, out)
+    d = out / "iter_0000010"
+    md = FileSystemReader(str(d)).read_metadata()
+    md.state_dict_metadata[key] = md.state_dict_metadata["decoder.final_layernorm.weight"]
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    return out
+
+
+def test_mtp_layers_are_skipped_with_a_note_and_other_tensors_refused(made, tmp_path, capsys):
+    hf = made["llama"]
+    mtp = _with_key(made["llama:dist"], tmp_path / "mtp", "mtp.layers.0.enorm.weight")
+    capsys.readouterr()
+    assert mbr(["export", f"src={mtp}", f"dst={tmp_path / 'ex'}", f"model.hf_path={hf}", "progress=off"]) == 0
+    assert "skipping 1 tensor(s) of its multi-token-prediction layers" in capsys.readouterr().out
+    want, got = _tensors(hf), _tensors(tmp_path / "ex")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    extra = _with_key(made["llama:dist"], tmp_path / "extra", "decoder.layers.self_attention.linear_qkv.bias")
+    argv = ["export", f"src={extra}", f"dst={tmp_path / 'x'}", f"model.hf_path={hf}"]
+    _refused(capsys, argv, "holds 1 tensor\\(s\\) the model .* has no place for, e.g. decoder.layers.self_attention")
