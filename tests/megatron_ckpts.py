@@ -189,12 +189,16 @@ def write_dist(
     te_names: bool = False,
     args_overrides: Mapping[str, Any] | None = None,
     rng: bool = True,
+    pre_014: bool = False,
 ) -> Path:
     """A Megatron-LM torch_dist checkpoint of the tiny HF model at `hf_dir`, saved by
     megatron-core's `dist_checkpointing.save` (tp1; torch_dist loads at any layout), with the
     top-level entries Megatron-LM's `generate_state_dict` writes; `rng`: its `rng_state`
-    ShardedObject ((pp, tp) grid). Returns the tracker dir `out`."""
+    ShardedObject ((pp, tp) grid); `pre_014`: in the format megatron-core wrote before 0.14
+    (`singleton_local_shards`: a key per layer and per expert, SwiGLU's fc1 as `_w` / `_v`
+    halves). Returns the tracker dir `out`."""
     opts = {"iteration": iteration, "te_names": te_names, "args_overrides": dict(args_overrides or {}), "rng": rng}
+    opts["pre_014"] = pre_014
     return write_dists([(hf_dir, out, opts)])[0]
 
 
@@ -202,7 +206,7 @@ def write_dists(jobs: Sequence[tuple[str | Path, str | Path, Mapping[str, Any]]]
     """`write_dist(hf_dir, out, **opts)` for each job, all in one child interpreter: the save's
     writer processes would otherwise outlive it as children of the caller (and an interpreter
     with megatron-core takes seconds to start)."""
-    full = {"iteration": 10, "te_names": False, "args_overrides": {}, "rng": True}
+    full = {"iteration": 10, "te_names": False, "args_overrides": {}, "rng": True, "pre_014": False}
     payload = json.dumps([[str(h), str(o), {**full, **dict(opts)}] for h, o, opts in jobs])
     code = (
         "import json, sys; from tests.megatron_ckpts import _write_dist\n"
@@ -224,6 +228,7 @@ def _write_dist(
     te_names: bool,
     args_overrides: Mapping[str, Any],
     rng: bool,
+    pre_014: bool,
 ) -> Path:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject
@@ -232,7 +237,8 @@ def _write_dist(
     ckpt = iter_dir(out, iteration)
     ckpt.mkdir(parents=True)
     with _native(hf_dir) as (spec, chunk):
-        sharded = chunk.sharded_state_dict()
+        content = {"singleton_local_shards": True} if pre_014 else None  # what megatron-core < 0.14 wrote
+        sharded = chunk.sharded_state_dict(metadata=content)
         if te_names:
             _te_dist_keys(sharded)
         padded = int(chunk.embedding.word_embeddings.weight.shape[0])
@@ -244,7 +250,7 @@ def _write_dist(
         state.update(iteration=iteration, num_floating_point_operations_so_far=0)
         if rng:
             state["rng_state"] = ShardedObject("rng_state", [rng_state()], (1, 1), (0, 0), replica_id=0)
-        dist_checkpointing.save(state, str(ckpt))
+        dist_checkpointing.save(state, str(ckpt), content_metadata=content)
     (out / TRACKER).write_text(str(iteration))
     return out
 

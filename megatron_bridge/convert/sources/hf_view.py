@@ -90,8 +90,8 @@ class ConvertedTensors:
         plain = first.src == 0 and first.rows == (0, shape[0]) and first.cols is None and first.step == 1
         if not plain or first.view or first.transposed or any(b.src is not None for b in blocks[1:]):
             return None
-        key = src.location(row.megatron).key
-        if src.reader.size(key)[1:] != shape[1:] or prod(shape) == 0:
+        key = src.whole_key(row.megatron)
+        if key is None or src.reader.size(key)[1:] != shape[1:] or prod(shape) == 0:
             return None
         return DistSlice(src.reader, key, shape, dtype)
 

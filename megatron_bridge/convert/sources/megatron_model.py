@@ -224,14 +224,18 @@ _DEGREES = (
 
 
 def _yaml(path: Path) -> dict[str, Any]:
+    """A config file as plain data (`yaml.safe_load`: no tags that build objects). One that does
+    not parse so is left out with a note: the stored shapes are still checked."""
     import yaml
 
     try:
         data = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise UserError(
-            f"{path} is not a YAML file this reads ({str(e).splitlines()[0]}): a damaged checkpoint"
-        ) from None
+        print(
+            f"note: {path} is not plain YAML ({str(e).splitlines()[0]}): the facts it states are not checked",
+            flush=True,
+        )
+        return {}
     return data if isinstance(data, dict) else {}
 
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_bridge.backends.native import checkpoint as names
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.loader import shard_for, table_for
 from megatron_bridge.bridge.spec import BridgeSpec
-from megatron_bridge.bridge.table import resolve_megatron
+from megatron_bridge.bridge.table import Resolved, resolve_megatron
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import DType
@@ -47,7 +47,11 @@ from megatron_bridge.convert.sources.readers import (
 )
 from megatron_bridge.errors import UserError
 
+if TYPE_CHECKING:  # torch is imported where it is used
+    import torch
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 IGNORED_PREFIXES = ("optimizer.", "rng_state", "rerun_state_machine", "opt_param_scheduler")
 
 
@@ -79,7 +83,7 @@ class MegatronDistSource(DistSource):
         path, hf = _hf_arg(hf_path)
         d = describe_source(md, state, path, default_divisor, rows, arg, hf=hf)
         self.spec, self.layout = d.spec, Layout(tp=d.layout.tp)
-        self.locations: dict[str, DistLocation] = {}
+        self.parts: dict[str, list[DistLocation]] = {}  # one, or SwiGLU's two halves (pre-0.14 format)
         found: dict[str, tuple[tuple[int, ...], DType]] = {}
         want = backend_of(self.spec).expected(self.spec, self.spec.shapes(self.layout.tp).padded_vocab_size)
         bad, missing = [], []
@@ -88,17 +92,21 @@ class MegatronDistSource(DistSource):
             row = resolve_megatron(table, name)
             if row is not None and not row.mapping.export:
                 continue  # the tied output layer: the embedding's tensor (not stored again)
-            loc = self._find(name)
-            if loc is None:
+            parts = self._find(name)
+            if parts is None:
                 missing.append(name)
                 continue
-            size = self.reader.size(loc.key)
-            param = size[len(loc.axes) :]
-            if size[: len(loc.axes)] != loc.axes or (shape is not None and param != shape):
-                bad.append(f"{loc.key}: stored {list(size)}, {arg} implies {list(loc.axes + (shape or param))}")
+            whole = None if shape is None else (shape if len(parts) == 1 else (shape[0] // 2, *shape[1:]))
+            for loc in parts:
+                size = self.reader.size(loc.key)
+                param = size[len(loc.axes) :]
+                if size[: len(loc.axes)] != loc.axes or (whole is not None and param != whole):
+                    bad.append(f"{loc.key}: stored {list(size)}, {arg} implies {list(loc.axes + (whole or param))}")
+            if bad:
                 continue
-            self.locations[name] = loc
-            found[name] = (param, self.reader.dtype(loc.key))
+            self.parts[name] = parts
+            param = self.reader.size(parts[0].key)[len(parts[0].axes) :]
+            found[name] = ((param[0] * len(parts), *param[1:]), self.reader.dtype(parts[0].key))
         if missing:
             raise UserError(
                 f"{self.where} lacks {len(missing)} tensor(s) the model {arg} describes has, e.g. "
@@ -119,9 +127,11 @@ class MegatronDistSource(DistSource):
         keys = {name, *names.aliases(name)}
         return next((k for k in keys if self.reader.is_tensor(k)), None)
 
-    def _find(self, name: str) -> DistLocation | None:
+    def _find(self, name: str) -> list[DistLocation] | None:
         """Where parameter `name` is stored: the native location, under the local or TE spec's
-        name, with megatron-core's stacked layer axis or one key per layer."""
+        name, with megatron-core's stacked layer axis or one key per layer, and as megatron-core
+        before 0.14 wrote it (`singleton_local_shards`: a key per expert, SwiGLU's fc1 as two
+        halves `..._w` / `..._v`)."""
         loc = backend_of(self.spec).dist_location(self.spec, name)
         m = _LAYER.match(name)
         layer = int(m.group(1)) if m else None
@@ -134,14 +144,25 @@ class MegatronDistSource(DistSource):
             variants.append(
                 DistLocation(f"decoder.layers.{rest}", (layer, *loc.offsets), (self.spec.num_layers, *loc.axes))
             )
+        e = _EXPERT.search(name)
+        if e:  # a key per expert: no expert axis
+            expert = int(e.group(1))
+            variants += [
+                DistLocation(
+                    v.key.replace(".experts.experts.", f".experts.experts.{expert}."), v.offsets[:-1], v.axes[:-1]
+                )
+                for v in list(variants)
+            ]
         for v in variants:
             for key in (v.key, *names.aliases(v.key)):
                 if self.reader.is_tensor(key):
-                    return DistLocation(key, v.offsets, v.axes)
+                    return [DistLocation(key, v.offsets, v.axes)]
+                if key.endswith("linear_fc1.weight") and all(self.reader.is_tensor(f"{key}_{h}") for h in "wv"):
+                    return [DistLocation(f"{key}_{h}", v.offsets, v.axes) for h in "wv"]
         return None
 
     def _refuse_unknown(self) -> None:
-        used = {loc.key for loc in self.locations.values()}
+        used = {loc.key for parts in self.parts.values() for loc in parts}
         extra = [
             k
             for k in self.reader.keys()
@@ -156,7 +177,22 @@ class MegatronDistSource(DistSource):
             )
 
     def location(self, name: str) -> DistLocation:
-        return self.locations[name]
+        return self.parts[name][0]
+
+    def whole_key(self, name: str) -> str | None:
+        return self.parts[name][0].key if len(self.parts[name]) == 1 else None
+
+    def merged(self, row: Resolved) -> list[torch.Tensor]:
+        parts = self.parts[row.megatron]
+        if len(parts) == 1:
+            return super().merged(row)
+        import torch
+
+        g = torch.cat([self.reader.read(p) for p in parts], 0)  # SwiGLU's [gate; up]
+        return list(row.mapping.merge([g], self.shapes))
+
+    def ranges(self, row: Resolved) -> list[tuple[Path, int, int]]:
+        return [r for p in self.parts[self.source_row(row).megatron] for r in self.reader.ranges(p)]
 
 
 class MegatronTorchSource(TorchSource):

@@ -332,6 +332,10 @@ class DistSource(CheckpointSource):
         """Where megatron parameter `name` is stored (its backend's key)."""
         return backend_of(self.spec).dist_location(self.spec, name)
 
+    def whole_key(self, name: str) -> str | None:
+        """The key holding parameter `name` as one record (None: stored in parts)."""
+        return self.location(name).key
+
     def merged(self, row: Resolved) -> list[torch.Tensor]:
         g = self.reader.read(self.location(row.megatron))
         return list(row.mapping.merge([g], self.shapes))

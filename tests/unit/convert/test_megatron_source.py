@@ -30,7 +30,7 @@ from tests import megatron_ckpts as mc
 # dense; dense with tied embeddings and qkv bias; MoE with a dense layer (grouped-GEMM names under
 # TE); MoE with shared experts
 FAMILIES = ("llama", "qwen2", "qwen3_moe", "qwen2_moe")
-KINDS = ("dist", "dist_te", "torch", "torch_te")
+KINDS = ("dist", "dist_te", "dist_pre014", "torch", "torch_te")
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,9 @@ def made(tmp_path_factory) -> dict[str, Path]:
     dists = []
     for fam in (*FAMILIES, "qwen3"):
         hf = out[fam] = make_tiny(fam, root / fam)
-        for kind, te in (("dist", False), ("dist_te", True)):
+        for kind, opts in (("dist", {}), ("dist_te", {"te_names": True}), ("dist_pre014", {"pre_014": True})):
             out[f"{fam}:{kind}"] = root / f"{fam}-{kind}"
-            dists.append((hf, root / f"{fam}-{kind}", {"te_names": te}))
+            dists.append((hf, root / f"{fam}-{kind}", opts))
         if fam in FAMILIES:
             out[f"{fam}:torch"] = mc.write_torch(hf, root / f"{fam}-torch", te_names=False)
             out[f"{fam}:torch_te"] = mc.write_torch(hf, root / f"{fam}-torch_te")
