@@ -343,7 +343,9 @@ def mcore_checkpoint_logits(hf_dir: str | Path, checkpoint: str | Path, tokens: 
     from megatron.core import dist_checkpointing
 
     with _native(hf_dir, load=False) as (spec, chunk), torch.serialization.safe_globals([argparse.Namespace]):
-        state = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, str(checkpoint))["model"]
+        content = dist_checkpointing.load_content_metadata(str(checkpoint))  # the format it was saved in
+        sharded = chunk.sharded_state_dict(metadata=content)
+        state = dist_checkpointing.load({"model": sharded}, str(checkpoint))["model"]
         chunk.load_state_dict(state, strict=False)
         chunk.eval()
         b, s = tokens.shape

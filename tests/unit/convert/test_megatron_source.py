@@ -82,11 +82,14 @@ def test_export_gives_the_hf_tensors_back_bit_for_bit(made, family, tmp_path):
             assert (dst / "generation_config.json").is_file()  # the files beside config.json
 
 
-def test_export_logits_equal_megatron_cores_forward_of_the_checkpoint(made, tmp_path):
+# MoE under local-spec names (TE's MoE layers name their norm otherwise, which the local spec's model
+# does not load); dense under TE names (the same keys in torch_dist); the pre-0.14 format
+@pytest.mark.parametrize("case", ["qwen3_moe:dist", "llama:dist_te", "qwen2:dist_pre014"])
+def test_export_logits_equal_megatron_cores_forward_of_the_checkpoint(made, case, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    hf = made["qwen3_moe"]
-    ck = made["qwen3_moe:dist"]  # local-spec names: what the local spec's GPTModel loads (TE's differ in MoE layers)
+    family = case.split(":")[0]
+    hf, ck = made[family], made[case]
     assert mbr(["export", f"src={ck}", f"dst={tmp_path / 'ex'}", f"model.hf_path={hf}", "progress=off"]) == 0
     ids = torch.randint(0, 250, (2, 16), generator=torch.Generator().manual_seed(0))
     theirs = mc.mcore_checkpoint_logits(hf, ck / "iter_0000010", ids)
