@@ -282,7 +282,8 @@ class MegatronTorchSource(TorchSource):
     @staticmethod
     def _dtype_hint(f: LazyTorchFile) -> DType | None:
         sd = f.obj.get("model", f.obj.get("model0")) if isinstance(f.obj, dict) else None
-        refs = [v for v in sd.values() if isinstance(v, TensorRef)] if isinstance(sd, dict) else []
+        items = sd.items() if isinstance(sd, dict) else []
+        refs = [v for k, v in items if isinstance(v, TensorRef) and not k.endswith("_extra_state")]  # TE 2: uint8
         return refs[0].dtype if refs else None
 
     def stored(self, f: LazyTorchFile, t: Target) -> TensorRef | None:

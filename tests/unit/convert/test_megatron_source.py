@@ -312,3 +312,18 @@ def test_mtp_layers_are_skipped_with_a_note_and_other_tensors_refused(made, tmp_
     extra = _with_key(made["llama:dist"], tmp_path / "extra", "decoder.layers.self_attention.linear_qkv.bias")
     argv = ["export", f"src={extra}", f"dst={tmp_path / 'x'}", f"model.hf_path={hf}"]
     _refused(capsys, argv, "holds 1 tensor\\(s\\) the model .* has no place for, e.g. decoder.layers.self_attention")
+
+
+def test_extra_state_stored_as_tensors_is_skipped(made, tmp_path):
+    """Transformer Engine 2 keeps a module's `_extra_state` as a uint8 tensor, not a BytesIO."""
+    hf = made["llama"]
+    ck = Path(shutil.copytree(made["llama:torch_te"], tmp_path / "ck"))
+    for f in ck.rglob("model_optim_rng.pt"):
+        state = torch.load(f, weights_only=False)  # our own fixture
+        model = state["model"]
+        for k in [k for k in model if k.endswith("_extra_state")]:
+            model[k] = torch.arange(7, dtype=torch.uint8)
+        torch.save(state, f)
+    assert mbr(["export", f"src={ck}", f"dst={tmp_path / 'ex'}", f"model.hf_path={hf}", "progress=off"]) == 0
+    want, got = _tensors(hf), _tensors(tmp_path / "ex")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
