@@ -11,6 +11,7 @@ checkpoint has its manifest.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +76,16 @@ def _merged_shapes(row: Resolved, shape: tuple[int, ...], shapes: Any) -> list[t
     return [tuple(t.shape) for t in out]
 
 
+@dataclass(frozen=True)
 class Described:
-    """What `describe_source` found: the model, where its config and tokenizer are, the layout
-    the run wrote, and the synthetic manifest the pipeline's commands read."""
+    """What `describe_source` found: the model, where its config and tokenizer are (None: not a
+    file), the layout the run wrote, and the checkpoint it describes."""
 
-    def __init__(self, spec: BridgeSpec, hf: dict[str, Any], config_file: Path | None, layout: Layout, md: MegatronDir):
-        self.spec, self.hf, self.config_file, self.layout, self.md = spec, hf, config_file, layout, md
+    spec: BridgeSpec
+    hf: dict[str, Any]
+    config_file: Path | None
+    layout: Layout
+    md: MegatronDir
 
 
 def describe_source(
@@ -128,7 +133,7 @@ def describe_source(
     return Described(spec, hf, config_file, record.layout(spec), md)
 
 
-def synthetic_manifest(d: Described, tensors: TensorTable) -> Manifest:
+def synthetic_manifest(d: Described) -> Manifest:
     """The `Manifest` the export and reshard commands read (model, layout, assets, no checksums)."""
     return Manifest(
         format=d.md.format,

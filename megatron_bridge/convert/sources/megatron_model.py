@@ -15,6 +15,7 @@ import argparse
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -75,24 +76,21 @@ def _silu_glu(s: BridgeSpec) -> bool:
     return s.gated_linear_unit and s.activation == "silu"
 
 
+def _plain(
+    label: str, attr: str, arg: str, field: str | None = None, applies: Callable[[BridgeSpec], bool] = lambda s: True
+) -> Fact:
+    """A fact the description holds as `attr` and the records as `arg` (Megatron-LM's args) and
+    `field` (a TransformerConfig's; the same name unless given)."""
+    return Fact(label, attrgetter(attr), itemgetter(arg), itemgetter(field or arg), applies)
+
+
 FACTS: tuple[Fact, ...] = (
-    Fact("num_layers", lambda s: s.num_layers, lambda a: a["num_layers"], lambda c: c["num_layers"]),
-    Fact("hidden_size", lambda s: s.hidden_size, lambda a: a["hidden_size"], lambda c: c["hidden_size"]),
-    Fact(
-        "attention heads",
-        lambda s: s.num_attention_heads,
-        lambda a: a["num_attention_heads"],
-        lambda c: c["num_attention_heads"],
-    ),
+    _plain("num_layers", "num_layers", "num_layers"),
+    _plain("hidden_size", "hidden_size", "hidden_size"),
+    _plain("attention heads", "num_attention_heads", "num_attention_heads"),
     Fact("query groups", lambda s: s.num_query_groups, _heads, _groups),
     Fact("head dim (kv_channels)", lambda s: s.head_dim, _kv, lambda c: c.get("kv_channels") or _kv(c)),
-    Fact(
-        "ffn hidden size",
-        lambda s: s.ffn_hidden_size,
-        lambda a: a["ffn_hidden_size"],
-        lambda c: c["ffn_hidden_size"],
-        _has_dense,
-    ),
+    _plain("ffn hidden size", "ffn_hidden_size", "ffn_hidden_size", applies=_has_dense),
     Fact(
         "rotary base",
         lambda s: float(s.rotary_base),
@@ -105,8 +103,8 @@ FACTS: tuple[Fact, ...] = (
         lambda a: not a["untie_embeddings_and_output_weights"],
         lambda c: c["share_embeddings_and_output_weights"],
     ),
-    Fact("normalization", lambda s: s.normalization, lambda a: a["normalization"], lambda c: c["normalization"]),
-    Fact("norm epsilon", lambda s: s.norm_epsilon, lambda a: a["norm_epsilon"], lambda c: c["layernorm_epsilon"]),
+    _plain("normalization", "normalization", "normalization"),
+    _plain("norm epsilon", "norm_epsilon", "norm_epsilon", "layernorm_epsilon"),
     Fact("SwiGLU", _silu_glu, lambda a: bool(a["swiglu"]), lambda c: bool(c["gated_linear_unit"])),
     Fact(
         "qkv bias",
@@ -117,7 +115,7 @@ FACTS: tuple[Fact, ...] = (
     Fact(
         "qk layernorm", lambda s: s.qk_layernorm, lambda a: bool(a["qk_layernorm"]), lambda c: bool(c["qk_layernorm"])
     ),
-    Fact("experts", lambda s: s.num_moe_experts, lambda a: a["num_experts"], lambda c: c["num_moe_experts"]),
+    _plain("experts", "num_moe_experts", "num_experts", "num_moe_experts"),
     Fact(
         "expert ffn size",
         lambda s: s.moe_ffn_hidden_size,
@@ -125,19 +123,12 @@ FACTS: tuple[Fact, ...] = (
         lambda c: c["moe_ffn_hidden_size"] or c["ffn_hidden_size"],
         _moe,
     ),
-    Fact(
-        "router top-k",
-        lambda s: s.moe_router_topk,
-        lambda a: a["moe_router_topk"],
-        lambda c: c["moe_router_topk"],
-        _moe,
-    ),
-    Fact(
+    _plain("router top-k", "moe_router_topk", "moe_router_topk", applies=_moe),
+    _plain(
         "shared expert size",
-        lambda s: s.moe_shared_expert_intermediate_size,
-        lambda a: a["moe_shared_expert_intermediate_size"],
-        lambda c: c["moe_shared_expert_intermediate_size"],
-        _moe,
+        "moe_shared_expert_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        applies=_moe,
     ),
 )
 

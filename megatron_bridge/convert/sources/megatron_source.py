@@ -36,7 +36,7 @@ from megatron_bridge.convert.formats.torch_zip import TensorRef
 from megatron_bridge.convert.formats.torch_zip_read import MEGATRON_STANDINS, LazyTorchFile, scan_torch_file
 from megatron_bridge.convert.placement.rank_files import RankFile, Target, all_targets
 from megatron_bridge.convert.sources.megatron import RANK_FILE, MegatronDir, common_state, find_megatron
-from megatron_bridge.convert.sources.megatron_describe import describe_source, hf_rows, synthetic_manifest
+from megatron_bridge.convert.sources.megatron_describe import Described, describe_source, hf_rows, synthetic_manifest
 from megatron_bridge.convert.sources.megatron_model import run_record
 from megatron_bridge.convert.sources.readers import (
     CheckpointSource,
@@ -66,6 +66,16 @@ def _without_mtp(keys: list[str], where: str) -> list[str]:
             flush=True,
         )
     return [k for k in keys if not k.startswith("mtp.")]
+
+
+def _adopt(src: CheckpointSource, d: Described, found: dict[str, tuple[tuple[int, ...], DType]]) -> None:
+    """`src` reads the model `d` describes from megatron tensors `found` ({name: (global shape,
+    dtype)}): its HF tensors and rows, the manifest the commands read, where config and tokenizer are."""
+    tensors, rows = hf_rows(src.spec, src.layout.tp, found, src.where)
+    src.man = synthetic_manifest(d)
+    src.assets_dir = d.config_file.parent if d.config_file else d.md.data
+    src.config_file = d.config_file
+    src.use_rows(tensors, rows)
 
 
 class MegatronDistSource(DistSource):
@@ -118,10 +128,7 @@ class MegatronDistSource(DistSource):
                 + "\n".join(f"  - {b}" for b in bad[:8])
             )
         self._refuse_unknown()
-        tensors, rows_ = hf_rows(self.spec, self.layout.tp, found, self.where)
-        self.man = synthetic_manifest(d, tensors)
-        self.assets_dir, self.config_file = (d.config_file.parent if d.config_file else md.data), d.config_file
-        self.use_rows(tensors, rows_)
+        _adopt(self, d, found)
 
     def _key_of(self, name: str) -> str | None:
         keys = {name, *names.aliases(name)}
@@ -199,6 +206,7 @@ class MegatronTorchSource(TorchSource):
     """Megatron-LM's per-rank `torch` format: `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`."""
 
     byte_paths = False
+    standins = MEGATRON_STANDINS
 
     def __init__(self, md: MegatronDir, hf_path: Any, default_divisor: int, dtype: DType | None, arg: str):
         Source.__init__(self, dtype)
@@ -210,7 +218,8 @@ class MegatronTorchSource(TorchSource):
         layout = record.layout(None)
         self._check_ranks(layout)
         self.layout = layout
-        first = self._first_file()
+        self._files = OrderedDict()
+        first = self.file(RankFile(0, 0, 0))
         emb = self._local(first, "model" if not layout.vpp else "model0", "embedding.word_embeddings.weight")
         rows = emb.shape[0] * layout.tp if emb is not None else 0
         path, hf = _hf_arg(hf_path)
@@ -223,10 +232,7 @@ class MegatronTorchSource(TorchSource):
         hint = self._dtype_hint(first)
         if hint is None:
             raise UserError(f"{self.path_of(RankFile(0, 0, 0))} holds no model weights (model / model0)")
-        tensors, rows_ = hf_rows(self.spec, self.layout.tp, {n: (s, hint) for n, s in shapes.items() if s}, self.where)
-        self.man = synthetic_manifest(d, tensors)
-        self.assets_dir, self.config_file = (d.config_file.parent if d.config_file else md.data), d.config_file
-        self.use_rows(tensors, rows_)
+        _adopt(self, d, {n: (s, hint) for n, s in shapes.items() if s})
         self.targets = all_targets(self.spec, self.layout, [r for r in self.rows if r.mapping.export])
         self._check_stored()
 
@@ -255,19 +261,6 @@ class MegatronTorchSource(TorchSource):
         if self.layout.ep > 1:
             name += f"_{f.ep:03d}"
         return self.md.data / name / RANK_FILE
-
-    def file(self, f: RankFile) -> LazyTorchFile:
-        if f in self._files:
-            self._files.move_to_end(f)
-        else:
-            self._files[f] = LazyTorchFile(self.path_of(f), self.io, extra=MEGATRON_STANDINS)
-            if len(self._files) > self.MAX_OPEN:
-                self._files.popitem(last=False)
-        return self._files[f]
-
-    def _first_file(self) -> LazyTorchFile:
-        self._files = OrderedDict()
-        return self.file(RankFile(0, 0, 0))
 
     @staticmethod
     def _local(f: LazyTorchFile, chunk: str, name: str) -> TensorRef | None:

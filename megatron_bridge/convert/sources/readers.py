@@ -18,7 +18,7 @@ import functools
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from math import prod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +34,7 @@ from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dist_read import DistReader
 from megatron_bridge.convert.formats.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from megatron_bridge.convert.formats.manifest import Manifest, check_index_crc32, crc32
-from megatron_bridge.convert.formats.pickle_guard import CONVERTED
+from megatron_bridge.convert.formats.pickle_guard import CONVERTED, Name
 from megatron_bridge.convert.formats.readahead import READ_AHEAD_BYTES
 from megatron_bridge.convert.formats.safetensors_io import PositionedReader, TensorInfo, scan_dir
 from megatron_bridge.convert.formats.torch_zip import TensorRef
@@ -349,6 +349,7 @@ class TorchSource(CheckpointSource):
     (EP rank 0 for dense rows, the owning EP rank for experts; every TP rank) and merged."""
 
     MAX_OPEN = 64
+    standins: Mapping[Name, Any] | None = None  # what its pickles' names load as besides data (LazyTorchFile's extra)
 
     def __init__(self, path: Path, man: Manifest, dtype: DType | None):
         super().__init__(path, man, dtype)
@@ -363,7 +364,7 @@ class TorchSource(CheckpointSource):
         if f in self._files:
             self._files.move_to_end(f)
         else:
-            self._files[f] = LazyTorchFile(self.path_of(f), self.io)
+            self._files[f] = LazyTorchFile(self.path_of(f), self.io, extra=self.standins)
             if len(self._files) > self.MAX_OPEN:
                 self._files.popitem(last=False)
         return self._files[f]
