@@ -200,11 +200,13 @@ def check_layout(
     make_vocab_size_divisible_by: int = 8,
     backend: str = "auto",
     weights: str | Path | None = None,
+    images: Sequence[dict] | None = None,
 ) -> dict[str, Any]:
     """Run `checks` for one (model, layout) on every rank of the launch; returns this rank's
     findings (empty entries on ranks that hold nothing to compare). `backend` (auto | native
     | hf) describes the model as `model.backend` does; `weights`: a Megatron-written checkpoint
-    the megatron side loads instead of `hf_dir` (`hf_dir` is then its HF export)."""
+    the megatron side loads instead of `hf_dir` (`hf_dir` is then its HF export); `images`: a
+    VLM's image inputs, one dict per sample (runtime/vision_inputs.py)."""
     unknown = set(checks) - set(CHECKS)
     if unknown:
         raise ValueError(f"unknown checks {sorted(unknown)}; choose from {CHECKS}")
@@ -224,7 +226,7 @@ def check_layout(
         _load(chunks, spec, hf_dir, weights)
         if "logits" in checks:
             assert input_ids is not None and ref is not None, "the logits check needs input_ids and ref"
-            logits = forward_logits(chunks, input_ids)
+            logits = forward_logits(chunks, input_ids, images)
             if logits is not None:
                 out["logits"] = diff(logits[..., : spec.vocab_size], ref["logits"])
                 out["logits"]["padded_vocab"] = int(logits.shape[-1])
@@ -244,7 +246,7 @@ def check_layout(
         _load(chunks, spec, hf_dir, weights)
         ddp = wrap_ddp(chunks)
         assert input_ids is not None and labels is not None, "the grads and train checks need input_ids and labels"
-        loss = forward_backward(ddp, input_ids, labels, train="train" in checks)
+        loss = forward_backward(ddp, input_ids, labels, train="train" in checks, images=images)
         if loss is not None:
             out["loss"] = {"value": loss, "ref": ref.get("loss") if ref else None}
         if "grads" in checks:

@@ -24,8 +24,10 @@ def _cp():
     return ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
 
 
-def _batches(input_ids: torch.Tensor, labels: torch.Tensor | None):
-    """One micro-batch per sample, already cut to this CP rank's chunks."""
+def _batches(input_ids: torch.Tensor, labels: torch.Tensor | None, images: Sequence[dict] | None = None):
+    """One micro-batch per sample, already cut to this CP rank's chunks; a VLM's sample also
+    carries its image inputs (`images[i]`: the keyword arguments of its forward, whole: a VLM
+    runs at cp=1)."""
     cp, rank = _cp()
     b, s = input_ids.shape
     if s % (2 * cp):
@@ -36,8 +38,14 @@ def _batches(input_ids: torch.Tensor, labels: torch.Tensor | None):
         mb = {"input_ids": split_for_cp(input_ids[i : i + 1], cp, rank), "position_ids": split_for_cp(pos, cp, rank)}
         if labels is not None:
             mb["labels"] = split_for_cp(labels[i : i + 1], cp, rank)
+        if images is not None:
+            mb["images"] = images[i]
         out.append(mb)
     return out
+
+
+def _to(v: Any, dev: torch.device) -> Any:
+    return {k: t.to(dev) for k, t in v.items()} if isinstance(v, dict) else v.to(dev)
 
 
 def _device(chunks) -> torch.device:
@@ -50,18 +58,20 @@ def _run(
     labels: torch.Tensor | None,
     forward_only: bool,
     on_output: Callable[[torch.Tensor, dict[str, torch.Tensor]], Any],
+    images: Sequence[dict] | None = None,
 ) -> None:
     b, s = input_ids.shape
     pp = chunks[0].config.pipeline_model_parallel_size
     if len(chunks) > 1 and b < pp:
         raise ValueError(f"interleaved pipelining needs at least pp={pp} samples, got {b}")
     dev = _device(chunks)
-    mbs = [{k: v.to(dev) for k, v in mb.items()} for mb in _batches(input_ids, labels)]
+    mbs = [{k: _to(v, dev) for k, v in mb.items()} for mb in _batches(input_ids, labels, images)]
     data = [iter(mbs) for _ in chunks]  # each virtual chunk walks the micro-batches itself
 
     def step(it, model):
         mb = next(it)
-        out = model(mb["input_ids"], mb["position_ids"], None, labels=mb.get("labels"))
+        extra = {"images": mb["images"]} if "images" in mb else {}
+        out = model(mb["input_ids"], mb["position_ids"], None, labels=mb.get("labels"), **extra)
         return out, lambda output: on_output(output, mb)
 
     get_forward_backward_func()(
@@ -85,9 +95,12 @@ def _gather_last(t: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_logits(chunks: Sequence[Any], input_ids: torch.Tensor) -> torch.Tensor | None:
-    """Logits [b, s, padded_vocab] (fp32, CPU) for `input_ids` [b, s]; on ranks of the last
-    pipeline stage, None elsewhere. Collective over the whole model-parallel group."""
+def forward_logits(
+    chunks: Sequence[Any], input_ids: torch.Tensor, images: Sequence[dict] | None = None
+) -> torch.Tensor | None:
+    """Logits [b, s, padded_vocab] (fp32, CPU) for `input_ids` [b, s] (and a VLM's per-sample
+    `images`); on ranks of the last pipeline stage, None elsewhere. Collective over the whole
+    model-parallel group."""
     for c in chunks:
         c.eval()
     pieces: list[torch.Tensor] = []
@@ -96,7 +109,7 @@ def forward_logits(chunks: Sequence[Any], input_ids: torch.Tensor) -> torch.Tens
         pieces.append(output.detach().float())
         return output.sum() * 0.0, {}
 
-    _run(chunks, input_ids, None, True, keep)
+    _run(chunks, input_ids, None, True, keep, images)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     cp_group = ps.get_context_parallel_group()
@@ -129,7 +142,11 @@ def wrap_ddp(chunks: Sequence[Any], *, distributed_optimizer: bool = False) -> l
 
 
 def forward_backward(
-    ddp_chunks: Sequence[Any], input_ids: torch.Tensor, labels: torch.Tensor, train: bool = True
+    ddp_chunks: Sequence[Any],
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    train: bool = True,
+    images: Sequence[dict] | None = None,
 ) -> float | None:
     """One forward/backward of the mean token cross-entropy; grads in `param.main_grad`
     (zeroed first). Returns the loss on last-stage ranks. `train=False` runs the modules in
@@ -145,7 +162,7 @@ def forward_backward(
         losses.append(total.detach().clone())  # the schedule rescales `total` in place
         return total, n, {"loss": total.detach().clone()}
 
-    _run(ddp_chunks, input_ids, labels, False, loss_fn)
+    _run(ddp_chunks, input_ids, labels, False, loss_fn, images)
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
     total = torch.stack(losses).sum() if losses else torch.zeros(())

@@ -36,6 +36,7 @@ from megatron_bridge.backends.transformers.fused import Concatenated, Concatenat
 from megatron_bridge.backends.transformers.meta import (  # re-exported: callers name the backend's module
     Meta,
     causal_lm_class_name,
+    class_name,
     config_object,
     declared,
     meta,
@@ -59,6 +60,7 @@ from megatron_bridge.backends.transformers.plan import (
     sp_refusals,
     unbuilt_refusals,
 )
+from megatron_bridge.backends.transformers.vision import text_config_of, vision_limits
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
 from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
@@ -86,7 +88,14 @@ TRANSFORMS = {
 }
 
 
+def _text_json(hf: Mapping[str, Any], cfg: Any) -> Mapping[str, Any]:
+    """The language model's part of a config.json: a VLM's `text_config`, else all of it."""
+    return hf.get("text_config") or {} if text_config_of(cfg) is not cfg else hf
+
+
 def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
+    """What the language model's config (`hf`: its config.json part) switches on that this backend
+    cannot run, one line each."""
     mt = cfg.model_type
     out = plan_problems(mt, cfg.base_model_tp_plan, cfg.base_model_pp_plan)
     kinds = list(getattr(cfg, "layer_types", None) or ())
@@ -98,6 +107,15 @@ def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
     out += forward_refusals(mt, hf)
     out += unbuilt_refusals(declared(cfg))
     return out
+
+
+def _tied(full: Any, text: Any) -> bool:
+    """Whether the LM head is the embedding: a VLM's own config says so where it declares the
+    field (Gemma 3's), else its language model's."""
+    for c in (full, text):
+        if "tie_word_embeddings" in c.to_dict():
+            return bool(c.tie_word_embeddings)
+    return bool(getattr(text, "tie_word_embeddings", False))
 
 
 def _latent_attention(cfg: Any) -> dict[str, Any]:
@@ -135,18 +153,24 @@ class TransformersBackend(Backend):
     from_fields = False  # a model of transformers' classes is its config.json
 
     def handles(self, hf: Mapping[str, Any]) -> bool:
-        return causal_lm_class_name(str(hf.get("model_type", ""))) is not None
+        return class_name(hf) is not None
 
     def describe(self, hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int) -> BridgeSpec:
+        """A causal LM, or a VLM (backends/transformers/vision.py) described by its language model:
+        the dimensions, plans and forward refusals are its text config's; `family` is the
+        language model's type, which keys the override table; `architecture` the class built."""
         mt = str(hf.get("model_type", ""))
-        arch = causal_lm_class_name(mt)
+        arch = class_name(hf)
         if arch is None:
-            raise UnsupportedFeatures(f"model_type {mt!r}: transformers has no causal-LM class for it")
+            raise UnsupportedFeatures(
+                f"model_type {mt!r}: transformers has no causal-LM or image-text-to-text class for it"
+            )
         try:
-            cfg = config_object(hf)
+            full = config_object(hf)
         except (TypeError, ValueError) as e:
             raise UnsupportedFeatures(f"{arch}: transformers refuses this config.json ({e})") from None
-        problems = _problems(hf, cfg)
+        cfg = text_config_of(full)
+        problems = _problems(_text_json(hf, full), cfg)
         if problems:
             raise UnsupportedFeatures(
                 f"{arch} cannot run on the transformers backend yet:\n" + "\n".join(f"  - {p}" for p in problems)
@@ -158,13 +182,13 @@ class TransformersBackend(Backend):
         heads = int(base["num_attention_heads"])
         f: dict[str, Any] = {k: base[k] for k in ("num_layers", "hidden_size", "vocab_size")}
         f.update(
-            family=mt,
+            family=cfg.model_type,
             architecture=arch,
             ffn_hidden_size=int(base.get("ffn_hidden_size") or 4 * base["hidden_size"]),
             num_attention_heads=heads,
             num_query_groups=int(base.get("num_query_groups") or heads),
             head_dim=int(base.get("head_dim") or base["hidden_size"] // heads),
-            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            tie_word_embeddings=_tied(full, cfg),
             attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
             initializer_range=float(getattr(cfg, "initializer_range", 0.02) or 0.02),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
@@ -252,12 +276,16 @@ class TransformersBackend(Backend):
     def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
         out = []
         if layout.cp > 1:
-            out += cp_refusals(self.hf_config(spec).get("layer_types"), layout.cp)
+            out += cp_refusals(
+                _text_json(self.hf_config(spec), transformers_config(spec)).get("layer_types"), layout.cp
+            )
         if layout.sequence_parallel and layout.tp > 1:
             out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan)]
         plan = meta(spec).plan if spec.is_moe else None
         out += expert_limits(spec, layout, plan.ep if plan else (), plan.tp if plan else ())
-        out += layer_limits(declared(transformers_config(spec)), layout)  # with the class defaults (layer_types)
+        text = text_config_of(transformers_config(spec))
+        out += layer_limits(declared(text), layout)  # with the class defaults (layer_types)
+        out += vision_limits(layout, meta(spec).plan.vision)
         if layout.tp > 1 and spec.num_query_groups % layout.tp:
             out.append(
                 (
@@ -275,7 +303,7 @@ class TransformersBackend(Backend):
         mask, causal attention: the pads come after the conversation), at cp as well, and MoE with
         transformers' load-balancing loss where its config switches it on (backends/transformers/aux.py).
         Not yet: the rest (what sp does not cover is refused by `layout_limits`)."""
-        out = aux_limits(transformers_config(spec), run.parallel.pp) if spec.is_moe else []
+        out = aux_limits(text_config_of(transformers_config(spec)), run.parallel.pp) if spec.is_moe else []
         if run.data.kind == "sft" and getattr(run.data, "packing", False):
             out.append(  # the chunk would attend across documents: it has no block-diagonal mask yet
                 (

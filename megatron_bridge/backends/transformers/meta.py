@@ -7,6 +7,7 @@ counts and tables a model from this; the runtime builds the real one from the sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 from megatron_bridge.backends.transformers.experts import stacked
 from megatron_bridge.backends.transformers.fused import fused
 from megatron_bridge.backends.transformers.plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
+from megatron_bridge.backends.transformers.vision import builds_vlm, image_text_class_name, text_config_of, vision_parts
 from megatron_bridge.bridge.hf_config import HF_KEYS, UnsupportedFeatures
 from megatron_bridge.bridge.spec import BridgeSpec
 
@@ -32,15 +34,34 @@ def causal_lm_class_name(model_type: str) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def class_name(hf: Mapping[str, Any]) -> str | None:
+    """The transformers class this config.json runs as: its VLM class where `vision.builds_vlm`
+    says so, else its causal-LM class; None if it has neither."""
+    mt = str(hf.get("model_type", ""))
+    causal = causal_lm_class_name(mt)
+    return image_text_class_name(mt) if builds_vlm(hf, causal) else causal
+
+
 def config_object(hf: Mapping[str, Any]) -> Any:
-    """transformers' config object of a parsed config.json (its class's defaults filled in).
+    """transformers' config object of a parsed config.json (its class's defaults filled in): the
+    composite config for a VLM, the one the causal LM runs on otherwise (`runs_on`).
     config.json writes non-finite floats as {"__float__": "Infinity"} (Mamba's time_step_limit);
     they are decoded as transformers' own reader does, or the strict config class refuses them."""
     # transformers imported here: the core imports third-party packages only inside functions
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[hf["model_type"]]
-    return runs_on(hf["model_type"], cls.from_dict(cls._decode_special_floats(dict(hf))))
+    cfg = cls.from_dict(cls._decode_special_floats(dict(hf)))
+    return cfg if builds_vlm(hf, causal_lm_class_name(hf["model_type"])) else runs_on(hf["model_type"], cfg)
+
+
+def auto_class(cfg: Any) -> Any:
+    """The Auto class that builds `cfg` (a `config_object`): image-text-to-text for a composite
+    (VLM) config, causal LM otherwise."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if text_config_of(cfg) is not cfg else AutoModelForCausalLM
 
 
 def runs_on(model_type: str, cfg: Any) -> Any:
@@ -80,12 +101,14 @@ def transformers_config(spec: BridgeSpec) -> Any:
 
 
 def model_plan(model: Any) -> Plan:
-    """The plan of a built (meta or real) transformers causal LM."""
-    cfg = model.config
+    """The plan of a built (meta or real) transformers causal LM or VLM (its language model's
+    plans, under the language model's path; its vision pieces: `vision.vision_parts`)."""
+    cfg = text_config_of(model.config)
     head = getattr(type(model), "_pp_plan", None) or {}
     if not cfg.base_model_pp_plan and not override(cfg.model_type).pp_plan:
         _check_convention(model)
-    return plan_of(
+    parts = vision_parts(model)
+    plan = plan_of(
         cfg.model_type,
         base_prefix(model),
         cfg.base_model_tp_plan,
@@ -94,12 +117,18 @@ def model_plan(model: Any) -> Plan:
         getattr(cfg, "base_model_ep_plan", None),
         cfg,
     )
+    if parts is None:
+        return plan
+    return dataclasses.replace(plan, front=parts.front, vision=parts.pieces, projectors=parts.projectors)
 
 
 def base_prefix(model: Any) -> str:
-    """The causal LM's attribute holding the base model: its class's `base_model_prefix`, or the
-    model type's OVERRIDES `prefix` where that names no attribute (Llama4ForCausalLM says
-    `language_model`, its composite parent's name, and holds `model`)."""
+    """The path of the base model the stages are cut from: a causal LM's `base_model_prefix`, or
+    the model type's OVERRIDES `prefix` where that names no attribute (Llama4ForCausalLM says
+    `language_model`, its composite parent's name, and holds `model`); a VLM's language model."""
+    parts = vision_parts(model)
+    if parts is not None:
+        return parts.text
     return override(model.config.model_type).prefix or model.base_model_prefix
 
 
@@ -109,7 +138,7 @@ def _check_convention(model: Any) -> None:
     else but its rotary module, which the stages rebuild. A base model with other modules (a
     second embedding, a norm before the layers) needs an OVERRIDES entry: its forward is not
     the convention's."""
-    base = getattr(model, base_prefix(model))
+    base = model.get_submodule(base_prefix(model))
     children = dict(base.named_children())
     missing = [n for n in PP_CONVENTION if n not in children]
     other = [n for n, m in children.items() if n not in PP_CONVENTION and "Rotary" not in type(m).__name__]
@@ -221,10 +250,10 @@ def meta(spec: BridgeSpec) -> Meta:
     """The model built on the meta device (no memory), read once per description."""
     # torch and transformers imported here: the core imports third-party packages only inside functions
     import torch
-    from transformers import AutoModelForCausalLM
 
+    cfg = transformers_config(spec)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(transformers_config(spec))
+        model = auto_class(cfg).from_config(cfg)
     plan = model_plan(model)
     tensors = checkpoint_tensors(model)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
@@ -236,11 +265,13 @@ def meta(spec: BridgeSpec) -> Meta:
 
 __all__ = [
     "Meta",
+    "auto_class",
     "base_prefix",
     "causal_lm_class_name",
     "checkpoint_names",
     "checkpoint_shapes",
     "checkpoint_tensors",
+    "class_name",
     "config_object",
     "declared",
     "meta",

@@ -131,6 +131,11 @@ class Plan:
     head: str  # the LM head ("lm_head")
     tp: tuple[tuple[str, str], ...]  # (module pattern, style)
     ep: tuple[tuple[str, str], ...] = ()  # base_model_ep_plan: (module or tensor pattern, style)
+    # a VLM (backends/transformers/vision.py): the base model whose forward merges image features
+    # into the embeddings, its vision pieces (first stage, whole on every TP rank), its projectors
+    front: str | None = None
+    vision: tuple[str, ...] = ()
+    projectors: tuple[str, ...] = ()
 
     def style(self, module: str) -> str | None:
         """The tp style of the module at `module` (a path in the causal LM), None if unplanned."""

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer import TransformerConfig
-from transformers import AutoModelForCausalLM
 
 from megatron_bridge.backends.transformers.aux import aux_enabled, aux_seam
 from megatron_bridge.backends.transformers.backend import meta, model_plan, transformers_config
+from megatron_bridge.backends.transformers.meta import auto_class
 from megatron_bridge.backends.transformers.plan import override, sp_refusals
+from megatron_bridge.backends.transformers.vision import text_config_of
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
@@ -36,6 +37,7 @@ from megatron_bridge.runtime.transformers.cp import cp_implementation
 from megatron_bridge.runtime.transformers.layers import LMHead, VocabEmbedding
 from megatron_bridge.runtime.transformers.per_layer import PerLayerInputs, extra_width, per_layer_modules
 from megatron_bridge.runtime.transformers.pieces import Pieces
+from megatron_bridge.runtime.transformers.vision import VisionFront
 
 
 def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> TransformerConfig:
@@ -83,7 +85,7 @@ def build_transformers(
 ) -> list[Any]:
     """This rank's `HFChunk`s for `spec` under `layout` (one per virtual pipeline stage)."""
     check_groups(layout)
-    hf_cfg = transformers_config(spec)
+    hf_cfg = text_config_of(transformers_config(spec))  # a VLM's language model's
     # what travels between stages: hyper-connection streams folded into the hidden dim
     # (runtime/transformers/chunk.py), per-layer inputs behind the hidden states (runtime/transformers/per_layer.py)
     width = spec.hidden_size * override(spec.family).stream_count(hf_cfg)
@@ -93,12 +95,14 @@ def build_transformers(
     for n, what in ((spec.num_attention_heads, "attention heads"), (spec.num_query_groups, "KV heads")):
         if n % layout.tp:
             raise UserError(f"{spec.architecture}: {n} {what} do not split over tp={layout.tp} (rule backend-layout)")
+    cfg = transformers_config(spec)
     with torch.device("meta"):
-        full = AutoModelForCausalLM.from_config(hf_cfg, dtype=tconfig.params_dtype)
+        full = auto_class(cfg).from_config(cfg, dtype=tconfig.params_dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    full.config._attn_implementation = attention.implementation(full.config, device)  # head dims over 256
+    text = text_config_of(full.config)
+    text._attn_implementation = attention.implementation(text, device)  # head dims over 256
     if layout.cp > 1:  # K/V gathered over the CP group around the model's attention (runtime/transformers/cp.py)
-        full.config._attn_implementation = cp_implementation(full.config._attn_implementation)
+        text._attn_implementation = cp_implementation(text._attn_implementation)
     plan = model_plan(full)
     refused = sp_refusals(plan) if tconfig.sequence_parallel else []
     if refused:  # also where a check turned SP on itself (MoE gradients at tp > 1: runtime/parity.py)
@@ -127,7 +131,7 @@ class Stage(Pieces):
         tied = bool(self.spec.tie_word_embeddings)
         if pre:
             modules[plan.embed] = self._embedding(full.get_submodule(plan.embed))
-            for path in plan.pre:
+            for path in (*plan.vision, *plan.pre):
                 modules[path] = self.keep(path, full.get_submodule(path))
         per_layer = self._per_layer(modules if pre else None)
         layer_list = full.get_submodule(plan.layers)
@@ -138,10 +142,10 @@ class Stage(Pieces):
             modules[plan.head] = self._head(full.get_submodule(plan.head), tied and pre)
         rotary = self._rotary()
         ov = override(self.spec.family)
-        const = ov.constants(full.config)
+        const = ov.constants(self.text)
         chunk = HFChunk(
             self.tconfig,
-            full.config,
+            self.text,
             plan,
             modules,
             kept,
@@ -153,8 +157,9 @@ class Stage(Pieces):
             forward_math=const,
             aux=self._aux() if pre and post and self.spec.is_moe else None,
             nope_kwargs={k: getattr(sys.modules[type(full).__module__], fn) for k, fn in ov.nope_kwargs},
-            streams=ov.stream_count(full.config),
+            streams=ov.stream_count(self.text),
             per_layer=per_layer,
+            front=self._front(),
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
             # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)
@@ -164,12 +169,23 @@ class Stage(Pieces):
     def _aux(self) -> RouterAuxLoss | None:
         """transformers' load-balancing loss, where the config switches it on and one chunk holds
         every layer (training at pp > 1 is refused by `aux.aux_limits`)."""
-        if not aux_enabled(self.full.config):
+        if not aux_enabled(self.text):
             return None
-        seam = aux_seam(self.full.config)
+        seam = aux_seam(self.text)
         if isinstance(seam, str):
             raise UserError(f"{self.spec.architecture}: output_router_logits=true, but {seam}")
         return RouterAuxLoss(seam, self.full)
+
+    def _front(self) -> VisionFront | None:
+        """A VLM's base model, whose forward runs the vision pieces and merges their features
+        (runtime/transformers/vision.py): every stage calls it, for positions and masks."""
+        plan = self.plan
+        if plan.front is None:
+            return None
+        text = plan.prefix.removeprefix(plan.front + ".")
+        embed = plan.embed.removeprefix(plan.prefix + ".")
+        base = self.full.get_submodule(plan.front)
+        return VisionFront(base, text, embed, self.spec.hidden_size, self.tconfig.params_dtype)
 
     # -- the pieces --------------------------------------------------------------------------
     def _embedding(self, emb: Any) -> VocabEmbedding:
@@ -187,7 +203,8 @@ class Stage(Pieces):
                 padding_idx=emb.padding_idx,
                 tp_group=self.tp_group,
                 embed_scale=float(emb.scalar_embed_scale) if scaled else None,
-                reduce_scatter_embeddings=self.sp,
+                # a VLM merges image features into the whole sequence's embeddings, then scatters
+                reduce_scatter_embeddings=self.sp and self.plan.front is None,
             )
 
     def _head(self, head: Any, tied_here: bool) -> LMHead:
@@ -208,7 +225,7 @@ class Stage(Pieces):
     def _per_layer(self, modules: dict[str, torch.nn.Module] | None) -> PerLayerInputs | None:
         """Per-layer inputs (runtime/transformers/per_layer.py), where the config has them: their modules,
         whole on every TP rank, kept (into `modules`) on the first stage, which computes them."""
-        names = per_layer_modules(self.full.config)
+        names = per_layer_modules(self.text)
         if not names:
             return None
         base = self.full.get_submodule(self.plan.prefix)
@@ -222,7 +239,7 @@ class Stage(Pieces):
     def _rotary(self) -> tuple[str, torch.nn.Module] | None:
         base = self.full.get_submodule(self.plan.prefix)
         planned = {p.rpartition(".")[2] for p in (self.plan.embed, *self.plan.pre, self.plan.layers, *self.plan.post)}
-        planned |= set(per_layer_modules(self.full.config))
+        planned |= set(per_layer_modules(self.text))
         found = []
         for name, child in base.named_children():
             if name in planned:

@@ -39,7 +39,9 @@ from megatron_bridge.backends.transformers.kinds import SHARED_STATE
 from megatron_bridge.backends.transformers.plan import CARRY, Plan, override
 from megatron_bridge.runtime.transformers.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.transformers.cp import CP_MASKS, calls, check_attended
+from megatron_bridge.runtime.transformers.layers import scatter_sequence
 from megatron_bridge.runtime.transformers.per_layer import PerLayerInputs
+from megatron_bridge.runtime.transformers.vision import Front, VisionFront, text_positions
 
 # layer kind -> the mask function the model's own forward calls for it (kinds.LAYER_KINDS);
 # an indexed layer slices its mask (`mask[:, 0]`) for its indexer, so it must exist even where
@@ -94,6 +96,7 @@ class HFChunk(MegatronModule):
         nope_kwargs: dict[str, Any] | None = None,
         streams: int = 1,
         per_layer: PerLayerInputs | None = None,
+        front: VisionFront | None = None,
     ) -> None:
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -133,6 +136,9 @@ class HFChunk(MegatronModule):
         # one container per forward, shared by the stage's layers (kinds.SHARED_STATE)
         self.shared_state = tuple(kw for kw in SHARED_STATE if kw in takes)
         self.per_layer = per_layer  # per-layer inputs (runtime/transformers/per_layer.py), sent between stages
+        # a VLM's base model (runtime/transformers/vision.py): not a submodule (its language model is
+        # the meta model's); its vision pieces are, under their paths, on the first stage
+        self.front = front
         window = ov.window_full_attention
         # the mask function per layer kind (MASKS, or the sliding-window one where the override says so)
         self.masks: dict[str, Any] = dict(MASKS)
@@ -177,14 +183,31 @@ class HFChunk(MegatronModule):
         position_ids: torch.Tensor | None = None,
         attention_mask: Any = None,
         labels: torch.Tensor | None = None,
+        images: dict[str, torch.Tensor] | None = None,
         **_: Any,
     ) -> torch.Tensor:
+        """`images`: the micro-batch's image inputs for a VLM (the keyword arguments its forward
+        takes besides the ids: pixel_values, image_grid_thw, ...)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         if self.aux is not None:
             self.aux.start()
+        front = None
+        if self.front is not None:  # a VLM: its own forward up to the language model
+            images = images or {}
+            if self.pre_process:
+                front = self.front(input_ids, self.get_submodule(self.plan.embed), images)
+            else:
+                front = self.front.positions(input_ids, images)
+            if front.position_ids is not None:
+                position_ids = front.position_ids
         if self.pre_process:
-            h = self.get_submodule(self.plan.embed)(input_ids)
+            if front is not None:  # the embeddings with the image features merged, whole: this rank's slice
+                h = front.embeddings
+                if self.config.sequence_parallel:
+                    h = scatter_sequence(h)
+            else:
+                h = self.get_submodule(self.plan.embed)(input_ids)
             if "embed_scale" in self.forward_math:
                 h = h * self.forward_math["embed_scale"]
             per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
@@ -203,7 +226,7 @@ class HFChunk(MegatronModule):
                 h, per_layer = self.input_tensor.transpose(0, 1), None
             if self.streams > 1 and not self.flat_streams:
                 h = h.unflatten(-1, (self.streams, -1))
-        h = self._layers(h, position_ids, {"input_ids": input_ids}, per_layer)
+        h = self._layers(h, position_ids, {"input_ids": input_ids}, per_layer, front)
         if not self.post_process:
             if self.per_layer and per_layer is not None:
                 return self.per_layer.pack(h, per_layer)
@@ -214,13 +237,20 @@ class HFChunk(MegatronModule):
         return self._head(h, labels)
 
     def _layers(
-        self, h: torch.Tensor, position_ids: torch.Tensor, inputs: dict[str, Any], per_layer: torch.Tensor | None
+        self,
+        h: torch.Tensor,
+        position_ids: torch.Tensor,
+        inputs: dict[str, Any],
+        per_layer: torch.Tensor | None,
+        front: Front | None = None,
     ) -> torch.Tensor:
         layers = self.get_submodule(self.plan.layers)
         if not len(layers):
             return h
+        # a VLM's positions (M-RoPE rows, runtime/transformers/vision.py), and its own masks where it built them
+        position_ids, rope_positions = text_positions(position_ids)
         rotary = self.get_submodule(self.rotary_path) if self.rotary_path else None
-        masks: dict[str, Any] = {}
+        masks: dict[str, Any] = dict(front.masks or {}) if front is not None else {}
         make_mask = CP_MASKS if ps.get_context_parallel_world_size() > 1 else self.masks  # runtime/transformers/cp.py
         before = calls()
         embeddings: dict[str | None, Any] = {}
@@ -229,9 +259,9 @@ class HFChunk(MegatronModule):
         states: dict[str, dict[str, Any]] = {kw: {} for kw in self.shared_state}
         # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
         # of it (sequence parallelism): they read only its batch, length, dtype and device
-        whole = h.new_zeros(()).expand(h.shape[0], position_ids.shape[-1], h.shape[-1])
+        whole = h.new_zeros(()).expand(h.shape[0], rope_positions.shape[-1], h.shape[-1])
         # every layer takes the one {rope type: embedding} dict where the override names the types
-        typed = {t: rotary(whole, position_ids, t) for t in self.rotary_types} if rotary is not None else {}
+        typed = {t: rotary(whole, rope_positions, t) for t in self.rotary_types} if rotary is not None else {}
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
             for k in (kind, *(k for _, k in self.layer_masks)):
@@ -248,10 +278,10 @@ class HFChunk(MegatronModule):
             if self.rotary_of:  # the layer's own rotary module, or none
                 key = self.rotary_of[int(i)]
                 if key is not None and key not in embeddings:
-                    embeddings[key] = rotary[key](whole, position_ids)  # type: ignore[index]
+                    embeddings[key] = rotary[key](whole, rope_positions)  # type: ignore[index]
             elif rotary is not None and not typed and key not in embeddings and kind not in self.nope:
                 embeddings[key] = (
-                    rotary(whole, position_ids, kind) if self.rotary_by_kind else rotary(whole, position_ids)
+                    rotary(whole, rope_positions, kind) if self.rotary_by_kind else rotary(whole, rope_positions)
                 )
             if kind in self.nope:
                 extra.update({k: fn(position_ids) for k, fn in self.nope_kwargs.items()})
@@ -270,6 +300,9 @@ class HFChunk(MegatronModule):
             )
             h = out[0] if isinstance(out, tuple) else out
             carried = {kw: out[index] for kw, index in self.carry.items()}
+            if front is not None and int(i) in front.after_layer:  # vision.AFTER_LAYER (Qwen3-VL's deepstack)
+                fn, *args = front.after_layer[int(i)]
+                h = fn(h, *args)
         if make_mask is CP_MASKS:
             check_attended(before, len(layers))
         return h

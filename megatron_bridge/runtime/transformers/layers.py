@@ -199,6 +199,13 @@ class ColumnEmbedding(torch.nn.Module):
 MEGATRON_LAYERS = (ColumnLinear, RowLinear, LMHead, VocabEmbedding, ColumnEmbedding)
 
 
+def scatter_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Under SP: this rank's slice of whole hidden states [b, s, h] along the sequence (backward:
+    the slices' gradients all-gathered, so what produced `x` gets the whole gradient on every rank)."""
+    group = ps.get_tensor_model_parallel_group()
+    return _seq_back(scatter_to_sequence_parallel_region(_seq_first(x), group=group))
+
+
 def gather_sequence(module: torch.nn.Module) -> None:
     """Under SP: `module` (one holding `colwise` linears) runs on the whole sequence. Its
     hidden states (the first positional argument, else `hidden_states=`) are gathered along

@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import init_method_normal
+from transformers import PreTrainedModel
 
 from megatron_bridge.backends.transformers.experts import SPLIT_DIMS, expert_split
 from megatron_bridge.backends.transformers.plan import (
@@ -39,6 +40,7 @@ from megatron_bridge.backends.transformers.plan import (
     sp_whole,
     sp_whole_piece,
 )
+from megatron_bridge.backends.transformers.vision import text_config_of
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import skip_weight_init
@@ -82,6 +84,7 @@ class Pieces:
         load_weights: bool,
     ) -> None:
         self.spec, self.full, self.plan, self.kinds = spec, full, plan, kinds
+        self.text = text_config_of(full.config)  # a VLM's language model's config
         self.tconfig, self.device, self.load_weights = tconfig, device, load_weights
         self.tp, self.ep = tconfig.tensor_model_parallel_size, tconfig.expert_model_parallel_size
         self.sp = bool(tconfig.sequence_parallel)
@@ -95,6 +98,9 @@ class Pieces:
         """`module` (at `path` in the causal LM) with its planned linears swapped, its heads
         divided and the rest materialised on this rank's device. Under SP the unit of a decoder
         layer that runs whole (`_whole`) is built as in plain TP and wrapped (`whole_under_sp`)."""
+        if path in self.plan.vision:  # whole on every TP rank, on the whole sequence (backends/transformers/vision.py)
+            self._materialise(path, module, path)
+            return module
         split_parents: dict[torch.nn.Module, bool] = {}  # module holding colwise linears -> splits under SP
         whole = self._whole(path, module)
         for name, child in list(module.named_modules()):
@@ -111,7 +117,7 @@ class Pieces:
                 if style == "colwise":
                     split_parents[parent] = sp
             elif style == MLA and self.tp > 1:
-                mla_kv_a_hook(child, int(self.full.config.qk_rope_head_dim))
+                mla_kv_a_hook(child, int(self.text.qk_rope_head_dim))
             elif style == MOE_IDENTITY and self.tp > 1:
                 divide_input_by_tp(child)
             elif style == MQA_QKV and self.tp > 1:
@@ -146,7 +152,7 @@ class Pieces:
         i = self.plan.layer_index(path + ".")
         if not self.sp or i is None or path != f"{self.plan.layers}.{i}":
             return None
-        unit = sp_whole(self.plan, layer_kind(self.full.config, i))
+        unit = sp_whole(self.plan, layer_kind(self.text, i))
         if unit == WHOLE_ATTENTION:
             for name in ATTENTION_NAMES:
                 child = getattr(module, name, None)
@@ -229,9 +235,25 @@ class Pieces:
                 if b is not None and b.is_meta:
                     mod._buffers[key] = torch.empty(tuple(b.shape), dtype=b.dtype, device=self.device)
         with torch.no_grad():
-            for mod in reversed(list(module.modules())):
+            for mod, owner in reversed(_owned(module, self.full)):
                 if not isinstance(mod, MEGATRON_LAYERS):
-                    self.full._init_weights(mod)
+                    owner._init_weights(mod)
+
+
+def _owned(module: torch.nn.Module, model: Any) -> list[tuple[torch.nn.Module, Any]]:
+    """(module, the model whose `_init_weights` initialises it) for `module` and everything in it:
+    the innermost transformers model holding it (a VLM's vision tower is a model of its own,
+    whose initialisation sets its position ids), else `model`."""
+    out: list[tuple[torch.nn.Module, Any]] = []
+
+    def walk(mod: torch.nn.Module, owner: Any) -> None:
+        owner = mod if isinstance(mod, PreTrainedModel) else owner
+        out.append((mod, owner))
+        for child in mod.children():
+            walk(child, owner)
+
+    walk(module, model)
+    return out
 
 
 def _within(path: str, unit: str | None) -> bool:

@@ -1,0 +1,141 @@
+"""Vision-language models on the transformers backend (torch-free): which class a config builds, and
+what of it is the language model, the vision tower and the projector.
+
+A VLM of transformers (`AutoModelForImageTextToText`: `Qwen2_5_VLForConditionalGeneration`,
+`Gemma3ForConditionalGeneration`, ...) is a base model (`model`) holding a language model (its
+`text_config`'s base model: `model.language_model`, Idefics' `model.text_model`), a vision tower and
+a projector, and an LM head beside it. The language model is staged and split as a causal LM's base
+model is (its text config's tp/pp plans, its path as the plan's prefix); the vision pieces are
+kept whole on every TP rank of the first pipeline stage, where the base model's own forward runs
+them and merges their features into the token embeddings (runtime/transformers/vision.py). Every TP
+rank computes the same features from the same images and receives the same gradient for them
+(layer 0's column-parallel input gradient is summed over TP), so their tensors are `replicated`.
+
+Which of the vision pieces is the projector (for `model.freeze`) is declared by module name in
+`PROJECTORS`: transformers names them per model, and a Qwen-style tower holds its patch merger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# module names (a base-model child, or a child of a vision tower) that project image features into
+# the language model's width: what `model.freeze=[projector]` names
+PROJECTORS = (
+    "multi_modal_projector",
+    "mm_projector",
+    "connector",
+    "merger",
+    "aligner",
+    "projector",
+    "vision_projection",
+    "vision_adapter",
+    "resampler_model",
+)
+# what `model.freeze` may name of a VLM
+FREEZE_GROUPS = ("vision", "projector", "language")
+
+
+def image_text_class_name(model_type: str) -> str | None:
+    """transformers' image-text-to-text class for `model_type`, None if it has none."""
+    # transformers imported here: the core imports third-party packages only inside functions
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return None
+    name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) else None
+
+
+def builds_vlm(hf: Mapping[str, Any], causal: str | None) -> bool:
+    """Whether this config.json is run as its VLM class: where the model type has one, and the
+    config names it (`architectures`, as save_pretrained writes it) or no causal-LM class exists.
+    A composite config naming the causal LM (or naming nothing, where one exists: llama4's) runs
+    the text model alone, as `AutoModelForCausalLM.from_config` does."""
+    vlm = image_text_class_name(str(hf.get("model_type", "")))
+    if vlm is None:
+        return False
+    named = list(hf.get("architectures") or ())
+    return vlm in named or causal is None or causal == vlm
+
+
+def text_config_of(cfg: Any) -> Any:
+    """The config the language model runs on: a VLM's text config, else `cfg` itself."""
+    subs = getattr(cfg, "sub_configs", None) or {}
+    return cfg.get_text_config() if "text_config" in subs and getattr(cfg, "text_config", None) is not None else cfg
+
+
+@dataclass(frozen=True)
+class VisionParts:
+    """Where a built VLM keeps its pieces (paths in the model): `front` the base model whose
+    forward merges image features into the embeddings, `text` its language model, `pieces` the
+    other children with weights (vision tower, projector), `projectors` the projector modules
+    (a piece, or a module inside one)."""
+
+    front: str
+    text: str
+    pieces: tuple[str, ...]
+    projectors: tuple[str, ...]
+
+    def group_of(self, name: str) -> str:
+        """The `model.freeze` group of tensor or module `name`."""
+        if any(name == p or name.startswith(p + ".") for p in self.projectors):
+            return "projector"
+        if any(name == p or name.startswith(p + ".") for p in self.pieces):
+            return "vision"
+        return "language"
+
+
+def vision_parts(model: Any) -> VisionParts | None:
+    """The VLM layout of a built (meta or real) transformers model; None for a causal LM."""
+    cfg = model.config
+    if text_config_of(cfg) is cfg:
+        return None
+    front_name = model.base_model_prefix
+    front = getattr(model, front_name, None)
+    if front is None or front is model:
+        return None
+    text_cls = type(text_config_of(cfg))
+    text = [n for n, c in front.named_children() if type(getattr(c, "config", None)) is text_cls]
+    if len(text) != 1:
+        return None
+    pieces, projectors = [], []
+    for name, child in front.named_children():
+        if name == text[0] or not any(True for _ in child.parameters()):
+            continue
+        path = f"{front_name}.{name}"
+        pieces.append(path)
+        if name in PROJECTORS:
+            projectors.append(path)
+            continue
+        projectors += [f"{path}.{n}" for n, _ in child.named_children() if n in PROJECTORS]
+    return VisionParts(front_name, f"{front_name}.{text[0]}", tuple(pieces), tuple(projectors))
+
+
+def vision_limits(layout: Any, vision: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(problem, fix) for what a VLM cannot run under `layout`."""
+    if not vision or layout.cp <= 1:
+        return []
+    return [
+        (
+            f"context parallelism (cp={layout.cp}) over a vision-language model: its vision tower "
+            f"({', '.join(vision)}) and the merge of image features into the token embeddings need the whole "
+            "sequence on one rank",
+            "set parallel.cp=1",
+        )
+    ]
+
+
+__all__ = [
+    "FREEZE_GROUPS",
+    "PROJECTORS",
+    "VisionParts",
+    "builds_vlm",
+    "image_text_class_name",
+    "text_config_of",
+    "vision_limits",
+    "vision_parts",
+]

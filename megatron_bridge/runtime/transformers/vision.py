@@ -1,0 +1,148 @@
+"""`VisionFront`: a VLM's own forward up to its language model, run by the first pipeline stage.
+
+A VLM's base model (`Qwen2_5_VLModel.forward`, `Gemma3Model.forward`, ...) embeds the tokens, runs
+the vision tower and projector on the images, merges the features into the embeddings at the image
+placeholder tokens, derives positions (Qwen's 3-row M-RoPE from the image grids) and masks
+(Gemma 3's bidirectional attention within an image), then calls its language model. The stages run
+that language model themselves, so the front calls the base model's forward with the language
+model swapped for `_Capture`, which hands the base model this rank's vocab-parallel embedding and
+stops the forward at the language model's call, keeping what it was given: every step before it is
+transformers' own code.
+
+Later pipeline stages run the same forward without pixels (`positions`): positions and masks come
+from the token ids and the image grids alone, so every stage derives the same ones and nothing but
+the hidden states travels between stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_bridge.errors import UserError
+
+# what a VLM's forward hands its language model that the stages take from the capture: the
+# embeddings, positions and masks; the rest must be None or one of `AFTER_LAYER`'s
+TAKEN = ("inputs_embeds", "position_ids", "attention_mask")
+IGNORED = (
+    "input_ids",
+    "past_key_values",
+    "use_cache",
+    "return_dict",
+    "cache_position",
+    "output_attentions",
+    "output_hidden_states",
+)
+# keywords the language model's forward applies after its first layers: {keyword: (its partner,
+# the language model's method)}; Qwen3-VL's deepstack adds vision features of earlier vision
+# layers to the hidden states at the image tokens after decoder layer i (Qwen3VLTextModel.forward)
+AFTER_LAYER = {"deepstack_visual_embeds": ("visual_pos_masks", "_deepstack_process")}
+
+
+class _Captured(Exception):
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        super().__init__("language model input captured")
+        self.kwargs = kwargs
+
+
+class _Capture(torch.nn.Module):
+    """Stands in for the language model during the base model's forward: its embedding is the
+    stage's (not registered here: the chunk owns it), its call raises with the inputs."""
+
+    def __init__(self, text: torch.nn.Module, embed: Any, embed_name: str) -> None:
+        super().__init__()
+        self.__dict__.update(config=text.config, _embed=embed, dtype=getattr(text, "dtype", None))
+        self.__dict__[embed_name] = embed
+
+    def get_input_embeddings(self) -> Any:
+        return self._embed
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(kwargs)
+
+
+class _Zeros(torch.nn.Module):
+    """The embedding of a stage that holds none: zeros of the right shape (positions and masks
+    read only the embeddings' shape, dtype and device)."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hidden, self.dtype = hidden, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), dtype=self.dtype, device=ids.device).expand(*ids.shape, self.hidden)
+
+
+@dataclass
+class Front:
+    """What the VLM's forward handed its language model."""
+
+    embeddings: torch.Tensor
+    position_ids: torch.Tensor | None
+    masks: dict[str, Any] | None  # {layer kind: mask} where the VLM built its own
+    after_layer: dict[int, tuple[Any, ...]]  # layer index -> the AFTER_LAYER call's arguments
+
+
+class VisionFront:
+    """The base model (`plan.front`) of a VLM, its language model at `text` (a child name)."""
+
+    def __init__(self, base: torch.nn.Module, text: str, embed_name: str, hidden: int, dtype: torch.dtype) -> None:
+        self.base, self.text, self.embed_name = base, text, embed_name
+        self.language = getattr(base, text)
+        self.zeros = _Zeros(hidden, dtype)
+
+    def __call__(self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor]) -> Front:
+        """The first stage: the embeddings with the image features merged, positions and masks."""
+        return self._run(input_ids, embed, images)
+
+    def positions(self, input_ids: torch.Tensor, images: dict[str, torch.Tensor]) -> Front:
+        """A later stage: the same positions and masks, from the ids and the image grids (no pixels)."""
+        return self._run(input_ids, self.zeros, {k: v for k, v in images.items() if not k.startswith("pixel_values")})
+
+    def _run(self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor]) -> Front:
+        capture = _Capture(self.language, embed, self.embed_name)
+        self.base._modules[self.text] = capture
+        try:
+            self.base(input_ids=input_ids, **images)
+        except _Captured as got:
+            kwargs = got.kwargs
+        else:
+            raise UserError(f"{type(self.base).__name__}.forward did not call its language model")
+        finally:
+            self.base._modules[self.text] = self.language
+        return self._front(kwargs)
+
+    def _front(self, kwargs: dict[str, Any]) -> Front:
+        partners = {p for p, _ in AFTER_LAYER.values()}
+        unknown = sorted(
+            k for k, v in kwargs.items() if v is not None and k not in (*TAKEN, *IGNORED, *AFTER_LAYER, *partners)
+        )
+        if unknown:
+            raise UserError(
+                f"{type(self.base).__name__}.forward hands its language model {', '.join(unknown)}, which the "
+                "transformers backend's stages do not pass on (runtime/transformers/vision.py AFTER_LAYER)"
+            )
+        after: dict[int, tuple[Any, ...]] = {}
+        for key, (partner, method) in AFTER_LAYER.items():
+            for i, value in enumerate(kwargs.get(key) or ()):
+                after[i] = (getattr(self.language, method), kwargs[partner], value)
+        mask = kwargs.get("attention_mask")
+        return Front(
+            kwargs["inputs_embeds"], kwargs.get("position_ids"), mask if isinstance(mask, dict) else None, after
+        )
+
+
+def text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(positions for masks and layers, positions for the rotary embedding), as a VLM's language
+    model splits them (Qwen2_5_VLTextModel.forward): 3-row M-RoPE positions rotate and give the
+    masks none; 4 rows are the text positions and the 3 M-RoPE rows; plain positions do both."""
+    if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+        return position_ids[0], position_ids[1:]
+    if position_ids.ndim == 3:
+        return None, position_ids
+    return position_ids, position_ids
+
+
+__all__ = ["Front", "VisionFront", "text_positions"]
