@@ -63,6 +63,14 @@ class Backend(ABC):
         weights, LoRA targets); None for a model described without one."""
         return None
 
+    def freeze_groups(self, spec: BridgeSpec) -> tuple[str, ...]:
+        """The parts `model.freeze` may name for this model (none: a text model has one part)."""
+        return ()
+
+    def group_of(self, spec: BridgeSpec, name: str) -> str:
+        """The `freeze_groups` part tensor `name` (a checkpoint-table name) belongs to."""
+        return "language"
+
     def adds_aux_loss(self, spec: BridgeSpec) -> bool:
         """Whether training adds transformers' router load-balancing loss where the config
         switches it on (what `mbr verify`'s reference then adds too)."""

@@ -50,6 +50,9 @@ class ModelConfig:
     moe_router_topk: int = 2
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    # parts of a vision-language model kept as loaded (no gradient, not in the optimizer): any of
+    # vision (the vision tower), projector (what maps its features into the language model), language
+    freeze: list[str] = field(default_factory=list)
 
     @property
     def kv_heads(self) -> int:

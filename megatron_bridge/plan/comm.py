@@ -182,14 +182,17 @@ def bubble_fraction(pp: int, vpp: int, num_micro: int) -> float:
 
 def step_flops(m, count, *, s: int, global_batch: int, recompute: str) -> float:
     """Model FLOPs of one step (forward + backward = 3× forward; recompute adds forward
-    work: all of it for full, the attention core for selective)."""
+    work: all of it for full, the attention core for selective). A VLM's vision pieces: one
+    image per sample, 2·params FLOPs per patch forward (their attention core is left out)."""
     L = m.num_layers
     q_width, _, v_width = attention_widths(m)
     attn_core = 2 * s * (q_width + v_width) * L  # QK^T and ·V per token
-    matmul = 2 * (count.active - count.embedding + m.vocab_size * m.hidden_size)  # layers + logits
+    # layers + logits (the vision pieces, in count.active, run per patch below, not per token)
+    matmul = 2 * (count.active - count.embedding - m.vision_params + m.vocab_size * m.hidden_size)
     fwd = matmul + attn_core
     extra = {"none": 0.0, "selective": attn_core, "full": fwd}[recompute]
-    return global_batch * s * (3 * fwd + extra)
+    vision = 3 * 2 * m.vision_params * m.vision_patches
+    return global_batch * (s * (3 * fwd + extra) + vision)
 
 
 def compute_seconds(flops: float, world: int, peak_tflops: float, efficiency: float | None = None) -> float:

@@ -238,7 +238,7 @@ def _rank_params_cached(m, tp, ep, etp, ids, first, last) -> dict[str, float]:
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     word = vocab * h / tp
     if first:
-        dense += word + learned_positions(m)
+        dense += word + learned_positions(m) + m.vision_params  # a VLM's vision pieces: whole on every TP rank
     if last:
         dense += _norm(m, h)
         # The output layer: its own weight when untied; when tied and the last stage is

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.convert.sources.preflight import init_kind
 from megatron_bridge.runtime.load_converted import load_converted, load_megatron
 from megatron_bridge.runtime.lora_modules import apply_lora
@@ -40,6 +41,21 @@ def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
         load_hf_weights(chunks, spec, spec.source)
     if lora:  # frozen base + adapters (peft.init_from's, or HF PEFT's initial ones)
         apply_lora(chunks, spec, cfg.peft, seed=cfg.train.seed)
+    freeze(chunks, spec, cfg.model.freeze)
+
+
+def freeze(chunks: Sequence[Any], spec: Any, groups: Sequence[str]) -> int:
+    """`model.freeze`: every tensor (adapters included) of the named parts keeps its loaded value:
+    no gradient, no optimizer state (megatron's DDP and optimizers skip it). Returns how many."""
+    if not groups:
+        return 0
+    backend, n = backend_of(spec), 0
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if backend.group_of(spec, name) in groups:
+                p.requires_grad_(False)
+                n += 1
+    return n
 
 
 def load_initial_weights(chunks: Sequence[Any], spec: Any, path: str) -> None:

@@ -27,6 +27,7 @@ from megatron_bridge.backends.transformers import checkpoint
 from megatron_bridge.backends.transformers.aux import aux_limits
 from megatron_bridge.backends.transformers.experts import (
     StackedExperts,
+    TransposedExperts,
     WholeStackedExperts,
     expert_fields,
     expert_limits,
@@ -60,7 +61,13 @@ from megatron_bridge.backends.transformers.plan import (
     sp_refusals,
     unbuilt_refusals,
 )
-from megatron_bridge.backends.transformers.vision import text_config_of, vision_limits
+from megatron_bridge.backends.transformers.vision import (
+    FREEZE_GROUPS,
+    after_layer_count,
+    freeze_group,
+    text_config_of,
+    vision_limits,
+)
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
 from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
@@ -107,6 +114,20 @@ def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
     out += forward_refusals(mt, hf)
     out += unbuilt_refusals(declared(cfg))
     return out
+
+
+def _with_vision(spec: BridgeSpec, full: Any) -> BridgeSpec:
+    """A VLM's description with its vision pieces' size (what the planner adds to the first
+    stage): their parameters from the meta model, the patches of one image of the vision
+    config's size (0 where it gives none: dynamic resolution)."""
+    m = meta(spec)
+    if not m.plan.vision:
+        return spec
+    n = sum(m.numel(k) for k in m.shapes if any(k.startswith(p + ".") for p in m.plan.vision))
+    vision = getattr(full, "vision_config", None)
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    patches = (size // patch) ** 2 if isinstance(size, int) and isinstance(patch, int) and patch else 0
+    return spec.replace(vision_params=n, vision_patches=patches)
 
 
 def _tied(full: Any, text: Any) -> bool:
@@ -205,7 +226,7 @@ class TransformersBackend(Backend):
                 if base.get(k):
                     f[k] = int(base[k])
         f.update(_latent_attention(cfg))
-        return BridgeSpec.make(**f)
+        return _with_vision(BridgeSpec.make(**f), full)
 
     def describe_fields(self, fields: Mapping[str, Any]) -> BridgeSpec:
         raise UserError(
@@ -240,6 +261,14 @@ class TransformersBackend(Backend):
                 rows.setdefault(t + AS_HELD, Row(t, t, TRANSFORMS[kind]))  # or already joined, as the model holds it
                 continue
             split = expert_split(name, m.plan.style(name))
+            if name in m.transposed:  # stacked in the file with two dims swapped
+                held = (
+                    WholeStackedExperts(*split) if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP else None
+                )
+                d0, d1, either = m.transposed[name]
+                swapped = TransposedExperts(held or REPLICATED_T, (d0, d1), m.shapes[name] if either else None)
+                rows.setdefault(t, Row(t, m.hf_template(name), swapped))
+                continue
             if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too
                 rows.setdefault(t, Row(t, m.hf_template(name), WholeStackedExperts(*split)))
                 continue
@@ -270,6 +299,12 @@ class TransformersBackend(Backend):
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return dict(json.loads(spec.hf_json))
 
+    def freeze_groups(self, spec: BridgeSpec) -> tuple[str, ...]:
+        return FREEZE_GROUPS if meta(spec).plan.vision else ()
+
+    def group_of(self, spec: BridgeSpec, name: str) -> str:
+        return freeze_group(meta(spec).plan, name)
+
     def adds_aux_loss(self, spec: BridgeSpec) -> bool:
         return True  # transformers' own modules give it (backends/transformers/aux.py)
 
@@ -285,7 +320,8 @@ class TransformersBackend(Backend):
         out += expert_limits(spec, layout, plan.ep if plan else (), plan.tp if plan else ())
         text = text_config_of(transformers_config(spec))
         out += layer_limits(declared(text), layout)  # with the class defaults (layer_types)
-        out += vision_limits(layout, meta(spec).plan.vision)
+        full = transformers_config(spec)
+        out += vision_limits(layout, meta(spec).plan.vision, after_layer_count(full), spec.num_layers)
         if layout.tp > 1 and spec.num_query_groups % layout.tp:
             out.append(
                 (

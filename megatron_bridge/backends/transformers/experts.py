@@ -132,6 +132,50 @@ class WholeStackedExperts(Transform):
         return f"WholeStackedExperts({self.split}, packs={self.packs})"
 
 
+class TransposedExperts(Transform):
+    """A stacked experts tensor a checkpoint may hold with two dims swapped (transformers'
+    `Transpose` converter). `held` (transformers' `check_dims`: Qwen3-VL-MoE): the model's
+    layout [E, 2·I, H] is what save_pretrained writes, a checkpoint of the other layout
+    (the released [E, H, 2·I]) is swapped on load, as transformers does; else always swapped
+    both ways. Then split as `inner` says."""
+
+    def __init__(self, inner: Transform, dims: tuple[int, int], held: tuple[int, ...] | None = None) -> None:
+        self.inner, self.dims, self.held, self.whole = inner, dims, held, inner.whole
+
+    def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> Any:
+        raise NotBlockwise("a transposed experts tensor is read whole")
+
+    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> Any:
+        t = hf[0][:]
+        if self.held is None or tuple(t.shape) != self.held:
+            t = t.transpose(*self.dims).contiguous()
+        return self.inner.shard([t], s, shapes)
+
+    def merge(self, shards: Sequence[Any], shapes: Shapes) -> tuple[Any, ...]:
+        merged = self.inner.merge(shards, shapes)
+        return merged if self.held is not None else tuple(t.transpose(*self.dims).contiguous() for t in merged)
+
+    def __repr__(self) -> str:
+        return f"TransposedExperts({self.inner!r}, {self.dims}, held={self.held})"
+
+
+def transposed(converters: Iterable[Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, int, bool]]:
+    """{stacked experts tensor: (the dims its checkpoint tensor may swap, whether only where the
+    shapes differ)}, for every tensor a lone `Transpose` converter (same name in the checkpoint
+    and the model) applies to."""
+    out: dict[str, tuple[int, int, bool]] = {}
+    for conv in converters:
+        ops = list(getattr(conv, "operations", ()))
+        sources, targets = list(getattr(conv, "source_patterns", ())), list(getattr(conv, "target_patterns", ()))
+        if len(ops) != 1 or type(ops[0]).__name__ != "Transpose" or sources != targets or len(sources) != 1:
+            continue
+        leaf = unescaped(sources[0])
+        for name, shape in shapes.items():
+            if name.endswith("." + leaf) and len(shape) == 3:
+                out[name] = (int(ops[0].dim0), int(ops[0].dim1), bool(getattr(ops[0], "check_dims", False)))
+    return out
+
+
 class ExpertSplit(NamedTuple):
     """How `moe_tp_experts` splits one stacked experts tensor [E, a, b] over TP: along its
     intermediate dim, dim 1 ("column") or dim 2 ("row"), in `packs` equal blocks each split on

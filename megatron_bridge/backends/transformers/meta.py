@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from megatron_bridge.backends.transformers.experts import stacked
+from megatron_bridge.backends.transformers.experts import stacked, transposed
 from megatron_bridge.backends.transformers.fused import fused
 from megatron_bridge.backends.transformers.plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
 from megatron_bridge.backends.transformers.vision import builds_vlm, image_text_class_name, text_config_of, vision_parts
@@ -168,9 +168,12 @@ def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
 
 def checkpoint_names(
     model: Any, shapes: Mapping[str, tuple[int, ...]], kinds: Mapping[str, str]
-) -> tuple[dict[str, str], dict[str, tuple[str, ...]], dict[str, tuple[tuple[str, ...], int]]]:
+) -> tuple[
+    dict[str, str], dict[str, tuple[str, ...]], dict[str, tuple[tuple[str, ...], int]], dict[str, tuple[int, int, bool]]
+]:
     """({module tensor name: its name in a checkpoint}, {stacked experts tensor: its
-    per-expert names}, {fused tensor: (its pieces' names, the dim they join on)}) — what
+    per-expert names}, {fused tensor: (its pieces' names, the dim they join on)}, {stacked experts
+    tensor a checkpoint may hold with two dims swapped: (those dims, only where the shapes differ)}) — what
     `save_pretrained` writes, by transformers' own conversion mapping run in the saving
     direction (GPT-NeoX's `lm_head` is saved as `embed_out`; experts one tensor each:
     backends/transformers/experts.py; a fused q/k/v conv as its pieces: backends/transformers/fused.py). A tensor
@@ -191,18 +194,20 @@ def checkpoint_names(
     converters = [c for c in saving if isinstance(c, WeightConverter)]
     experts = stacked(conversions, dict(shapes))
     joined = fused(conversions, dict(kinds), model.config)
-    handled = experts.keys() | joined.keys()
+    swapped = transposed(conversions, dict(shapes))
+    handled = experts.keys() | joined.keys() | swapped.keys()
     converted = [n for n in shapes if n not in handled and apply_converters(n, converters)[1] is not None]
     if converted:
         raise UnsupportedFeatures(
             f"{type(model).__name__}: transformers converts {', '.join(converted[:4])} between the checkpoint and "
             "the model (not a rename), which the transformers backend does not do yet"
         )
-    saved = {n: apply_renamings(n, renamings) for n in shapes if n not in handled}
+    saved = {n: apply_renamings(n, renamings) for n in shapes if n not in handled or n in swapped}
     return (
         saved,
         {n: tuple(apply_renamings(h, renamings) for h in hs) for n, hs in experts.items()},
         {n: (tuple(apply_renamings(h, renamings) for h in hs), dim) for n, (hs, dim) in joined.items()},
+        swapped,
     )
 
 
@@ -218,6 +223,7 @@ class Meta:
     experts: dict[str, tuple[str, ...]]  # a stacked experts tensor -> its per-expert checkpoint tensors
     fused: dict[str, tuple[tuple[str, ...], int]]  # a fused tensor -> (its checkpoint pieces, their dim)
     integers: frozenset[str] = frozenset()  # checkpoint names of the tensors the model holds as integers
+    transposed: dict[str, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)  # experts.transposed
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -258,9 +264,9 @@ def meta(spec: BridgeSpec) -> Meta:
     tensors = checkpoint_tensors(model)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
-    saved, experts, fused = checkpoint_names(model, shapes, kinds)
+    saved, experts, fused, swapped = checkpoint_names(model, shapes, kinds)
     integers = frozenset(saved[n] for n, t in tensors.items() if not t.is_floating_point() and n in saved)
-    return Meta(plan, shapes, kinds, saved, experts, fused, integers)
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped)
 
 
 __all__ = [

@@ -123,6 +123,21 @@ OVERRIDES: dict[str, Override] = {
             ("layers.*.feed_forward.experts.down_proj", "grouped_gemm"),
         ),
     ),
+    "qwen3_vl_text": Override(
+        "Qwen3VLTextConfig declares no base_model_tp_plan: Qwen3's (its decoder layers are Qwen3's, q/k norms per "
+        "head over head_dim)",
+        tp_plan=(
+            ("layers.*.self_attn.q_proj", "colwise"),
+            ("layers.*.self_attn.k_proj", "colwise"),
+            ("layers.*.self_attn.v_proj", "colwise"),
+            ("layers.*.self_attn.q_norm", "replicated_with_grad_allreduce"),
+            ("layers.*.self_attn.k_norm", "replicated_with_grad_allreduce"),
+            ("layers.*.self_attn.o_proj", "rowwise"),
+            ("layers.*.mlp.gate_proj", "colwise"),
+            ("layers.*.mlp.up_proj", "colwise"),
+            ("layers.*.mlp.down_proj", "rowwise"),
+        ),
+    ),
     "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "gemma2": Override(_SOFTCAP, logit_softcap="final_logit_softcapping"),

@@ -68,6 +68,11 @@ def text_config_of(cfg: Any) -> Any:
     return cfg.get_text_config() if "text_config" in subs and getattr(cfg, "text_config", None) is not None else cfg
 
 
+def freeze_group(plan: Any, name: str) -> str:
+    """The `model.freeze` group of tensor `name` of a model with `plan` (`plan.Plan`)."""
+    return VisionParts(plan.front or "", plan.prefix, plan.vision, plan.projectors).group_of(name)
+
+
 @dataclass(frozen=True)
 class VisionParts:
     """Where a built VLM keeps its pieces (paths in the model): `front` the base model whose
@@ -115,25 +120,53 @@ def vision_parts(model: Any) -> VisionParts | None:
     return VisionParts(front_name, f"{front_name}.{text[0]}", tuple(pieces), tuple(projectors))
 
 
-def vision_limits(layout: Any, vision: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(problem, fix) for what a VLM cannot run under `layout`."""
-    if not vision or layout.cp <= 1:
+# vision features a VLM adds to the hidden states after its first decoder layers, by the vision
+# config's list naming them: Qwen3-VL's deepstack (one per entry of deepstack_visual_indexes, added
+# after decoder layers 0, 1, ...; runtime/transformers/vision.py AFTER_LAYER). Only the first
+# pipeline stage runs the vision tower, so those layers must be on it.
+AFTER_LAYER_LISTS = ("deepstack_visual_indexes",)
+
+
+def after_layer_count(cfg: Any) -> int:
+    """How many of the first decoder layers take vision features after them (`AFTER_LAYER_LISTS`)."""
+    vision = getattr(cfg, "vision_config", None)
+    return max((len(getattr(vision, k, None) or ()) for k in AFTER_LAYER_LISTS), default=0)
+
+
+def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_layers: int) -> list[tuple[str, str]]:
+    """(problem, fix) for what a VLM cannot run under `layout` (`after_layers`: `after_layer_count`)."""
+    if not vision:
         return []
-    return [
-        (
-            f"context parallelism (cp={layout.cp}) over a vision-language model: its vision tower "
-            f"({', '.join(vision)}) and the merge of image features into the token embeddings need the whole "
-            "sequence on one rank",
-            "set parallel.cp=1",
+    out = []
+    if layout.cp > 1:
+        out.append(
+            (
+                f"context parallelism (cp={layout.cp}) over a vision-language model: its vision tower "
+                f"({', '.join(vision)}) and the merge of image features into the token embeddings need the whole "
+                "sequence on one rank",
+                "set parallel.cp=1",
+            )
         )
-    ]
+    first = layout.stage_layers(num_layers, 0, 0 if layout.vpp_or_1 > 1 else None) if layout.pp > 1 else None
+    if first is not None and after_layers and not set(range(after_layers)) <= set(first):
+        out.append(
+            (
+                f"the vision tower's features are added after decoder layers 0..{after_layers - 1} (deepstack), but "
+                f"the first pipeline stage, which runs the vision tower, holds layers {first.start}..{first.stop - 1}",
+                f"put at least {after_layers} layers on the first stage (parallel.layers_first_stage)",
+            )
+        )
+    return out
 
 
 __all__ = [
+    "AFTER_LAYER_LISTS",
     "FREEZE_GROUPS",
+    "after_layer_count",
     "PROJECTORS",
     "VisionParts",
     "builds_vlm",
+    "freeze_group",
     "image_text_class_name",
     "text_config_of",
     "vision_limits",

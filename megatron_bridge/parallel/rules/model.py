@@ -85,6 +85,31 @@ def backend_run(f: Facts) -> list[Violation]:
     return out
 
 
+@RULES.run(reads=("model", "run"))
+def model_freeze(f: Facts) -> list[Violation]:
+    """`model.freeze` names parts the model has (a VLM's vision, projector, language), and
+    leaves something to train."""
+    named = list(f.run.model.freeze or ())
+    if not named:
+        return []
+    groups = backend_of(f.model).freeze_groups(f.model)
+    unknown = [g for g in named if g not in groups]
+    if unknown:
+        has = f"its parts are {', '.join(groups)}" if groups else "it is one language model (no parts to freeze)"
+        return _v(
+            "model-freeze",
+            f"model.freeze={named}: {f.model.architecture} has no part {', '.join(map(repr, unknown))}; {has}",
+            "drop model.freeze" if not groups else f"name parts among {list(groups)}",
+        )
+    if set(groups) <= set(named) and f.run.peft.method != "lora":
+        return _v(
+            "model-freeze",
+            f"model.freeze={named} freezes every part of {f.model.architecture}: nothing would train",
+            "leave a part out of model.freeze, or train adapters (peft=lora)",
+        )
+    return []
+
+
 @RULES.layout(reads=("layout", "model"))
 def moe_bias_etp(f: Facts) -> list[Violation]:
     """megatron-core refuses biased experts (GPT-OSS) under expert-TP > 1."""

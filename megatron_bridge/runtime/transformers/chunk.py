@@ -300,9 +300,8 @@ class HFChunk(MegatronModule):
             )
             h = out[0] if isinstance(out, tuple) else out
             carried = {kw: out[index] for kw, index in self.carry.items()}
-            if front is not None and int(i) in front.after_layer:  # vision.AFTER_LAYER (Qwen3-VL's deepstack)
-                fn, *args = front.after_layer[int(i)]
-                h = fn(h, *args)
+            if front is not None:  # vision.AFTER_LAYER (Qwen3-VL's deepstack)
+                h = front.after(int(i), h, bool(self.config.sequence_parallel))
         if make_mask is CP_MASKS:
             check_attended(before, len(layers))
         return h

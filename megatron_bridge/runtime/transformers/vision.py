@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from megatron_bridge.errors import UserError
 
@@ -82,7 +84,25 @@ class Front:
     embeddings: torch.Tensor
     position_ids: torch.Tensor | None
     masks: dict[str, Any] | None  # {layer kind: mask} where the VLM built its own
-    after_layer: dict[int, tuple[Any, ...]]  # layer index -> the AFTER_LAYER call's arguments
+    after_layer: dict[int, tuple[Any, torch.Tensor, torch.Tensor]]  # layer -> (AFTER_LAYER method, mask, rows)
+
+    def after(self, i: int, h: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        """`h` after decoder layer `i`'s AFTER_LAYER step (none: unchanged). Under sequence
+        parallelism `h` is this rank's slice of the sequence: the step gets the slice of the
+        mask and the rows at it; the rows pass an all-reduce in backward first, so every rank's
+        vision tower gets the whole gradient, as through the embeddings."""
+        if i not in self.after_layer:
+            return h
+        fn, mask, rows = self.after_layer[i]
+        if sequence_parallel:
+            n, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            width = mask.shape[1] // n
+            keep = torch.zeros_like(mask)
+            keep[:, rank * width : (rank + 1) * width] = True
+            index = (mask.flatten().cumsum(0) - 1)[(mask & keep).flatten()]
+            rows = copy_to_tensor_model_parallel_region(rows, group=ps.get_tensor_model_parallel_group())[index]
+            mask = mask[:, rank * width : (rank + 1) * width]
+        return fn(h, mask, rows)
 
 
 class VisionFront:
