@@ -91,6 +91,12 @@ def chosen_backend(model: Any) -> str:
     return backend_named(getattr(model, "backend", "auto"))
 
 
+def frozen_parts(model: Any) -> tuple[str, ...]:
+    """`model.freeze`: the parts of the model training keeps as loaded (a training choice, not
+    the description; the rule model-freeze checks them against the backend's parts)."""
+    return tuple(getattr(model, "freeze", None) or ())
+
+
 def describe_hf(hf: Mapping[str, Any], *, make_vocab_size_divisible_by: int = 128, backend: str = "auto") -> BridgeSpec:
     """The description of a parsed config.json by `backend` (`auto`: the first that handles it,
     native before hf, said once on stderr when it is not native). A converted checkpoint's
@@ -169,4 +175,4 @@ def _refused(rule: str, detail: str, fix: str) -> LayoutError:
     return LayoutError([Violation(rule, detail, fix)], header="The model breaks 1 rule:")
 
 
-__all__ = ["chosen_backend", "describe", "describe_hf"]
+__all__ = ["chosen_backend", "describe", "describe_hf", "frozen_parts"]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_bridge.backends.describe import frozen_parts
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.convert.sources.preflight import init_kind
 from megatron_bridge.runtime.load_converted import load_converted, load_megatron
@@ -41,7 +42,7 @@ def init_weights(chunks: Sequence[Any], spec: Any, cfg: Any) -> None:
         load_hf_weights(chunks, spec, spec.source)
     if lora:  # frozen base + adapters (peft.init_from's, or HF PEFT's initial ones)
         apply_lora(chunks, spec, cfg.peft, seed=cfg.train.seed)
-    freeze(chunks, spec, cfg.model.freeze)
+    freeze(chunks, spec, frozen_parts(cfg.model))
 
 
 def freeze(chunks: Sequence[Any], spec: Any, groups: Sequence[str]) -> int:

@@ -25,7 +25,7 @@ from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.plan.params import ParamCount, count
 
 # model-group fields that are not architecture, or reach the spec resolved under another name
-NOT_SPEC_FIELDS = ("name", "hf_path", "backend", "kv_channels", "num_query_groups", "moe_ffn_hidden_size")
+NOT_SPEC_FIELDS = ("name", "hf_path", "backend", "kv_channels", "num_query_groups", "moe_ffn_hidden_size", "freeze")
 
 
 class NativeBackend(Backend):

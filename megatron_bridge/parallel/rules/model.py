@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from megatron_bridge.backends.describe import frozen_parts
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.spec import NATIVE_FIELDS, field_names
@@ -89,7 +90,7 @@ def backend_run(f: Facts) -> list[Violation]:
 def model_freeze(f: Facts) -> list[Violation]:
     """`model.freeze` names parts the model has (a VLM's vision, projector, language), and
     leaves something to train."""
-    named = list(f.run.model.freeze or ())
+    named = list(frozen_parts(getattr(f.run, "model", None)))  # the planner's runs hold no model group
     if not named:
         return []
     groups = backend_of(f.model).freeze_groups(f.model)
