@@ -23,6 +23,7 @@ What the rule cannot guess is in hf_tiny_vlm_configs.py `VLM_OVERRIDES`, one lin
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import itertools
 from typing import Any
@@ -40,6 +41,7 @@ from megatron_bridge.runtime.hf_tiny import (
     _get,
     _kinds,
     _merge,
+    _quiet,
     config_class,
     generic_fields,
 )
@@ -81,6 +83,11 @@ def _mrope(fields: dict[str, Any], text: PretrainedConfig) -> dict[str, Any]:
     return {**fields, "rope_parameters": {**rope, "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}}
 
 
+def _modeling_source_of(cls: type[PretrainedConfig]) -> str:
+    """The source of the modeling file next to a config class's (GLM-4.6V's text model is GLM-4V's)."""
+    return inspect.getsource(importlib.import_module(cls.__module__.replace(".configuration_", ".modeling_")))
+
+
 def _token_id_fields(cls: type[PretrainedConfig]) -> list[str]:
     """The token-id fields of a config class, in its declaration order (the ids handed out follow it)."""
     return [n for n in inspect.signature(cls).parameters if n.endswith(("_token_id", "_token_index", "_token_ids"))]
@@ -96,12 +103,16 @@ def vlm_fields(model_type: str, kw: dict[str, Any], sources: tuple[str, ...]) ->
     out = {**kw, **{k: v for k, v in PROJECTOR_SIZES.items() if k in have}}
     for name, spec in (getattr(cls, "sub_configs_defaults", None) or {}).items():
         sub = getattr(default, name, None)
+        if sub is None and isinstance(spec.config_class, type) and issubclass(spec.config_class, PretrainedConfig):
+            with _quiet():  # an optional encoder the default leaves out (Gemma 4 unified's vision): a VLM has it
+                sub = spec.config_class(**spec.init_kwargs)
         if name not in have or not isinstance(sub, PretrainedConfig):
             continue
         own = kw.get(name) or _generic(type(sub), sources)  # an AutoConfig sub-config: the rule over its class
         if name == "text_config":
             fields = _text_fields(sub, own)
-            fields = _mrope(fields, sub) if any("mrope_section" in src for src in sources) else fields
+            mrope = any("mrope_section" in src for src in (*sources, _modeling_source_of(type(sub))))
+            fields = _mrope(fields, sub) if mrope else fields
         else:
             fields = _encoder_fields(type(sub), own, spec.init_kwargs)
         out[name] = {**spec.init_kwargs, "model_type": sub.model_type, **fields}
@@ -116,8 +127,9 @@ def vlm_fields(model_type: str, kw: dict[str, Any], sources: tuple[str, ...]) ->
     free = (i for i in range(FIRST_SPECIAL, -1, -1) if i not in taken)
     for n in _token_id_fields(cls):
         v = _get(default, n)
-        if n in ("pad_token_id", "bos_token_id", "eos_token_id") or v is None:
+        if n in ("pad_token_id", "bos_token_id", "eos_token_id") or (v is None and n.endswith("_ids")):
             continue
+        # an id the default leaves None is the tokenizer's to say (MiniCPM-V's image token): the tiny model has one
         out[n] = [next(free) for _ in v] if isinstance(v, (list, tuple)) else next(free)
     return out
 
