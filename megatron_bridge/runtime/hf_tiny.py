@@ -29,6 +29,11 @@ What the rule cannot guess (a feature off by default, a pattern kept in another 
 must divide another) is in `OVERRIDES`: the exception, one entry per architecture, each with a
 one-line reason.
 
+Vision-language models (`vlm_architectures()`: the image-text-to-text types whose text config has a tp
+plan) get the same text rule in their language model and tiny encoders on top (runtime/hf_tiny_vlm.py,
+its exceptions in `VLM_OVERRIDES`); `build_tiny` builds them with AutoModelForImageTextToText
+(`auto_class`: Llama 4, which the causal-LM catalogue also lists, stays a causal LM unless asked).
+
 `build_tiny` counts the parameters on the meta device first (a size the rule missed is refused,
 not built), builds the model with transformers (fp32, CPU, deterministic for a seed) and perturbs
 every weight the initialisation leaves constant (norm weights of 1, biases of 0, zero-initialised
@@ -50,9 +55,12 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from megatron_bridge.backends.transformers.plan import override
 from megatron_bridge.runtime.hf_tiny_configs import (
@@ -65,6 +73,7 @@ from megatron_bridge.runtime.hf_tiny_configs import (
     VARIANTS,
     VOCAB,
 )
+from megatron_bridge.runtime.hf_tiny_vlm_configs import VLM_OVERRIDES
 
 
 def architectures() -> list[str]:
@@ -118,7 +127,8 @@ def _quiet() -> Iterator[None]:
 
 @functools.cache
 def _modeling_source(model_type: str) -> str:
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type_of(model_type)]
+    mt = model_type_of(model_type)
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(mt) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[mt]
     model_cls = getattr(transformers, name)
     return inspect.getsource(inspect.getmodule(model_cls))  # type: ignore[arg-type]
 
@@ -170,15 +180,45 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def generic_fields(model_type: str) -> dict[str, Any]:
-    """The generic rule's fields for `model_type` (before `OVERRIDES`)."""
+    """The generic rule's fields for `model_type` (before `OVERRIDES`); a VLM's with the VLM rule over them
+    (runtime/hf_tiny_vlm.py)."""
     cls = config_class(model_type)
-    return _generic(cls, (_modeling_source(model_type), inspect.getsource(inspect.getmodule(cls))))  # type: ignore[arg-type]
+    sources = (_modeling_source(model_type), inspect.getsource(inspect.getmodule(cls)))  # type: ignore[arg-type]
+    kw = _generic(cls, sources)
+    if not is_vlm(model_type):
+        return kw
+    from megatron_bridge.runtime import hf_tiny_vlm  # the VLM rule builds on this module's text rule
+
+    return hf_tiny_vlm.vlm_fields(model_type, kw, sources)
+
+
+def is_vlm(model_type: str) -> bool:
+    """Whether transformers builds `model_type` as an image-text-to-text model (a vision-language model)."""
+    return model_type_of(model_type) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+@functools.cache
+def _default(model_type: str) -> PretrainedConfig:
+    with _quiet():
+        return config_class(model_type)()
+
+
+def vlm_architectures() -> list[str]:
+    """Every image-text-to-text model type of the installed transformers whose config is composite with a text
+    config that has a tp plan (its own `base_model_tp_plan`, or the transformers backend's override for it)."""
+    out = []
+    for mt in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        text = getattr(_default(mt), "text_config", None) if mt in CONFIG_MAPPING else None
+        if isinstance(text, PretrainedConfig) and (text.base_model_tp_plan or override(text.model_type).tp_plan):
+            out.append(mt)
+    return sorted(out)
 
 
 def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
-    """The tiny config of `model_type`: the generic rule, then `OVERRIDES`, then a variant's fields,
-    then `overrides`."""
+    """The tiny config of `model_type`: the generic rule (a VLM's: the VLM rule), then `OVERRIDES` (and
+    `VLM_OVERRIDES`), then a variant's fields, then `overrides`."""
     kw = _merge(generic_fields(model_type), OVERRIDES.get(model_type_of(model_type), ("", {}))[1])
+    kw = _merge(kw, VLM_OVERRIDES.get(model_type_of(model_type), ("", {}))[1])
     kw = _merge(kw, VARIANTS[model_type][2] if model_type in VARIANTS else {})
     return config_class(model_type)(**_merge(kw, overrides))
 
@@ -210,24 +250,36 @@ def perturb_constants_(
     return done
 
 
-def build_tiny(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
-    """The tiny model of `model_type` in memory (fp32, CPU, as initialised: train mode), constants perturbed."""
+def auto_class(model_type: str, image_text: bool | None = None) -> type:
+    """The auto class `build_tiny` builds `model_type` with: AutoModelForImageTextToText for a VLM, except a type
+    the causal-LM catalogue also lists (Llama 4: its matrix runs the causal LM) unless `image_text` says so."""
+    if image_text is None:
+        image_text = is_vlm(model_type) and model_type not in architectures()
+    return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+
+
+def build_tiny(model_type: str, seed: int = 0, *, image_text: bool | None = None, **overrides: Any) -> PreTrainedModel:
+    """The tiny model of `model_type` in memory (fp32, CPU, as initialised: train mode), constants perturbed;
+    built by `auto_class(model_type, image_text)`."""
     cfg = tiny_config(model_type, **overrides)
+    auto = auto_class(model_type, image_text)
     with torch.device("meta"):  # a size the rule missed would build a full-size model: count first
-        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+        n = sum(p.numel() for p in auto.from_config(cfg).parameters())
     if n > MAX_PARAMS:
         raise ValueError(
             f"{model_type}: the tiny config builds {n:,} parameters (> {MAX_PARAMS:,}): a size field is not tiny"
         )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = auto.from_config(cfg, dtype=torch.float32)
     perturb_constants_(model, seed)
     return model
 
 
-def make_tiny(model_type: str, out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+def make_tiny(
+    model_type: str, out_dir: str | Path, seed: int = 0, *, image_text: bool | None = None, **overrides: Any
+) -> Path:
     """Write the tiny model of `model_type` to `out_dir` with save_pretrained; returns the path."""
-    model = build_tiny(model_type, seed, **overrides)
+    model = build_tiny(model_type, seed, image_text=image_text, **overrides)
     out = Path(out_dir)
     model.save_pretrained(out)
     return out
@@ -238,12 +290,16 @@ __all__ = [
     "FEATURES",
     "VARIANTS",
     "SIZES",
+    "VLM_OVERRIDES",
     "architectures",
+    "auto_class",
     "build_tiny",
     "config_class",
     "generic_fields",
+    "is_vlm",
     "make_tiny",
     "model_type_of",
     "perturb_constants_",
     "tiny_config",
+    "vlm_architectures",
 ]
