@@ -76,6 +76,14 @@ def _sft_hint(prefix: str, tokenizer: str) -> str:
     return f"fine-tune on it with: data=sft data.paths=[{prefix}] data.tokenizer={tokenizer}"
 
 
+def _images_hint(prefix: str, tokenizer: str) -> str:
+    return (
+        f"read it with megatron_bridge.data.chat_dataset.ImageChatDataset({prefix!r}): each conversation's tokens, "
+        f"loss mask and images, which load_images turns into the inputs of the processor in {tokenizer} "
+        "(data=sft trains on text chats only)"
+    )
+
+
 def run_chat(cfg: DataCommandConfig) -> int:
     if cfg.output_dir is not None or cfg.vocab_size is not None:
         raise UserError("output_dir= and vocab_size= belong to demo=true; mode=chat takes input=, output=, tokenizer=")
@@ -104,7 +112,8 @@ def run_chat(cfg: DataCommandConfig) -> int:
         log=print,
     )
     print(stats.describe())
-    print(_sft_hint(os.path.abspath(stats.prefix), os.path.abspath(str(tokenizer))))
+    hint = _images_hint if stats.images else _sft_hint
+    print(hint(os.path.abspath(stats.prefix), os.path.abspath(str(tokenizer))))
     return 0
 
 

@@ -105,9 +105,12 @@ class ChatStats:
             if n
         ]
         if self.images:
+            embedded = (
+                f", {self.embedded_images} embedded in {self.prefix}{STORE_SUFFIX}/" if self.embedded_images else ""
+            )
             lines.append(
                 f"{self.images} images in {self.image_conversations} conversations ({self.image_tokens} image tokens; "
-                f"{self.prefix}{SIDECAR_SUFFIX}, {self.embedded_images} embedded image(s) in {self.prefix}{STORE_SUFFIX}/)"
+                f"recorded in {self.prefix}{SIDECAR_SUFFIX}{embedded})"
             )
         if skipped:
             lines.append(f"skipped: {', '.join(skipped)}")

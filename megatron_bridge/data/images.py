@@ -227,12 +227,16 @@ def load_processor(tok_dir: PathLike) -> tuple[Any, str]:
     d = Path(tok_dir)
     if not any((d / f).is_file() for f in PROCESSOR_FILES):
         return None, f"{d} holds no image processor ({' or '.join(PROCESSOR_FILES)})"
-    from transformers import AutoProcessor
+    import transformers
 
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load-time notes about its own classes are not the user's to act on
     try:
-        proc = AutoProcessor.from_pretrained(str(d), local_files_only=True)
+        proc = transformers.AutoProcessor.from_pretrained(str(d), local_files_only=True)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError, ImportError...
         raise UserError(f"cannot load the processor in {d}: {type(e).__name__}: {e}") from e
+    finally:
+        transformers.logging.set_verbosity(level)
     if getattr(proc, "image_processor", None) is None or getattr(proc, "image_token", None) is None:
         return None, f"the processor in {d} ({type(proc).__name__}) has no image processor and image token"
     return proc, ""

@@ -41,10 +41,8 @@ def proc_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def marked_proc(tmp_path_factory):
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(str(make_processor(tmp_path_factory.mktemp("mproc") / "p", MARKED)))
+def marked_dir(tmp_path_factory):
+    return make_processor(tmp_path_factory.mktemp("mproc") / "p", MARKED)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +77,14 @@ def absolute(convs, d):
     ]
 
 
-def test_tokens_mask_and_images_match_transformers(src, proc_dir, marked_proc, tmp_path):
+@pytest.mark.parametrize("marked", [False, True], ids=["incremental", "generation"])
+def test_tokens_mask_and_images_match_transformers(src, proc_dir, marked_dir, tmp_path, marked):
+    from transformers import AutoProcessor
+
     d, convs, (a, b) = src
-    st = preprocess_chat(d / "convs.jsonl", tmp_path / "out" / "chat", proc_dir)
+    marked_proc = AutoProcessor.from_pretrained(str(marked_dir))
+    st = preprocess_chat(d / "convs.jsonl", tmp_path / "out" / "chat", marked_dir if marked else proc_dir)
+    assert st.mask_method == ("generation" if marked else "incremental")
     assert (st.conversations, st.images, st.image_conversations, st.embedded_images) == (3, 3, 2, 0)
     meta = json.loads((tmp_path / "out" / "chat.meta.json").read_text())
     assert meta["format"] == IMAGE_CHAT_FORMAT
