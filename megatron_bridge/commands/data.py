@@ -3,7 +3,7 @@
     mbr data input=FILE_OR_DIR output=PREFIX tokenizer=DIR [text_key=text] [overwrite=true]
     mbr data demo=true output_dir=DIR [vocab_size=N] [max_bytes=4000000] [overwrite=true]
     mbr data mode=chat input=FILE.jsonl output=PREFIX tokenizer=DIR [messages_key=messages] [chat_template=FILE]
-             [max_length=N] [overlong=truncate|drop] [overwrite=true]
+             [max_length=N] [overlong=truncate|drop] [max_image_pixels=N] [overwrite=true]
     mbr data mode=chat demo=true output_dir=DIR [tokenizer=DIR] [max_examples=N] [max_length=N]
 
 The first tokenizes .jsonl/.txt/.parquet/.arrow files (a directory of them, or a directory
@@ -14,7 +14,9 @@ BPE tokenizer on it (vocab = the recipe's model.vocab_size unless vocab_size=N) 
 preprocesses it, into DIR/{corpus.jsonl, tokenizer/, stdlib_text_document.*}. Both print the
 overrides that train on the result. mode=chat renders conversations ({"messages": [...]} or
 {"prompt", "completion"} per line) with the tokenizer's chat template into token ids plus a
-loss mask on the assistant tokens (PREFIX.bin/.idx + PREFIX.loss_mask.bin/.idx); its demo makes
+loss mask on the assistant tokens (PREFIX.bin/.idx + PREFIX.loss_mask.bin/.idx); messages with
+image parts are rendered with the tokenizer directory's processor and their images recorded
+(PREFIX.images.jsonl, docs/data.md "Image chats"); its demo makes
 questions and answers from the standard library's docstrings. Every input problem (missing input or tokenizer, an
 existing output without overwrite=true, a tokenizer larger than the model) is reported before
 any heavy work, and nothing is left half-written.
@@ -62,6 +64,7 @@ class DataCommandConfig(Config):
     chat_template: str | None = None  # chat: a Jinja template file (default: the tokenizer's own)
     max_length: int | None = None  # chat: longest conversation in tokens (default: no limit)
     overlong: str = "truncate"  # chat: a conversation longer than max_length is cut (truncate) or left out (drop)
+    max_image_pixels: int | None = None  # chat: larger images (width x height) are refused (default 4096x4096)
     max_examples: int = 2000  # chat demo: number of docstring questions
 
 
@@ -71,6 +74,14 @@ def _train_hint(prefix: str, tokenizer: str) -> str:
 
 def _sft_hint(prefix: str, tokenizer: str) -> str:
     return f"fine-tune on it with: data=sft data.paths=[{prefix}] data.tokenizer={tokenizer}"
+
+
+def _images_hint(prefix: str, tokenizer: str) -> str:
+    return (
+        f"read it with megatron_bridge.data.chat_dataset.ImageChatDataset({prefix!r}): each conversation's tokens, "
+        f"loss mask and images, which load_images turns into the inputs of the processor in {tokenizer} "
+        "(data=sft trains on text chats only)"
+    )
 
 
 def run_chat(cfg: DataCommandConfig) -> int:
@@ -96,11 +107,13 @@ def run_chat(cfg: DataCommandConfig) -> int:
         max_length=cfg.max_length,
         overlong=cfg.overlong,
         messages_key=cfg.messages_key,
+        max_image_pixels=cfg.max_image_pixels,
         overwrite=cfg.overwrite,
         log=print,
     )
     print(stats.describe())
-    print(_sft_hint(os.path.abspath(stats.prefix), os.path.abspath(str(tokenizer))))
+    hint = _images_hint if stats.images else _sft_hint
+    print(hint(os.path.abspath(stats.prefix), os.path.abspath(str(tokenizer))))
     return 0
 
 
@@ -180,8 +193,10 @@ def main(argv: Sequence[str]) -> int:
         raise UserError(f"unknown flag(s) {' '.join(args.flags)} for `mbr data` (it takes key=value overrides)")
     if cfg.mode not in ("text", "chat"):
         raise UserError(f"mode={cfg.mode!r}: expected text (pre-training documents) or chat (conversations)")
-    if cfg.mode == "text" and (cfg.chat_template or cfg.max_length is not None):
-        raise UserError("chat_template= and max_length= belong to mode=chat (conversations); add mode=chat")
+    if cfg.mode == "text" and (cfg.chat_template or cfg.max_length is not None or cfg.max_image_pixels is not None):
+        raise UserError(
+            "chat_template=, max_length= and max_image_pixels= belong to mode=chat (conversations); add mode=chat"
+        )
     with sigterm_as_interrupt(), _leased(cfg.output_dir if cfg.demo else cfg.output, cfg.demo):
         if cfg.demo:
             return run_demo(cfg)

@@ -6,7 +6,9 @@
 - `preprocess`: jsonl/txt → token ids (+eos per document) → `.bin`/`.idx` (atomic writes);
 - `chat`: conversations → chat template → assistant character spans → per-token loss mask;
 - `chat_dataset`: the chat dataset on disk (tokens + aligned loss mask): `preprocess_chat`
-  writes it, `ChatDataset` reads conversations back by index;
+  writes it, `ChatDataset` reads conversations back by index, `ImageChatDataset` with their images;
+- `images`, `chat_images`: image chats: image parts and columns, Pillow decoding and limits, the
+  processor's placeholder expansion, PREFIX.images.jsonl, and `load_images` (pixels at training time);
 - `loader`: the entry points `build_datasets` (megatron-core `BlendedMegatronDatasetBuilder` +
   `GPTDatasetConfig`, or a seeded synthetic dataset), `make_iterator`, `build_data_iterators`;
 - `indexed`: `data.paths`/`data.split` parsing and `check_indexed_data` (data vs tokenizer vs

@@ -7,6 +7,9 @@ per-token loss mask, stored as two aligned megatron-core indexed datasets.
                                  assistant turn (its content and its end-of-turn token(s))
     PREFIX.meta.json            format `megatron_bridge.chat/1`, tokenizer facts, counts
 
+A message's content is a string, or content parts as transformers' chat templates and processors
+take them (text parts and image parts; data/images.py, data/chat_images.py for image chats).
+
 The mask is per *token*, not per label: a loader that predicts token i+1 from tokens ..i uses
 `loss_mask[1:]` with `labels = tokens[1:]` (`chat_dataset.ChatDataset` reads both back).
 
@@ -27,10 +30,11 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from megatron_bridge.data.columnar import COLUMNAR_SUFFIXES, iter_column
+from megatron_bridge.data.columnar import COLUMNAR_SUFFIXES, iter_rows
 from megatron_bridge.data.corpus import input_files, iter_jsonl
+from megatron_bridge.data.images import IMAGES_COLUMN, check_parts
 from megatron_bridge.data.preprocess import output_paths
 from megatron_bridge.errors import UserError
 
@@ -76,11 +80,31 @@ def _messages(obj: Any, where: str) -> list[dict[str, Any]]:
                 f"{where}: message {i} has unknown role {m['role']!r}; the allowed roles are "
                 f"{', '.join(ROLES)} (only {TRAINED_ROLE} turns are trained on)"
             )
-        if not isinstance(m["content"], str):
+        if isinstance(m["content"], list):
+            msgs[i] = {**m, "content": check_parts(m["content"], f"{where}: message {i} ({m['role']})")}
+        elif not isinstance(m["content"], str):
             raise UserError(
-                f"{where}: message {i} ({m['role']}) content is a {type(m['content']).__name__}, not a string"
+                f"{where}: message {i} ({m['role']}) content is a {type(m['content']).__name__}, not a string "
+                "or a list of content parts"
             )
     return msgs
+
+
+def has_content(msgs: list[dict[str, Any]]) -> bool:
+    """Whether any message holds non-blank text or an image."""
+    return any(
+        m["content"].strip()
+        if isinstance(m["content"], str)
+        else any(p["type"] == "image" or p["text"].strip() for p in m["content"])
+        for m in msgs
+    )
+
+
+class Conversation(NamedTuple):
+    where: str  # "file:line" / "file:row N"
+    messages: list[dict[str, Any]]
+    images: Any  # the row's images column (the line's "images" key), or None
+    base: Path  # the directory relative image paths are read from: the data file's
 
 
 def chat_input_files(inputs: PathLike | Sequence[PathLike]) -> list[Path]:
@@ -92,27 +116,31 @@ def chat_input_files(inputs: PathLike | Sequence[PathLike]) -> list[Path]:
     return files
 
 
-def iter_conversations(
-    inputs: PathLike | Sequence[PathLike], messages_key: str = "messages"
-) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """Stream ("file:line", messages) from jsonl or columnar files (or directories of them),
-    validated. Columnar rows (data/columnar.py) give their `messages_key` column; a jsonl line
-    its `messages_key` key when that is not "messages" (else `messages` or prompt/completion)."""
+def iter_conversations(inputs: PathLike | Sequence[PathLike], messages_key: str = "messages") -> Iterator[Conversation]:
+    """Stream the conversations of jsonl or columnar files (or directories of them), validated.
+    Columnar rows (data/columnar.py) give their `messages_key` column and their `images` column
+    when they have one; a jsonl line its `messages_key` key when that is not "messages" (else
+    `messages` or prompt/completion), and its `images` key."""
     for f in chat_input_files(inputs):
+        base = f.absolute().parent
         if f.suffix in COLUMNAR_SUFFIXES:
-            for where, msgs in iter_column(f, messages_key):
-                yield where, _messages({"messages": msgs}, where)
+            for where, row in iter_rows(f, messages_key, (IMAGES_COLUMN,)):
+                msgs = _messages({"messages": row[messages_key]}, where)
+                yield Conversation(where, msgs, row.get(IMAGES_COLUMN), base)
             continue
         for lineno, obj in iter_jsonl(f, EXAMPLE_LINE):
+            images = obj.get(IMAGES_COLUMN) if isinstance(obj, dict) else None
             if messages_key != "messages" and isinstance(obj, dict) and messages_key in obj:
                 obj = {"messages": obj[messages_key]}
-            yield f"{f}:{lineno}", _messages(obj, f"{f}:{lineno}")
+            yield Conversation(f"{f}:{lineno}", _messages(obj, f"{f}:{lineno}"), images, base)
 
 
 # -- the template --------------------------------------------------------------------------------
-def resolve_template(tok: Any, tok_dir: PathLike, chat_template: PathLike | None) -> tuple[str, str]:
-    """(template text, where it came from): `chat_template=FILE`, else the tokenizer's own. A
-    tokenizer without one is refused with the fix."""
+def resolve_template(
+    tok: Any, tok_dir: PathLike, chat_template: PathLike | None, processor: Any = None
+) -> tuple[str, str]:
+    """(template text, where it came from): `chat_template=FILE`, else the processor's (image
+    chats), else the tokenizer's own. A tokenizer without one is refused with the fix."""
     if chat_template:
         p = Path(chat_template).expanduser()
         if not p.is_file():
@@ -121,7 +149,7 @@ def resolve_template(tok: Any, tok_dir: PathLike, chat_template: PathLike | None
         if not text.strip():
             raise UserError(f"chat_template={p} is empty")
         return text, str(p.absolute())
-    own = getattr(tok, "chat_template", None)
+    own = getattr(processor, "chat_template", None) or getattr(tok, "chat_template", None)
     if isinstance(own, dict):  # named templates: the default one renders plain conversations
         own = own.get("default")
     if not own:
@@ -130,7 +158,7 @@ def resolve_template(tok: Any, tok_dir: PathLike, chat_template: PathLike | None
             "the model will see them. Pass chat_template=FILE (a Jinja chat template, e.g. the instruct "
             "model's chat_template.jinja), or use the instruct model's tokenizer."
         )
-    return own, f"the tokenizer in {Path(tok_dir).absolute()}"
+    return own, f"the {'processor' if processor is not None else 'tokenizer'} in {Path(tok_dir).absolute()}"
 
 
 class ChatRenderer:
@@ -177,6 +205,24 @@ class ChatRenderer:
                 "{% generation %}...{% endgeneration %}, or one that renders every turn the same way."
             )
         return text, out
+
+    def char_spans(self, msgs: list[dict[str, Any]], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and its assistant character spans, by the template's markers
+        or by incremental rendering (`spans`): what a processor's expanded text is mapped from."""
+        if self.method != "generation":
+            return self.spans(msgs, where)
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            texts, indices = render_jinja_template(
+                conversations=[msgs],
+                chat_template=self.template,
+                return_assistant_tokens_mask=True,
+                **self.tok.special_tokens_map,
+            )
+        except Exception as e:  # jinja raises whatever the template does
+            raise UserError(f"{where}: the chat template of {self.source} failed on this conversation: {e}") from e
+        return texts[0], [(int(s), int(e)) for s, e in indices[0]]
 
     def encode(self, convs: list[tuple[str, list[dict[str, Any]]]]) -> list[tuple[list[int], list[int]]]:
         """(token ids, loss mask) per conversation of a batch."""

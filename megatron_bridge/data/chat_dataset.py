@@ -8,8 +8,15 @@ keeps its own dtype (the mask costs one byte a token) and the token dataset stay
 indexed dataset (`check_indexed_data`'s vocab checks read its meta unchanged). A reader opens
 both memory-mapped and checks that their lengths agree, so conversation i is the same i in both.
 
+Image chats (data/chat_images.py) add PREFIX.images.jsonl, one line per conversation with its
+images' paths and placeholder token counts, and PREFIX.images/ for embedded image bytes; their
+meta says `format: megatron_bridge.chat/2` and names the processor. `ChatDataset` reads text
+chats only (it refuses image chats: training on them without the pixels would learn from image
+placeholders that stand for nothing); `ImageChatDataset` reads both and gives each
+conversation's images.
+
 Writing streams conversations in batches (constant memory but one int per conversation in
-megatron-core's builders); all five files go under temporary names and are renamed at the end,
+megatron-core's builders); all files go under temporary names and are renamed at the end,
 the token `.idx` last: a failure, including bad input found halfway, leaves nothing behind.
 """
 
@@ -32,12 +39,24 @@ from megatron_bridge.data.chat import (
     OVERLONG,
     TRAINED_ROLE,
     ChatRenderer,
+    Conversation,
     chat_input_files,
     chat_paths,
+    has_content,
     iter_conversations,
     resolve_template,
 )
+from megatron_bridge.data.chat_images import (
+    IMAGE_CHAT_FORMAT,
+    SIDECAR_SUFFIX,
+    STORE_SUFFIX,
+    ImageEncoder,
+    Sidecar,
+    SidecarWriter,
+    truncate,
+)
 from megatron_bridge.data.helpers import quiet_megatron_import
+from megatron_bridge.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageRef, load_processor
 from megatron_bridge.data.preprocess import check_output_prefix, read_meta
 from megatron_bridge.data.tokenizer import load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
@@ -65,6 +84,10 @@ class ChatStats:
     max_length: int | None
     overlong: str
     seconds: float
+    images: int = 0  # image chats: images stored (PREFIX.images.jsonl)
+    image_tokens: int = 0  # their placeholder tokens (never trained on)
+    image_conversations: int = 0
+    embedded_images: int = 0  # distinct embedded images written into PREFIX.images/
 
     def describe(self) -> str:
         pct = 100 * self.loss_tokens / max(self.tokens, 1)
@@ -81,6 +104,14 @@ class ChatStats:
             )
             if n
         ]
+        if self.images:
+            embedded = (
+                f", {self.embedded_images} embedded in {self.prefix}{STORE_SUFFIX}/" if self.embedded_images else ""
+            )
+            lines.append(
+                f"{self.images} images in {self.image_conversations} conversations ({self.image_tokens} image tokens; "
+                f"recorded in {self.prefix}{SIDECAR_SUFFIX}{embedded})"
+            )
         if skipped:
             lines.append(f"skipped: {', '.join(skipped)}")
         if self.max_length is not None:
@@ -100,6 +131,7 @@ def preprocess_chat(
     max_length: int | None = None,
     overlong: str = "truncate",
     messages_key: str = "messages",
+    max_image_pixels: int | None = None,
     overwrite: bool = False,
     batch_size: int = 64,
     meta_extra: dict[str, Any] | None = None,
@@ -107,29 +139,38 @@ def preprocess_chat(
 ) -> ChatStats:
     """Render and tokenize the conversations of `inputs` (jsonl files or directories) into the
     chat dataset `output_prefix` (module docstring). Conversations longer than `max_length`
-    tokens are cut to it (`overlong="truncate"`) or left out (`"drop"`); every skip is counted."""
+    tokens are cut to it (`overlong="truncate"`) or left out (`"drop"`); every skip is counted.
+    Images (data/images.py) need a processor in `tokenizer`; one with more than
+    `max_image_pixels` pixels (default 4096x4096) is refused."""
     # -- validate everything cheap first -------------------------------------------------------
     prefix = check_output_prefix(output_prefix, overwrite)
     paths = chat_paths(prefix)
     refuse_existing([paths["mask_bin"], paths["mask_idx"]], overwrite, "loss-mask dataset")
+    refuse_existing([f"{prefix}{SIDECAR_SUFFIX}", f"{prefix}{STORE_SUFFIX}"], overwrite, "image chat data")
     files = chat_input_files(inputs)
     tok_dir = validate_tokenizer_dir(tokenizer)
     if overlong not in OVERLONG:
         raise UserError(f"overlong={overlong!r}: expected {' or '.join(OVERLONG)} (what to do past max_length)")
     if max_length is not None and int(max_length) <= 0:
         raise UserError(f"max_length={max_length} must be a positive number of tokens (or unset: no limit)")
+    max_pixels = DEFAULT_MAX_IMAGE_PIXELS if max_image_pixels is None else int(max_image_pixels)
+    if max_pixels <= 0:
+        raise UserError(f"max_image_pixels={max_image_pixels} must be a positive number of pixels (width x height)")
     if chat_template and not Path(chat_template).expanduser().is_file():
         raise UserError(f"chat_template={chat_template} does not exist (it takes a file holding a Jinja chat template)")
     tok = load_tokenizer(tok_dir)
-    template, source = resolve_template(tok, tok_dir, chat_template)
+    processor, why = load_processor(tok_dir)
+    template, source = resolve_template(tok, tok_dir, chat_template, processor)
     renderer = ChatRenderer(tok, template, source)
+    encoder = ImageEncoder(renderer, processor, why, max_pixels)
     with new_parent(prefix):
-        return _write(renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log, messages_key)
+        return _write(encoder, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log, messages_key)
 
 
 def _write(
-    renderer, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log, messages_key="messages"
+    encoder, files, paths, tok_dir, max_length, overlong, batch_size, meta_extra, log, messages_key="messages"
 ) -> ChatStats:
+    renderer = encoder.renderer
     tok, template, source = renderer.tok, renderer.template, renderer.source
     prefix = paths["bin"][: -len(".bin")]
     vocab = len(tok)
@@ -145,17 +186,29 @@ def _write(
     c = dict.fromkeys(("conversations", "tokens", "loss_tokens", "empty", "no_assistant", "truncated", "dropped"), 0)
     max_id = -1
     builders: list[Any] = []
+    sidecar = None
     try:
         builders = [IndexedDatasetBuilder(tmp["bin"], dtype=dtype), IndexedDatasetBuilder(tmp["mask_bin"], np.uint8)]
+        sidecar = SidecarWriter(prefix)
 
-        def flush(batch: list[tuple[str, list[dict[str, Any]]]]) -> None:
+        def encoded(batch: list[Conversation]) -> list[tuple[list[int], list[int], list[Any]]]:
+            """The batch in order: text conversations tokenized together, image ones one by one."""
+            sources = [encoder.sources(conv) for conv in batch]
+            plain = [(conv.where, conv.messages) for conv, src in zip(batch, sources) if not src]
+            text = iter(renderer.encode(plain) if plain else [])
+            return [encoder.encode(conv, src) if src else (*next(text), []) for conv, src in zip(batch, sources)]
+
+        def flush(batch: list[Conversation]) -> None:
             nonlocal max_id
-            for ids, mask in renderer.encode(batch):
+            for ids, mask, images in encoded(batch):
                 if max_length is not None and len(ids) > max_length:
-                    if overlong == "drop" or not any(mask[:max_length]):
+                    if overlong == "drop":
                         c["dropped"] += 1
                         continue
-                    ids, mask = ids[:max_length], mask[:max_length]
+                    ids, mask, images = truncate(ids, mask, images, max_length)
+                    if not any(mask):
+                        c["dropped"] += 1
+                        continue
                     c["truncated"] += 1
                 if not any(mask):  # markers that cover nothing here, or an assistant turn that renders empty
                     c["no_assistant"] += 1
@@ -164,18 +217,19 @@ def _write(
                 max_id = max(max_id, int(arr.max()))
                 builders[0].add_document(arr, [arr.size])
                 builders[1].add_document(np.asarray(mask, dtype=np.uint8), [arr.size])
+                sidecar.add(images)
                 c["conversations"] += 1
                 c["tokens"] += arr.size
                 c["loss_tokens"] += int(sum(mask))
 
-        batch: list[tuple[str, list[dict[str, Any]]]] = []
-        for where, msgs in iter_conversations(files, messages_key):
-            if not any(m["content"].strip() for m in msgs):
+        batch: list[Conversation] = []
+        for conv in iter_conversations(files, messages_key):
+            if not has_content(conv.messages):
                 c["empty"] += 1
-            elif not any(m["role"] == TRAINED_ROLE for m in msgs):
+            elif not any(m["role"] == TRAINED_ROLE for m in conv.messages):
                 c["no_assistant"] += 1
             else:
-                batch.append((where, msgs))
+                batch.append(conv)
             if len(batch) >= batch_size:
                 flush(batch)
                 batch = []
@@ -210,9 +264,14 @@ def _write(
             max_length=max_length,
             overlong=overlong,
             seconds=time.time() - t0,
+            images=sidecar.images,
+            image_tokens=sidecar.image_tokens,
+            image_conversations=sidecar.conversations,
+            embedded_images=sidecar.store.count,
         )
+        proc = encoder.processor
         meta = {
-            "format": CHAT_FORMAT,
+            "format": IMAGE_CHAT_FORMAT if sidecar.images else CHAT_FORMAT,
             "build_id": uuid.uuid4().hex,
             "tokenizer": str(tok_dir.absolute()),
             "loss_mask": {"prefix_suffix": MASK_SUFFIX, "dtype": "uint8", "meaning": MASK_MEANING},
@@ -222,15 +281,29 @@ def _write(
             "files": [str(f) for f in files],
             **(meta_extra or {}),
         }
+        if sidecar.images:
+            meta["images"] = {
+                "sidecar_suffix": SIDECAR_SUFFIX,
+                "store_suffix": STORE_SUFFIX,
+                "processor": type(proc).__name__,
+                "image_processor": type(proc.image_processor).__name__,
+                "image_token": proc.image_token,
+                "max_image_pixels": encoder.max_pixels,
+            }
         meta.pop("prefix", None)
         with open(tmp["meta"], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
-        for k in ("bin", "mask_bin", "mask_idx", "meta", "idx"):
+        for k in ("bin", "mask_bin", "mask_idx"):
+            os.replace(tmp[k], paths[k])
+        sidecar.publish()
+        for k in ("meta", "idx"):
             os.replace(tmp[k], paths[k])
     except BaseException:
         for b in builders:
             if not b.data_file.closed:
                 b.data_file.close()
+        if sidecar is not None:
+            sidecar.discard()
         for p in tmp.values():
             remove(p)
         raise
@@ -240,7 +313,10 @@ def _write(
 class ChatDataset:
     """Random access to a chat dataset's conversations: `ds[i]` is (tokens int64, loss_mask
     uint8), two numpy arrays of the same length; `ds.lengths` holds every conversation's length
-    (for packing without reading tokens). Memory-mapped: opening costs the two index files."""
+    (for packing without reading tokens). Memory-mapped: opening costs the two index files.
+    Text chats only: image chats are read by `ImageChatDataset`, which gives their images."""
+
+    FORMATS: tuple[str, ...] = (CHAT_FORMAT,)
 
     def __init__(self, prefix: PathLike):
         self.prefix = str(prefix)
@@ -252,7 +328,14 @@ class ChatDataset:
                 f"`mbr data mode=chat input=FILE.jsonl output={self.prefix} tokenizer=DIR`)"
             )
         self.meta = read_meta(self.prefix) or {}
-        if self.meta.get("format") != CHAT_FORMAT:
+        if self.meta.get("format") == IMAGE_CHAT_FORMAT and IMAGE_CHAT_FORMAT not in self.FORMATS:
+            raise UserError(
+                f"{self.prefix} holds image chats ({self.meta.get('images', {}).get('processor')} inputs, "
+                f"{self.meta.get('image_conversations')} conversations with images), and this reader gives tokens "
+                "without their pixels: the model would train on image placeholders that stand for nothing. Read it "
+                "with ImageChatDataset (megatron_bridge.data.chat_dataset), or make the data without images."
+            )
+        if self.meta.get("format") not in self.FORMATS:
             raise UserError(
                 f"{self.prefix} is not chat data in the format this version reads ({CHAT_FORMAT}); its "
                 f"{paths['meta']} says {self.meta.get('format')!r}. Re-make it with `mbr data mode=chat`."
@@ -280,7 +363,53 @@ class ChatDataset:
         if not -len(self) <= i < len(self):
             raise IndexError(f"conversation {i} of {len(self)} in {self.prefix}")
         i = int(i) % len(self)
-        return np.asarray(self._tokens[i], dtype=np.int64), np.asarray(self._mask[i], dtype=np.uint8)
+        # copies: a view into the memory map would dangle once the dataset is closed
+        return np.array(self._tokens[i], dtype=np.int64), np.array(self._mask[i], dtype=np.uint8)
 
     def __iter__(self) -> Iterator:
         return (self[i] for i in range(len(self)))
+
+
+class ImageChatDataset(ChatDataset):
+    """A chat dataset with its images: `ds[i]` is (tokens, loss_mask, images), images a list of
+    `ImageRef(path, tokens, start)` in the order their placeholders appear (empty for a text
+    conversation, and for all of a text-only dataset). `images_of(conversations)` gives a packed
+    sample's images: its conversations' images, in the order the conversations are packed.
+    `load_images(refs)` turns refs into the model's image inputs with the data's processor."""
+
+    FORMATS = (CHAT_FORMAT, IMAGE_CHAT_FORMAT)
+
+    def __init__(self, prefix: PathLike):
+        super().__init__(prefix)
+        self._images = Sidecar(self.prefix, len(self)) if self.meta["format"] == IMAGE_CHAT_FORMAT else None
+        self._processor: Any = None
+
+    def images(self, i: int) -> list[ImageRef]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"conversation {i} of {len(self)} in {self.prefix}")
+        return [] if self._images is None else self._images[int(i) % len(self)]
+
+    def images_of(self, conversations: Sequence[int]) -> list[ImageRef]:
+        return [im for c in conversations for im in self.images(c)]
+
+    def __getitem__(self, i: int):
+        tokens, mask = super().__getitem__(i)
+        return tokens, mask, self.images(i)
+
+    def processor(self) -> Any:
+        """The processor of the tokenizer directory the data was made with (loaded once), checked
+        to be of the class recorded in the meta."""
+        if self._processor is None:
+            want = self.meta.get("images", {}).get("processor")
+            proc, why = load_processor(self.meta["tokenizer"])
+            if proc is None or (want and type(proc).__name__ != want):
+                raise UserError(
+                    f"{self.prefix} was made with a {want} processor, but {why or type(proc).__name__ + ' is there now'}"
+                )
+            self._processor = proc
+        return self._processor
+
+    def load_images(self, images: Sequence[ImageRef], processor: Any = None) -> dict[str, Any]:
+        from megatron_bridge.data.images import load_images
+
+        return load_images(images, processor if processor is not None else self.processor())

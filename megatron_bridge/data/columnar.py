@@ -44,31 +44,35 @@ def save_to_disk_files(d: Path) -> list[Path]:
     return files
 
 
-def _batches(path: Path, column: str) -> Iterator[Any]:
-    """pyarrow record batches of `path`'s `column` (checked to exist), at most BATCH_ROWS rows each:
-    parquet through its batch reader (one column decoded), Arrow memory-mapped."""
+def _batches(path: Path, column: str, optional: tuple[str, ...] = ()) -> Iterator[Any]:
+    """pyarrow record batches of `path`'s `column` (checked to exist) and those of the `optional`
+    columns it has, at most BATCH_ROWS rows each: parquet through its batch reader (only these
+    columns decoded), Arrow memory-mapped."""
     import pyarrow as pa
+
+    def wanted(names: list[str]) -> list[str]:
+        _need(path, column, names)
+        return [column, *(c for c in optional if c in names)]
 
     try:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
             pf = pq.ParquetFile(path)
-            _need(path, column, pf.schema_arrow.names)
-            yield from pf.iter_batches(batch_size=BATCH_ROWS, columns=[column])
+            yield from pf.iter_batches(batch_size=BATCH_ROWS, columns=wanted(pf.schema_arrow.names))
             return
         source = pa.memory_map(str(path), "r")
         try:
             reader: Any = pa.ipc.open_file(source)
-            _need(path, column, reader.schema.names)
+            cols = wanted(reader.schema.names)
             for i in range(reader.num_record_batches):
-                yield from _slices(reader.get_batch(i).select([column]))
+                yield from _slices(reader.get_batch(i).select(cols))
         except pa.ArrowInvalid:  # not the IPC file format: the stream format (what datasets writes)
             source.seek(0)
             stream = pa.ipc.open_stream(source)
-            _need(path, column, stream.schema.names)
+            cols = wanted(stream.schema.names)
             for b in stream:
-                yield from _slices(b.select([column]))
+                yield from _slices(b.select(cols))
     except (pa.ArrowInvalid, OSError) as e:
         raise UserError(f"cannot read {path} with pyarrow: {e}") from e
 
@@ -90,11 +94,19 @@ def _need(path: Path, column: str, names: list[str]) -> None:
 
 def iter_column(path: Path, column: str) -> Iterator[tuple[str, Any]]:
     """("path:row N", value) for each row of `column`, in file order, one bounded batch at a time."""
+    for where, row in iter_rows(path, column):
+        yield where, row[column]
+
+
+def iter_rows(path: Path, column: str, optional: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("path:row N", {column: value, ...}) per row: `column` and those of the `optional` columns
+    the file has (image chats: the `images` column beside the messages)."""
     row = 0
-    for batch in _batches(path, column):
-        for value in batch.column(0).to_pylist():
+    for batch in _batches(path, column, optional):
+        names = batch.schema.names
+        for values in zip(*(batch.column(i).to_pylist() for i in range(len(names)))):
             row += 1
-            yield f"{path}:row {row}", value
+            yield f"{path}:row {row}", dict(zip(names, values))
 
 
 def iter_texts(path: Path, text_key: str) -> Iterator[str]:

@@ -15,6 +15,7 @@ import struct
 from collections.abc import Sequence
 
 from megatron_bridge.data.chat import CHAT_FORMAT
+from megatron_bridge.data.chat_images import IMAGE_CHAT_FORMAT
 from megatron_bridge.data.preprocess import output_paths, read_meta
 from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
@@ -248,7 +249,7 @@ def _check_format(kind: str, metas: dict) -> None:
     pre-training on it would drop the loss mask and learn the prompts too."""
 
     for p, m in metas.items():
-        is_chat = bool(m) and m.get("format") == CHAT_FORMAT
+        is_chat = bool(m) and m.get("format") in (CHAT_FORMAT, IMAGE_CHAT_FORMAT)
         if kind == "sft" and not is_chat:
             raise UserError(
                 f"data=sft needs chat data (format {CHAT_FORMAT}), but {p} is "
@@ -257,7 +258,7 @@ def _check_format(kind: str, metas: dict) -> None:
             )
         if kind != "sft" and is_chat:
             raise UserError(
-                f"{p} is chat data (format {CHAT_FORMAT}: tokens plus an assistant loss mask), which "
+                f"{p} is chat data (format {m['format']}: tokens plus an assistant loss mask), which "
                 f"data={kind} would pre-train on prompts and all: use data=sft data.paths=[{p}] to fine-tune on it."
             )
 

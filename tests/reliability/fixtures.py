@@ -4,7 +4,9 @@
 
 DIR/demo (a small indexed dataset + its 320-token tokenizer), DIR/big (a 600-token tokenizer,
 larger than the model's 512, and data made with it), DIR/chat (chat jsonl with one defect per
-file, a template that is not prefix-consistent, a tokenizer without a chat template, a chat dataset), fake training checkpoints — complete
+file, a template that is not prefix-consistent, a tokenizer without a chat template, a chat dataset), DIR/vlm (a tiny
+vision-language processor, an image, image chats with one defect per file: a missing, an undecodable and a URL
+image, and a template that renders no image placeholder), fake training checkpoints — complete
 under another layout, and damaged in every way (corrupt/truncated/missing rank file, corrupt
 `latest` pointer, pointer to a missing iteration, corrupt manifest, only an interrupted save) —
 a checkpoint directory leased by a live job (pid 1), a non-empty directory, and Hugging Face model directories for `mbr convert`: a good tiny Llama
@@ -85,6 +87,26 @@ def build(fx: Path) -> None:
     (chat / "tok_no_template" / "chat_template.jinja").unlink()
     cfg = chat / "tok_no_template" / "tokenizer_config.json"
     cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "chat_template"}))
+
+    from tests.vlm_processor import TEXT_ONLY_TEMPLATE, make_processor, png
+
+    vlm = fx / "vlm"
+    make_processor(vlm / "proc")
+    png(vlm / "ok.png", 60, 90)
+    (vlm / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot an image")
+    (vlm / "text_only.jinja").write_text(TEXT_ONLY_TEMPLATE)
+
+    def image_chat(image: str) -> str:
+        parts = [{"type": "image", "image": image}, {"type": "text", "text": "what is this?"}]
+        return (
+            json.dumps({"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "red"}]})
+            + "\n"
+        )
+
+    (vlm / "ok.jsonl").write_text(image_chat("ok.png"))
+    (vlm / "missing.jsonl").write_text(image_chat("ok.png") + image_chat("nope.png"))
+    (vlm / "broken.jsonl").write_text(image_chat("broken.png"))
+    (vlm / "url.jsonl").write_text(image_chat("https://example.com/cat.png"))
 
     fake_checkpoint(fx / "ck_tp2pp2", [2], layout=LAYOUT_4, world=4)
     (fake_checkpoint(fx / "ck_bad_latest", [2]) / ck.LATEST).write_text("iter_2?\n")
