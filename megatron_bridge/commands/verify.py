@@ -83,6 +83,7 @@ def _launched(cfg, worker: bool) -> int:
             make_vocab_size_divisible_by=spec.make_vocab_size_divisible_by,
             backend=spec.backend,
             weights=cfg.verify.checkpoint,
+            images=ref.get("images"),
         )
         res["seconds"] = round(time.perf_counter() - t0, 2)
         mine[lay.describe()] = res
@@ -98,8 +99,9 @@ def _launched(cfg, worker: bool) -> int:
 
 def _print_summary(per_rank, layouts, cfg, ref, hf_dir, spec) -> bool:
     print(
-        f"verify {spec.architecture} ({spec.family}, {spec.backend} backend) from {hf_dir}: batch {cfg.verify.batch_size}×"
-        f"{cfg.verify.seq_length}, fp32, checks {', '.join(cfg.verify.checks)}"
+        f"verify {spec.architecture} ({spec.family}, {spec.backend} backend) from {hf_dir}: batch "
+        f"{'×'.join(map(str, ref['input_ids'].shape))}{', one image per sample' if 'images' in ref else ''}, fp32, "
+        f"checks {', '.join(cfg.verify.checks)}"
     )
     all_ok = True
     for lay in layouts:

@@ -16,6 +16,8 @@ import torch
 
 from megatron_bridge.backends.describe import describe
 from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.backends.transformers.meta import auto_class, config_object
+from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.tiny import HF_TINY, TINY
 from megatron_bridge.config.schema import Config
 from megatron_bridge.convert.pipeline.run import export
@@ -24,8 +26,12 @@ from megatron_bridge.convert.sources.readers import HFSource
 from megatron_bridge.errors import LayoutError, UserError
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate
+from megatron_bridge.runtime.hf_tiny import make_tiny as make_tiny_vlm
+from megatron_bridge.runtime.hf_tiny import vlm_architectures
 from megatron_bridge.runtime.parity import CHECKS, hf_reference, make_batch
 from megatron_bridge.runtime.tiny import make_tiny
+from megatron_bridge.runtime.vision_inputs import image_batch
+from megatron_bridge.runtime.vision_inputs import reference as image_text_reference
 
 
 @dataclass
@@ -84,14 +90,16 @@ def prepare(cfg, out: Path):
     if bad:
         raise UserError(f"verify.checks {bad} unknown; choose from logits, roundtrip, grads")
     if cfg.verify.tiny:
-        if cfg.verify.tiny not in TINY and cfg.verify.tiny not in HF_TINY:
+        vlms = vlm_architectures()
+        if cfg.verify.tiny not in TINY and cfg.verify.tiny not in HF_TINY and cfg.verify.tiny not in vlms:
             raise UserError(
                 f"verify.tiny={cfg.verify.tiny!r}: tiny models exist for the families {', '.join(TINY)} and, "
-                f"on the transformers backend, {', '.join(HF_TINY)}"
+                f"on the transformers backend, {', '.join(HF_TINY)} and the vision-language models "
+                f"{', '.join(vlms)}"
             )
         hf_dir = str(out / "tiny" / cfg.verify.tiny)
         if not (Path(hf_dir) / "config.json").is_file():
-            make_tiny(cfg.verify.tiny, hf_dir)
+            (make_tiny if cfg.verify.tiny not in vlms else make_tiny_vlm)(cfg.verify.tiny, hf_dir)
         spec = describe(cfg.model, hf_path=hf_dir)  # the rules see the model being verified
     elif cfg.verify.checkpoint:
         hf_dir = str(export_checkpoint(cfg, out / "checkpoint_hf"))
@@ -134,16 +142,26 @@ def check_weights(hf_dir: Path, spec) -> None:
 
 
 def reference(hf_dir: str, spec, cfg, path: Path) -> dict[str, Any]:
-    ids, labels = make_batch(spec.vocab_size, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
-    ref = dict(
-        input_ids=ids,
-        labels=labels,
-        **hf_reference(
-            hf_dir, ids, labels if "grads" in cfg.verify.checks else None, aux_loss=backend_of(spec).adds_aux_loss(spec)
-        ),
-    )
+    """transformers' answer for the verify batch, saved to `path` (data only): random ids, or for a
+    vision-language model one image per sample with its placeholder tokens (runtime/vision_inputs.py)."""
+    if spec.vision_params:
+        ref = image_reference(hf_dir, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
+    else:
+        ids, labels = make_batch(spec.vocab_size, cfg.verify.batch_size, cfg.verify.seq_length, cfg.verify.seed)
+        grads = "grads" in cfg.verify.checks
+        aux = backend_of(spec).adds_aux_loss(spec)
+        ref = dict(input_ids=ids, labels=labels, **hf_reference(hf_dir, ids, labels if grads else None, aux_loss=aux))
     torch.save(ref, path)
     return ref
+
+
+def image_reference(hf_dir: str | Path, batch: int, seq: int, seed: int) -> dict[str, Any]:
+    """A VLM's verify batch (at least `seq` tokens: more where one image's placeholders need them)
+    and transformers' fp32 logits, loss and gradients for it."""
+    cfg = config_object(read_hf_config(hf_dir))
+    model = auto_class(cfg).from_pretrained(str(hf_dir), dtype=torch.float32)
+    ids, labels, images = image_batch(model, batch, seq, seed)
+    return dict(input_ids=ids, labels=labels, images=images, **image_text_reference(model, ids, labels, images))
 
 
 def needed_world(layouts) -> int:

@@ -62,7 +62,9 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
+from megatron_bridge.backends.transformers.meta import class_name
 from megatron_bridge.backends.transformers.plan import override
+from megatron_bridge.backends.transformers.vision import image_text_class_name
 from megatron_bridge.runtime.hf_tiny_configs import (
     FEATURES,
     HEADS,
@@ -250,11 +252,13 @@ def perturb_constants_(
     return done
 
 
-def auto_class(model_type: str, image_text: bool | None = None) -> type:
-    """The auto class `build_tiny` builds `model_type` with: AutoModelForImageTextToText for a VLM, except a type
-    the causal-LM catalogue also lists (Llama 4: its matrix runs the causal LM) unless `image_text` says so."""
+def auto_class(model_type: str, image_text: bool | None = None) -> Any:
+    """The auto class `build_tiny` builds `model_type` with: the class the transformers backend runs its
+    config as (backends/transformers/meta.py `class_name`: the VLM where no causal LM exists or is the same
+    class; Llama 4's causal LM, which its matrix runs), unless `image_text` says which."""
     if image_text is None:
-        image_text = is_vlm(model_type) and model_type not in architectures()
+        mt = model_type_of(model_type)
+        image_text = is_vlm(mt) and class_name({"model_type": mt}) == image_text_class_name(mt)
     return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
 
 

@@ -35,7 +35,10 @@ def _batches(input_ids: torch.Tensor, labels: torch.Tensor | None, images: Seque
     pos = torch.arange(s).unsqueeze(0)
     out = []
     for i in range(b):
-        mb = {"input_ids": split_for_cp(input_ids[i : i + 1], cp, rank), "position_ids": split_for_cp(pos, cp, rank)}
+        mb: dict[str, Any] = {
+            "input_ids": split_for_cp(input_ids[i : i + 1], cp, rank),
+            "position_ids": split_for_cp(pos, cp, rank),
+        }
         if labels is not None:
             mb["labels"] = split_for_cp(labels[i : i + 1], cp, rank)
         if images is not None:

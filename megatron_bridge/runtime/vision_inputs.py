@@ -109,14 +109,16 @@ def placeholder_count(model: PreTrainedModel, images: Images) -> int:
 def image_batch(
     model: PreTrainedModel, batch: int, seq: int, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, list[Images]]:
-    """`batch` samples of `seq` tokens, one random image each: (input_ids [b, s], labels [b, s] (random text
+    """`batch` samples of `seq` tokens (more where an image's placeholders need them: a multiple of 8
+    with 16 text tokens besides), one random image each: (input_ids [b, s], labels [b, s] (random text
     ids at every position), images: per sample, the forward's extra keyword arguments)."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     vocab = cfg.get_text_config().vocab_size
     special = special_ids(cfg)
     text = torch.tensor([i for i in range(vocab) if i not in special])
-    image, (begin, end) = image_token_id(cfg), (brackets(cfg) or [None, None])
+    pair: list[int | None] = list(brackets(cfg)) or [None, None]
+    image, (begin, end) = image_token_id(cfg), pair
     token_types = [n for n in TOKEN_TYPES if n in inspect.signature(model.forward).parameters]
     ids, labels, images = [], [], []
     for _ in range(batch):
@@ -124,9 +126,7 @@ def image_batch(
         n = placeholder_count(model, sample)
         block = [x for x in (begin, *[image] * n, end) if x is not None]
         if len(block) + 2 > seq:
-            raise ValueError(
-                f"{cfg.model_type}: an image takes {len(block)} tokens; seq {seq} leaves no text around it"
-            )
+            seq = -(-(len(block) + 16) // 8) * 8
         row = text[torch.randint(0, len(text), (seq,), generator=g)]
         at = int(torch.randint(1, seq - len(block), (1,), generator=g))
         row[at : at + len(block)] = torch.tensor(block)

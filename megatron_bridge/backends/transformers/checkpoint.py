@@ -61,7 +61,7 @@ def pieces(m: Meta, cfg: object, names: list[str]) -> dict[str, str | int]:
         i = m.plan.layer_index(name)
         if i is not None:
             out[name] = i
-        elif _under(name, (m.plan.embed, *m.plan.pre, *per_layer)):
+        elif _under(name, (m.plan.embed, *m.plan.pre, *per_layer)) or _under(name, m.plan.vision, itself=True):
             out[name] = PRE
         elif _under(name, m.plan.post):
             out[name] = POST
@@ -72,8 +72,9 @@ def pieces(m: Meta, cfg: object, names: list[str]) -> dict[str, str | int]:
     return out
 
 
-def _under(name: str, modules: tuple[str, ...] | list[str]) -> bool:
-    return any(name.startswith(p + ".") for p in modules)
+def _under(name: str, modules: tuple[str, ...] | list[str], itself: bool = False) -> bool:
+    """Whether tensor `name` is in one of `modules` (`itself`: or is one: a VLM's own parameter)."""
+    return any(name.startswith(p + ".") or (itself and name == p) for p in modules)
 
 
 def owned(

@@ -119,7 +119,14 @@ def model_plan(model: Any) -> Plan:
     )
     if parts is None:
         return plan
-    return dataclasses.replace(plan, front=parts.front, vision=parts.pieces, projectors=parts.projectors)
+    return dataclasses.replace(
+        plan,
+        head=parts.head,
+        front=parts.front,
+        language=parts.language,
+        vision=parts.pieces,
+        projectors=parts.projectors,
+    )
 
 
 def base_prefix(model: Any) -> str:
@@ -128,7 +135,7 @@ def base_prefix(model: Any) -> str:
     `language_model`, its composite parent's name, and holds `model`); a VLM's language model."""
     parts = vision_parts(model)
     if parts is not None:
-        return parts.text
+        return parts.base
     return override(model.config.model_type).prefix or model.base_model_prefix
 
 

@@ -131,9 +131,11 @@ class Plan:
     head: str  # the LM head ("lm_head")
     tp: tuple[tuple[str, str], ...]  # (module pattern, style)
     ep: tuple[tuple[str, str], ...] = ()  # base_model_ep_plan: (module or tensor pattern, style)
-    # a VLM (backends/transformers/vision.py): the base model whose forward merges image features
-    # into the embeddings, its vision pieces (first stage, whole on every TP rank), its projectors
+    # a VLM (backends/transformers/vision.py): the module whose forward merges image features into
+    # the embeddings ("" the model itself) and its child that is the language model, the vision
+    # pieces (first stage, whole on every TP rank), the projectors
     front: str | None = None
+    language: str = ""
     vision: tuple[str, ...] = ()
     projectors: tuple[str, ...] = ()
 

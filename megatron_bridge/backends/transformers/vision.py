@@ -70,28 +70,28 @@ def text_config_of(cfg: Any) -> Any:
 
 def freeze_group(plan: Any, name: str) -> str:
     """The `model.freeze` group of tensor `name` of a model with `plan` (`plan.Plan`)."""
-    return VisionParts(plan.front or "", plan.prefix, plan.vision, plan.projectors).group_of(name)
+    if any(name == p or name.startswith(p + ".") for p in plan.projectors):
+        return "projector"
+    if any(name == p or name.startswith(p + ".") for p in plan.vision):
+        return "vision"
+    return "language"
 
 
 @dataclass(frozen=True)
 class VisionParts:
-    """Where a built VLM keeps its pieces (paths in the model): `front` the base model whose
-    forward merges image features into the embeddings, `text` its language model, `pieces` the
-    other children with weights (vision tower, projector), `projectors` the projector modules
-    (a piece, or a module inside one)."""
+    """Where a built VLM keeps its pieces (paths in the model): `front` the module whose forward
+    merges image features into the embeddings and calls its child `language` (the language
+    model: a base model, or a causal LM with its own head: Llama 4's); `base` the path of the
+    language model's base model, `head` its LM head's; `pieces` the front's other children with
+    weights (vision tower, projector), `projectors` the projector modules (a piece, or a module
+    inside one)."""
 
     front: str
-    text: str
+    language: str
+    base: str
+    head: str
     pieces: tuple[str, ...]
     projectors: tuple[str, ...]
-
-    def group_of(self, name: str) -> str:
-        """The `model.freeze` group of tensor or module `name`."""
-        if any(name == p or name.startswith(p + ".") for p in self.projectors):
-            return "projector"
-        if any(name == p or name.startswith(p + ".") for p in self.pieces):
-            return "vision"
-        return "language"
 
 
 def vision_parts(model: Any) -> VisionParts | None:
@@ -101,23 +101,32 @@ def vision_parts(model: Any) -> VisionParts | None:
         return None
     front_name = model.base_model_prefix
     front = getattr(model, front_name, None)
-    if front is None or front is model:
-        return None
+    if front is None or front is model or not hasattr(front, "named_children"):  # Llama 4: the VLM's own forward
+        front_name, front = "", model
     text_cls = type(text_config_of(cfg))
     text = [n for n, c in front.named_children() if type(getattr(c, "config", None)) is text_cls]
     if len(text) != 1:
         return None
-    pieces, projectors = [], []
+    at = f"{front_name}.".lstrip(".")
+    language = front.get_submodule(text[0])
+    base, head = f"{at}{text[0]}", "lm_head"
+    out = language.get_output_embeddings() if hasattr(language, "get_output_embeddings") else None
+    if out is not None:  # a causal LM: its base model and head (Llama4ForCausalLM's prefix override: `model`)
+        inner = next(n for n, c in language.named_children() if c is not out and hasattr(c, "layers"))
+        head = f"{base}.{next(n for n, c in language.named_children() if c is out)}"
+        base = f"{base}.{inner}"
+    pieces = [f"{at}{name}" for name, _ in front.named_parameters(recurse=False)]  # LLaVA-OneVision's image_newline
+    projectors: list[str] = []
     for name, child in front.named_children():
         if name == text[0] or not any(True for _ in child.parameters()):
             continue
-        path = f"{front_name}.{name}"
+        path = f"{at}{name}"
         pieces.append(path)
         if name in PROJECTORS:
             projectors.append(path)
             continue
         projectors += [f"{path}.{n}" for n, _ in child.named_children() if n in PROJECTORS]
-    return VisionParts(front_name, f"{front_name}.{text[0]}", tuple(pieces), tuple(projectors))
+    return VisionParts(front_name, text[0], base, head, tuple(pieces), tuple(projectors))
 
 
 # vision features a VLM adds to the hidden states after its first decoder layers, by the vision

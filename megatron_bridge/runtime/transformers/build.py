@@ -127,12 +127,14 @@ class Stage(Pieces):
 
     def chunk(self, layers: range, pre: bool, post: bool) -> HFChunk:
         plan, full = self.plan, self.full
-        modules: dict[str, torch.nn.Module] = {}
+        modules: dict[str, torch.nn.Module | torch.nn.Parameter] = {}
         tied = bool(self.spec.tie_word_embeddings)
         if pre:
             modules[plan.embed] = self._embedding(full.get_submodule(plan.embed))
             for path in (*plan.vision, *plan.pre):
-                modules[path] = self.keep(path, full.get_submodule(path))
+                modules[path] = (
+                    self._own(path) if _is_parameter(full, path) else self.keep(path, full.get_submodule(path))
+                )
         per_layer = self._per_layer(modules if pre else None)
         layer_list = full.get_submodule(plan.layers)
         kept = {i: self.keep(f"{plan.layers}.{i}", layer_list[i]) for i in layers}
@@ -182,10 +184,22 @@ class Stage(Pieces):
         plan = self.plan
         if plan.front is None:
             return None
-        text = plan.prefix.removeprefix(plan.front + ".")
-        embed = plan.embed.removeprefix(plan.prefix + ".")
+        embed = plan.embed.rpartition(".")[2]
         base = self.full.get_submodule(plan.front)
-        return VisionFront(base, text, embed, self.spec.hidden_size, self.tconfig.params_dtype)
+        return VisionFront(base, plan.language, embed, self.spec.hidden_size, self.tconfig.params_dtype)
+
+    def _own(self, path: str) -> torch.nn.Parameter:
+        """A VLM front's own parameter (LLaVA-OneVision's image_newline), materialised in place
+        and initialised by the front's model (`_init_weights` of the module holding it)."""
+        module_path, _, leaf = path.rpartition(".")
+        holder = self.full.get_submodule(module_path)
+        p = holder._parameters[leaf]
+        assert p is not None
+        new = torch.nn.Parameter(torch.empty(tuple(p.shape), dtype=p.dtype, device=self.device), p.requires_grad)
+        holder._parameters[leaf] = new
+        with torch.no_grad():
+            self.full._init_weights(holder)
+        return new
 
     # -- the pieces --------------------------------------------------------------------------
     def _embedding(self, emb: Any) -> VocabEmbedding:
@@ -222,7 +236,7 @@ class Stage(Pieces):
                 tp_group=self.tp_group,
             )
 
-    def _per_layer(self, modules: dict[str, torch.nn.Module] | None) -> PerLayerInputs | None:
+    def _per_layer(self, modules: dict[str, torch.nn.Module | torch.nn.Parameter] | None) -> PerLayerInputs | None:
         """Per-layer inputs (runtime/transformers/per_layer.py), where the config has them: their modules,
         whole on every TP rank, kept (into `modules`) on the first stage, which computes them."""
         names = per_layer_modules(self.text)
@@ -259,6 +273,11 @@ class Stage(Pieces):
             return None
         path = f"{self.plan.prefix}.{found[0]}"
         return path, self.keep(path, self.full.get_submodule(path))
+
+
+def _is_parameter(model: torch.nn.Module, path: str) -> bool:
+    module_path, _, leaf = path.rpartition(".")
+    return leaf in model.get_submodule(module_path)._parameters
 
 
 __all__ = ["Stage", "build_transformers", "transformer_config"]

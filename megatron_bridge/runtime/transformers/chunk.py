@@ -83,7 +83,7 @@ class HFChunk(MegatronModule):
         config: Any,
         hf_config: Any,
         plan: Plan,
-        modules: dict[str, torch.nn.Module],
+        modules: dict[str, torch.nn.Module | torch.nn.Parameter],
         layers: dict[int, torch.nn.Module],
         rotary: tuple[str, torch.nn.Module] | None,
         *,
@@ -155,14 +155,17 @@ class HFChunk(MegatronModule):
             distinct = sorted({v for v in values if v})
             self.rotary_of = {i: distinct.index(values[i]) if values[i] else None for i in layers}
 
-    def _place(self, path: str, module: torch.nn.Module) -> None:
+    def _place(self, path: str, module: torch.nn.Module | torch.nn.Parameter) -> None:
         parent: torch.nn.Module = self
         *outer, leaf = path.split(".")
         for part in outer:
             if not hasattr(parent, part):
                 parent.add_module(part, Pieces())
             parent = getattr(parent, part)
-        parent.add_module(leaf, module)
+        if isinstance(module, torch.nn.Parameter):  # a VLM front's own parameter (vision.VisionParts.pieces)
+            parent.register_parameter(leaf, module)
+        else:
+            parent.add_module(leaf, module)
 
     # -- what megatron's schedules and finalize_model_grads call --------------------------------
     def set_input_tensor(self, input_tensor: Any) -> None:
@@ -248,7 +251,7 @@ class HFChunk(MegatronModule):
         if not len(layers):
             return h
         # a VLM's positions (M-RoPE rows, runtime/transformers/vision.py), and its own masks where it built them
-        position_ids, rope_positions = text_positions(position_ids)
+        layer_positions, rope_positions = text_positions(position_ids)
         rotary = self.get_submodule(self.rotary_path) if self.rotary_path else None
         masks: dict[str, Any] = dict(front.masks or {}) if front is not None else {}
         make_mask = CP_MASKS if ps.get_context_parallel_world_size() > 1 else self.masks  # runtime/transformers/cp.py
@@ -271,7 +274,7 @@ class HFChunk(MegatronModule):
                         inputs_embeds=whole,
                         attention_mask=None,
                         past_key_values=None,
-                        position_ids=position_ids,
+                        position_ids=layer_positions,
                     )
             extra = {kw: masks[k] for kw, k in self.layer_masks}  # overrides.Override.layer_masks
             key: Any = kind if self.rotary_by_kind else None  # a kind, or a rotary_of index
@@ -284,13 +287,13 @@ class HFChunk(MegatronModule):
                     rotary(whole, rope_positions, kind) if self.rotary_by_kind else rotary(whole, rope_positions)
                 )
             if kind in self.nope:
-                extra.update({k: fn(position_ids) for k, fn in self.nope_kwargs.items()})
+                extra.update({k: fn(layer_positions) for k, fn in self.nope_kwargs.items()})
             if per_layer is not None and self.per_layer is not None:
                 extra[self.per_layer.keyword] = per_layer[:, :, int(i)]
             out = layer(
                 h,
                 attention_mask=masks[kind],
-                position_ids=position_ids,
+                position_ids=layer_positions,
                 position_embeddings=typed or embeddings.get(key),
                 **carried,
                 **states,

@@ -36,6 +36,8 @@ IGNORED = (
     "cache_position",
     "output_attentions",
     "output_hidden_states",
+    "logits_to_keep",  # a causal LM's (Llama 4's language model): the stages keep every position
+    "labels",
 )
 # keywords the language model's forward applies after its first layers: {keyword: (its partner,
 # the language model's method)}; Qwen3-VL's deepstack adds vision features of earlier vision
@@ -55,8 +57,13 @@ class _Capture(torch.nn.Module):
 
     def __init__(self, text: torch.nn.Module, embed: Any, embed_name: str) -> None:
         super().__init__()
-        self.__dict__.update(config=text.config, _embed=embed, dtype=getattr(text, "dtype", None))
+        self.__dict__.update(config=text.config, _embed=embed, _text=text, dtype=getattr(text, "dtype", None))
         self.__dict__[embed_name] = embed
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else the base model's forward reads of its language model (a flag such as
+        `gradient_checkpointing`): the language model's own."""
+        return getattr(self.__dict__["_text"], name)
 
     def get_input_embeddings(self) -> Any:
         return self._embed
