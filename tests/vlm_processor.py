@@ -75,3 +75,55 @@ def png_bytes(w: int, h: int, color=(0, 0, 255)) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (w, h), color).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def make_vlm(d: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2.5-VL that `make_processor`'s processor feeds (its vision tower takes the
+    image processor's 14-pixel patches, 2 frames, merged 2x2; its vocabulary is the tokenizer's,
+    the image placeholder `<|image_pad|>`), saved with that processor in the same directory: what a
+    released VLM directory holds, for the image-chat training tests and the demo."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from megatron_bridge.runtime.hf_tiny import perturb_constants_
+
+    make_processor(d)
+    tok = AutoTokenizer.from_pretrained(str(d))
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    text = dict(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, vocab_size=len(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+        "mrope_section": [4, 4, 4]}, eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=None,
+    )  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, temporal_patch_size=2,
+                  spatial_merge_size=2, out_hidden_size=96, fullatt_block_indexes=[1], window_size=56)  # fmt: skip
+    cfg = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        video_token_id=len(tok) - 1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg).float()
+    perturb_constants_(model, seed)
+    model.save_pretrained(str(d))
+    return d
+
+
+def image_chats(d: Path, n: int = 24) -> Path:
+    """`n` one-image conversations (PNG files beside the jsonl): the answer names the image's
+    colour, so a model that learns from the pixels gets its loss down."""
+    import json
+
+    colours = {"red": (255, 0, 0), "blue": (0, 0, 255), "green": (0, 255, 0)}
+    lines = []
+    for i in range(n):
+        name, rgb = list(colours.items())[i % len(colours)]
+        png(d / "img" / f"{i}.png", 56, 56, rgb)
+        user = {"role": "user", "content": [{"type": "image", "image": f"img/{i}.png"}, {"type": "text", "text": "what is in this picture?"}]}  # fmt: skip
+        lines.append(json.dumps({"messages": [user, {"role": "assistant", "content": f"a {name} square"}]}))
+    (d / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    return d / "chats.jsonl"

@@ -63,6 +63,12 @@ class Backend(ABC):
         weights, LoRA targets); None for a model described without one."""
         return None
 
+    def adapter_names(self, spec: BridgeSpec, row: Resolved) -> list[str]:
+        """The HF tensor names a LoRA adapter on `row`'s linear is keyed by in a PEFT adapter
+        file (`<module>.lora_A.weight`): the modules of the model PEFT loads it onto. Native
+        families: the checkpoint names, which are the modules'."""
+        return list(row.hf)
+
     def freeze_groups(self, spec: BridgeSpec) -> tuple[str, ...]:
         """The parts `model.freeze` may name for this model (none: a text model has one part)."""
         return ()

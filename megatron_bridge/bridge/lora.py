@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_bridge.bridge.mapping import Column, FusedGateUp, FusedQKV, Row
+from megatron_bridge.bridge.mapping import Column, FusedGateUp, FusedQKV, Row, WholeLinear
 from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
@@ -29,6 +29,7 @@ from megatron_bridge.errors import UserError
 # fused from several HF linears) and row-parallel (input columns split).
 COLUMN_KINDS = (FusedQKV, FusedGateUp, Column)
 ROW_KINDS = (Row,)
+WHOLE_KINDS = (WholeLinear,)  # a linear whole on every rank: its adapters too
 ADAPTER_CHILD = "lora"  # the adapter module's attribute name on the megatron linear
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -53,7 +54,7 @@ def matches(module: str, target: str) -> bool:
 
 
 def is_linear_row(m: Mapping) -> bool:
-    return m.megatron.endswith(".weight") and isinstance(m.transform, COLUMN_KINDS + ROW_KINDS)
+    return m.megatron.endswith(".weight") and isinstance(m.transform, COLUMN_KINDS + ROW_KINDS + WHOLE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,11 @@ class Target:
     @property
     def column(self) -> bool:
         return isinstance(self.mapping.transform, COLUMN_KINDS)
+
+    @property
+    def whole(self) -> bool:
+        """A linear whole on every TP rank: A and B whole too, no communication."""
+        return isinstance(self.mapping.transform, WHOLE_KINDS)
 
 
 def targetable(table: Sequence[Mapping]) -> list[str]:

@@ -84,6 +84,11 @@ class Replicated(Transform):
         return (shards[0],)
 
 
+class WholeLinear(Replicated):
+    """A linear layer's weight whole on every rank (a VLM's vision tower on the transformers
+    backend): replicated, and a linear LoRA may adapt (bridge/lora.py `WHOLE_KINDS`)."""
+
+
 class Scalar(Transform):
     """A 0-dim tensor (Apertus' xIELU alpha/beta), whole on every rank. It has no rows, so
     no blocks: it is read whole, and the byte copier refuses it (NotBlockwise)."""
@@ -224,6 +229,7 @@ class FusedGateUp(Transform):
 
 
 REPLICATED, COLUMN, ROW, VOCAB, SCALAR = Replicated(), Column(), Row(), VocabParallel(), Scalar()
+WHOLE_LINEAR = WholeLinear()
 QKV, GATE_UP = FusedQKV(), FusedGateUp()
 
 

@@ -78,9 +78,8 @@ def _sft_hint(prefix: str, tokenizer: str) -> str:
 
 def _images_hint(prefix: str, tokenizer: str) -> str:
     return (
-        f"read it with megatron_bridge.data.chat_dataset.ImageChatDataset({prefix!r}): each conversation's tokens, "
-        f"loss mask and images, which load_images turns into the inputs of the processor in {tokenizer} "
-        "(data=sft trains on text chats only)"
+        f"fine-tune a vision-language model on it with: data=sft data.paths=[{prefix}] data.tokenizer={tokenizer} "
+        'data.packing=false model.hf_path=<the VLM\'s directory> (docs/finetune.md, "Vision-language models")'
     )
 
 

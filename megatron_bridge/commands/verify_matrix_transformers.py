@@ -4,6 +4,7 @@
     mbr verify --matrix model.backend=transformers 'verify.families=[cohere,phi]' 'verify.layouts=[tp2]'
     mbr verify --matrix model.backend=transformers 'verify.families=[mixtral,qwen3_moe]'  # a subset of rows
     mbr verify --matrix model.backend=transformers 'verify.checks=[convert]'        # the checkpoint round trips alone
+    mbr verify --matrix model.backend=transformers verify.vlm=true                  # the vision-language models
 
 For each architecture of `runtime/hf_tiny.architectures()`: its tiny model (`make_tiny`, its
 distinctive features on, constant weights perturbed), described with the transformers backend in this
@@ -21,6 +22,11 @@ architecture also makes the checkpoint round trip offline, in this process (`con
 (tp2·pp2, with ep2 for MoE), then `mbr export` of each must give the source's every tensor back,
 names, dtypes, shapes and bytes; its result is the table's "convert ⇄ export" column and a row
 passes only with it. The output is the table docs/bridge.md carries.
+
+`verify.vlm=true`: the same over every image-text-to-text type whose language model has a tp plan
+(`hf_tiny.vlm_architectures()`), each built as its VLM class and fed one random image per sample
+(runtime/vision_inputs.py); the gradients get no fp64 floor (the plain verdict). Its table is
+docs/vlm.md's.
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ from megatron_bridge.backends.describe import describe_hf
 from megatron_bridge.backends.transformers.backend import TransformersBackend
 from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.layout import Layout
-from megatron_bridge.commands.verify_setup import VerifyConfig
+from megatron_bridge.commands.verify_setup import VerifyConfig, image_reference
 from megatron_bridge.config.compose import parse_command
 from megatron_bridge.errors import UserError
-from megatron_bridge.runtime.hf_tiny import architectures, make_tiny
+from megatron_bridge.runtime.hf_tiny import architectures, make_tiny, vlm_architectures
 from megatron_bridge.runtime.parity import check_layout, fold, grads_pass, hf_reference, make_batch
 from megatron_bridge.testing import TorchrunError, report, run_torchrun
 
@@ -84,13 +90,13 @@ def refusal(exc: BaseException) -> str:
     )
 
 
-def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
-    """Build `arch`'s tiny model and its reference under root/arch; {layout: refusal} for the
-    layouts the backend refuses ({"*": reason} when it refuses the model)."""
+def prepare(arch: str, root: Path, layouts: Sequence[str], vlm: bool = False) -> dict[str, str]:
+    """Build `arch`'s tiny model (`vlm`: as its VLM class) and its reference under root/arch;
+    {layout: refusal} for the layouts the backend refuses ({"*": reason} when it refuses the model)."""
 
     hf_dir = root / arch
     try:
-        make_tiny(arch, hf_dir)
+        make_tiny(arch, hf_dir, image_text=True if vlm else None)
     except Exception as e:  # the survey's builder: its own refusals and failures
         return {"*": f"FAIL: tiny model not built: {_one_line(f'{type(e).__name__}: {e}')}"}
     hf = read_hf_config(hf_dir)
@@ -110,13 +116,16 @@ def prepare(arch: str, root: Path, layouts: Sequence[str]) -> dict[str, str]:
         if limits:
             out[text] = "; ".join(_one_line(w) for w, _ in limits)
     if len(out) < len(layouts):
-        ids, labels = make_batch(spec.vocab_size)
         try:
-            ref = hf_reference(hf_dir, ids, labels)
+            if vlm:
+                ref = image_reference(hf_dir, 2, 32, 0)
+            else:
+                ids, labels = make_batch(spec.vocab_size)
+                ref = dict(input_ids=ids, labels=labels, **hf_reference(hf_dir, ids, labels))
+                ref["grad_floor"] = grad_floor(hf_dir, ids, labels, ref["grads"])
         except Exception as e:
             return {"*": f"FAIL: transformers' reference: {_one_line(f'{type(e).__name__}: {e}', 160)}"}
-        ref["grad_floor"] = grad_floor(hf_dir, ids, labels, ref["grads"])
-        torch.save(dict(input_ids=ids, labels=labels, **ref), root / f"{arch}.ref.pt")
+        torch.save(ref, root / f"{arch}.ref.pt")
     return out
 
 
@@ -223,7 +232,7 @@ def worker(argv: Sequence[str]) -> None:
             t0 = time.perf_counter()
             try:
                 res = check_layout(root / arch, Layout.parse(text), list(CHECKS), ref=ref,
-                                   input_ids=ref["input_ids"], labels=ref["labels"],
+                                   input_ids=ref["input_ids"], labels=ref["labels"], images=ref.get("images"),
                                    export_dir=root / "out" / arch / text, backend="transformers")  # fmt: skip
             except UserError as e:  # a refusal met while building: its one line
                 res = {"refused": refusal(e)}
@@ -282,7 +291,14 @@ def _launch(root: Path, todo: dict[str, list[str]], timeout: float) -> tuple[lis
 
 
 def run_matrix(
-    archs: Sequence[str], layouts: Sequence[str], root: Path, *, tol: float, timeout: float, echo=print
+    archs: Sequence[str],
+    layouts: Sequence[str],
+    root: Path,
+    *,
+    tol: float,
+    timeout: float,
+    echo=print,
+    vlm: bool = False,
 ) -> dict[str, int]:
     """Print the table; return the counts of pass / refused / FAIL rows."""
 
@@ -293,7 +309,7 @@ def run_matrix(
     todo: dict[str, list[str]] = {}
     conv: dict[str, str] = {}
     for arch in archs:
-        refused = prepare(arch, root, layouts)
+        refused = prepare(arch, root, layouts, vlm)
         if "*" in refused:
             verdict = refused["*"] if refused["*"].startswith("FAIL") else f"refused: {refused['*']}"
             rows[arch, "*"] = (
@@ -348,11 +364,13 @@ def main(argv: Sequence[str]) -> int:
 
     argv = [a for a in argv if a != "--matrix"]
     cfg, _ = parse_command(argv, VerifyConfig, doc=__doc__)
-    known = architectures()
+    vlm = cfg.verify.vlm
+    known = vlm_architectures() if vlm else architectures()
     archs = list(cfg.verify.families) or known
     unknown = [a for a in archs if a not in known]
     if unknown:
-        raise UserError(f"verify.families {unknown}: not causal-LM architectures with a tp plan ({len(known)} are)")
+        what = "image-text-to-text types whose language model has" if vlm else "causal-LM architectures with"
+        raise UserError(f"verify.families {unknown}: not {what} a tp plan ({len(known)} are)")
     convert_only = list(cfg.verify.checks) == ["convert"]  # the offline round trips alone: no launches
     layouts = [] if convert_only else [x.replace("·", "") for x in (cfg.verify.layouts or LAYOUTS)]
     bad = [x for x in layouts if x not in ACCEPTED]
@@ -363,7 +381,7 @@ def main(argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="mbr-hf-matrix-") as tmp:
         root = Path(cfg.verify.out or tmp)
         root.mkdir(parents=True, exist_ok=True)
-        counts = run_matrix(archs, layouts, root, tol=TOL, timeout=min(cfg.verify.timeout_s, 480.0))
+        counts = run_matrix(archs, layouts, root, tol=TOL, timeout=min(cfg.verify.timeout_s, 480.0), vlm=vlm)
     return 1 if counts["FAIL"] else 0
 
 

@@ -49,6 +49,7 @@ class VerifyOptions:
     families: list[str] = field(default_factory=list)  # --matrix: these families (default: every tiny model)
     nproc: int | None = None  # local processes to start; default: what the layouts need
     out: str | None = None  # keep exports (and the reference) here; default: a temp dir
+    vlm: bool = False  # --matrix model.backend=transformers: the vision-language models (image-text-to-text types)
     checkpoint: str | None = None  # a Megatron-LM / NeMo / Megatron-Bridge checkpoint: exported to HF (model.hf_path
     # names its tensors), transformers runs that export, the megatron side loads the checkpoint itself
     timeout_s: float = 1800.0

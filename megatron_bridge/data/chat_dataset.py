@@ -56,7 +56,7 @@ from megatron_bridge.data.chat_images import (
     truncate,
 )
 from megatron_bridge.data.helpers import quiet_megatron_import
-from megatron_bridge.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageRef, load_processor
+from megatron_bridge.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageRef, load_images, load_processor
 from megatron_bridge.data.preprocess import check_output_prefix, read_meta
 from megatron_bridge.data.tokenizer import load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
@@ -410,6 +410,4 @@ class ImageChatDataset(ChatDataset):
         return self._processor
 
     def load_images(self, images: Sequence[ImageRef], processor: Any = None) -> dict[str, Any]:
-        from megatron_bridge.data.images import load_images
-
         return load_images(images, processor if processor is not None else self.processor())

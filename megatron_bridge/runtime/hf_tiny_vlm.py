@@ -32,9 +32,8 @@ from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from megatron_bridge.runtime.hf_tiny import (
-    LAYERS,
-    OVERRIDES,
+from megatron_bridge.runtime.hf_tiny_configs import LAYERS, OVERRIDES
+from megatron_bridge.runtime.hf_tiny_rule import (
     _default,
     _fields,
     _generic,
@@ -43,7 +42,7 @@ from megatron_bridge.runtime.hf_tiny import (
     _merge,
     _quiet,
     config_class,
-    generic_fields,
+    text_fields,
 )
 from megatron_bridge.runtime.hf_tiny_vlm_configs import ENCODER_LAYERS, ENCODER_SIZES, FIRST_SPECIAL, PROJECTOR_SIZES
 
@@ -53,7 +52,7 @@ def _text_fields(sub: PretrainedConfig, kw: dict[str, Any]) -> dict[str, Any]:
     Llama is the catalogue's tiny Llama, its overrides included), else the text rule over its class (`kw`)."""
     mt = sub.model_type
     if mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt in CONFIG_MAPPING:
-        return _merge(generic_fields(mt), OVERRIDES.get(mt, ("", {}))[1])
+        return _merge(text_fields(mt), OVERRIDES.get(mt, ("", {}))[1])
     return kw
 
 

@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from safetensors.torch import load_file
 from zlib_ng import zlib_ng
 
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.loader import shard_for, table_for
 from megatron_bridge.bridge.lora import (
     ADAPTER_CHILD,
@@ -62,9 +63,22 @@ from megatron_bridge.runtime.weights import current_coords, gather_shards, layou
 class LoraAdapter(torch.nn.Module):
     """The adapters of one megatron linear (`row` says which HF modules it holds)."""
 
-    def __init__(self, row: Resolved, target: Target, linear: Any, shard: Shard, shapes: Any, peft: Any, init):
+    def __init__(
+        self,
+        row: Resolved,
+        target: Target,
+        linear: Any,
+        shard: Shard,
+        shapes: Any,
+        peft: Any,
+        init,
+        names: list[str] | None = None,
+    ):
         super().__init__()
         self.row, self.column, self.shard, self.shapes = row, target.column, shard, shapes
+        self.whole = target.whole  # a linear whole on every TP rank (a VLM's vision tower): so are A and B
+        # the tensor names the adapter file keys are made of (`Backend.adapter_names`): the HF modules'
+        self.names = list(names or row.hf)
         self.srcs = target.srcs
         self.scale = peft.alpha / peft.rank
         self.drop = torch.nn.Dropout(peft.dropout) if peft.dropout > 0 else torch.nn.Identity()
@@ -72,10 +86,14 @@ class LoraAdapter(torch.nn.Module):
         hf_shapes = [
             tuple(t.shape) for t in row.mapping.merge([torch.empty(w.shape, device="meta")] * shard.size, shapes)
         ]
-        full = {i: init(row.hf[i], hf_shapes[i]) for i in self.srcs}  # HF layout: (A [r, in], B [out, r])
+        full = {i: init(self.names[i], hf_shapes[i]) for i in self.srcs}  # HF layout: (A [r, in], B [out, r])
         tf = row.mapping.transform
         kw = dict(device=w.device, dtype=w.dtype)
-        if self.column:
+        if self.whole:
+            a, b = full[0]
+            self.A = torch.nn.ParameterDict({"0": torch.nn.Parameter(a.to(**kw).clone())})
+            self.B = torch.nn.Parameter(b.to(**kw).clone())
+        elif self.column:
             b_all = [full[i][1] if i in full else torch.zeros(s[0], peft.rank) for i, s in enumerate(hf_shapes)]
             self.blocks = [(b.src, b.n) for b in tf.blocks([tuple(b.shape) for b in b_all], shard, shapes)]
             self.A = torch.nn.ParameterDict({str(i): torch.nn.Parameter(full[i][0].to(**kw)) for i in self.srcs})
@@ -110,6 +128,8 @@ class LoraAdapter(torch.nn.Module):
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         F = torch.nn.functional
         xd = self._dropout(x)
+        if self.whole:
+            return F.linear(F.linear(xd, self.A["0"]), self.B) * self.scale
         if not self.column:
             y = F.linear(xd, self.A["0"])
             if not self._explicit:
@@ -144,7 +164,7 @@ class LoraAdapter(torch.nn.Module):
         rank (as megatron's hidden dropout), so the replicated A sees one mask."""
         if not self.training or isinstance(self.drop, torch.nn.Identity):
             return x
-        if (self._sp or not self.column) and not self._explicit:
+        if (self._sp or not self.column) and not self._explicit and not self.whole:
             with get_cuda_rng_tracker().fork():
                 return self.drop(x)
         return self.drop(x)
@@ -152,7 +172,7 @@ class LoraAdapter(torch.nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """This rank's shard of alpha/r · transform([B_m A_m]): what merging adds to the weight."""
-        if not self.column:
+        if not self.column:  # a row-parallel linear's, or a whole one's
             return self.B @ self.A["0"] * self.scale
         a0 = next(iter(self.A.values()))
         pieces, off = [], 0
@@ -166,7 +186,14 @@ class LoraAdapter(torch.nn.Module):
     def hf_tensors(self, value, group, everywhere: bool = False) -> list[tuple[str, torch.Tensor]] | None:
         """[(peft key, full HF-layout tensor)] on the group's first rank, None elsewhere (on
         every rank with `everywhere`)."""
-        tf, hf = self.row.mapping.transform, self.row.hf
+        tf, hf = self.row.mapping.transform, self.names
+        if self.whole:  # the same on every TP rank: the group's first rank's
+            if not everywhere and torch.distributed.get_rank(group) != 0:
+                return None
+            return [
+                (peft_key(hf[0], "A"), value(self.A["0"]).detach().clone()),
+                (peft_key(hf[0], "B"), value(self.B).clone()),
+            ]
         if self.column:
             shards = gather_shards(value(self.B).detach(), group, everywhere)
             if shards is None:
@@ -229,7 +256,7 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
     given = None
     if peft.init_from:
         given = load_file(f"{peft.init_from}/{ADAPTER_WEIGHTS}")
-    table = table_for(spec)
+    table, backend = table_for(spec), backend_of(spec)
     targets = {id(t.mapping): t for t in resolve_targets(table, list(peft.target_modules), spec.family)}
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
@@ -249,7 +276,10 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
             row = resolve_megatron(table, names[wname]) if wname in names else None
             if row is None or id(row.mapping) not in targets:
                 continue
-            ad = LoraAdapter(row, targets[id(row.mapping)], mod, shard_for(row, layout, coords), shapes, peft, init)
+            keys = backend.adapter_names(spec, row)
+            ad = LoraAdapter(
+                row, targets[id(row.mapping)], mod, shard_for(row, layout, coords), shapes, peft, init, keys
+            )
             mod.add_module(ADAPTER_CHILD, ad)
             mod.register_forward_hook(ad.hook)
             n += 1

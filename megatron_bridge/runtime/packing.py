@@ -53,8 +53,9 @@ def model_inputs(batch: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """GPTModel's (args, kwargs) for a micro-batch: as is, or — packed — flattened to one THD row
     with its PackedSeqParams. The per-token losses come back [1, mbs·seq], in the loss mask's order."""
     seg = batch.get("segment_ids")
+    images = {"images": batch["images"]} if batch.get("images") else {}  # a VLM's (transformers backend)
     if seg is None:
-        return (batch["tokens"], batch["position_ids"], None), {"labels": batch["labels"]}
+        return (batch["tokens"], batch["position_ids"], None), {"labels": batch["labels"], **images}
 
     def row(t):
         return t.reshape(1, -1)
@@ -62,6 +63,7 @@ def model_inputs(batch: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     return (row(batch["tokens"]), row(batch["position_ids"]), None), {
         "labels": row(batch["labels"]),
         "packed_seq_params": packed_seq_params(seg),
+        **images,
     }
 
 

@@ -33,10 +33,9 @@ import torch
 from safetensors import safe_open
 from transformers import PretrainedConfig, PreTrainedModel
 
+from megatron_bridge.runtime.transformers.vision import IMAGE_TOKEN, TOKEN_TYPES  # where ids and token types are
 from megatron_bridge.runtime.vision_formats import FORMATS, Images, maker
 
-# Where the image placeholder's id is kept (the first of these the config has).
-IMAGE_TOKEN = ("image_token_id", "image_token_index")
 # Begin/end-of-image tokens around the placeholders: the first pair the config has both of.
 BRACKETS = (
     ("vision_start_token_id", "vision_end_token_id"),
@@ -44,8 +43,6 @@ BRACKETS = (
     ("boi_token_id", "eoi_token_id"),
     ("boi_token_index", "eoi_token_index"),
 )
-# Token types the forward takes (where its signature names them): 1 marks an image token.
-TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
 
 
 def special_ids(cfg: Any, out: set[int] | None = None) -> set[int]:

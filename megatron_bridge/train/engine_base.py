@@ -100,7 +100,14 @@ class Engine(abc.ABC):
 
 
 def batch_to(batch: dict[str, Any], device) -> dict[str, Any]:
-    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    """The micro-batch's tensors (and a VLM's image inputs, a dict of them) on `device`."""
+
+    def to(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: to(x) for k, x in v.items()}
+        return v.to(device) if torch.is_tensor(v) else v
+
+    return {k: to(v) for k, v in batch.items()}
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):

@@ -75,6 +75,7 @@ from megatron_bridge.bridge.mapping import REPLICATED as REPLICATED_T
 from megatron_bridge.bridge.mapping import ROW as ROW_T
 from megatron_bridge.bridge.mapping import SCALAR as SCALAR_T
 from megatron_bridge.bridge.mapping import VOCAB as VOCAB_T
+from megatron_bridge.bridge.mapping import WHOLE_LINEAR as WHOLE_LINEAR_T
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
 from megatron_bridge.bridge.table import Resolved
@@ -273,6 +274,8 @@ class TransformersBackend(Backend):
                 rows.setdefault(t, Row(t, m.hf_template(name), WholeStackedExperts(*split)))
                 continue
             transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
+            if name in m.whole_linears:  # a vision tower's linear: whole, and LoRA may adapt it
+                transform = WHOLE_LINEAR_T
             rows.setdefault(t, Row(t, m.hf_template(name) if t != name else m.saved_as[name], transform))
         head, embed = f"{m.plan.head}.weight", f"{m.plan.embed}.weight"
         if spec.tie_word_embeddings and head not in m.shapes:
@@ -298,6 +301,12 @@ class TransformersBackend(Backend):
 
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return dict(json.loads(spec.hf_json))
+
+    def adapter_names(self, spec: BridgeSpec, row: Resolved) -> list[str]:
+        """The module's own name (the chunk's: transformers' module path), which is what PEFT
+        adapts, where the checkpoint saves it under another (Qwen2.5-VL's `model.layers.*` for
+        `model.language_model.layers.*`)."""
+        return [row.megatron] if len(row.hf) == 1 else list(row.hf)
 
     def freeze_groups(self, spec: BridgeSpec) -> tuple[str, ...]:
         return FREEZE_GROUPS if meta(spec).plan.vision else ()

@@ -231,6 +231,7 @@ class Meta:
     fused: dict[str, tuple[tuple[str, ...], int]]  # a fused tensor -> (its checkpoint pieces, their dim)
     integers: frozenset[str] = frozenset()  # checkpoint names of the tensors the model holds as integers
     transposed: dict[str, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)  # experts.transposed
+    whole_linears: frozenset[str] = frozenset()  # weights of the nn.Linear modules of a VLM's vision pieces
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -273,7 +274,12 @@ def meta(spec: BridgeSpec) -> Meta:
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
     saved, experts, fused, swapped = checkpoint_names(model, shapes, kinds)
     integers = frozenset(saved[n] for n, t in tensors.items() if not t.is_floating_point() and n in saved)
-    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped)
+    whole = frozenset(
+        f"{n}.weight"
+        for n, mod in model.named_modules()
+        if type(mod) is torch.nn.Linear and any(n.startswith(p + ".") for p in plan.vision)
+    )
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole)
 
 
 __all__ = [

@@ -16,6 +16,7 @@ the hidden states travels between stages.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,10 @@ IGNORED = (
     "logits_to_keep",  # a causal LM's (Llama 4's language model): the stages keep every position
     "labels",
 )
+# token types a VLM's forward reads (Gemma 3's bidirectional attention within an image; Qwen's
+# M-RoPE positions), and where a config keeps its image placeholder's id
+TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
+IMAGE_TOKEN = ("image_token_id", "image_token_index")
 # keywords the language model's forward applies after its first layers: {keyword: (its partner,
 # the language model's method)}; Qwen3-VL's deepstack adds vision features of earlier vision
 # layers to the hidden states at the image tokens after decoder layer i (Qwen3VLTextModel.forward)
@@ -119,6 +124,19 @@ class VisionFront:
         self.base, self.text, self.embed_name = base, text, embed_name
         self.language = getattr(base, text)
         self.zeros = _Zeros(hidden, dtype)
+        takes = inspect.signature(base.forward).parameters
+        self.token_types = [n for n in TOKEN_TYPES if n in takes]
+        cfg = base.config
+        self.image_token = next((getattr(cfg, k) for k in IMAGE_TOKEN if getattr(cfg, k, None) is not None), None)
+
+    def _inputs(self, input_ids: torch.Tensor, images: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`images` with the token types the forward takes and the batch lacks (a processor's
+        image outputs have none): 1 at the image placeholders, as processors mark them."""
+        out = dict(images)
+        for name in self.token_types:
+            if name not in out and self.image_token is not None:
+                out[name] = (input_ids == self.image_token).long()
+        return out
 
     def __call__(self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor]) -> Front:
         """The first stage: the embeddings with the image features merged, positions and masks."""
@@ -132,7 +150,7 @@ class VisionFront:
         capture = _Capture(self.language, embed, self.embed_name)
         self.base._modules[self.text] = capture
         try:
-            self.base(input_ids=input_ids, **images)
+            self.base(input_ids=input_ids, **self._inputs(input_ids, images))
         except _Captured as got:
             kwargs = got.kwargs
         else:

@@ -16,7 +16,8 @@ the same operation with explicit sizes).
 
 Batches are dicts with megatron's keys: tokens, labels, loss_mask, position_ids ([mbs, seq]
 each) and attention_mask (None: causal masking is left to the attention kernel, unless
-`create_attention_mask`); segment_ids [mbs, seq] only for packed SFT samples (train/data/sft.py), else None.
+`create_attention_mask`); segment_ids [mbs, seq] only for packed SFT samples (train/data/sft.py), else None;
+images (a dict of tensors: a VLM's image inputs for the micro-batch) only for image chats.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def slice_for_cp(batch: dict[str, Any], cp_size: int, cp_rank: int) -> dict[str,
         raise ValueError(f"cp_rank={cp_rank} not in [0, {cp_size})")
     out: dict[str, Any] = {}
     for key, val in batch.items():
-        if val is None:
-            out[key] = None
+        if val is None or key == "images":  # a VLM's image inputs: whole (a VLM runs at cp=1)
+            out[key] = val
             continue
         dim = 2 if key == "attention_mask" else 1
         s = val.shape[dim]
@@ -154,14 +155,15 @@ class DataIterator:
         return self
 
     def _loader(self) -> Iterator:
+        join = getattr(self.dataset, "collate", collate)  # a dataset's own (image chats: their image inputs)
         if self.num_workers == 0:  # no DataLoader machinery: plain, deterministic, cheap
-            return (collate([self.dataset[i] for i in idx]) for idx in self.sampler)
+            return (join([self.dataset[i] for i in idx]) for idx in self.sampler)
         return iter(
             torch.utils.data.DataLoader(
                 self.dataset,
                 batch_sampler=self.sampler,
                 num_workers=self.num_workers,
-                collate_fn=collate,
+                collate_fn=join,
                 persistent_workers=False,
             )
         )

@@ -22,6 +22,11 @@ seeded by train.seed and the epoch; samples are then built in that order:
 
 Either way the loss is the sum of the masked token losses over the global batch divided by their
 count (train/engines.py), so packed and padded samples of the same conversations give the same loss.
+
+Image chats (format megatron_bridge.chat/2, docs/data.md "Image chats"): a sample also carries its
+conversations' images (`image_refs`, in order; an image the truncation would cut is refused), and
+`collate` turns a micro-batch's images into the model's image inputs (`images`: pixel_values,
+image_grid_thw, ...) with the processor the data was made with.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_bridge.data.chat_dataset import ChatDataset
+from megatron_bridge.data.chat_dataset import ImageChatDataset
 from megatron_bridge.data.indexed import SPLITS, check_indexed_data, parse_split
 from megatron_bridge.errors import UserError
+from megatron_bridge.train.data.batching import collate
 
 
 def is_packed(data) -> bool:
@@ -113,14 +119,14 @@ class SFTDataset:
         seg = np.full(s, len(segs), np.int64)  # the padded tail: a segment of its own
         off = 0
         for k, c in enumerate(segs):
-            ids, m = self.chat[c]
+            ids, m = self.chat[c][:2]  # an image chat gives its images third (`_images`)
             ids, m = ids[: s + 1], m[: s + 1]
             n = ids.size - 1
             tokens[off : off + n], labels[off : off + n] = ids[:-1], ids[1:]
             mask[off : off + n], pos[off : off + n], seg[off : off + n] = m[1:], np.arange(n), k
             off += n
         pos[off:] = np.arange(s - off)
-        out = {
+        out: dict[str, Any] = {
             "tokens": torch.from_numpy(tokens),
             "labels": torch.from_numpy(labels),
             "loss_mask": torch.from_numpy(mask),
@@ -128,6 +134,31 @@ class SFTDataset:
         }
         if self.packing:
             out["segment_ids"] = torch.from_numpy(seg)
+        if isinstance(self.chat, ImageChatDataset) and self.chat.meta.get("images"):
+            out["image_refs"] = self._images(segs)
+        return out
+
+    def _images(self, conversations: list[int]) -> list[Any]:
+        """The images of a sample's conversations in order; one the truncation to seq_length + 1
+        tokens would cut is refused (its placeholders would outnumber its features)."""
+        kept = []
+        for c in conversations:
+            for im in self.chat.images(c):
+                if im.start + im.tokens > self.seq_length + 1:
+                    raise UserError(
+                        f"{self.chat.prefix}: conversation {c} has an image at tokens {im.start}..{im.start + im.tokens - 1}, "
+                        f"past train.seq_length+1={self.seq_length + 1}: make the data with max_length="
+                        f"{self.seq_length + 1} (`mbr data mode=chat ... max_length=`), which never cuts an image"
+                    )
+                kept.append(im)
+        return kept
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        """A micro-batch (train/data/batching.py `collate`), with its images' model inputs."""
+        out = collate(samples)
+        refs = [im for s in samples for im in s.get("image_refs", ())]
+        if refs:
+            out["images"] = self.chat.load_images(refs)
         return out
 
 
@@ -150,7 +181,7 @@ def build_sft_datasets(
             f"data=sft takes one chat dataset, data.paths=[PREFIX] (got {list(data.paths)}); combine the "
             "conversations into one jsonl and run `mbr data mode=chat` once"
         )
-    chat = ChatDataset(prefixes[0])
+    chat = ImageChatDataset(prefixes[0])  # text chats too (no images)
     ranges = split_ranges(len(chat), data.split)
     wanted = {"train": train_samples, "valid": valid_samples, "test": test_samples}
     out = {}
