@@ -4,6 +4,7 @@ transformers' fp32 reference."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -162,7 +163,23 @@ def image_reference(hf_dir: str | Path, batch: int, seq: int, seed: int) -> dict
     cfg = config_object(read_hf_config(hf_dir))
     model = auto_class(cfg).from_pretrained(str(hf_dir), dtype=torch.float32)
     ids, labels, images = image_batch(model, batch, seq, seed)
-    return dict(input_ids=ids, labels=labels, images=images, **image_text_reference(model, ids, labels, images))
+    ref = dict(input_ids=ids, labels=labels, images=images, **image_text_reference(model, ids, labels, images))
+    ref["grad_floor"] = image_grad_floor(model, ids, labels, images, ref["grads"])
+    return ref
+
+
+def image_grad_floor(model, ids, labels, images, grads: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor, how far transformers' own fp32 gradient is from its fp64 one on this batch (the
+    allowance a split summed in another order gets on top, as the text matrix's `grad_floor`);
+    {} where the model does not run in fp64 (a grouped-GEMM kernel)."""
+    wide = [{k: v.double() if v.is_floating_point() else v for k, v in im.items()} for im in images]
+    try:
+        exact = image_text_reference(copy.deepcopy(model).double(), ids, labels, wide)["grads"]
+    except Exception:  # an fp32-only kernel: no floor, the plain verdict
+        return {}
+    return {
+        k: float((g.double() - exact[k].double()).abs().max()) for k, g in grads.items() if k in exact and g.numel()
+    }
 
 
 def needed_world(layouts) -> int:

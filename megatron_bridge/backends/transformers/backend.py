@@ -101,9 +101,10 @@ def _text_json(hf: Mapping[str, Any], cfg: Any) -> Mapping[str, Any]:
     return hf.get("text_config") or {} if text_config_of(cfg) is not cfg else hf
 
 
-def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
+def _problems(hf: Mapping[str, Any], cfg: Any, vlm: tuple[str, str] | None = None) -> list[str]:
     """What the language model's config (`hf`: its config.json part) switches on that this backend
-    cannot run, one line each."""
+    cannot run, one line each (`vlm`: a VLM's model type and its class's forward source, which
+    holds the LM head's arithmetic)."""
     mt = cfg.model_type
     out = plan_problems(mt, cfg.base_model_tp_plan, cfg.base_model_pp_plan)
     kinds = list(getattr(cfg, "layer_types", None) or ())
@@ -112,9 +113,18 @@ def _problems(hf: Mapping[str, Any], cfg: Any) -> list[str]:
             where = [i for i, k in enumerate(kinds) if k == kind]
             why = UNBUILT_KINDS.get(kind, f"the transformers backend builds {LAYER_KINDS}")
             out.append(f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}): {why}")
-    out += forward_refusals(mt, hf)
+    out += forward_refusals(mt, hf, *(vlm or ()))
     out += unbuilt_refusals(declared(cfg))
     return out
+
+
+def _forward_source(class_name: str) -> str:
+    """The source of transformers class `class_name`'s forward (what its head arithmetic reads)."""
+    import inspect
+
+    import transformers  # the core imports third-party packages only inside functions
+
+    return inspect.getsource(getattr(transformers, class_name).forward)
 
 
 def _with_vision(spec: BridgeSpec, full: Any) -> BridgeSpec:
@@ -192,7 +202,8 @@ class TransformersBackend(Backend):
         except (TypeError, ValueError) as e:
             raise UnsupportedFeatures(f"{arch}: transformers refuses this config.json ({e})") from None
         cfg = text_config_of(full)
-        problems = _problems(_text_json(hf, full), cfg)
+        vlm = (full.model_type, _forward_source(arch)) if cfg is not full else None
+        problems = _problems(_text_json(hf, full), cfg, vlm)
         if problems:
             raise UnsupportedFeatures(
                 f"{arch} cannot run on the transformers backend yet:\n" + "\n".join(f"  - {p}" for p in problems)

@@ -10,6 +10,7 @@ entry is refused naming it (`forward_refusals`), never run wrong.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,42 @@ OVERRIDES: dict[str, Override] = {
             ("layers.*.mlp.up_proj", "colwise"),
             ("layers.*.mlp.down_proj", "rowwise"),
         ),
+    ),
+    # VLMs: their ForConditionalGeneration.forward's head arithmetic (backends/transformers/vision.py;
+    # the rest of the forward is their language model's entry)
+    "mistral_large4": Override(
+        _SOFTCAP.replace("CausalLM", "MistralLarge4ForConditionalGeneration"), logit_softcap="final_logit_softcapping"
+    ),
+    "muse_glimmer": Override(
+        "MuseGlimmerForConditionalGeneration.forward: logits * output_multiplier, then softcapped",
+        logit_scale="output_multiplier",
+        logit_softcap="final_logit_softcapping",
+    ),
+    "muse_spark": Override(
+        "MuseSparkForConditionalGeneration.forward: logits * output_multiplier, then softcapped",
+        logit_scale="output_multiplier",
+        logit_softcap="final_logit_softcapping",
+    ),
+    "gemma4": Override(
+        _SOFTCAP.replace("CausalLM", "Gemma4ForConditionalGeneration"), logit_softcap="final_logit_softcapping"
+    ),
+    "gemma4_unified": Override(
+        _SOFTCAP.replace("CausalLM", "Gemma4UnifiedForConditionalGeneration"), logit_softcap="final_logit_softcapping"
+    ),
+    "paligemma": Override(
+        _SOFTCAP.replace("CausalLM", "PaliGemmaForConditionalGeneration"), logit_softcap="final_logit_softcapping"
+    ),
+    "granite_docling_text": Override(
+        "GraniteDoclingTextModel.forward: inputs_embeds * embedding_multiplier", embed_scale="embedding_multiplier"
+    ),
+    "granite4_vision_text": Override(
+        "Granite4VisionTextModel.forward: inputs_embeds * embedding_multiplier", embed_scale="embedding_multiplier"
+    ),
+    "granite4_vision": Override(
+        "Granite4VisionForConditionalGeneration.forward: logits / logits_scaling", logit_divide="logits_scaling"
+    ),
+    "granite_docling": Override(
+        "GraniteDoclingForConditionalGeneration.forward: logits / logits_scaling", logit_divide="logits_scaling"
     ),
     "cohere": Override("CohereForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
     "cohere2": Override("Cohere2ForCausalLM.forward: logits * logit_scale", logit_scale="logit_scale"),
@@ -304,6 +341,10 @@ FORWARD_KEYS = (
     "mup_enabled",
     "logits_mup_width_multiplier",
 )
+# the Override fields of the LM head's arithmetic (the class holding the head applies them), and the
+# FORWARD_KEYS it reads them from
+HEAD_FIELDS = ("logit_scale", "logit_divide", "logit_softcap")
+HEAD_KEYS = ("logit_scale", "logits_scaling", "final_logit_softcapping", "logits_mup_width_multiplier")
 # model types whose forward does arithmetic no config key announces (gemma's sqrt(hidden) embedding
 # scale is its ScaledWordEmbedding module's, which the transformers backend keeps: runtime/transformers/build.py)
 FORWARD_MATH: dict[str, str] = {
@@ -330,14 +371,30 @@ def override(model_type: str) -> Override:
     return OVERRIDES.get(model_type, Override())
 
 
-def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
-    """One line per piece of forward arithmetic the transformers backend would drop for this config."""
+def stage_override(text_type: str, vlm_type: str | None = None) -> Override:
+    """What the stages redo: the language model's entry, and for a VLM (`vlm_type`, its composite
+    model type) the LM-head arithmetic of the VLM's own entry instead (its
+    ForConditionalGeneration.forward holds the head, not the text causal LM's: Cohere2-Vision
+    does not scale its logits, Mistral-Large-4 softcaps them)."""
+    text = override(text_type)
+    if vlm_type is None:
+        return text
+    vlm = override(vlm_type)
+    return dataclasses.replace(text, **{f: getattr(vlm, f) for f in HEAD_FIELDS})
+
+
+def forward_refusals(
+    model_type: str, hf: Mapping[str, Any], vlm_type: str | None = None, head_source: str = ""
+) -> list[str]:
+    """One line per piece of forward arithmetic the transformers backend would drop for this config
+    (`hf`: the language model's config.json part). A VLM's head keys (`HEAD_KEYS`) count only where
+    its class's forward (`head_source`) reads them."""
     out = []
     if model_type in FORWARD_MATH:
         out.append(
             f"{FORWARD_MATH[model_type]} (backends/transformers/overrides.py FORWARD_MATH: no Override field rebuilds it)"
         )
-    handled = override(model_type).handled()
+    handled = stage_override(model_type, vlm_type).handled()
     out += [
         f"{key}=True: {why} (backends/transformers/overrides.py OVERRIDES)"
         for key, why in override(model_type).refused
@@ -345,6 +402,8 @@ def forward_refusals(model_type: str, hf: Mapping[str, Any]) -> list[str]:
     ]
     for key in FORWARD_KEYS:
         v = hf.get(key)
+        if vlm_type is not None and key in HEAD_KEYS and key not in head_source:
+            continue  # the text causal LM's head arithmetic: the VLM's own head does not do it
         if key not in handled and (v is True or v not in (None, 0, 1, 1.0, False)):  # a flag, or a constant
             out.append(
                 f"{key}={v!r} is applied in the model's forward (no entry in backends/transformers/overrides.py OVERRIDES)"
@@ -356,10 +415,13 @@ __all__ = [
     "FORWARD",
     "FORWARD_KEYS",
     "FORWARD_MATH",
+    "HEAD_FIELDS",
+    "HEAD_KEYS",
     "MQA_QKV",
     "OVERRIDES",
     "PP_CONVENTION",
     "Override",
     "forward_refusals",
     "override",
+    "stage_override",
 ]

@@ -24,6 +24,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_bridge.backends.transformers.aux import aux_enabled, aux_seam
 from megatron_bridge.backends.transformers.backend import meta, model_plan, transformers_config
 from megatron_bridge.backends.transformers.meta import auto_class
+from megatron_bridge.backends.transformers.overrides import stage_override
 from megatron_bridge.backends.transformers.plan import override, sp_refusals
 from megatron_bridge.backends.transformers.vision import text_config_of
 from megatron_bridge.bridge.layout import Layout
@@ -144,7 +145,10 @@ class Stage(Pieces):
             modules[plan.head] = self._head(full.get_submodule(plan.head), tied and pre)
         rotary = self._rotary()
         ov = override(self.spec.family)
-        const = ov.constants(self.text)
+        # a VLM's head arithmetic is its own class's (overrides.stage_override)
+        const = stage_override(self.spec.family, full.config.model_type if plan.front is not None else None).constants(
+            self.text
+        )
         chunk = HFChunk(
             self.tconfig,
             self.text,

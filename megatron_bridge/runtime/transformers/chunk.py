@@ -253,7 +253,7 @@ class HFChunk(MegatronModule):
         # a VLM's positions (M-RoPE rows, runtime/transformers/vision.py), and its own masks where it built them
         layer_positions, rope_positions = text_positions(position_ids)
         rotary = self.get_submodule(self.rotary_path) if self.rotary_path else None
-        masks: dict[str, Any] = dict(front.masks or {}) if front is not None else {}
+        masks: dict[str, Any] = {}
         make_mask = CP_MASKS if ps.get_context_parallel_world_size() > 1 else self.masks  # runtime/transformers/cp.py
         before = calls()
         embeddings: dict[str | None, Any] = {}
@@ -268,6 +268,8 @@ class HFChunk(MegatronModule):
         for i, layer in layers.items():
             kind = self.kinds[int(i)]
             for k in (kind, *(k for _, k in self.layer_masks)):
+                if k not in masks and front is not None and front.mask(k) is not None:  # the VLM's own
+                    masks[k] = front.mask(k)
                 if k not in masks:
                     masks[k] = make_mask[k](
                         config=self.hf_config,

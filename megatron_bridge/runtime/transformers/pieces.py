@@ -235,9 +235,21 @@ class Pieces:
                 if b is not None and b.is_meta:
                     mod._buffers[key] = torch.empty(tuple(b.shape), dtype=b.dtype, device=self.device)
         with torch.no_grad():
-            for mod, owner in reversed(_owned(module, self.full)):
+            top = _owner(self.full, path) if self.plan.front is not None else self.full
+            for mod, owner in reversed(_owned(module, top)):
                 if not isinstance(mod, MEGATRON_LAYERS):
                     owner._init_weights(mod)
+
+
+def _owner(model: Any, path: str) -> Any:
+    """The innermost transformers model holding the module at `path` in a VLM (its language model
+    for its layers: that config has the text sizes `_init_weights` reads), else `model`."""
+    parts = path.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        mod = model.get_submodule(".".join(parts[:n]))
+        if isinstance(mod, PreTrainedModel):
+            return mod
+    return model
 
 
 def _owned(module: torch.nn.Module, model: Any) -> list[tuple[torch.nn.Module, Any]]:

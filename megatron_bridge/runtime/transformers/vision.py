@@ -97,6 +97,11 @@ class Front:
     position_ids: torch.Tensor | None
     masks: dict[str, Any] | None  # {layer kind: mask} where the VLM built its own
     after_layer: dict[int, tuple[Any, torch.Tensor, torch.Tensor]]  # layer -> (AFTER_LAYER method, mask, rows)
+    every: torch.Tensor | None = None  # the one 4-D mask a VLM built for every layer
+
+    def mask(self, kind: str) -> Any:
+        """The VLM's own mask for layers of `kind`, None where it built none (the stage makes it)."""
+        return self.every if self.every is not None else (self.masks or {}).get(kind)
 
     def after(self, i: int, h: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
         """`h` after decoder layer `i`'s AFTER_LAYER step (none: unchanged). Under sequence
@@ -174,9 +179,9 @@ class VisionFront:
             for i, value in enumerate(kwargs.get(key) or ()):
                 after[i] = (getattr(self.language, method), kwargs[partner], value)
         mask = kwargs.get("attention_mask")
-        return Front(
-            kwargs["inputs_embeds"], kwargs.get("position_ids"), mask if isinstance(mask, dict) else None, after
-        )
+        masks = mask if isinstance(mask, dict) else None
+        every = mask if torch.is_tensor(mask) and mask.ndim == 4 else None  # PaliGemma's one prefix-LM mask
+        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every)
 
 
 def text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
