@@ -17,7 +17,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} T
 PY=.venv/bin/python
 OUT=runs/demo
 STEPS=${STEPS:-300}
-rm -rf "$OUT/train" "$OUT/hf_out" "$OUT/ckpt" "$OUT/converted" "$OUT/chat" "$OUT/sft"
+rm -rf "$OUT/train" "$OUT/hf_out" "$OUT/ckpt" "$OUT/converted" "$OUT/chat" "$OUT/sft" "$OUT/vlm"
 mkdir -p "$OUT"
 
 echo "== 1. data: stdlib corpus -> tokenizer -> indexed dataset"
@@ -54,4 +54,12 @@ $PY -m torch.distributed.run --nproc-per-node 4 -m megatron_bridge.train recipe=
 val=$($PY -c "import json;r=[json.loads(l) for l in open('$OUT/sft/metrics.jsonl')];print(' -> '.join(f\"{x['val_loss']:.3f} (step {x['step']})\" for x in r if 'val_loss' in x))")
 echo "SFT val_loss on held-out conversations: $val"
 
-echo "demo done: run dir $OUT/train (metrics.jsonl, tensorboard/, wandb/), checkpoints $OUT/ckpt, HF model $OUT/hf_out, SFT run $OUT/sft"
+echo "== 7. a vision-language model: LoRA fine-tuning of a tiny Qwen2.5-VL on image chats (tp2, dp2), exported"
+$PY -m megatron_bridge.demo_vlm "$OUT/vlm"
+.venv/bin/mbr data mode=chat "input=$OUT/vlm/data/chats.jsonl" "output=$OUT/vlm/chat/img" "tokenizer=$OUT/vlm/model" max_length=65
+$PY -m torch.distributed.run --nproc-per-node 4 -m megatron_bridge.train recipe=sft_tiny_vlm \
+  "model.hf_path=$OUT/vlm/model" "data.tokenizer=$OUT/vlm/model" "data.paths=[$OUT/vlm/chat/img]" \
+  "run_dir=$OUT/vlm/sft" "export_to=$OUT/vlm/hf_out" 2>&1 | grep -v -E "Warning|warn\(|^\s*$"
+$PY -m megatron_bridge.demo_vlm answer "$OUT/vlm/hf_out" "$OUT/vlm/data/img/0.png"
+
+echo "demo done: run dir $OUT/train (metrics.jsonl, tensorboard/, wandb/), checkpoints $OUT/ckpt, HF model $OUT/hf_out, SFT run $OUT/sft, VLM run $OUT/vlm/sft"

@@ -227,7 +227,7 @@ def count(m) -> ParamCount:
 
 
 @lru_cache(maxsize=8192)
-def _rank_params_cached(m, tp, ep, etp, ids, first, last) -> dict[str, float]:
+def _rank_params_cached(m, tp, ep, etp, ids, first, last, vision: int) -> dict[str, float]:
     h = m.hidden_size
     n_moe = moe_layers(m, ids)
     dense = expert = 0.0
@@ -238,7 +238,7 @@ def _rank_params_cached(m, tp, ep, etp, ids, first, last) -> dict[str, float]:
     vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     word = vocab * h / tp
     if first:
-        dense += word + learned_positions(m) + m.vision_params  # a VLM's vision pieces: whole on every TP rank
+        dense += word + learned_positions(m) + vision  # a VLM's vision pieces: whole on every TP rank
     if last:
         dense += _norm(m, h)
         # The output layer: its own weight when untied; when tied and the last stage is
@@ -269,7 +269,7 @@ def rank_params(
         ids = tuple(range(start, start + layers))
     else:
         ids = tuple(layers)
-    return _rank_params_cached(m, tp, ep, etp, ids, first, last)
+    return _rank_params_cached(m, tp, ep, etp, ids, first, last, m.vision_params)  # not in the spec's hash
 
 
 def largest_layer(m, *, tp: int, ep: int = 1, etp: int = 1) -> float:

@@ -129,6 +129,7 @@ def _proxy(cfg, parallel: SimpleNamespace, train: SimpleNamespace, zero: SimpleN
         data=cfg.data,
         optimizer=cfg.optimizer,
         checkpoint=cfg.checkpoint,
+        peft=cfg.peft,
     )
 
 

@@ -55,7 +55,10 @@ def _fork_server():
         env = launch_env()  # what run_torchrun gives a launch, so the server's imports see the same
         with open(os.path.join(d, "server.log"), "wb") as log:
             server = subprocess.Popen(
-                [sys.executable, "-m", "megatron_bridge.fork_server", sock], stdout=log, stderr=subprocess.STDOUT, env=env
+                [sys.executable, "-m", "megatron_bridge.fork_server", sock],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
             )
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(SERVER_ENV, sock)

@@ -13,18 +13,47 @@ from megatron_bridge.testing import run_torchrun
 
 pytestmark = pytest.mark.dist
 SCRIPT = "tests/dist/train_scripts/agree.py"
-COMMON = ["train.steps=1", "optimizer.warmup_steps=0", "train.seq_length=32", "train.micro_batch_size=1", "train.global_batch_size=4",
-          "cluster.gpus_per_node=2", "data=synthetic"]
-GPT = ["model.family=gpt", "model.normalization=LayerNorm", "model.gated_linear_unit=false",
-       "model.add_bias_linear=true", "model.position_embedding_type=learned_absolute"]
+COMMON = [
+    "train.steps=1",
+    "optimizer.warmup_steps=0",
+    "train.seq_length=32",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=4",
+    "cluster.gpus_per_node=2",
+    "data=synthetic",
+]
+GPT = [
+    "model.family=gpt",
+    "model.normalization=LayerNorm",
+    "model.gated_linear_unit=false",
+    "model.add_bias_linear=true",
+    "model.position_embedding_type=learned_absolute",
+]
 JOBS = {
-    "issue13_first1": ["recipe=tiny_llama", "parallel.tp=1", "parallel.pp=2", "model.num_layers=5",
-                       "parallel.layers_first_stage=1"],
+    "issue13_first1": [
+        "recipe=tiny_llama",
+        "parallel.tp=1",
+        "parallel.pp=2",
+        "model.num_layers=5",
+        "parallel.layers_first_stage=1",
+    ],
     "moe_tp2_auto_sp": ["recipe=tiny_mixtral", "parallel.tp=2", "parallel.ep=1"],
-    "gpt_pp2vpp2_full": ["recipe=tiny_llama", "parallel.tp=1", "parallel.pp=2", "parallel.vpp=2", *GPT,
-                         "train.recompute=full"],
-    "last1_selective": ["recipe=tiny_llama", "parallel.tp=1", "parallel.pp=2", "model.num_layers=3",
-                        "parallel.layers_last_stage=1", "train.recompute=selective"],
+    "gpt_pp2vpp2_full": [
+        "recipe=tiny_llama",
+        "parallel.tp=1",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        *GPT,
+        "train.recompute=full",
+    ],
+    "last1_selective": [
+        "recipe=tiny_llama",
+        "parallel.tp=1",
+        "parallel.pp=2",
+        "model.num_layers=3",
+        "parallel.layers_last_stage=1",
+        "train.recompute=selective",
+    ],
 }
 
 

@@ -55,9 +55,23 @@ def _launch(
     root: Path, out: Path, families: List[str], layouts: List[str], skip: List[str] = ()
 ) -> Dict[str, List[dict]]:
     results = run_torchrun(
-        [SCRIPT, "--root", str(root), "--families", ",".join(families), "--layouts", ",".join(layouts),
-         "--checks", "logits,roundtrip", "--out", str(out), "--skip", ",".join(skip)],
-        nproc=4, timeout=900,
+        [
+            SCRIPT,
+            "--root",
+            str(root),
+            "--families",
+            ",".join(families),
+            "--layouts",
+            ",".join(layouts),
+            "--checks",
+            "logits,roundtrip",
+            "--out",
+            str(out),
+            "--skip",
+            ",".join(skip),
+        ],
+        nproc=4,
+        timeout=900,
     )
     merged: Dict[str, List[dict]] = {}
     for rank_result in results:
@@ -115,8 +129,15 @@ def _from_pretrained_matches(export: Path, ref: dict) -> float:
 
 
 DENSE_LAYOUTS = [
-    "tp1:logits+roundtrip+grads", "tp2", "pp2", "tp2pp2", "pp2vpp2", "tp2pp2vpp2",
-    "cp2:logits+grads", "cp2tp2:logits+grads", "tp2sp:logits+grads",
+    "tp1:logits+roundtrip+grads",
+    "tp2",
+    "pp2",
+    "tp2pp2",
+    "pp2vpp2",
+    "tp2pp2vpp2",
+    "cp2:logits+grads",
+    "cp2tp2:logits+grads",
+    "tp2sp:logits+grads",
 ]
 MOE_LAYOUTS = DENSE_LAYOUTS + ["ep2", "ep2tp2", "ep4", "ep2pp2", "cp2ep2:logits+grads"]
 
@@ -166,8 +187,11 @@ def test_train_step_tp2pp2_matches_tp1(root, tmp_path):
 # and tp1 included (tp1, the unsplit model, is left out here for CI time: every layout below
 # compares with transformers' own fp32 model, not with tp1).
 FAMILY_LAYOUTS = [
-    "tp2:logits+grads", "pp2vpp2:logits+roundtrip+grads", "cp2:logits+grads",
-    "ep2tp2:logits+roundtrip+grads", "ep2tp2etp1:logits+grads",
+    "tp2:logits+grads",
+    "pp2vpp2:logits+roundtrip+grads",
+    "cp2:logits+grads",
+    "ep2tp2:logits+roundtrip+grads",
+    "ep2tp2etp1:logits+grads",
 ]
 
 

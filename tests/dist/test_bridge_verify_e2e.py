@@ -11,8 +11,16 @@ pytestmark = pytest.mark.dist
 
 
 def test_verify_tiny_moe_model_across_layouts(tmp_path):
-    cmd = [sys.executable, "-m", "megatron_bridge.cli", "verify", "verify.tiny=qwen2_moe", f"verify.out={tmp_path}",
-           "verify.layouts=[tp2,ep2]", "verify.checks=[logits,roundtrip,grads]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_bridge.cli",
+        "verify",
+        "verify.tiny=qwen2_moe",
+        f"verify.out={tmp_path}",
+        "verify.layouts=[tp2,ep2]",
+        "verify.checks=[logits,roundtrip,grads]",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-5000:]

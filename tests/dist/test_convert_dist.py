@@ -30,20 +30,34 @@ pytestmark = pytest.mark.dist
 
 SCRIPT = str(Path(__file__).parent / "convert_scripts" / "load_parity.py")
 TOL = 1e-5
-LAYOUT_ARGS = {"tp2pp2": ["parallel.tp=2", "parallel.pp=2"], "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"],
-               "ep2pp2": ["parallel.ep=2", "parallel.pp=2"]}
+LAYOUT_ARGS = {
+    "tp2pp2": ["parallel.tp=2", "parallel.pp=2"],
+    "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"],
+    "ep2pp2": ["parallel.ep=2", "parallel.pp=2"],
+}
 # streamed only (megatron_bridge.stream), built by the transformers backend: transformers' modules, experts
 # gathered over EP and split over TP
 STREAM_HF = ["llama:tp2pp2", "qwen3_moe:ep2tp2"]
-CASES = [("llama", "tp2pp2"), ("llama", "pp2vpp2"), ("qwen2", "tp2pp2"), ("mixtral", "ep2pp2"),
-         ("qwen2_moe", "ep2pp2"),
-         # the transformers backend (transformers' modules): a tied dense model, experts stacked from per-expert tensors
-         ("cohere", "tp2pp2"), ("dots1", "ep2pp2")]
+CASES = [
+    ("llama", "tp2pp2"),
+    ("llama", "pp2vpp2"),
+    ("qwen2", "tp2pp2"),
+    ("mixtral", "ep2pp2"),
+    ("qwen2_moe", "ep2pp2"),
+    # the transformers backend (transformers' modules): a tied dense model, experts stacked from per-expert tensors
+    ("cohere", "tp2pp2"),
+    ("dots1", "ep2pp2"),
+]
 # checkpoints megatron-core / Megatron-LM wrote (tests/megatron_ckpts.py), loaded through `train.init_from`
 # at another layout: torch_dist by `dist_checkpointing.save` (local spec; TE names with shared experts),
 # per-rank tp2 files with TE names, and `mbr reshard` of the first into per-rank tp2·pp2 files
-MEGATRON = ["llama:mlm_dist:tp2pp2", "llama:mlm_torch:tp2pp2", "qwen2_moe:mlm_te:ep2pp2", "llama:mlm_reshard:tp2pp2",
-            "qwen2_moe:mlm_reshard:ep2pp2"]
+MEGATRON = [
+    "llama:mlm_dist:tp2pp2",
+    "llama:mlm_torch:tp2pp2",
+    "qwen2_moe:mlm_te:ep2pp2",
+    "llama:mlm_reshard:tp2pp2",
+    "qwen2_moe:mlm_reshard:ep2pp2",
+]
 HF_CATALOGUE = {"dots1"}  # built by runtime/hf_tiny.py (the transformers backend's catalogue), not runtime/tiny.py
 
 
@@ -61,20 +75,69 @@ def root(tmp_path_factory) -> Path:
     for fam, layout in CASES:
         for fmt in ("torch_dist", "torch"):
             args = LAYOUT_ARGS[layout] if fmt == "torch" else []  # torch_dist: written for tp1·pp1
-            assert mbr(["convert", f"src={base / fam}", f"dst={base / 'ckpt' / f'{fam}-{fmt}-{layout}'}",
-                        f"format={fmt}", "progress=off", *args]) == 0
-    assert mbr(["convert", f"src={base / 'llama'}", f"dst={base / 'ckpt' / 'llama-torch_dist_pad-tp2pp2'}",
-                "model.make_vocab_size_divisible_by=2", "progress=off"]) == 0
+            assert (
+                mbr(
+                    [
+                        "convert",
+                        f"src={base / fam}",
+                        f"dst={base / 'ckpt' / f'{fam}-{fmt}-{layout}'}",
+                        f"format={fmt}",
+                        "progress=off",
+                        *args,
+                    ]
+                )
+                == 0
+            )
+    assert (
+        mbr(
+            [
+                "convert",
+                f"src={base / 'llama'}",
+                f"dst={base / 'ckpt' / 'llama-torch_dist_pad-tp2pp2'}",
+                "model.make_vocab_size_divisible_by=2",
+                "progress=off",
+            ]
+        )
+        == 0
+    )
     from tests import megatron_ckpts as mc
 
     ck = base / "ckpt"
-    mc.write_dists([(base / "llama", ck / "llama-mlm_dist-tp2pp2", {}),
-                    (base / "qwen2_moe", ck / "qwen2_moe-mlm_te-ep2pp2", {"te_names": True})])
+    mc.write_dists(
+        [
+            (base / "llama", ck / "llama-mlm_dist-tp2pp2", {}),
+            (base / "qwen2_moe", ck / "qwen2_moe-mlm_te-ep2pp2", {"te_names": True}),
+        ]
+    )
     mc.write_torch(base / "llama", ck / "llama-mlm_torch-tp2pp2", tp=2)
-    assert mbr(["reshard", f"src={ck / 'llama-mlm_dist-tp2pp2'}", f"dst={ck / 'llama-mlm_reshard-tp2pp2'}",
-                f"model.hf_path={base / 'llama'}", "parallel.tp=2", "parallel.pp=2", "progress=off"]) == 0
-    assert mbr(["reshard", f"src={ck / 'qwen2_moe-mlm_te-ep2pp2'}", f"dst={ck / 'qwen2_moe-mlm_reshard-ep2pp2'}",
-                f"model.hf_path={base / 'qwen2_moe'}", "parallel.ep=2", "parallel.pp=2", "progress=off"]) == 0
+    assert (
+        mbr(
+            [
+                "reshard",
+                f"src={ck / 'llama-mlm_dist-tp2pp2'}",
+                f"dst={ck / 'llama-mlm_reshard-tp2pp2'}",
+                f"model.hf_path={base / 'llama'}",
+                "parallel.tp=2",
+                "parallel.pp=2",
+                "progress=off",
+            ]
+        )
+        == 0
+    )
+    assert (
+        mbr(
+            [
+                "reshard",
+                f"src={ck / 'qwen2_moe-mlm_te-ep2pp2'}",
+                f"dst={ck / 'qwen2_moe-mlm_reshard-ep2pp2'}",
+                f"model.hf_path={base / 'qwen2_moe'}",
+                "parallel.ep=2",
+                "parallel.pp=2",
+                "progress=off",
+            ]
+        )
+        == 0
+    )
     return base
 
 
@@ -82,8 +145,25 @@ def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
     cases = [f"{fam}:{fmt}:{layout}" for fam, layout in CASES for fmt in ("torch_dist", "torch")]
     cases.append("llama:torch_dist_pad:tp2pp2")  # stored vocab 250 rows, the model pads to 256
     cases += MEGATRON
-    results = run_torchrun([SCRIPT, "--root", str(root), "--cases", ",".join(cases), "--train", "llama", "--train-moe", "qwen2_moe",
-                            "--stream-hf", ",".join(STREAM_HF), "--out", str(tmp_path)], nproc=4, timeout=600)
+    results = run_torchrun(
+        [
+            SCRIPT,
+            "--root",
+            str(root),
+            "--cases",
+            ",".join(cases),
+            "--train",
+            "llama",
+            "--train-moe",
+            "qwen2_moe",
+            "--stream-hf",
+            ",".join(STREAM_HF),
+            "--out",
+            str(tmp_path),
+        ],
+        nproc=4,
+        timeout=600,
+    )
     for case in [*cases, *(f"hf:{c}" for c in STREAM_HF)]:
         per_rank = [r[case] for r in results if case in r]
         assert len(per_rank) == 4, case
@@ -108,5 +188,6 @@ def test_converted_checkpoints_load_exactly_and_train(root, tmp_path):
     assert losses["torch_dist"] == losses["hf"] and losses["torch"] == losses["hf"], losses
     # Megatron-LM checkpoints (torch_dist; per-rank tp2 files; the first's reshard) start the HF run
     for name, ref in [(n, "hf") for n in ("mlm_dist", "mlm_torch", "mlm_reshard")] + [
-            (n, "moe_hf") for n in ("moe_mlm", "moe_mlm_reshard")]:
+        (n, "moe_hf") for n in ("moe_mlm", "moe_mlm_reshard")
+    ]:
         assert len(losses[name]) == 2 and max(abs(a - b) for a, b in zip(losses[name], losses[ref])) <= TOL, losses

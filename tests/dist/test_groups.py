@@ -18,7 +18,14 @@ LAYOUTS = {
     "recipe=tiny_llama parallel.tp=2 parallel.pp=2": (2, 2, 1, 1, 2, 2),
     "recipe=tiny_llama parallel.tp=2 parallel.pp=1 parallel.cp=2": (2, 1, 2, 1, 2, 2),
     "recipe=tiny_mixtral parallel.pp=2 train.global_batch_size=16": (1, 2, 1, 2, 1, 4),  # ep2·dp4, edp2
-    "recipe=tiny_mixtral parallel.tp=2 parallel.etp=1 parallel.sequence_parallel=true": (2, 1, 1, 2, 1, 4),  # ep2·dp4 with tp2, edp4
+    "recipe=tiny_mixtral parallel.tp=2 parallel.etp=1 parallel.sequence_parallel=true": (
+        2,
+        1,
+        1,
+        2,
+        1,
+        4,
+    ),  # ep2·dp4 with tp2, edp4
 }
 MPU_KINDS = ("mp", "tp", "pp", "dp", "cp", "dp_cp", "ep")
 
@@ -115,6 +122,7 @@ def test_world_size_mismatch_is_a_user_error(monkeypatch):
     """Checked before any process group exists, with a message naming both numbers."""
     from megatron_bridge.errors import UserError
     from megatron_bridge.runtime import groups
+
     cfg, _ = compose(["recipe=tiny_llama", "cluster.gpus_per_node=8"])
     dims = ParallelDims.from_config(cfg, 8, moe=False)
     monkeypatch.setenv("WORLD_SIZE", "4")

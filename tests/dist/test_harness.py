@@ -31,6 +31,7 @@ def torchrun(request, torchrun):
     run.launcher = request.param
     return run
 
+
 PROBE = "tests/dist/scripts/harness_probe.py"
 
 

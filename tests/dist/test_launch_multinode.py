@@ -24,10 +24,28 @@ def two_nodes(args, timeout=600):
     port = free_port()
     with tempfile.TemporaryDirectory() as res:
         env = {**os.environ, RESULT_DIR_ENV: res, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={n}", "--nproc-per-node=2",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=mbr-test", PROBE, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True) for n in (0, 1)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    f"--node-rank={n}",
+                    "--nproc-per-node=2",
+                    "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{port}",
+                    "--rdzv-id=mbr-test",
+                    PROBE,
+                    *args,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            for n in (0, 1)
+        ]
         deadline, outs = time.monotonic() + timeout, []
         try:
             for p in procs:
@@ -46,8 +64,16 @@ def test_two_node_jobs_match_single_node(tmp_path):
     equals its single-node run to 1e-6, tp2·dp2 the same run to the 2e-5 that separates layouts
     (tests/dist/test_train.py)."""
     hf = make_tiny("llama", tmp_path / "hf")
-    common = ["recipe=tiny_llama", f"model.hf_path={hf}", "train.steps=3", "optimizer.warmup_steps=1", "train.seq_length=32",
-              "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.tp=2"]
+    common = [
+        "recipe=tiny_llama",
+        f"model.hf_path={hf}",
+        "train.steps=3",
+        "optimizer.warmup_steps=1",
+        "train.seq_length=32",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.tp=2",
+    ]
     jobs = {f"pp{pp}": ",".join([*common, f"parallel.pp={pp}", "cluster.nodes=2"]) for pp in (1, 2)}
     ranks = two_nodes([str(tmp_path / "multi"), *(f"{name}:{ov}" for name, ov in jobs.items())])
     multi = {pp: [r[f"pp{pp}"] for r in ranks] for pp in (1, 2)}

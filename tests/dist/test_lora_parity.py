@@ -70,8 +70,9 @@ def _peft_reference(hf_dir: Path, adapter_dir: Path, family: str) -> dict:
     grads = {f"{_strip(n)}": p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     frozen_with_grad = [n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None]
     assert not frozen_with_grad
-    return dict(input_ids=ids, labels=labels, loss=float(loss), grads=grads, targets=TARGETS[family],
-                rank=RANK, alpha=ALPHA)
+    return dict(
+        input_ids=ids, labels=labels, loss=float(loss), grads=grads, targets=TARGETS[family], rank=RANK, alpha=ALPHA
+    )
 
 
 def _merged_reference(hf_dir: Path, adapter_dir: Path, family: str) -> dict:
@@ -108,8 +109,9 @@ def _merged_reference(hf_dir: Path, adapter_dir: Path, family: str) -> dict:
         ka, kb = peft_key(name, "A"), peft_key(name, "B")
         if ka in adapter:
             grads[ka], grads[kb] = scale * adapter[kb].T @ gw, scale * gw @ adapter[ka].T
-    return dict(input_ids=ids, labels=labels, loss=ref["loss"], grads=grads, targets=TARGETS[family],
-                rank=RANK, alpha=ALPHA)
+    return dict(
+        input_ids=ids, labels=labels, loss=ref["loss"], grads=grads, targets=TARGETS[family], rank=RANK, alpha=ALPHA
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +127,21 @@ def launch(tmp_path_factory):
         torch.save(ref, root / "refs" / f"{fam}.pt")
     out = root / "out"
     results = run_torchrun(
-        [SCRIPT, "--root", str(root), "--families", ",".join(TARGETS), "--layouts", ",".join(LAYOUTS),
-         "--out", str(out), "--skip", ",".join(f"{f}/{lay}" for f, lay in sorted(SKIP))],
-        nproc=4, timeout=1200,
+        [
+            SCRIPT,
+            "--root",
+            str(root),
+            "--families",
+            ",".join(TARGETS),
+            "--layouts",
+            ",".join(LAYOUTS),
+            "--out",
+            str(out),
+            "--skip",
+            ",".join(f"{f}/{lay}" for f, lay in sorted(SKIP)),
+        ],
+        nproc=4,
+        timeout=1200,
     )
     merged: dict = {}
     for rank_result in results:
@@ -138,7 +152,10 @@ def launch(tmp_path_factory):
 
 def _cases():
     return [
-        (f, lay) for lay in LAYOUTS for f in TARGETS if not (lay.startswith("ep") and f == "llama") and (f, lay) not in SKIP
+        (f, lay)
+        for lay in LAYOUTS
+        for f in TARGETS
+        if not (lay.startswith("ep") and f == "llama") and (f, lay) not in SKIP
     ]
 
 

@@ -33,10 +33,20 @@ def test_lora_training_resume_export_and_deepspeed(tmp_path):
 
     hf = make_tiny("llama", tmp_path / "llama")
     ck, runs = tmp_path / "ckpt", tmp_path / "runs"
-    common = ",".join([
-        "recipe=default", f"model.hf_path={hf}", "train.steps=6", "train.seq_length=32", "train.micro_batch_size=2",
-        "train.global_batch_size=8", "optimizer.warmup_steps=2", "optimizer.lr=1e-2", "data=synthetic", "peft=lora",
-    ])
+    common = ",".join(
+        [
+            "recipe=default",
+            f"model.hf_path={hf}",
+            "train.steps=6",
+            "train.seq_length=32",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "optimizer.warmup_steps=2",
+            "optimizer.lr=1e-2",
+            "data=synthetic",
+            "peft=lora",
+        ]
+    )
     mg = f"{common},parallel.tp=2,parallel.pp=2,zero.stage=1"
     jobs = [
         f"full:{mg},export_adapter_to={tmp_path / 'adapter'},export_to={tmp_path / 'merged'}",

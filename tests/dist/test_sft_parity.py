@@ -83,8 +83,19 @@ def test_sft_loss_matches_transformers_per_conversation(setup, tmp_path):
     valid = SFTDataset(chat, valid_r, SEQ, packing=True, seed=SEED, num_samples=GBS)
     valid_convs = [c for i in range(GBS) for c in valid.conversations(i)]
 
-    common = ["recipe=default", f"model.hf_path={hf}", "train.steps=1", f"train.seq_length={SEQ}", f"train.seed={SEED}",
-              "data=sft", f"data.paths=[{prefix}]", "data.split=80/20/0", "optimizer.lr=1e-30", "optimizer.min_lr=0", "optimizer.warmup_steps=0"]
+    common = [
+        "recipe=default",
+        f"model.hf_path={hf}",
+        "train.steps=1",
+        f"train.seq_length={SEQ}",
+        f"train.seed={SEED}",
+        "data=sft",
+        f"data.paths=[{prefix}]",
+        "data.split=80/20/0",
+        "optimizer.lr=1e-30",
+        "optimizer.min_lr=0",
+        "optimizer.warmup_steps=0",
+    ]
 
     def job(name, *overrides):
         return f"{name}:" + ",".join([*common, *overrides])
@@ -94,11 +105,24 @@ def test_sft_loss_matches_transformers_per_conversation(setup, tmp_path):
         job("packed_tp2pp2", "parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=2", gbs),
         job("packed_tp2dp2", "parallel.tp=2", "train.micro_batch_size=1", gbs, "train.eval_iters=1"),
         job("packed_ds_dp4", "train.engine=deepspeed", "zero.stage=2", "train.micro_batch_size=1", gbs),
-        job("padded_tp2pp2", "data.packing=false", "parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=1",
-            f"train.global_batch_size={len(convs)}"),
+        job(
+            "padded_tp2pp2",
+            "data.packing=false",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={len(convs)}",
+        ),
         job("padded_cp2dp2", "data.packing=false", "parallel.cp=2", "train.micro_batch_size=1", gbs),
-        job("padded_hf_tp2pp2", "model.backend=transformers", "data.packing=false", "parallel.tp=2", "parallel.pp=2",
-            "train.micro_batch_size=1", f"train.global_batch_size={len(convs)}"),
+        job(
+            "padded_hf_tp2pp2",
+            "model.backend=transformers",
+            "data.packing=false",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={len(convs)}",
+        ),
     ]
     res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=4, timeout=900)[0]
     losses, norms = res["losses"], res["grad_norms"]

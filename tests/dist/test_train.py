@@ -61,7 +61,9 @@ def transformers_loss(hf, step=1, gbs=8, seq=32, seed=1234):
     with torch.no_grad():
         out = model(input_ids=tokens)
         loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten())
-        if getattr(out, "aux_loss", None) is not None:  # output_router_logits: its load-balancing loss per one-sample micro-batch
+        if (
+            getattr(out, "aux_loss", None) is not None
+        ):  # output_router_logits: its load-balancing loss per one-sample micro-batch
             loss += model.router_aux_loss_coef * torch.stack([model(input_ids=t[None]).aux_loss for t in tokens]).mean()
     return float(loss)
 
@@ -188,41 +190,108 @@ def test_resume_reproduces_uninterrupted_run_and_hf_backend_trains(llama, cohere
         job("full", llama, *base),
         # checkpoint.async_save: saves at 2, 4 and 5 written in the background, published at later
         # step boundaries (the last before the job ends); the sync path: the crash suite, ZeRO, hf
-        job("first5", llama, *base, "train.exit_after=5", f"checkpoint.dir={ck}", "checkpoint.save_interval=2",
-            "checkpoint.async_save=true"),  # fmt: skip
+        job(
+            "first5",
+            llama,
+            *base,
+            "train.exit_after=5",
+            f"checkpoint.dir={ck}",
+            "checkpoint.save_interval=2",
+            "checkpoint.async_save=true",
+        ),  # fmt: skip
         job("resumed", llama, *base, f"checkpoint.dir={ck}", "checkpoint.resume=true", "checkpoint.async_save=true"),
         job("qwen3_native", qwen3, *base[:3], "model.backend=native"),
         job("qwen3_hf", qwen3, *hf),
         # context parallelism on hf (runtime/transformers/cp.py) at tp2·cp2, 2 steps (CI time): the loss and
         # gradient norm of the native run's first two batches (step 1's warmup lr is 0)
-        job("qwen3_hf_cp2", qwen3, "parallel.tp=2", "parallel.cp=2", "zero.stage=1", "model.backend=transformers",
-            "train.steps=2"),  # fmt: skip
+        job(
+            "qwen3_hf_cp2",
+            qwen3,
+            "parallel.tp=2",
+            "parallel.cp=2",
+            "zero.stage=1",
+            "model.backend=transformers",
+            "train.steps=2",
+        ),  # fmt: skip
         # an HF export every step, written behind the loop (a 64 KiB queue: the step waits on it)
-        job("cohere_full", cohere, *hf, f"export_to={e1}", "train.export_interval=1", "train.export_buffer_bytes=65536"),
+        job(
+            "cohere_full", cohere, *hf, f"export_to={e1}", "train.export_interval=1", "train.export_buffer_bytes=65536"
+        ),
         # the same, stopped after 3 (train.exit_after: interval exports only) and resumed into the same
         # export_to, which then holds iter_1..5 and the end-of-run export
-        job("cohere_first3", cohere, *hf, "train.exit_after=3", f"checkpoint.dir={hck}", "checkpoint.save_interval=3",
-            f"export_to={e2}", "train.export_interval=1"),  # fmt: skip
-        job("cohere_resumed", cohere, *hf, f"checkpoint.dir={hck}", "checkpoint.resume=true", f"export_to={e2}",
-            "train.export_interval=1"),  # fmt: skip
+        job(
+            "cohere_first3",
+            cohere,
+            *hf,
+            "train.exit_after=3",
+            f"checkpoint.dir={hck}",
+            "checkpoint.save_interval=3",
+            f"export_to={e2}",
+            "train.export_interval=1",
+        ),  # fmt: skip
+        job(
+            "cohere_resumed",
+            cohere,
+            *hf,
+            f"checkpoint.dir={hck}",
+            "checkpoint.resume=true",
+            f"export_to={e2}",
+            "train.export_interval=1",
+        ),  # fmt: skip
         # its step-3 checkpoint resharded to tp1·pp2 (dp2), optimizer state included, resumed there
         # for steps 4-5; then that step 3 resharded back to tp2·pp2
-        mbr_job("reshard", f"src={hck / 'iter_0000003'}", f"dst={hck1}", *common(cohere), "zero.stage=1", "parallel.tp=1",
-                "parallel.pp=2"),  # fmt: skip
-        job("cohere_tp1pp2", cohere, "parallel.tp=1", "parallel.pp=2", "zero.stage=1", "model.backend=transformers",
-            f"checkpoint.dir={hck1}", "checkpoint.resume=true"),  # fmt: skip
+        mbr_job(
+            "reshard",
+            f"src={hck / 'iter_0000003'}",
+            f"dst={hck1}",
+            *common(cohere),
+            "zero.stage=1",
+            "parallel.tp=1",
+            "parallel.pp=2",
+        ),  # fmt: skip
+        job(
+            "cohere_tp1pp2",
+            cohere,
+            "parallel.tp=1",
+            "parallel.pp=2",
+            "zero.stage=1",
+            "model.backend=transformers",
+            f"checkpoint.dir={hck1}",
+            "checkpoint.resume=true",
+        ),  # fmt: skip
         mbr_job("reshard", f"src={hck1 / 'iter_0000003'}", f"dst={hck2}", *common(cohere), *base[:3]),
         job("cohere_from_export", e1, *hf, "train.steps=1", "optimizer.warmup_steps=1"),
         job("moe_ep1", moe, *moe_hf),
         job("moe_ep2", moe, *moe_hf, "parallel.ep=2"),
-        job("moe_ep2_first2", moe, *moe_hf, "parallel.ep=2", "train.exit_after=2", f"checkpoint.dir={mck}",
-            "checkpoint.save_interval=2"),  # fmt: skip
+        job(
+            "moe_ep2_first2",
+            moe,
+            *moe_hf,
+            "parallel.ep=2",
+            "train.exit_after=2",
+            f"checkpoint.dir={mck}",
+            "checkpoint.save_interval=2",
+        ),  # fmt: skip
         job("moe_ep2_resumed", moe, *moe_hf, "parallel.ep=2", f"checkpoint.dir={mck}", "checkpoint.resume=true"),
         # its step-2 checkpoint resharded from ep2 (the plain optimizer) to ep4 (the distributed one), resumed
-        mbr_job("reshard", f"src={mck / 'iter_0000002'}", f"dst={mck4}", *common(moe), *moe_hf, "parallel.ep=4",
-                "zero.stage=1"),  # fmt: skip
-        job("moe_ep4_resumed", moe, *moe_hf, "parallel.ep=4", "zero.stage=1", f"checkpoint.dir={mck4}",
-            "checkpoint.resume=true"),  # fmt: skip
+        mbr_job(
+            "reshard",
+            f"src={mck / 'iter_0000002'}",
+            f"dst={mck4}",
+            *common(moe),
+            *moe_hf,
+            "parallel.ep=4",
+            "zero.stage=1",
+        ),  # fmt: skip
+        job(
+            "moe_ep4_resumed",
+            moe,
+            *moe_hf,
+            "parallel.ep=4",
+            "zero.stage=1",
+            f"checkpoint.dir={mck4}",
+            "checkpoint.resume=true",
+        ),  # fmt: skip
     ]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=4, timeout=900)
     losses = res[0]["losses"]
@@ -298,7 +367,10 @@ def _assert_resharded_back(original, resharded, back, hf, tmp_path):
         assert na.keys() == nb.keys(), r
         for name in na:
             assert na[name]["range"] == nb[name]["range"], (r, name)
-            assert all(torch.equal(na[name][k], nb[name][k]) for k in na[name] if k not in ("range", "shape")), (r, name)
+            assert all(torch.equal(na[name][k], nb[name][k]) for k in na[name] if k not in ("range", "shape")), (
+                r,
+                name,
+            )
     exports = []
     for i, src in enumerate((step3, resharded / "iter_0000003", back)):
         out = tmp_path / f"export_{i}"

@@ -104,7 +104,9 @@ def user(venv, tmp_path):
 
 def test_installed_package_comes_from_the_wheel(user, venv):
     _, python, _, _ = user
-    where = python("import megatron_bridge, megatron_bridge._bundled as b; print(megatron_bridge.__file__); print(b.__file__)")
+    where = python(
+        "import megatron_bridge, megatron_bridge._bundled as b; print(megatron_bridge.__file__); print(b.__file__)"
+    )
     for line in where.split():
         assert Path(line).is_relative_to(venv) and not Path(line).is_relative_to(ROOT), where
 
@@ -121,8 +123,14 @@ def test_commands_from_outside_the_repository(user, venv):
     assert f"{cfg}/recipes/mine.yaml" in r.stdout and "built-in" in r.stdout
     r = mbr("check", "recipe=nope", check=False)
     assert r.returncode == 2 and "unknown recipe 'nope'" in r.stderr and "Traceback" not in r.stderr
-    r = mbr("plan", "model=llama3_8b", "cluster=dgx_h100", "cluster.nodes=2", "train.seq_length=4096",
-            "train.global_batch_size=128")
+    r = mbr(
+        "plan",
+        "model=llama3_8b",
+        "cluster=dgx_h100",
+        "cluster.nodes=2",
+        "train.seq_length=4096",
+        "train.global_batch_size=128",
+    )
     assert "CHOSEN" in r.stdout
 
     # convert a tiny HF model, then train from it on 2 processes under torchrun with the user's recipe
@@ -132,8 +140,15 @@ def test_commands_from_outside_the_repository(user, venv):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = mbr("launch", "recipe=mine", "--config-dir", cfg, f"cluster.master_port={port}", "model.hf_path=converted",
-            "train.init_from=converted")
+    r = mbr(
+        "launch",
+        "recipe=mine",
+        "--config-dir",
+        cfg,
+        f"cluster.master_port={port}",
+        "model.hf_path=converted",
+        "train.init_from=converted",
+    )
     (run_dir,) = (work / "runs" / "mine").iterdir()  # the resolved config every rank trained with
     resolved = (run_dir / "config.yaml").read_text()
     assert "name: my_cluster" in resolved and "tp: 2" in resolved

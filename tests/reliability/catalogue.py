@@ -878,6 +878,22 @@ CASES: list[Case] = [
         "Pass tokenizer=DIR of the vision-language model",
         out=OUT,
     ),
+    C(
+        "vlm-cp",
+        "config",
+        "mbr check recipe=default model.hf_path={FX}/vlm/model model.backend=transformers parallel.cp=2",
+        "a VLM under context parallelism",
+        "context parallelism (cp=2) over a vision-language model: its vision tower (model.visual)",
+        "set parallel.cp=1",
+    ),
+    C(
+        "vlm-freeze-text-model",
+        "config",
+        "mbr check recipe=default model.freeze=[vision]",
+        "model.freeze on a text model",
+        "[model-freeze] model.freeze=['vision']: LlamaForCausalLM has no part 'vision'",
+        "drop model.freeze",
+    ),
     # -- checkpoints: resume, init, export, mbr check-ckpt ------------------------------------
     C(
         "ckpt-resume-no-dir",

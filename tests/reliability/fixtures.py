@@ -88,10 +88,11 @@ def build(fx: Path) -> None:
     cfg = chat / "tok_no_template" / "tokenizer_config.json"
     cfg.write_text(json.dumps({k: v for k, v in json.loads(cfg.read_text()).items() if k != "chat_template"}))
 
-    from tests.vlm_processor import TEXT_ONLY_TEMPLATE, make_processor, png
+    from tests.vlm_processor import TEXT_ONLY_TEMPLATE, make_processor, make_vlm, png
 
     vlm = fx / "vlm"
     make_processor(vlm / "proc")
+    make_vlm(vlm / "model")  # a tiny Qwen2.5-VL with its processor
     png(vlm / "ok.png", 60, 90)
     (vlm / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot an image")
     (vlm / "text_only.jinja").write_text(TEXT_ONLY_TEMPLATE)

@@ -32,7 +32,7 @@ CORE = (
     "_bundled",
 )
 RUNTIME = ("runtime", "train", "reliability", "stream")
-TOP = ("commands", "cli", "testing", "fork_launch", "fork_server", "demo", "__init__")
+TOP = ("commands", "cli", "testing", "fork_launch", "fork_server", "demo", "demo_vlm", "__init__")
 HEAVY = ("torch", "megatron", "deepspeed", "transformers", "peft", "safetensors")
 MAX_IN_FUNCTION = 40  # imports of our own modules inside functions, package-wide
 

@@ -259,6 +259,8 @@ class HFChunk(MegatronModule):
         embeddings: dict[str | None, Any] = {}
         carried: dict[str, Any] = {}
         given = {kw: inputs[name] for kw, name in self.layer_inputs}  # overrides.Override.layer_inputs
+        if front is not None and front.passed:  # a VLM's forward gave them itself (vision.VisionFront.passes)
+            given.update(front.passed)
         states: dict[str, dict[str, Any]] = {kw: {} for kw in self.shared_state}
         # masks and rotary embeddings are the whole sequence's, also where h is this rank's slice
         # of it (sequence parallelism): they read only its batch, length, dtype and device

@@ -98,6 +98,7 @@ class Front:
     masks: dict[str, Any] | None  # {layer kind: mask} where the VLM built its own
     after_layer: dict[int, tuple[Any, torch.Tensor, torch.Tensor]]  # layer -> (AFTER_LAYER method, mask, rows)
     every: torch.Tensor | None = None  # the one 4-D mask a VLM built for every layer
+    passed: dict[str, torch.Tensor] | None = None  # layer inputs the VLM's forward gave (VisionFront.passes)
 
     def mask(self, kind: str) -> Any:
         """The VLM's own mask for layers of `kind`, None where it built none (the stage makes it)."""
@@ -125,8 +126,18 @@ class Front:
 class VisionFront:
     """The base model (`plan.front`) of a VLM, its language model at `text` (a child name)."""
 
-    def __init__(self, base: torch.nn.Module, text: str, embed_name: str, hidden: int, dtype: torch.dtype) -> None:
-        self.base, self.text, self.embed_name = base, text, embed_name
+    def __init__(
+        self,
+        base: torch.nn.Module,
+        text: str,
+        embed_name: str,
+        hidden: int,
+        dtype: torch.dtype,
+        passes: tuple[str, ...] = (),
+    ) -> None:
+        """`passes`: keywords the language model's layers take from its inputs (the override's
+        `layer_inputs`: Qwen4-Exp's `ple_input_ids`), which a VLM's forward may hand it itself."""
+        self.base, self.text, self.embed_name, self.passes = base, text, embed_name, passes
         self.language = getattr(base, text)
         self.zeros = _Zeros(hidden, dtype)
         takes = inspect.signature(base.forward).parameters
@@ -166,9 +177,8 @@ class VisionFront:
 
     def _front(self, kwargs: dict[str, Any]) -> Front:
         partners = {p for p, _ in AFTER_LAYER.values()}
-        unknown = sorted(
-            k for k, v in kwargs.items() if v is not None and k not in (*TAKEN, *IGNORED, *AFTER_LAYER, *partners)
-        )
+        known = (*TAKEN, *IGNORED, *AFTER_LAYER, *partners, *self.passes)
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in known)
         if unknown:
             raise UserError(
                 f"{type(self.base).__name__}.forward hands its language model {', '.join(unknown)}, which the "
@@ -181,7 +191,8 @@ class VisionFront:
         mask = kwargs.get("attention_mask")
         masks = mask if isinstance(mask, dict) else None
         every = mask if torch.is_tensor(mask) and mask.ndim == 4 else None  # PaliGemma's one prefix-LM mask
-        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every)
+        passed = {k: kwargs[k] for k in self.passes if kwargs.get(k) is not None}
+        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every, passed)
 
 
 def text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -69,7 +69,10 @@ def main() -> None:
             t0 = time.perf_counter()
             ref = torch.load(root / "refs" / f"{fam}.pt")
             peft = PeftConfig(
-                method="lora", rank=ref["rank"], alpha=ref["alpha"], target_modules=ref["targets"],
+                method="lora",
+                rank=ref["rank"],
+                alpha=ref["alpha"],
+                target_modules=ref["targets"],
                 init_from=str(root / "adapters" / fam),
             )
             world = world or int(__import__("os").environ["WORLD_SIZE"])

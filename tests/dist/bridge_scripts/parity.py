@@ -49,8 +49,16 @@ def main() -> None:
                 continue
             t0 = time.perf_counter()
             ref = refs[fam]
-            res = check_layout(root / fam, layout, checks, ref=ref, input_ids=ref["input_ids"],
-                               labels=ref["labels"], export_dir=Path(a.out) / fam / text, backend=a.backend)
+            res = check_layout(
+                root / fam,
+                layout,
+                checks,
+                ref=ref,
+                input_ids=ref["input_ids"],
+                labels=ref["labels"],
+                export_dir=Path(a.out) / fam / text,
+                backend=a.backend,
+            )
             res["seconds"] = round(time.perf_counter() - t0, 3)
             report({f"{fam}/{text}": res})
     torch.distributed.barrier()

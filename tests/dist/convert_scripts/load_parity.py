@@ -40,16 +40,24 @@ def stream_check(chunks, spec, hf: Path) -> dict:
             buckets += 1
             for n, t in bucket:
                 got[n] = n in want and torch.equal(t.cpu(), want[n])
-        out[mode] = {"names": sorted(got), "equal": all(got.values()), "over": over, "buckets": buckets,
-                     "want": sorted(want)}
+        out[mode] = {
+            "names": sorted(got),
+            "equal": all(got.values()),
+            "over": over,
+            "buckets": buckets,
+            "want": sorted(want),
+        }
     # layout="model": transformers' in-memory names and fused experts, on every rank
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     held = dict(model.named_parameters())  # a tied head is the embedding (not streamed twice)
     held |= {n: b for n, b in model.state_dict().items() if n not in held and not n.endswith("lm_head.weight")}
-    got = {n: n in held and torch.equal(t.cpu().float(), held[n])
-           for b in hf_buckets(chunks, spec, bucket_bytes=bound, mode="broadcast", layout="model") for n, t in b}
+    got = {
+        n: n in held and torch.equal(t.cpu().float(), held[n])
+        for b in hf_buckets(chunks, spec, bucket_bytes=bound, mode="broadcast", layout="model")
+        for n, t in b
+    }
     out["model"] = {"missing": sorted(set(held) - set(got))[:4], "equal": all(got.values())}
     return out
 
@@ -71,7 +79,9 @@ def stream_to_process(chunks, spec, hf: Path, ref: Path, out: Path) -> dict | No
     receiver = None
     if rank == 0:
         script = str(Path(__file__).with_name("stream_receiver.py"))
-        receiver = subprocess.Popen([sys.executable, script, str(hf), str(ref), str(world), str(port_file), str(report)])
+        receiver = subprocess.Popen(
+            [sys.executable, script, str(hf), str(ref), str(world), str(port_file), str(report)]
+        )
         while not (port_file.exists() and port_file.read_text()):
             assert receiver.poll() is None, "the receiver ended before listening"
             time.sleep(0.05)
@@ -98,8 +108,12 @@ def main() -> None:
     ap.add_argument("--root", required=True)
     ap.add_argument("--cases", required=True)
     ap.add_argument("--train", default="")
-    ap.add_argument("--train-moe", default="", help="a MoE family trained at ep2·pp2 from HF and its Megatron checkpoints")
-    ap.add_argument("--stream-hf", default="", help="family:layout,... built by the transformers backend, streamed only")
+    ap.add_argument(
+        "--train-moe", default="", help="a MoE family trained at ep2·pp2 from HF and its Megatron checkpoints"
+    )
+    ap.add_argument(
+        "--stream-hf", default="", help="family:layout,... built by the transformers backend, streamed only"
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocab-divisor", type=int, default=64)  # the default recipe's, as training uses
     a = ap.parse_args()
@@ -127,8 +141,12 @@ def main() -> None:
         load_initial_weights(chunks, spec, str(ckpt))
         ref_chunks = build_model(spec, layout, load_weights=True)
         load_hf_weights(ref_chunks, spec, hf)
-        same = all(torch.equal(p, q) for c, r in zip(chunks, ref_chunks)
-                   for p, q in zip(c.state_dict().values(), r.state_dict().values()) if torch.is_tensor(p))
+        same = all(
+            torch.equal(p, q)
+            for c, r in zip(chunks, ref_chunks)
+            for p, q in zip(c.state_dict().values(), r.state_dict().values())
+            if torch.is_tensor(p)
+        )
         ref = torch.load(root / "refs" / f"{family}.pt")
         logits = forward_logits(chunks, ref["input_ids"])
         res = {"params_equal": same, "stream": stream_check(chunks, spec, hf)}
@@ -154,8 +172,17 @@ def main() -> None:
         from megatron_bridge.train.runner import train
 
         hf = root / a.train
-        common = ["recipe=default", "parallel.tp=2", "parallel.pp=2", "train.steps=2", "train.seq_length=32",
-                  "train.micro_batch_size=1", "train.global_batch_size=4", "optimizer.warmup_steps=1", "data=synthetic"]
+        common = [
+            "recipe=default",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "train.steps=2",
+            "train.seq_length=32",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=4",
+            "optimizer.warmup_steps=1",
+            "data=synthetic",
+        ]
         jobs = {"hf": [f"model.hf_path={hf}"]}
         for fmt in ("torch_dist", "torch"):
             ckpt = root / "ckpt" / f"{a.train}-{fmt}-tp2pp2"
@@ -171,7 +198,11 @@ def main() -> None:
         if a.train_moe:  # a MoE model from HF, from its TE-named torch_dist and from that one's reshard
             hf_moe = root / a.train_moe
             jobs["moe_hf"] = [*moe, f"model.hf_path={hf_moe}"]
-            jobs["moe_mlm"] = [*moe, f"model.hf_path={hf_moe}", f"train.init_from={ck / f'{a.train_moe}-mlm_te-ep2pp2'}"]
+            jobs["moe_mlm"] = [
+                *moe,
+                f"model.hf_path={hf_moe}",
+                f"train.init_from={ck / f'{a.train_moe}-mlm_te-ep2pp2'}",
+            ]
             resharded = ck / f"{a.train_moe}-mlm_reshard-ep2pp2"
             jobs["moe_mlm_reshard"] = [*moe, f"model.hf_path={resharded}", f"train.init_from={resharded}"]
         losses = {}

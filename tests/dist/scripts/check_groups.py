@@ -36,17 +36,32 @@ def mpu_view(mpu):
     """What DeepSpeed sees through the mpu: (group, rank, world size) per kind."""
     return {
         "mp": (mpu.get_model_parallel_group(), mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()),
-        "tp": (mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_rank(),
-               mpu.get_tensor_model_parallel_world_size()),
-        "pp": (mpu.get_pipeline_model_parallel_group(), mpu.get_pipeline_model_parallel_rank(),
-               mpu.get_pipeline_model_parallel_world_size()),
+        "tp": (
+            mpu.get_tensor_model_parallel_group(),
+            mpu.get_tensor_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_world_size(),
+        ),
+        "pp": (
+            mpu.get_pipeline_model_parallel_group(),
+            mpu.get_pipeline_model_parallel_rank(),
+            mpu.get_pipeline_model_parallel_world_size(),
+        ),
         "dp": (mpu.get_data_parallel_group(), mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()),
-        "cp": (mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(),
-               mpu.get_sequence_parallel_world_size()),
-        "dp_cp": (mpu.get_sequence_data_parallel_group(), mpu.get_sequence_data_parallel_rank(),
-                  mpu.get_sequence_data_parallel_world_size()),
-        "ep": (mpu.get_expert_model_parallel_group(), mpu.get_expert_model_parallel_rank(),
-               mpu.get_expert_model_parallel_world_size()),
+        "cp": (
+            mpu.get_sequence_parallel_group(),
+            mpu.get_sequence_parallel_rank(),
+            mpu.get_sequence_parallel_world_size(),
+        ),
+        "dp_cp": (
+            mpu.get_sequence_data_parallel_group(),
+            mpu.get_sequence_data_parallel_rank(),
+            mpu.get_sequence_data_parallel_world_size(),
+        ),
+        "ep": (
+            mpu.get_expert_model_parallel_group(),
+            mpu.get_expert_model_parallel_rank(),
+            mpu.get_expert_model_parallel_world_size(),
+        ),
     }
 
 
@@ -111,16 +126,24 @@ def main(layouts):
         dims = groups.dims_from_env(cfg, describe(cfg.model))
         mpu = groups.initialize(dims, seed=cfg.train.seed)
         rank = torch.distributed.get_rank()
-        entry = {"dims": {k: getattr(dims, k) for k in ("tp", "pp", "cp", "ep", "etp", "dp", "world_size")},
-                 "megatron": {}, "allreduce": {}, "mpu": {}, "deepspeed": {}}
+        entry = {
+            "dims": {k: getattr(dims, k) for k in ("tp", "pp", "cp", "ep", "etp", "dp", "world_size")},
+            "megatron": {},
+            "allreduce": {},
+            "mpu": {},
+            "deepspeed": {},
+        }
         for name, group in megatron_groups(ps).items():
             entry["megatron"][name] = torch.distributed.get_process_group_ranks(group)
             t = torch.tensor([float(rank)])
             torch.distributed.all_reduce(t, group=group)  # the group really communicates
             entry["allreduce"][name] = t.item()
         for name, (group, grank, gsize) in mpu_view(mpu).items():
-            entry["mpu"][name] = {"ranks": torch.distributed.get_process_group_ranks(group),
-                                  "rank": grank, "size": gsize}
+            entry["mpu"][name] = {
+                "ranks": torch.distributed.get_process_group_ranks(group),
+                "rank": grank,
+                "size": gsize,
+            }
         entry["mpu"]["dp_group_ranks"] = list(mpu.get_data_parallel_group_ranks())
         entry["deepspeed"] = deepspeed_view(mpu)
         entry["rng"] = rng_draws()

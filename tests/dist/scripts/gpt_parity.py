@@ -43,27 +43,47 @@ def build(cfg, dims, layout):
 
     m = cfg.model
     tcfg = TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
-        normalization="RMSNorm", layernorm_epsilon=m.norm_epsilon, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
-        virtual_pipeline_model_parallel_size=dims.vpp, sequence_parallel=dims.sequence_parallel,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        batch_p2p_comm=bool(layout.get("batched", 0)), init_method_std=0.02,
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp,
+        sequence_parallel=dims.sequence_parallel,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        batch_p2p_comm=bool(layout.get("batched", 0)),
+        init_method_std=0.02,
         **moe_config(m, dims, layout),
     )
     spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, normalization="RMSNorm")
     chunks = []
     for vp in range(dims.vpp or 1):
         vp_stage = vp if dims.vpp else None
-        chunks.append(GPTModel(
-            config=tcfg, transformer_layer_spec=spec, vocab_size=m.vocab_size, max_sequence_length=SEQ,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=True, position_embedding_type="rope",
-            rotary_base=int(m.rotary_base), vp_stage=vp_stage,
-        ))
+        chunks.append(
+            GPTModel(
+                config=tcfg,
+                transformer_layer_spec=spec,
+                vocab_size=m.vocab_size,
+                max_sequence_length=SEQ,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=True,
+                position_embedding_type="rope",
+                rotary_base=int(m.rotary_base),
+                vp_stage=vp_stage,
+            )
+        )
     return tcfg, chunks
 
 
@@ -71,9 +91,12 @@ def moe_config(m, dims, layout):
     if not m.num_moe_experts:
         return {}
     return dict(
-        num_moe_experts=m.num_moe_experts, moe_router_topk=m.moe_router_topk,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size, expert_model_parallel_size=dims.ep,
-        expert_tensor_parallel_size=dims.etp, moe_router_load_balancing_type="none",
+        num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        moe_router_load_balancing_type="none",
         moe_token_dispatcher_type="allgather" if layout.get("ag") else "alltoall",
     )
 
@@ -134,7 +157,7 @@ def batches(dims, dp_rank, vocab, mbs):
     tokens = torch.randint(0, vocab, (GBS, SEQ + 1), generator=g)
     per_dp = GBS // dims.dp
     for _ in range(STEPS):
-        mine = tokens[dp_rank * per_dp:(dp_rank + 1) * per_dp]
+        mine = tokens[dp_rank * per_dp : (dp_rank + 1) * per_dp]
         yield [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in mine.split(mbs)]
 
 
@@ -160,16 +183,26 @@ def train(cfg, dims, layout, full_state):
 
     tcfg, chunks = build(cfg, dims, layout)
     if full_state is None:  # the reference: its initial weights are what every layout loads
-        init_diff, initial = None, {k: v.clone() for k, v in chunks[0].state_dict().items()
-                                    if isinstance(v, torch.Tensor)}
+        init_diff, initial = (
+            None,
+            {k: v.clone() for k, v in chunks[0].state_dict().items() if isinstance(v, torch.Tensor)},
+        )
     else:
         init_diff, initial = load_reference(chunks, full_state), None
     dopt = bool(layout.get("dopt", 0))
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=dopt)
     model = [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c) for c in chunks]
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
-                        clip_grad=1.0, use_distributed_optimizer=dopt, params_dtype=torch.float32),
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-2,
+            weight_decay=0.01,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            clip_grad=1.0,
+            use_distributed_optimizer=dopt,
+            params_dtype=torch.float32,
+        ),
         model,
     )
     tcfg.finalize_model_grads_func = finalize_model_grads
@@ -182,9 +215,15 @@ def train(cfg, dims, layout, full_state):
             m.zero_grad_buffer()
         opt.zero_grad()
         data = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
-        out = fwd_bwd(forward_step_func=forward_step, data_iterator=data, model=model,
-                      num_microbatches=len(micro_batches), seq_length=SEQ, micro_batch_size=dims.micro_batch_size,
-                      forward_only=False)
+        out = fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=SEQ,
+            micro_batch_size=dims.micro_batch_size,
+            forward_only=False,
+        )
         ok, grad_norm, _ = opt.step()
         assert ok
         norms.append(float(grad_norm))
@@ -206,37 +245,52 @@ def dropout_recompute_check(dims):
     def grads(dropout, recompute):
         groups.initialize(dims, seed=SEED)
         extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        tcfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-                                 hidden_dropout=dropout, attention_dropout=dropout,
-                                 use_cpu_initialization=True, **(extra if recompute else {}))
-        model = GPTModel(config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
-                         max_sequence_length=SEQ)
+        tcfg = TransformerConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_hidden_size=128,
+            hidden_dropout=dropout,
+            attention_dropout=dropout,
+            use_cpu_initialization=True,
+            **(extra if recompute else {}),
+        )
+        model = GPTModel(
+            config=tcfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=SEQ
+        )
         tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(SEED))
         model(tokens, torch.arange(SEQ).expand(2, SEQ), None, labels=tokens).mean().backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     with_dropout = grads(0.2, False)
-    return ((grads(0.2, True) - with_dropout).abs().max().item(),
-            (grads(0.0, False) - with_dropout).abs().max().item())
+    return ((grads(0.2, True) - with_dropout).abs().max().item(), (grads(0.0, False) - with_dropout).abs().max().item())
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--init", required=True, help="directory of the reference weights")
-    parser.add_argument("--reference", action="store_true",
-                        help="train the tp1·pp1 reference of each layout's model, save its weights")
+    parser.add_argument(
+        "--reference", action="store_true", help="train the tp1·pp1 reference of each layout's model, save its weights"
+    )
     parser.add_argument("layouts", nargs="+")
     args = parser.parse_args()
     results = {}
     for text in args.layouts:
         layout = parse_layout(text)
         recipe = "tiny_mixtral" if layout.get("moe") else "tiny_llama"
-        overrides = [f"recipe={recipe}", f"parallel.tp={layout.get('tp', 1)}",
-                     f"parallel.ep={layout.get('ep', 1)}", f"parallel.etp={layout.get('etp', 'null')}",
-                     f"parallel.pp={layout.get('pp', 1)}", f"parallel.vpp={layout.get('vpp') or 'null'}",
-                     f"parallel.sequence_parallel={bool(layout.get('sp', 0))}",
-                     f"train.seq_length={SEQ}", f"train.global_batch_size={GBS}",
-                     f"train.micro_batch_size={layout.get('mbs', MBS)}", "model.tie_word_embeddings=true"]
+        overrides = [
+            f"recipe={recipe}",
+            f"parallel.tp={layout.get('tp', 1)}",
+            f"parallel.ep={layout.get('ep', 1)}",
+            f"parallel.etp={layout.get('etp', 'null')}",
+            f"parallel.pp={layout.get('pp', 1)}",
+            f"parallel.vpp={layout.get('vpp') or 'null'}",
+            f"parallel.sequence_parallel={bool(layout.get('sp', 0))}",
+            f"train.seq_length={SEQ}",
+            f"train.global_batch_size={GBS}",
+            f"train.micro_batch_size={layout.get('mbs', MBS)}",
+            "model.tie_word_embeddings=true",
+        ]
         cfg, _ = compose(overrides)
         dims = groups.dims_from_env(cfg, describe(cfg.model))
         groups.initialize(dims, seed=SEED)
@@ -247,8 +301,11 @@ def main():
             torch.save(initial, init_path)
         mpu = groups.MegatronMPU()
         results[text] = {
-            "losses": losses, "grad_norms": norms, "init_diff": init_diff,
-            "tp_rank": mpu.get_tensor_model_parallel_rank(), "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+            "losses": losses,
+            "grad_norms": norms,
+            "init_diff": init_diff,
+            "tp_rank": mpu.get_tensor_model_parallel_rank(),
+            "pp_rank": mpu.get_pipeline_model_parallel_rank(),
         }
     if args.reference:
         recompute_diff, dropout_effect = dropout_recompute_check(dims)

@@ -1,8 +1,8 @@
 """Tiny torchrun worker for the harness tests (no torch import, so a launch takes ~2 s).
 
-    harness_probe.py report ARG...   each rank reports its env, ARGs and its launcher's module
-    harness_probe.py fail            rank 1 prints a marker and exits with code 3
-    harness_probe.py hang PID_DIR    every rank writes its pid to PID_DIR, then sleeps forever
+harness_probe.py report ARG...   each rank reports its env, ARGs and its launcher's module
+harness_probe.py fail            rank 1 prints a marker and exits with code 3
+harness_probe.py hang PID_DIR    every rank writes its pid to PID_DIR, then sleeps forever
 """
 
 import os

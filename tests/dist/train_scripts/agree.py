@@ -31,10 +31,7 @@ def count_job(overrides):
     chunks = build_model(spec, dims, **model_overrides(cfg))
     built = sum(p.numel() for c in chunks for p in c.parameters())
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    stages = {
-        idx: (ids, first, last)
-        for idx, ids, first, last in stage_plan(spec.num_layers, dims)
-    }
+    stages = {idx: (ids, first, last) for idx, ids, first, last in stage_plan(spec.num_layers, dims)}
     ids, first, last = stages[pp_rank]
     rp = P.rank_params(spec, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)
     del chunks

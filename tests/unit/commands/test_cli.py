@@ -62,12 +62,18 @@ def test_cfg_job_prints_resolved_config():
 
 def test_every_shipped_recipe_validates(tmp_path):
     """Every recipe passes `mbr check` as shipped, except that a LoRA recipe needs the base model
-    it adapts: without one it is refused by exactly that rule, with one it passes."""
+    it adapts and a VLM recipe the model it runs (model.hf_path): without one it is refused by
+    exactly that rule, with one it passes."""
     for name in list_recipes():
         r = mbr("check", f"recipe={name}")
         if name.startswith("lora_"):
             assert r.returncode == 2 and "[lora-base]" in r.stderr and "breaks 1 rule" in r.stderr, (name, r.stderr)
             r = mbr("check", f"recipe={name}", f"train.init_from={tmp_path}")
+        if name.endswith("_vlm"):
+            from tests.vlm_processor import make_vlm
+
+            assert r.returncode == 2 and "[model-backend]" in r.stderr and "breaks 1 rule" in r.stderr, (name, r.stderr)
+            r = mbr("check", f"recipe={name}", f"model.hf_path={make_vlm(tmp_path / 'vlm')}")
         assert r.returncode == 0, (name, r.stderr)
 
 

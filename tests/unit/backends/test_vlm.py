@@ -1,0 +1,153 @@
+"""Vision-language models on the transformers backend, in one process: which class a config runs
+as, the layout of its pieces, what `mbr check` refuses and why, `model.freeze`, the planner's count,
+and the experts a checkpoint may hold transposed. (Numbers against transformers: the VLM matrix,
+docs/vlm.md, and tests/dist/test_vlm_*.py.)"""
+
+import pytest
+import torch
+
+from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.backends.transformers.checkpoint import PRE
+from megatron_bridge.backends.transformers.meta import class_name, meta
+from megatron_bridge.backends.transformers.vision import freeze_group
+from megatron_bridge.bridge.mapping import REPLICATED, WholeLinear
+from megatron_bridge.parallel.dims import ParallelDims
+from megatron_bridge.runtime.hf_tiny import tiny_config
+
+
+def _hf(model_type: str, **extra) -> dict:
+    return {**tiny_config(model_type).to_dict(), "model_type": model_type, **extra}
+
+
+def _spec(model_type: str, **extra):
+    return describe_hf(_hf(model_type, **extra), make_vocab_size_divisible_by=8, backend="transformers")
+
+
+def test_a_vlm_is_its_language_model_with_vision_pieces_on_the_first_stage():
+    spec = _spec("qwen2_5_vl")
+    m = meta(spec)
+    assert (spec.architecture, spec.family) == ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl_text")
+    assert (m.plan.front, m.plan.language, m.plan.prefix) == ("model", "language_model", "model.language_model")
+    assert (m.plan.embed, m.plan.head, m.plan.vision) == (
+        "model.language_model.embed_tokens",
+        "lm_head",
+        ("model.visual",),
+    )
+    assert m.plan.projectors == ("model.visual.merger",)
+    vision = [n for n in m.shapes if n.startswith("model.visual.")]
+    assert vision and {m.kinds[n] for n in vision} == {"replicated"}
+    assert spec.vision_params == sum(m.numel(n) for n in vision) > 0
+    table = {r.megatron: r for r in backend_of(spec).table(spec)}
+    linears = [n for n in vision if n in m.whole_linears]
+    assert linears and all(isinstance(table[n].transform, WholeLinear) for n in linears)
+    assert table["model.visual.blocks.0.norm1.weight"].transform is REPLICATED
+    pieces = backend_of(spec).expected(spec, spec.padded_vocab_size(1))
+    from megatron_bridge.backends.transformers.backend import _pieces
+
+    assert all(_pieces(spec)[n] == PRE for n in pieces if n.startswith("model.visual."))
+
+
+def test_the_config_names_the_class_it_runs_as():
+    """A composite config runs its VLM class where the config names it (save_pretrained writes
+    `architectures`) or no causal LM exists; llama4's without a name stays the text causal LM."""
+    assert class_name(_hf("llama4")) == "Llama4ForCausalLM"
+    vlm = _hf("llama4", architectures=["Llama4ForConditionalGeneration"])
+    assert class_name(vlm) == "Llama4ForConditionalGeneration"
+    m = meta(describe_hf(vlm, make_vocab_size_divisible_by=8, backend="transformers"))
+    assert (m.plan.front, m.plan.language, m.plan.prefix, m.plan.head) == (
+        "",
+        "language_model",
+        "language_model.model",
+        "language_model.lm_head",
+    )
+    assert set(m.plan.vision) == {"vision_model", "multi_modal_projector"}
+    assert class_name(_hf("gemma3")) == "Gemma3ForConditionalGeneration"  # the causal map's own class
+
+
+def test_what_check_refuses_of_a_vlm_names_the_piece():
+    spec = _spec("gemma3")
+    limits = backend_of(spec).layout_limits(spec, ParallelDims.parse("cp2"))
+    assert any("vision tower" in what and "model.vision_tower" in what for what, _ in limits)
+    hf = _hf("qwen3_vl")
+    hf["vision_config"] = {**hf["vision_config"], "deepstack_visual_indexes": [0, 1, 2]}  # after layers 0..2
+    deep = describe_hf(hf, make_vocab_size_divisible_by=8, backend="transformers")
+    limits = backend_of(deep).layout_limits(deep, ParallelDims.parse("pp2"))  # layers 0-1 | 2-3
+    assert any("deepstack" in w and "layers 0..1" in w for w, _ in limits)
+    assert not backend_of(deep).layout_limits(deep, ParallelDims.parse("tp2"))
+
+
+@pytest.mark.parametrize(
+    "name, group",
+    [
+        ("model.visual.blocks.0.attn.qkv.weight", "vision"),
+        ("model.visual.merger.mlp.0.weight", "projector"),
+        ("model.language_model.layers.1.mlp.up_proj.weight", "language"),
+        ("lm_head.weight", "language"),
+    ],
+)
+def test_freeze_groups_follow_the_pieces(name, group):
+    assert freeze_group(meta(_spec("qwen2_5_vl")).plan, name) == group
+
+
+def test_the_freeze_rule(tmp_path):
+    from megatron_bridge.config.compose import compose
+    from megatron_bridge.errors import LayoutError
+    from megatron_bridge.parallel.rules.registry import validate
+
+    def refusals(hf_dir, freeze, peft="none"):
+        cfg, _ = compose(["recipe=default", f"model.hf_path={hf_dir}", "model.backend=transformers", f"peft={peft}",
+                       f"model.freeze={freeze}"])  # fmt: skip
+        from megatron_bridge.backends.describe import describe
+
+        try:
+            validate(cfg, describe(cfg.model), dims=ParallelDims().with_world(1))
+        except LayoutError as e:
+            return [v for v in e.violations if "model-freeze" in str(v)]
+        return []
+
+    import json
+
+    d = tmp_path / "vlm"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_hf("qwen2_5_vl")))
+    assert refusals(d, "[vision]") == [] and refusals(d, "[vision,projector]") == []
+    assert any("no part 'vision_tower'" in str(v) for v in refusals(d, "[vision_tower]"))
+    assert any("nothing would train" in str(v) for v in refusals(d, "[vision,projector,language]"))
+    assert refusals(d, "[vision,projector,language]", peft="lora") == []
+    t = tmp_path / "text"
+    t.mkdir()
+    (t / "config.json").write_text(json.dumps(_hf("qwen3")))
+    assert any("no parts to freeze" in str(v) for v in refusals(t, "[vision]"))
+
+
+def test_the_planner_holds_the_vision_pieces_on_the_first_stage():
+    """The per-rank count (native arithmetic: the planner's) adds a VLM's vision pieces whole to
+    the first stage's ranks, and a step's FLOPs their per-patch work."""
+    from megatron_bridge.plan.comm import step_flops
+    from megatron_bridge.plan.params import count, rank_params
+
+    text = describe_hf(_hf("llama"), make_vocab_size_divisible_by=8, backend="native")
+    vlm = text.replace(vision_params=1000, vision_patches=16)
+    for first, last in ((True, False), (False, True)):
+        a = rank_params(vlm, tp=2, layers=2, first=first, last=last)["dense"]
+        b = rank_params(text, tp=2, layers=2, first=first, last=last)["dense"]
+        assert a - b == (1000 if first else 0)
+    extra = step_flops(vlm, count(text), s=64, global_batch=4, recompute="none")
+    extra -= step_flops(text, count(text), s=64, global_batch=4, recompute="none")
+    assert extra == 4 * (6 * 1000 * 16 - 64 * 3 * 2 * 1000)  # per-patch work in, per-token work of those params out
+    assert _spec("qwen2_5_vl").vision_patches == (32 // 8) ** 2 or _spec("qwen2_5_vl").vision_patches == 0
+
+
+def test_transposed_experts_read_either_layout_and_write_the_model_s():
+    from megatron_bridge.backends.transformers.experts import TransposedExperts
+    from megatron_bridge.bridge.shards import Shard
+
+    held = torch.randn(4, 6, 8)
+    either = TransposedExperts(REPLICATED, (1, 2), tuple(held.shape))
+    shapes = None
+    for stored in (held, held.transpose(1, 2).contiguous()):
+        assert torch.equal(either.shard([stored], Shard(0, 1), shapes), held)
+    assert torch.equal(either.merge([held], shapes)[0], held)
+    always = TransposedExperts(REPLICATED, (1, 2))
+    assert torch.equal(always.merge([held], shapes)[0], held.transpose(1, 2))
