@@ -132,6 +132,11 @@ def _with_vision(spec: BridgeSpec, full: Any) -> BridgeSpec:
     stage): their parameters from the meta model, the patches of one image of the vision
     config's size (0 where it gives none: dynamic resolution)."""
     m = meta(spec)
+    if m.refused:
+        raise UnsupportedFeatures(
+            f"{spec.architecture} cannot run on the transformers backend yet:\n"
+            + "\n".join(f"  - {p}" for p in m.refused)
+        )
     if not m.plan.vision:
         return spec
     n = sum(m.numel(k) for k in m.shapes if any(k.startswith(p + ".") for p in m.plan.vision))

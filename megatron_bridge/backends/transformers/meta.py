@@ -17,7 +17,13 @@ from typing import Any
 from megatron_bridge.backends.transformers.experts import stacked, transposed
 from megatron_bridge.backends.transformers.fused import fused
 from megatron_bridge.backends.transformers.plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
-from megatron_bridge.backends.transformers.vision import builds_vlm, image_text_class_name, text_config_of, vision_parts
+from megatron_bridge.backends.transformers.vision import (
+    builds_vlm,
+    image_text_class_name,
+    language_refusals,
+    text_config_of,
+    vision_parts,
+)
 from megatron_bridge.bridge.hf_config import HF_KEYS, UnsupportedFeatures
 from megatron_bridge.bridge.spec import BridgeSpec
 
@@ -232,6 +238,7 @@ class Meta:
     integers: frozenset[str] = frozenset()  # checkpoint names of the tensors the model holds as integers
     transposed: dict[str, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)  # experts.transposed
     whole_linears: frozenset[str] = frozenset()  # weights of the nn.Linear modules of a VLM's vision pieces
+    refused: tuple[str, ...] = ()  # what of a VLM the stages cannot run (vision.language_refusals)
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -279,7 +286,19 @@ def meta(spec: BridgeSpec) -> Meta:
         for n, mod in model.named_modules()
         if type(mod) is torch.nn.Linear and any(n.startswith(p + ".") for p in plan.vision)
     )
-    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole)
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, _language_refusals(model, plan))
+
+
+def _language_refusals(model: Any, plan: Plan) -> tuple[str, ...]:
+    """A VLM's language model's forward parameters the stages do not pass on (`vision.language_refusals`)."""
+    import inspect
+
+    if plan.front is None:
+        return ()
+    language = model.get_submodule(plan.front).get_submodule(plan.language)
+    params = [n for n in inspect.signature(type(language).forward).parameters if n != "self"]
+    passes = tuple(kw for kw, _ in override(text_config_of(model.config).model_type).layer_inputs)
+    return tuple(language_refusals(params, passes))
 
 
 __all__ = [

@@ -169,6 +169,9 @@ OVERRIDES: dict[str, Override] = {
     "granite4_vision_text": Override(
         "Granite4VisionTextModel.forward: inputs_embeds * embedding_multiplier", embed_scale="embedding_multiplier"
     ),
+    "hyperclovax_vision_v2": Override(
+        "HyperCLOVAXVisionV2ForConditionalGeneration.forward: logits * logits_scaling", logit_scale="logits_scaling"
+    ),
     "granite4_vision": Override(
         "Granite4VisionForConditionalGeneration.forward: logits / logits_scaling", logit_divide="logits_scaling"
     ),

@@ -21,6 +21,51 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# token types a VLM's forward reads (Gemma 3's bidirectional attention within an image; Qwen's
+# M-RoPE positions), and where a config keeps its image placeholder's id
+TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
+IMAGE_TOKEN = ("image_token_id", "image_token_index")
+# what a VLM's forward hands its language model that the stages take from the capture: the
+# embeddings, positions and masks; the rest must be None or one of `AFTER_LAYER`'s
+TAKEN = ("inputs_embeds", "position_ids", "attention_mask")
+IGNORED = (
+    "input_ids",
+    "past_key_values",
+    "use_cache",
+    "return_dict",
+    "cache_position",
+    "output_attentions",
+    "output_hidden_states",
+    "logits_to_keep",  # a causal LM's (Llama 4's language model): the stages keep every position
+    "labels",
+    *TOKEN_TYPES,  # the VLM's own (positions, masks); a language model reading them names them
+)
+# keywords the language model's forward applies after its first layers: {keyword: (its partner,
+# the language model's method)}; Qwen3-VL's deepstack adds vision features of earlier vision
+# layers to the hidden states at the image tokens after decoder layer i (Qwen3VLTextModel.forward)
+AFTER_LAYER = {"deepstack_visual_embeds": ("visual_pos_masks", "_deepstack_process")}
+
+
+# keywords a language model's forward takes that every one does (what `TAKEN` and `IGNORED` cover,
+# and the TransformersKwargs it passes down)
+COMMON_INPUTS = (*TAKEN, *IGNORED, "kwargs")
+
+
+def language_refusals(forward_params: list[str], passes: tuple[str, ...]) -> list[str]:
+    """What a VLM's language model's forward takes (its parameter names) that the stages do not
+    pass on: not `COMMON_INPUTS`, `AFTER_LAYER` or its partner, or a layer input of its override
+    (`passes`). Refused by describe, so that every rank refuses before any process group
+    (a stage that never sees the keyword would otherwise wait on one that raised)."""
+    partners = {p for p, _ in AFTER_LAYER.values()}
+    known = {*COMMON_INPUTS, *AFTER_LAYER, *partners, *passes}
+    odd = [p for p in forward_params if p not in known]
+    return (
+        [f"its language model's forward takes {', '.join(odd)}, which the transformers backend's stages do not pass on"]
+        if odd
+        else []
+    )
+
+
 # module names (a base-model child, or a child of a vision tower) that project image features into
 # the language model's width: what `model.freeze=[projector]` names
 PROJECTORS = (
@@ -169,7 +214,14 @@ def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_l
 
 
 __all__ = [
+    "AFTER_LAYER",
     "AFTER_LAYER_LISTS",
+    "COMMON_INPUTS",
+    "IGNORED",
+    "IMAGE_TOKEN",
+    "TAKEN",
+    "TOKEN_TYPES",
+    "language_refusals",
     "FREEZE_GROUPS",
     "after_layer_count",
     "PROJECTORS",

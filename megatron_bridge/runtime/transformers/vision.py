@@ -24,30 +24,8 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
+from megatron_bridge.backends.transformers.vision import AFTER_LAYER, IGNORED, IMAGE_TOKEN, TAKEN, TOKEN_TYPES
 from megatron_bridge.errors import UserError
-
-# what a VLM's forward hands its language model that the stages take from the capture: the
-# embeddings, positions and masks; the rest must be None or one of `AFTER_LAYER`'s
-TAKEN = ("inputs_embeds", "position_ids", "attention_mask")
-IGNORED = (
-    "input_ids",
-    "past_key_values",
-    "use_cache",
-    "return_dict",
-    "cache_position",
-    "output_attentions",
-    "output_hidden_states",
-    "logits_to_keep",  # a causal LM's (Llama 4's language model): the stages keep every position
-    "labels",
-)
-# token types a VLM's forward reads (Gemma 3's bidirectional attention within an image; Qwen's
-# M-RoPE positions), and where a config keeps its image placeholder's id
-TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
-IMAGE_TOKEN = ("image_token_id", "image_token_index")
-# keywords the language model's forward applies after its first layers: {keyword: (its partner,
-# the language model's method)}; Qwen3-VL's deepstack adds vision features of earlier vision
-# layers to the hidden states at the image tokens after decoder layer i (Qwen3VLTextModel.forward)
-AFTER_LAYER = {"deepstack_visual_embeds": ("visual_pos_masks", "_deepstack_process")}
 
 
 class _Captured(Exception):
@@ -182,7 +160,7 @@ class VisionFront:
         if unknown:
             raise UserError(
                 f"{type(self.base).__name__}.forward hands its language model {', '.join(unknown)}, which the "
-                "transformers backend's stages do not pass on (runtime/transformers/vision.py AFTER_LAYER)"
+                "transformers backend's stages do not pass on (backends/transformers/vision.py AFTER_LAYER)"
             )
         after: dict[int, tuple[Any, ...]] = {}
         for key, (partner, method) in AFTER_LAYER.items():
