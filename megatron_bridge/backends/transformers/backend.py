@@ -68,6 +68,7 @@ from megatron_bridge.backends.transformers.vision import (
     text_config_of,
     vision_limits,
 )
+from megatron_bridge.backends.transformers.vlm_describe import forward_source, text_json, tied, with_vision
 from megatron_bridge.bridge.hf_config import UnsupportedFeatures, base_fields
 from megatron_bridge.bridge.layout import Coords, Layout
 from megatron_bridge.bridge.mapping import COLUMN as COLUMN_T
@@ -96,11 +97,6 @@ TRANSFORMS = {
 }
 
 
-def _text_json(hf: Mapping[str, Any], cfg: Any) -> Mapping[str, Any]:
-    """The language model's part of a config.json: a VLM's `text_config`, else all of it."""
-    return hf.get("text_config") or {} if text_config_of(cfg) is not cfg else hf
-
-
 def _problems(hf: Mapping[str, Any], cfg: Any, vlm: tuple[str, str] | None = None) -> list[str]:
     """What the language model's config (`hf`: its config.json part) switches on that this backend
     cannot run, one line each (`vlm`: a VLM's model type and its class's forward source, which
@@ -116,43 +112,6 @@ def _problems(hf: Mapping[str, Any], cfg: Any, vlm: tuple[str, str] | None = Non
     out += forward_refusals(mt, hf, *(vlm or ()))
     out += unbuilt_refusals(declared(cfg))
     return out
-
-
-def _forward_source(class_name: str) -> str:
-    """The source of transformers class `class_name`'s forward (what its head arithmetic reads)."""
-    import inspect
-
-    import transformers  # the core imports third-party packages only inside functions
-
-    return inspect.getsource(getattr(transformers, class_name).forward)
-
-
-def _with_vision(spec: BridgeSpec, full: Any) -> BridgeSpec:
-    """A VLM's description with its vision pieces' size (what the planner adds to the first
-    stage): their parameters from the meta model, the patches of one image of the vision
-    config's size (0 where it gives none: dynamic resolution)."""
-    m = meta(spec)
-    if m.refused:
-        raise UnsupportedFeatures(
-            f"{spec.architecture} cannot run on the transformers backend yet:\n"
-            + "\n".join(f"  - {p}" for p in m.refused)
-        )
-    if not m.plan.vision:
-        return spec
-    n = sum(m.numel(k) for k in m.shapes if any(k.startswith(p + ".") for p in m.plan.vision))
-    vision = getattr(full, "vision_config", None)
-    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
-    patches = (size // patch) ** 2 if isinstance(size, int) and isinstance(patch, int) and patch else 0
-    return spec.replace(vision_params=n, vision_patches=patches)
-
-
-def _tied(full: Any, text: Any) -> bool:
-    """Whether the LM head is the embedding: a VLM's own config says so where it declares the
-    field (Gemma 3's), else its language model's."""
-    for c in (full, text):
-        if "tie_word_embeddings" in c.to_dict():
-            return bool(c.tie_word_embeddings)
-    return bool(getattr(text, "tie_word_embeddings", False))
 
 
 def _latent_attention(cfg: Any) -> dict[str, Any]:
@@ -207,8 +166,8 @@ class TransformersBackend(Backend):
         except (TypeError, ValueError) as e:
             raise UnsupportedFeatures(f"{arch}: transformers refuses this config.json ({e})") from None
         cfg = text_config_of(full)
-        vlm = (full.model_type, _forward_source(arch)) if cfg is not full else None
-        problems = _problems(_text_json(hf, full), cfg, vlm)
+        vlm = (full.model_type, forward_source(arch)) if cfg is not full else None
+        problems = _problems(text_json(hf, full), cfg, vlm)
         if problems:
             raise UnsupportedFeatures(
                 f"{arch} cannot run on the transformers backend yet:\n" + "\n".join(f"  - {p}" for p in problems)
@@ -226,7 +185,7 @@ class TransformersBackend(Backend):
             num_attention_heads=heads,
             num_query_groups=int(base.get("num_query_groups") or heads),
             head_dim=int(base.get("head_dim") or base["hidden_size"] // heads),
-            tie_word_embeddings=_tied(full, cfg),
+            tie_word_embeddings=tied(full, cfg),
             attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
             initializer_range=float(getattr(cfg, "initializer_range", 0.02) or 0.02),
             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
@@ -243,7 +202,7 @@ class TransformersBackend(Backend):
                 if base.get(k):
                     f[k] = int(base[k])
         f.update(_latent_attention(cfg))
-        return _with_vision(BridgeSpec.make(**f), full)
+        return with_vision(BridgeSpec.make(**f), full)
 
     def describe_fields(self, fields: Mapping[str, Any]) -> BridgeSpec:
         raise UserError(
@@ -336,9 +295,7 @@ class TransformersBackend(Backend):
     def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
         out = []
         if layout.cp > 1:
-            out += cp_refusals(
-                _text_json(self.hf_config(spec), transformers_config(spec)).get("layer_types"), layout.cp
-            )
+            out += cp_refusals(text_json(self.hf_config(spec), transformers_config(spec)).get("layer_types"), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
             out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan)]
         plan = meta(spec).plan if spec.is_moe else None
