@@ -289,8 +289,23 @@ def meta(spec: BridgeSpec) -> Meta:
     return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, _language_refusals(model, plan))
 
 
+def embedding_refusal(emb: Any) -> str | None:
+    """Why the stages cannot take `emb` as the model's embedding (None: they can): an
+    nn.Embedding, or a ScaledWordEmbedding (Gemma's family: its `embed_scale` becomes the
+    megatron embedding's own scale)."""
+    import torch
+
+    scaled = isinstance(emb, torch.nn.Embedding) and type(emb).__name__.endswith("ScaledWordEmbedding")
+    if type(emb) is torch.nn.Embedding or (scaled and hasattr(emb, "scalar_embed_scale")):
+        return None
+    return f"its embedding is a {type(emb).__name__}, not nn.Embedding"
+
+
 def _language_refusals(model: Any, plan: Plan) -> tuple[str, ...]:
-    """A VLM's language model's forward parameters the stages do not pass on (`vision.language_refusals`)."""
+    """What of a VLM the stages cannot run, found here so that every rank refuses it before any
+    process group (a refusal met while building only the first stage's pieces would leave the
+    other stages waiting): its language model's forward parameters the stages do not pass on
+    (`vision.language_refusals`), an embedding they do not take (`embedding_refusal`)."""
     import inspect
 
     if plan.front is None:
@@ -298,12 +313,14 @@ def _language_refusals(model: Any, plan: Plan) -> tuple[str, ...]:
     language = model.get_submodule(plan.front).get_submodule(plan.language)
     params = [n for n in inspect.signature(type(language).forward).parameters if n != "self"]
     passes = tuple(kw for kw, _ in override(text_config_of(model.config).model_type).layer_inputs)
-    return tuple(language_refusals(params, passes))
+    emb = embedding_refusal(model.get_submodule(plan.embed))
+    return (*language_refusals(params, passes), *((emb,) if emb else ()))
 
 
 __all__ = [
     "Meta",
     "auto_class",
+    "embedding_refusal",
     "base_prefix",
     "causal_lm_class_name",
     "checkpoint_names",

@@ -38,6 +38,7 @@ IGNORED = (
     "output_hidden_states",
     "logits_to_keep",  # a causal LM's (Llama 4's language model): the stages keep every position
     "labels",
+    "output_router_logits",  # the load-balancing loss is the config's (backends/transformers/aux.py)
     *TOKEN_TYPES,  # the VLM's own (positions, masks); a language model reading them names them
 )
 # keywords the language model's forward applies after its first layers: {keyword: (its partner,

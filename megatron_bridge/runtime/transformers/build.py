@@ -23,7 +23,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_bridge.backends.transformers.aux import aux_enabled, aux_seam
 from megatron_bridge.backends.transformers.backend import meta, model_plan, transformers_config
-from megatron_bridge.backends.transformers.meta import auto_class
+from megatron_bridge.backends.transformers.meta import auto_class, embedding_refusal
 from megatron_bridge.backends.transformers.overrides import stage_override
 from megatron_bridge.backends.transformers.plan import override, sp_refusals
 from megatron_bridge.backends.transformers.vision import text_config_of
@@ -208,11 +208,10 @@ class Stage(Pieces):
 
     # -- the pieces --------------------------------------------------------------------------
     def _embedding(self, emb: Any) -> VocabEmbedding:
-        # a ScaledWordEmbedding (Gemma's family) is an nn.Embedding whose output is multiplied by
-        # its `embed_scale` buffer: kept, as the megatron embedding's own scale
-        scaled = isinstance(emb, torch.nn.Embedding) and type(emb).__name__.endswith("ScaledWordEmbedding")
-        if type(emb) is not torch.nn.Embedding and not (scaled and hasattr(emb, "scalar_embed_scale")):
-            raise UserError(f"{self.spec.architecture}: its embedding is a {type(emb).__name__}, not nn.Embedding")
+        why = embedding_refusal(emb)  # a ScaledWordEmbedding's scale is kept as the megatron embedding's own
+        if why:
+            raise UserError(f"{self.spec.architecture}: {why}")
+        scaled = type(emb) is not torch.nn.Embedding
         with skip_weight_init(self.load_weights):
             return VocabEmbedding(
                 self.spec.padded_vocab_size(self.tp),

@@ -151,3 +151,19 @@ def test_transposed_experts_read_either_layout_and_write_the_model_s():
     assert torch.equal(either.merge([held], shapes)[0], held)
     always = TransposedExperts(REPLICATED, (1, 2))
     assert torch.equal(always.merge([held], shapes)[0], held.transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "model_type, why",
+    [
+        ("muse_glimmer", "its embedding is a MuseGlimmerTextNormedEmbedding, not nn.Embedding"),
+        ("granite4_vision", "its language model's forward takes vision_mask, deepstack_features"),
+    ],
+)
+def test_what_only_the_first_stage_would_meet_is_refused_by_describe(model_type, why):
+    """A refusal met while building or running the first stage alone would leave the other
+    stages waiting on it: these are found when the model is described, on every rank."""
+    from megatron_bridge.bridge.hf_config import UnsupportedFeatures
+
+    with pytest.raises(UnsupportedFeatures, match=why):
+        _spec(model_type)
