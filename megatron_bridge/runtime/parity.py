@@ -95,19 +95,25 @@ def hf_reference(
             loss = loss + model.router_aux_loss_coef * aux
         loss.backward()
     out["loss"] = float(loss.detach())
+    out["grads"] = saved_grads(model)
+    return out
+
+
+def saved_grads(model: Any) -> dict[str, torch.Tensor]:
+    """Every tensor save_pretrained writes, as its gradient, keyed by its checkpoint name: the
+    grads copied into the parameters (a parameter without one: zeros), saved, read back. Saved
+    buffers (DeepSeek-V3's correction bias, Qwen4-Exp's integer n-gram hash multipliers) are
+    frozen: grad 0, as the bridge reports them. Overwrites the model's weights."""
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-        # saved buffers (DeepSeek-V3's correction bias, Qwen4-Exp's integer n-gram hash multipliers) are
-        # frozen: grad 0, as the bridge reports them
         saved = model.state_dict()
         for name, b in model.named_buffers():
             if name in saved:
                 b.zero_()
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        out["grads"] = load_dir(tmp)
-    return out
+        return load_dir(tmp)
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor:
@@ -405,6 +411,7 @@ __all__ = [
     "check_layout",
     "compare_dirs",
     "load_dir",
+    "saved_grads",
     "training_layout",
     "summarize",
     "fold",

@@ -24,15 +24,13 @@ gradient of every tensor save_pretrained writes, keyed by its checkpoint name.
 from __future__ import annotations
 
 import inspect
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from transformers import PretrainedConfig, PreTrainedModel
 
+from megatron_bridge.runtime.parity import saved_grads
 from megatron_bridge.runtime.transformers.vision import IMAGE_TOKEN, TOKEN_TYPES  # where ids and token types are
 from megatron_bridge.runtime.vision_formats import FORMATS, Images, maker
 
@@ -139,15 +137,6 @@ def _aux_coef(model: PreTrainedModel) -> float:
     return float(coef if coef is not None else getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0))
 
 
-def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file under `path`."""
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            out.update({k: sf.get_tensor(k) for k in sf.keys()})
-    return out
-
-
 def reference(
     model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor, images: list[Images]
 ) -> dict[str, Any]:
@@ -173,16 +162,7 @@ def reference(
     loss.backward()
     out: dict[str, Any] = {"logits": torch.cat(logits), "loss": float(loss.detach())}
     try:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
-            saved = model.state_dict()
-            for name, b in model.named_buffers():  # saved buffers are frozen: grad 0, as parity.py reports them
-                if name in saved:
-                    b.zero_()
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp)
-            out["grads"] = load_safetensors(tmp)
+        out["grads"] = saved_grads(model)
     finally:
         model.load_state_dict(state)
         model.zero_grad(set_to_none=True)
@@ -199,7 +179,6 @@ __all__ = [
     "brackets",
     "image_batch",
     "image_token_id",
-    "load_safetensors",
     "maker",
     "placeholder_count",
     "reference",

@@ -294,15 +294,14 @@ class TransformersBackend(Backend):
 
     def layout_limits(self, spec: BridgeSpec, layout: Any) -> list[tuple[str, str]]:
         out = []
+        full = transformers_config(spec)
         if layout.cp > 1:
-            out += cp_refusals(text_json(self.hf_config(spec), transformers_config(spec)).get("layer_types"), layout.cp)
+            out += cp_refusals(text_json(self.hf_config(spec), full).get("layer_types"), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
             out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan)]
         plan = meta(spec).plan if spec.is_moe else None
         out += expert_limits(spec, layout, plan.ep if plan else (), plan.tp if plan else ())
-        text = text_config_of(transformers_config(spec))
-        out += layer_limits(declared(text), layout)  # with the class defaults (layer_types)
-        full = transformers_config(spec)
+        out += layer_limits(declared(text_config_of(full)), layout)  # with the class defaults (layer_types)
         out += vision_limits(layout, meta(spec).plan.vision, after_layer_count(full), spec.num_layers)
         if layout.tp > 1 and spec.num_query_groups % layout.tp:
             out.append(

@@ -86,7 +86,8 @@ def build_transformers(
 ) -> list[Any]:
     """This rank's `HFChunk`s for `spec` under `layout` (one per virtual pipeline stage)."""
     check_groups(layout)
-    hf_cfg = text_config_of(transformers_config(spec))  # a VLM's language model's
+    cfg = transformers_config(spec)
+    hf_cfg = text_config_of(cfg)  # a VLM's language model's
     # what travels between stages: hyper-connection streams folded into the hidden dim
     # (runtime/transformers/chunk.py), per-layer inputs behind the hidden states (runtime/transformers/per_layer.py)
     width = spec.hidden_size * override(spec.family).stream_count(hf_cfg)
@@ -96,7 +97,6 @@ def build_transformers(
     for n, what in ((spec.num_attention_heads, "attention heads"), (spec.num_query_groups, "KV heads")):
         if n % layout.tp:
             raise UserError(f"{spec.architecture}: {n} {what} do not split over tp={layout.tp} (rule backend-layout)")
-    cfg = transformers_config(spec)
     with torch.device("meta"):
         full = auto_class(cfg).from_config(cfg, dtype=tconfig.params_dtype)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -144,11 +144,9 @@ class Stage(Pieces):
                 modules[path] = self.keep(path, full.get_submodule(path))
             modules[plan.head] = self._head(full.get_submodule(plan.head), tied and pre)
         rotary = self._rotary()
-        ov = override(self.spec.family)
         # a VLM's head arithmetic is its own class's (overrides.stage_override)
-        const = stage_override(self.spec.family, full.config.model_type if plan.front is not None else None).constants(
-            self.text
-        )
+        ov = stage_override(self.spec.family, full.config.model_type if plan.front is not None else None)
+        const = ov.constants(self.text)
         chunk = HFChunk(
             self.tconfig,
             self.text,
