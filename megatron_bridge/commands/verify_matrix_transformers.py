@@ -228,7 +228,7 @@ def worker(argv: Sequence[str]) -> None:
         for arch in opts["--archs"].split(","):
             if text not in todo.get(arch, []):
                 continue
-            ref = torch.load(root / f"{arch}.ref.pt")
+            ref = torch.load(root / f"{arch}.ref.pt", weights_only=True)
             t0 = time.perf_counter()
             try:
                 res = check_layout(root / arch, Layout.parse(text), list(CHECKS), ref=ref,
@@ -339,7 +339,7 @@ def run_matrix(
                 for t in group[a] if why else ():
                     rows[a, t] = f"| {a} | {t} | - | - | - | - | {conv[a]} | FAIL: launch failed ({why}) |"
         for a in group:
-            ref = torch.load(root / f"{a}.ref.pt")
+            ref = torch.load(root / f"{a}.ref.pt", weights_only=True)
             for t in group[a]:
                 rows.setdefault((a, t), _row(a, t, per_rank, ref, tol, conv[a]))
     counts = {"pass": 0, "refused": 0, "FAIL": 0}
