@@ -5,17 +5,22 @@ A tiny Qwen2.5-VL with its processor (tests/vlm_processor.py), 24 one-image conv
 into a chat dataset by `mbr data mode=chat`, three jobs on the transformers backend:
 * `lora`: LoRA at tp2 (dp2), 6 steps, validation every 3: step 1 (B = 0: the base model) equals
   transformers' masked loss on the same conversations with their images, the loss falls, the
-  adapter (on transformers' module names) loaded by peft onto the base equals the merged export;
+  adapter (on transformers' module names) loaded by peft onto the base equals the merged export,
+  and the merged export's loss on the validation conversations (their images in the prompts) is the
+  job's own last `val_loss`: the exported model computes what the trained one did;
 * `full`: full fine-tune at tp2·pp2 (the vision tower on the first stage), 3 steps from the same
-  batch: the same step-1 loss, a falling loss, an export transformers loads;
+  batch: the same step-1 loss, a falling loss, an export transformers loads whose validation
+  loss is the job's own (evaluated once, at the end);
 * `frozen`: model.freeze=[vision] at tp2: the export's vision tower (but its patch merger, the
   projector) is the source's bit for bit, its language model is not.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from megatron_bridge.testing import run_torchrun
 from tests.vlm_processor import image_chats, make_vlm
@@ -78,9 +83,12 @@ def test_image_chat_sft_lora_full_and_frozen(setup, tmp_path):
 
     root, model, prefix = setup
     ds = ImageChatDataset(prefix)
-    train_r, _, _ = split_ranges(len(ds), "98,2,0")  # data.split's default
+    split = yaml.safe_load(Path("conf/data/sft.yaml").read_text())["split"]  # data=sft's data.split
+    train_r, valid_r, _ = split_ranges(len(ds), split)
     first = SFTDataset(ds, train_r, SEQ, packing=False, seed=SEED, num_samples=GBS)
     want = reference(model, prefix, [c for i in range(GBS) for c in first.conversations(i)])
+    valid = SFTDataset(ds, valid_r, SEQ, packing=False, seed=SEED, num_samples=GBS)  # train.eval_iters=1 batch
+    valid_chats = [c for i in range(GBS) for c in valid.conversations(i)]
 
     common = ",".join([
         "recipe=default", f"model.hf_path={model}", "model.backend=transformers", "data=sft", f"data.paths=[{prefix}]",
@@ -92,7 +100,7 @@ def test_image_chat_sft_lora_full_and_frozen(setup, tmp_path):
     jobs = [
         f"lora:{common},parallel.tp=2,peft=lora,train.steps=6,train.eval_interval=3,train.eval_iters=1,"
         f"export_adapter_to={out / 'adapter'},export_to={out / 'merged'}",
-        f"full:{common},parallel.tp=2,parallel.pp=2,train.steps=3,export_to={out / 'full'}",
+        f"full:{common},parallel.tp=2,parallel.pp=2,train.steps=3,train.eval_iters=1,export_to={out / 'full'}",
         f"frozen:{common},parallel.tp=2,train.steps=2,model.freeze=[vision],export_to={out / 'frozen'}",
     ]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=4, timeout=900)[0]
@@ -107,7 +115,10 @@ def test_image_chat_sft_lora_full_and_frozen(setup, tmp_path):
     base = AutoModelForImageTextToText.from_pretrained(str(model), dtype=torch.float32)
     peft = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
     assert (logits_of(merged, ds, 0) - logits_of(peft, ds, 0)).abs().max() < 1e-5
-    AutoModelForImageTextToText.from_pretrained(str(out / "full"), dtype=torch.float32)
+    # each export's loss on the validation image chats is the trained job's own last val_loss
+    for job, step, export in (("lora", "6", "merged"), ("full", "3", "full")):
+        got = reference(out / export, prefix, valid_chats)
+        assert math.isclose(got, val[job][step], rel_tol=1e-5), (job, got, val[job][step])
 
     src, frozen = load_dir(model), load_dir(out / "frozen")
     vision = [k for k in src if k.startswith("visual.") and not k.startswith("visual.merger.")]
