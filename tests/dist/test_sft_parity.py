@@ -10,8 +10,8 @@ update) must equal them (fp32, 1e-5 / 1e-4 relative) for:
   per-micro-batch means would be off by far more than the tolerance), and DeepSpeed ZeRO-2·dp4;
 - padded samples of exactly the conversations the packed batch holds (tp2·pp2): packed = padded;
 - padded samples at cp2·dp2 (packing with cp>1 is refused by the sft-packing-cp rule);
-- padded samples on the transformers backend (transformers' modules, megatron's parallel linears) at
-  tp2·pp2 (packed samples on hf are refused by `backend-run`);
+- packed and padded samples on the transformers backend (transformers' modules, megatron's parallel
+  linears) at tp2·pp2 (the packed rows' restarting positions give transformers' block-diagonal masks);
 - `val_loss` of the packed tp2·dp2 run: the valid split's first global batch.
 (lr=0: the weights stay the HF ones, the step still computes and reduces the gradients.)
 """
@@ -115,6 +115,14 @@ def test_sft_loss_matches_transformers_per_conversation(setup, tmp_path):
         ),
         job("padded_cp2dp2", "data.packing=false", "parallel.cp=2", "train.micro_batch_size=1", gbs),
         job(
+            "packed_hf_tp2pp2",
+            "model.backend=transformers",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "train.micro_batch_size=2",
+            gbs,
+        ),
+        job(
             "padded_hf_tp2pp2",
             "model.backend=transformers",
             "data.packing=false",
@@ -128,7 +136,14 @@ def test_sft_loss_matches_transformers_per_conversation(setup, tmp_path):
     losses, norms = res["losses"], res["grad_norms"]
 
     ref_loss, ref_norm = hf_reference(hf, chat, convs)
-    for name in ("packed_tp2pp2", "packed_tp2dp2", "packed_ds_dp4", "padded_tp2pp2", "padded_hf_tp2pp2"):
+    for name in (
+        "packed_tp2pp2",
+        "packed_tp2dp2",
+        "packed_ds_dp4",
+        "padded_tp2pp2",
+        "packed_hf_tp2pp2",
+        "padded_hf_tp2pp2",
+    ):
         close(losses[name]["1"], ref_loss, 1e-5, name)
         close(norms[name]["1"], ref_norm, 1e-4, name)
     cp_loss, cp_norm = hf_reference(hf, chat, cp_convs)

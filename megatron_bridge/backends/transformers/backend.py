@@ -57,6 +57,7 @@ from megatron_bridge.backends.transformers.plan import (
     cp_refusals,
     forward_refusals,
     layer_limits,
+    packing_refusals,
     plan_problems,
     sp_refusals,
     unbuilt_refusals,
@@ -322,13 +323,11 @@ class TransformersBackend(Backend):
         Not yet: the rest (what sp does not cover is refused by `layout_limits`)."""
         out = aux_limits(text_config_of(transformers_config(spec)), run.parallel.pp) if spec.is_moe else []
         if run.data.kind == "sft" and getattr(run.data, "packing", False):
-            out.append(  # the chunk would attend across documents: it has no block-diagonal mask yet
-                (
-                    "packed SFT samples (per-document positions, block-diagonal attention) are not implemented "
-                    "for the transformers backend yet",
-                    "set data.packing=false (one conversation per padded sample), or use a model with a native family",
-                )
-            )
+            kinds = text_json(self.hf_config(spec), transformers_config(spec)).get("layer_types")
+            out += [
+                (f"packed SFT samples: {why}", "set data.packing=false (one conversation per padded sample)")
+                for why in packing_refusals(kinds, meta(spec).plan.image_positions)
+            ]
         if run.peft.method == "lora" and run.parallel.sequence_parallel and run.parallel.tp > 1:
             out.append(  # the adapters' SP regions assume megatron's gather inside the linear, not at its module
                 (

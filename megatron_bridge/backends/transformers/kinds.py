@@ -77,6 +77,44 @@ NO_CP_KINDS = {
 # sparse indexers keep state or selections over the local tokens and are refused at cp > 1
 CP_LAYER_KINDS = {"full_attention": None, "sliding_attention": "sliding_window"}
 
+# layer kinds packed SFT samples run through: their masks come from transformers' mask functions,
+# which read the restarting position ids of a packed row as its conversations' boundaries
+# (masking_utils.find_packed_sequence_indices: block-diagonal causal attention); the rotary
+# embeddings take the same positions. The other kinds, and why a packed row would mix its conversations
+_MIXES = "it carries a state along the row, from one packed conversation into the next"
+_SELECTS = (
+    "its indexer selects keys over the row with a mask of its own, not verified to keep to one packed conversation"
+)
+PACKING_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "mlp", "moe")
+NO_PACKING_KINDS = {
+    "linear_attention": _MIXES,
+    "conv": _MIXES,
+    "indexed_attention": _SELECTS,
+    "minimax_m3_sparse": _SELECTS,
+    "compressed_sparse_attention": "its compressor pools blocks of the row's keys across packed conversations",
+    "heavily_compressed_attention": "its compressor pools blocks of the row's keys across packed conversations",
+}
+
+
+def packing_refusals(layer_types: Any, image_positions: str = "") -> list[str]:
+    """Why packed SFT samples (several conversations per row) cannot run: a layer kind that would
+    mix them (`NO_PACKING_KINDS`), or a VLM whose positions its forward derives from the images
+    (`image_positions`: vision.IMAGE_POSITIONS), which a packed row's restarting positions do not give."""
+    kinds = list(layer_types or ())
+    out = [
+        f"layer kind {kind!r} (layers {', '.join(str(i) for i, k in enumerate(kinds) if k == kind)}): "
+        + NO_PACKING_KINDS.get(kind, "not verified with packed rows")
+        for kind in dict.fromkeys(kinds)
+        if kind not in PACKING_KINDS
+    ]
+    if image_positions:
+        out.append(
+            f"its forward derives the token positions from the images ({image_positions}: M-RoPE), over the whole "
+            "row; a packed row's positions restart per conversation"
+        )
+    return out
+
+
 # values the base model's forward computes once from the inputs and hands every layer its slice of:
 # {config key switching it on: (the decoder layer's keyword, the base model's modules that make it)}.
 # Gemma 4's per-layer inputs (Gemma4TextModel.get_per_layer_inputs / project_per_layer_inputs:
@@ -183,6 +221,8 @@ __all__ = [
     "CP_LAYER_KINDS",
     "LAYER_KINDS",
     "NO_CP_KINDS",
+    "NO_PACKING_KINDS",
+    "PACKING_KINDS",
     "PER_LAYER_INPUTS",
     "SHARED_STATE",
     "UNBUILT",
@@ -191,5 +231,6 @@ __all__ = [
     "cp_refusals",
     "kv_share_sources",
     "layer_limits",
+    "packing_refusals",
     "unbuilt_refusals",
 ]

@@ -132,6 +132,7 @@ def model_plan(model: Any) -> Plan:
         language=parts.language,
         vision=parts.pieces,
         projectors=parts.projectors,
+        image_positions=parts.image_positions,
     )
 
 

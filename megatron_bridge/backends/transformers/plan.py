@@ -41,6 +41,7 @@ from megatron_bridge.backends.transformers.kinds import (  # re-exported: the pl
     WHOLE_MODULES,
     cp_refusals,
     layer_limits,
+    packing_refusals,
     unbuilt_refusals,
 )
 from megatron_bridge.backends.transformers.overrides import (  # re-exported: the plan's readers take them from here
@@ -138,6 +139,7 @@ class Plan:
     language: str = ""
     vision: tuple[str, ...] = ()
     projectors: tuple[str, ...] = ()
+    image_positions: str = ""  # the front's method deriving positions from the images (vision.IMAGE_POSITIONS)
 
     def style(self, module: str) -> str | None:
         """The tp style of the module at `module` (a path in the causal LM), None if unplanned."""
@@ -332,6 +334,7 @@ __all__ = [
     "WHOLE_MODULES",
     "FORWARD",
     "cp_refusals",
+    "packing_refusals",
     "forward_refusals",
     "layer_limits",
     "override",

@@ -138,6 +138,13 @@ class VisionParts:
     head: str
     pieces: tuple[str, ...]
     projectors: tuple[str, ...]
+    image_positions: str = ""  # the front's method deriving positions from the images (IMAGE_POSITIONS)
+
+
+# methods of a VLM's front that derive the token positions from the image grids (Qwen's M-RoPE:
+# images take 2-D positions, the text after them continues past the image's extent); positions a
+# sample's data cannot give restarting per conversation, so packing is refused for them (`packing_refusals`)
+IMAGE_POSITIONS = ("get_rope_index", "compute_3d_position_ids", "get_vision_position_ids")
 
 
 def vision_parts(model: Any) -> VisionParts | None:
@@ -172,7 +179,8 @@ def vision_parts(model: Any) -> VisionParts | None:
             projectors.append(path)
             continue
         projectors += [f"{path}.{n}" for n, _ in child.named_children() if n in PROJECTORS]
-    return VisionParts(front_name, text[0], base, head, tuple(pieces), tuple(projectors))
+    positions = next((m for m in IMAGE_POSITIONS if callable(getattr(front, m, None))), "")
+    return VisionParts(front_name, text[0], base, head, tuple(pieces), tuple(projectors), positions)
 
 
 # vision features a VLM adds to the hidden states after its first decoder layers, by the vision
@@ -219,6 +227,7 @@ __all__ = [
     "AFTER_LAYER_LISTS",
     "COMMON_INPUTS",
     "IGNORED",
+    "IMAGE_POSITIONS",
     "IMAGE_TOKEN",
     "TAKEN",
     "TOKEN_TYPES",

@@ -187,10 +187,15 @@ class HFChunk(MegatronModule):
         attention_mask: Any = None,
         labels: torch.Tensor | None = None,
         images: dict[str, torch.Tensor] | None = None,
+        packed_seq_params: Any = None,
         **_: Any,
     ) -> torch.Tensor:
         """`images`: the micro-batch's image inputs for a VLM (the keyword arguments its forward
-        takes besides the ids: pixel_values, image_grid_thw, ...)."""
+        takes besides the ids: pixel_values, image_grid_thw, ...). A packed micro-batch
+        (`packed_seq_params`: one row of several conversations, runtime/packing.py) needs nothing
+        more: its position ids restart at each conversation, and transformers' mask functions read
+        those restarts as the boundaries of a block-diagonal causal mask (masking_utils
+        find_packed_sequence_indices); a VLM's forward gets them too, for the masks it builds."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         if self.aux is not None:
@@ -198,10 +203,11 @@ class HFChunk(MegatronModule):
         front = None
         if self.front is not None:  # a VLM: its own forward up to the language model
             images = images or {}
+            given = position_ids if packed_seq_params is not None else None
             if self.pre_process:
-                front = self.front(input_ids, self.get_submodule(self.plan.embed), images)
+                front = self.front(input_ids, self.get_submodule(self.plan.embed), images, given)
             else:
-                front = self.front.positions(input_ids, images)
+                front = self.front.positions(input_ids, images, given)
             if front.position_ids is not None:
                 position_ids = front.position_ids
         if self.pre_process:

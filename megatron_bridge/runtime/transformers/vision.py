@@ -132,19 +132,24 @@ class VisionFront:
                 out[name] = (input_ids == self.image_token).long()
         return out
 
-    def __call__(self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor]) -> Front:
-        """The first stage: the embeddings with the image features merged, positions and masks."""
-        return self._run(input_ids, embed, images)
+    def __call__(
+        self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor], position_ids: Any = None
+    ) -> Front:
+        """The first stage: the embeddings with the image features merged, positions and masks
+        (`position_ids`: a packed row's, handed to the forward; None: the forward's own)."""
+        return self._run(input_ids, embed, images, position_ids)
 
-    def positions(self, input_ids: torch.Tensor, images: dict[str, torch.Tensor]) -> Front:
+    def positions(self, input_ids: torch.Tensor, images: dict[str, torch.Tensor], position_ids: Any = None) -> Front:
         """A later stage: the same positions and masks, from the ids and the image grids (no pixels)."""
-        return self._run(input_ids, self.zeros, {k: v for k, v in images.items() if not k.startswith("pixel_values")})
+        kept = {k: v for k, v in images.items() if not k.startswith("pixel_values")}
+        return self._run(input_ids, self.zeros, kept, position_ids)
 
-    def _run(self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor]) -> Front:
+    def _run(self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor], position_ids: Any) -> Front:
         capture = _Capture(self.language, embed, self.embed_name)
         self.base._modules[self.text] = capture
+        given = {} if position_ids is None else {"position_ids": position_ids}
         try:
-            self.base(input_ids=input_ids, **self._inputs(input_ids, images))
+            self.base(input_ids=input_ids, **given, **self._inputs(input_ids, images))
         except _Captured as got:
             kwargs = got.kwargs
         else:

@@ -204,7 +204,7 @@ def test_layer_kinds_that_cannot_run_under_cp_are_refused_by_kind():
 def test_what_the_hf_backend_cannot_train_yet_is_refused(tmp_path, saved):
     """A plain training run of a transformers-backend model passes every rule; what it cannot do yet is
     refused before anything starts (`backend-run`, what `mbr check` and the trainer apply):
-    packed SFT data, activation recomputation. LoRA is allowed, its targets checked against the backend's table
+    activation recomputation. Packed and padded SFT data train. LoRA is allowed, its targets checked against the backend's table
     (transformers' module names)."""
     from megatron_bridge.parallel.rules.registry import validate
 
@@ -224,12 +224,22 @@ def test_what_the_hf_backend_cannot_train_yet_is_refused(tmp_path, saved):
     assert [v.rule for v in e.value.violations] == ["lora-targets"], str(e.value)
     assert "cohere family" in str(e.value) and "q_proj" in str(e.value)
     sft = [*base, "data=sft", f"data.paths=[{tmp_path / 'chat'}]"]
-    cfg, _ = compose(sft)  # packed (the default): refused, naming the fix
-    with pytest.raises(LayoutError) as e:
+    for packing in ("true", "false"):  # packed (the default) and padded SFT train
+        cfg, _ = compose([*sft, f"data.packing={packing}"])
         validate(cfg, spec, world_size=1)
-    assert [v.rule for v in e.value.violations] == ["backend-run"] and "data.packing=false" in str(e.value)
-    cfg, _ = compose([*sft, "data.packing=false"])
-    validate(cfg, spec, world_size=1)  # padded SFT trains
+
+
+def test_packed_samples_are_refused_where_a_row_would_mix_its_conversations():
+    """Packed SFT rows keep each conversation to itself through the restarting position ids, which
+    transformers' mask functions read; a layer kind carrying state along the row, or a VLM deriving
+    its positions from the images (M-RoPE), is refused naming why and the fix."""
+    from megatron_bridge.backends.transformers.plan import packing_refusals
+
+    assert packing_refusals(None) == packing_refusals(["full_attention", "sliding_attention", "moe"]) == []
+    out = packing_refusals(["linear_attention", "full_attention", "linear_attention", "conv"])
+    assert [w.split(" (")[0] for w in out] == ["layer kind 'linear_attention'", "layer kind 'conv'"]
+    assert "(layers 0, 2)" in out[0] and "from one packed conversation into the next" in out[0]
+    assert "M-RoPE" in packing_refusals(None, "get_rope_index")[0]
 
 
 def test_every_override_entry_is_an_architecture_the_hf_backend_now_describes():

@@ -77,6 +77,19 @@ def test_what_check_refuses_of_a_vlm_names_the_piece():
     assert not backend_of(deep).layout_limits(deep, ParallelDims.parse("tp2"))
 
 
+def test_packing_a_vlm_is_refused_where_its_forward_derives_positions_from_the_images():
+    """Qwen's M-RoPE (get_rope_index) gives a packed row's text positions past each image's extent
+    over the whole row; Gemma 3's positions are the row's own, which restart per conversation."""
+    from megatron_bridge.config.compose import compose
+
+    cfg, _ = compose(["recipe=default", "data=sft", "data.packing=true"])
+    qwen, gemma = _spec("qwen2_5_vl"), _spec("gemma3")
+    assert (meta(qwen).plan.image_positions, meta(gemma).plan.image_positions) == ("get_rope_index", "")
+    limits = backend_of(qwen).run_limits(qwen, cfg)
+    assert any("packed SFT samples" in w and "get_rope_index" in w and "packing=false" in f for w, f in limits)
+    assert not any("packed" in w for w, _ in backend_of(gemma).run_limits(gemma, cfg))
+
+
 @pytest.mark.parametrize(
     "name, group",
     [
