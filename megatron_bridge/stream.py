@@ -44,7 +44,9 @@ from megatron.core import parallel_state as ps
 from megatron_bridge.backends.describe import describe_hf
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.backends.transformers.backend import meta
+from megatron_bridge.backends.transformers.split import ChunkPiece
 from megatron_bridge.bridge.hf_config import BridgeSpec
+from megatron_bridge.bridge.shards import FULL
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.lora_modules import iter_adapter_tensors
@@ -134,7 +136,11 @@ class ModelLayout:
         cfg = backend_of(spec).hf_config(spec)
         self.model_type = cfg.get("model_type")
         self.m = m = meta(describe_hf(cfg, make_vocab_size_divisible_by=1, backend="transformers"))
-        self.module_of = {saved: name for name, saved in m.saved_as.items()}
+        self.module_of = {saved: name for name, saved in m.saved_as.items() if name not in m.split}
+        self.shapes = spec.shapes(1)
+        self.cut: dict[str, list[str]] = {}  # a checkpoint tensor the model holds in pieces (split.py)
+        for name, c in m.split.items():
+            self.cut.setdefault(c.source, []).append(name)
         self.groups = {**m.experts, **{name: pieces for name, (pieces, _) in m.fused.items()}}
         self.piece_of = {p: (whole, i) for whole, pieces in self.groups.items() for i, p in enumerate(pieces)}
         self.stacks: dict[str, tuple[torch.Tensor, list[int]]] = {}  # experts: the whole tensor, pieces arrived
@@ -176,6 +182,13 @@ class ModelLayout:
                     continue
                 pieces = [t for _, t in sorted(pending.pop(whole).items())]
                 yield whole, _joined(m, whole, pieces)
+            elif name in self.cut:  # its run of rows (per-head permuted) for each model tensor
+                for part in self.cut[name]:
+                    c = m.split[part]
+                    yield (
+                        part,
+                        ChunkPiece(c.at, c.rows, c.nth, c.pieces, c.heads).shard([t], FULL, self.shapes).contiguous(),
+                    )
             elif name in self.module_of:
                 yield self.module_of[name], t
             else:

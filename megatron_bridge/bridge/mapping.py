@@ -50,6 +50,10 @@ class Transform:
     # `merge` uses the first shard alone (the tensor is whole on every rank): the exporter moves
     # nothing to gather it (runtime/weights_base.gather_merged)
     whole = False
+    # (i, n): the row's one HF tensor is shared by n rows, this one its i-th run of rows (a fused
+    # q/k/v the model holds as three tensors); `merge` gives those rows alone, and the exporters
+    # put the n rows' merges together along dim 0 in i order (`join_pieces`)
+    piece: tuple[int, int] | None = None
 
     def blocks(self, hf_shapes: Sequence[Shape], s: Shard, shapes: Shapes) -> list[Block]:
         """The rank-local tensor of shard `s` as blocks; raises ValueError when the shapes
@@ -228,6 +232,13 @@ class FusedGateUp(Transform):
         return torch.cat(gates, dim=0), torch.cat(ups, dim=0)
 
 
+def join_pieces(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The HF tensor of the rows sharing it (`Transform.piece`), from their merges in piece order."""
+    import torch
+
+    return torch.cat(list(parts), dim=0)
+
+
 REPLICATED, COLUMN, ROW, VOCAB, SCALAR = Replicated(), Column(), Row(), VocabParallel(), Scalar()
 WHOLE_LINEAR = WholeLinear()
 QKV, GATE_UP = FusedQKV(), FusedGateUp()
@@ -250,4 +261,5 @@ __all__ = [
     "VOCAB",
     "QKV",
     "GATE_UP",
+    "join_pieces",
 ]

@@ -26,6 +26,7 @@ from megatron_bridge.backends.base import Backend, Shape
 from megatron_bridge.backends.transformers import checkpoint
 from megatron_bridge.backends.transformers.aux import aux_limits
 from megatron_bridge.backends.transformers.experts import (
+    JoinedStackedExperts,
     StackedExperts,
     TransposedExperts,
     WholeStackedExperts,
@@ -62,6 +63,7 @@ from megatron_bridge.backends.transformers.plan import (
     sp_refusals,
     unbuilt_refusals,
 )
+from megatron_bridge.backends.transformers.split import ChunkPiece
 from megatron_bridge.backends.transformers.vision import (
     FREEZE_GROUPS,
     after_layer_count,
@@ -78,6 +80,7 @@ from megatron_bridge.bridge.mapping import ROW as ROW_T
 from megatron_bridge.bridge.mapping import SCALAR as SCALAR_T
 from megatron_bridge.bridge.mapping import VOCAB as VOCAB_T
 from megatron_bridge.bridge.mapping import WHOLE_LINEAR as WHOLE_LINEAR_T
+from megatron_bridge.bridge.mapping import Transform
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
 from megatron_bridge.bridge.table import Resolved
@@ -231,23 +234,27 @@ class TransformersBackend(Backend):
                 # a checkpoint may hold it as the model does (transformers loads either): stacked
                 rows.setdefault(t + AS_HELD, Row(t, t, WholeStackedExperts(*split) if split else REPLICATED_T))
                 continue
-            if name in m.fused:  # its pieces concatenated (backends/transformers/fused.py)
-                pieces, dim = m.fused[name]
-                joined = ConcatenatedColumns if kind == ROW else Concatenated  # columns split over TP
-                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], joined(len(pieces), dim)))
-                rows.setdefault(t + AS_HELD, Row(t, t, TRANSFORMS[kind]))  # or already joined, as the model holds it
-                continue
             split = expert_split(name, m.plan.style(name))
+            moe = WholeStackedExperts(*split) if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP else None
+            if name in m.fused:  # its pieces concatenated (backends/transformers/fused.py); experts as moe_tp splits
+                pieces, dim = m.fused[name]
+                joined: Transform = (ConcatenatedColumns if kind == ROW else Concatenated)(len(pieces), dim)
+                joined = JoinedStackedExperts(len(pieces), dim, moe) if moe else joined
+                rows.setdefault(t, Row(t, [m.hf_template(name, h) for h in pieces], joined))
+                rows.setdefault(t + AS_HELD, Row(t, t, moe or TRANSFORMS[kind]))  # or already joined, as held
+                continue
+            if name in m.split:  # a run of rows of one checkpoint tensor (backends/transformers/split.py)
+                c = m.split[name]
+                rows.setdefault(t, Row(t, m.hf_template(name), ChunkPiece(c.at, c.rows, c.nth, c.pieces, c.heads)))
+                rows.setdefault(t + AS_HELD, Row(t, t, TRANSFORMS[kind]))  # or as the model holds it
+                continue
             if name in m.transposed:  # stacked in the file with two dims swapped
-                held = (
-                    WholeStackedExperts(*split) if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP else None
-                )
                 d0, d1, either = m.transposed[name]
-                swapped = TransposedExperts(held or REPLICATED_T, (d0, d1), m.shapes[name] if either else None)
+                swapped = TransposedExperts(moe or REPLICATED_T, (d0, d1), m.shapes[name] if either else None)
                 rows.setdefault(t, Row(t, m.hf_template(name), swapped))
                 continue
-            if split and m.plan.style(name.rpartition(".")[0]) == MOE_TP:  # stacked in the file too
-                rows.setdefault(t, Row(t, m.hf_template(name), WholeStackedExperts(*split)))
+            if moe:  # stacked in the file too
+                rows.setdefault(t, Row(t, m.hf_template(name), moe))
                 continue
             transform = TRANSFORMS[kind] if m.shapes[name] else SCALAR_T  # a 0-dim tensor has no rows to split
             if name in m.whole_linears:  # a vision tower's linear: whole, and LoRA may adapt it
@@ -351,7 +358,7 @@ class TransformersBackend(Backend):
         return checkpoint.expected(meta(spec), spec, padded_vocab)
 
     def owned(self, spec: BridgeSpec, row: Resolved, layout: Layout, coords: Coords, layers: range) -> str | None:
-        where = _pieces(spec).get(row.megatron)
+        where = stage_pieces(spec).get(row.megatron)
         if where is None:
             raise UserError(f"{row.megatron} is no tensor of the {spec.architecture} model")
         return checkpoint.owned(where, spec, row.megatron in meta(spec).shapes, row, layout, coords, layers)
@@ -373,7 +380,7 @@ class TransformersBackend(Backend):
 
 
 @lru_cache(maxsize=16)
-def _pieces(spec: BridgeSpec) -> dict[str, str | int]:
+def stage_pieces(spec: BridgeSpec) -> dict[str, str | int]:
     """Every tensor's stage piece (checkpoint.pieces), once per description."""
     m = meta(spec)
     return checkpoint.pieces(m, transformers_config(spec), list(checkpoint.expected(m, spec, 1)))
@@ -381,6 +388,7 @@ def _pieces(spec: BridgeSpec) -> dict[str, str | int]:
 
 __all__ = [
     "TransformersBackend",
+    "stage_pieces",
     "Meta",
     "causal_lm_class_name",
     "config_object",

@@ -132,6 +132,31 @@ class WholeStackedExperts(Transform):
         return f"WholeStackedExperts({self.split}, packs={self.packs})"
 
 
+class JoinedStackedExperts(Transform):
+    """`pieces` stacked experts tensors a checkpoint holds apart (Step3p7's `moe.gate_proj.weight`
+    and `moe.up_proj.weight`, each [E, I, H]) joined along `dim` (transformers' `Concatenate`), then
+    split over TP as the model's `moe_tp_experts` splits the joined tensor (`inner`, a
+    `WholeStackedExperts`); `merge` joins the ranks' parts and cuts the pieces back as `Chunk` does."""
+
+    def __init__(self, pieces: int, dim: int, inner: Transform) -> None:
+        self.n_hf, self.dim, self.inner = pieces, dim, inner
+
+    def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> Any:
+        raise NotBlockwise("stacked experts joined from pieces are read whole")
+
+    def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> Any:
+        import torch
+
+        return self.inner.shard([torch.cat([t[:] for t in hf], self.dim)], s, shapes)
+
+    def merge(self, shards: Sequence[Any], shapes: Shapes) -> tuple[Any, ...]:
+        (whole,) = self.inner.merge(shards, shapes)
+        return tuple(t.clone() for t in whole.chunk(self.n_hf, self.dim))
+
+    def __repr__(self) -> str:
+        return f"JoinedStackedExperts({self.n_hf}, dim={self.dim}, {self.inner!r})"
+
+
 class TransposedExperts(Transform):
     """A stacked experts tensor a checkpoint may hold with two dims swapped (transformers'
     `Transpose` converter). `held` (transformers' `check_dims`: Qwen3-VL-MoE): the model's
@@ -310,6 +335,7 @@ __all__ = [
     "EXPERTS_PER_TOKEN_KEYS",
     "EXPERT_TP_SPLITS",
     "ExpertSplit",
+    "JoinedStackedExperts",
     "expert_fields",
     "expert_limits",
     "expert_split",

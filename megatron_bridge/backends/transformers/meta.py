@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -17,6 +18,7 @@ from typing import Any
 from megatron_bridge.backends.transformers.experts import stacked, transposed
 from megatron_bridge.backends.transformers.fused import fused
 from megatron_bridge.backends.transformers.plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
+from megatron_bridge.backends.transformers.split import Split, split
 from megatron_bridge.backends.transformers.vision import (
     builds_vlm,
     image_text_class_name,
@@ -26,6 +28,8 @@ from megatron_bridge.backends.transformers.vision import (
 )
 from megatron_bridge.bridge.hf_config import HF_KEYS, UnsupportedFeatures
 from megatron_bridge.bridge.spec import BridgeSpec
+
+_FIRST_INDEX = re.compile(r"(^|\.)(\d+)\.")  # a name's first index segment
 
 
 def causal_lm_class_name(model_type: str) -> str | None:
@@ -183,15 +187,21 @@ def checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]]:
 def checkpoint_names(
     model: Any, shapes: Mapping[str, tuple[int, ...]], kinds: Mapping[str, str]
 ) -> tuple[
-    dict[str, str], dict[str, tuple[str, ...]], dict[str, tuple[tuple[str, ...], int]], dict[str, tuple[int, int, bool]]
+    dict[str, str],
+    dict[str, tuple[str, ...]],
+    dict[str, tuple[tuple[str, ...], int]],
+    dict[str, tuple[int, int, bool]],
+    dict[str, Split],
 ]:
     """({module tensor name: its name in a checkpoint}, {stacked experts tensor: its
     per-expert names}, {fused tensor: (its pieces' names, the dim they join on)}, {stacked experts
-    tensor a checkpoint may hold with two dims swapped: (those dims, only where the shapes differ)}) — what
+    tensor a checkpoint may hold with two dims swapped: (those dims, only where the shapes differ)},
+    {tensor cut out of one checkpoint tensor or permuted per head: its `Split`, the source renamed}) — what
     `save_pretrained` writes, by transformers' own conversion mapping run in the saving
     direction (GPT-NeoX's `lm_head` is saved as `embed_out`; experts one tensor each:
-    backends/transformers/experts.py; a fused q/k/v conv as its pieces: backends/transformers/fused.py). A tensor
-    any other converter would rewrite is refused."""
+    backends/transformers/experts.py; a fused q/k/v conv as its pieces: backends/transformers/fused.py; a
+    vision tower's q/k/v from its fused qkv: backends/transformers/split.py). A tensor any other converter
+    would rewrite is refused."""
     # transformers imported here: the core imports third-party packages only inside functions
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
@@ -209,7 +219,8 @@ def checkpoint_names(
     experts = stacked(conversions, dict(shapes))
     joined = fused(conversions, dict(kinds), model.config)
     swapped = transposed(conversions, dict(shapes))
-    handled = experts.keys() | joined.keys() | swapped.keys()
+    cut = split(conversions, kinds, shapes, model.config)
+    handled = experts.keys() | joined.keys() | swapped.keys() | cut.keys()
     converted = [n for n in shapes if n not in handled and apply_converters(n, converters)[1] is not None]
     if converted:
         raise UnsupportedFeatures(
@@ -217,11 +228,13 @@ def checkpoint_names(
             "the model (not a rename), which the transformers backend does not do yet"
         )
     saved = {n: apply_renamings(n, renamings) for n in shapes if n not in handled or n in swapped}
+    cut = {n: c._replace(source=apply_renamings(c.source, renamings)) for n, c in cut.items()}
     return (
-        saved,
+        {**saved, **{n: c.source for n, c in cut.items()}},
         {n: tuple(apply_renamings(h, renamings) for h in hs) for n, hs in experts.items()},
         {n: (tuple(apply_renamings(h, renamings) for h in hs), dim) for n, (hs, dim) in joined.items()},
         swapped,
+        cut,
     )
 
 
@@ -240,6 +253,7 @@ class Meta:
     transposed: dict[str, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)  # experts.transposed
     whole_linears: frozenset[str] = frozenset()  # weights of the nn.Linear modules of a VLM's vision pieces
     refused: tuple[str, ...] = ()  # what of a VLM the stages cannot run (vision.language_refusals)
+    split: dict[str, Split] = dataclasses.field(default_factory=dict)  # a tensor cut from one checkpoint tensor
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -257,7 +271,11 @@ class Meta:
         leaf = f"{self.plan.layers.rpartition('.')[2]}.{i}."
         at = saved.find(leaf)
         if at < 0 or (at and saved[at - 1] != "."):
-            return saved
+            # the layer list renamed too (Kimi-K2.5 saves `layers` as `blocks`): the first index of both names
+            first, own = _FIRST_INDEX.search(saved), _FIRST_INDEX.search(name)
+            if first is None or own is None or first.group(2) != str(i) or own.group(2) != str(i):
+                return saved
+            return saved[: first.start(2)] + "{layer}" + saved[first.end(2) :]
         return saved[:at] + leaf.replace(f".{i}.", ".{layer}.") + saved[at + len(leaf) :]
 
     def numel(self, name: str) -> int:
@@ -280,14 +298,15 @@ def meta(spec: BridgeSpec) -> Meta:
     tensors = checkpoint_tensors(model)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
-    saved, experts, fused, swapped = checkpoint_names(model, shapes, kinds)
+    saved, experts, fused, swapped, cut = checkpoint_names(model, shapes, kinds)
     integers = frozenset(saved[n] for n, t in tensors.items() if not t.is_floating_point() and n in saved)
     whole = frozenset(
         f"{n}.weight"
         for n, mod in model.named_modules()
         if type(mod) is torch.nn.Linear and any(n.startswith(p + ".") for p in plan.vision)
     )
-    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, _language_refusals(model, plan))
+    refused = _language_refusals(model, plan)
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut)
 
 
 def embedding_refusal(emb: Any) -> str | None:

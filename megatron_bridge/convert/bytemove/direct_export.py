@@ -187,6 +187,8 @@ class DirectExport:
         plan: dict[str, list[Piece]] = {}
         experts: dict[str, dict[int, list[Piece]]] = {}
         for row in (r for r in source.rows if r.mapping.export):
+            if row.mapping.transform.piece is not None:  # rows sharing one HF tensor: merged and joined in memory
+                return None
             dtypes = {source.tensors[h][1] for h in row.hf}
             if len(dtypes) != 1 or any(source.out_dtype(h) != source.tensors[h][1] for h in row.hf):
                 return None

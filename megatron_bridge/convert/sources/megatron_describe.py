@@ -160,6 +160,8 @@ def hf_rows(spec: BridgeSpec, tp: int, shapes_of: dict[str, tuple[tuple[int, ...
         for h, s in zip(row.hf, _merged_shapes(row, shape, shapes)):
             if row.mapping.transform.stacked:  # every expert's slab of one HF tensor
                 s = (tensors[h][0][0] + 1, *s[1:]) if h in tensors else s
+            elif row.mapping.transform.piece is not None:  # every piece's rows of one HF tensor
+                s = (tensors[h][0][0] + s[0], *s[1:]) if h in tensors else s
             tensors[h] = (s, dtype)
     return tensors, resolve_rows(spec, tensors, tp=tp, where=where)
 

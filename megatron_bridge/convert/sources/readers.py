@@ -91,12 +91,19 @@ class Source:
         return self.dtype if self.dtype is not None and stored.is_floating_point else stored
 
     def count(self, row: Resolved) -> int:
-        """HF tensors the row stands for (a stacked tensor counts with its expert 0 only)."""
+        """HF tensors the row stands for (a stacked tensor counts with its expert 0 only, a tensor
+        rows share with its first piece)."""
+        piece = row.mapping.transform.piece
+        if piece is not None:
+            return len(row.hf) if piece[0] == 0 else 0
         return len(row.hf) if not row.mapping.transform.stacked or not row.expert else 0
 
     def nbytes(self, row: Resolved) -> int:
-        """Bytes of the row's HF inputs (a stacked-experts row: its expert's share)."""
+        """Bytes of the row's HF inputs (a stacked-experts row: its expert's share; a piece: its share)."""
         n = sum(prod(self.tensors[h][0]) * self.out_dtype(h).itemsize for h in row.hf)
+        piece = row.mapping.transform.piece
+        if piece is not None:
+            return n // piece[1]
         return n // self.tensors[row.hf[0]][0][0] if row.mapping.transform.stacked else n
 
     def _finish(
@@ -288,10 +295,10 @@ class CheckpointSource(Source):
         # stacked-experts tensors (GPT-OSS): the rows of their experts, in expert order
         self._experts: dict[tuple[str, ...], list[Resolved]] = {}
         for r in self.rows:
-            if r.mapping.transform.stacked and r.mapping.export:
+            if (r.mapping.transform.stacked or r.mapping.transform.piece) and r.mapping.export:
                 self._experts.setdefault(r.hf, []).append(r)
-        for rs in self._experts.values():
-            rs.sort(key=lambda r: r.expert or 0)
+        for rs in self._experts.values():  # expert order, or piece order (`Transform.piece`)
+            rs.sort(key=lambda r: r.expert or (r.mapping.transform.piece or (0,))[0])
         self._stack: tuple[tuple[str, ...], list[torch.Tensor]] | None = None
 
     def source_row(self, row: Resolved) -> Resolved:
@@ -308,9 +315,9 @@ class CheckpointSource(Source):
         takes its slab from), put together from every expert's records once and kept
         while that tensor's expert rows follow each other."""
         src = self.source_row(row)
-        if not src.mapping.transform.stacked:
+        if not (src.mapping.transform.stacked or src.mapping.transform.piece):
             return self._finish(src.hf, self.merged(src), self.expected)
-        if self._stack is None or self._stack[0] != src.hf:
+        if self._stack is None or self._stack[0] != src.hf:  # pieces of one tensor (a fused q/k/v) likewise
             import torch
 
             self._stack = None

@@ -4,7 +4,8 @@ A chunk's tensors have the checkpoint's own names (global layer indices), so eac
 of the backend's table (`TransformersBackend.table`: the transform says how the tensor splits over TP).
 Loading reads only this rank's slices of the safetensors (`HFCheckpoint.slice`, the
 converter's reader); export gathers each tensor's TP shards onto the first replica and merges
-them back with the same transform, bit-exactly. A stacked experts tensor reads only this EP rank's experts'
+them back with the same transform, bit-exactly (the rows sharing one checkpoint tensor, a vision tower's
+fused q/k/v, are joined once the last is merged: `Transform.piece`). A stacked experts tensor reads only this EP rank's experts'
 checkpoint tensors (backends/transformers/experts.py); on export it goes expert by expert when the
 checkpoint holds one tensor per expert (`_per_expert`), else it is gathered over the EP group.
 """
@@ -18,10 +19,13 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 
+from megatron_bridge.backends.transformers.backend import stage_pieces
+from megatron_bridge.backends.transformers.checkpoint import EVERY
 from megatron_bridge.backends.transformers.experts import StackedExperts
 from megatron_bridge.bridge.layout import ep_part
 from megatron_bridge.bridge.loader import HFTensors, resolve_checkpoint, table_for
 from megatron_bridge.bridge.lora import is_adapter_param
+from megatron_bridge.bridge.mapping import join_pieces
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import resolve_megatron
@@ -96,9 +100,13 @@ def iter_tensors(
     shapes = spec.shapes(layout.tp)
     group = ps.get_tensor_model_parallel_group()
     first = everywhere or ps.get_data_parallel_rank(with_context_parallel=True) == 0
-    for chunk in chunks:
+    pieces: dict[str, dict[int, torch.Tensor]] = {}  # a checkpoint tensor shared by rows: its pieces so far
+    # held by every chunk (a rotary module's persistent buffer, Mistral-Large-4's alpha): the first stage's is exported
+    every = {n for n, where in stage_pieces(spec).items() if where == EVERY} if not everywhere else set()
+    later = ps.get_pipeline_model_parallel_rank() > 0
+    for i, chunk in enumerate(chunks):
         for name, p in checkpoint_tensors(chunk).items():  # persistent buffers too (Apertus' xIELU beta)
-            if is_adapter_param(name):  # LoRA: exported by lora_modules, merged by `merged`
+            if is_adapter_param(name) or (name in every and (i or later)):  # LoRA: lora_modules exports it
                 continue
             row = resolve_megatron(table, name)
             if row is None:
@@ -113,8 +121,15 @@ def iter_tensors(
                 t = gather_experts(t)
             if not first:
                 continue
+            piece = row.mapping.transform.piece
             got = gather_merged(t, row.mapping.transform, shapes, group, everywhere, names=row.hf, into=into)
             del t
+            if got is not None and piece is not None:  # joined once its every piece is in (one stage holds them)
+                held = pieces.setdefault(row.hf[0], {})
+                held[piece[0]] = got[0]
+                if len(held) < piece[1]:
+                    continue
+                got = (join_pieces([held[i] for i in sorted(pieces.pop(row.hf[0]))]),)
             if got is not None:
                 yield from handed_over(row.hf, list(got), dtype)
 
