@@ -130,8 +130,9 @@ VLM_OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "janus": (
-        "the vision tower's qk norm (off as released; the text rule switches it on) fails on a head-split query",
-        {"vision_config": {"use_qk_norm": False}},
+        "the vision tower's qk norm (off as released; the text rule switches it on) fails on a head-split query; "
+        "the aligner maps to vision_config.projection_dim, which must be the text hidden size",
+        {"vision_config": {"use_qk_norm": False, "projection_dim": HIDDEN}},
     ),
     "llama4": (
         "the vision adapter's fc1 takes the pixel-shuffled patches (hidden x 4): the vision MLP's intermediate size",

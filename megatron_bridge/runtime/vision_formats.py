@@ -28,6 +28,18 @@ def _side(size: Any) -> int:
     return int(size[0] if isinstance(size, (list, tuple)) else size)
 
 
+def _image_size(vc: PretrainedConfig) -> int:
+    """The tower's image side: the vision config's `image_size`, else that of the first sub-config holding
+    one (DeepSeek-OCR-2: its SAM encoder's, which sets the patch grid its position table is cut for)."""
+    if getattr(vc, "image_size", None) is not None:
+        return _side(vc.image_size)
+    for name in getattr(vc, "sub_configs", None) or {}:
+        sub = getattr(vc, name, None)
+        if isinstance(sub, PretrainedConfig) and getattr(sub, "image_size", None) is not None:
+            return _side(sub.image_size)
+    raise ValueError(f"{type(vc).__name__} names no image_size, nor does any of its sub-configs")
+
+
 def _channels(vc: PretrainedConfig) -> int:
     return int(getattr(vc, "num_channels", None) or getattr(vc, "in_channels", None) or 3)
 
@@ -36,7 +48,7 @@ def square(cfg: PretrainedConfig, g: torch.Generator) -> Images:
     """One image at the vision tower's size: pixel_values [1, C, S, S] (CLIP/SigLIP towers: LLaVA, Gemma 3,
     InternVL, Llama 4 as one tile)."""
     vc = cfg.vision_config
-    s = _side(vc.image_size)
+    s = _image_size(vc)
     return {"pixel_values": _pixels(g, 1, _channels(vc), s, s)}
 
 
@@ -163,6 +175,7 @@ def tiles_real(cfg: PretrainedConfig, g: torch.Generator) -> Images:
 _PATCHES = (
     "cohere_compass",
     "cosmos3_edge",
+    "cosmos3_omni",
     "dots3_note",
     "ernie4_5_vl_moe",
     "minimax_m3_vl",

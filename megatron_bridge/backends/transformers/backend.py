@@ -33,6 +33,7 @@ from megatron_bridge.backends.transformers.experts import (
     expert_fields,
     expert_limits,
     expert_split,
+    expert_width,
 )
 from megatron_bridge.backends.transformers.fused import Concatenated, ConcatenatedColumns
 from megatron_bridge.backends.transformers.meta import (  # re-exported: callers name the backend's module
@@ -204,7 +205,7 @@ class TransformersBackend(Backend):
         if f.get("num_moe_experts"):  # the planner's expert widths
             for k in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
                 if base.get(k):
-                    f[k] = int(base[k])
+                    f[k] = expert_width(base[k])
         f.update(_latent_attention(cfg))
         return with_vision(BridgeSpec.make(**f), full)
 
@@ -223,8 +224,12 @@ class TransformersBackend(Backend):
         row (what `save_pretrained` writes) is the one an export from a live model writes."""
         m = meta(spec)
         rows: dict[str, Row] = {}
+        split_of: dict[str, set[str]] = {}  # a template's kinds: split one way in some layers, another in others
+        for name, kind in m.kinds.items():
+            split_of.setdefault(m.plan.template(name), set()).add(kind)
         for name, kind in m.kinds.items():
             t = m.plan.template(name)
+            t = name if len(split_of[t]) > 1 else t  # one row per layer (overrides.Override.kind_tp_plan)
             if name in m.experts:
                 pieces = m.experts[name]
                 n = m.shapes[name][0]

@@ -281,6 +281,12 @@ def expert_fields(cfg: Any) -> dict[str, int]:
     return {"num_moe_experts": experts, "moe_router_topk": _first_int(cfg, EXPERTS_PER_TOKEN_KEYS) or 1}
 
 
+def expert_width(v: Any) -> int:
+    """The planner's expert width from a config's: one number, or one per expert group (ERNIE-4.5-VL's text and
+    vision experts, `moe_intermediate_size: [text, vision]`), of which it takes the widest."""
+    return max(int(x) for x in v) if isinstance(v, (list, tuple)) else int(v)
+
+
 def expert_limits(
     spec: Any, layout: Any, ep_plan: Iterable[tuple[str, str]], tp_plan: Iterable[tuple[str, str]] = ()
 ) -> list[tuple[str, str]]:
@@ -338,6 +344,7 @@ __all__ = [
     "JoinedStackedExperts",
     "expert_fields",
     "expert_limits",
+    "expert_width",
     "expert_split",
     "SPLIT_DIMS",
     "STACK_OPS",

@@ -69,6 +69,10 @@ class Override:
     # MASKS) by that keyword, as the model's forward hands it (Qwen4-Exp's conv_mask: the linear-attention
     # padding mask, None for an unpadded batch)
     layer_masks: tuple[tuple[str, str], ...] = ()
+    # layer kinds whose mask is the boolean [b, s] padding mask, all True for an unpadded batch, where the model's
+    # forward hands them that instead of the kind's own (runtime/transformers/chunk.py MASKS): GLM-5.3-Flash's
+    # indexer and linear attention
+    padding_masks: tuple[str, ...] = ()
     layers: str = "layers"  # the pp plan's piece that is the ModuleList of decoder layers
     # (the base model's ModuleList of rotary modules, the config's per-layer list): layer i takes the
     # rotary module of its value, the list holding one per distinct non-zero value in ascending
@@ -81,6 +85,10 @@ class Override:
     # ({config key: value, ...}, tp plan entries): entries that replace tp_plan's where the config matches
     # (a fused projection whose layout follows a config flag)
     tp_plan_when: tuple[tuple[tuple[tuple[str, Any], ...], tuple[tuple[str, str], ...]], ...] = ()
+    # (layer kind, tp plan entries): entries that win over the plan's in the decoder layers of that kind
+    # (config.layer_types), their `*` the layer's index (a plan entry meant for another kind's modules of the
+    # same name: GLM-5.3-Flash's o_proj, rowwise after its split MLA, whole after its unsplit linear attention)
+    kind_tp_plan: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
 
     def tp_entries(self, cfg: Any = None) -> dict[str, str]:
         """tp_plan with the `tp_plan_when` entries whose config values `cfg` (an object) holds."""
@@ -89,6 +97,17 @@ class Override:
             if cfg is not None and all(getattr(cfg, k, None) == v for k, v in when):
                 out.update(entries)
         return out
+
+    def kind_entries(self, cfg: Any) -> dict[str, str]:
+        """`kind_tp_plan`'s entries, one per layer of its kind in `cfg.layer_types` (`*` its index)."""
+        kinds = list(getattr(cfg, "layer_types", None) or ()) if cfg is not None else []
+        return {
+            pattern.replace("*", str(i), 1): style
+            for kind, entries in self.kind_tp_plan
+            for i, k in enumerate(kinds)
+            if k == kind
+            for pattern, style in entries
+        }
 
     def handled(self) -> set[str | None]:
         return {self.logit_scale, self.logit_divide, self.logit_softcap, self.embed_scale, self.embed_sqrt_hidden}
@@ -274,6 +293,17 @@ OVERRIDES: dict[str, Override] = {
         rotary_types=("main", "compress"),
         layer_inputs=(("input_ids", "input_ids"),),
     ),
+    "glm5_next_text": Override(
+        "Glm5NextTextModel.forward runs the layers on hc_mult hyper-connection streams ([b, s, hc_mult, h], the "
+        "embeddings repeated) folded by hc_head (a mean) before the norm, hands every layer input_ids and, for both "
+        "its layer kinds, the boolean padding mask (all True unpadded; its indexer makes attention causal itself); "
+        "its tp plan splits the MLA attention, and its o_proj entry (rowwise) would match the KDA linear attention's "
+        "too, whose q/k/v are not split: that attention runs whole",
+        streams=("hc_mult", "hc_head"),
+        kind_tp_plan=(("linear_attention", (("layers.*.self_attn.o_proj", "replicate"),)),),
+        layer_inputs=(("input_ids", "input_ids"),),
+        padding_masks=("indexed_attention", "linear_attention"),
+    ),
     "qwen4_exp_text": Override(
         "no base_model_pp_plan: Qwen4ExpTextModel.forward repeats the embeddings into hc_count hyper-connection "
         "streams side by side in the hidden dim ([b, s, hc_count·h]), runs the layers on them and folds them with "
@@ -365,6 +395,10 @@ FORWARD_MATH: dict[str, str] = {
     "copies by altup_projections, that [altup_num_inputs, b, s, h] stack run through the layers, then unembedded by "
     "altup_unembed_projections and averaged before the norm) is arithmetic of the forward around the layers, no "
     "stage piece",
+    "diffusion_gemma_text": "DiffusionGemmaForBlockDiffusion is a block-diffusion LM, not a next-token one: an "
+    "encoder reads the prompt into a KV cache and a decoder (its own embedding and layers) denoises a canvas of "
+    "decoder_input_ids, with self-conditioning on the previous step's logits; its logits are the canvas's, not "
+    "the input tokens', and there is no one decoder stack to stage",
     "hrm_text": "HrmTextModel.forward: the H/L-cycle recurrence (L_module and H_module stacks run H_cycles x "
     "L_cycles times on carried states, no one list of decoder layers to stage)",
 }

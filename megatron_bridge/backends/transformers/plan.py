@@ -178,7 +178,7 @@ def plan_of(
         pieces.insert(i + 1, extra.streams[1])
     full = [f"{prefix}.{n}" for n in pieces]
     head = next(iter(head_plan), "lm_head")
-    entries = {**(tp_plan or {}), **extra.tp_entries(cfg)}
+    entries = {**extra.kind_entries(cfg), **(tp_plan or {}), **extra.tp_entries(cfg)}  # the first match wins
     tp = tuple((f"{prefix}.{k}", v) for k, v in entries.items() if v not in MARKERS)
     ep = tuple((f"{prefix}.{k}", v) for k, v in {**(ep_plan or {}), **dict(extra.ep_plan)}.items())
     return Plan(prefix, full[0], tuple(full[1:i]), full[i], tuple(full[i + 1 :]), head, tp, ep)

@@ -64,6 +64,11 @@ MASKS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _all_true(inputs_embeds: torch.Tensor, **_: Any) -> torch.Tensor:
+    """The boolean [b, s] padding mask of an unpadded batch (overrides.Override.padding_masks)."""
+    return torch.ones(inputs_embeds.shape[:2], dtype=torch.bool, device=inputs_embeds.device)
+
+
 class Pieces(torch.nn.Module):
     """A container that gives the kept modules their transformers paths."""
 
@@ -144,6 +149,7 @@ class HFChunk(MegatronModule):
         self.masks: dict[str, Any] = dict(MASKS)
         if window and getattr(hf_config, window, None) is not None:
             self.masks["full_attention"] = create_sliding_window_causal_mask
+        self.masks.update(dict.fromkeys(ov.padding_masks, _all_true))  # overrides.Override.padding_masks
         rope = getattr(hf_config, "rope_parameters", None)
         # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
         # NoPE full-attention layers), as the model's own forward decides

@@ -180,3 +180,38 @@ def test_what_only_the_first_stage_would_meet_is_refused_by_describe(model_type,
 
     with pytest.raises(UnsupportedFeatures, match=why):
         _spec(model_type)
+
+
+@pytest.mark.parametrize(
+    "model_type, why",
+    [
+        ("diffusion_gemma", "block-diffusion LM, not a next-token one"),
+        # its text and vision experts: one checkpoint tensor split into two stacks, the gate transposed
+        ("ernie4_5_vl_moe", "transformers converts .*text_moe.experts.gate_up_proj.* between the checkpoint"),
+    ],
+)
+def test_a_vlm_the_stages_cannot_run_is_refused_by_describe_naming_why(model_type, why):
+    from megatron_bridge.bridge.hf_config import UnsupportedFeatures
+
+    with pytest.raises(UnsupportedFeatures, match=why):
+        _spec(model_type)
+
+
+def test_an_expert_width_given_per_expert_group_is_the_widest_for_the_planner():
+    from megatron_bridge.backends.transformers.experts import expert_width
+
+    assert expert_width([56, 40]) == 56 and expert_width((8, 24)) == 24 and expert_width(56) == 56
+
+
+def test_a_plan_entry_for_one_layer_kind_splits_only_those_layers_and_the_table_rows_follow():
+    """GLM-5.3-Flash: o_proj is rowwise after the split MLA attention (layers 1, 3), whole after the KDA linear
+    attention (layers 0, 2) whose q/k/v its plan does not split; the checkpoint table reads each layer's as it is split."""
+    spec = _spec("glm5_next")
+    m = meta(spec)
+    o = "model.language_model.layers.{}.self_attn.o_proj"
+    assert [m.plan.style(o.format(i)) for i in range(4)] == ["replicate", "rowwise", "replicate", "rowwise"]
+    rows = {r.megatron: r for r in backend_of(spec).table(spec)}
+    assert o.format("{layer}") + ".weight" not in rows
+    assert rows[o.format(0) + ".weight"].transform == REPLICATED
+    assert rows[o.format(1) + ".weight"].transform != REPLICATED
+    assert m.plan.style("model.language_model.layers.0.mlp.gate_proj") == "colwise"  # the kind's other entries stay

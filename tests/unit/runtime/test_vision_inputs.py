@@ -108,3 +108,32 @@ def test_reference_gives_logits_loss_and_a_grad_for_every_saved_tensor(built, tm
         ]
         model.train()
     assert ref["loss"] == pytest.approx(float(torch.stack(per).mean()), rel=1e-5)
+
+
+def test_a_vision_config_without_image_size_takes_its_sub_config_s():
+    """DeepSeek-OCR-2's vision config holds a SAM encoder and a Qwen2 encoder: the image side is the SAM's."""
+    from megatron_bridge.runtime.vision_formats import square
+
+    vc = hf_tiny.tiny_config("deepseek_ocr2").vision_config
+    assert not hasattr(vc, "image_size") and vc.sam_config.image_size == 32
+    assert square(hf_tiny.tiny_config("deepseek_ocr2"), torch.Generator()).keys() == {"pixel_values"}
+    assert square(hf_tiny.tiny_config("deepseek_ocr2"), torch.Generator())["pixel_values"].shape == (1, 3, 32, 32)
+
+
+@pytest.mark.parametrize(
+    "model_type, keys",
+    [
+        ("cosmos3_omni", {"pixel_values", "image_grid_thw", "mm_token_type_ids"}),  # Qwen3-VL's patches
+        ("deepseek_ocr2", {"pixel_values"}),
+        ("janus", {"pixel_values"}),  # its aligner maps to the text width (hf_tiny_vlm_configs.VLM_OVERRIDES)
+    ],
+)
+def test_the_image_made_for_a_tiny_vlm_runs_through_its_forward(model_type, keys):
+    model = hf_tiny.build_tiny(model_type, image_text=True).eval()
+    ids, _, images = vision_inputs.image_batch(model, 1, 32)
+    assert set(images[0]) == keys
+    n = vision_inputs.placeholder_count(model, images[0])
+    assert int((ids[0] == vision_inputs.image_token_id(model.config)).sum()) == n > 0
+    with torch.no_grad():
+        logits = model(input_ids=ids, **images[0]).logits
+    assert logits.shape == (*ids.shape, 256) and torch.isfinite(logits).all()
