@@ -43,9 +43,9 @@ def test_a_vlm_is_its_language_model_with_vision_pieces_on_the_first_stage():
     assert linears and all(isinstance(table[n].transform, WholeLinear) for n in linears)
     assert table["model.visual.blocks.0.norm1.weight"].transform is REPLICATED
     pieces = backend_of(spec).expected(spec, spec.padded_vocab_size(1))
-    from megatron_bridge.backends.transformers.backend import _pieces
+    from megatron_bridge.backends.transformers.backend import stage_pieces
 
-    assert all(_pieces(spec)[n] == PRE for n in pieces if n.startswith("model.visual."))
+    assert all(stage_pieces(spec)[n] == PRE for n in pieces if n.startswith("model.visual."))
 
 
 def test_the_config_names_the_class_it_runs_as():
