@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.backends.registry import BACKENDS, backend_for, backend_named
-from megatron_bridge.bridge.hf_config import UnsupportedFeatures, read_hf_config
+from megatron_bridge.bridge.hf_config import MissingPackage, UnsupportedFeatures, read_hf_config
 from megatron_bridge.bridge.registry import families
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import LayoutError, UserError
@@ -53,6 +53,8 @@ def describe(
         config = hf if hf is not None else read_hf_config(path, arg=arg)
         try:
             spec = describe_hf(config, make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, backend=choice)
+        except MissingPackage as e:
+            raise _refused("hf-package", f"{arg}={path}: {e}", e.fix) from None
         except UnsupportedFeatures as e:
             raise _refused(
                 "hf-model",

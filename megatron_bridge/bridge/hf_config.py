@@ -144,6 +144,15 @@ class UnsupportedFeatures(UserError):
     """An HF config with features the bridge cannot reproduce (one line each in the message)."""
 
 
+class MissingPackage(UnsupportedFeatures):
+    """A model whose classes need a package that is not installed: the model is fine, the
+    environment is not, so its fix (`fix`: the install) is its own."""
+
+    def __init__(self, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
 def _moe_pattern(hf: TMapping[str, Any], n_layers: int) -> tuple[int, ...]:
     step = int(hf.get("decoder_sparse_step") or 1)
     dense = set(hf.get("mlp_only_layers") or ())

@@ -48,12 +48,14 @@ import torch
 
 from megatron_bridge.backends.describe import describe_hf
 from megatron_bridge.backends.transformers.backend import TransformersBackend
+from megatron_bridge.backends.transformers.loading import needs_package
+from megatron_bridge.backends.transformers.vision import image_text_class_name
 from megatron_bridge.bridge.hf_config import read_hf_config
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.commands.verify_setup import VerifyConfig, image_reference
 from megatron_bridge.config.compose import parse_command
 from megatron_bridge.errors import UserError
-from megatron_bridge.runtime.hf_tiny import architectures, make_tiny, vlm_architectures
+from megatron_bridge.runtime.hf_tiny import architectures, make_tiny, tiny_config, vlm_architectures
 from megatron_bridge.runtime.parity import check_layout, fold, grads_pass, hf_reference, make_batch
 from megatron_bridge.testing import TorchrunError, report, run_torchrun
 
@@ -90,6 +92,20 @@ def refusal(exc: BaseException) -> str:
     )
 
 
+def _unbuilt(arch: str, vlm: bool, e: ImportError) -> str:
+    """The refusal of a tiny model whose classes need a package not installed: the backend's own
+    refusal of its config.json (the one `mbr check` gives, its config's blockers first), which
+    names that package where nothing else stops it."""
+    hf = tiny_config(arch).to_dict()
+    if vlm:  # run as its VLM class, as save_pretrained's `architectures` would say
+        hf["architectures"] = [image_text_class_name(hf["model_type"])]
+    try:
+        TransformersBackend().table(describe_hf(hf, make_vocab_size_divisible_by=8, backend="transformers"))
+    except UserError as r:
+        return refusal(r)
+    return str(needs_package(arch, e))  # described without the package: the builder's import is still its refusal
+
+
 def prepare(arch: str, root: Path, layouts: Sequence[str], vlm: bool = False) -> dict[str, str]:
     """Build `arch`'s tiny model (`vlm`: as its VLM class) and its reference under root/arch;
     {layout: refusal} for the layouts the backend refuses ({"*": reason} when it refuses the model)."""
@@ -97,6 +113,8 @@ def prepare(arch: str, root: Path, layouts: Sequence[str], vlm: bool = False) ->
     hf_dir = root / arch
     try:
         make_tiny(arch, hf_dir, image_text=True if vlm else None)
+    except ImportError as e:  # a package its classes need is not installed: a refusal, not this matrix's FAIL
+        return {"*": _unbuilt(arch, vlm, e)}
     except Exception as e:  # the survey's builder: its own refusals and failures
         return {"*": f"FAIL: tiny model not built: {_one_line(f'{type(e).__name__}: {e}')}"}
     hf = read_hf_config(hf_dir)

@@ -17,6 +17,7 @@ from typing import Any
 
 from megatron_bridge.backends.transformers.experts import stacked, transposed
 from megatron_bridge.backends.transformers.fused import fused
+from megatron_bridge.backends.transformers.loading import needs_package, read_back_misses
 from megatron_bridge.backends.transformers.plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
 from megatron_bridge.backends.transformers.split import Split, split
 from megatron_bridge.backends.transformers.vision import (
@@ -228,6 +229,13 @@ def checkpoint_names(
             "the model (not a rename), which the transformers backend does not do yet"
         )
     saved = {n: apply_renamings(n, renamings) for n in shapes if n not in handled or n in swapped}
+    misread = read_back_misses(model, saved)
+    if misread:
+        name, (held, got) = next(iter(misread.items()))
+        raise UnsupportedFeatures(
+            f"{type(model).__name__}: transformers does not load back the checkpoint it saves: it reads {held} as "
+            f"{got}, not {name} ({len(misread)} tensors so), and from_pretrained would initialise them at random"
+        )
     cut = {n: c._replace(source=apply_renamings(c.source, renamings)) for n, c in cut.items()}
     return (
         {**saved, **{n: c.source for n, c in cut.items()}},
@@ -292,8 +300,11 @@ def meta(spec: BridgeSpec) -> Meta:
     import torch
 
     cfg = transformers_config(spec)
-    with torch.device("meta"):
-        model = auto_class(cfg).from_config(cfg)
+    try:
+        with torch.device("meta"):
+            model = auto_class(cfg).from_config(cfg)
+    except ImportError as e:  # a package its classes need (transformers' requires_backends, a module import)
+        raise needs_package(spec.architecture, e) from None
     plan = model_plan(model)
     tensors = checkpoint_tensors(model)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}

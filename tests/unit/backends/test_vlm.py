@@ -215,3 +215,53 @@ def test_a_plan_entry_for_one_layer_kind_splits_only_those_layers_and_the_table_
     assert rows[o.format(0) + ".weight"].transform == REPLICATED
     assert rows[o.format(1) + ".weight"].transform != REPLICATED
     assert m.plan.style("model.language_model.layers.0.mlp.gate_proj") == "colwise"  # the kind's other entries stay
+
+
+def test_a_model_transformers_does_not_load_back_is_refused_naming_the_tensor():
+    """ShieldGemma 2's conversion mapping adds a `model.` prefix on load (a PrefixChange, which
+    saving drops): the saved `model.language_model.model.*` is read as
+    `model.model.language_model.model.*`, so from_pretrained would initialise its language
+    model at random. Gemma 3, its language model's own class, reads back what it saves."""
+    from transformers import AutoModelForImageTextToText
+
+    from megatron_bridge.backends.transformers.loading import read_back_misses
+    from megatron_bridge.bridge.hf_config import UnsupportedFeatures
+
+    saved, read = "model.language_model.model.embed_tokens.weight", "model.model.language_model.model.embed_tokens"
+    with pytest.raises(
+        UnsupportedFeatures, match=f"does not load back the checkpoint it saves: it reads {saved} as {read}"
+    ):
+        _spec("shieldgemma2")
+    spec = _spec("gemma3")
+    assert backend_of(spec).table(spec)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_config("gemma3"))
+    names = {n: n for n in model.state_dict()}  # each module name reads back onto itself
+    assert not read_back_misses(model, names)
+    assert read_back_misses(model, {"model.language_model.norm.weight": "model.language_model.nrm.weight"}) == {
+        "model.language_model.norm.weight": ("model.language_model.nrm.weight", "model.language_model.nrm.weight")
+    }
+
+
+def test_a_package_the_model_s_classes_need_is_one_error_naming_its_install(tmp_path, monkeypatch, capsys):
+    """FastVLM's vision tower is timm's (TimmWrapperModel): without timm, transformers' own
+    requires_backends raises while the meta model is built; `mbr check` gives its install."""
+    import json
+
+    from transformers.utils import import_utils
+
+    from megatron_bridge.backends.transformers.loading import needs_package
+    from megatron_bridge.cli import main
+
+    monkeypatch.setitem(import_utils.BACKENDS_MAPPING, "timm", (lambda: False, import_utils.TIMM_IMPORT_ERROR))
+    hf = {**tiny_config("fast_vlm").to_dict(), "architectures": ["FastVlmForConditionalGeneration"]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert main(["check", "model.backend=transformers", f"model.hf_path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "[hf-package]" in err and "needs the timm package (TimmWrapperModel)" in err, err
+    assert "Fix: pip install timm" in err and "Traceback" not in err, err
+    scipy = needs_package(
+        "InklingForConditionalGeneration", ModuleNotFoundError("No module named 'scipy'", name="scipy")
+    )
+    assert (str(scipy), scipy.fix) == ("InklingForConditionalGeneration needs the scipy package, not installed",
+                                       "pip install scipy")  # fmt: skip

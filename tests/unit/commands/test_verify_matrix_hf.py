@@ -21,6 +21,18 @@ def test_a_model_the_backend_refuses_is_one_refused_row(tmp_path, monkeypatch):
     assert not (tmp_path / "mixtral.ref.pt").exists()
 
 
+def test_a_tiny_model_whose_classes_need_a_package_not_installed_is_refused_naming_it(tmp_path, monkeypatch):
+    """FastVLM's and Gemma 3n's vision towers are timm's (TimmWrapperModel, transformers' own
+    requires_backends): without timm the row is the backend's refusal of the config, its own
+    blocker first (Gemma 3n's AltUp), else the package to install; never a FAIL."""
+    from transformers.utils import import_utils
+
+    monkeypatch.setitem(import_utils.BACKENDS_MAPPING, "timm", (lambda: False, import_utils.TIMM_IMPORT_ERROR))
+    out = V.prepare("fast_vlm", tmp_path, ["tp2"], vlm=True)
+    assert out == {"*": "FastVlmForConditionalGeneration needs the timm package (TimmWrapperModel), not installed"}
+    assert V.prepare("gemma3n", tmp_path, ["tp2"], vlm=True)["*"].startswith("Gemma3nTextModel.forward: AltUp")
+
+
 def test_a_config_with_non_finite_floats_is_described_and_refused_by_its_layers(tmp_path):
     """Mamba hybrids write time_step_limit's Infinity as {"__float__": "Infinity"}: decoded as
     transformers' reader does, the rows are named refusals or runs (here every layout runs:
