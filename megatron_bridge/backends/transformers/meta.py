@@ -202,7 +202,8 @@ def checkpoint_names(
     direction (GPT-NeoX's `lm_head` is saved as `embed_out`; experts one tensor each:
     backends/transformers/experts.py; a fused q/k/v conv as its pieces: backends/transformers/fused.py; a
     vision tower's q/k/v from its fused qkv: backends/transformers/split.py). A tensor any other converter
-    would rewrite is refused."""
+    would rewrite is refused, and so is a saved name transformers' loader would not read back onto its
+    tensor (backends/transformers/loading.py `read_back_misses`)."""
     # transformers imported here: the core imports third-party packages only inside functions
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
