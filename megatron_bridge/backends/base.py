@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from megatron_bridge.bridge.layout import Coords, Layout
@@ -63,11 +63,16 @@ class Backend(ABC):
         weights, LoRA targets); None for a model described without one."""
         return None
 
-    def adapter_names(self, spec: BridgeSpec, row: Resolved) -> list[str]:
+    def adapter_names(self, spec: BridgeSpec, row: Resolved | Row) -> list[str]:
         """The HF tensor names a LoRA adapter on `row`'s linear is keyed by in a PEFT adapter
         file (`<module>.lora_A.weight`): the modules of the model PEFT loads it onto. Native
         families: the checkpoint names, which are the modules'."""
         return list(row.hf)
+
+    def lora_refusals(self, spec: BridgeSpec, targets: Sequence[str]) -> list[str]:
+        """`module (class)` of each module `targets` name that PEFT would adapt and this backend
+        does not (none for native families: their tables name every HF linear)."""
+        return []
 
     def freeze_groups(self, spec: BridgeSpec) -> tuple[str, ...]:
         """The parts `model.freeze` may name for this model (none: a text model has one part)."""

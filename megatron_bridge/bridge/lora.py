@@ -16,20 +16,20 @@ The adapter's state in HF PEFT's own file layout (`adapter_model.safetensors`) i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_bridge.bridge.mapping import Column, FusedGateUp, FusedQKV, Row, WholeLinear
+from megatron_bridge.bridge.mapping import Column, FusedGateUp, FusedQKV, Row
 from megatron_bridge.bridge.registry import get_family
 from megatron_bridge.bridge.table import Mapping
 from megatron_bridge.errors import UserError
 
 # Transforms of megatron linears LoRA can wrap: column-parallel (output rows split, maybe
-# fused from several HF linears) and row-parallel (input columns split).
+# fused from several HF linears) and row-parallel (input columns split); and any transform that
+# says it `adapts_whole` (a linear whole on every rank: its adapters too).
 COLUMN_KINDS = (FusedQKV, FusedGateUp, Column)
 ROW_KINDS = (Row,)
-WHOLE_KINDS = (WholeLinear,)  # a linear whole on every rank: its adapters too
 ADAPTER_CHILD = "lora"  # the adapter module's attribute name on the megatron linear
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -54,7 +54,9 @@ def matches(module: str, target: str) -> bool:
 
 
 def is_linear_row(m: Mapping) -> bool:
-    return m.megatron.endswith(".weight") and isinstance(m.transform, COLUMN_KINDS + ROW_KINDS + WHOLE_KINDS)
+    return m.megatron.endswith(".weight") and (
+        isinstance(m.transform, COLUMN_KINDS + ROW_KINDS) or m.transform.adapts_whole
+    )
 
 
 @dataclass(frozen=True)
@@ -71,25 +73,37 @@ class Target:
     @property
     def whole(self) -> bool:
         """A linear whole on every TP rank: A and B whole too, no communication."""
-        return isinstance(self.mapping.transform, WHOLE_KINDS)
+        return self.mapping.transform.adapts_whole
 
 
-def targetable(table: Sequence[Mapping]) -> list[str]:
+def _checkpoint_names(m: Mapping) -> Sequence[str]:
+    return m.hf
+
+
+def targetable(table: Sequence[Mapping], names: Callable[[Mapping], Sequence[str]] = _checkpoint_names) -> list[str]:
     """The short HF module names a family's table offers (for error messages)."""
-    names = {hf_module(h).rsplit(".", 1)[-1] for m in table if is_linear_row(m) for h in m.hf}
-    return sorted(names)
+    found = {hf_module(h).rsplit(".", 1)[-1] for m in table if is_linear_row(m) for h in names(m)}
+    return sorted(found)
 
 
-def resolve_targets(table: Sequence[Mapping], targets: Sequence[str], family: str) -> list[Target]:
+def resolve_targets(
+    table: Sequence[Mapping],
+    targets: Sequence[str],
+    family: str,
+    names: Callable[[Mapping], Sequence[str]] = _checkpoint_names,
+) -> list[Target]:
     """The table rows `targets` hit; a target that hits nothing is a UserError naming the
-    family's linears (so a typo or another family's name never silently trains nothing)."""
+    family's linears (so a typo or another family's name never silently trains nothing).
+    `names(row)`: the tensor names of the modules PEFT would adapt for the row, one per HF
+    input (`Backend.adapter_names`; the checkpoint's names for native families)."""
     out: list[Target] = []
     hit: set[str] = set()
     for m in table:
         if not is_linear_row(m):
             continue
-        srcs = tuple(i for i, h in enumerate(m.hf) if any(matches(hf_module(h), t) for t in targets))
-        hit.update(t for t in targets for h in m.hf if matches(hf_module(h), t))
+        mods = [hf_module(h) for h in names(m)]
+        srcs = tuple(i for i, h in enumerate(mods) if any(matches(h, t) for t in targets))
+        hit.update(t for t in targets for h in mods if matches(h, t))
         if srcs:
             out.append(Target(m, srcs))
     missing = [t for t in targets if t not in hit]
@@ -97,7 +111,7 @@ def resolve_targets(table: Sequence[Mapping], targets: Sequence[str], family: st
         raise UserError(
             f"peft.target_modules={list(targets)}: {missing or 'an empty list'} "
             f"{'names no' if missing else 'has no'} linear module of the {family} family. Use its Hugging "
-            f"Face module names: {', '.join(targetable(table))} (e.g. peft.target_modules=[q_proj,v_proj])."
+            f"Face module names: {', '.join(targetable(table, names))} (e.g. peft.target_modules=[q_proj,v_proj])."
         )
     return out
 

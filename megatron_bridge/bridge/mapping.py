@@ -54,6 +54,9 @@ class Transform:
     # q/k/v the model holds as three tensors); `merge` gives those rows alone, and the exporters
     # put the n rows' merges together along dim 0 in i order (`join_pieces`)
     piece: tuple[int, int] | None = None
+    # a linear's weight whole on every rank that a LoRA may adapt, its A and B whole too (a VLM's
+    # vision tower on the transformers backend; bridge/lora.py)
+    adapts_whole = False
 
     def blocks(self, hf_shapes: Sequence[Shape], s: Shard, shapes: Shapes) -> list[Block]:
         """The rank-local tensor of shard `s` as blocks; raises ValueError when the shapes
@@ -90,7 +93,9 @@ class Replicated(Transform):
 
 class WholeLinear(Replicated):
     """A linear layer's weight whole on every rank (a VLM's vision tower on the transformers
-    backend): replicated, and a linear LoRA may adapt (bridge/lora.py `WHOLE_KINDS`)."""
+    backend): replicated, and a linear LoRA may adapt."""
+
+    adapts_whole = True
 
 
 class Scalar(Transform):

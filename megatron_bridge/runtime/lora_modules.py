@@ -22,6 +22,7 @@ adapters are marked `allreduce=False` (expert-DP grads and optimizer, like exper
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -93,6 +94,9 @@ class LoraAdapter(torch.nn.Module):
             a, b = full[0]
             self.A = torch.nn.ParameterDict({"0": torch.nn.Parameter(a.to(**kw).clone())})
             self.B = torch.nn.Parameter(b.to(**kw).clone())
+            if getattr(w, "sequence_parallel", False):  # on sequence-split hidden states: summed over TP
+                for ab in (self.A["0"], self.B):
+                    ab.sequence_parallel = True  # type: ignore[union-attr]  # megatron reads it
         elif self.column:
             b_all = [full[i][1] if i in full else torch.zeros(s[0], peft.rank) for i, s in enumerate(hf_shapes)]
             self.blocks = [(b.src, b.n) for b in tf.blocks([tuple(b.shape) for b in b_all], shard, shapes)]
@@ -257,7 +261,8 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
     if peft.init_from:
         given = load_file(f"{peft.init_from}/{ADAPTER_WEIGHTS}")
     table, backend = table_for(spec), backend_of(spec)
-    targets = {id(t.mapping): t for t in resolve_targets(table, list(peft.target_modules), spec.family)}
+    modules = functools.partial(backend.adapter_names, spec)
+    targets = {id(t.mapping): t for t in resolve_targets(table, list(peft.target_modules), spec.family, modules)}
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
     init = _initializer(seed, peft.rank, given, peft.init_from)

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
 from megatron_bridge.backends.base import Backend, Shape
-from megatron_bridge.backends.transformers import checkpoint
+from megatron_bridge.backends.transformers import adapters, checkpoint
 from megatron_bridge.backends.transformers.aux import aux_limits
 from megatron_bridge.backends.transformers.experts import (
     JoinedStackedExperts,
@@ -250,7 +250,8 @@ class TransformersBackend(Backend):
                 continue
             if name in m.split:  # a run of rows of one checkpoint tensor (backends/transformers/split.py)
                 c = m.split[name]
-                rows.setdefault(t, Row(t, m.hf_template(name), ChunkPiece(c.at, c.rows, c.nth, c.pieces, c.heads)))
+                piece = ChunkPiece(c.at, c.rows, c.nth, c.pieces, c.heads, linear=name in m.whole_linears)
+                rows.setdefault(t, Row(t, m.hf_template(name), piece))
                 rows.setdefault(t + AS_HELD, Row(t, t, TRANSFORMS[kind]))  # or as the model holds it
                 continue
             if name in m.transposed:  # stacked in the file with two dims swapped
@@ -290,11 +291,11 @@ class TransformersBackend(Backend):
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return dict(json.loads(spec.hf_json))
 
-    def adapter_names(self, spec: BridgeSpec, row: Resolved) -> list[str]:
-        """The module's own name (the chunk's: transformers' module path), which is what PEFT
-        adapts, where the checkpoint saves it under another (Qwen2.5-VL's `model.layers.*` for
-        `model.language_model.layers.*`)."""
-        return [row.megatron] if len(row.hf) == 1 else list(row.hf)
+    def adapter_names(self, spec: BridgeSpec, row: Resolved | Row) -> list[str]:
+        return adapters.adapter_names(row)
+
+    def lora_refusals(self, spec: BridgeSpec, targets: Sequence[str]) -> list[str]:
+        return adapters.lora_refusals(meta(spec), self.table(spec), targets)
 
     def freeze_groups(self, spec: BridgeSpec) -> tuple[str, ...]:
         return FREEZE_GROUPS if meta(spec).plan.vision else ()

@@ -50,6 +50,10 @@ UNBUILT_KINDS = {
     "hybrid": _INKLING,
     "hybrid_sliding": _INKLING,
 }
+# nn.Linear subclasses whose forward is the linear's own arithmetic, x @ W.T + b (FalconLinear
+# adds the bias after the matmul, for bf16 rounding as trained): megatron's linears replace them
+# where the plan splits them, and a LoRA may adapt them where it does not (meta.py `whole_linears`)
+PLAIN_LINEARS = ("Linear", "FalconLinear")
 # submodules (by attribute name) that stay whole on every TP rank and are never split by head,
 # whatever the plan next to them splits: a sparse-attention indexer reads whole tensors (the
 # hidden states, the q latent) under `torch.no_grad` and returns top-k key indices shared by all
@@ -223,6 +227,7 @@ __all__ = [
     "NO_CP_KINDS",
     "NO_PACKING_KINDS",
     "PACKING_KINDS",
+    "PLAIN_LINEARS",
     "PER_LAYER_INPUTS",
     "SHARED_STATE",
     "UNBUILT",

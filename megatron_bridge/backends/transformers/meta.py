@@ -17,8 +17,9 @@ from typing import Any
 
 from megatron_bridge.backends.transformers.experts import stacked, transposed
 from megatron_bridge.backends.transformers.fused import fused
+from megatron_bridge.backends.transformers.kinds import PLAIN_LINEARS
 from megatron_bridge.backends.transformers.loading import needs_package, read_back_misses
-from megatron_bridge.backends.transformers.plan import PP_CONVENTION, Plan, override, plan_of, tensor_kinds
+from megatron_bridge.backends.transformers.plan import PP_CONVENTION, REPLICATED, Plan, override, plan_of, tensor_kinds
 from megatron_bridge.backends.transformers.split import Split, split
 from megatron_bridge.backends.transformers.vision import (
     builds_vlm,
@@ -260,9 +261,12 @@ class Meta:
     fused: dict[str, tuple[tuple[str, ...], int]]  # a fused tensor -> (its checkpoint pieces, their dim)
     integers: frozenset[str] = frozenset()  # checkpoint names of the tensors the model holds as integers
     transposed: dict[str, tuple[int, int, bool]] = dataclasses.field(default_factory=dict)  # experts.transposed
-    whole_linears: frozenset[str] = frozenset()  # weights of the nn.Linear modules of a VLM's vision pieces
+    # weights of the plain nn.Linear modules the plan leaves whole (a VLM's vision tower, an unplanned
+    # attention): LoRA adapts them whole
+    whole_linears: frozenset[str] = frozenset()
     refused: tuple[str, ...] = ()  # what of a VLM the stages cannot run (vision.language_refusals)
     split: dict[str, Split] = dataclasses.field(default_factory=dict)  # a tensor cut from one checkpoint tensor
+    peft_modules: dict[str, str] = dataclasses.field(default_factory=dict)  # `_peft_modules`
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -312,13 +316,26 @@ def meta(spec: BridgeSpec) -> Meta:
     kinds = tensor_kinds(plan, shapes, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
     saved, experts, fused, swapped, cut = checkpoint_names(model, shapes, kinds)
     integers = frozenset(saved[n] for n, t in tensors.items() if not t.is_floating_point() and n in saved)
+    peft = _peft_modules(model)
     whole = frozenset(
         f"{n}.weight"
-        for n, mod in model.named_modules()
-        if type(mod) is torch.nn.Linear and any(n.startswith(p + ".") for p in plan.vision)
+        for n, kind in peft.items()
+        if kind in PLAIN_LINEARS and kinds.get(f"{n}.weight") == REPLICATED and plan.style(n) is None
     )
     refused = _language_refusals(model, plan)
-    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut)
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut, peft)
+
+
+def _peft_modules(model: Any) -> dict[str, str]:
+    """{module name: its class name} of every module PEFT's LoRA wraps when a target names it
+    (its supported layer types), so a target that names one the stages cannot adapt is refused,
+    not dropped (`TransformersBackend.lora_refusals`)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    nn = torch.nn
+    types = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D)
+    return {n: type(mod).__name__ for n, mod in model.named_modules() if n and isinstance(mod, types)}
 
 
 def embedding_refusal(emb: Any) -> str | None:

@@ -49,8 +49,11 @@ class ChunkPiece(Transform):
 
     whole = True
 
-    def __init__(self, at: int, rows: int, index: int = 0, count: int = 1, heads: int = 0) -> None:
+    def __init__(
+        self, at: int, rows: int, index: int = 0, count: int = 1, heads: int = 0, linear: bool = False
+    ) -> None:
         self.at, self.rows, self.index, self.count, self.heads = at, rows, index, count, heads
+        self.adapts_whole = linear  # a linear's weight (a vision tower's q_proj): LoRA may adapt it
         self.piece = (index, count) if count > 1 else None
 
     def _blocks(self, hf_shapes: Any, s: Shard, shapes: Shapes) -> list[Block]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.lora import base_of, resolve_targets
 from megatron_bridge.errors import UserError
@@ -41,11 +43,21 @@ def lora_targets(f: Facts) -> list[Violation]:
     p = getattr(cfg, "peft", None)
     if p is None or p.method != "lora":
         return []
-    table = backend_of(m).table(m)  # the rows that apply to this model: its linears by their HF names
+    backend = backend_of(m)
+    table = backend.table(m)  # the rows that apply to this model: its linears by their HF names
     try:
-        targets = resolve_targets(table, list(p.target_modules), m.family)
+        targets = resolve_targets(table, list(p.target_modules), m.family, functools.partial(backend.adapter_names, m))
     except UserError as e:
         return _v("lora-targets", str(e).split(". Use ")[0], "use " + str(e).split(". Use ", 1)[1].rstrip("."))
+    refused = backend.lora_refusals(m, list(p.target_modules))
+    if refused:
+        more = f" (+{len(refused) - 3} more)" if len(refused) > 3 else ""
+        return _v(
+            "lora-targets",
+            f"peft.target_modules={list(p.target_modules)} also names {', '.join(refused[:3])}{more}, which PEFT "
+            "would adapt and LoRA here does not (only linear layers are adapted)",
+            "name the linear modules by a longer suffix (e.g. self_attn.q_proj) so the others are left out",
+        )
     if any(t.mapping.is_expert for t in targets) and d.etp > 1:
         return _v(
             "lora-experts-etp",

@@ -20,6 +20,7 @@ from megatron.core.utils import init_method_normal
 from transformers import PreTrainedModel
 
 from megatron_bridge.backends.transformers.experts import SPLIT_DIMS, expert_split
+from megatron_bridge.backends.transformers.kinds import PLAIN_LINEARS
 from megatron_bridge.backends.transformers.plan import (
     ATTENTION_NAMES,
     COLUMN_STYLES,
@@ -63,9 +64,6 @@ from megatron_bridge.runtime.transformers.layers import (
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
 # those that count query heads alone (`mqa_fused_qkv`: the one K/V head stays whole on every rank)
 QUERY_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads")
-# nn.Linear subclasses whose forward is the linear's own arithmetic, x @ W.T + b (FalconLinear
-# adds the bias after the matmul, for bf16 rounding as trained): megatron's linears replace them
-PLAIN_LINEARS = ("Linear", "FalconLinear")
 # modules that hold others but are never called themselves: not a unit `whole_under_sp` can wrap
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 

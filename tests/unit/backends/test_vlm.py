@@ -6,7 +6,7 @@ docs/vlm.md, and tests/dist/test_vlm_*.py.)"""
 import pytest
 import torch
 
-from megatron_bridge.backends.describe import describe_hf
+from megatron_bridge.backends.describe import describe, describe_hf
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.backends.transformers.checkpoint import PRE
 from megatron_bridge.backends.transformers.meta import class_name, meta
@@ -265,3 +265,60 @@ def test_a_package_the_model_s_classes_need_is_one_error_naming_its_install(tmp_
     )
     assert (str(scipy), scipy.fix) == ("InklingForConditionalGeneration needs the scipy package, not installed",
                                        "pip install scipy")  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["kimi_k25", "mistral_large4", "qwen2_5_vl"])
+def test_lora_targets_adapt_the_modules_peft_adapts_or_are_refused(model_type, tmp_path):
+    """A LoRA target names the model's own modules as PEFT does: a vision tower's q/k/v cut from
+    its saved qkv (Kimi-K2.5's MoonViT), an attention the plan leaves whole (Mistral Large 4's
+    language layers), any unplanned linear; a module PEFT would wrap that the stages do not
+    adapt (a patch embedding's convolution) is refused by name, never dropped. PEFT is the oracle."""
+    import functools
+
+    from peft import LoraConfig, get_peft_model
+
+    from megatron_bridge.bridge.lora import hf_module, resolve_targets
+    from megatron_bridge.bridge.table import resolve_megatron
+    from megatron_bridge.runtime.hf_tiny import build_tiny
+
+    model = build_tiny(model_type, image_text=True)
+    model.save_pretrained(tmp_path)  # before PEFT wraps its modules
+    spec = describe_hf(
+        {**model.config.to_dict(), "model_type": model_type}, make_vocab_size_divisible_by=8, backend="transformers"
+    )
+    backend, plan = backend_of(spec), meta(spec).plan
+    leaves = {n.rsplit(".", 1)[-1] for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+    targets = sorted(t for t in leaves if not t.isdigit() and t != "lm_head")
+    table = backend.table(spec)
+    hit = {
+        id(t.mapping): t
+        for t in resolve_targets(table, targets, spec.family, functools.partial(backend.adapter_names, spec))
+    }
+    ours = set()
+    for name in backend.expected(spec, spec.padded_vocab_size(1)):
+        row = resolve_megatron(table, name)
+        if row is not None and id(row.mapping) in hit:
+            ours |= {hf_module(backend.adapter_names(spec, row)[i]) for i in hit[id(row.mapping)].srcs}
+    peft = get_peft_model(model, LoraConfig(target_modules=targets, r=2))
+    theirs = {
+        n.removeprefix("base_model.model.").removesuffix(".lora_A")
+        for n, _ in peft.named_modules()
+        if n.endswith(".lora_A")
+    }
+    refused = backend.lora_refusals(spec, targets)
+    assert ours <= theirs and sorted(f"{n} (" for n in theirs - ours) == sorted(r.split("(")[0] + "(" for r in refused)
+    assert any(n.startswith(plan.vision) for n in ours) and any(n.startswith(plan.prefix) for n in ours)
+    if model_type == "kimi_k25":
+        assert refused == ["model.vision_tower.patch_embed.proj (Conv2d)"]
+        from megatron_bridge.config.compose import compose
+        from megatron_bridge.errors import LayoutError
+        from megatron_bridge.parallel.rules.registry import validate
+
+        base = ["recipe=tiny_llama", f"model.hf_path={tmp_path}", "parallel.tp=1", "parallel.pp=1", "peft=lora"]
+        cfg, _ = compose([*base, "peft.target_modules=[proj,q_proj]"])  # mbr check's rules
+        with pytest.raises(LayoutError) as e:
+            validate(cfg, describe(cfg.model), world_size=1)
+        assert [v.rule for v in e.value.violations] == ["lora-targets"] and "patch_embed.proj (Conv2d)" in str(e.value)
+        assert {"model.vision_tower.layers.0.attn.q_proj", "model.vision_tower.layers.0.attn.v_proj"} <= ours
+    if model_type == "mistral_large4":
+        assert "model.language_model.layers.0.self_attn.q_proj" in ours and not refused
