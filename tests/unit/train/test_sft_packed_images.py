@@ -86,6 +86,24 @@ def test_packed_rows_keep_each_conversation_with_its_images(packed):
         assert int((s["tokens"] == image_token).sum()) == runs  # no image token outside an image's run
 
 
+def test_a_sample_whose_inputs_miss_an_image_placeholder_is_refused(packed):
+    """A sample's inputs are tokens[:-1] of a conversation's first seq_length + 1: an image whose
+    last placeholder is the last token kept (a label only) would leave the model a placeholder
+    short of its features (transformers raises mid-step); it is refused naming max_length."""
+    from megatron_bridge.errors import UserError
+    from megatron_bridge.train.data.sft import SFTDataset
+
+    _, ds, _ = packed
+    c = next(c for c in range(len(ds)) if len(ds.images(c)) == 2)
+    end = ds.images(c)[1].start + ds.images(c)[1].tokens
+    with pytest.raises(
+        UserError, match=rf"conversation {c} has an image at tokens .*\.\.{end - 1}, .*max_length={end}"
+    ):
+        SFTDataset(ds, [c], end - 1, packing=True, seed=SEED)[0]
+    s = SFTDataset(ds, [c], end, packing=True, seed=SEED)[0]  # its last placeholder is input end - 1
+    assert s["image_refs"] == ds.images(c) and torch.equal(s["tokens"], torch.from_numpy(ds[c][0][:end]))
+
+
 def _reference(model_dir, ds, conversations):
     """transformers' per-token cross-entropy of each conversation alone, with its own images, and the
     gradient of their masked sum (keyed by checkpoint names: parity.saved_grads)."""
