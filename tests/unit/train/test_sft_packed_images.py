@@ -6,8 +6,10 @@ mode=chat`, packed by data=sft (train/data/sft.py), collated with their images a
 transformers backend's model as training runs it (runtime/packing.py `model_inputs`): every
 conversation's per-token losses equal transformers' on that conversation alone with its own images,
 and so does the gradient of the masked loss; the vision tower gets the micro-batch's images in the
-order of their placeholders, and no row separates a conversation from its images. Two controls show the comparison can fail: the same row
-with its images in another order, or without the restarting positions (one long sequence), differ."""
+order of their placeholders, and no row separates a conversation from its images. Cut into two
+stages as pp2 cuts it, the later stage (no pixels) derives the same masks and losses. Two controls
+show the comparison can fail: the same row with its images in another order, or without the
+restarting positions (one long sequence), differ."""
 
 from __future__ import annotations
 
@@ -125,23 +127,30 @@ def _reference(model_dir, ds, conversations):
     return out, saved_grads(hf)
 
 
-def test_packed_image_chats_equal_transformers_per_conversation(packed, groups1):
-    """One micro-batch of every packed row (flattened to one THD row, as training runs mbs > 1):
-    each conversation's per-token losses are transformers' on it alone, and so is the gradient
-    of the masked loss sum (the vision tower's included)."""
+def _built(model_dir):
+    """(spec, the transformers backend's one-stage model at tp1 with the checkpoint loaded)."""
     from megatron_bridge.backends.describe import describe_hf
     from megatron_bridge.bridge.hf_config import read_hf_config
     from megatron_bridge.bridge.layout import Layout
     from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.runtime.weights import load_hf_weights
+
+    spec = describe_hf(read_hf_config(model_dir), make_vocab_size_divisible_by=1, backend="transformers")
+    (chunk,) = build_model(spec, Layout(), load_weights=True)
+    load_hf_weights([chunk], spec, model_dir)
+    return spec, chunk.eval()
+
+
+def test_packed_image_chats_equal_transformers_per_conversation(packed, groups1):
+    """One micro-batch of every packed row (flattened to one THD row, as training runs mbs > 1):
+    each conversation's per-token losses are transformers' on it alone, and so is the gradient
+    of the masked loss sum (the vision tower's included)."""
     from megatron_bridge.runtime.packing import model_inputs
-    from megatron_bridge.runtime.weights import iter_hf_tensors, load_hf_weights
+    from megatron_bridge.runtime.weights import iter_hf_tensors
     from megatron_bridge.train.engine_base import loss_func
 
     model, ds, sft = packed
-    spec = describe_hf(read_hf_config(model), make_vocab_size_divisible_by=1, backend="transformers")
-    (chunk,) = build_model(spec, Layout(), load_weights=True)
-    load_hf_weights([chunk], spec, model)
-    chunk.eval()
+    spec, chunk = _built(model)
     fed: list[torch.Tensor] = []
     chunk.get_submodule("model.vision_tower").register_forward_pre_hook(
         lambda _, args, kw: fed.append((kw.get("pixel_values", args[0] if args else None)).clone()), with_kwargs=True
@@ -187,3 +196,47 @@ def test_packed_image_chats_equal_transformers_per_conversation(packed, groups1)
         assert max(float((a - b).abs().max()) for a, b in zip(per_conversation(run(swapped)), want)) > 1e-3
         flat = {**batch, "position_ids": torch.arange(len(sft) * SEQ).view(len(sft), SEQ)}
         assert max(float((a - b).abs().max()) for a, b in zip(per_conversation(run(flat)), want)) > 1e-3
+
+
+def test_a_later_pipeline_stage_derives_the_packed_row_s_masks_without_pixels(packed, groups1):
+    """The model cut into two stages (as pp2 cuts it, in one process): the second runs the VLM's
+    forward on the ids and positions alone (no pixels: VisionFront.positions) for its masks, Gemma 3's
+    image-bidirectional ones included, and its losses are the one-stage model's (transformers')."""
+    from megatron_bridge.backends.transformers.backend import meta, model_plan, transformers_config
+    from megatron_bridge.backends.transformers.meta import auto_class
+    from megatron_bridge.backends.transformers.vision import text_config_of
+    from megatron_bridge.bridge.layout import Layout
+    from megatron_bridge.runtime.packing import model_inputs
+    from megatron_bridge.runtime.transformers import attention
+    from megatron_bridge.runtime.transformers.build import Stage, transformer_config
+
+    model, _, sft = packed
+    spec, whole = _built(model)
+    cfg, cpu = transformers_config(spec), torch.device("cpu")
+    with torch.device("meta"):
+        full = auto_class(cfg).from_config(cfg)
+    text = text_config_of(full.config)
+    text._attn_implementation = attention.implementation(text, cpu)
+    n = spec.num_layers
+
+    def stage(layers, pre, post):
+        args = (spec, full, model_plan(full), meta(spec).kinds, transformer_config(spec, Layout()), cpu, True)
+        return Stage(*args).chunk(layers, pre, post).eval()
+
+    first, second = stage(range(0, n // 2), True, False), stage(range(n // 2, n), False, True)
+    weights = whole.state_dict()
+    for c in (first, second):
+        missing = c.load_state_dict({k: v for k, v in weights.items() if k in c.state_dict()}, strict=False)
+        assert not missing.unexpected_keys and missing.missing_keys in (
+            [],
+            [f"{c.plan.head}.weight"] * spec.tie_word_embeddings,
+        )
+    if spec.tie_word_embeddings:  # the last stage's copy of a tied embedding (megatron syncs it from the first's)
+        with torch.no_grad():
+            second.shared_embedding_or_output_weight().copy_(whole.shared_embedding_or_output_weight())
+    args, kw = model_inputs(sft.collate([sft[i] for i in range(len(sft))]))
+    with torch.no_grad():
+        want = whole(*args, **kw)
+        second.set_input_tensor(first(*args, **kw))
+        got = second(*args, **kw)
+    assert float((got - want).abs().max()) < TOL
