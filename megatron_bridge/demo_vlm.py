@@ -39,11 +39,12 @@ TEXT = ["what is in this picture? a red square and a blue circle, hello world"] 
 PIXELS = 28  # one placeholder token per 28 x 28 pixels
 
 
-def make_processor(d: Path, template: str = TEMPLATE, max_pixels: int = 112 * 112) -> Path:
+def make_tokenizer(template: str = TEMPLATE, **roles: str):
+    """The processors' tokenizer: byte-level BPE over `TEXT` with `SPECIALS`, `<|image_pad|>` its
+    image token (`roles`: more named special tokens, e.g. boi_token="<|vision_start|>"), `template`
+    its chat template (in memory; a processor saves it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.paddleocr_vl import PaddleOCRVLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -56,11 +57,21 @@ def make_processor(d: Path, template: str = TEMPLATE, max_pixels: int = 112 * 11
     )
     tok.train_from_iterator(TEXT, trainer)
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", extra_special_tokens={"image_token": "<|image_pad|>"}
+        tokenizer_object=tok, eos_token="<|im_end|>", extra_special_tokens={"image_token": "<|image_pad|>", **roles}
     )
     hf.chat_template = template
+    return hf
+
+
+def make_processor(d: Path, template: str = TEMPLATE, max_pixels: int = 112 * 112) -> Path:
+    from transformers.models.paddleocr_vl import PaddleOCRVLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     image_processor = Qwen2VLImageProcessorPil(min_pixels=PIXELS * PIXELS, max_pixels=max_pixels)
-    PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=hf, chat_template=template).save_pretrained(str(d))
+    tokenizer = make_tokenizer(template)
+    PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template).save_pretrained(
+        str(d)
+    )
     return d
 
 

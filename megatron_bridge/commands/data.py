@@ -79,7 +79,8 @@ def _sft_hint(prefix: str, tokenizer: str) -> str:
 def _images_hint(prefix: str, tokenizer: str) -> str:
     return (
         f"fine-tune a vision-language model on it with: data=sft data.paths=[{prefix}] data.tokenizer={tokenizer} "
-        'data.packing=false model.hf_path=<the VLM\'s directory> (docs/finetune.md, "Vision-language models")'
+        "model.hf_path=<the VLM's directory>, and data.packing=false where its positions come from the images "
+        '(Qwen-style M-RoPE; docs/finetune.md, "Vision-language models")'
     )
 
 

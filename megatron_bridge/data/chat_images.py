@@ -113,12 +113,13 @@ def _moved(x: int, reps: list[tuple[tuple[int, int], tuple[int, int]]]) -> int:
 
 
 def truncate(ids: list[int], mask: list[int], images: list[EncodedImage], n: int):
-    """The first `n` tokens, cut earlier where that would split an image's tokens; only the
-    images wholly inside are kept."""
+    """The first `n` tokens, cut earlier where that would split an image's tokens or end on one:
+    a conversation's last token is only a label (inputs tokens[:-1]), so an image ending there
+    would lose a placeholder from the model's inputs. Only the images wholly before it are kept."""
     for im in images:
-        if im.start < n < im.start + im.tokens:
+        if im.start < n <= im.start + im.tokens:
             n = im.start
-    return ids[:n], mask[:n], [im for im in images if im.start + im.tokens <= n]
+    return ids[:n], mask[:n], [im for im in images if im.start + im.tokens < n]
 
 
 class SidecarWriter:

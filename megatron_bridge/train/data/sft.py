@@ -24,9 +24,9 @@ Either way the loss is the sum of the masked token losses over the global batch 
 count (train/engines.py), so packed and padded samples of the same conversations give the same loss.
 
 Image chats (format megatron_bridge.chat/2, docs/data.md "Image chats"): a sample also carries its
-conversations' images (`image_refs`, in order; an image the truncation would cut is refused), and
-`collate` turns a micro-batch's images into the model's image inputs (`images`: pixel_values,
-image_grid_thw, ...) with the processor the data was made with.
+conversations' images (`image_refs`, in order; an image whose placeholders the inputs do not all
+hold is refused), and `collate` turns a micro-batch's images into the model's image inputs
+(`images`: pixel_values, image_grid_thw, ...) with the processor the data was made with.
 """
 
 from __future__ import annotations
@@ -139,16 +139,19 @@ class SFTDataset:
         return out
 
     def _images(self, conversations: list[int]) -> list[Any]:
-        """The images of a sample's conversations in order; one the truncation to seq_length + 1
-        tokens would cut is refused (its placeholders would outnumber its features)."""
+        """The images of a sample's conversations in order; one whose placeholders the sample's
+        inputs do not all hold (tokens[:-1] of the first seq_length + 1) is refused: its features
+        would outnumber its placeholders."""
         kept = []
         for c in conversations:
+            n = int(self._positions[c])
             for im in self.chat.images(c):
-                if im.start + im.tokens > self.seq_length + 1:
+                if im.start + im.tokens > n:
                     raise UserError(
                         f"{self.chat.prefix}: conversation {c} has an image at tokens {im.start}..{im.start + im.tokens - 1}, "
-                        f"past train.seq_length+1={self.seq_length + 1}: make the data with max_length="
-                        f"{self.seq_length + 1} (`mbr data mode=chat ... max_length=`), which never cuts an image"
+                        f"and a sample's inputs hold its first {n} tokens (train.seq_length={self.seq_length}; the last "
+                        f"token kept is only a label): make the data with max_length={self.seq_length + 1} "
+                        "(`mbr data mode=chat ... max_length=`), which never cuts an image nor ends on one"
                     )
                 kept.append(im)
         return kept

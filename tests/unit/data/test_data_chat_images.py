@@ -167,6 +167,12 @@ def test_truncation_never_splits_an_image(proc_dir, tmp_path):
     st = preprocess_chat(tmp_path / "c.jsonl", tmp_path / "cut", proc_dir, max_length=start + 3)
     tokens, mask, images = ImageChatDataset(tmp_path / "cut")[0]
     assert st.truncated == 1 and len(tokens) == start < full and images == [] and mask.any()
+    # a cut right after the image would end the conversation on it: its last token, a label only
+    end = start + ImageChatDataset(tmp_path / "full").images(0)[0].tokens
+    for n, kept in ((end, 0), (end + 1, 1)):
+        preprocess_chat(tmp_path / "c.jsonl", tmp_path / f"at{n}", proc_dir, max_length=n)
+        tokens, _, images = ImageChatDataset(tmp_path / f"at{n}")[0]
+        assert (len(tokens), len(images)) == ((start, 0) if not kept else (n, 1))
 
 
 def test_load_images_refuses_a_changed_processor(src, proc_dir, tmp_path):
