@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_bridge.backends.transformers.kinds import PER_LAYER_INPUTS
+
 # token types a VLM's forward reads (Gemma 3's bidirectional attention within an image; Qwen's
 # M-RoPE positions), and where a config keeps its image placeholder's id
 TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
@@ -45,11 +47,15 @@ IGNORED = (
 # the language model's method)}; Qwen3-VL's deepstack adds vision features of earlier vision
 # layers to the hidden states at the image tokens after decoder layer i (Qwen3VLTextModel.forward)
 AFTER_LAYER = {"deepstack_visual_embeds": ("visual_pos_masks", "_deepstack_process")}
+# keywords by which a VLM's forward hands its language model the token part of its per-layer
+# inputs (kinds.PER_LAYER_INPUTS: Gemma 4's, image tokens looked up as padding); the first stage
+# projects its merged embeddings onto them, as the language model's forward does
+PER_LAYER_TOKENS = tuple(kw for _, kw, _ in PER_LAYER_INPUTS.values())
 
 
 # keywords a language model's forward takes that every one does (what `TAKEN` and `IGNORED` cover,
 # and the TransformersKwargs it passes down)
-COMMON_INPUTS = (*TAKEN, *IGNORED, "kwargs")
+COMMON_INPUTS = (*TAKEN, *IGNORED, *PER_LAYER_TOKENS, "kwargs")
 
 
 def language_refusals(forward_params: list[str], passes: tuple[str, ...]) -> list[str]:
@@ -229,6 +235,7 @@ __all__ = [
     "IGNORED",
     "IMAGE_POSITIONS",
     "IMAGE_TOKEN",
+    "PER_LAYER_TOKENS",
     "TAKEN",
     "TOKEN_TYPES",
     "language_refusals",

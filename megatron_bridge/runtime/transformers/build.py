@@ -190,7 +190,8 @@ class Stage(Pieces):
         embed = plan.embed.rpartition(".")[2]
         base = self.full.get_submodule(plan.front)
         passes = tuple(kw for kw, _ in override(self.spec.family).layer_inputs)
-        return VisionFront(base, plan.language, embed, self.spec.hidden_size, self.tconfig.params_dtype, passes)
+        hidden, dtype = self.spec.hidden_size, self.tconfig.params_dtype
+        return VisionFront(base, plan.language, embed, hidden, dtype, self.device, passes)
 
     def _own(self, path: str) -> torch.nn.Parameter:
         """A VLM front's own parameter (LLaVA-OneVision's image_newline), materialised in place

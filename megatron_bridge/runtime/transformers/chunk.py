@@ -239,7 +239,8 @@ class HFChunk(MegatronModule):
                 h = self.get_submodule(self.plan.embed)(input_ids)
             if "embed_scale" in self.forward_math:
                 h = h * self.forward_math["embed_scale"]
-            per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
+            tokens = front.per_layer if front is not None else None  # a VLM's (vision.PER_LAYER_TOKENS)
+            per_layer = self.per_layer.compute(input_ids, h, tokens) if self.per_layer else None
             for path in self.plan.pre:
                 if path not in self.text_identity:
                     h = self.get_submodule(path)(h)

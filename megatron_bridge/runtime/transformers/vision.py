@@ -24,7 +24,15 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from megatron_bridge.backends.transformers.vision import AFTER_LAYER, IGNORED, IMAGE_TOKEN, TAKEN, TOKEN_TYPES
+from megatron_bridge.backends.transformers.vision import (
+    AFTER_LAYER,
+    IGNORED,
+    IMAGE_TOKEN,
+    PER_LAYER_TOKENS,
+    TAKEN,
+    TOKEN_TYPES,
+    text_config_of,
+)
 from megatron_bridge.errors import UserError
 
 
@@ -57,11 +65,16 @@ class _Capture(torch.nn.Module):
 
 class _Zeros(torch.nn.Module):
     """The embedding of a stage that holds none: zeros of the right shape (positions and masks
-    read only the embeddings' shape, dtype and device)."""
+    read only the embeddings' shape, dtype and device; Gemma 4's forward reads the padding
+    token's row of the weight, for per-layer inputs only the first stage uses)."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, dtype: torch.dtype, rows: int, device: torch.device) -> None:
         super().__init__()
-        self.hidden, self.dtype = hidden, dtype
+        self.hidden, self.dtype, self.rows, self.device = hidden, dtype, rows, device
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.rows, self.hidden)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=self.dtype, device=ids.device).expand(*ids.shape, self.hidden)
@@ -77,6 +90,7 @@ class Front:
     after_layer: dict[int, tuple[Any, torch.Tensor, torch.Tensor]]  # layer -> (AFTER_LAYER method, mask, rows)
     every: torch.Tensor | None = None  # the one 4-D mask a VLM built for every layer
     passed: dict[str, torch.Tensor] | None = None  # layer inputs the VLM's forward gave (VisionFront.passes)
+    per_layer: torch.Tensor | None = None  # the token part of the per-layer inputs (PER_LAYER_TOKENS), first stage
 
     def mask(self, kind: str) -> Any:
         """The VLM's own mask for layers of `kind`, None where it built none (the stage makes it)."""
@@ -111,13 +125,14 @@ class VisionFront:
         embed_name: str,
         hidden: int,
         dtype: torch.dtype,
+        device: torch.device,
         passes: tuple[str, ...] = (),
     ) -> None:
         """`passes`: keywords the language model's layers take from its inputs (the override's
         `layer_inputs`: Qwen4-Exp's `ple_input_ids`), which a VLM's forward may hand it itself."""
         self.base, self.text, self.embed_name, self.passes = base, text, embed_name, passes
         self.language = getattr(base, text)
-        self.zeros = _Zeros(hidden, dtype)
+        self.zeros = _Zeros(hidden, dtype, int(text_config_of(base.config).vocab_size), device)
         takes = inspect.signature(base.forward).parameters
         self.token_types = [n for n in TOKEN_TYPES if n in takes]
         cfg = base.config
@@ -137,14 +152,16 @@ class VisionFront:
     ) -> Front:
         """The first stage: the embeddings with the image features merged, positions and masks
         (`position_ids`: a packed row's, handed to the forward; None: the forward's own)."""
-        return self._run(input_ids, embed, images, position_ids)
+        return self._run(input_ids, embed, images, position_ids, first=True)
 
     def positions(self, input_ids: torch.Tensor, images: dict[str, torch.Tensor], position_ids: Any = None) -> Front:
         """A later stage: the same positions and masks, from the ids and the image grids (no pixels)."""
         kept = {k: v for k, v in images.items() if not k.startswith("pixel_values")}
-        return self._run(input_ids, self.zeros, kept, position_ids)
+        return self._run(input_ids, self.zeros, kept, position_ids, first=False)
 
-    def _run(self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor], position_ids: Any) -> Front:
+    def _run(
+        self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor], position_ids: Any, first: bool
+    ) -> Front:
         capture = _Capture(self.language, embed, self.embed_name)
         self.base._modules[self.text] = capture
         given = {} if position_ids is None else {"position_ids": position_ids}
@@ -156,11 +173,13 @@ class VisionFront:
             raise UserError(f"{type(self.base).__name__}.forward did not call its language model")
         finally:
             self.base._modules[self.text] = self.language
-        return self._front(kwargs)
+        return self._front(kwargs, first)
 
-    def _front(self, kwargs: dict[str, Any]) -> Front:
+    def _front(self, kwargs: dict[str, Any], first: bool) -> Front:
+        """`first`: the first stage's run, whose per-layer inputs are kept (a later stage is sent
+        them; its run looks the ids up in the meta model's table, a meta tensor left unused)."""
         partners = {p for p, _ in AFTER_LAYER.values()}
-        known = (*TAKEN, *IGNORED, *AFTER_LAYER, *partners, *self.passes)
+        known = (*TAKEN, *IGNORED, *AFTER_LAYER, *partners, *self.passes, *PER_LAYER_TOKENS)
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in known)
         if unknown:
             raise UserError(
@@ -175,7 +194,8 @@ class VisionFront:
         masks = mask if isinstance(mask, dict) else None
         every = mask if torch.is_tensor(mask) and mask.ndim == 4 else None  # PaliGemma's one prefix-LM mask
         passed = {k: kwargs[k] for k in self.passes if kwargs.get(k) is not None}
-        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every, passed)
+        tokens = next((kwargs[k] for k in PER_LAYER_TOKENS if kwargs.get(k) is not None), None) if first else None
+        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every, passed, tokens)
 
 
 def text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
