@@ -54,7 +54,9 @@ class PerLayerInputs:
         for name, module in modules.items():
             setattr(self, name, module)
 
-    def compute(self, input_ids: torch.Tensor, embeds: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def compute(
+        self, input_ids: torch.Tensor, embeds: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[b, s, L, d_pl] for this rank's tokens (its sequence slice under SP), as the base model's
         forward. `tokens`: the token part a VLM's forward handed its language model (whole
         sequence; vision.PER_LAYER_TOKENS), else looked up here from input_ids."""
