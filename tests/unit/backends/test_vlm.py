@@ -197,6 +197,19 @@ def test_a_vlm_the_stages_cannot_run_is_refused_by_describe_naming_why(model_typ
         _spec(model_type)
 
 
+def test_a_vlm_handing_its_language_model_the_per_layer_token_part_is_described():
+    """Gemma4Model.forward hands its language model `per_layer_inputs` (its ids looked up, image
+    tokens as padding): a declared keyword (kinds.PER_LAYER_INPUTS), which the first stage projects
+    its merged embeddings onto (runtime/transformers/per_layer.py; numbers: the VLM matrix)."""
+    from megatron_bridge.backends.transformers.vision import PER_LAYER_TOKENS, language_refusals
+
+    assert PER_LAYER_TOKENS == ("per_layer_inputs",)
+    assert not meta(_spec("gemma4")).refused
+    assert language_refusals(["inputs_embeds", "per_layer_inputs", "vision_mask"], ()) == [
+        "its language model's forward takes vision_mask, which the transformers backend's stages do not pass on"
+    ]
+
+
 def test_an_expert_width_given_per_expert_group_is_the_widest_for_the_planner():
     from megatron_bridge.backends.transformers.experts import expert_width
 
