@@ -47,6 +47,10 @@ IGNORED = (
 # the language model's method)}; Qwen3-VL's deepstack adds vision features of earlier vision
 # layers to the hidden states at the image tokens after decoder layer i (Qwen3VLTextModel.forward)
 AFTER_LAYER = {"deepstack_visual_embeds": ("visual_pos_masks", "_deepstack_process")}
+# keywords the language model's forward adds at the image tokens before decoder layer k, as
+# {layer k: rows}: {keyword: its partner mask}. Granite-4-Vision's deepstack and spatial features
+# (Granite4VisionTextModel.forward: the arithmetic of Qwen3-VL's `_deepstack_process`, inline)
+BEFORE_LAYER = {"deepstack_features": "vision_mask"}
 # keywords by which a VLM's forward hands its language model the token part of its per-layer
 # inputs (kinds.PER_LAYER_INPUTS: Gemma 4's, image tokens looked up as padding); the first stage
 # projects its merged embeddings onto them, as the language model's forward does
@@ -64,7 +68,7 @@ def language_refusals(forward_params: list[str], passes: tuple[str, ...]) -> lis
     (`passes`). Refused by describe, so that every rank refuses before any process group
     (a stage that never sees the keyword would otherwise wait on one that raised)."""
     partners = {p for p, _ in AFTER_LAYER.values()}
-    known = {*COMMON_INPUTS, *AFTER_LAYER, *partners, *passes}
+    known = {*COMMON_INPUTS, *AFTER_LAYER, *partners, *BEFORE_LAYER, *BEFORE_LAYER.values(), *passes}
     odd = [p for p in forward_params if p not in known]
     return (
         [f"its language model's forward takes {', '.join(odd)}, which the transformers backend's stages do not pass on"]
@@ -194,12 +198,21 @@ def vision_parts(model: Any) -> VisionParts | None:
 # after decoder layers 0, 1, ...; runtime/transformers/vision.py AFTER_LAYER). Only the first
 # pipeline stage runs the vision tower, so those layers must be on it.
 AFTER_LAYER_LISTS = ("deepstack_visual_indexes",)
+# the config's lists of the decoder layers vision features are added before (BEFORE_LAYER):
+# {key: where in an entry the layer is, None: the entry itself}; Granite-4-Vision's
+# deepstack_layer_map of (vision layer, decoder layer) pairs and spatial_target_layers
+BEFORE_LAYER_LISTS: dict[str, int | None] = {"deepstack_layer_map": 1, "spatial_target_layers": None}
 
 
 def after_layer_count(cfg: Any) -> int:
-    """How many of the first decoder layers take vision features after them (`AFTER_LAYER_LISTS`)."""
+    """How many of the first decoder layers take vision features (`AFTER_LAYER_LISTS` after them,
+    `BEFORE_LAYER_LISTS` before them): the first stage must hold that many."""
     vision = getattr(cfg, "vision_config", None)
-    return max((len(getattr(vision, k, None) or ()) for k in AFTER_LAYER_LISTS), default=0)
+    after = [len(getattr(vision, k, None) or ()) for k in AFTER_LAYER_LISTS]
+    before = [
+        int(e if at is None else e[at]) + 1 for k, at in BEFORE_LAYER_LISTS.items() for e in getattr(cfg, k, None) or ()
+    ]
+    return max((*after, *before), default=0)
 
 
 def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_layers: int) -> list[tuple[str, str]]:
@@ -220,7 +233,7 @@ def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_l
     if first is not None and after_layers and not set(range(after_layers)) <= set(first):
         out.append(
             (
-                f"the vision tower's features are added after decoder layers 0..{after_layers - 1} (deepstack), but "
+                f"the vision tower's features are added at decoder layers 0..{after_layers - 1} (deepstack), but "
                 f"the first pipeline stage, which runs the vision tower, holds layers {first.start}..{first.stop - 1}",
                 f"put at least {after_layers} layers on the first stage (parallel.layers_first_stage)",
             )
@@ -231,6 +244,8 @@ def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_l
 __all__ = [
     "AFTER_LAYER",
     "AFTER_LAYER_LISTS",
+    "BEFORE_LAYER",
+    "BEFORE_LAYER_LISTS",
     "COMMON_INPUTS",
     "IGNORED",
     "IMAGE_POSITIONS",

@@ -321,6 +321,8 @@ class HFChunk(MegatronModule):
                 extra.update({k: fn(layer_positions) for k, fn in self.nope_kwargs.items()})
             if per_layer is not None and self.per_layer is not None:
                 extra[self.per_layer.keyword] = per_layer[:, :, int(i)]
+            if front is not None:  # vision.BEFORE_LAYER (Granite-4-Vision's deepstack)
+                h = front.before(int(i), h, bool(self.config.sequence_parallel))
             out = layer(
                 h,
                 attention_mask=masks[kind],

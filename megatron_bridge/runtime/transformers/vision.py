@@ -26,6 +26,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 
 from megatron_bridge.backends.transformers.vision import (
     AFTER_LAYER,
+    BEFORE_LAYER,
     IGNORED,
     IMAGE_TOKEN,
     PER_LAYER_TOKENS,
@@ -91,28 +92,48 @@ class Front:
     every: torch.Tensor | None = None  # the one 4-D mask a VLM built for every layer
     passed: dict[str, torch.Tensor] | None = None  # layer inputs the VLM's forward gave (VisionFront.passes)
     per_layer: torch.Tensor | None = None  # the token part of the per-layer inputs (PER_LAYER_TOKENS), first stage
+    before_layer: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] | None = None  # the same, BEFORE_LAYER
 
     def mask(self, kind: str) -> Any:
         """The VLM's own mask for layers of `kind`, None where it built none (the stage makes it)."""
         return self.every if self.every is not None else (self.masks or {}).get(kind)
 
     def after(self, i: int, h: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-        """`h` after decoder layer `i`'s AFTER_LAYER step (none: unchanged). Under sequence
-        parallelism `h` is this rank's slice of the sequence: the step gets the slice of the
-        mask and the rows at it; the rows pass an all-reduce in backward first, so every rank's
-        vision tower gets the whole gradient, as through the embeddings."""
-        if i not in self.after_layer:
-            return h
-        fn, mask, rows = self.after_layer[i]
-        if sequence_parallel:
-            n, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-            width = mask.shape[1] // n
-            keep = torch.zeros_like(mask)
-            keep[:, rank * width : (rank + 1) * width] = True
-            index = (mask.flatten().cumsum(0) - 1)[(mask & keep).flatten()]
-            rows = copy_to_tensor_model_parallel_region(rows, group=ps.get_tensor_model_parallel_group())[index]
-            mask = mask[:, rank * width : (rank + 1) * width]
-        return fn(h, mask, rows)
+        """`h` after decoder layer `i`'s AFTER_LAYER step (none: unchanged)."""
+        return _step(self.after_layer.get(i), h, sequence_parallel)
+
+    def before(self, i: int, h: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        """`h` with the BEFORE_LAYER rows of decoder layer `i` added (none: unchanged)."""
+        return _step((self.before_layer or {}).get(i), h, sequence_parallel)
+
+
+def add_at(h: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` added to `h` at `mask` ([b, s]): Qwen3VLTextModel._deepstack_process's arithmetic,
+    which Granite4VisionTextModel.forward writes inline (BEFORE_LAYER)."""
+    h = h.clone()
+    h[mask, :] = h[mask, :] + rows.to(h.device, h.dtype)
+    return h
+
+
+def _step(
+    step: tuple[Any, torch.Tensor, torch.Tensor] | None, h: torch.Tensor, sequence_parallel: bool
+) -> torch.Tensor:
+    """`h` after one (fn, mask, rows) step. Under sequence parallelism `h` is this rank's slice
+    of the sequence: the step gets the slice of the mask and the rows at it; the rows pass an
+    all-reduce in backward first, so every rank's vision tower gets the whole gradient, as
+    through the embeddings."""
+    if step is None:
+        return h
+    fn, mask, rows = step
+    if sequence_parallel:
+        n, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        width = mask.shape[1] // n
+        keep = torch.zeros_like(mask)
+        keep[:, rank * width : (rank + 1) * width] = True
+        index = (mask.flatten().cumsum(0) - 1)[(mask & keep).flatten()]
+        rows = copy_to_tensor_model_parallel_region(rows, group=ps.get_tensor_model_parallel_group())[index]
+        mask = mask[:, rank * width : (rank + 1) * width]
+    return fn(h, mask, rows)
 
 
 class VisionFront:
@@ -179,7 +200,8 @@ class VisionFront:
         """`first`: the first stage's run, whose per-layer inputs are kept (a later stage is sent
         them; its run looks the ids up in the meta model's table, a meta tensor left unused)."""
         partners = {p for p, _ in AFTER_LAYER.values()}
-        known = (*TAKEN, *IGNORED, *AFTER_LAYER, *partners, *self.passes, *PER_LAYER_TOKENS)
+        known = (*TAKEN, *IGNORED, *AFTER_LAYER, *partners, *BEFORE_LAYER, *BEFORE_LAYER.values())
+        known = (*known, *self.passes, *PER_LAYER_TOKENS)
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in known)
         if unknown:
             raise UserError(
@@ -190,12 +212,17 @@ class VisionFront:
         for key, (partner, method) in AFTER_LAYER.items():
             for i, value in enumerate(kwargs.get(key) or ()):
                 after[i] = (getattr(self.language, method), kwargs[partner], value)
+        before: dict[int, tuple[Any, ...]] = {}
+        for key, partner in BEFORE_LAYER.items():
+            for i, value in (kwargs.get(key) or {}).items():
+                mask = kwargs[partner]
+                before[int(i)] = (add_at, mask[..., 0] if mask.ndim == 3 else mask, value)  # Granite's [b, s, 1]
         mask = kwargs.get("attention_mask")
         masks = mask if isinstance(mask, dict) else None
         every = mask if torch.is_tensor(mask) and mask.ndim == 4 else None  # PaliGemma's one prefix-LM mask
         passed = {k: kwargs[k] for k in self.passes if kwargs.get(k) is not None}
         tokens = next((kwargs[k] for k in PER_LAYER_TOKENS if kwargs.get(k) is not None), None) if first else None
-        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every, passed, tokens)
+        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every, passed, tokens, before)
 
 
 def text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

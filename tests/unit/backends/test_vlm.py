@@ -75,6 +75,10 @@ def test_what_check_refuses_of_a_vlm_names_the_piece():
     limits = backend_of(deep).layout_limits(deep, ParallelDims.parse("pp2"))  # layers 0-1 | 2-3
     assert any("deepstack" in w and "layers 0..1" in w for w, _ in limits)
     assert not backend_of(deep).layout_limits(deep, ParallelDims.parse("tp2"))
+    granite = _spec("granite4_vision")  # features added before layers 0..3 (its layer maps: vision.BEFORE_LAYER_LISTS)
+    assert not meta(granite).refused and not backend_of(granite).layout_limits(granite, ParallelDims.parse("tp2"))
+    limits = backend_of(granite).layout_limits(granite, ParallelDims.parse("pp2"))
+    assert any("decoder layers 0..3" in w and "layers 0..1" in w for w, _ in limits)
 
 
 def test_packing_a_vlm_is_refused_where_its_forward_derives_positions_from_the_images():
@@ -170,7 +174,6 @@ def test_transposed_experts_read_either_layout_and_write_the_model_s():
     "model_type, why",
     [
         ("muse_glimmer", "its embedding is a MuseGlimmerTextNormedEmbedding, not nn.Embedding"),
-        ("granite4_vision", "its language model's forward takes vision_mask, deepstack_features"),
     ],
 )
 def test_what_only_the_first_stage_would_meet_is_refused_by_describe(model_type, why):
@@ -205,8 +208,8 @@ def test_a_vlm_handing_its_language_model_the_per_layer_token_part_is_described(
 
     assert PER_LAYER_TOKENS == ("per_layer_inputs",)
     assert not meta(_spec("gemma4")).refused
-    assert language_refusals(["inputs_embeds", "per_layer_inputs", "vision_mask"], ()) == [
-        "its language model's forward takes vision_mask, which the transformers backend's stages do not pass on"
+    assert language_refusals(["inputs_embeds", "per_layer_inputs", "ple_input_ids"], ()) == [
+        "its language model's forward takes ple_input_ids, which the transformers backend's stages do not pass on"
     ]
 
 
