@@ -200,19 +200,24 @@ def vision_parts(model: Any) -> VisionParts | None:
 AFTER_LAYER_LISTS = ("deepstack_visual_indexes",)
 # the config's lists of the decoder layers vision features are added before (BEFORE_LAYER):
 # {key: where in an entry the layer is, None: the entry itself}; Granite-4-Vision's
-# deepstack_layer_map of (vision layer, decoder layer) pairs and spatial_target_layers
+# deepstack_layer_map of (vision layer, decoder layer) pairs and spatial_target_layers. At pp > 1
+# their features travel from the first stage to the layer's, behind the hidden states
+# (runtime/transformers/vision.py `Carried`).
 BEFORE_LAYER_LISTS: dict[str, int | None] = {"deepstack_layer_map": 1, "spatial_target_layers": None}
 
 
 def after_layer_count(cfg: Any) -> int:
-    """How many of the first decoder layers take vision features (`AFTER_LAYER_LISTS` after them,
-    `BEFORE_LAYER_LISTS` before them): the first stage must hold that many."""
+    """How many of the first decoder layers take vision features after them (`AFTER_LAYER_LISTS`)."""
     vision = getattr(cfg, "vision_config", None)
-    after = [len(getattr(vision, k, None) or ()) for k in AFTER_LAYER_LISTS]
-    before = [
-        int(e if at is None else e[at]) + 1 for k, at in BEFORE_LAYER_LISTS.items() for e in getattr(cfg, k, None) or ()
-    ]
-    return max((*after, *before), default=0)
+    return max((len(getattr(vision, k, None) or ()) for k in AFTER_LAYER_LISTS), default=0)
+
+
+def before_layers(cfg: Any) -> tuple[int, ...]:
+    """The decoder layers a VLM's config adds vision features before (`BEFORE_LAYER_LISTS`), sorted."""
+    found = {
+        int(e if at is None else e[at]) for k, at in BEFORE_LAYER_LISTS.items() for e in getattr(cfg, k, None) or ()
+    }
+    return tuple(sorted(found))
 
 
 def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_layers: int) -> list[tuple[str, str]]:
@@ -233,7 +238,7 @@ def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_l
     if first is not None and after_layers and not set(range(after_layers)) <= set(first):
         out.append(
             (
-                f"the vision tower's features are added at decoder layers 0..{after_layers - 1} (deepstack), but "
+                f"the vision tower's features are added after decoder layers 0..{after_layers - 1} (deepstack), but "
                 f"the first pipeline stage, which runs the vision tower, holds layers {first.start}..{first.stop - 1}",
                 f"put at least {after_layers} layers on the first stage (parallel.layers_first_stage)",
             )
@@ -256,6 +261,7 @@ __all__ = [
     "language_refusals",
     "FREEZE_GROUPS",
     "after_layer_count",
+    "before_layers",
     "PROJECTORS",
     "VisionParts",
     "builds_vlm",

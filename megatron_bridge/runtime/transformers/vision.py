@@ -102,9 +102,43 @@ class Front:
         """`h` after decoder layer `i`'s AFTER_LAYER step (none: unchanged)."""
         return _step(self.after_layer.get(i), h, sequence_parallel)
 
-    def before(self, i: int, h: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-        """`h` with the BEFORE_LAYER rows of decoder layer `i` added (none: unchanged)."""
-        return _step((self.before_layer or {}).get(i), h, sequence_parallel)
+    def added(self, h: torch.Tensor, sequence_parallel: bool) -> dict[int, torch.Tensor]:
+        """{layer: the BEFORE_LAYER rows at their tokens, zeros elsewhere, [b, s, h] like `h`}: a
+        dense tensor, so that it can travel to the stage holding the layer (`Carried`). Under
+        sequence parallelism this rank's slice; the rows pass an all-reduce in backward first,
+        so every rank's vision tower gets the whole gradient, as through the embeddings."""
+        out = {}
+        for i, (fn, mask, rows) in (self.before_layer or {}).items():
+            if sequence_parallel:
+                rows = copy_to_tensor_model_parallel_region(rows, group=ps.get_tensor_model_parallel_group())
+            dense = fn(h.new_zeros(*mask.shape, h.shape[-1]), mask, rows)
+            if sequence_parallel:
+                width, rank = h.shape[1], ps.get_tensor_model_parallel_rank()
+                dense = dense[:, rank * width : (rank + 1) * width]
+            out[i] = dense
+        return out
+
+
+class Carried:
+    """The BEFORE_LAYER features of `layers` (`vision.before_layers`) at pp > 1: only the first
+    stage runs the vision tower, so each travels dense ([b, s, h], zeros where no image is)
+    behind megatron's [s, b, ...] tensor, which is `len(layers) * hidden` wider (build.py); their
+    gradient comes back the same way."""
+
+    def __init__(self, layers: tuple[int, ...], hidden: int) -> None:
+        self.layers, self.hidden = layers, hidden
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """megatron's [s, b, w + L*h] -> its [s, b, w] and {layer: [b, s, h]}."""
+        n = len(self.layers) * self.hidden
+        rest, packed = x[..., : x.shape[-1] - n], x[..., x.shape[-1] - n :].transpose(0, 1)
+        return rest, {k: packed[..., j * self.hidden : (j + 1) * self.hidden] for j, k in enumerate(self.layers)}
+
+    def join(self, out: torch.Tensor, added: dict[int, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """`out` ([s, b, w]) with every layer's features behind it (zeros for none: a text batch)."""
+        zeros = h.new_zeros(*h.shape[:2], self.hidden)
+        feats = [added.get(k, zeros) for k in self.layers]
+        return torch.cat([out, torch.cat(feats, dim=-1).transpose(0, 1)], dim=-1).contiguous()
 
 
 def add_at(h: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -236,4 +270,4 @@ def text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, tor
     return position_ids, position_ids
 
 
-__all__ = ["Front", "VisionFront", "text_positions"]
+__all__ = ["Carried", "Front", "VisionFront", "add_at", "text_positions"]

@@ -75,10 +75,25 @@ def test_what_check_refuses_of_a_vlm_names_the_piece():
     limits = backend_of(deep).layout_limits(deep, ParallelDims.parse("pp2"))  # layers 0-1 | 2-3
     assert any("deepstack" in w and "layers 0..1" in w for w, _ in limits)
     assert not backend_of(deep).layout_limits(deep, ParallelDims.parse("tp2"))
-    granite = _spec("granite4_vision")  # features added before layers 0..3 (its layer maps: vision.BEFORE_LAYER_LISTS)
-    assert not meta(granite).refused and not backend_of(granite).layout_limits(granite, ParallelDims.parse("tp2"))
-    limits = backend_of(granite).layout_limits(granite, ParallelDims.parse("pp2"))
-    assert any("decoder layers 0..3" in w and "layers 0..1" in w for w, _ in limits)
+
+
+def test_features_added_before_layers_of_later_stages_travel_behind_the_hidden_states():
+    """Granite-4-Vision adds vision features before decoder layers its config lists
+    (vision.BEFORE_LAYER_LISTS); at pp > 1 each travels dense behind megatron's tensor
+    (runtime/transformers/vision.py `Carried`), so no pipeline split is refused for them.
+    (Numbers against transformers at tp2, pp2, tp2·pp2: the VLM matrix, docs/vlm.md.)"""
+    from megatron_bridge.backends.transformers.vision import before_layers
+    from megatron_bridge.runtime.transformers.vision import Carried
+
+    granite = _spec("granite4_vision")
+    assert before_layers(tiny_config("granite4_vision")) == (0, 1, 2, 3)  # deepstack 0, 1; spatial 0..3
+    assert not meta(granite).refused
+    assert not backend_of(granite).layout_limits(granite, ParallelDims.parse("pp2"))
+    carried, h = Carried((1, 3), 4), torch.randn(2, 5, 4)
+    out = torch.randn(5, 2, 6)
+    added = {3: torch.randn(2, 5, 4)}
+    rest, got = carried.split(carried.join(out, added, h))
+    assert torch.equal(rest, out) and torch.equal(got[3], added[3]) and not got[1].any()
 
 
 def test_packing_a_vlm_is_refused_where_its_forward_derives_positions_from_the_images():
