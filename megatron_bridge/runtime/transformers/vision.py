@@ -10,8 +10,9 @@ stops the forward at the language model's call, keeping what it was given: every
 transformers' own code.
 
 Later pipeline stages run the same forward without pixels (`positions`): positions and masks come
-from the token ids and the image grids alone, so every stage derives the same ones and nothing but
-the hidden states travels between stages.
+from the token ids and the image grids alone, so every stage derives the same ones. What only the
+first stage can make travels behind the hidden states: Gemma 4's per-layer inputs (per_layer.py),
+the features a VLM adds before decoder layers of later stages (`Carried`).
 """
 
 from __future__ import annotations
@@ -92,15 +93,29 @@ class Front:
     every: torch.Tensor | None = None  # the one 4-D mask a VLM built for every layer
     passed: dict[str, torch.Tensor] | None = None  # layer inputs the VLM's forward gave (VisionFront.passes)
     per_layer: torch.Tensor | None = None  # the token part of the per-layer inputs (PER_LAYER_TOKENS), first stage
-    before_layer: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] | None = None  # the same, BEFORE_LAYER
+    before_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> (BEFORE_LAYER mask, rows)
 
     def mask(self, kind: str) -> Any:
         """The VLM's own mask for layers of `kind`, None where it built none (the stage makes it)."""
         return self.every if self.every is not None else (self.masks or {}).get(kind)
 
     def after(self, i: int, h: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-        """`h` after decoder layer `i`'s AFTER_LAYER step (none: unchanged)."""
-        return _step(self.after_layer.get(i), h, sequence_parallel)
+        """`h` after decoder layer `i`'s AFTER_LAYER step (none: unchanged). Under sequence
+        parallelism `h` is this rank's slice of the sequence: the step gets the slice of the
+        mask and the rows at it; the rows pass an all-reduce in backward first, so every rank's
+        vision tower gets the whole gradient, as through the embeddings."""
+        if i not in self.after_layer:
+            return h
+        fn, mask, rows = self.after_layer[i]
+        if sequence_parallel:
+            n, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+            width = mask.shape[1] // n
+            keep = torch.zeros_like(mask)
+            keep[:, rank * width : (rank + 1) * width] = True
+            index = (mask.flatten().cumsum(0) - 1)[(mask & keep).flatten()]
+            rows = copy_to_tensor_model_parallel_region(rows, group=ps.get_tensor_model_parallel_group())[index]
+            mask = mask[:, rank * width : (rank + 1) * width]
+        return fn(h, mask, rows)
 
     def added(self, h: torch.Tensor, sequence_parallel: bool) -> dict[int, torch.Tensor]:
         """{layer: the BEFORE_LAYER rows at their tokens, zeros elsewhere, [b, s, h] like `h`}: a
@@ -108,10 +123,10 @@ class Front:
         sequence parallelism this rank's slice; the rows pass an all-reduce in backward first,
         so every rank's vision tower gets the whole gradient, as through the embeddings."""
         out = {}
-        for i, (fn, mask, rows) in (self.before_layer or {}).items():
+        for i, (mask, rows) in (self.before_layer or {}).items():
             if sequence_parallel:
                 rows = copy_to_tensor_model_parallel_region(rows, group=ps.get_tensor_model_parallel_group())
-            dense = fn(h.new_zeros(*mask.shape, h.shape[-1]), mask, rows)
+            dense = add_at(h.new_zeros(*mask.shape, h.shape[-1]), mask, rows)
             if sequence_parallel:
                 width, rank = h.shape[1], ps.get_tensor_model_parallel_rank()
                 dense = dense[:, rank * width : (rank + 1) * width]
@@ -147,27 +162,6 @@ def add_at(h: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Ten
     h = h.clone()
     h[mask, :] = h[mask, :] + rows.to(h.device, h.dtype)
     return h
-
-
-def _step(
-    step: tuple[Any, torch.Tensor, torch.Tensor] | None, h: torch.Tensor, sequence_parallel: bool
-) -> torch.Tensor:
-    """`h` after one (fn, mask, rows) step. Under sequence parallelism `h` is this rank's slice
-    of the sequence: the step gets the slice of the mask and the rows at it; the rows pass an
-    all-reduce in backward first, so every rank's vision tower gets the whole gradient, as
-    through the embeddings."""
-    if step is None:
-        return h
-    fn, mask, rows = step
-    if sequence_parallel:
-        n, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        width = mask.shape[1] // n
-        keep = torch.zeros_like(mask)
-        keep[:, rank * width : (rank + 1) * width] = True
-        index = (mask.flatten().cumsum(0) - 1)[(mask & keep).flatten()]
-        rows = copy_to_tensor_model_parallel_region(rows, group=ps.get_tensor_model_parallel_group())[index]
-        mask = mask[:, rank * width : (rank + 1) * width]
-    return fn(h, mask, rows)
 
 
 class VisionFront:
@@ -246,11 +240,11 @@ class VisionFront:
         for key, (partner, method) in AFTER_LAYER.items():
             for i, value in enumerate(kwargs.get(key) or ()):
                 after[i] = (getattr(self.language, method), kwargs[partner], value)
-        before: dict[int, tuple[Any, ...]] = {}
+        before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for key, partner in BEFORE_LAYER.items():
             for i, value in (kwargs.get(key) or {}).items():
                 mask = kwargs[partner]
-                before[int(i)] = (add_at, mask[..., 0] if mask.ndim == 3 else mask, value)  # Granite's [b, s, 1]
+                before[int(i)] = (mask[..., 0] if mask.ndim == 3 else mask, value)  # Granite's is [b, s, 1]
         mask = kwargs.get("attention_mask")
         masks = mask if isinstance(mask, dict) else None
         every = mask if torch.is_tensor(mask) and mask.ndim == 4 else None  # PaliGemma's one prefix-LM mask
