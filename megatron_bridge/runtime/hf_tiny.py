@@ -118,13 +118,15 @@ def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
 
 
 def perturb_constants_(
-    model: torch.nn.Module, seed: int = 0, scale: float = 0.1, zero_scale: float = 0.02
+    model: torch.nn.Module, seed: int = 0, scale: float = 0.1, zero_scale: float = 0.02, bound: float = 100.0
 ) -> list[str]:
     """Perturb every parameter and persistent floating buffer whose values are all equal.
 
     A constant c ≠ 0 becomes c·(1 + scale·N(0, 1)) elementwise (norm weights of 1: 1 ± 0.1); a constant 0
     becomes zero_scale·N(0, 1) (biases, zero-initialised gates and routing-correction biases: small enough
-    that every expert still gets tokens). Returns the names perturbed, in order."""
+    that every expert still gets tokens); an infinite one (a clamp bound that is no bound yet: Gemma 4's
+    clipped linears) becomes ±bound·(1 + scale·N(0, 1)), finite as a released checkpoint's trained bounds
+    are (c·(1 + noise) would be NaN). Returns the names perturbed, in order."""
     g = torch.Generator().manual_seed(seed)
     persistent = set(model.state_dict())
     tensors: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
@@ -139,6 +141,8 @@ def perturb_constants_(
                 continue
             c = float(flat[0])
             noise = torch.randn(t.shape, generator=g, dtype=torch.float32).to(t.dtype)
+            if c in (float("inf"), float("-inf")):
+                c = bound if c > 0 else -bound
             t.copy_(c + (scale * abs(c) if c else zero_scale) * noise)
             done.append(name)
     return done

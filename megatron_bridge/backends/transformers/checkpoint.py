@@ -54,7 +54,7 @@ def pieces(m: Meta, cfg: object, names: list[str]) -> dict[str, str | int]:
     """{tensor name: the stage piece it belongs to}: a layer index, or PRE / POST / LM_HEAD /
     EVERY (`cfg`: the transformers config, for the per-layer-input modules)."""
     per_layer = [
-        f"{m.plan.prefix}.{mod}" for k, (_, mods) in PER_LAYER_INPUTS.items() if getattr(cfg, k, None) for mod in mods
+        f"{m.plan.prefix}.{mod}" for k, (*_, mods) in PER_LAYER_INPUTS.items() if getattr(cfg, k, None) for mod in mods
     ]
     out: dict[str, str | int] = {}
     for name in names:

@@ -120,15 +120,18 @@ def packing_refusals(layer_types: Any, image_positions: str = "") -> list[str]:
 
 
 # values the base model's forward computes once from the inputs and hands every layer its slice of:
-# {config key switching it on: (the decoder layer's keyword, the base model's modules that make it)}.
+# {config key switching it on: (the decoder layer's keyword, the base model's forward keyword a
+# VLM's forward hands it the token part by, the base model's modules that make it)}.
 # Gemma 4's per-layer inputs (Gemma4TextModel.get_per_layer_inputs / project_per_layer_inputs:
 # embed_tokens_per_layer(input_ids) plus a normed projection of the embeddings, [b, s, L, d_pl],
-# layer i takes [:, :, i]). The first stage computes them (the projection reads the embeddings,
-# which only it holds) and they travel between stages packed behind the hidden states
+# layer i takes [:, :, i]; Gemma4Model.forward looks the ids up itself, image tokens as padding,
+# and hands that as `per_layer_inputs`). The first stage computes them (the projection reads the
+# embeddings, which only it holds) and they travel between stages packed behind the hidden states
 # (runtime/transformers/per_layer.py): megatron's schedules pass one tensor, so it is widened.
 PER_LAYER_INPUTS = {
     "hidden_size_per_layer_input": (
         "per_layer_input",
+        "per_layer_inputs",
         ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm"),
     )
 }

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_bridge.backends.transformers.kinds import PER_LAYER_INPUTS
+
 # token types a VLM's forward reads (Gemma 3's bidirectional attention within an image; Qwen's
 # M-RoPE positions), and where a config keeps its image placeholder's id
 TOKEN_TYPES = ("token_type_ids", "mm_token_type_ids")
@@ -45,11 +47,19 @@ IGNORED = (
 # the language model's method)}; Qwen3-VL's deepstack adds vision features of earlier vision
 # layers to the hidden states at the image tokens after decoder layer i (Qwen3VLTextModel.forward)
 AFTER_LAYER = {"deepstack_visual_embeds": ("visual_pos_masks", "_deepstack_process")}
+# keywords the language model's forward adds at the image tokens before decoder layer k, as
+# {layer k: rows}: {keyword: its partner mask}. Granite-4-Vision's deepstack and spatial features
+# (Granite4VisionTextModel.forward: the arithmetic of Qwen3-VL's `_deepstack_process`, inline)
+BEFORE_LAYER = {"deepstack_features": "vision_mask"}
+# keywords by which a VLM's forward hands its language model the token part of its per-layer
+# inputs (kinds.PER_LAYER_INPUTS: Gemma 4's, image tokens looked up as padding); the first stage
+# projects its merged embeddings onto them, as the language model's forward does
+PER_LAYER_TOKENS = tuple(kw for _, kw, _ in PER_LAYER_INPUTS.values())
 
 
 # keywords a language model's forward takes that every one does (what `TAKEN` and `IGNORED` cover,
 # and the TransformersKwargs it passes down)
-COMMON_INPUTS = (*TAKEN, *IGNORED, "kwargs")
+COMMON_INPUTS = (*TAKEN, *IGNORED, *PER_LAYER_TOKENS, "kwargs")
 
 
 def language_refusals(forward_params: list[str], passes: tuple[str, ...]) -> list[str]:
@@ -58,7 +68,7 @@ def language_refusals(forward_params: list[str], passes: tuple[str, ...]) -> lis
     (`passes`). Refused by describe, so that every rank refuses before any process group
     (a stage that never sees the keyword would otherwise wait on one that raised)."""
     partners = {p for p, _ in AFTER_LAYER.values()}
-    known = {*COMMON_INPUTS, *AFTER_LAYER, *partners, *passes}
+    known = {*COMMON_INPUTS, *AFTER_LAYER, *partners, *BEFORE_LAYER, *BEFORE_LAYER.values(), *passes}
     odd = [p for p in forward_params if p not in known]
     return (
         [f"its language model's forward takes {', '.join(odd)}, which the transformers backend's stages do not pass on"]
@@ -188,12 +198,26 @@ def vision_parts(model: Any) -> VisionParts | None:
 # after decoder layers 0, 1, ...; runtime/transformers/vision.py AFTER_LAYER). Only the first
 # pipeline stage runs the vision tower, so those layers must be on it.
 AFTER_LAYER_LISTS = ("deepstack_visual_indexes",)
+# the config's lists of the decoder layers vision features are added before (BEFORE_LAYER):
+# {key: where in an entry the layer is, None: the entry itself}; Granite-4-Vision's
+# deepstack_layer_map of (vision layer, decoder layer) pairs and spatial_target_layers. At pp > 1
+# their features travel from the first stage to the layer's, behind the hidden states
+# (runtime/transformers/vision.py `Carried`).
+BEFORE_LAYER_LISTS: dict[str, int | None] = {"deepstack_layer_map": 1, "spatial_target_layers": None}
 
 
 def after_layer_count(cfg: Any) -> int:
     """How many of the first decoder layers take vision features after them (`AFTER_LAYER_LISTS`)."""
     vision = getattr(cfg, "vision_config", None)
     return max((len(getattr(vision, k, None) or ()) for k in AFTER_LAYER_LISTS), default=0)
+
+
+def before_layers(cfg: Any) -> tuple[int, ...]:
+    """The decoder layers a VLM's config adds vision features before (`BEFORE_LAYER_LISTS`), sorted."""
+    found = {
+        int(e if at is None else e[at]) for k, at in BEFORE_LAYER_LISTS.items() for e in getattr(cfg, k, None) or ()
+    }
+    return tuple(sorted(found))
 
 
 def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_layers: int) -> list[tuple[str, str]]:
@@ -225,15 +249,19 @@ def vision_limits(layout: Any, vision: tuple[str, ...], after_layers: int, num_l
 __all__ = [
     "AFTER_LAYER",
     "AFTER_LAYER_LISTS",
+    "BEFORE_LAYER",
+    "BEFORE_LAYER_LISTS",
     "COMMON_INPUTS",
     "IGNORED",
     "IMAGE_POSITIONS",
     "IMAGE_TOKEN",
+    "PER_LAYER_TOKENS",
     "TAKEN",
     "TOKEN_TYPES",
     "language_refusals",
     "FREEZE_GROUPS",
     "after_layer_count",
+    "before_layers",
     "PROJECTORS",
     "VisionParts",
     "builds_vlm",

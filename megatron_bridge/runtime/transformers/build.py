@@ -26,7 +26,7 @@ from megatron_bridge.backends.transformers.backend import meta, model_plan, tran
 from megatron_bridge.backends.transformers.meta import auto_class, embedding_refusal
 from megatron_bridge.backends.transformers.overrides import stage_override
 from megatron_bridge.backends.transformers.plan import override, sp_refusals
-from megatron_bridge.backends.transformers.vision import text_config_of
+from megatron_bridge.backends.transformers.vision import before_layers, text_config_of
 from megatron_bridge.bridge.layout import Layout
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
@@ -38,7 +38,7 @@ from megatron_bridge.runtime.transformers.cp import cp_implementation
 from megatron_bridge.runtime.transformers.layers import LMHead, VocabEmbedding
 from megatron_bridge.runtime.transformers.per_layer import PerLayerInputs, extra_width, per_layer_modules
 from megatron_bridge.runtime.transformers.pieces import Pieces
-from megatron_bridge.runtime.transformers.vision import VisionFront
+from megatron_bridge.runtime.transformers.vision import Carried, VisionFront
 
 
 def transformer_config(spec: BridgeSpec, layout: Layout, **overrides: Any) -> TransformerConfig:
@@ -91,8 +91,8 @@ def build_transformers(
     # what travels between stages: hyper-connection streams folded into the hidden dim
     # (runtime/transformers/chunk.py), per-layer inputs behind the hidden states (runtime/transformers/per_layer.py)
     width = spec.hidden_size * override(spec.family).stream_count(hf_cfg)
-    if layout.pp > 1:
-        width += extra_width(hf_cfg)
+    if layout.pp > 1:  # and a VLM's features added before layers of later stages (vision.Carried)
+        width += extra_width(hf_cfg) + spec.hidden_size * len(before_layers(cfg))
     tconfig = transformer_config(spec, layout, **{"hidden_size": width, **config_overrides})
     for n, what in ((spec.num_attention_heads, "attention heads"), (spec.num_query_groups, "KV heads")):
         if n % layout.tp:
@@ -165,6 +165,7 @@ class Stage(Pieces):
             per_layer=per_layer,
             front=self._front(),
             windows=self.windows,
+            carried=self._carried(),
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):
             # megatron's distributed optimizer buckets the shared copy apart (param_and_grad_buffer)
@@ -190,7 +191,15 @@ class Stage(Pieces):
         embed = plan.embed.rpartition(".")[2]
         base = self.full.get_submodule(plan.front)
         passes = tuple(kw for kw, _ in override(self.spec.family).layer_inputs)
-        return VisionFront(base, plan.language, embed, self.spec.hidden_size, self.tconfig.params_dtype, passes)
+        hidden, dtype = self.spec.hidden_size, self.tconfig.params_dtype
+        return VisionFront(base, plan.language, embed, hidden, dtype, self.device, passes)
+
+    def _carried(self) -> Carried | None:
+        """A VLM's features added before decoder layers (vision.BEFORE_LAYER), sent at pp > 1."""
+        layers = before_layers(self.full.config)
+        if not layers or self.tconfig.pipeline_model_parallel_size == 1:
+            return None
+        return Carried(layers, self.spec.hidden_size)
 
     def _own(self, path: str) -> torch.nn.Parameter:
         """A VLM front's own parameter (LLaVA-OneVision's image_newline), materialised in place

@@ -41,7 +41,7 @@ from megatron_bridge.runtime.transformers.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.transformers.cp import CP_MASKS, calls, check_attended
 from megatron_bridge.runtime.transformers.layers import scatter_sequence
 from megatron_bridge.runtime.transformers.per_layer import PerLayerInputs
-from megatron_bridge.runtime.transformers.vision import Front, VisionFront, text_positions
+from megatron_bridge.runtime.transformers.vision import Carried, Front, VisionFront, text_positions
 
 # layer kind -> the mask function the model's own forward calls for it (kinds.LAYER_KINDS);
 # an indexed layer slices its mask (`mask[:, 0]`) for its indexer, so it must exist even where
@@ -115,8 +115,10 @@ class HFChunk(MegatronModule):
         per_layer: PerLayerInputs | None = None,
         front: VisionFront | None = None,
         windows: bool = True,
+        carried: Carried | None = None,
     ) -> None:
-        """`windows`: whether the base model builds sliding-window masks (`builds_windows`)."""
+        """`windows`: whether the base model builds sliding-window masks (`builds_windows`);
+        `carried`: the vision features sent to later stages behind the hidden states (pp > 1)."""
         super().__init__(config=config)
         self.hf_config = hf_config
         self.plan = plan
@@ -158,6 +160,7 @@ class HFChunk(MegatronModule):
         # a VLM's base model (runtime/transformers/vision.py): not a submodule (its language model is
         # the meta model's); its vision pieces are, under their paths, on the first stage
         self.front = front
+        self.carried = carried
         window = ov.window_full_attention
         # the mask function per layer kind (MASKS, or the sliding-window one where the override says so)
         self.masks: dict[str, Any] = dict(MASKS)
@@ -239,7 +242,9 @@ class HFChunk(MegatronModule):
                 h = self.get_submodule(self.plan.embed)(input_ids)
             if "embed_scale" in self.forward_math:
                 h = h * self.forward_math["embed_scale"]
-            per_layer = self.per_layer.compute(input_ids, h) if self.per_layer else None
+            tokens = front.per_layer if front is not None else None  # a VLM's (vision.PER_LAYER_TOKENS)
+            added = front.added(h, bool(self.config.sequence_parallel)) if front is not None else {}
+            per_layer = self.per_layer.compute(input_ids, h, tokens) if self.per_layer else None
             for path in self.plan.pre:
                 if path not in self.text_identity:
                     h = self.get_submodule(path)(h)
@@ -249,18 +254,21 @@ class HFChunk(MegatronModule):
                 h = h.unsqueeze(2).expand(-1, -1, self.streams, -1).contiguous()
         else:
             assert self.input_tensor is not None, "a later pipeline stage runs on the previous stage's output"
+            x, added = self.carried.split(self.input_tensor) if self.carried else (self.input_tensor, {})
             if self.per_layer:
-                h, per_layer = self.per_layer.unpack(self.input_tensor)
+                h, per_layer = self.per_layer.unpack(x)
             else:  # megatron's [s, b, h] -> transformers' [b, s, h]
-                h, per_layer = self.input_tensor.transpose(0, 1), None
+                h, per_layer = x.transpose(0, 1), None
             if self.streams > 1 and not self.flat_streams:
                 h = h.unflatten(-1, (self.streams, -1))
-        h = self._layers(h, position_ids, {"input_ids": input_ids}, per_layer, front)
+        h = self._layers(h, position_ids, {"input_ids": input_ids}, per_layer, front, added)
         if not self.post_process:
             if self.per_layer and per_layer is not None:
-                return self.per_layer.pack(h, per_layer)
-            stacked = self.streams > 1 and not self.flat_streams
-            return (h.flatten(2) if stacked else h).transpose(0, 1).contiguous()
+                out = self.per_layer.pack(h, per_layer)
+            else:
+                stacked = self.streams > 1 and not self.flat_streams
+                out = (h.flatten(2) if stacked else h).transpose(0, 1).contiguous()
+            return self.carried.join(out, added, h) if self.carried else out
         for path in self.plan.post:
             h = self.get_submodule(path)(h)
         return self._head(h, labels)
@@ -272,7 +280,9 @@ class HFChunk(MegatronModule):
         inputs: dict[str, Any],
         per_layer: torch.Tensor | None,
         front: Front | None = None,
+        added: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`added`: {layer: what is added to the hidden states before it} (vision.BEFORE_LAYER)."""
         layers = self.get_submodule(self.plan.layers)
         if not len(layers):
             return h
@@ -320,6 +330,8 @@ class HFChunk(MegatronModule):
                 extra.update({k: fn(layer_positions) for k, fn in self.nope_kwargs.items()})
             if per_layer is not None and self.per_layer is not None:
                 extra[self.per_layer.keyword] = per_layer[:, :, int(i)]
+            if added and int(i) in added:  # vision.BEFORE_LAYER (Granite-4-Vision's deepstack)
+                h = h + added[int(i)]
             out = layer(
                 h,
                 attention_mask=masks[kind],

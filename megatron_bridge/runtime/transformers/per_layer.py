@@ -32,7 +32,7 @@ def extra_width(hf_config: Any) -> int:
 
 def per_layer_modules(hf_config: Any) -> tuple[str, ...]:
     """The base model's modules (attribute names) that make the per-layer inputs, where the config has them."""
-    return tuple(m for k, (_, mods) in PER_LAYER_INPUTS.items() if getattr(hf_config, k, None) for m in mods)
+    return tuple(m for k, (*_, mods) in PER_LAYER_INPUTS.items() if getattr(hf_config, k, None) for m in mods)
 
 
 class PerLayerInputs:
@@ -54,14 +54,21 @@ class PerLayerInputs:
         for name, module in modules.items():
             setattr(self, name, module)
 
-    def compute(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[b, s, L, d_pl] for this rank's tokens (its sequence slice under SP), as the base model's forward."""
+    def compute(
+        self, input_ids: torch.Tensor, embeds: torch.Tensor, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[b, s, L, d_pl] for this rank's tokens (its sequence slice under SP), as the base model's
+        forward. `tokens`: the token part a VLM's forward handed its language model (whole
+        sequence; vision.PER_LAYER_TOKENS), else looked up here from input_ids."""
         n = embeds.shape[1]
         if n != input_ids.shape[1]:  # sequence parallelism: the embedding reduce-scattered the sequence
             r = ps.get_tensor_model_parallel_rank()
             input_ids = input_ids[:, r * n : (r + 1) * n]
+            tokens = None if tokens is None else tokens[:, r * n : (r + 1) * n]
         owner = self.method_owner
-        return owner.project_per_layer_inputs(self, embeds, owner.get_per_layer_inputs(self, input_ids, embeds))
+        if tokens is None:
+            tokens = owner.get_per_layer_inputs(self, input_ids, embeds)
+        return owner.project_per_layer_inputs(self, embeds, tokens)
 
     def pack(self, h: torch.Tensor, per_layer: torch.Tensor) -> torch.Tensor:
         """[b, s, h] and [b, s, L, d_pl] -> megatron's [s, b, h + L*d_pl]."""

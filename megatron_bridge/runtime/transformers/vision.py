@@ -10,8 +10,9 @@ stops the forward at the language model's call, keeping what it was given: every
 transformers' own code.
 
 Later pipeline stages run the same forward without pixels (`positions`): positions and masks come
-from the token ids and the image grids alone, so every stage derives the same ones and nothing but
-the hidden states travels between stages.
+from the token ids and the image grids alone, so every stage derives the same ones. What only the
+first stage can make travels behind the hidden states: Gemma 4's per-layer inputs (per_layer.py),
+the features a VLM adds before decoder layers of later stages (`Carried`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-from megatron_bridge.backends.transformers.vision import AFTER_LAYER, IGNORED, IMAGE_TOKEN, TAKEN, TOKEN_TYPES
+from megatron_bridge.backends.transformers.vision import (
+    AFTER_LAYER,
+    BEFORE_LAYER,
+    IGNORED,
+    IMAGE_TOKEN,
+    PER_LAYER_TOKENS,
+    TAKEN,
+    TOKEN_TYPES,
+    text_config_of,
+)
 from megatron_bridge.errors import UserError
 
 
@@ -57,11 +67,16 @@ class _Capture(torch.nn.Module):
 
 class _Zeros(torch.nn.Module):
     """The embedding of a stage that holds none: zeros of the right shape (positions and masks
-    read only the embeddings' shape, dtype and device)."""
+    read only the embeddings' shape, dtype and device; Gemma 4's forward reads the padding
+    token's row of the weight, for per-layer inputs only the first stage uses)."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, dtype: torch.dtype, rows: int, device: torch.device) -> None:
         super().__init__()
-        self.hidden, self.dtype = hidden, dtype
+        self.hidden, self.dtype, self.rows, self.device = hidden, dtype, rows, device
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.rows, self.hidden)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros((), dtype=self.dtype, device=ids.device).expand(*ids.shape, self.hidden)
@@ -77,6 +92,8 @@ class Front:
     after_layer: dict[int, tuple[Any, torch.Tensor, torch.Tensor]]  # layer -> (AFTER_LAYER method, mask, rows)
     every: torch.Tensor | None = None  # the one 4-D mask a VLM built for every layer
     passed: dict[str, torch.Tensor] | None = None  # layer inputs the VLM's forward gave (VisionFront.passes)
+    per_layer: torch.Tensor | None = None  # the token part of the per-layer inputs (PER_LAYER_TOKENS), first stage
+    before_layer: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> (BEFORE_LAYER mask, rows)
 
     def mask(self, kind: str) -> Any:
         """The VLM's own mask for layers of `kind`, None where it built none (the stage makes it)."""
@@ -100,6 +117,52 @@ class Front:
             mask = mask[:, rank * width : (rank + 1) * width]
         return fn(h, mask, rows)
 
+    def added(self, h: torch.Tensor, sequence_parallel: bool) -> dict[int, torch.Tensor]:
+        """{layer: the BEFORE_LAYER rows at their tokens, zeros elsewhere, [b, s, h] like `h`}: a
+        dense tensor, so that it can travel to the stage holding the layer (`Carried`). Under
+        sequence parallelism this rank's slice; the rows pass an all-reduce in backward first,
+        so every rank's vision tower gets the whole gradient, as through the embeddings."""
+        out = {}
+        for i, (mask, rows) in (self.before_layer or {}).items():
+            if sequence_parallel:
+                rows = copy_to_tensor_model_parallel_region(rows, group=ps.get_tensor_model_parallel_group())
+            dense = add_at(h.new_zeros(*mask.shape, h.shape[-1]), mask, rows)
+            if sequence_parallel:
+                width, rank = h.shape[1], ps.get_tensor_model_parallel_rank()
+                dense = dense[:, rank * width : (rank + 1) * width]
+            out[i] = dense
+        return out
+
+
+class Carried:
+    """The BEFORE_LAYER features of `layers` (`vision.before_layers`) at pp > 1: only the first
+    stage runs the vision tower, so each travels dense ([b, s, h], zeros where no image is)
+    behind megatron's [s, b, ...] tensor, which is `len(layers) * hidden` wider (build.py); their
+    gradient comes back the same way."""
+
+    def __init__(self, layers: tuple[int, ...], hidden: int) -> None:
+        self.layers, self.hidden = layers, hidden
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """megatron's [s, b, w + L*h] -> its [s, b, w] and {layer: [b, s, h]}."""
+        n = len(self.layers) * self.hidden
+        rest, packed = x[..., : x.shape[-1] - n], x[..., x.shape[-1] - n :].transpose(0, 1)
+        return rest, {k: packed[..., j * self.hidden : (j + 1) * self.hidden] for j, k in enumerate(self.layers)}
+
+    def join(self, out: torch.Tensor, added: dict[int, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """`out` ([s, b, w]) with every layer's features behind it (zeros for none: a text batch)."""
+        zeros = h.new_zeros(*h.shape[:2], self.hidden)
+        feats = [added.get(k, zeros) for k in self.layers]
+        return torch.cat([out, torch.cat(feats, dim=-1).transpose(0, 1)], dim=-1).contiguous()
+
+
+def add_at(h: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`rows` added to `h` at `mask` ([b, s]): Qwen3VLTextModel._deepstack_process's arithmetic,
+    which Granite4VisionTextModel.forward writes inline (BEFORE_LAYER)."""
+    h = h.clone()
+    h[mask, :] = h[mask, :] + rows.to(h.device, h.dtype)
+    return h
+
 
 class VisionFront:
     """The base model (`plan.front`) of a VLM, its language model at `text` (a child name)."""
@@ -111,13 +174,14 @@ class VisionFront:
         embed_name: str,
         hidden: int,
         dtype: torch.dtype,
+        device: torch.device,
         passes: tuple[str, ...] = (),
     ) -> None:
         """`passes`: keywords the language model's layers take from its inputs (the override's
         `layer_inputs`: Qwen4-Exp's `ple_input_ids`), which a VLM's forward may hand it itself."""
         self.base, self.text, self.embed_name, self.passes = base, text, embed_name, passes
         self.language = getattr(base, text)
-        self.zeros = _Zeros(hidden, dtype)
+        self.zeros = _Zeros(hidden, dtype, int(text_config_of(base.config).vocab_size), device)
         takes = inspect.signature(base.forward).parameters
         self.token_types = [n for n in TOKEN_TYPES if n in takes]
         cfg = base.config
@@ -137,14 +201,16 @@ class VisionFront:
     ) -> Front:
         """The first stage: the embeddings with the image features merged, positions and masks
         (`position_ids`: a packed row's, handed to the forward; None: the forward's own)."""
-        return self._run(input_ids, embed, images, position_ids)
+        return self._run(input_ids, embed, images, position_ids, first=True)
 
     def positions(self, input_ids: torch.Tensor, images: dict[str, torch.Tensor], position_ids: Any = None) -> Front:
         """A later stage: the same positions and masks, from the ids and the image grids (no pixels)."""
         kept = {k: v for k, v in images.items() if not k.startswith("pixel_values")}
-        return self._run(input_ids, self.zeros, kept, position_ids)
+        return self._run(input_ids, self.zeros, kept, position_ids, first=False)
 
-    def _run(self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor], position_ids: Any) -> Front:
+    def _run(
+        self, input_ids: torch.Tensor, embed: Any, images: dict[str, torch.Tensor], position_ids: Any, first: bool
+    ) -> Front:
         capture = _Capture(self.language, embed, self.embed_name)
         self.base._modules[self.text] = capture
         given = {} if position_ids is None else {"position_ids": position_ids}
@@ -156,11 +222,14 @@ class VisionFront:
             raise UserError(f"{type(self.base).__name__}.forward did not call its language model")
         finally:
             self.base._modules[self.text] = self.language
-        return self._front(kwargs)
+        return self._front(kwargs, first)
 
-    def _front(self, kwargs: dict[str, Any]) -> Front:
+    def _front(self, kwargs: dict[str, Any], first: bool) -> Front:
+        """`first`: the first stage's run, whose per-layer inputs are kept (a later stage is sent
+        them; its run looks the ids up in the meta model's table, a meta tensor left unused)."""
         partners = {p for p, _ in AFTER_LAYER.values()}
-        known = (*TAKEN, *IGNORED, *AFTER_LAYER, *partners, *self.passes)
+        known = (*TAKEN, *IGNORED, *AFTER_LAYER, *partners, *BEFORE_LAYER, *BEFORE_LAYER.values())
+        known = (*known, *self.passes, *PER_LAYER_TOKENS)
         unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in known)
         if unknown:
             raise UserError(
@@ -171,11 +240,17 @@ class VisionFront:
         for key, (partner, method) in AFTER_LAYER.items():
             for i, value in enumerate(kwargs.get(key) or ()):
                 after[i] = (getattr(self.language, method), kwargs[partner], value)
+        before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, partner in BEFORE_LAYER.items():
+            for i, value in (kwargs.get(key) or {}).items():
+                mask = kwargs[partner]
+                before[int(i)] = (mask[..., 0] if mask.ndim == 3 else mask, value)  # Granite's is [b, s, 1]
         mask = kwargs.get("attention_mask")
         masks = mask if isinstance(mask, dict) else None
         every = mask if torch.is_tensor(mask) and mask.ndim == 4 else None  # PaliGemma's one prefix-LM mask
         passed = {k: kwargs[k] for k in self.passes if kwargs.get(k) is not None}
-        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every, passed)
+        tokens = next((kwargs[k] for k in PER_LAYER_TOKENS if kwargs.get(k) is not None), None) if first else None
+        return Front(kwargs["inputs_embeds"], kwargs.get("position_ids"), masks, after, every, passed, tokens, before)
 
 
 def text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -189,4 +264,4 @@ def text_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor | None, tor
     return position_ids, position_ids
 
 
-__all__ = ["Front", "VisionFront", "text_positions"]
+__all__ = ["Carried", "Front", "VisionFront", "add_at", "text_positions"]

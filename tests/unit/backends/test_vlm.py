@@ -77,6 +77,25 @@ def test_what_check_refuses_of_a_vlm_names_the_piece():
     assert not backend_of(deep).layout_limits(deep, ParallelDims.parse("tp2"))
 
 
+def test_features_added_before_layers_of_later_stages_travel_behind_the_hidden_states():
+    """Granite-4-Vision adds vision features before decoder layers its config lists
+    (vision.BEFORE_LAYER_LISTS); at pp > 1 each travels dense behind megatron's tensor
+    (runtime/transformers/vision.py `Carried`), so no pipeline split is refused for them.
+    (Numbers against transformers at tp2, pp2, tp2·pp2: the VLM matrix, docs/vlm.md.)"""
+    from megatron_bridge.backends.transformers.vision import before_layers
+    from megatron_bridge.runtime.transformers.vision import Carried
+
+    granite = _spec("granite4_vision")
+    assert before_layers(tiny_config("granite4_vision")) == (0, 1, 2, 3)  # deepstack 0, 1; spatial 0..3
+    assert not meta(granite).refused
+    assert not backend_of(granite).layout_limits(granite, ParallelDims.parse("pp2"))
+    carried, h = Carried((1, 3), 4), torch.randn(2, 5, 4)
+    out = torch.randn(5, 2, 6)
+    added = {3: torch.randn(2, 5, 4)}
+    rest, got = carried.split(carried.join(out, added, h))
+    assert torch.equal(rest, out) and torch.equal(got[3], added[3]) and not got[1].any()
+
+
 def test_packing_a_vlm_is_refused_where_its_forward_derives_positions_from_the_images():
     """Qwen's M-RoPE (get_rope_index) gives a packed row's text positions past each image's extent
     over the whole row; Gemma 3's positions are the row's own, which restart per conversation."""
@@ -170,7 +189,6 @@ def test_transposed_experts_read_either_layout_and_write_the_model_s():
     "model_type, why",
     [
         ("muse_glimmer", "its embedding is a MuseGlimmerTextNormedEmbedding, not nn.Embedding"),
-        ("granite4_vision", "its language model's forward takes vision_mask, deepstack_features"),
     ],
 )
 def test_what_only_the_first_stage_would_meet_is_refused_by_describe(model_type, why):
@@ -195,6 +213,19 @@ def test_a_vlm_the_stages_cannot_run_is_refused_by_describe_naming_why(model_typ
 
     with pytest.raises(UnsupportedFeatures, match=why):
         _spec(model_type)
+
+
+def test_a_vlm_handing_its_language_model_the_per_layer_token_part_is_described():
+    """Gemma4Model.forward hands its language model `per_layer_inputs` (its ids looked up, image
+    tokens as padding): a declared keyword (kinds.PER_LAYER_INPUTS), which the first stage projects
+    its merged embeddings onto (runtime/transformers/per_layer.py; numbers: the VLM matrix)."""
+    from megatron_bridge.backends.transformers.vision import PER_LAYER_TOKENS, language_refusals
+
+    assert PER_LAYER_TOKENS == ("per_layer_inputs",)
+    assert not meta(_spec("gemma4")).refused
+    assert language_refusals(["inputs_embeds", "per_layer_inputs", "ple_input_ids"], ()) == [
+        "its language model's forward takes ple_input_ids, which the transformers backend's stages do not pass on"
+    ]
 
 
 def test_an_expert_width_given_per_expert_group_is_the_widest_for_the_planner():

@@ -104,3 +104,17 @@ def test_make_tiny_is_deterministic(tmp_path):
     b = hf_tiny.make_tiny("qwen3_moe", tmp_path / "b", seed=3)
     assert (a / "config.json").exists()
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+def test_an_infinite_constant_becomes_a_finite_bound_of_its_sign():
+    """Gemma 4's clipped linears start at ±inf (no bound yet); c·(1 + noise) of an infinity is NaN
+    for every negative draw, which `mbr convert` refuses. A released checkpoint's bounds are finite."""
+    clip = torch.nn.Module()
+    clip.register_buffer("input_max", torch.full((3,), float("inf")))
+    clip.register_buffer("input_min", torch.tensor(float("-inf")))
+    assert hf_tiny.perturb_constants_(clip) == ["input_max", "input_min"]
+    assert torch.isfinite(clip.input_max).all() and (clip.input_max > 50).all()
+    assert torch.isfinite(clip.input_min) and clip.input_min < -50
+    model = hf_tiny.build_tiny("gemma4", image_text=True)
+    bounds = {n: b for n, b in model.state_dict().items() if n.endswith(("_min", "_max"))}
+    assert bounds and all(torch.isfinite(b).all() for b in bounds.values())
