@@ -224,11 +224,12 @@ class TransformersBackend(Backend):
         row (what `save_pretrained` writes) is the one an export from a live model writes."""
         m = meta(spec)
         rows: dict[str, Row] = {}
+        template = {name: m.plan.template(name) for name in m.kinds}
         split_of: dict[str, set[str]] = {}  # a template's kinds: split one way in some layers, another in others
         for name, kind in m.kinds.items():
-            split_of.setdefault(m.plan.template(name), set()).add(kind)
+            split_of.setdefault(template[name], set()).add(kind)
         for name, kind in m.kinds.items():
-            t = m.plan.template(name)
+            t = template[name]
             t = name if len(split_of[t]) > 1 else t  # one row per layer (overrides.Override.kind_tp_plan)
             if name in m.experts:
                 pieces = m.experts[name]
@@ -310,7 +311,7 @@ class TransformersBackend(Backend):
         out = []
         full = transformers_config(spec)
         if layout.cp > 1:
-            out += cp_refusals(text_json(self.hf_config(spec), full).get("layer_types"), layout.cp)
+            out += cp_refusals(list(meta(spec).layer_kinds), layout.cp)
         if layout.sequence_parallel and layout.tp > 1:
             out += [(why, "set parallel.sequence_parallel=false") for why in sp_refusals(meta(spec).plan)]
         plan = meta(spec).plan if spec.is_moe else None
@@ -336,10 +337,10 @@ class TransformersBackend(Backend):
         Not yet: the rest (what sp does not cover is refused by `layout_limits`)."""
         out = aux_limits(text_config_of(transformers_config(spec)), run.parallel.pp) if spec.is_moe else []
         if run.data.kind == "sft" and getattr(run.data, "packing", False):
-            kinds = text_json(self.hf_config(spec), transformers_config(spec)).get("layer_types")
+            m = meta(spec)
             out += [
                 (f"packed SFT samples: {why}", "set data.packing=false (one conversation per padded sample)")
-                for why in packing_refusals(kinds, meta(spec).plan.image_positions)
+                for why in packing_refusals(m.layer_kinds, m.plan.image_positions)
             ]
         if run.peft.method == "lora" and run.parallel.sequence_parallel and run.parallel.tp > 1:
             out.append(  # the adapters' SP regions assume megatron's gather inside the linear, not at its module

@@ -100,6 +100,31 @@ NO_PACKING_KINDS = {
 }
 
 
+def builds_windows(base: type) -> bool:
+    """Whether the base model class `base` can give its layers a sliding-window mask: its
+    source names one (Mistral's forward picks `create_sliding_window_causal_mask` when
+    `sliding_window` is set). Qwen3-Omni's thinker text model keeps a `sliding_window` field its
+    forward never reads: it builds the causal mask alone, its attention passes no window."""
+    import inspect
+
+    try:
+        return "sliding" in inspect.getsource(base)
+    except (OSError, TypeError):  # no source to read: the config decides
+        return True
+
+
+def layer_kinds(cfg: Any, n_layers: int, windows: bool) -> tuple[str, ...]:
+    """Each decoder layer's kind, the one place it is derived (the refusals here, the stages'
+    masks): `cfg.layer_types` (the language model's config object, class defaults filled in),
+    else sliding or full attention as `sliding_window` / `use_sliding_window` say, where the base
+    model builds sliding-window masks at all (`windows`: `builds_windows`)."""
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds:
+        return tuple(str(k) for k in kinds)
+    sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    return ("sliding_attention" if sliding and windows else "full_attention",) * n_layers
+
+
 def packing_refusals(layer_types: Any, image_positions: str = "") -> list[str]:
     """Why packed SFT samples (several conversations per row) cannot run: a layer kind that would
     mix them (`NO_PACKING_KINDS`), or a VLM whose positions its forward derives from the images
@@ -236,8 +261,10 @@ __all__ = [
     "UNBUILT",
     "UNBUILT_KINDS",
     "WHOLE_MODULES",
+    "builds_windows",
     "cp_refusals",
     "kv_share_sources",
+    "layer_kinds",
     "layer_limits",
     "packing_refusals",
     "unbuilt_refusals",

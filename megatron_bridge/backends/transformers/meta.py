@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_bridge.backends.transformers.experts import stacked, transposed
 from megatron_bridge.backends.transformers.fused import fused
-from megatron_bridge.backends.transformers.kinds import PLAIN_LINEARS
+from megatron_bridge.backends.transformers.kinds import PLAIN_LINEARS, builds_windows, layer_kinds
 from megatron_bridge.backends.transformers.loading import needs_package, read_back_misses
 from megatron_bridge.backends.transformers.plan import PP_CONVENTION, REPLICATED, Plan, override, plan_of, tensor_kinds
 from megatron_bridge.backends.transformers.split import Split, split
@@ -267,6 +267,7 @@ class Meta:
     refused: tuple[str, ...] = ()  # what of a VLM the stages cannot run (vision.language_refusals)
     split: dict[str, Split] = dataclasses.field(default_factory=dict)  # a tensor cut from one checkpoint tensor
     peft_modules: dict[str, str] = dataclasses.field(default_factory=dict)  # `_peft_modules`
+    layer_kinds: tuple[str, ...] = ()  # each decoder layer's kind (kinds.layer_kinds)
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -323,7 +324,9 @@ def meta(spec: BridgeSpec) -> Meta:
         if kind in PLAIN_LINEARS and kinds.get(f"{n}.weight") == REPLICATED and plan.style(n) is None
     )
     refused = _language_refusals(model, plan)
-    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut, peft)
+    windows = builds_windows(type(model.get_submodule(plan.prefix)))
+    layers = layer_kinds(text_config_of(cfg), spec.num_layers, windows)
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut, peft, layers)
 
 
 def _peft_modules(model: Any) -> dict[str, str]:

@@ -164,7 +164,7 @@ class Stage(Pieces):
             streams=ov.stream_count(self.text),
             per_layer=per_layer,
             front=self._front(),
-            windows=self.windows,
+            kinds={i: self.layer_kinds[i] for i in kept},
             carried=self._carried(),
         )
         if tied and self.tconfig.pipeline_model_parallel_size > 1 and (pre or post):

@@ -19,7 +19,7 @@ and transformers' router load-balancing loss where the config asks for it (aux_l
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -73,27 +73,6 @@ class Pieces(torch.nn.Module):
     """A container that gives the kept modules their transformers paths."""
 
 
-def builds_windows(base: torch.nn.Module) -> bool:
-    """Whether the base model `base` can give its layers a sliding-window mask: its class's
-    source names one (Mistral's forward picks `create_sliding_window_causal_mask` when
-    `sliding_window` is set). Qwen3-Omni's thinker text model keeps a `sliding_window` field its
-    forward never reads: it builds the causal mask alone, its attention passes no window."""
-    try:
-        return "sliding" in inspect.getsource(type(base))
-    except (OSError, TypeError):  # no source to read: the config decides
-        return True
-
-
-def layer_kind(hf_config: Any, i: int, windows: bool = True) -> str:
-    """Layer `i`'s kind: `layer_types[i]`, else sliding or full attention as the config says,
-    where the base model builds sliding-window masks at all (`windows`: `builds_windows`)."""
-    kinds = getattr(hf_config, "layer_types", None)
-    if kinds:
-        return str(kinds[i])
-    sliding = getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True)
-    return "sliding_attention" if sliding and windows else "full_attention"
-
-
 class HFChunk(MegatronModule):
     def __init__(
         self,
@@ -113,11 +92,11 @@ class HFChunk(MegatronModule):
         nope_kwargs: dict[str, Any] | None = None,
         streams: int = 1,
         per_layer: PerLayerInputs | None = None,
+        kinds: Mapping[int, str],
         front: VisionFront | None = None,
-        windows: bool = True,
         carried: Carried | None = None,
     ) -> None:
-        """`windows`: whether the base model builds sliding-window masks (`builds_windows`);
+        """`kinds`: each of `layers`' kind (backends/transformers/kinds.py `layer_kinds`);
         `carried`: the vision features sent to later stages behind the hidden states (pp > 1)."""
         super().__init__(config=config)
         self.hf_config = hf_config
@@ -150,7 +129,7 @@ class HFChunk(MegatronModule):
             self._place(*rotary)
         fwd = inspect.signature(rotary[1].forward).parameters if rotary is not None else {}
         self.rotary_by_kind = "layer_type" in fwd
-        self.kinds = {i: layer_kind(hf_config, i, windows) for i in layers}
+        self.kinds = {i: kinds[i] for i in layers}
         # what each layer hands the next (kinds.CARRY), where the layers take it
         takes = inspect.signature(next(iter(layers.values())).forward).parameters if layers else {}
         self.carry = {kw: index for kw, (index, *_) in CARRY.items() if kw in takes}
@@ -373,4 +352,4 @@ class HFChunk(MegatronModule):
         return self.aux.add(loss) if self.aux is not None else loss
 
 
-__all__ = ["HFChunk", "MASKS", "Pieces", "layer_kind"]
+__all__ = ["HFChunk", "MASKS", "Pieces"]

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from megatron_bridge.backends.transformers.experts import SPLIT_DIMS, expert_split
 from megatron_bridge.backends.transformers.kinds import PLAIN_LINEARS
+from megatron_bridge.backends.transformers.meta import meta
 from megatron_bridge.backends.transformers.plan import (
     ATTENTION_NAMES,
     COLUMN_STYLES,
@@ -45,7 +46,6 @@ from megatron_bridge.backends.transformers.vision import text_config_of
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.build_base import skip_weight_init
-from megatron_bridge.runtime.transformers.chunk import builds_windows, layer_kind
 from megatron_bridge.runtime.transformers.experts import divide_input_by_tp, mark_expert, partition
 from megatron_bridge.runtime.transformers.layers import (
     MEGATRON_LAYERS,
@@ -83,7 +83,7 @@ class Pieces:
     ) -> None:
         self.spec, self.full, self.plan, self.kinds = spec, full, plan, kinds
         self.text = text_config_of(full.config)  # a VLM's language model's config
-        self.windows = builds_windows(full.get_submodule(plan.prefix))  # chunk.layer_kind
+        self.layer_kinds = meta(spec).layer_kinds  # each layer's kind, derived once (kinds.layer_kinds)
         self.tconfig, self.device, self.load_weights = tconfig, device, load_weights
         self.tp, self.ep = tconfig.tensor_model_parallel_size, tconfig.expert_model_parallel_size
         self.sp = bool(tconfig.sequence_parallel)
@@ -151,7 +151,7 @@ class Pieces:
         i = self.plan.layer_index(path + ".")
         if not self.sp or i is None or path != f"{self.plan.layers}.{i}":
             return None
-        unit = sp_whole(self.plan, layer_kind(self.text, i, self.windows))
+        unit = sp_whole(self.plan, self.layer_kinds[i])
         if unit == WHOLE_ATTENTION:
             for name in ATTENTION_NAMES:
                 child = getattr(module, name, None)

@@ -437,3 +437,28 @@ def test_every_catalogue_architecture_is_described_or_refused_by_name():
         assert spec.backend == "transformers" and spec.num_layers > 0, arch
         described += 1
     assert described >= 90
+
+
+def test_layer_kinds_are_derived_once_from_the_config_and_what_the_base_model_builds():
+    """Each layer's kind: `layer_types` where the config has them; else sliding or full attention
+    from `sliding_window`, only where the base model's source builds sliding masks at all (Qwen3-Omni's
+    thinker keeps a `sliding_window` its forward never reads); the refusals and the stages read them."""
+    from transformers import MistralConfig
+    from transformers.models.mistral.modeling_mistral import MistralModel
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
+
+    from megatron_bridge.backends.transformers.kinds import builds_windows, layer_kinds
+    from megatron_bridge.runtime.hf_tiny import tiny_config
+
+    assert builds_windows(MistralModel) and not builds_windows(Qwen3OmniMoeThinkerTextModel)
+    windowed = MistralConfig(sliding_window=16, num_hidden_layers=3)
+    assert layer_kinds(windowed, 3, True) == ("sliding_attention",) * 3
+    assert layer_kinds(windowed, 3, False) == ("full_attention",) * 3
+    assert layer_kinds(MistralConfig(sliding_window=None), 2, True) == ("full_attention",) * 2
+    spec = describe_hf(
+        {**tiny_config("gemma3_text").to_dict(), "model_type": "gemma3_text"},
+        make_vocab_size_divisible_by=8,
+        backend="transformers",
+    )
+    m = meta(spec)
+    assert m.layer_kinds == tuple(tiny_config("gemma3_text").layer_types) and "sliding_attention" in m.layer_kinds

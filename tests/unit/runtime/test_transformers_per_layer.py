@@ -17,7 +17,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from megatron_bridge.backends.describe import describe_hf
 from megatron_bridge.backends.transformers.backend import TransformersBackend, model_plan
-from megatron_bridge.backends.transformers.kinds import kv_share_sources
+from megatron_bridge.backends.transformers.kinds import builds_windows, kv_share_sources, layer_kinds
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.runtime.hf_tiny import build_tiny, tiny_config
 from megatron_bridge.runtime.transformers.chunk import HFChunk
@@ -43,6 +43,7 @@ def _chunk(model, layers: range, pre: bool) -> HFChunk:
         tied=False,
         forward_math={},
         per_layer=PerLayerInputs(base, kept),
+        kinds=dict(enumerate(layer_kinds(model.config, len(base.layers), builds_windows(type(base))))),
     )
 
 
