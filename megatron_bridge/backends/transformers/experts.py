@@ -59,8 +59,8 @@ class StackedExperts(Transform):
     def shard(self, hf: Sequence[Sliceable], s: Shard, shapes: Shapes) -> Any:
         import torch
 
-        if len(hf) % self.pieces or (s.size > 1 and self.split is None):
-            raise ValueError(f"{self!r}: {len(hf)} tensors at tp={s.size}")
+        if len(hf) % self.pieces:  # unsplit (a vision tower's experts): whole on every TP rank
+            raise ValueError(f"{self!r}: {len(hf)} tensors, not whole experts")
         parts = [self._part(t, s) for t in hf]
         slabs = [torch.cat(parts[i : i + self.pieces], 0) for i in range(0, len(parts), self.pieces)]
         return torch.stack(slabs, 0)
@@ -196,7 +196,7 @@ def transposed(converters: Iterable[Any], shapes: dict[str, tuple[int, ...]]) ->
             continue
         leaf = unescaped(sources[0])
         for name, shape in shapes.items():
-            if name.endswith("." + leaf) and len(shape) == 3:
+            if name.endswith("." + leaf) and len(shape) == 3 and in_scope(conv, name):
                 out[name] = (int(ops[0].dim0), int(ops[0].dim1), bool(getattr(ops[0], "check_dims", False)))
     return out
 
@@ -236,6 +236,18 @@ def unescaped(pattern: str) -> str:
     return pattern.replace("\\.", ".").strip(".")
 
 
+def in_scope(converter: Any, name: str) -> bool:
+    """Whether `converter` reaches the model tensor `name`: transformers scopes a sub-model's
+    converters to its module (`scope_prefix`, with or without the base model's prefix, as its
+    `_scoped_match` does), so Dots3-Note's vision-tower expert converter (`fc1`/`fc3`) leaves the
+    language model's experts (`gate_proj`/`up_proj`) to the language model's own."""
+    scope = getattr(converter, "scope_prefix", None)
+    if not scope:
+        return True
+    base = getattr(converter, "base_model_prefix", None)
+    return name.startswith(f"{scope}.") or bool(base) and name.startswith(f"{base}.{scope}.")
+
+
 def stack_converter(converter: Any) -> tuple[str, tuple[str, ...]] | None:
     """(target, sources) of a converter that stacks per-expert tensors, else None; patterns
     without their leading dots (`mlp.experts.gate_up_proj`, `mlp.experts.*.gate_proj.weight`)."""
@@ -258,7 +270,7 @@ def stacked(converters: Iterable[Any], shapes: dict[str, tuple[int, ...]]) -> di
             continue
         target, sources = found
         for name, shape in shapes.items():
-            if name.endswith("." + target) and len(shape) == 3:
+            if name.endswith("." + target) and len(shape) == 3 and in_scope(conv, name):
                 prefix = name[: -len(target)]
                 out[name] = tuple(prefix + s.replace("*", str(e)) for e in range(shape[0]) for s in sources)
     return out
@@ -346,6 +358,7 @@ __all__ = [
     "expert_limits",
     "expert_width",
     "expert_split",
+    "in_scope",
     "SPLIT_DIMS",
     "STACK_OPS",
     "StackedExperts",

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from megatron_bridge.backends.transformers.experts import unescaped
+from megatron_bridge.backends.transformers.experts import in_scope, unescaped
 from megatron_bridge.bridge.mapping import NotBlockwise, Transform
 from megatron_bridge.bridge.shards import Block, Shapes, Shard, Sliceable, split_range
 
@@ -129,8 +129,10 @@ def fused(converters: Iterable[Any], kinds: dict[str, str], cfg: Any = None) -> 
             continue
         target, sources, dim = found
         for name, kind in kinds.items():
-            if (name == target or name.endswith("." + target)) and (
-                kind in WHOLE_KINDS or (kind == COLUMN_SPLIT and dim == 0)
+            if (
+                (name == target or name.endswith("." + target))
+                and in_scope(conv, name)
+                and (kind in WHOLE_KINDS or (kind == COLUMN_SPLIT and dim == 0))
             ):
                 prefix = name[: -len(target)]
                 out[name] = (tuple(prefix + s for s in sources), dim)

@@ -200,6 +200,32 @@ def test_what_only_the_first_stage_would_meet_is_refused_by_describe(model_type,
         _spec(model_type)
 
 
+def test_each_sub_model_s_experts_are_stacked_by_its_own_converters():
+    """Dots3-Note's language model and vision tower both stack their experts as `mlp.experts.gate_up_proj`,
+    from per-expert tensors its two converters name apart (`gate_proj`/`up_proj`, the vision tower's
+    `fc1`/`fc3`), each scoped to its own sub-model: each stack's rows are its own converter's names."""
+    m = meta(_spec("dots3_note", architectures=["Dots3NoteForConditionalGeneration"]))
+    text = m.experts["model.language_model.layers.1.mlp.experts.gate_up_proj"]
+    vision = m.experts["model.vision_tower.blocks.1.mlp.experts.gate_up_proj"]
+    assert text[:2] == ("model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight")
+    assert vision[:2] == (
+        "vision_encoder.blocks.1.mlp.experts.0.fc1.weight",
+        "vision_encoder.blocks.1.mlp.experts.0.fc3.weight",
+    )
+    assert m.experts["model.language_model.layers.1.mlp.experts.down_proj"][-1].endswith("experts.3.down_proj.weight")
+
+
+def test_a_vision_tower_s_unsplit_experts_are_whole_on_every_tp_rank():
+    from megatron_bridge.backends.transformers.experts import StackedExperts
+    from megatron_bridge.bridge.shards import Shard
+
+    per_expert = [torch.randn(6, 8) for _ in range(4)]
+    whole = StackedExperts(2, 2)  # 2 experts, gate and up each
+    held = [whole.shard(per_expert, Shard(r, 2), None) for r in range(2)]
+    assert torch.equal(held[0], held[1]) and torch.equal(held[0][1], torch.cat(per_expert[2:]))
+    assert all(torch.equal(a, b) for a, b in zip(whole.merge(held, None), per_expert))
+
+
 @pytest.mark.parametrize(
     "model_type, why",
     [
