@@ -341,14 +341,30 @@ def _peft_modules(model: Any) -> dict[str, str]:
     return {n: type(mod).__name__ for n, mod in model.named_modules() if n and isinstance(mod, types)}
 
 
+# nn.Embedding subclasses whose forward is the lookup, then one module of their own, by class:
+# {class: that module's attribute}. Muse's `embed_norm(super().forward(input_ids))` (a weight-less
+# RMSNorm): the stages look up vocab-parallel, then run that module (runtime/transformers/layers.py VocabEmbedding)
+EMBEDDING_AFTER: dict[str, str] = {
+    "MuseGlimmerTextNormedEmbedding": "embed_norm",
+    "MuseSparkTextNormedEmbedding": "embed_norm",
+}
+
+
+def embedding_after(emb: Any) -> str | None:
+    """The attribute of the module `emb`'s forward runs on its lookup (EMBEDDING_AFTER), else None."""
+    import torch
+
+    return EMBEDDING_AFTER.get(type(emb).__name__) if isinstance(emb, torch.nn.Embedding) else None
+
+
 def embedding_refusal(emb: Any) -> str | None:
     """Why the stages cannot take `emb` as the model's embedding (None: they can): an
-    nn.Embedding, or a ScaledWordEmbedding (Gemma's family: its `embed_scale` becomes the
-    megatron embedding's own scale)."""
+    nn.Embedding, a ScaledWordEmbedding (Gemma's family: its `embed_scale` becomes the
+    megatron embedding's own scale) or a lookup followed by a module of its own (`embedding_after`)."""
     import torch
 
     scaled = isinstance(emb, torch.nn.Embedding) and type(emb).__name__.endswith("ScaledWordEmbedding")
-    if type(emb) is torch.nn.Embedding or (scaled and hasattr(emb, "scalar_embed_scale")):
+    if type(emb) is torch.nn.Embedding or (scaled and hasattr(emb, "scalar_embed_scale")) or embedding_after(emb):
         return None
     return f"its embedding is a {type(emb).__name__}, not nn.Embedding"
 
@@ -372,6 +388,8 @@ def _language_refusals(model: Any, plan: Plan) -> tuple[str, ...]:
 __all__ = [
     "Meta",
     "auto_class",
+    "EMBEDDING_AFTER",
+    "embedding_after",
     "embedding_refusal",
     "base_prefix",
     "causal_lm_class_name",

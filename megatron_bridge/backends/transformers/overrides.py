@@ -78,6 +78,9 @@ class Override:
     # rotary module of its value, the list holding one per distinct non-zero value in ascending
     # order; 0 means no rotary (NoPE). Granite-MoE-SWA's rotary_embs by layer_rope_theta.
     layer_rotary: tuple[str, str] | None = None
+    # config key of a per-layer list: a layer whose value is 0 is called with position_embeddings=None (NoPE),
+    # the others with the one rotary module's (Muse's layer_rope_theta)
+    nope_layers: str | None = None
     # (kwarg, value) every decoder layer is called with, where its forward takes it without a default
     layer_kwargs: tuple[tuple[str, Any], ...] = ()
     # (config key, why): a config with the key truthy is refused, naming it (a feature the stages do not rebuild)
@@ -157,6 +160,14 @@ OVERRIDES: dict[str, Override] = {
             ("layers.*.mlp.up_proj", "colwise"),
             ("layers.*.mlp.down_proj", "rowwise"),
         ),
+    ),
+    "muse_glimmer_text": Override(
+        "MuseGlimmerTextModel.forward: no position_embeddings for the layers whose layer_rope_theta is 0 (NoPE)",
+        nope_layers="layer_rope_theta",
+    ),
+    "muse_spark_text": Override(
+        "MuseSparkTextModel.forward: no position_embeddings for the layers whose layer_rope_theta is 0 (NoPE)",
+        nope_layers="layer_rope_theta",
     ),
     # VLMs: their ForConditionalGeneration.forward's head arithmetic (backends/transformers/vision.py;
     # the rest of the forward is their language model's entry)

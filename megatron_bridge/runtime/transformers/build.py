@@ -23,7 +23,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_bridge.backends.transformers.aux import aux_enabled, aux_seam
 from megatron_bridge.backends.transformers.backend import meta, model_plan, transformers_config
-from megatron_bridge.backends.transformers.meta import auto_class, embedding_refusal
+from megatron_bridge.backends.transformers.meta import auto_class, embedding_after, embedding_refusal
 from megatron_bridge.backends.transformers.overrides import stage_override
 from megatron_bridge.backends.transformers.plan import override, sp_refusals
 from megatron_bridge.backends.transformers.vision import before_layers, text_config_of
@@ -219,7 +219,9 @@ class Stage(Pieces):
         why = embedding_refusal(emb)  # a ScaledWordEmbedding's scale is kept as the megatron embedding's own
         if why:
             raise UserError(f"{self.spec.architecture}: {why}")
-        scaled = type(emb) is not torch.nn.Embedding
+        after = embedding_after(emb)  # the module its forward runs on the lookup, kept as the model's own
+        scaled = type(emb) is not torch.nn.Embedding and after is None
+        kept = (after, self.keep(f"{self.plan.embed}.{after}", getattr(emb, after))) if after else None
         with skip_weight_init(self.load_weights):
             return VocabEmbedding(
                 self.spec.padded_vocab_size(self.tp),
@@ -229,6 +231,7 @@ class Stage(Pieces):
                 padding_idx=emb.padding_idx,
                 tp_group=self.tp_group,
                 embed_scale=float(emb.scalar_embed_scale) if scaled else None,
+                after=kept,
                 # a VLM merges image features into the whole sequence's embeddings, then scatters
                 reduce_scatter_embeddings=self.sp and self.plan.front is None,
             )

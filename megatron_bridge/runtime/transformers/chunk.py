@@ -156,6 +156,9 @@ class HFChunk(MegatronModule):
             values = getattr(hf_config, layer_rotary[1])
             distinct = sorted({v for v in values if v})
             self.rotary_of = {i: distinct.index(values[i]) if values[i] else None for i in layers}
+        # layers that take no rotary embedding, by a per-layer config list's zeros (overrides.Override.nope_layers)
+        zeros = getattr(hf_config, ov.nope_layers) if ov.nope_layers else None
+        self.nope_layers = {i for i in layers if zeros is not None and not zeros[i]}
 
     def _place(self, path: str, module: torch.nn.Module | torch.nn.Parameter) -> None:
         parent: torch.nn.Module = self
@@ -315,7 +318,7 @@ class HFChunk(MegatronModule):
                 h,
                 attention_mask=masks[kind],
                 position_ids=layer_positions,
-                position_embeddings=typed or embeddings.get(key),
+                position_embeddings=None if int(i) in self.nope_layers else typed or embeddings.get(key),
                 **carried,
                 **states,
                 **extra,

@@ -128,13 +128,23 @@ class LMHead(ColumnParallelLinear):
 class VocabEmbedding(VocabParallelEmbedding):
     """megatron's VocabParallelEmbedding (this rank's vocab rows, output all-reduced over TP),
     with transformers' `padding_idx`: that row gets no gradient from the embedding, as in
-    `nn.Embedding` (its gradient from a tied head still flows)."""
+    `nn.Embedding` (its gradient from a tied head still flows). `after` (name, module): a module
+    the model's embedding runs on its lookup (Muse's `embed_norm`: backends/transformers/meta.py
+    EMBEDDING_AFTER), kept under its own name and run on the looked-up embeddings."""
 
     def __init__(
-        self, *args: Any, padding_idx: int | None = None, embed_scale: float | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        padding_idx: int | None = None,
+        embed_scale: float | None = None,
+        after: tuple[str, torch.nn.Module] | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.embed_scale = embed_scale  # a ScaledWordEmbedding's factor (Gemma: sqrt(hidden_size))
+        self.after = None if after is None else after[0]
+        if after is not None:
+            self.add_module(*after)
         local = None if padding_idx is None else padding_idx - self.vocab_start_index
         self.local_padding_idx = local if local is not None and 0 <= local < self.num_embeddings_per_partition else None
 
@@ -152,6 +162,8 @@ class VocabEmbedding(VocabParallelEmbedding):
             out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         if self.embed_scale is not None:  # as transformers: times the scale as a tensor of the weight's dtype
             out = out * torch.tensor(self.embed_scale).to(self.weight.dtype)
+        if self.after is not None:
+            out = self.get_submodule(self.after)(out)
         return out
 
 

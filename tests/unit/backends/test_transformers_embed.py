@@ -138,3 +138,44 @@ def test_a_split_embedding_equals_the_whole_one_and_its_shard_gets_its_slice_of_
     assert not merged[4].any()  # the padding row gets no gradient, as in nn.Embedding
     (weight,) = transform.merge([w for _, _, w in results], {})
     assert torch.equal(weight, full.weight.detach())  # what export merges is what was loaded
+
+
+def test_a_lookup_then_a_module_of_its_own_is_the_vocab_parallel_lookup_then_that_module():
+    """Muse's normed embedding (`embed_norm(super().forward(ids))`, declared in EMBEDDING_AFTER):
+    megatron's vocab-parallel lookup, then the model's own `embed_norm`, give transformers' output
+    and gradient at TP 2; an nn.Embedding subclass not declared is refused by name."""
+    from megatron.core.transformer import TransformerConfig
+    from transformers.models.muse_glimmer.modeling_muse_glimmer import MuseGlimmerTextNormedEmbedding
+
+    from megatron_bridge.backends.transformers.meta import embedding_after, embedding_refusal
+    from megatron_bridge.runtime.transformers.layers import VocabEmbedding
+
+    class Unknown(torch.nn.Embedding):
+        pass
+
+    assert embedding_refusal(Unknown(6, 8)) == "its embedding is a Unknown, not nn.Embedding"
+    torch.manual_seed(0)
+    full = MuseGlimmerTextNormedEmbedding(6, 8, padding_idx=4)
+    assert embedding_refusal(full) is None and embedding_after(full) == "embed_norm"
+    with torch.no_grad():
+        full.weight.normal_()
+    ids = torch.tensor([[0, 5, 3, 4, 2, 5, 1]])
+    target = torch.randn(1, 7, 8)
+    (full(ids) * target).sum().backward()
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+
+    def rank_run(rank: int, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        after = ("embed_norm", full.embed_norm)
+        kw = dict(config=cfg, init_method=torch.nn.init.zeros_, tp_group=group, padding_idx=4, after=after)
+        layer = VocabEmbedding(6, 8, **kw)
+        with torch.no_grad():
+            layer.weight.copy_(COLUMN_T.shard([full.weight.detach()], Shard(rank, 2), {}))
+        out = layer(ids)
+        (out * target).sum().backward()
+        return out.detach(), layer.weight.grad
+
+    results = _threads(2, rank_run)
+    for out, _ in results:
+        torch.testing.assert_close(out, full(ids).detach(), rtol=0, atol=0)
+    (merged,) = COLUMN_T.merge([g for _, g in results], {})
+    torch.testing.assert_close(merged, full.weight.grad, rtol=1e-6, atol=1e-6)

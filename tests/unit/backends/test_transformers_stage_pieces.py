@@ -51,3 +51,22 @@ def test_granitemoe_swa_has_a_rotary_module_per_distinct_theta_and_nope_layers()
     distinct = sorted({t for t in thetas if t})
     assert 0 in thetas and len(distinct) == len(rotaries) == 2
     assert [r.config.rope_parameters["rope_theta"] for r in rotaries] == distinct
+
+
+def test_muse_layers_whose_theta_is_zero_are_the_ones_its_forward_gives_no_rotary():
+    """`nope_layers` (runtime/transformers/chunk.py): the layers whose `layer_rope_theta` is 0 are
+    called with position_embeddings=None, as MuseGlimmerTextModel.forward calls them (hooked here)."""
+    from transformers import AutoModel
+
+    key = override("muse_glimmer_text").nope_layers
+    assert key == override("muse_spark_text").nope_layers == "layer_rope_theta"
+    cfg = tiny_config("muse_glimmer").text_config
+    model = AutoModel.from_config(cfg)
+    given: dict[int, bool] = {}
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(
+            lambda _m, _a, kw, i=i: given.__setitem__(i, kw.get("position_embeddings") is None), with_kwargs=True
+        )
+    model(input_ids=torch.randint(0, cfg.vocab_size, (1, 6)))
+    zeros = {i for i, t in enumerate(getattr(cfg, key)) if not t}
+    assert zeros and {i for i, none in given.items() if none} == zeros and len(given) == cfg.num_hidden_layers
