@@ -59,6 +59,7 @@ from megatron_bridge.backends.transformers.plan import (
     cp_refusals,
     forward_refusals,
     layer_limits,
+    override,
     packing_refusals,
     plan_problems,
     sp_refusals,
@@ -109,8 +110,9 @@ def _problems(hf: Mapping[str, Any], cfg: Any, vlm: tuple[str, str] | None = Non
     mt = cfg.model_type
     out = plan_problems(mt, cfg.base_model_tp_plan, cfg.base_model_pp_plan)
     kinds = list(getattr(cfg, "layer_types", None) or ())
+    own = {k for k, _ in override(mt).kind_masks}  # masked by the model's own function (Override.kind_masks)
     for kind in dict.fromkeys(kinds):
-        if kind not in LAYER_KINDS:
+        if kind not in LAYER_KINDS and kind not in own:
             where = [i for i, k in enumerate(kinds) if k == kind]
             why = UNBUILT_KINDS.get(kind, f"the transformers backend builds {LAYER_KINDS}")
             out.append(f"layer kind {kind!r} (layers {', '.join(map(str, where[:6]))}): {why}")

@@ -78,6 +78,9 @@ class Override:
     # rotary module of its value, the list holding one per distinct non-zero value in ascending
     # order; 0 means no rotary (NoPE). Granite-MoE-SWA's rotary_embs by layer_rope_theta.
     layer_rotary: tuple[str, str] | None = None
+    # (layer kind, mask function of the modeling module): a kind outside kinds.LAYER_KINDS whose mask the model's
+    # forward makes with a function of its own, called as the stages call MASKS' (runtime/transformers/chunk.py)
+    kind_masks: tuple[tuple[str, str], ...] = ()
     # config key of a per-layer list: a layer whose value is 0 is called with position_embeddings=None (NoPE),
     # the others with the one rotary module's (Muse's layer_rope_theta)
     nope_layers: str | None = None
@@ -168,6 +171,11 @@ OVERRIDES: dict[str, Override] = {
     "muse_spark_text": Override(
         "MuseSparkTextModel.forward: no position_embeddings for the layers whose layer_rope_theta is 0 (NoPE)",
         nope_layers="layer_rope_theta",
+    ),
+    "unlimited_ocr_text": Override(
+        "UnlimitedOcrTextModel.forward masks its reference_sliding_attention layers with its module's "
+        "create_reference_sliding_window_causal_mask (every prefill token kept beside the window)",
+        kind_masks=(("reference_sliding_attention", "create_reference_sliding_window_causal_mask"),),
     ),
     # VLMs: their ForConditionalGeneration.forward's head arithmetic (backends/transformers/vision.py;
     # the rest of the forward is their language model's entry)

@@ -161,6 +161,7 @@ class Stage(Pieces):
             forward_math=const,
             aux=self._aux() if pre and post and self.spec.is_moe else None,
             nope_kwargs={k: getattr(sys.modules[type(full).__module__], fn) for k, fn in ov.nope_kwargs},
+            kind_masks={k: getattr(sys.modules[type(full).__module__], fn) for k, fn in ov.kind_masks},
             streams=ov.stream_count(self.text),
             per_layer=per_layer,
             front=self._front(),

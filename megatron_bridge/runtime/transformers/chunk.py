@@ -90,6 +90,7 @@ class HFChunk(MegatronModule):
         forward_math: dict[str, float],
         aux: RouterAuxLoss | None = None,
         nope_kwargs: dict[str, Any] | None = None,
+        kind_masks: dict[str, Any] | None = None,
         streams: int = 1,
         per_layer: PerLayerInputs | None = None,
         kinds: Mapping[int, str],
@@ -146,6 +147,7 @@ class HFChunk(MegatronModule):
         if window and getattr(hf_config, window, None) is not None:
             self.masks["full_attention"] = create_sliding_window_causal_mask
         self.masks.update(dict.fromkeys(ov.padding_masks, _all_true))  # overrides.Override.padding_masks
+        self.masks.update(kind_masks or {})  # overrides.Override.kind_masks: the modeling module's own
         rope = getattr(hf_config, "rope_parameters", None)
         # layer kinds whose rope_parameters entry is None take no rotary embedding (Cohere-Compass'
         # NoPE full-attention layers), as the model's own forward decides

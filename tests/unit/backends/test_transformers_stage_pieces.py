@@ -70,3 +70,36 @@ def test_muse_layers_whose_theta_is_zero_are_the_ones_its_forward_gives_no_rotar
     model(input_ids=torch.randint(0, cfg.vocab_size, (1, 6)))
     zeros = {i for i, t in enumerate(getattr(cfg, key)) if not t}
     assert zeros and {i for i, none in given.items() if none} == zeros and len(given) == cfg.num_hidden_layers
+
+
+def test_a_kind_masked_by_the_model_s_own_function_gets_the_mask_its_forward_gives():
+    """`kind_masks`: Unlimited-OCR's reference_sliding_attention layers take what its module's
+    create_reference_sliding_window_causal_mask returns, called as the stages call MASKS (no cache,
+    no padding mask, the positions): the mask UnlimitedOcrTextModel.forward hands them (hooked here)."""
+    import sys
+
+    from transformers.models.unlimited_ocr import modeling_unlimited_ocr
+
+    from megatron_bridge.backends.transformers.plan import LAYER_KINDS
+
+    ((kind, fn),) = override("unlimited_ocr_text").kind_masks
+    cfg = tiny_config("unlimited_ocr").text_config
+    model = modeling_unlimited_ocr.UnlimitedOcrTextModel(cfg)
+    assert kind not in LAYER_KINDS and set(cfg.layer_types) == {kind}
+    given: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(
+            lambda _m, _a, kw, i=i: given.__setitem__(i, kw["attention_mask"]), with_kwargs=True
+        )
+    s = 2 * cfg.sliding_window + 3  # past the window
+    embeds = torch.zeros(1, s, cfg.hidden_size)
+    model(inputs_embeds=embeds)
+    positions = torch.arange(s).unsqueeze(0)
+    mask = getattr(sys.modules[type(model).__module__], fn)(
+        config=cfg, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=positions
+    )
+    assert len(given) == cfg.num_hidden_layers and all(torch.equal(m, mask) for m in given.values())
+    window = modeling_unlimited_ocr.create_sliding_window_causal_mask(
+        config=cfg, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=positions
+    )
+    assert not torch.equal(mask, window)  # not the plain sliding-window mask: the prefill tokens stay visible
