@@ -23,6 +23,7 @@ from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.plan.params import ParamCount
+from megatron_bridge.plan.shards import ModelShards
 
 Shape = tuple[int, ...]
 
@@ -53,6 +54,11 @@ class Backend(ABC):
     @abstractmethod
     def count(self, spec: BridgeSpec) -> ParamCount:
         """Exact parameter counts (total, active, embedding, per layer kind)."""
+
+    @abstractmethod
+    def shards(self, spec: BridgeSpec) -> ModelShards:
+        """The parameters by stage piece and how TP/EP split them (plain numbers, plan/shards.py):
+        what `mbr plan` reads every per-rank count from."""
 
     @abstractmethod
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_bridge.plan.params import attention_widths, moe_layers
+from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.plan.params import attention_widths
 
 # Fraction of peak the GEMMs of a training step achieve (recompute, bubble and exposed
 # communication priced separately). One number, fitted to the ten published runs of
@@ -168,7 +169,7 @@ def step_comm(
     if moe and ep > 1:
         tokens = seq * b * min(m.moe_router_topk, m.num_moe_experts) / (tp if sp else 1)
         per_layer = (4 + (2 if full else 0)) * (ep - 1) / ep * tokens * h * act_bytes
-        moe_share = moe_layers(m) / m.num_layers  # dense-first layers have no all-to-all
+        moe_share = backend_of(m).shards(m).moe_layers() / m.num_layers  # dense-first layers have no all-to-all
         put("ep", per_layer * layers * moe_share * num_micro, "ep", "all-to-all per MoE layer")
     return out
 

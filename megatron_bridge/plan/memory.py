@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.lora import layer_adapter_params
 from megatron_bridge.plan import params as P
 
@@ -256,12 +257,10 @@ def stage_memory(
     reads it). Each layer is counted as its kind (MoE or dense, `moe_layer_pattern`). With
     `peft.method == "lora"` only the adapters have gradients and optimizer states (the
     frozen base has weights only)."""
-    if isinstance(layers, int):
-        start = 0 if first else m.num_layers - layers
-        layers = tuple(range(start, start + layers))
-    ids = tuple(layers)
-    rp = P.rank_params(m, tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
-    ll = P.largest_layer(m, tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
+    ids = P.stage_ids(m, layers, first)
+    shards = backend_of(m).shards(m)
+    rp = shards.rank_params(tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
+    ll = shards.largest(tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
     st = model_states(
         rp["dense"],
         rp["expert"],
@@ -275,7 +274,7 @@ def stage_memory(
     if peft is not None and getattr(peft, "method", "none") == "lora":
         st = _with_adapters(st, m, peft, len(ids), tp, etp, ep, engine, precision, zero, dp * cp, edp)
     ab = 4 if precision == "fp32" else 2
-    n_moe = P.moe_layers(m, ids)
+    n_moe = shards.moe_layers(ids)
     kinds = [(moe, n) for moe, n in ((True, n_moe), (False, len(ids) - n_moe)) if n]
     n_flight = in_flight(stage, p, num_micro, vpp)
 

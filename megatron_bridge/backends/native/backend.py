@@ -22,7 +22,8 @@ from megatron_bridge.bridge.table import Mapping as Row
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dtypes import DType
-from megatron_bridge.plan.params import ParamCount, count
+from megatron_bridge.plan.params import ParamCount, count, native_shards
+from megatron_bridge.plan.shards import ModelShards
 
 # model-group fields that are not architecture, or reach the spec resolved under another name
 NOT_SPEC_FIELDS = ("name", "hf_path", "backend", "kv_channels", "num_query_groups", "moe_ffn_hidden_size", "freeze")
@@ -66,6 +67,9 @@ class NativeBackend(Backend):
 
     def count(self, spec: BridgeSpec) -> ParamCount:
         return count(spec)
+
+    def shards(self, spec: BridgeSpec) -> ModelShards:
+        return native_shards(spec)
 
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return spec_to_hf_config(spec)

@@ -267,6 +267,7 @@ class Meta:
     refused: tuple[str, ...] = ()  # what of a VLM the stages cannot run (vision.language_refusals)
     split: dict[str, Split] = dataclasses.field(default_factory=dict)  # a tensor cut from one checkpoint tensor
     peft_modules: dict[str, str] = dataclasses.field(default_factory=dict)  # `_peft_modules`
+    buffers: frozenset[str] = frozenset()  # the persistent buffers among `shapes`: checkpoint tensors, not parameters
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -290,6 +291,11 @@ class Meta:
                 return saved
             return saved[: first.start(2)] + "{layer}" + saved[first.end(2) :]
         return saved[:at] + leaf.replace(f".{i}.", ".{layer}.") + saved[at + len(leaf) :]
+
+    @property
+    def parameters(self) -> list[str]:
+        """The checkpoint tensors that are parameters (a tied one once), in the model's order."""
+        return [n for n in self.shapes if n not in self.buffers]
 
     def numel(self, name: str) -> int:
         n = 1
@@ -323,7 +329,8 @@ def meta(spec: BridgeSpec) -> Meta:
         if kind in PLAIN_LINEARS and kinds.get(f"{n}.weight") == REPLICATED and plan.style(n) is None
     )
     refused = _language_refusals(model, plan)
-    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut, peft)
+    buffers = frozenset(tensors) - {n for n, _ in model.named_parameters()}
+    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut, peft, buffers)
 
 
 def _peft_modules(model: Any) -> dict[str, str]:

@@ -39,7 +39,7 @@ def with_vision(spec: BridgeSpec, full: Any) -> BridgeSpec:
         )
     if not m.plan.vision:
         return spec
-    n = sum(m.numel(k) for k in m.shapes if any(k == p or k.startswith(p + ".") for p in m.plan.vision))
+    n = sum(m.numel(k) for k in m.parameters if any(k == p or k.startswith(p + ".") for p in m.plan.vision))
     vision = getattr(full, "vision_config", None)
     size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
     patches = (size // patch) ** 2 if isinstance(size, int) and isinstance(patch, int) and patch else 0
