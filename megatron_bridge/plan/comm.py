@@ -181,10 +181,19 @@ def bubble_fraction(pp: int, vpp: int, num_micro: int) -> float:
     return (pp - 1) / (max(vpp, 1) * num_micro)
 
 
-def step_flops(m, count, *, s: int, global_batch: int, recompute: str) -> float:
+def vision_flops(m, *, patches: int) -> float:
+    """Forward FLOPs of a VLM's vision pieces on one image of `patches` patches: 2·params per
+    patch (the projector counted per patch too, before any patch merge) plus the attention core,
+    every patch attending to every patch of its image in each layer (4·patches²·width·depth;
+    windowed layers attend to fewer)."""
+    return 2 * m.vision_params * patches + 4 * patches * patches * m.vision_width
+
+
+def step_flops(m, count, *, s: int, global_batch: int, recompute: str, images: int = 1, patches: int | None = None) -> float:
     """Model FLOPs of one step (forward + backward = 3× forward; recompute adds forward
-    work: all of it for full, the attention core for selective). A VLM's vision pieces: one
-    image per sample, 2·params FLOPs per patch forward (their attention core is left out)."""
+    work: all of it for full, the attention core for selective). A VLM's vision pieces:
+    `images` per sample of `patches` patches each (default: the vision config's fixed size),
+    `vision_flops` each, forward and backward (no recompute: they run whole, once)."""
     L = m.num_layers
     q_width, _, v_width = attention_widths(m)
     attn_core = 2 * s * (q_width + v_width) * L  # QK^T and ·V per token
@@ -192,7 +201,7 @@ def step_flops(m, count, *, s: int, global_batch: int, recompute: str) -> float:
     matmul = 2 * (count.active - count.embedding - m.vision_params + m.vocab_size * m.hidden_size)
     fwd = matmul + attn_core
     extra = {"none": 0.0, "selective": attn_core, "full": fwd}[recompute]
-    vision = 3 * 2 * m.vision_params * m.vision_patches
+    vision = 3 * images * vision_flops(m, patches=m.vision_patches if patches is None else patches)
     return global_batch * (s * (3 * fwd + extra) + vision)
 
 

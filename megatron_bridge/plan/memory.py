@@ -226,6 +226,14 @@ def logits_bytes(m, *, s: float, b: int, t: int, cp: int, vocab: int, sp: bool) 
     return 4 * s * b * vocab / t + 2 * s * b * m.hidden_size / (t if sp else 1)
 
 
+def vision_activations(m, *, b: int, images: int, patches: int, act_bytes: int = 2) -> float:
+    """Stored bytes of a VLM's vision tower for one microbatch (first stage; whole on every TP
+    rank, so no TP, SP or CP split): Korthikanti's 34·s·h per layer at 2-byte activations with
+    s = the microbatch's patches and h·layers the tower's `vision_width`; its attention scores
+    are left out (the towers run fused or windowed attention), and so is the projector."""
+    return 17 * act_bytes * b * images * patches * m.vision_width
+
+
 def stage_memory(
     m,
     *,
@@ -251,12 +259,15 @@ def stage_memory(
     vpp: int = 1,
     vocab: int = 0,
     peft: object = None,
+    images: int = 1,
+    patches: int = 0,
 ) -> StageMemory:
     """Peak bytes on one rank of pipeline stage `stage`, whose transformer layers are
     `layers` (global indices, `ParallelDims.stage_layer_ids`; or a count, as `params.rank_params`
     reads it). Each layer is counted as its kind (MoE or dense, `moe_layer_pattern`). With
     `peft.method == "lora"` only the adapters have gradients and optimizer states (the
-    frozen base has weights only)."""
+    frozen base has weights only). The first stage also holds a VLM's vision tower's
+    activations for `images` per sample of `patches` patches (`vision_activations`)."""
     ids = P.stage_ids(m, layers, first)
     shards = backend_of(m).shards(m)
     rp = shards.rank_params(tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
@@ -287,6 +298,8 @@ def stage_memory(
         acts += max(per_layer("selective", moe) for moe, _ in kinds)
     if first:
         acts += n_flight * (s / cp) * b * m.hidden_size / (tp if sp else 1)  # embedding dropout mask
+        if m.vision_params:
+            acts += n_flight * vision_activations(m, b=b, images=images, patches=patches, act_bytes=ab)
     lg = logits_bytes(m, s=s, b=b, t=tp, cp=cp, vocab=vocab, sp=sp) if last else 0.0
     allocated = st.total + acts + lg
     frag = FRAGMENTATION * allocated
