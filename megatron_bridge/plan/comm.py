@@ -189,7 +189,9 @@ def vision_flops(m, *, patches: int) -> float:
     return 2 * m.vision_params * patches + 4 * patches * patches * m.vision_width
 
 
-def step_flops(m, count, *, s: int, global_batch: int, recompute: str, images: int = 1, patches: int | None = None) -> float:
+def step_flops(
+    m, count, *, s: int, global_batch: int, recompute: str, images: int = 1, patches: int | None = None
+) -> float:
     """Model FLOPs of one step (forward + backward = 3× forward; recompute adds forward
     work: all of it for full, the attention core for selective). A VLM's vision pieces:
     `images` per sample of `patches` patches each (default: the vision config's fixed size),

@@ -225,8 +225,10 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
     )
     ev.bubble = C.bubble_fraction(lo.dims.pp, lo.dims.vpp or 1, lo.dims.grad_accum)
     ids = lo.dims.stage_layer_ids(m.num_layers, 0)
-    rp = backend_of(m).shards(m).rank_params(
-        tp=lo.dims.tp, ep=lo.dims.ep, etp=lo.dims.etp, layers=ids, first=True, last=lo.dims.pp == 1
+    rp = (
+        backend_of(m)
+        .shards(m)
+        .rank_params(tp=lo.dims.tp, ep=lo.dims.ep, etp=lo.dims.etp, layers=ids, first=True, last=lo.dims.pp == 1)
     )
     ab = 4 if ctx.precision == "fp32" else 2
     ev.comm = C.step_comm(

@@ -245,7 +245,9 @@ def rank_params(
     starting at 0 on the first stage and ending at the last layer otherwise (enough when all
     layers are alike). Returns {"dense": n, "expert": n}; a rank's total is their sum. Any
     backend's model: `Backend.shards(m).rank_params` (plan/shards.py)."""
-    return native_shards(m).rank_params(tp=tp, ep=ep, etp=etp, layers=stage_ids(m, layers, first), first=first, last=last)
+    return native_shards(m).rank_params(
+        tp=tp, ep=ep, etp=etp, layers=stage_ids(m, layers, first), first=first, last=last
+    )
 
 
 def stage_ids(m, layers: int | Sequence[int], first: bool) -> tuple[int, ...]:

@@ -49,8 +49,12 @@ def with_vision(spec: BridgeSpec, full: Any) -> BridgeSpec:
 def _tower_width(vision: Any) -> int:
     """The vision tower's hidden size times its depth, from the names vision configs give them
     (0 where it gives neither: the planner then leaves the tower's activations and attention out)."""
-    hidden = next((v for k in ("hidden_size", "embed_dim", "width") if isinstance(v := getattr(vision, k, None), int)), 0)
-    depth = next((v for k in ("depth", "num_hidden_layers", "num_layers") if isinstance(v := getattr(vision, k, None), int)), 0)
+    hidden = next(
+        (v for k in ("hidden_size", "embed_dim", "width") if isinstance(v := getattr(vision, k, None), int)), 0
+    )
+    depth = next(
+        (v for k in ("depth", "num_hidden_layers", "num_layers") if isinstance(v := getattr(vision, k, None), int)), 0
+    )
     return hidden * depth
 
 

@@ -37,7 +37,9 @@ def saved(tmp_path_factory):
 
 
 def _spec(d):
-    return describe_hf(read_hf_config(d), backend="transformers", make_vocab_size_divisible_by=48)  # 256 rows padded to 288 at tp2
+    return describe_hf(
+        read_hf_config(d), backend="transformers", make_vocab_size_divisible_by=48
+    )  # 256 rows padded to 288 at tp2
 
 
 @pytest.mark.parametrize("case", list(TYPES))
@@ -87,7 +89,9 @@ def test_each_ranks_share_is_what_the_loader_gives_it(saved, case, layout):
     shards = backend_of(spec).shards(spec)
     for stage in range(dims.pp):
         ids = dims.stage_layer_ids(spec.num_layers, stage)
-        rp = shards.rank_params(tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=stage == 0, last=stage == dims.pp - 1)
+        rp = shards.rank_params(
+            tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=stage == 0, last=stage == dims.pp - 1
+        )
         for tp_rank in range(dims.tp):
             for ep_rank in range(dims.ep):
                 got = _loaded(d, spec, dims, Coords(tp_rank=tp_rank, pp_rank=stage, ep_rank=ep_rank))
@@ -97,7 +101,10 @@ def test_each_ranks_share_is_what_the_loader_gives_it(saved, case, layout):
             assert rp["dense"] - other["dense"] >= (spec.vision_params if stage == 0 else 0)
     if spec.is_moe and dims.ep > 1:
         one = shards.rank_params(tp=1, layers=range(spec.num_layers), first=True, last=True)
-        assert one["expert"] == 2 * shards.rank_params(tp=1, ep=2, layers=range(spec.num_layers), first=True, last=True)["expert"]
+        assert (
+            one["expert"]
+            == 2 * shards.rank_params(tp=1, ep=2, layers=range(spec.num_layers), first=True, last=True)["expert"]
+        )
 
 
 def test_the_vision_tower_costs_flops_and_activations_on_the_first_stage(saved):
@@ -115,7 +122,9 @@ def test_the_vision_tower_costs_flops_and_activations_on_the_first_stage(saved):
     mem.update(recompute="none", sp=False, s=64, b=1, num_micro=4, vocab=spec.padded_vocab_size(1))
     for stage in (0, 1):
         ids = (0, 1) if stage == 0 else (2, 3)
-        with_images = M.stage_memory(spec, stage=stage, layers=ids, first=stage == 0, last=stage == 1, patches=100, **mem)
+        with_images = M.stage_memory(
+            spec, stage=stage, layers=ids, first=stage == 0, last=stage == 1, patches=100, **mem
+        )
         without = M.stage_memory(spec, stage=stage, layers=ids, first=stage == 0, last=stage == 1, patches=0, **mem)
         tower = M.vision_activations(spec, b=1, images=1, patches=100) * M.in_flight(stage, 2, 4)
         assert with_images.activations - without.activations == (tower if stage == 0 else 0)
@@ -137,7 +146,11 @@ def test_mbr_plan_runs_for_a_transformers_model(saved, case, capsys):
     assert f"{total:,} parameters" in out and "CHOSEN" in out
     vision = [ln for ln in out.splitlines() if ln.startswith("vision ")]
     if case == "vlm":
-        assert len(vision) == 1 and "64 patches" in vision[0] and f"{sum(p.numel() for n, p in model.named_parameters() if n.startswith('model.visual.')):,}" in vision[0]
+        assert (
+            len(vision) == 1
+            and "64 patches" in vision[0]
+            and f"{sum(p.numel() for n, p in model.named_parameters() if n.startswith('model.visual.')):,}" in vision[0]
+        )
         doc = json.loads(_plan([*args, "format=json"], capsys))
         assert doc["model"]["vision"]["patches_per_image"] == 0  # unknown without image_patches: said so
         assert "give image_patches=N" in _plan(args, capsys)
