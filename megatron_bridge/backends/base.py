@@ -61,6 +61,14 @@ class Backend(ABC):
         what `mbr plan` reads every per-rank count from."""
 
     @abstractmethod
+    def adapter_params(
+        self, spec: BridgeSpec, peft: Any, *, tp: int, etp: int, ep: int, layers: Sequence[int], first: bool
+    ) -> tuple[float, float]:
+        """LoRA parameters (dense, expert) one rank of a pipeline stage holding global `layers`
+        (`first`: the first stage's pieces too) keeps for `peft`'s targets, split as the adapters
+        are (column-parallel: A whole, B's rows ÷ tp; row-parallel: A's columns ÷ tp, B whole)."""
+
+    @abstractmethod
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         """The config.json of `spec` (export of a model that has no HF source directory)."""
 

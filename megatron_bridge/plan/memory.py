@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from megatron_bridge.backends.registry import backend_of
-from megatron_bridge.bridge.lora import layer_adapter_params
 from megatron_bridge.plan import params as P
 
 GIB = 1024**3
@@ -98,14 +97,13 @@ def model_states(
     return States(weights, grads, optimizer)
 
 
-def _with_adapters(frozen: States, m, peft, layers, tp, etp, ep, engine, precision, zero, dp_shard, edp) -> States:
+def _with_adapters(frozen: States, m, peft, ids, first, tp, etp, ep, engine, precision, zero, dp_shard, edp) -> States:
     """States of a LoRA run: the base's weights plus the adapters' weights, gradients and
-    optimizer states (adapter shapes from bridge.lora, split as the adapters are)."""
-    dense, per_expert = layer_adapter_params(m, peft, tp=tp, etp=etp)
-    experts = (m.num_moe_experts or 0) / ep
+    optimizer states (the backend's adapter shapes, split as the adapters are)."""
+    dense, expert = backend_of(m).adapter_params(m, peft, tp=tp, etp=etp, ep=ep, layers=ids, first=first)
     ad = model_states(
-        dense * layers,
-        per_expert * experts * layers,
+        dense,
+        expert,
         engine=engine,
         precision=precision,
         zero=zero,
@@ -283,7 +281,7 @@ def stage_memory(
         largest_layer=ll,
     )
     if peft is not None and getattr(peft, "method", "none") == "lora":
-        st = _with_adapters(st, m, peft, len(ids), tp, etp, ep, engine, precision, zero, dp * cp, edp)
+        st = _with_adapters(st, m, peft, ids, first, tp, etp, ep, engine, precision, zero, dp * cp, edp)
     ab = 4 if precision == "fp32" else 2
     n_moe = shards.moe_layers(ids)
     kinds = [(moe, n) for moe, n in ((True, n_moe), (False, len(ids) - n_moe)) if n]

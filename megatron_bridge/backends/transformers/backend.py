@@ -64,7 +64,7 @@ from megatron_bridge.backends.transformers.plan import (
     sp_refusals,
     unbuilt_refusals,
 )
-from megatron_bridge.backends.transformers.shards import shards
+from megatron_bridge.backends.transformers.shards import adapter_params, shards
 from megatron_bridge.backends.transformers.split import ChunkPiece
 from megatron_bridge.backends.transformers.vision import (
     FREEZE_GROUPS,
@@ -289,6 +289,11 @@ class TransformersBackend(Backend):
 
     def shards(self, spec: BridgeSpec) -> ModelShards:
         return shards(spec)
+
+    def adapter_params(
+        self, spec: BridgeSpec, peft: Any, *, tp: int, etp: int, ep: int, layers: Sequence[int], first: bool
+    ) -> tuple[float, float]:
+        return adapter_params(spec, self.table(spec), peft, tp=tp, layers=layers, first=first)
 
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return dict(json.loads(spec.hf_json))

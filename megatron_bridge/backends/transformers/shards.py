@@ -11,13 +11,17 @@ a rank, each divided by etp (= tp, transformers' `moe_tp_experts`) where the tp 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 from megatron_bridge.backends.transformers import checkpoint
 from megatron_bridge.backends.transformers.experts import expert_split
 from megatron_bridge.backends.transformers.meta import Meta, meta, transformers_config
 from megatron_bridge.backends.transformers.plan import COLUMN, EP_TENSOR, HEAD, MOE_TP, ROW, VOCAB
+from megatron_bridge.bridge.lora import resolve_targets
 from megatron_bridge.bridge.spec import BridgeSpec
+from megatron_bridge.bridge.table import Mapping as Row
 from megatron_bridge.plan.shards import BY_EP, BY_EP_ETP, BY_TP, BY_VOCAB, WHOLE, LayerShards, ModelShards, Piece
 
 SPLIT = (COLUMN, ROW, HEAD)  # kinds divided by tp
@@ -111,4 +115,31 @@ def shards(spec: BridgeSpec) -> ModelShards:
     )
 
 
-__all__ = ["shards"]
+def adapter_params(
+    spec: BridgeSpec, table: Sequence[Row], peft: Any, *, tp: int, layers: Sequence[int], first: bool
+) -> tuple[float, float]:
+    """LoRA parameters (dense, expert) on one rank of the stage holding `layers` (`first`: and the
+    first stage's pieces: a VLM's vision linears, whole): per adapted linear of shape (out, in)
+    and each of its HF inputs, A is rank × in and B out × rank, B's rows ÷ tp on a column-parallel
+    linear, A's columns on a row-parallel one. The experts' stacked tensors take no adapters."""
+    m = meta(spec)
+    where = checkpoint.pieces(m, transformers_config(spec), list(m.shapes))
+    held = set(layers)
+    r, dense = peft.rank, 0.0
+    for t in resolve_targets(table, list(peft.target_modules), spec.family):
+        template = t.mapping.megatron
+        names = [template.replace("{layer}", str(i)) for i in layers] if "{layer}" in template else [template]
+        for name in names:
+            at = where.get(name)
+            if name not in m.shapes or not (at in held if isinstance(at, int) else at == checkpoint.PRE and first):
+                continue
+            out, fan_in = m.shapes[name][0], m.shapes[name][-1]
+            share = out * len(t.srcs) / len(t.mapping.hf)  # the adapted inputs' rows of the weight
+            split = 1 if t.whole else tp
+            a = r * fan_in * len(t.srcs) / (1 if t.column or t.whole else split)
+            b = r * share / (split if t.column else 1)
+            dense += a + b
+    return dense, 0.0
+
+
+__all__ = ["adapter_params", "shards"]

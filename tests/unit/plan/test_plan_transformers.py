@@ -156,3 +156,37 @@ def test_mbr_plan_runs_for_a_transformers_model(saved, case, capsys):
         assert "give image_patches=N" in _plan(args, capsys)
     else:
         assert not vision
+
+
+@pytest.mark.parametrize(
+    "case, targets", [("dense", ["q_proj", "v_proj", "down_proj"]), ("vlm", ["q_proj", "gate_proj"])]
+)
+def test_the_lora_adapters_are_what_peft_adds(saved, case, targets):
+    """At tp=1 over every layer (and the first stage's vision linears) the planner's adapters are
+    the parameters HF PEFT adds for the same targets and rank."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from megatron_bridge.config.schema import PeftConfig
+
+    d, model = saved[case]
+    spec = _spec(d)
+    peft = PeftConfig(method="lora", rank=4, target_modules=targets)
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=targets))
+    real = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+    layers = range(spec.num_layers)
+    got = backend_of(spec).adapter_params(spec, peft, tp=1, etp=1, ep=1, layers=layers, first=True)
+    assert got == (real, 0.0)
+    later = backend_of(spec).adapter_params(spec, peft, tp=1, etp=1, ep=1, layers=layers, first=False)
+    vision = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n and ".visual." in n)
+    assert later[0] == real - vision and (vision > 0) == (case == "vlm")
+    args = [
+        "model.backend=transformers",
+        f"model.hf_path={d}",
+        "peft=lora",
+        f"peft.target_modules=[{','.join(targets)}]",
+    ]
+    from megatron_bridge.commands.plan import main
+
+    assert main(args) == 0
