@@ -16,6 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 from megatron_bridge.backends.transformers import checkpoint
+from megatron_bridge.backends.transformers.adapters import adapter_names
 from megatron_bridge.backends.transformers.experts import expert_split
 from megatron_bridge.backends.transformers.meta import Meta, meta, transformers_config
 from megatron_bridge.backends.transformers.plan import COLUMN, EP_TENSOR, HEAD, MOE_TP, ROW, VOCAB
@@ -126,7 +127,7 @@ def adapter_params(
     where = checkpoint.pieces(m, transformers_config(spec), list(m.shapes))
     held = set(layers)
     r, dense = peft.rank, 0.0
-    for t in resolve_targets(table, list(peft.target_modules), spec.family):
+    for t in resolve_targets(table, list(peft.target_modules), spec.family, adapter_names):  # PEFT's module names
         template = t.mapping.megatron
         names = [template.replace("{layer}", str(i)) for i in layers] if "{layer}" in template else [template]
         for name in names:
