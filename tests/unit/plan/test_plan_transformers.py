@@ -190,3 +190,19 @@ def test_the_lora_adapters_are_what_peft_adds(saved, case, targets):
     from megatron_bridge.commands.plan import main
 
     assert main(args) == 0
+
+
+@pytest.mark.parametrize("case", list(TYPES))
+def test_the_built_chunk_has_the_planned_parameters(saved, case):
+    """One process, tp=pp=1: the chunk the runtime builds holds exactly what the plan counts
+    (the vocabulary padded as the run pads it)."""
+    from megatron_bridge.runtime.build import build_model
+    from megatron_bridge.testing import one_process_groups
+
+    d, _ = saved[case]
+    spec = _spec(d)
+    with one_process_groups():
+        chunks = build_model(spec, ParallelDims(world_size=1, gpus_per_node=1))
+        built = sum(p.numel() for c in chunks for p in c.parameters())
+    planned = backend_of(spec).shards(spec).rank_params(tp=1, layers=range(spec.num_layers), first=True, last=True)
+    assert built == planned["dense"] + planned["expert"] > backend_of(spec).count(spec).total  # 256 rows -> 288
