@@ -29,6 +29,9 @@ flight under 1F1B (the first stage p of them: L layers' worth however large p is
 why PP does not reduce activation memory); interleaving with v chunks holds
 (2(p−i−1) + (v−1)p + 1) chunk-microbatches, i.e. ×(1 + (p−1)/(p·v)) on the first stage.
 
+A VLM's vision tower and projector run whole on the first stage: their activations there are
+`vision_activations` per microbatch in flight (images × patches, the tower's width × depth).
+
 Logits (last stage, Korthikanti §4.3): 4·s·b·V/t for the fp32 cross-entropy input plus the
 2sbh/t output-layer input. Fragmentation margin: 10% of everything allocated (PyTorch's
 caching allocator, CUDA/NCCL context), a planning allowance rather than a measurement.
