@@ -64,7 +64,7 @@ def test_accepted_layouts_build_the_planned_parameters_and_train(tmp_path):
     moe = make_tiny("qwen3_moe", tmp_path / "qwen3_moe")
     todo = {
         **JOBS,
-        "hf_moe_pp2": ["recipe=tiny_llama", f"model.hf_path={moe}", "model.backend=transformers", "parallel.pp=2"],
+        "hf_moe_pp2": ["recipe=tiny_llama", f"model.hf_path={moe}", "model.backend=transformers", "parallel.tp=1", "parallel.pp=2"],
     }
     jobs = [f"{name}:" + ",".join([*o, *COMMON]) for name, o in todo.items()]
     res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=2, timeout=600)
