@@ -23,6 +23,7 @@ from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.plan.params import ParamCount
+from megatron_bridge.plan.shards import ModelShards
 
 Shape = tuple[int, ...]
 
@@ -53,6 +54,19 @@ class Backend(ABC):
     @abstractmethod
     def count(self, spec: BridgeSpec) -> ParamCount:
         """Exact parameter counts (total, active, embedding, per layer kind)."""
+
+    @abstractmethod
+    def shards(self, spec: BridgeSpec) -> ModelShards:
+        """The parameters by stage piece and how TP/EP split them (plain numbers, plan/shards.py):
+        what `mbr plan` reads every per-rank count from."""
+
+    @abstractmethod
+    def adapter_params(
+        self, spec: BridgeSpec, peft: Any, *, tp: int, etp: int, ep: int, layers: Sequence[int], first: bool
+    ) -> tuple[float, float]:
+        """LoRA parameters (dense, expert) one rank of a pipeline stage holding global `layers`
+        (`first`: the first stage's pieces too) keeps for `peft`'s targets, split as the adapters
+        are (column-parallel: A whole, B's rows ÷ tp; row-parallel: A's columns ÷ tp, B whole)."""
 
     @abstractmethod
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:

@@ -133,10 +133,12 @@ class BridgeSpec:
     make_vocab_size_divisible_by: int = 128
     initializer_range: float = 0.02
     # a vision-language model's vision tower and projector (first pipeline stage, whole on every TP
-    # rank): their parameters, and the patches one image gives the tower (0: dynamic resolution).
+    # rank): their parameters, the patches one image gives the tower (0: dynamic resolution), and
+    # the tower's hidden size summed over its layers (what its activations and attention scale with).
     # Derived from the config.json the description holds, so not compared.
     vision_params: int = field(default=0, compare=False)
     vision_patches: int = field(default=0, compare=False)
+    vision_width: int = field(default=0, compare=False)
     # ---- the backend's own part, which backend owns the model, and where the description came from
     part: NativeArch | TransformersArch = field(default_factory=NativeArch)
     backend: str = "native"  # backends/: describes, builds, names/shards and counts it

@@ -1,7 +1,7 @@
 r"""`mbr plan`: which layout to use and why, before anyone spends a GPU-hour.
 
     mbr plan model=llama3_70b cluster=dgx_h100 cluster.nodes=8 train.seq_length=8192 \
-        train.global_batch_size=512 [parallel.tp=8] [format=json] [top=5]
+        train.global_batch_size=512 [parallel.tp=8] [format=json] [top=5] [images=1 image_patches=N]
 
 Composes the recipe (default: `recipe=default`) and overrides like every command, then
 searches every layout of the cluster (megatron_bridge.plan.search). Any `parallel.X`,
@@ -38,6 +38,10 @@ class InfeasiblePlan(UserError):
 class PlanConfig(Config):
     format: str = "table"  # table | json
     top: int = 5  # alternatives to show
+    # a vision-language model (docs/plan.md "Vision-language models"): images per sample, and the
+    # patches one image gives the vision tower where its config has no fixed image size (0: that size)
+    images: int = 1
+    image_patches: int = 0
 
 
 MAX_WORLD = 1 << 22  # GPUs: the search's divisor loops stay instant below it
@@ -52,6 +56,11 @@ def plan(argv: Sequence[str]):
         raise UserError(f"top={cfg.top} must be >= 0 (the number of alternatives to show).")
     if cfg.cluster.nodes < 1 or cfg.cluster.gpus_per_node < 1 or cfg.cluster.gpu_memory_gb <= 0:
         raise UserError("cluster.nodes, cluster.gpus_per_node and cluster.gpu_memory_gb must be positive.")
+    if cfg.images < 0 or cfg.image_patches < 0:
+        raise UserError(
+            f"images={cfg.images} image_patches={cfg.image_patches}: the images per sample and the patches per image "
+            "are counts (>= 0); give e.g. images=1 image_patches=1024."
+        )
     eff = cfg.cluster.achieved_efficiency
     if eff is not None and not 0 < eff <= 1:
         raise UserError(
@@ -68,7 +77,8 @@ def plan(argv: Sequence[str]):
         return cfg, args, None
     model = describe(cfg.model)
     refuse(model, cfg)  # a bad lr is bad input (exit 2), not a layout that does not fit
-    ctx = Context.from_config(cfg, model, pinned_from_overrides(args.overrides))
+    pinned = pinned_from_overrides(args.overrides)
+    ctx = Context.from_config(cfg, model, pinned, images=cfg.images, image_patches=cfg.image_patches)
     res = search(ctx)
     diagnosis = explain.diagnose(ctx, res) if res.best is None else None
     return cfg, args, report.build(ctx, res, top=cfg.top, diagnosis=diagnosis)

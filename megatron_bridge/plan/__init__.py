@@ -1,6 +1,7 @@
 """`mbr plan`: the parallelism decision framework (docs/plan.md) as a tool.
 
-params.py      exact parameter counts (total, active, per rank) from the architecture
+params.py      exact parameter counts (total, active, per rank) of a native description
+shards.py      any backend's parameters by stage piece and split (`Backend.shards`): every per-rank count
 memory.py      per-GPU memory: model states per ZeRO stage, activations, logits, margin
 comm.py        per-dimension communication per step at the link each group spans; bubble
 evaluation.py  one layout's memory, communication and step time; the framework's ranking key

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_bridge.plan.params import attention_widths, moe_layers
+from megatron_bridge.backends.registry import backend_of
+from megatron_bridge.plan.params import attention_widths
 
 # Fraction of peak the GEMMs of a training step achieve (recompute, bubble and exposed
 # communication priced separately). One number, fitted to the ten published runs of
@@ -168,7 +169,7 @@ def step_comm(
     if moe and ep > 1:
         tokens = seq * b * min(m.moe_router_topk, m.num_moe_experts) / (tp if sp else 1)
         per_layer = (4 + (2 if full else 0)) * (ep - 1) / ep * tokens * h * act_bytes
-        moe_share = moe_layers(m) / m.num_layers  # dense-first layers have no all-to-all
+        moe_share = backend_of(m).shards(m).moe_layers() / m.num_layers  # dense-first layers have no all-to-all
         put("ep", per_layer * layers * moe_share * num_micro, "ep", "all-to-all per MoE layer")
     return out
 
@@ -180,10 +181,21 @@ def bubble_fraction(pp: int, vpp: int, num_micro: int) -> float:
     return (pp - 1) / (max(vpp, 1) * num_micro)
 
 
-def step_flops(m, count, *, s: int, global_batch: int, recompute: str) -> float:
+def vision_flops(m, *, patches: int) -> float:
+    """Forward FLOPs of a VLM's vision pieces on one image of `patches` patches: 2·params per
+    patch (the projector counted per patch too, before any patch merge) plus the attention core,
+    every patch attending to every patch of its image in each layer (4·patches²·width·depth;
+    windowed layers attend to fewer)."""
+    return 2 * m.vision_params * patches + 4 * patches * patches * m.vision_width
+
+
+def step_flops(
+    m, count, *, s: int, global_batch: int, recompute: str, images: int = 1, patches: int | None = None
+) -> float:
     """Model FLOPs of one step (forward + backward = 3× forward; recompute adds forward
-    work: all of it for full, the attention core for selective). A VLM's vision pieces: one
-    image per sample, 2·params FLOPs per patch forward (their attention core is left out)."""
+    work: all of it for full, the attention core for selective). A VLM's vision pieces:
+    `images` per sample of `patches` patches each (default: the vision config's fixed size),
+    `vision_flops` each, forward and backward (no recompute: they run whole, once)."""
     L = m.num_layers
     q_width, _, v_width = attention_widths(m)
     attn_core = 2 * s * (q_width + v_width) * L  # QK^T and ·V per token
@@ -191,7 +203,7 @@ def step_flops(m, count, *, s: int, global_batch: int, recompute: str) -> float:
     matmul = 2 * (count.active - count.embedding - m.vision_params + m.vocab_size * m.hidden_size)
     fwd = matmul + attn_core
     extra = {"none": 0.0, "selective": attn_core, "full": fwd}[recompute]
-    vision = 3 * 2 * m.vision_params * m.vision_patches
+    vision = 3 * images * vision_flops(m, patches=m.vision_patches if patches is None else patches)
     return global_batch * (s * (3 * fwd + extra) + vision)
 
 

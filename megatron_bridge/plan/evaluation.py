@@ -123,11 +123,22 @@ class Context:
     seq: int
     gbs: int
     pinned: list[str]
+    images: int = 1  # a VLM's images per sample
+    patches: int = 0  # patches one image gives the vision tower (0: unknown, the tower's work left out)
 
     @classmethod
     def from_config(
-        cls, cfg, model: BridgeSpec, pinned: Sequence[str] = (), world: int | None = None, gbs: int | None = None
+        cls,
+        cfg,
+        model: BridgeSpec,
+        pinned: Sequence[str] = (),
+        world: int | None = None,
+        gbs: int | None = None,
+        images: int = 1,
+        image_patches: int = 0,
     ) -> Context:
+        """`image_patches`: the patches of one image where the vision config gives no fixed size
+        (0: the description's `vision_patches`)."""
         c, t = cfg.cluster, cfg.train
         precision = t.precision if t.precision != "auto" else ("fp32" if c.backend == "gloo" else "bf16")
         return cls(
@@ -142,6 +153,8 @@ class Context:
             seq=t.seq_length,
             gbs=gbs or t.global_batch_size,
             pinned=list(pinned),
+            images=images,
+            patches=image_patches or model.vision_patches,
         )
 
 
@@ -185,6 +198,8 @@ def evaluate(ctx: Context, lo: Candidate, *, with_comm: bool = True) -> Evaluati
             vpp=lo.dims.vpp or 1,
             vocab=vocab,
             peft=getattr(ctx.cfg, "peft", None),
+            images=ctx.images,
+            patches=ctx.patches,
         )
         for idx, layers, first, last in stage_plan(m.num_layers, lo.dims)
     ]
@@ -210,7 +225,11 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
     )
     ev.bubble = C.bubble_fraction(lo.dims.pp, lo.dims.vpp or 1, lo.dims.grad_accum)
     ids = lo.dims.stage_layer_ids(m.num_layers, 0)
-    rp = P.rank_params(m, tp=lo.dims.tp, ep=lo.dims.ep, etp=lo.dims.etp, layers=ids, first=True, last=lo.dims.pp == 1)
+    rp = (
+        backend_of(m)
+        .shards(m)
+        .rank_params(tp=lo.dims.tp, ep=lo.dims.ep, etp=lo.dims.etp, layers=ids, first=True, last=lo.dims.pp == 1)
+    )
     ab = 4 if ctx.precision == "fp32" else 2
     ev.comm = C.step_comm(
         m,
@@ -238,6 +257,8 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
         grad_bytes=ab,
         weight_bytes=ab,
     )
-    flops = C.step_flops(m, ctx.count, s=ctx.seq, global_batch=ctx.gbs, recompute=lo.recompute)
+    flops = C.step_flops(
+        m, ctx.count, s=ctx.seq, global_batch=ctx.gbs, recompute=lo.recompute, images=ctx.images, patches=ctx.patches
+    )
     ev.compute_s = C.compute_seconds(flops, ctx.world, c.peak_tflops, c.achieved_efficiency)
     ev.step_s = ev.compute_s * (1 + ev.bubble) + sum(x["time_s"] for x in ev.comm.values())

@@ -29,6 +29,9 @@ flight under 1F1B (the first stage p of them: L layers' worth however large p is
 why PP does not reduce activation memory); interleaving with v chunks holds
 (2(p−i−1) + (v−1)p + 1) chunk-microbatches, i.e. ×(1 + (p−1)/(p·v)) on the first stage.
 
+A VLM's vision tower and projector run whole on the first stage: their activations there are
+`vision_activations` per microbatch in flight (images × patches, the tower's width × depth).
+
 Logits (last stage, Korthikanti §4.3): 4·s·b·V/t for the fp32 cross-entropy input plus the
 2sbh/t output-layer input. Fragmentation margin: 10% of everything allocated (PyTorch's
 caching allocator, CUDA/NCCL context), a planning allowance rather than a measurement.
@@ -41,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from megatron_bridge.bridge.lora import layer_adapter_params
+from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.plan import params as P
 
 GIB = 1024**3
@@ -97,14 +100,13 @@ def model_states(
     return States(weights, grads, optimizer)
 
 
-def _with_adapters(frozen: States, m, peft, layers, tp, etp, ep, engine, precision, zero, dp_shard, edp) -> States:
+def _with_adapters(frozen: States, m, peft, ids, first, tp, etp, ep, engine, precision, zero, dp_shard, edp) -> States:
     """States of a LoRA run: the base's weights plus the adapters' weights, gradients and
-    optimizer states (adapter shapes from bridge.lora, split as the adapters are)."""
-    dense, per_expert = layer_adapter_params(m, peft, tp=tp, etp=etp)
-    experts = (m.num_moe_experts or 0) / ep
+    optimizer states (the backend's adapter shapes, split as the adapters are)."""
+    dense, expert = backend_of(m).adapter_params(m, peft, tp=tp, etp=etp, ep=ep, layers=ids, first=first)
     ad = model_states(
-        dense * layers,
-        per_expert * experts * layers,
+        dense,
+        expert,
         engine=engine,
         precision=precision,
         zero=zero,
@@ -225,6 +227,14 @@ def logits_bytes(m, *, s: float, b: int, t: int, cp: int, vocab: int, sp: bool) 
     return 4 * s * b * vocab / t + 2 * s * b * m.hidden_size / (t if sp else 1)
 
 
+def vision_activations(m, *, b: int, images: int, patches: int, act_bytes: int = 2) -> float:
+    """Stored bytes of a VLM's vision tower for one microbatch (first stage; whole on every TP
+    rank, so no TP, SP or CP split): Korthikanti's 34·s·h per layer at 2-byte activations with
+    s = the microbatch's patches and h·layers the tower's `vision_width`; its attention scores
+    are left out (the towers run fused or windowed attention), and so is the projector."""
+    return 17 * act_bytes * b * images * patches * m.vision_width
+
+
 def stage_memory(
     m,
     *,
@@ -250,18 +260,19 @@ def stage_memory(
     vpp: int = 1,
     vocab: int = 0,
     peft: object = None,
+    images: int = 1,
+    patches: int = 0,
 ) -> StageMemory:
     """Peak bytes on one rank of pipeline stage `stage`, whose transformer layers are
     `layers` (global indices, `ParallelDims.stage_layer_ids`; or a count, as `params.rank_params`
     reads it). Each layer is counted as its kind (MoE or dense, `moe_layer_pattern`). With
     `peft.method == "lora"` only the adapters have gradients and optimizer states (the
-    frozen base has weights only)."""
-    if isinstance(layers, int):
-        start = 0 if first else m.num_layers - layers
-        layers = tuple(range(start, start + layers))
-    ids = tuple(layers)
-    rp = P.rank_params(m, tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
-    ll = P.largest_layer(m, tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
+    frozen base has weights only). The first stage also holds a VLM's vision tower's
+    activations for `images` per sample of `patches` patches (`vision_activations`)."""
+    ids = P.stage_ids(m, layers, first)
+    shards = backend_of(m).shards(m)
+    rp = shards.rank_params(tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
+    ll = shards.largest(tp=tp, ep=ep, etp=etp) if zero >= 3 else 0.0
     st = model_states(
         rp["dense"],
         rp["expert"],
@@ -273,9 +284,9 @@ def stage_memory(
         largest_layer=ll,
     )
     if peft is not None and getattr(peft, "method", "none") == "lora":
-        st = _with_adapters(st, m, peft, len(ids), tp, etp, ep, engine, precision, zero, dp * cp, edp)
+        st = _with_adapters(st, m, peft, ids, first, tp, etp, ep, engine, precision, zero, dp * cp, edp)
     ab = 4 if precision == "fp32" else 2
-    n_moe = P.moe_layers(m, ids)
+    n_moe = shards.moe_layers(ids)
     kinds = [(moe, n) for moe, n in ((True, n_moe), (False, len(ids) - n_moe)) if n]
     n_flight = in_flight(stage, p, num_micro, vpp)
 
@@ -288,6 +299,8 @@ def stage_memory(
         acts += max(per_layer("selective", moe) for moe, _ in kinds)
     if first:
         acts += n_flight * (s / cp) * b * m.hidden_size / (tp if sp else 1)  # embedding dropout mask
+        if m.vision_params:
+            acts += n_flight * vision_activations(m, b=b, images=images, patches=patches, act_bytes=ab)
     lg = logits_bytes(m, s=s, b=b, t=tp, cp=cp, vocab=vocab, sp=sp) if last else 0.0
     allocated = st.total + acts + lg
     frag = FRAGMENTATION * allocated

@@ -10,7 +10,9 @@ The one description counted is the `BridgeSpec` (bridge/spec.py), the same objec
 builder turns into megatron-core modules (the native backend's `count`, backends/native/backend.py).
 The spec is frozen and hashable, so it is also the cache key. Layers may differ
 (`moe_layer_pattern`: dense-first DeepSeek layers, Qwen2-MoE's `mlp_only_layers`), so every
-count is per layer kind and a pipeline stage sums the kinds of the layers it really holds.
+count is per layer kind and a pipeline stage sums the kinds of the layers it really holds
+(`native_shards`: the native backend's `ModelShards`, plan/shards.py, which every per-rank
+number is read from).
 
   per layer  [input norm] · attention · [post-attention norm] · [pre-MLP norm] · MLP or MoE ·
              [post-MLP norm]
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megatron_bridge.parallel.dims import padded_vocab_size
+from megatron_bridge.plan.shards import BY_ETP, BY_TP, BY_VOCAB, LayerShards, ModelShards, Piece
 
 
 def linear_bias(m) -> bool:
@@ -67,33 +70,6 @@ def is_moe_layer(m, index: int) -> bool:
 def moe_layers(m, ids: Sequence[int] | None = None) -> int:
     """How many of the layers `ids` (default: all) are MoE layers."""
     return sum(is_moe_layer(m, i) for i in (range(m.num_layers) if ids is None else ids))
-
-
-@dataclass(frozen=True)
-class LayerShards:
-    """One transformer layer's parameters, grouped by how megatron-core shards them.
-
-    tp: divided by tp.  rep: replicated on every TP rank.  For MoE layers the experts are
-    counted per expert: `expert_etp` is divided by etp (and the E experts by ep),
-    `expert_rep` (row-parallel expert biases) only by ep.
-    """
-
-    tp: int
-    rep: int
-    expert_etp: int = 0
-    expert_rep: int = 0
-    num_experts: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.tp + self.rep + self.num_experts * (self.expert_etp + self.expert_rep)
-
-    def on_rank(self, tp: int, ep: int, etp: int) -> dict[str, float]:
-        """Parameters of this layer held by one rank: dense (sharded over dp·cp by the
-        distributed optimizer) and expert (sharded over expert-dp)."""
-        dense = self.tp / tp + self.rep
-        expert = (self.num_experts / ep) * (self.expert_etp / etp + self.expert_rep) if self.num_experts else 0.0
-        return {"dense": dense, "expert": expert}
 
 
 def _attention(m) -> tuple[int, int]:
@@ -226,27 +202,31 @@ def count(m) -> ParamCount:
     return _count(m)
 
 
-@lru_cache(maxsize=8192)
-def _rank_params_cached(m, tp, ep, etp, ids, first, last, vision: int) -> dict[str, float]:
+def native_shards(m) -> ModelShards:
+    """The native description's parameters by stage piece and split (plan/shards.py): what the
+    native backend hands the planner (`NativeBackend.shards`)."""
+    return _native_shards(m, m.vision_params)  # not in the spec's hash
+
+
+@lru_cache(maxsize=256)
+def _native_shards(m, vision: int) -> ModelShards:
     h = m.hidden_size
-    n_moe = moe_layers(m, ids)
-    dense = expert = 0.0
-    for moe, n in ((True, n_moe), (False, len(ids) - n_moe)):
-        if n:
-            shard = layer_shards(m, moe).on_rank(tp, ep, etp)
-            dense, expert = dense + shard["dense"] * n, expert + shard["expert"] * n
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    word = vocab * h / tp
-    if first:
-        dense += word + learned_positions(m) + vision  # a VLM's vision pieces: whole on every TP rank
-    if last:
-        dense += _norm(m, h)
-        # The output layer: its own weight when untied; when tied and the last stage is
-        # not the first, megatron keeps a copy of the word embedding there (its gradient
-        # is all-reduced with the first stage's).
-        if not m.tie_word_embeddings or not first:
-            dense += word
-    return {"dense": dense, "expert": expert}
+    n_moe = moe_layers(m)
+    kinds = ((layer_shards(m, True),) if n_moe else ()) + ((layer_shards(m, False),) if n_moe < m.num_layers else ())
+    dense_kind = len(kinds) - 1
+    word = Piece(vocab=h)
+    return ModelShards(
+        kinds=kinds,
+        layer_kind=tuple(0 if is_moe_layer(m, i) else dense_kind for i in range(m.num_layers)),
+        embedding=Piece(vocab=h, rep=learned_positions(m)),
+        final=Piece(rep=_norm(m, h)),
+        head=word,
+        tied=m.tie_word_embeddings,
+        vocab_size=m.vocab_size,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        vision=vision,
+        largest_weights=_largest_weights(m),
+    )
 
 
 def rank_params(
@@ -259,38 +239,49 @@ def rank_params(
     first: bool,
     last: bool,
 ) -> dict[str, float]:
-    """Parameters held by one rank of a pipeline stage (`first`/`last`: the stage holds the
-    embedding / the final norm and output layer). `layers` is the stage's global layer
-    indices (`ParallelDims.stage_layer_ids`), or a count of contiguous layers starting at 0 on the first
-    stage and ending at the last layer otherwise (enough when all layers are alike).
-    Returns {"dense": n, "expert": n}; a rank's total is their sum. Do not mutate."""
+    """Parameters held by one rank of a pipeline stage of a native description (`first`/`last`:
+    the stage holds the embedding / the final norm and output layer). `layers` is the stage's
+    global layer indices (`ParallelDims.stage_layer_ids`), or a count of contiguous layers
+    starting at 0 on the first stage and ending at the last layer otherwise (enough when all
+    layers are alike). Returns {"dense": n, "expert": n}; a rank's total is their sum. Any
+    backend's model: `Backend.shards(m).rank_params` (plan/shards.py)."""
+    return native_shards(m).rank_params(
+        tp=tp, ep=ep, etp=etp, layers=stage_ids(m, layers, first), first=first, last=last
+    )
+
+
+def stage_ids(m, layers: int | Sequence[int], first: bool) -> tuple[int, ...]:
+    """A stage's global layer indices from themselves or a count (see `rank_params`)."""
     if isinstance(layers, int):
         start = 0 if first else m.num_layers - layers
-        ids = tuple(range(start, start + layers))
-    else:
-        ids = tuple(layers)
-    return _rank_params_cached(m, tp, ep, etp, ids, first, last, m.vision_params)  # not in the spec's hash
+        return tuple(range(start, start + layers))
+    return tuple(layers)
 
 
-def largest_layer(m, *, tp: int, ep: int = 1, etp: int = 1) -> float:
-    """The biggest single weight on one rank (what ZeRO-3 gathers at once): the
-    vocab-parallel embedding/output layer, QKV (MLA: its largest projection), fc1, or one
+def _largest_weights(m) -> tuple[tuple[str, int], ...]:
+    """The candidates for the biggest single weight on one rank (what ZeRO-3 gathers at once):
+    the vocab-parallel embedding/output layer, QKV (MLA: its largest projection), fc1, or one
     expert's fc1."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.num_query_groups, m.head_dim
-    vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    cands = [vocab * h / tp]
+    cands: list[tuple[str, int]] = [(BY_VOCAB, h)]
     if m.multi_latent_attention:
         qd = m.qk_head_dim + m.qk_pos_emb_head_dim
         q_in = m.q_lora_rank or h
-        cands += [q_in * a * qd / tp, m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim) / tp]
-        cands.append(a * m.v_head_dim * h / tp)
+        cands += [(BY_TP, q_in * a * qd), (BY_TP, m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim))]
+        cands.append((BY_TP, a * m.v_head_dim * h))
     else:
-        cands.append(h * (a + 2 * g) * d / tp)
+        cands.append((BY_TP, h * (a + 2 * g) * d))
     n_moe = moe_layers(m)
     if n_moe:
-        cands.append(h * (m.moe_ffn_hidden_size or m.ffn_hidden_size) * _glu(m) / etp)
+        cands.append((BY_ETP, h * (m.moe_ffn_hidden_size or m.ffn_hidden_size) * _glu(m)))
         if m.moe_shared_expert_intermediate_size:
-            cands.append(h * m.moe_shared_expert_intermediate_size * _glu(m) / tp)
+            cands.append((BY_TP, h * m.moe_shared_expert_intermediate_size * _glu(m)))
     if n_moe < m.num_layers:
-        cands.append(h * m.ffn_hidden_size * _glu(m) / tp)
-    return max(cands)
+        cands.append((BY_TP, h * m.ffn_hidden_size * _glu(m)))
+    return tuple(cands)
+
+
+def largest_layer(m, *, tp: int, ep: int = 1, etp: int = 1) -> float:
+    """The biggest single weight on one rank of a native description (any backend's:
+    `Backend.shards(m).largest`)."""
+    return native_shards(m).largest(tp=tp, ep=ep, etp=etp)

@@ -130,6 +130,7 @@ def build(
             "params_per_layer": cnt.per_layer,
             "num_layers": ctx.model.num_layers,
             "moe": ctx.model.is_moe,
+            "vision": _vision(ctx),
         },
         "cluster": {
             "name": cfg.cluster.name,
@@ -178,6 +179,20 @@ def build(
     return doc
 
 
+def _vision(ctx: Context) -> dict[str, object] | None:
+    """A VLM's vision pieces as the plan counts them (None for a text model)."""
+    m = ctx.model
+    if not m.vision_params:
+        return None
+    return {
+        "params": m.vision_params,
+        "stage": 0,
+        "images_per_sample": ctx.images,
+        "patches_per_image": ctx.patches,
+        "forward_flops_per_image": C.vision_flops(m, patches=ctx.patches),
+    }
+
+
 def _fewer_stages(ctx: Context, res: SearchResult, best: Evaluation) -> list[dict[str, object]]:
     """The framework's "why not fewer stages" (docs/plan.md): the same tp/cp/ep with the next smaller pp values,
     whether they fit (and lost) or not."""
@@ -220,6 +235,16 @@ def to_table(doc: dict[str, Any]) -> str:
     L.append(
         f"model    {m['name']} ({m['family']}): {m['params_total']:,} parameters{active}, {m['num_layers']} layers"
     )
+    if m["vision"]:
+        v = m["vision"]
+        work = (
+            f"{v['images_per_sample']} image(s) per sample of {v['patches_per_image']:,} patches, "
+            f"{v['forward_flops_per_image'] / 1e9:.3g} GFLOP forward per image"
+            if v["patches_per_image"]
+            else "patches per image unknown (dynamic resolution): its FLOPs and activations are left out; "
+            "give image_patches=N"
+        )
+        L.append(f"vision   tower + projector {v['params']:,} parameters on stage 0 (whole on every TP rank); {work}")
     L.append(
         f"cluster  {c['name']}: {c['nodes']} node(s) x {c['gpus_per_node']} = {c['world_size']:,} GPUs of "
         f"{c['gpu_memory_bytes'] / M.GIB:.0f} GiB; NVLink {c['intra_node_bandwidth_gbps']:g} GB/s, "

@@ -4,7 +4,7 @@ pipeline rank that `mbr plan` counts (the sampled part of tests/unit/commands/te
 One launch of 2 processes runs every job: issue 13's uneven first stage (5 layers on pp2,
 1 + 4), an MoE model with TP and sequence parallelism turned on automatically, a GPT-style
 model (LayerNorm, GELU, biases, learned positions) on pp2·vpp2 with full recompute, and an
-uneven last stage with selective recompute.
+uneven last stage with selective recompute; and a transformers-backend MoE model on pp2.
 """
 
 import pytest
@@ -58,10 +58,18 @@ JOBS = {
 
 
 def test_accepted_layouts_build_the_planned_parameters_and_train(tmp_path):
-    jobs = [f"{name}:" + ",".join([*o, *COMMON]) for name, o in JOBS.items()]
+    from megatron_bridge.runtime.hf_tiny import make_tiny
+
+    # a transformers-backend MoE model (its first layer dense) split over two stages
+    moe = make_tiny("qwen3_moe", tmp_path / "qwen3_moe")
+    todo = {
+        **JOBS,
+        "hf_moe_pp2": ["recipe=tiny_llama", f"model.hf_path={moe}", "model.backend=transformers", "parallel.tp=1", "parallel.pp=2"],
+    }
+    jobs = [f"{name}:" + ",".join([*o, *COMMON]) for name, o in todo.items()]
     res = run_torchrun([SCRIPT, str(tmp_path), *jobs], nproc=2, timeout=600)
     for rank, r in enumerate(res):
-        for name in JOBS:
+        for name in todo:
             got = r["jobs"][name]
             assert got["trained"] == 0, (rank, name)
             assert got["built"] == got["planned"], (rank, name, got)

@@ -9,20 +9,22 @@ the planner's per-layer arithmetic over the spec (plan/params.py), building is
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_bridge.backends.base import Backend, Shape
 from megatron_bridge.backends.native import checkpoint
 from megatron_bridge.bridge.hf_config import spec_from_hf, spec_to_hf_config
 from megatron_bridge.bridge.layout import Coords, Layout
+from megatron_bridge.bridge.lora import layer_adapter_params
 from megatron_bridge.bridge.registry import FamilyBridge, families, get_family, weight_family
 from megatron_bridge.bridge.spec import BridgeSpec, field_names
 from megatron_bridge.bridge.table import Mapping as Row
 from megatron_bridge.bridge.table import Resolved
 from megatron_bridge.convert.formats.dist_ckpt import DistLocation
 from megatron_bridge.convert.formats.dtypes import DType
-from megatron_bridge.plan.params import ParamCount, count
+from megatron_bridge.plan.params import ParamCount, count, native_shards
+from megatron_bridge.plan.shards import ModelShards
 
 # model-group fields that are not architecture, or reach the spec resolved under another name
 NOT_SPEC_FIELDS = ("name", "hf_path", "backend", "kv_channels", "num_query_groups", "moe_ffn_hidden_size", "freeze")
@@ -66,6 +68,18 @@ class NativeBackend(Backend):
 
     def count(self, spec: BridgeSpec) -> ParamCount:
         return count(spec)
+
+    def shards(self, spec: BridgeSpec) -> ModelShards:
+        return native_shards(spec)
+
+    def adapter_params(
+        self, spec: BridgeSpec, peft: Any, *, tp: int, etp: int, ep: int, layers: Sequence[int], first: bool
+    ) -> tuple[float, float]:
+        """Every layer's adapters alike (bridge.lora.layer_adapter_params: a MoE model's
+        dense-first layers counted as MoE layers)."""
+        dense, per_expert = layer_adapter_params(spec, peft, tp=tp, etp=etp)
+        experts = (spec.num_moe_experts or 0) / ep
+        return dense * len(layers), per_expert * experts * len(layers)
 
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return spec_to_hf_config(spec)

@@ -65,6 +65,7 @@ from megatron_bridge.backends.transformers.plan import (
     sp_refusals,
     unbuilt_refusals,
 )
+from megatron_bridge.backends.transformers.shards import adapter_params, shards
 from megatron_bridge.backends.transformers.split import ChunkPiece
 from megatron_bridge.backends.transformers.vision import (
     FREEZE_GROUPS,
@@ -91,6 +92,7 @@ from megatron_bridge.convert.formats.dtypes import DType
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.dims import padded_vocab_size
 from megatron_bridge.plan.params import ParamCount
+from megatron_bridge.plan.shards import ModelShards
 
 AS_HELD = "#as-held"  # the key of a tensor's second row (see `table`)
 TRANSFORMS = {
@@ -275,21 +277,26 @@ class TransformersBackend(Backend):
         return tuple(rows.values())
 
     def count(self, spec: BridgeSpec) -> ParamCount:
-        m = meta(spec)
-        total = sum(m.numel(n) for n in m.shapes)
-        embedding = sum(m.numel(n) for n, k in m.kinds.items() if k == VOCAB)
-        per_layer: dict[int, int] = {}
-        for n in m.shapes:
-            i = m.plan.layer_index(n)
-            if i is not None:
-                per_layer[i] = per_layer.get(i, 0) + m.numel(n)
+        """The meta model's parameters (persistent buffers are not), exact; `active` with each
+        MoE layer's top-k experts in place of all of them."""
+        m, s = meta(spec), shards(spec)
+        active = s.total - sum(s.kinds[k].total - s.kinds[k].active(spec.moe_router_topk) for k in s.layer_kind)
         return ParamCount(
-            total=total,
-            active=total,
-            embedding=embedding,
-            per_layer=max(per_layer.values(), default=0),
+            total=s.total,
+            active=active,
+            embedding=sum(m.numel(n) for n in m.parameters if m.kinds[n] == VOCAB),
+            per_layer=max((k.total for k in s.kinds), default=0),
             padded_vocab=padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, 1),
+            moe_layers=s.moe_layers(),
         )
+
+    def shards(self, spec: BridgeSpec) -> ModelShards:
+        return shards(spec)
+
+    def adapter_params(
+        self, spec: BridgeSpec, peft: Any, *, tp: int, etp: int, ep: int, layers: Sequence[int], first: bool
+    ) -> tuple[float, float]:
+        return adapter_params(spec, self.table(spec), peft, tp=tp, layers=layers, first=first)
 
     def hf_config(self, spec: BridgeSpec) -> dict[str, Any]:
         return dict(json.loads(spec.hf_json))

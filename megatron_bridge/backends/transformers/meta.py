@@ -268,6 +268,7 @@ class Meta:
     split: dict[str, Split] = dataclasses.field(default_factory=dict)  # a tensor cut from one checkpoint tensor
     peft_modules: dict[str, str] = dataclasses.field(default_factory=dict)  # `_peft_modules`
     layer_kinds: tuple[str, ...] = ()  # each decoder layer's kind (kinds.layer_kinds)
+    buffers: frozenset[str] = frozenset()  # the persistent buffers among `shapes`: checkpoint tensors, not parameters
 
     def hf_template(self, name: str, saved: str | None = None) -> str:
         """The checkpoint name of module tensor `name` (or `saved`, one of its checkpoint
@@ -291,6 +292,11 @@ class Meta:
                 return saved
             return saved[: first.start(2)] + "{layer}" + saved[first.end(2) :]
         return saved[:at] + leaf.replace(f".{i}.", ".{layer}.") + saved[at + len(leaf) :]
+
+    @property
+    def parameters(self) -> list[str]:
+        """The checkpoint tensors that are parameters (a tied one once), in the model's order."""
+        return [n for n in self.shapes if n not in self.buffers]
 
     def numel(self, name: str) -> int:
         n = 1
@@ -326,7 +332,10 @@ def meta(spec: BridgeSpec) -> Meta:
     refused = _language_refusals(model, plan)
     windows = builds_windows(type(model.get_submodule(plan.prefix)))
     layers = layer_kinds(text_config_of(cfg), spec.num_layers, windows)
-    return Meta(plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut, peft, layers)
+    buffers = frozenset(tensors) - {n for n, _ in model.named_parameters()}
+    return Meta(
+        plan, shapes, kinds, saved, experts, fused, integers, swapped, whole, refused, cut, peft, layers, buffers
+    )
 
 
 def _peft_modules(model: Any) -> dict[str, str]:

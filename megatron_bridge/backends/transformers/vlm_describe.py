@@ -30,7 +30,7 @@ def forward_source(class_name: str) -> str:
 def with_vision(spec: BridgeSpec, full: Any) -> BridgeSpec:
     """A VLM's description with its vision pieces' size (what the planner adds to the first
     stage): their parameters from the meta model, the patches of one image of the vision
-    config's size (0 where it gives none: dynamic resolution)."""
+    config's size (0 where it gives none: dynamic resolution), the tower's width·depth."""
     m = meta(spec)
     if m.refused:
         raise UnsupportedFeatures(
@@ -39,11 +39,23 @@ def with_vision(spec: BridgeSpec, full: Any) -> BridgeSpec:
         )
     if not m.plan.vision:
         return spec
-    n = sum(m.numel(k) for k in m.shapes if any(k == p or k.startswith(p + ".") for p in m.plan.vision))
+    n = sum(m.numel(k) for k in m.parameters if any(k == p or k.startswith(p + ".") for p in m.plan.vision))
     vision = getattr(full, "vision_config", None)
     size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
     patches = (size // patch) ** 2 if isinstance(size, int) and isinstance(patch, int) and patch else 0
-    return spec.replace(vision_params=n, vision_patches=patches)
+    return spec.replace(vision_params=n, vision_patches=patches, vision_width=_tower_width(vision))
+
+
+def _tower_width(vision: Any) -> int:
+    """The vision tower's hidden size times its depth, from the names vision configs give them
+    (0 where it gives neither: the planner then leaves the tower's activations and attention out)."""
+    hidden = next(
+        (v for k in ("hidden_size", "embed_dim", "width") if isinstance(v := getattr(vision, k, None), int)), 0
+    )
+    depth = next(
+        (v for k in ("depth", "num_hidden_layers", "num_layers") if isinstance(v := getattr(vision, k, None), int)), 0
+    )
+    return hidden * depth
 
 
 def tied(full: Any, text: Any) -> bool:

@@ -19,7 +19,7 @@ def count_job(overrides):
     from megatron_bridge.runtime.build import build_model
     from megatron_bridge.config.compose import compose
     from megatron_bridge.runtime import groups
-    from megatron_bridge.plan import params as P
+    from megatron_bridge.backends.registry import backend_of
     from megatron_bridge.plan.evaluation import stage_plan
     from megatron_bridge.train.job import model_overrides
     from megatron_bridge.train.runner import TrainRunConfig, validate_for_launch
@@ -33,7 +33,7 @@ def count_job(overrides):
     pp_rank = ps.get_pipeline_model_parallel_rank()
     stages = {idx: (ids, first, last) for idx, ids, first, last in stage_plan(spec.num_layers, dims)}
     ids, first, last = stages[pp_rank]
-    rp = P.rank_params(spec, tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)
+    rp = backend_of(spec).shards(spec).rank_params(tp=dims.tp, ep=dims.ep, etp=dims.etp, layers=ids, first=first, last=last)
     del chunks
     groups.release()
     return {"built": built, "planned": rp["dense"] + rp["expert"], "pp_rank": pp_rank}
