@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from megatron_bridge.data.columnar import COLUMNAR_SUFFIXES, iter_rows
 from megatron_bridge.data.corpus import input_files, iter_jsonl
-from megatron_bridge.data.images import IMAGES_COLUMN, check_parts
+from megatron_bridge.data.images import IMAGES_COLUMN, VIDEOS_COLUMN, check_parts, refuse_videos
 from megatron_bridge.data.preprocess import output_paths
 from megatron_bridge.errors import UserError
 
@@ -124,11 +124,13 @@ def iter_conversations(inputs: PathLike | Sequence[PathLike], messages_key: str 
     for f in chat_input_files(inputs):
         base = f.absolute().parent
         if f.suffix in COLUMNAR_SUFFIXES:
-            for where, row in iter_rows(f, messages_key, (IMAGES_COLUMN,)):
+            for where, row in iter_rows(f, messages_key, (IMAGES_COLUMN, VIDEOS_COLUMN)):
+                refuse_videos(row, where)
                 msgs = _messages({"messages": row[messages_key]}, where)
                 yield Conversation(where, msgs, row.get(IMAGES_COLUMN), base)
             continue
         for lineno, obj in iter_jsonl(f, EXAMPLE_LINE):
+            refuse_videos(obj, f"{f}:{lineno}")
             images = obj.get(IMAGES_COLUMN) if isinstance(obj, dict) else None
             if messages_key != "messages" and isinstance(obj, dict) and messages_key in obj:
                 obj = {"messages": obj[messages_key]}

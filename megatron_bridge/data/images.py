@@ -36,6 +36,7 @@ from megatron_bridge.errors import UserError
 PathLike = str | os.PathLike
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096
 IMAGES_COLUMN = "images"  # a row's (jsonl line's) images, taken in order by parts without a file
+VIDEOS_COLUMN = "videos"  # refused when non-empty: video inputs are not fed (refuse_videos)
 PART_TYPES = ("text", "image")
 FILE_KEYS = ("image", "path")  # an image part's file, either key
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
@@ -74,6 +75,18 @@ def refuse_url(value: str, where: str) -> None:
         raise _url_error(value, where)
 
 
+VIDEO_FIX = (
+    "video inputs are not supported (image chats only: the model's video inputs are never fed); "
+    "extract frames and give them as image parts, or drop the videos"
+)
+
+
+def refuse_videos(row: Any, where: str) -> None:
+    """A row with a non-empty `videos` column is refused: its videos would be dropped silently."""
+    if isinstance(row, dict) and row.get(VIDEOS_COLUMN):
+        raise UserError(f"{where}: the row has a {VIDEOS_COLUMN!r} column; {VIDEO_FIX}")
+
+
 def check_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
     """A message's content parts, validated: text parts with a string `text`, image parts with a
     local file (`image` or `path`) or nothing (the row's images column). Keys holding None are
@@ -81,6 +94,8 @@ def check_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
     out = []
     for j, part in enumerate(content):
         p = {k: v for k, v in part.items() if v is not None} if isinstance(part, dict) else part
+        if isinstance(p, dict) and p.get("type") == "video":
+            raise UserError(f"{where}: content part {j} is a video part; {VIDEO_FIX}")
         if not isinstance(p, dict) or p.get("type") not in PART_TYPES:
             raise UserError(
                 f"{where}: content part {j} is not a text or image part ({str(part)[:80]}); parts are "

@@ -157,6 +157,13 @@ def test_images_column_bytes_are_stored_once(proc_dir, tmp_path):
     assert ImageChatDataset(tmp_path / "out" / "chat").meta["format"] == CHAT_FORMAT
     assert ImageChatDataset(tmp_path / "out" / "chat")[0][2] == []
 
+    # a videos column (LLaVA-Video-style rows) is refused, not dropped; an empty one is no video
+    rows[0]["videos"], rows[1]["videos"] = [], ["clip.mp4"]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "video.parquet")
+    with pytest.raises(UserError, match=r"video.parquet:row 2: the row has a 'videos' column; video inputs are not"):
+        preprocess_chat(tmp_path / "video.parquet", tmp_path / "v" / "chat", proc_dir)
+    assert not (tmp_path / "v").exists()
+
 
 def test_truncation_never_splits_an_image(proc_dir, tmp_path):
     a = png(tmp_path / "a.png", 60, 90)
@@ -199,7 +206,7 @@ def no_processor(proc_dir, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "unreadable", "url", "url_column", "count", "too_large", "no_processor", "column_count", "bad_part"],
+    ["missing", "unreadable", "url", "url_column", "count", "too_large", "no_processor", "column_count", "bad_part", "video_part", "videos_column"],
 )
 def test_bad_image_input_is_refused_and_writes_nothing(case, proc_dir, no_processor, tmp_path):
     png(tmp_path / "ok.png", 60, 90)
@@ -247,9 +254,19 @@ def test_bad_image_input_is_refused_and_writes_nothing(case, proc_dir, no_proces
             r"c.jsonl:2: 1 image part\(s\) without a file take their images from the 'images' column, which holds 2",
         ),
         "bad_part": (
-            {"messages": [user({"type": "video", "video": "v.mp4"}), ANSWER]},
+            {"messages": [user({"type": "audio", "audio": "a.wav"}), ANSWER]},
             {},
             r"c.jsonl:2: message 0 \(user\): content part 0 is not a text or image part",
+        ),
+        "video_part": (
+            {"messages": [user({"type": "video", "video": "v.mp4"}), ANSWER]},
+            {},
+            r"c.jsonl:2: message 0 \(user\): content part 0 is a video part; video inputs are not supported",
+        ),
+        "videos_column": (
+            {"messages": [user(txt("what?")), ANSWER], "videos": ["v.mp4"]},
+            {},
+            r"c.jsonl:2: the row has a 'videos' column; video inputs are not supported",
         ),
     }[case]
     (tmp_path / "t.jinja").write_text(TEXT_ONLY_TEMPLATE)
