@@ -217,6 +217,36 @@ class PeftConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """What a training step minimises (docs/finetune.md "Preference optimisation" and
+    "Distillation"). `objective=lm` is next-token cross entropy over the loss-masked tokens;
+    `objective=dpo` trains on preference pairs (data=preference) against a frozen reference;
+    `objective=distill` trains a student towards a frozen teacher's token distributions. The
+    second model is built under the policy's own TP/PP/EP layout and never gets gradients."""
+
+    kind: str = "lm"  # lm | dpo | distill (set by the group: objective=dpo)
+    # dpo: the strength of the KL constraint (TRL's beta) and the pair loss: sigmoid (TRL's
+    # default), ipo, hinge, or simpo (reference-free: length-normalised log-probabilities, gamma).
+    beta: float = 0.1
+    loss: str = "sigmoid"  # sigmoid | ipo | hinge | simpo
+    label_smoothing: float = 0.0  # sigmoid only: conservative DPO's label noise (TRL's meaning)
+    simpo_gamma: float = 0.5  # simpo only: the target reward margin (SimPO's gamma, TRL's simpo_gamma)
+    # dpo: the frozen reference, an HF directory or a converted checkpoint; null = the initial
+    # policy (with peft=lora: the base model without its adapters, no second copy held).
+    reference: str | None = None
+    # dpo: compute the reference log-probabilities of every training pair in one pass before
+    # training instead of holding the reference model during it.
+    precompute_reference: bool = False
+    # distill: the frozen teacher (HF directory or converted checkpoint, same vocabulary as the
+    # student); loss = alpha·T²·divergence + (1 − alpha)·cross entropy, both token means over the
+    # labelled tokens of the global batch.
+    teacher: str | None = None
+    temperature: float = 1.0
+    alpha: float = 0.5
+    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd
+
+
+@dataclass
 class WandbLoggerConfig:
     """Weights & Biases. Runs offline unless `mode` (or $WANDB_MODE) says otherwise, so it never
     asks for a login; `WANDB_MODE=disabled` in the environment never imports wandb."""
@@ -274,5 +304,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: bool = False
