@@ -206,7 +206,19 @@ def no_processor(proc_dir, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "unreadable", "url", "url_column", "count", "too_large", "no_processor", "column_count", "bad_part", "video_part", "videos_column"],
+    [
+        "missing",
+        "unreadable",
+        "url",
+        "url_column",
+        "count",
+        "too_large",
+        "no_processor",
+        "column_count",
+        "bad_part",
+        "video_part",
+        "videos_column",
+    ],
 )
 def test_bad_image_input_is_refused_and_writes_nothing(case, proc_dir, no_processor, tmp_path):
     png(tmp_path / "ok.png", 60, 90)
