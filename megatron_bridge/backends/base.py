@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from megatron_bridge.bridge.layout import Coords, Layout
+from megatron_bridge.bridge.lora import Target, resolve_targets
 from megatron_bridge.bridge.registry import FamilyBridge
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.bridge.table import Mapping as Row
@@ -82,6 +83,15 @@ class Backend(ABC):
         file (`<module>.lora_A.weight`): the modules of the model PEFT loads it onto. Native
         families: the checkpoint names, which are the modules'."""
         return list(row.hf)
+
+    def lora_targets(
+        self, spec: BridgeSpec, targets: Sequence[str], table: Sequence[Row] | None = None
+    ) -> list[Target]:
+        """The rows (of `table`, default this model's) whose linears `targets` adapt, matched
+        against the module names PEFT adapts (`adapter_names`); a target hitting nothing is a
+        UserError naming the targetable modules."""
+        rows = self.table(spec) if table is None else table
+        return resolve_targets(rows, list(targets), spec.family, lambda row: self.adapter_names(spec, row))
 
     def lora_refusals(self, spec: BridgeSpec, targets: Sequence[str]) -> list[str]:
         """`module (class)` of each module `targets` name that PEFT would adapt and this backend

@@ -22,7 +22,6 @@ adapters are marked `allreduce=False` (expert-DP grads and optimizer, like exper
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -48,7 +47,6 @@ from megatron_bridge.bridge.lora import (
     adapter_config,
     is_adapter_param,
     peft_key,
-    resolve_targets,
 )
 from megatron_bridge.bridge.shards import Shard
 from megatron_bridge.bridge.table import Resolved, resolve_megatron
@@ -261,8 +259,7 @@ def apply_lora(chunks: Sequence[Any], spec: Any, peft: Any, *, seed: int = 0) ->
     if peft.init_from:
         given = load_file(f"{peft.init_from}/{ADAPTER_WEIGHTS}")
     table, backend = table_for(spec), backend_of(spec)
-    modules = functools.partial(backend.adapter_names, spec)
-    targets = {id(t.mapping): t for t in resolve_targets(table, list(peft.target_modules), spec.family, modules)}
+    targets = {id(t.mapping): t for t in backend.lora_targets(spec, peft.target_modules, table)}
     layout = layout_of(chunks)
     shapes = spec.shapes(layout.tp)
     init = _initializer(seed, peft.rank, given, peft.init_from)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-
 from megatron_bridge.backends.registry import backend_of
-from megatron_bridge.bridge.lora import base_of, resolve_targets
+from megatron_bridge.bridge.lora import base_of
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.base import Facts, RuleSet, Violation
 from megatron_bridge.parallel.rules.base import violation as _v
@@ -44,9 +42,8 @@ def lora_targets(f: Facts) -> list[Violation]:
     if p is None or p.method != "lora":
         return []
     backend = backend_of(m)
-    table = backend.table(m)  # the rows that apply to this model: its linears by their HF names
     try:
-        targets = resolve_targets(table, list(p.target_modules), m.family, functools.partial(backend.adapter_names, m))
+        targets = backend.lora_targets(m, p.target_modules)  # by PEFT's module names
     except UserError as e:
         return _v("lora-targets", str(e).split(". Use ")[0], "use " + str(e).split(". Use ", 1)[1].rstrip("."))
     refused = backend.lora_refusals(m, list(p.target_modules))
