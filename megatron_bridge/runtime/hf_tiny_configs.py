@@ -229,6 +229,10 @@ OVERRIDES: dict[str, tuple[str, dict[str, Any]]] = {
         "the default stack is all Mamba; real checkpoints interleave attention",
         {"layer_types": _HYBRID},
     ),
+    "granite_swa": (
+        "every layer has the same rope theta by default; one per layer, 0 for NoPE, takes a rotary module each",
+        {"layer_rope_theta": [0.0, 10000.0, 500000.0, 10000.0]},
+    ),
     "granitemoe_swa": (
         "every layer has the same rope theta by default; one per layer, 0 for NoPE, takes a rotary module each",
         {"layer_rope_theta": [0.0, 10000.0, 500000.0, 10000.0]},

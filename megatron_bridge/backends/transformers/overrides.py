@@ -253,9 +253,11 @@ OVERRIDES: dict[str, Override] = {
         logit_divide="logits_scaling",
     ),
     "granite_swa": Override(
-        "as granite: embeddings * embedding_multiplier, logits / logits_scaling",
+        "as granite: embeddings * embedding_multiplier, logits / logits_scaling; its model holds one rotary "
+        "module per distinct layer_rope_theta (rotary_embs; 0: NoPE)",
         embed_scale="embedding_multiplier",
         logit_divide="logits_scaling",
+        layer_rotary=("rotary_embs", "layer_rope_theta"),
     ),
     "granitemoe": Override(
         "as granite: GraniteMoeModel.forward: embeddings * embedding_multiplier; its CausalLM: logits / logits_scaling",
