@@ -114,6 +114,7 @@ class LoraAdapter(torch.nn.Module):
         if row.mapping.is_expert:
             for p in self.parameters():
                 p.allreduce = False  # type: ignore[attr-defined]  # megatron: expert params skip DP all-reduce
+        self.enabled = True  # False inside `adapters_off`: the base model alone (a DPO reference)
         self._group = getattr(linear, "tp_group", None)
         self._explicit = bool(getattr(linear, "explicit_expert_comm", False))
         self._sp = _sp(linear)
@@ -122,6 +123,8 @@ class LoraAdapter(torch.nn.Module):
     def hook(self, _linear, inputs, output):
         """megatron's linears return (output, bias); the transformers backend's (runtime/transformers/layers.py)
         return the output alone, as the transformers module they replace."""
+        if not self.enabled:
+            return output
         if isinstance(output, torch.Tensor):
             return output + self.delta(inputs[0]).to(output.dtype)
         out, bias = output
@@ -322,6 +325,20 @@ def iter_adapter_tensors(
 
 
 @contextlib.contextmanager
+def adapters_off(chunks: Sequence[Any]):
+    """The base model without its adapters (PEFT's `disable_adapter`): what DPO's reference is
+    under LoRA when no other reference is named, so no second copy of the weights is held."""
+    ads = [ad for chunk in chunks for _, _, ad in adapters(chunk)]
+    for ad in ads:
+        ad.enabled = False
+    try:
+        yield
+    finally:
+        for ad in ads:
+            ad.enabled = True
+
+
+@contextlib.contextmanager
 def merged(chunks: Sequence[Any]):
     """Base weights with the adapters merged in (for the HF export), restored afterwards."""
     saved = []
@@ -394,6 +411,7 @@ __all__ = [
     "LoraAdapter",
     "apply_lora",
     "adapters",
+    "adapters_off",
     "iter_adapter_tensors",
     "merged",
     "export_adapter",

@@ -1,11 +1,11 @@
-"""What both engines share: the interface (`Engine`), the step's result, the loss and its
-reduction, the forward step, the LR schedule, and one message for a checkpoint of another model.
+"""What both engines share: the interface (`Engine`), the step's result, the forward step, the LR
+schedule, and one message for a checkpoint of another model.
 
-The loss is the sum of the loss-masked token cross-entropies over the global batch divided by the
-number of masked tokens in it (across micro-batches, DP and CP ranks; not a mean of per-micro-batch
-means, which weights short SFT batches up), in training steps and forward-only evaluation alike,
-through the one `forward_step` / `loss_func` (packed SFT micro-batches through
-runtime/packing.py's `model_inputs`). The engines are train/engine_megatron.py and
+What a step minimises is the engine's `objective` (train/objectives/): by default the sum of the
+loss-masked token cross-entropies over the global batch divided by the number of masked tokens in
+it (across micro-batches, DP and CP ranks), in training steps and forward-only evaluation alike,
+through the one `forward_step` (packed SFT micro-batches through runtime/packing.py's
+`model_inputs`). The engines are train/engine_megatron.py and
 train/engine_deepspeed.py; train/engines.py registers them.
 """
 
@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from megatron.core import parallel_state as ps
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_bridge.errors import UserError
-from megatron_bridge.runtime.groups import comm_device
-from megatron_bridge.runtime.packing import model_inputs
+from megatron_bridge.train.objectives.base import REPORT, NextToken, Objective, batch_to
 
 MakeIterators = Callable[[int], list[Any]]
 """`make_iterators(n)`: n fresh iterators over this step's micro-batches, one per model chunk
@@ -39,6 +37,7 @@ class StepResult(NamedTuple):
     lr: float  # the rate this step applied (or would have)
     applied: bool  # False: the loss or gradient norm was not finite, and parameters, optimizer
     # state and lr schedule were left as they were (the step's data is consumed all the same)
+    metrics: dict[str, float] = {}  # the objective's others (DPO's rewards), for the step's log line
 
 
 def finite(*values: float) -> bool:
@@ -62,14 +61,17 @@ class Engine(abc.ABC):
         *,
         bf16: bool,
         global_names: Callable[[Any], dict[str, str]] | None = None,
+        objective: Objective | None = None,
     ):
-        """`global_names(chunk)`: {a chunk's parameter name: its table name} (the backend's:
+        """`objective`: what a step minimises (train/objectives/; default next-token cross
+        entropy). `global_names(chunk)`: {a chunk's parameter name: its table name} (the backend's:
         runtime/runtimes.py), the names a checkpoint keys optimizer state by (default: the
         chunk's own)."""
         self.cfg, self.dims = cfg, dims
         self.global_names = global_names or (lambda chunk: {name: name for name, _ in chunk.named_parameters()})
         self.model_chunks: list[torch.nn.Module] = list(chunks)
         self.device = next(chunks[0].parameters()).device
+        self.objective: Objective = objective or NextToken()
 
     @abc.abstractmethod
     def step(self, make_iterators: MakeIterators) -> StepResult:
@@ -99,37 +101,40 @@ class Engine(abc.ABC):
         published (the manifest checksums them). None by default."""
 
 
-def batch_to(batch: dict[str, Any], device) -> dict[str, Any]:
-    """The micro-batch's tensors (and a VLM's image inputs, a dict of them) on `device`."""
-
-    def to(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: to(x) for k, x in v.items()}
-        return v.to(device) if torch.is_tensor(v) else v
-
-    return {k: to(v) for k, v in batch.items()}
-
-
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Per-token losses [b, s] (or a packed [1, b·s]) -> (masked sum, masked tokens, report) —
-    megatron-core's 3-tuple form. With `calculate_per_token_loss` (set by MegatronEngine) the
-    schedule backpropagates the sum as is, DDP sums gradients over dp·cp, and
-    `finalize_model_grads` divides them by the masked tokens of the whole global batch (all-reduced
-    over dp·cp, broadcast over pp): the gradient of the global masked mean."""
-    mask = loss_mask.float().view(-1)
-    total = (output.float().view(-1) * mask).sum()
-    n = mask.sum().to(torch.int)
-    return total, n, {"lm loss": torch.stack([total.detach().clone(), mask.sum().detach()])}
+    """`objective=lm`'s loss of per-token losses [b, s] (or a packed [1, b·s]): (masked sum, masked
+    tokens, report) — megatron-core's 3-tuple form. With `calculate_per_token_loss` (set by
+    MegatronEngine) the schedule backpropagates the sum as is, DDP sums gradients over dp·cp, and
+    `finalize_model_grads` divides them by the count of the whole global batch (all-reduced over
+    dp·cp, broadcast over pp): the gradient of the global masked mean."""
+    return NextToken().loss({"loss_mask": loss_mask}, output)
 
 
-def forward_step(device):
+def forward_step(device, objective: Objective):
+    """megatron-core's forward step: the objective's forward of the next micro-batch, and its loss."""
+
     def step(data_iterator, model):
         b = batch_to(next(data_iterator), device)
-        args, kwargs = model_inputs(b)
-        out = model(*args, **kwargs)
-        return out, lambda output: loss_func(b["loss_mask"], output)
+        out = objective.forward(model, b)
+
+        def loss(output):
+            total, n, report = objective.loss(b, output)
+            return total, n, {REPORT: report}
+
+        return out, loss
 
     return step
+
+
+def global_batch(its: list[Any], micro_batches: int, objective: Objective) -> list[Any]:
+    """The iterators one global batch is read through: `its` as they are, or — an objective with
+    a frozen model (`reads_ahead`) — the next `micro_batches` micro-batches read from `its[0]`,
+    `prepare`d (the frozen model's pass over them), and served again to each of `len(its)` chunks."""
+    if not objective.reads_ahead:
+        return its
+    batches = [next(its[0]) for _ in range(micro_batches)]
+    objective.prepare(batches)
+    return [iter(batches) for _ in its]
 
 
 def make_scheduler(optimizer, cfg):
@@ -149,20 +154,6 @@ def make_scheduler(optimizer, cfg):
         wd_incr_steps=steps,
         wd_incr_style="constant",
     )
-
-
-def reduce_loss(reports: list[dict[str, torch.Tensor]]) -> float:
-    """Mean token loss of the micro-batches in `reports` (sum of token losses / token count over
-    all of them and all DP·CP ranks), known to every rank afterwards."""
-    acc = torch.zeros(2, dtype=torch.float64, device=comm_device())
-    for r in reports:
-        acc += r["lm loss"].detach().to(acc.device, torch.float64)
-    if ps.is_pipeline_last_stage(ignore_virtual=True):
-        torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group(with_context_parallel=True))
-    else:
-        acc.zero_()
-    torch.distributed.all_reduce(acc, group=ps.get_pipeline_model_parallel_group())
-    return float(acc[0] / acc[1].clamp(min=1))
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ from megatron_bridge.convert.formats.pickle_guard import TRAINING
 from megatron_bridge.runtime import cpu
 from megatron_bridge.runtime.groups import comm_device
 from megatron_bridge.runtime.lora_modules import adapters
-from megatron_bridge.runtime.packing import model_inputs
 from megatron_bridge.runtime.safe_load import only_weights
 from megatron_bridge.train.ds_config import build_ds_config
 from megatron_bridge.train.engine_base import (
@@ -25,11 +24,11 @@ from megatron_bridge.train.engine_base import (
     MakeIterators,
     StepResult,
     batch_to,
-    loss_func,
+    global_batch,
     make_scheduler,
     model_must_fit,
-    reduce_loss,
 )
+from megatron_bridge.train.objectives.base import REPORT, Objective
 
 
 class DeepSpeedEngine(Engine):
@@ -46,11 +45,12 @@ class DeepSpeedEngine(Engine):
         *,
         bf16: bool,
         global_names: Callable[[Any], dict[str, str]] | None = None,
+        objective: Objective | None = None,
     ):
         import deepspeed  # on demand: importing it takes ~1.5 s and logs its accelerator choice on every run
         from deepspeed.git_version_info import installed_ops  # the ops built into the wheel
 
-        super().__init__(cfg, dims, chunks, mpu, bf16=bf16, global_names=global_names)
+        super().__init__(cfg, dims, chunks, mpu, bf16=bf16, global_names=global_names, objective=objective)
         module = chunks[0]
         # DeepSpeed's FusedAdam only where its CUDA op was built into the wheel: otherwise
         # DeepSpeed JIT-compiles it at the first step (nvcc needed, minutes; on an H200 with
@@ -72,29 +72,28 @@ class DeepSpeedEngine(Engine):
         self._frozen = any(True for _ in adapters(module))
 
     def step(self, make_iterators: MakeIterators) -> StepResult:
-        it = make_iterators(1)[0]
+        obj, n = self.objective, self.dims.grad_accum
+        it = global_batch(make_iterators(1), n, obj)[0]
         self.engine.train()
-        batches = [next(it) for _ in range(self.dims.grad_accum)]
+        batches = [next(it) for _ in range(n)]
         # DeepSpeed divides each backward by grad_accum and averages gradients over DP; scaling the
-        # masked sums by grad_accum·dp / (masked tokens of the global batch) leaves the gradient of
-        # the global masked mean, as megatron's per-token loss does.
+        # objective's sums by grad_accum·dp / (its count over the global batch: masked tokens, pairs)
+        # leaves the gradient of the global mean, as megatron's per-token loss does.
         dev = comm_device()
-        tokens = torch.tensor(float(sum(b["loss_mask"].sum() for b in batches)), dtype=torch.float64, device=dev)
-        torch.distributed.all_reduce(tokens, group=ps.get_data_parallel_group())
+        count = torch.tensor(sum(obj.count(b) for b in batches), dtype=torch.float64, device=dev)
+        torch.distributed.all_reduce(count, group=ps.get_data_parallel_group())
         dp = torch.distributed.get_world_size(ps.get_data_parallel_group())
-        scale = self.dims.grad_accum * dp / max(float(tokens), 1.0)
-        acc = torch.zeros(2, dtype=torch.float64, device=dev)
+        scale = n * dp / max(float(count), 1.0)
+        acc = torch.zeros(obj.report_size, dtype=torch.float64, device=dev)
         skipped_before, update = self.engine.skipped_steps, True
         for i, b in enumerate(batches):
             b = batch_to(b, self.device)
-            args, kwargs = model_inputs(b)
-            out = self.engine(*args, **kwargs)
-            total, n, rep = loss_func(b["loss_mask"], out)
-            acc += rep["lm loss"].to(dev, torch.float64)
+            total, _, report = obj.loss(b, obj.forward(self.engine, b))
+            acc += report.to(dev, torch.float64)
             self.engine.backward(total * scale)
             if i == len(batches) - 1:  # the accumulation boundary: the gradients are reduced now
                 torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group())
-                update = self._update_is_finite(float(acc[0] / acc[1].clamp(min=1)))
+                update = self._update_is_finite(obj.result(acc)[0])
             with contextlib.nullcontext() if update else _no_update(self.engine.optimizer):
                 self.engine.step()
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -102,8 +101,8 @@ class DeepSpeedEngine(Engine):
         if applied:
             self.scheduler.step(increment=1)
         gn = self.engine.get_global_grad_norm()
-        loss = float(acc[0] / acc[1].clamp(min=1))
-        return StepResult(loss, float(gn or 0.0) if applied else math.nan, lr, applied=applied)
+        loss, metrics = obj.result(acc)
+        return StepResult(loss, float(gn or 0.0) if applied else math.nan, lr, applied=applied, metrics=metrics)
 
     def _update_is_finite(self, loss: float) -> bool:
         """Whether the reduced loss, and (ZeRO-0, where DeepSpeed checks nothing in fp32) every
@@ -121,15 +120,15 @@ class DeepSpeedEngine(Engine):
     def evaluate(self, make_iterators: MakeIterators, iters: int) -> float:
         """The DeepSpeed engine's forward in eval mode (ZeRO-3 gathers the partitioned weights
         as in training), one micro-batch at a time."""
-        it = make_iterators(1)[0]
+        obj, its = self.objective, make_iterators(1)
         self.engine.eval()
         reports = []
-        for _ in range(iters * self.dims.grad_accum):
-            b = batch_to(next(it), self.device)
-            args, kwargs = model_inputs(b)
-            out = self.engine(*args, **kwargs)
-            reports.append(loss_func(b["loss_mask"], out)[2])
-        return reduce_loss(reports)
+        for _ in range(iters):
+            it = global_batch(its, self.dims.grad_accum, obj)[0]
+            for _ in range(self.dims.grad_accum):
+                b = batch_to(next(it), self.device)
+                reports.append({REPORT: obj.loss(b, obj.forward(self.engine, b))[2]})
+        return obj.reduce(reports)[0]
 
     def state_dict(self) -> dict[str, Any]:
         """The scheduler only: model and optimizer state live in DeepSpeed's own files."""

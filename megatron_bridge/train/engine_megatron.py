@@ -25,10 +25,11 @@ from megatron_bridge.train.engine_base import (
     StepResult,
     finite,
     forward_step,
+    global_batch,
     make_scheduler,
     model_must_fit,
-    reduce_loss,
 )
+from megatron_bridge.train.objectives.base import Objective
 from megatron_bridge.train.optim_state import dist_model_params, load_named_state, named_state
 
 
@@ -45,10 +46,11 @@ class MegatronEngine(Engine):
         *,
         bf16: bool,
         global_names: Callable[[Any], dict[str, str]] | None = None,
+        objective: Objective | None = None,
     ):
         """`mpu` and `bf16` go unused: megatron-core reads its groups from `parallel_state` and
         the precision from the chunks' TransformerConfig (built with the same `bf16`)."""
-        super().__init__(cfg, dims, chunks, mpu, bf16=bf16, global_names=global_names)
+        super().__init__(cfg, dims, chunks, mpu, bf16=bf16, global_names=global_names, objective=objective)
         tconf = model_config(self.model_chunks)
         tconf.calculate_per_token_loss = True  # read by the schedule, DDP (built next) and finalize
         self.model = wrap_ddp(chunks, distributed_optimizer=dims.zero_stage == 1)
@@ -72,12 +74,13 @@ class MegatronEngine(Engine):
     def _schedule(self, its: list[Any], *, forward_only: bool) -> list[dict[str, torch.Tensor]]:
         """One global batch through megatron-core's pipeline schedule; the loss reports of the
         micro-batches (on the last stage)."""
-        d = self.dims
+        d, obj = self.dims, self.objective
+        its = global_batch(its, d.grad_accum, obj)
         seq, mbs = schedule_shape(
-            self.cfg.train.seq_length // d.cp, d.micro_batch_size, packed=is_packed(self.cfg.data)
+            self.cfg.train.seq_length // d.cp, d.micro_batch_size * obj.rows_per_sample, packed=is_packed(self.cfg.data)
         )
         return get_forward_backward_func()(
-            forward_step_func=forward_step(self.device),
+            forward_step_func=forward_step(self.device, obj),
             data_iterator=its if len(self.model) > 1 else its[0],
             model=self.model if len(self.model) > 1 else self.model[0],
             num_microbatches=d.grad_accum,
@@ -93,14 +96,14 @@ class MegatronEngine(Engine):
         self.optimizer.zero_grad()
         reports = self._schedule(make_iterators(len(self.model)), forward_only=False)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step applies
-        loss = reduce_loss(reports)
+        loss, metrics = self.objective.reduce(reports)
         # megatron's `optimizer.step()` split open (as its ChainedOptimizer does it), so that the
         # norm is known before anything changes: fp32/bf16 training has no grad scaler to skip a
         # non-finite step, and clipping by a NaN norm would write NaN into every weight.
         found_inf = self.optimizer.prepare_grads()  # main grads ready; True only under fp16 loss scaling
         grad_norm = float(self.optimizer.get_grad_norm())  # all-reduced: the same on every rank
         if found_inf or not finite(loss, grad_norm):
-            return StepResult(loss, grad_norm, lr, applied=False)
+            return StepResult(loss, grad_norm, lr, applied=False, metrics=metrics)
         for opt in self._optimizers():
             params = opt.get_parameters()
             if opt.config.clip_grad > 0.0 and params:
@@ -112,7 +115,7 @@ class MegatronEngine(Engine):
                 )
         self.optimizer.step_with_ready_grads()
         self.scheduler.step(increment=1)
-        return StepResult(loss, grad_norm, lr, applied=True)
+        return StepResult(loss, grad_norm, lr, applied=True, metrics=metrics)
 
     @torch.no_grad()
     def evaluate(self, make_iterators: MakeIterators, iters: int) -> float:
@@ -124,7 +127,7 @@ class MegatronEngine(Engine):
         reports: list[dict[str, torch.Tensor]] = []
         for _ in range(iters):
             reports += self._schedule(its, forward_only=True)
-        return reduce_loss(reports)
+        return self.objective.reduce(reports)[0]
 
     # -- checkpoint state (this rank's share) -------------------------------------------
     def _optimizers(self) -> list[Any]:

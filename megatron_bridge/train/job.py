@@ -34,6 +34,7 @@ from megatron_bridge.train.host_staging import HostStaging
 from megatron_bridge.train.inflight import InFlight
 from megatron_bridge.train.init import init_weights, loads_weights
 from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
+from megatron_bridge.train.objectives import make_objective
 
 
 def model_overrides(cfg) -> dict[str, Any]:
@@ -100,7 +101,10 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     overrides = model_overrides(cfg)
     chunks = build_model(spec, dims, load_weights=loads_weights(cfg, spec), **overrides)
     init_weights(chunks, spec, cfg)
-    engine = make_engine(cfg, dims, chunks, mpu, bf16=overrides["bf16"], global_names=runtime_of(spec).global_names)
+    objective = make_objective(cfg, dims, spec, chunks, overrides)  # DPO's reference built here, after the policy
+    engine = make_engine(
+        cfg, dims, chunks, mpu, bf16=overrides["bf16"], global_names=runtime_of(spec).global_names, objective=objective
+    )
 
     datasets = build_datasets(
         cfg.data,
@@ -167,10 +171,11 @@ def _loop(run: _Run, start: int) -> bool:
             iterators = _iterators(run, run.datasets.train, step * dims.global_batch_size)
             if planned("step", step + 1):  # test-only fault injection (MBR_FAULT), see reliability.py
                 iterators = _with_fault(iterators, step + 1, dims.grad_accum)
-            loss, grad_norm, lr, applied = run.engine.step(iterators)
-            nonfinite.after(step + 1, loss, grad_norm, applied, rank)  # raises when the step ends the job
+            result = run.engine.step(iterators)
+            loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
+            nonfinite.after(step + 1, loss, grad_norm, result.applied, rank)  # raises when the step ends the job
             dt = time.perf_counter() - t0
-            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt}
+            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt, **result.metrics}
             metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt, run.spec))
             if _eval_due(cfg, step + 1, last=step + 1 == stop):
                 phase = f"evaluation at step {step + 1}"

@@ -1,0 +1,56 @@
+"""The training objectives (`objective=lm|dpo|distill`, docs/finetune.md), built once per job by
+`make_objective`; the engines call the `Objective` interface only (base.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_bridge.errors import UserError
+from megatron_bridge.runtime.lora_modules import adapters_off
+from megatron_bridge.train.objectives.base import REPORT, NextToken, Objective
+from megatron_bridge.train.objectives.dpo import DPO
+from megatron_bridge.train.objectives.frozen import FrozenPass, frozen_model
+
+
+def make_objective(cfg: Any, dims: Any, spec: Any, policy: Sequence[Any], overrides: dict[str, Any]) -> Objective:
+    """The objective `cfg.objective.kind` names, with its frozen model built under `dims`
+    (`policy`: this rank's policy chunks, initialised; `overrides`: their TransformerConfig
+    settings, so the frozen model runs in the training precision)."""
+    o = cfg.objective
+    if o.kind == "lm":
+        return NextToken()
+    if o.kind == "dpo":
+        return DPO(cfg, _reference(cfg, dims, spec, policy, overrides))
+    raise UserError(
+        f"objective={o.kind}: training with this objective is not built yet (mbr check counts its memory); "
+        "use objective=lm or objective=dpo"
+    )
+
+
+def _reference(cfg, dims, spec, policy, overrides) -> FrozenPass | None:
+    """DPO's reference: none for SimPO; `objective.reference`; else the initial policy — under
+    LoRA the policy itself with its adapters off, otherwise a frozen copy of its starting weights
+    (`train.init_from`, else `model.hf_path`; the objective rules refuse a run with neither)."""
+    o = cfg.objective
+    if o.loss == "simpo":
+        return None
+    if o.reference:
+        chunks = frozen_model(cfg, dims, spec, o.reference, arg="objective.reference", overrides=overrides)
+        return FrozenPass(chunks, cfg, dims, DPO.rows_per_sample)
+    if cfg.peft.method == "lora":
+        return FrozenPass(policy, cfg, dims, DPO.rows_per_sample, context=lambda: adapters_off(policy))
+    source = cfg.train.init_from or spec.source
+    if not source:
+        raise UserError(
+            "objective=dpo with objective.reference=null uses the initial policy as the reference, and this run "
+            "starts from random weights: set model.hf_path or train.init_from (the policy's starting weights), or "
+            "objective.reference=DIR"
+        )
+    arg = "train.init_from" if cfg.train.init_from else "model.hf_path"
+    return FrozenPass(
+        frozen_model(cfg, dims, spec, source, arg=arg, overrides=overrides), cfg, dims, DPO.rows_per_sample
+    )
+
+
+__all__ = ["REPORT", "DPO", "NextToken", "Objective", "make_objective"]

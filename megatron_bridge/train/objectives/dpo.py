@@ -1,0 +1,102 @@
+"""`objective=dpo`: direct preference optimisation on preference pairs (`data=preference`), with
+TRL's losses and metrics.
+
+A micro-batch holds its pairs as rows 2k (chosen) and 2k+1 (rejected). The log-probability of a
+completion is the sum over its loss-masked tokens of log p(token | everything before it): minus
+the per-token cross entropies the model already computes vocab-parallel, so no full-vocabulary
+logits are gathered. The reference's come from a frozen forward pass over the same micro-batches
+before the policy's (`prepare`), or — SimPO — not at all. With s(x) = log π(x) − log π_ref(x)
+and Δ = s(chosen) − s(rejected), per pair:
+
+- sigmoid: −(1−ε)·log σ(βΔ) − ε·log σ(−βΔ)  (ε = label_smoothing: conservative DPO; TRL's default at ε=0)
+- hinge:   max(0, 1 − βΔ)
+- ipo:     (s(c)/|c| − s(r)/|r| − 1/(2β))²  (TRL's length-normalised IPO)
+- simpo:   −log σ(β·(log π(c)/|c| − log π(r)/|r|) − γ)  (no reference)
+
+The logged loss is the mean over the global batch's pairs; rewards β·s (SimPO: β·log π/|x|), their
+margin and the fraction of pairs whose chosen reward is higher are logged beside it (TRL's
+rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_bridge.train.objectives.base import Objective
+from megatron_bridge.train.objectives.frozen import FrozenPass
+
+REF = "ref_logps"  # a micro-batch's reference log-probabilities, one per row
+
+
+def sequence_logps(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π of each row's completion, its token count), from per-token cross entropies."""
+    mask = batch["loss_mask"].float()
+    rows = mask.shape[0]
+    return -(output.float().view(rows, -1) * mask).sum(1), mask.sum(1)
+
+
+class DPO(Objective):
+    rows_per_sample = 2
+    report_size = 6  # loss, pairs, chosen reward, rejected reward, correct pairs, log π(chosen)
+
+    def __init__(self, cfg: Any, reference: FrozenPass | None):
+        self.o, self.reference = cfg.objective, reference
+        self.reads_ahead = reference is not None
+
+    def prepare(self, batches):
+        if self.reference is None:
+            return
+        got = self.reference.run(batches, self.forward, sequence_logps_only)
+        for b, logps in zip(batches, got):  # last stage only: the loss runs there
+            b[REF] = logps
+
+    def loss(self, batch, output):
+        o = self.o
+        logps, lengths = sequence_logps(batch, output)
+        if o.loss == "simpo":
+            score = logps / lengths.clamp(min=1)
+            sc, sr = score[0::2], score[1::2]
+            per_pair = -F.logsigmoid(o.beta * (sc - sr) - o.simpo_gamma)
+        else:
+            ratio = logps - batch[REF].to(logps)
+            sc, sr = ratio[0::2], ratio[1::2]
+            delta = sc - sr
+            if o.loss == "sigmoid":
+                eps = o.label_smoothing
+                per_pair = -(1 - eps) * F.logsigmoid(o.beta * delta) - eps * F.logsigmoid(-o.beta * delta)
+            elif o.loss == "hinge":
+                per_pair = torch.relu(1 - o.beta * delta)
+            else:  # ipo
+                n = lengths.clamp(min=1)
+                per_pair = (sc / n[0::2] - sr / n[1::2] - 1 / (2 * o.beta)) ** 2
+        total = per_pair.sum()
+        rc, rr = (o.beta * sc).detach(), (o.beta * sr).detach()
+        pairs = torch.tensor(float(per_pair.numel()), device=total.device)
+        report = torch.stack(
+            [total.detach().clone(), pairs, rc.sum(), rr.sum(), (rc > rr).float().sum(), logps[0::2].detach().sum()]
+        )
+        return total, pairs.to(torch.int), report
+
+    def count(self, batch):
+        return float(batch["loss_mask"].shape[0] // 2)
+
+    def result(self, sums):
+        n = float(sums[1].clamp(min=1))
+        chosen, rejected = float(sums[2]) / n, float(sums[3]) / n
+        return float(sums[0]) / n, {
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/margins": chosen - rejected,
+            "rewards/accuracies": float(sums[4]) / n,
+            "logps/chosen": float(sums[5]) / n,
+        }
+
+
+def sequence_logps_only(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
+    return sequence_logps(batch, output)[0]
+
+
+__all__ = ["DPO", "REF", "sequence_logps"]
