@@ -5,6 +5,9 @@
     mbr data mode=chat input=FILE.jsonl output=PREFIX tokenizer=DIR [messages_key=messages] [chat_template=FILE]
              [max_length=N] [overlong=truncate|drop] [max_image_pixels=N] [overwrite=true]
     mbr data mode=chat demo=true output_dir=DIR [tokenizer=DIR] [max_examples=N] [max_length=N]
+    mbr data mode=chat input=TOKENS.jsonl output=PREFIX (tokenizer=DIR | vocab_size=N) [max_length=N]
+    mbr data mode=preference input=PAIRS.jsonl output=PREFIX (tokenizer=DIR | vocab_size=N) [chat_template=FILE]
+             [max_length=N] [truncation=keep_start|drop] [overwrite=true]
 
 The first tokenizes .jsonl/.txt/.parquet/.arrow files (a directory of them, or a directory
 written by datasets' save_to_disk; docs/data.md "Input formats") with a local Hugging Face
@@ -16,8 +19,12 @@ overrides that train on the result. mode=chat renders conversations ({"messages"
 {"prompt", "completion"} per line) with the tokenizer's chat template into token ids plus a
 loss mask on the assistant tokens (PREFIX.bin/.idx + PREFIX.loss_mask.bin/.idx); messages with
 image parts are rendered with the tokenizer directory's processor and their images recorded
-(PREFIX.images.jsonl, docs/data.md "Image chats"); its demo makes
-questions and answers from the standard library's docstrings. Every input problem (missing input or tokenizer, an
+(PREFIX.images.jsonl, docs/data.md "Image chats"); rows of token ids ({"input_ids", "labels"},
+Hugging Face's -100 convention) are stored as given; its demo makes
+questions and answers from the standard library's docstrings. mode=preference turns
+prompt/chosen/rejected rows (strings, message lists or token ids) into the DPO pairs of
+data=preference (PREFIX.chosen, PREFIX.rejected, PREFIX.preference.json; docs/data.md
+"Preference pairs"). Every input problem (missing input or tokenizer, an
 existing output without overwrite=true, a tokenizer larger than the model) is reported before
 any heavy work, and nothing is left half-written.
 """
@@ -37,7 +44,9 @@ from megatron_bridge.convert.command import sigterm_as_interrupt
 from megatron_bridge.convert.pipeline.dst import dst_lease
 from megatron_bridge.data.chat_dataset import preprocess_chat
 from megatron_bridge.data.demo import DEMO_PREFIX, build_chat_demo, build_demo
+from megatron_bridge.data.preference import preprocess_preference
 from megatron_bridge.data.preprocess import preprocess
+from megatron_bridge.data.token_rows import is_token_chat, preprocess_token_chat
 from megatron_bridge.data.tokenizer import check_vocab  # noqa: F401  (re-exported for the trainer)
 from megatron_bridge.errors import UserError
 
@@ -58,14 +67,17 @@ class DataCommandConfig(Config):
     overwrite: bool = False
     demo: bool = False
     output_dir: str | None = None  # demo output directory
-    vocab_size: int | None = None  # demo tokenizer size (default: model.vocab_size, at most 32768)
+    # demo: the tokenizer's size (default: model.vocab_size, at most 32768); token-id rows without
+    # a tokenizer (mode=chat input_ids/labels, mode=preference *_ids): every id lies in [0, vocab_size)
+    vocab_size: int | None = None
     max_bytes: int = 4_000_000  # demo corpus budget (the demo tokenizer's training text)
-    mode: str = "text"  # text (pre-training documents) | chat (conversations + loss mask)
+    mode: str = "text"  # text (pre-training documents) | chat (conversations + loss mask) | preference (DPO pairs)
     chat_template: str | None = None  # chat: a Jinja template file (default: the tokenizer's own)
     max_length: int | None = None  # chat: longest conversation in tokens (default: no limit)
     overlong: str = "truncate"  # chat: a conversation longer than max_length is cut (truncate) or left out (drop)
     max_image_pixels: int | None = None  # chat: larger images (width x height) are refused (default 4096x4096)
     max_examples: int = 2000  # chat demo: number of docstring questions
+    truncation: str = "keep_start"  # preference: a pair past max_length is cut (keep_start) or left out (drop)
 
 
 def _train_hint(prefix: str, tokenizer: str) -> str:
@@ -84,9 +96,62 @@ def _images_hint(prefix: str, tokenizer: str) -> str:
     )
 
 
+def _dpo_hint(prefix: str, tokenizer: str | None) -> str:
+    tok = f" data.tokenizer={tokenizer}" if tokenizer else ""
+    return f"train DPO on it with: objective=dpo data=preference data.paths=[{prefix}]{tok}"
+
+
+def run_preference(cfg: DataCommandConfig) -> int:
+    if cfg.output_dir is not None:
+        raise UserError("output_dir= belongs to demo=true; mode=preference takes input=, output=, tokenizer=")
+    if not cfg.input or not cfg.output:
+        raise UserError(
+            "mode=preference needs input=FILE.jsonl (one pair per line, e.g. "
+            '{"prompt": "2+2=", "chosen": "4", "rejected": "5"}) and output=PREFIX (writes PREFIX.chosen, '
+            "PREFIX.rejected and PREFIX.preference.json)"
+        )
+    tokenizer = cfg.tokenizer or (None if cfg.vocab_size is not None else cfg.data.tokenizer)
+    stats = preprocess_preference(
+        cfg.input,
+        cfg.output,
+        tokenizer,
+        vocab_size=cfg.vocab_size,
+        chat_template=cfg.chat_template,
+        max_length=cfg.max_length,
+        truncation=cfg.truncation,
+        overwrite=cfg.overwrite,
+        log=print,
+    )
+    print(stats.describe())
+    print(_dpo_hint(os.path.abspath(stats.prefix), stats.tokenizer))
+    return 0
+
+
 def run_chat(cfg: DataCommandConfig) -> int:
-    if cfg.output_dir is not None or cfg.vocab_size is not None:
-        raise UserError("output_dir= and vocab_size= belong to demo=true; mode=chat takes input=, output=, tokenizer=")
+    if cfg.output_dir is not None:
+        raise UserError("output_dir= belongs to demo=true; mode=chat takes input=, output=, tokenizer=")
+    if cfg.input and is_token_chat(cfg.input):
+        if not cfg.output:
+            raise UserError("mode=chat needs output=PREFIX (where the indexed files go)")
+        tok = cfg.tokenizer or (None if cfg.vocab_size is not None else cfg.data.tokenizer)
+        stats = preprocess_token_chat(
+            cfg.input,
+            cfg.output,
+            tok,
+            vocab_size=cfg.vocab_size,
+            max_length=cfg.max_length,
+            overlong=cfg.overlong,
+            overwrite=cfg.overwrite,
+            log=print,
+        )
+        print(stats.describe())
+        print(_sft_hint(os.path.abspath(stats.prefix), os.path.abspath(str(tok)) if tok else "<the tokenizer>"))
+        return 0
+    if cfg.vocab_size is not None:
+        raise UserError(
+            "vocab_size= belongs to demo=true and to rows of token ids (input_ids/labels); conversations are "
+            "tokenized with tokenizer=DIR"
+        )
     if not cfg.input:
         raise UserError(
             "no input given: pass input=FILE.jsonl (one conversation per line, "
@@ -191,8 +256,13 @@ def main(argv: Sequence[str]) -> int:
         return 0
     if args.flags:
         raise UserError(f"unknown flag(s) {' '.join(args.flags)} for `mbr data` (it takes key=value overrides)")
-    if cfg.mode not in ("text", "chat"):
-        raise UserError(f"mode={cfg.mode!r}: expected text (pre-training documents) or chat (conversations)")
+    if cfg.mode not in ("text", "chat", "preference"):
+        raise UserError(
+            f"mode={cfg.mode!r}: expected text (pre-training documents), chat (conversations) or preference "
+            "(prompt/chosen/rejected pairs for DPO)"
+        )
+    if cfg.demo and cfg.mode == "preference":
+        raise UserError("demo=true makes text or chat data; mode=preference takes input=, output=, tokenizer=")
     if cfg.mode == "text" and (cfg.chat_template or cfg.max_length is not None or cfg.max_image_pixels is not None):
         raise UserError(
             "chat_template=, max_length= and max_image_pixels= belong to mode=chat (conversations); add mode=chat"
@@ -200,7 +270,7 @@ def main(argv: Sequence[str]) -> int:
     with sigterm_as_interrupt(), _leased(cfg.output_dir if cfg.demo else cfg.output, cfg.demo):
         if cfg.demo:
             return run_demo(cfg)
-        return run_chat(cfg) if cfg.mode == "chat" else run_preprocess(cfg)
+        return {"chat": run_chat, "preference": run_preference}.get(cfg.mode, run_preprocess)(cfg)
 
 
 @contextlib.contextmanager

@@ -135,7 +135,9 @@ class OptimizerConfig:
 
 @dataclass
 class DataConfig:
-    kind: str = "synthetic"  # synthetic | indexed | sft (chat data from `mbr data mode=chat`)
+    # synthetic | indexed | sft (chat data from `mbr data mode=chat`) | preference (DPO pairs from
+    # `mbr data mode=preference`)
+    kind: str = "synthetic"
     paths: list[str] = field(default_factory=list)  # indexed dataset prefixes (no .bin/.idx)
     tokenizer: str | None = None  # local HF tokenizer directory
     split: str = "98,2,0"

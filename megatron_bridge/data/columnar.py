@@ -44,15 +44,16 @@ def save_to_disk_files(d: Path) -> list[Path]:
     return files
 
 
-def _batches(path: Path, column: str, optional: tuple[str, ...] = ()) -> Iterator[Any]:
-    """pyarrow record batches of `path`'s `column` (checked to exist) and those of the `optional`
-    columns it has, at most BATCH_ROWS rows each: parquet through its batch reader (only these
-    columns decoded), Arrow memory-mapped."""
+def _batches(path: Path, column: str | None, optional: tuple[str, ...] = ()) -> Iterator[Any]:
+    """pyarrow record batches of `path`'s `column` (checked to exist; None: no column is required)
+    and those of the `optional` columns it has, at most BATCH_ROWS rows each: parquet through its
+    batch reader (only these columns decoded), Arrow memory-mapped."""
     import pyarrow as pa
 
     def wanted(names: list[str]) -> list[str]:
-        _need(path, column, names)
-        return [column, *(c for c in optional if c in names)]
+        if column is not None:
+            _need(path, column, names)
+        return [c for c in (column, *optional) if c is not None and c in names]
 
     try:
         if path.suffix == ".parquet":
@@ -98,9 +99,10 @@ def iter_column(path: Path, column: str) -> Iterator[tuple[str, Any]]:
         yield where, row[column]
 
 
-def iter_rows(path: Path, column: str, optional: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, Any]]]:
+def iter_rows(path: Path, column: str | None, optional: tuple[str, ...] = ()) -> Iterator[tuple[str, dict[str, Any]]]:
     """("path:row N", {column: value, ...}) per row: `column` and those of the `optional` columns
-    the file has (image chats: the `images` column beside the messages)."""
+    the file has (image chats: the `images` column beside the messages; preference pairs: no
+    required column, the row's fields checked by their reader)."""
     row = 0
     for batch in _batches(path, column, optional):
         names = batch.schema.names

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from megatron_bridge.data.chat import CHAT_FORMAT
 from megatron_bridge.data.chat_images import IMAGE_CHAT_FORMAT
 from megatron_bridge.data.preprocess import output_paths, read_meta
-from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer, validate_tokenizer_dir
+from megatron_bridge.data.tokenizer import NO_EOS, check_vocab, load_tokenizer, validate_tokenizer_dir
 from megatron_bridge.errors import UserError
 
 SPLITS = ("train", "valid", "test")
@@ -199,7 +199,9 @@ def check_indexed_data(
                 f"the tokenizer {m.get('tokenizer')} ({p}{'.meta.json'})",
             )
             continue
-        if int(m["max_token_id"]) >= vocab or int(m["eos_id"]) != eod or int(m["vocab_size"]) != vocab:
+        # NO_EOS: made from token ids without a tokenizer (vocab_size=), any tokenizer's eos agrees
+        eos_agrees = int(m["eos_id"]) in (eod, NO_EOS)
+        if int(m["max_token_id"]) >= vocab or not eos_agrees or int(m["vocab_size"]) != vocab:
             raise UserError(
                 f"{p} was tokenized with {m.get('tokenizer')} (vocab {m['vocab_size']}, eos {m['eos_id']}, largest id "
                 f"{m['max_token_id']}) but {tok_desc} has vocab {vocab}, eos {eod}: the data and the tokenizer do "

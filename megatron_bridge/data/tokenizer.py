@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_bridge.errors import UserError
 
+NO_EOS = -1  # the meta eos_id of data made without a tokenizer (pre-tokenized rows with vocab_size=)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # tokenizer_config.json alone holds settings, not a vocabulary: one of these must sit beside it
 VOCAB_FILES = (

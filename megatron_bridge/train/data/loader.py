@@ -28,6 +28,7 @@ from megatron_bridge.data.preprocess import output_paths, read_meta
 from megatron_bridge.data.tokenizer import check_vocab, load_tokenizer
 from megatron_bridge.errors import UserError
 from megatron_bridge.train.data.batching import DataIterator
+from megatron_bridge.train.data.preference import build_preference_datasets
 from megatron_bridge.train.data.sft import build_sft_datasets
 from megatron_bridge.train.data.synthetic import SyntheticGPTDataset
 
@@ -112,7 +113,8 @@ def build_datasets(
     with a `GPTDatasetConfig` seeded by `seed` (a blend when data.paths has several prefixes);
     its sample/shuffle indices are cached in `cache_dir` (default: `cache/` next to the first
     prefix). Under torch.distributed, call it on every rank (megatron builds on rank 0 first,
-    then the others load its cache). `kind=synthetic` needs `model_vocab_size`.
+    then the others load its cache). `kind=sft`/`kind=preference` read chat data / preference pairs
+    (train/data/sft.py, train/data/preference.py). `kind=synthetic` needs `model_vocab_size`.
     All user errors surface before megatron-core is imported."""
     if seq_length < 1:
         raise UserError(f"train.seq_length={seq_length} must be >= 1")
@@ -164,10 +166,22 @@ def build_datasets(
             model_vocab_size=model_vocab_size,
         )
         return Datasets(train, valid, test, kind, vocab, eod)
+    if kind == "preference":
+        train, valid, test, vocab, eod = build_preference_datasets(
+            data,
+            seq_length=seq_length,
+            seed=seed,
+            train_samples=train_samples,
+            valid_samples=valid_samples,
+            test_samples=test_samples,
+            model_vocab_size=model_vocab_size,
+        )
+        return Datasets(train, valid, test, kind, vocab, eod)
     if kind != "indexed":
         raise UserError(
             f"data.kind={kind!r}: expected 'indexed' (megatron-core .bin/.idx made by `mbr data`), "
-            "'sft' (chat data made by `mbr data mode=chat`) or 'synthetic' (seeded random tokens)"
+            "'sft' (chat data made by `mbr data mode=chat`), 'preference' (DPO pairs made by `mbr data "
+            "mode=preference`) or 'synthetic' (seeded random tokens)"
         )
 
     prefixes, weights, vocab, eod = check_indexed_data(data, model_vocab_size)
