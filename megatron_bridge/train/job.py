@@ -101,11 +101,6 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     overrides = model_overrides(cfg)
     chunks = build_model(spec, dims, load_weights=loads_weights(cfg, spec), **overrides)
     init_weights(chunks, spec, cfg)
-    objective = make_objective(cfg, dims, spec, chunks, overrides)  # DPO's reference built here, after the policy
-    engine = make_engine(
-        cfg, dims, chunks, mpu, bf16=overrides["bf16"], global_names=runtime_of(spec).global_names, objective=objective
-    )
-
     datasets = build_datasets(
         cfg.data,
         dims,
@@ -114,6 +109,10 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
         train_steps=cfg.train.steps,
         model_vocab_size=spec.vocab_size,
         valid_samples=cfg.train.eval_iters * dims.global_batch_size,  # the batches every evaluation reads
+    )
+    objective = make_objective(cfg, dims, spec, chunks, overrides, datasets)  # a frozen model: after the policy
+    engine = make_engine(
+        cfg, dims, chunks, mpu, bf16=overrides["bf16"], global_names=runtime_of(spec).global_names, objective=objective
     )
     return _Run(cfg, dims, recipe, meta, rank, run_dir, spec, engine, datasets)
 

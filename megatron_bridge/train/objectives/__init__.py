@@ -9,23 +9,30 @@ from typing import Any
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.lora_modules import adapters_off
 from megatron_bridge.train.objectives.base import REPORT, NextToken, Objective
-from megatron_bridge.train.objectives.dpo import DPO
+from megatron_bridge.train.objectives.distill import Distill
+from megatron_bridge.train.objectives.dpo import DPO, precompute
 from megatron_bridge.train.objectives.frozen import FrozenPass, frozen_model
 
 
-def make_objective(cfg: Any, dims: Any, spec: Any, policy: Sequence[Any], overrides: dict[str, Any]) -> Objective:
+def make_objective(
+    cfg: Any, dims: Any, spec: Any, policy: Sequence[Any], overrides: dict[str, Any], datasets: Any
+) -> Objective:
     """The objective `cfg.objective.kind` names, with its frozen model built under `dims`
     (`policy`: this rank's policy chunks, initialised; `overrides`: their TransformerConfig
-    settings, so the frozen model runs in the training precision)."""
+    settings, so the frozen model runs in the training precision; `datasets`: the run's, whose
+    pairs `objective.precompute_reference` computes the reference log-probabilities of)."""
     o = cfg.objective
     if o.kind == "lm":
         return NextToken()
     if o.kind == "dpo":
-        return DPO(cfg, _reference(cfg, dims, spec, policy, overrides))
-    raise UserError(
-        f"objective={o.kind}: training with this objective is not built yet (mbr check counts its memory); "
-        "use objective=lm or objective=dpo"
-    )
+        reference = _reference(cfg, dims, spec, policy, overrides)
+        if reference is not None and o.precompute_reference:  # one pass now; the reference is let go
+            return DPO(cfg, None, precompute(reference, [datasets.train, datasets.valid], dims))
+        return DPO(cfg, reference)
+    if o.kind == "distill":
+        teacher = frozen_model(cfg, dims, spec, o.teacher, arg="objective.teacher", overrides=overrides)
+        return Distill(cfg, FrozenPass(teacher, cfg, dims, 1), spec.vocab_size)
+    raise UserError(f"objective={o.kind!r}: expected lm, dpo or distill")
 
 
 def _reference(cfg, dims, spec, policy, overrides) -> FrozenPass | None:
@@ -53,4 +60,4 @@ def _reference(cfg, dims, spec, policy, overrides) -> FrozenPass | None:
     )
 
 
-__all__ = ["REPORT", "DPO", "NextToken", "Objective", "make_objective"]
+__all__ = ["REPORT", "DPO", "Distill", "NextToken", "Objective", "make_objective"]

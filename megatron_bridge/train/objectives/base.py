@@ -34,6 +34,13 @@ def batch_to(batch: dict[str, Any], device) -> dict[str, Any]:
     return {k: to(v) for k, v in batch.items()}
 
 
+def token_losses(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Per-token cross entropies of a micro-batch (the model computes them vocab-parallel from the
+    labels, so no full-vocabulary logits are gathered)."""
+    args, kwargs = model_inputs(batch)
+    return model(*args, **kwargs)
+
+
 class Objective(abc.ABC):
     rows_per_sample = 1  # model rows per dataset sample (a preference pair: chosen, rejected)
     report_size = 2  # length of the report vector `loss` returns and `result` reads
@@ -45,10 +52,8 @@ class Objective(abc.ABC):
         group."""
 
     def forward(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """The policy's output for a micro-batch already on its device: per-token cross entropies
-        (the model computes them vocab-parallel from the labels)."""
-        args, kwargs = model_inputs(batch)
-        return model(*args, **kwargs)
+        """The policy's output for a micro-batch already on its device (default: `token_losses`)."""
+        return token_losses(model, batch)
 
     @abc.abstractmethod
     def loss(self, batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,4 +97,4 @@ class NextToken(Objective):
         return float(sums[0] / sums[1].clamp(min=1)), {}
 
 
-__all__ = ["REPORT", "NextToken", "Objective", "batch_to"]
+__all__ = ["REPORT", "NextToken", "Objective", "batch_to", "token_losses"]

@@ -20,15 +20,19 @@ rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
 
-from megatron_bridge.train.objectives.base import Objective
+from megatron_bridge.runtime.groups import comm_device
+from megatron_bridge.train.objectives.base import Objective, token_losses
 from megatron_bridge.train.objectives.frozen import FrozenPass
 
 REF = "ref_logps"  # a micro-batch's reference log-probabilities, one per row
+PAIR = "pair"  # a micro-batch's pair indices (into the preference dataset), one per pair
 
 
 def sequence_logps(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,11 +46,17 @@ class DPO(Objective):
     rows_per_sample = 2
     report_size = 6  # loss, pairs, chosen reward, rejected reward, correct pairs, log π(chosen)
 
-    def __init__(self, cfg: Any, reference: FrozenPass | None):
-        self.o, self.reference = cfg.objective, reference
-        self.reads_ahead = reference is not None
+    def __init__(self, cfg: Any, reference: FrozenPass | None, table: torch.Tensor | None = None):
+        """`reference`: the frozen model run before each global batch; `table` instead: every
+        pair's (chosen, rejected) reference log-probabilities, computed once (`precompute`)."""
+        self.o, self.reference, self.table = cfg.objective, reference, table
+        self.reads_ahead = reference is not None or table is not None
 
     def prepare(self, batches):
+        if self.table is not None:  # rows 2k, 2k+1 = pair k's chosen, rejected
+            for b in batches:
+                b[REF] = self.table[b[PAIR].long()].reshape(-1)
+            return
         if self.reference is None:
             return
         got = self.reference.run(batches, self.forward, sequence_logps_only)
@@ -95,8 +105,35 @@ class DPO(Objective):
         }
 
 
+def precompute(reference: FrozenPass, datasets: Sequence[Any], dims: Any) -> torch.Tensor:
+    """`objective.precompute_reference=true`: the reference log-probabilities of every pair the
+    `datasets` (train, valid) visit, [pairs, 2] (chosen, rejected), computed in one forward-only
+    pass before training, the pairs shared out over the DP ranks and gathered back, so the reference
+    model need not be held while training. Collective; the table is complete on last-stage ranks."""
+    ids = sorted({d.pair(i) for d in datasets if d is not None for i in range(len(d))})
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mbs = dims.micro_batch_size
+    per_rank = -(-len(ids) // (dp * mbs * dims.pp)) * mbs * dims.pp  # whole micro-batches, a multiple of pp
+    padded = ids + [ids[0]] * (per_rank * dp - len(ids))
+    mine = padded[rank * per_rank : (rank + 1) * per_rank]
+    source = next(d for d in datasets if d is not None)
+    batches = [
+        {**source.collate([source.pair_sample(p) for p in mine[k : k + mbs]]), PAIR: torch.tensor(mine[k : k + mbs])}
+        for k in range(0, per_rank, mbs)
+    ]
+    got = reference.run(batches, token_losses, sequence_logps_only)
+    table = torch.zeros(max(ids) + 1, 2, dtype=torch.float32)
+    if not got:  # not the last stage: the loss never reads the table here
+        return table
+    logps = torch.cat(got).float().view(-1, 2).to(comm_device())
+    parts = [torch.empty_like(logps) for _ in range(dp)]
+    torch.distributed.all_gather(parts, logps, group=ps.get_data_parallel_group())
+    table[torch.tensor(padded)] = torch.cat(parts).cpu()
+    return table
+
+
 def sequence_logps_only(batch: dict[str, Any], output: torch.Tensor) -> torch.Tensor:
     return sequence_logps(batch, output)[0]
 
 
-__all__ = ["DPO", "REF", "sequence_logps"]
+__all__ = ["DPO", "PAIR", "REF", "precompute", "sequence_logps"]

@@ -1,0 +1,104 @@
+"""`objective=dpo` through the training entry point (one torchrun launch, 4 gloo processes).
+
+16 pre-tokenized preference pairs made with `mbr data mode=preference` (chosen completions drawn
+from the lower half of the vocabulary, rejected from the upper half, so a preference can be
+learnt that holds on pairs the run never saw): the first 8 are the train split (one global batch
+of 8 pairs), the last 8 the valid split. The policy and the reference are *different* tiny HF
+Llamas. Jobs:
+* `tp2` (tp2·dp2) and `pp2` (pp2·dp2): the step-1 loss equals TRL's `DPOTrainer.compute_loss`
+  and the DPO formula computed with transformers (fp32); the loss falls over 6 steps, and the
+  held-out pairs' DPO loss (`val_loss`) falls with it, their margins widening;
+* `first3` + `resumed`: `tp2` stopped after 3 steps and resumed: bit-exact;
+* `ds`: DeepSpeed ZeRO-2 at tp2·dp2: `tp2`'s step-1 loss (2e-5), then its losses within 2e-3 (the
+  reduction order differs, and Adam at lr 2e-2 amplifies it);
+* `lora`: peft=lora with objective.reference=null: the reference is the policy without its
+  adapters, which at step 1 (B = 0) is the policy itself, so the loss is log 2 exactly;
+* `moe`: a tiny Qwen3-MoE policy and a different one as reference at ep2 (dp4): step-1 loss = the formula.
+"""
+
+import json
+import math
+
+import pytest
+
+from megatron_bridge.runtime.tiny import make_tiny
+from megatron_bridge.testing import run_torchrun
+from tests.dpo_oracle import dpo_loss, random_pairs, trl_dpo_loss
+
+pytestmark = pytest.mark.dist
+SCRIPT = "tests/dist/train_scripts/layouts.py"
+VOCAB, BETA, REL = 128, 0.1, 2e-5
+
+
+def preference_pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
+    """Pairs whose chosen completion uses ids below VOCAB/2 and rejected ids above it."""
+    out = []
+    for p in random_pairs(n, VOCAB // 2, seed):
+        out.append({**p, "rejected_ids": [i + VOCAB // 2 for i in p["rejected_ids"]]})
+    return out
+
+
+def test_dpo_training_matches_trl_resumes_and_learns(tmp_path):
+    from megatron_bridge.commands.data import main as data_main
+
+    pairs = preference_pairs(16, seed=3)
+    src = tmp_path / "pairs.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    prefix = tmp_path / "pref" / "pairs"
+    assert data_main(["mode=preference", f"input={src}", f"output={prefix}", f"vocab_size={VOCAB}"]) == 0
+
+    policy = make_tiny("llama", tmp_path / "policy", seed=1, vocab_size=VOCAB)
+    reference = make_tiny("llama", tmp_path / "reference", seed=2, vocab_size=VOCAB)
+    moe_policy = make_tiny("qwen3_moe", tmp_path / "moe_policy", seed=1, vocab_size=VOCAB)
+    moe_reference = make_tiny("qwen3_moe", tmp_path / "moe_reference", seed=2, vocab_size=VOCAB)
+    ck, runs = tmp_path / "ckpt", tmp_path / "runs"
+
+    def common(pol, ref, steps=6):
+        ref_arg = f"objective.reference={ref}," if ref else ""
+        return (
+            f"recipe=default,model.hf_path={pol},objective=dpo,objective.beta={BETA},{ref_arg}data=preference,"
+            f"data.paths=[{prefix}],data.split=50/50/0,train.steps={steps},train.seq_length=16,"
+            "train.micro_batch_size=1,train.global_batch_size=8,optimizer.lr=2e-2,optimizer.warmup_steps=0"
+        )
+
+    base = common(policy, reference)
+    tp2 = f"{base},parallel.tp=2"
+    jobs = [
+        f"tp2:{tp2},train.eval_iters=1,train.eval_interval=1",
+        f"pp2:{base},parallel.pp=2",
+        f"first3:{tp2},train.exit_after=3,checkpoint.dir={ck},checkpoint.save_interval=3",
+        f"resumed:{tp2},checkpoint.dir={ck},checkpoint.resume=true",
+        f"ds:{tp2},train.engine=deepspeed,zero.stage=2",
+        f"lora:{common(policy, None, steps=3)},peft=lora,parallel.tp=2",
+        f"moe:{common(moe_policy, moe_reference, steps=1)},parallel.ep=2",
+    ]
+    out = run_torchrun([SCRIPT, str(runs), *jobs], nproc=4, timeout=900)[0]
+    losses, val = out["losses"], out["val_losses"]
+
+    train_pairs = pairs[:8]
+    want = dpo_loss(policy, reference, train_pairs, BETA)
+    trl = trl_dpo_loss(policy, reference, train_pairs, BETA, tmp_path / "trl")
+    assert abs(trl - want) <= 1e-5 * want, (trl, want)  # the two oracles agree
+    for name in ("tp2", "pp2"):
+        got = losses[name]["1"]
+        assert abs(got - trl) <= 1e-5, (name, got, trl)
+        assert losses[name]["6"] < losses[name]["1"], (name, losses[name])
+    assert val["tp2"]["6"] < val["tp2"]["1"], val["tp2"]  # held-out pairs: the margin widened
+
+    full = losses["tp2"]
+    assert losses["first3"] == {k: full[k] for k in ("1", "2", "3")}
+    assert losses["resumed"] == {k: full[k] for k in ("4", "5", "6")}  # bit-exact resume
+    for step, value in losses["ds"].items():  # Adam at lr 2e-2 amplifies the reduction order's 1e-7s
+        assert abs(value - full[step]) <= (REL if step == "1" else 2e-3) * abs(full[step]), (step, value, full[step])
+
+    assert abs(losses["lora"]["1"] - math.log(2)) <= 1e-6, losses["lora"]
+    assert losses["lora"]["3"] < losses["lora"]["1"], losses["lora"]
+
+    want_moe = dpo_loss(moe_policy, moe_reference, train_pairs, BETA)
+    assert abs(losses["moe"]["1"] - want_moe) <= 1e-4 * want_moe, (losses["moe"], want_moe)
+
+    rows = [json.loads(line) for line in (runs / "tp2" / "metrics.jsonl").read_text().splitlines()]
+    first = rows[0]
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"} <= set(first)
+    assert abs(first["rewards/margins"] - (first["rewards/chosen"] - first["rewards/rejected"])) <= 1e-9
+    assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]
