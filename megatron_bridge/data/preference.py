@@ -24,12 +24,15 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from megatron_bridge.data._fs import atomic_file, new_parent, refuse_existing, remove
 from megatron_bridge.data.chat import chat_input_files, chat_paths, resolve_template
+from megatron_bridge.data.chat_dataset import ChatDataset
+from megatron_bridge.data.chat_writer import ChatWriter
+from megatron_bridge.data.indexed import check_indexed_data
 from megatron_bridge.data.preference_rows import TEXT_KEYS, TOKEN_KEYS, PairEncoder
 from megatron_bridge.data.preprocess import check_output_prefix
 from megatron_bridge.data.token_rows import first_record, iter_records, vocab_of
@@ -143,8 +146,6 @@ def preprocess_preference(
 
 
 def _write(encoder, files, paths, tok_dir, form, source, max_length, truncation, log) -> PreferenceStats:
-    from megatron_bridge.data.chat_writer import ChatWriter
-
     t0 = time.time()
     writers: list[Any] = []
     published: list[Any] = []
@@ -240,8 +241,6 @@ class PreferencePairs:
     the halves. The halves must be the ones the manifest names (same build, same pair count)."""
 
     def __init__(self, prefix: PathLike):
-        from megatron_bridge.data.chat_dataset import ChatDataset
-
         self.prefix = str(prefix)
         self.manifest = read_manifest(self.prefix)
         paths = preference_paths(self.prefix)
@@ -265,10 +264,6 @@ def check_preference_data(data, model_vocab_size: int | None = None) -> tuple[st
     """Validate `data` (kind=preference) without building anything: one prefix whose manifest
     and halves exist, the halves checked as chat data (vocab against the tokenizer and the model,
     every weighted split non-empty; data/indexed.py). Returns (prefix, vocab_size, eod)."""
-    from dataclasses import replace
-
-    from megatron_bridge.data.indexed import check_indexed_data
-
     if len(list(data.paths)) != 1:
         raise UserError(
             f"data=preference takes one preference dataset, data.paths=[PREFIX] (got {list(data.paths)}): made by "
