@@ -33,7 +33,7 @@ from megatron_bridge.data.chat import chat_input_files, chat_paths, resolve_temp
 from megatron_bridge.data.chat_dataset import ChatDataset
 from megatron_bridge.data.chat_writer import ChatWriter
 from megatron_bridge.data.indexed import check_indexed_data
-from megatron_bridge.data.preference_rows import TEXT_KEYS, TOKEN_KEYS, PairEncoder
+from megatron_bridge.data.preference_rows import EXAMPLE, TEXT_KEYS, TOKEN_KEYS, PairEncoder
 from megatron_bridge.data.preprocess import check_output_prefix
 from megatron_bridge.data.token_rows import first_record, iter_records, vocab_of
 from megatron_bridge.data.tokenizer import TOKENIZER_FILES
@@ -123,7 +123,7 @@ def preprocess_preference(
         raise UserError(f"max_length={max_length} must be a positive number of tokens (or unset: no limit)")
     if chat_template and not Path(chat_template).expanduser().is_file():
         raise UserError(f"chat_template={chat_template} does not exist (it takes a file holding a Jinja chat template)")
-    first = first_record(files, TEXT_KEYS + TOKEN_KEYS, "")
+    first = first_record(files, TEXT_KEYS + TOKEN_KEYS, EXAMPLE)
     form = (
         "token ids"
         if any(k in first for k in TOKEN_KEYS)
