@@ -36,7 +36,7 @@ from megatron_bridge.data.indexed import check_indexed_data
 from megatron_bridge.data.preference_rows import EXAMPLE, TEXT_KEYS, TOKEN_KEYS, PairEncoder
 from megatron_bridge.data.preprocess import check_output_prefix
 from megatron_bridge.data.token_rows import first_record, iter_records, vocab_of
-from megatron_bridge.data.tokenizer import TOKENIZER_FILES
+from megatron_bridge.data.tokenizer import NO_EOS, TOKENIZER_FILES
 from megatron_bridge.errors import UserError
 
 PathLike = str | os.PathLike
@@ -71,7 +71,7 @@ class PreferenceStats:
     truncated: int  # pairs with a row cut to max_length
     dropped: int  # pairs left out: longer than max_length (truncation=drop) or a completion cut to nothing
     vocab_size: int
-    eos_id: int | None
+    eos_id: int  # NO_EOS (-1) for token-id rows made without a tokenizer
     form: str  # strings | conversations | token ids (the first row's)
     tokenizer: str | None
     tokenizer_sha256: str | None
@@ -184,7 +184,7 @@ def _write(encoder, files, paths, tok_dir, form, source, max_length, truncation,
             truncated=c["truncated"],
             dropped=c["dropped"],
             vocab_size=encoder.vocab,
-            eos_id=eos,
+            eos_id=NO_EOS if eos is None else eos,
             form=form,
             tokenizer=tok_name,
             tokenizer_sha256=None if tok_dir is None else tokenizer_fingerprint(tok_dir, encoder.template),
