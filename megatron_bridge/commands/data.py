@@ -103,7 +103,9 @@ def _dpo_hint(prefix: str, tokenizer: str | None) -> str:
 
 def run_preference(cfg: DataCommandConfig) -> int:
     if cfg.output_dir is not None:
-        raise UserError("output_dir= belongs to demo=true; mode=preference takes input=, output=, tokenizer=")
+        raise UserError(
+            "output_dir= and max_examples= belong to demo=true; mode=preference takes input=, output=, tokenizer="
+        )
     if not cfg.input or not cfg.output:
         raise UserError(
             "mode=preference needs input=FILE.jsonl (one pair per line, e.g. "
@@ -129,7 +131,9 @@ def run_preference(cfg: DataCommandConfig) -> int:
 
 def run_chat(cfg: DataCommandConfig) -> int:
     if cfg.output_dir is not None:
-        raise UserError("output_dir= belongs to demo=true; mode=chat takes input=, output=, tokenizer=")
+        raise UserError(
+            "output_dir= and max_examples= belong to demo=true; mode=chat takes input=, output=, tokenizer="
+        )
     if cfg.input and is_token_chat(cfg.input):
         if not cfg.output:
             raise UserError("mode=chat needs output=PREFIX (where the indexed files go)")

@@ -7,6 +7,10 @@
 - `chat`: conversations → chat template → assistant character spans → per-token loss mask;
 - `chat_dataset`: the chat dataset on disk (tokens + aligned loss mask): `preprocess_chat`
   writes it, `ChatDataset` reads conversations back by index, `ImageChatDataset` with their images;
+- `chat_writer`: `ChatWriter`, the chat dataset's files and meta from rows of ids and a loss mask;
+- `token_rows`: pre-tokenized rows (`{"input_ids", "labels"}` chats, id checks, any input format);
+- `preference`, `preference_rows`: DPO pairs (`mbr data mode=preference`): rows tokenized as TRL's
+  DPOTrainer does → PREFIX.chosen + PREFIX.rejected + PREFIX.preference.json, `PreferencePairs`;
 - `images`, `chat_images`: image chats: image parts and columns, Pillow decoding and limits, the
   processor's placeholder expansion, PREFIX.images.jsonl, and `load_images` (pixels at training time);
 - `loader`: the entry points `build_datasets` (megatron-core `BlendedMegatronDatasetBuilder` +

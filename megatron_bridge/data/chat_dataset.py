@@ -23,16 +23,14 @@ the token `.idx` last: a failure, including bad input found halfway, leaves noth
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_bridge.data._fs import new_parent, refuse_existing, remove, temp_path_for
+from megatron_bridge.data._fs import new_parent, refuse_existing
 from megatron_bridge.data.chat import (
     CHAT_FORMAT,
     MASK_SUFFIX,
@@ -55,6 +53,7 @@ from megatron_bridge.data.chat_images import (
     SidecarWriter,
     truncate,
 )
+from megatron_bridge.data.chat_writer import ChatWriter
 from megatron_bridge.data.helpers import quiet_megatron_import
 from megatron_bridge.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageRef, load_images, load_processor
 from megatron_bridge.data.preprocess import check_output_prefix, read_meta
@@ -62,7 +61,6 @@ from megatron_bridge.data.tokenizer import load_tokenizer, validate_tokenizer_di
 from megatron_bridge.errors import UserError
 
 PathLike = str | os.PathLike
-MASK_MEANING = "loss_mask[i] = 1: token i belongs to an assistant turn (train on predicting it: labels = tokens[1:], loss_mask[1:])"
 
 
 @dataclass
@@ -173,22 +171,11 @@ def _write(
     renderer = encoder.renderer
     tok, template, source = renderer.tok, renderer.template, renderer.source
     prefix = paths["bin"][: -len(".bin")]
-    vocab = len(tok)
-
-    import numpy as np
-
-    quiet_megatron_import()
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
-    dtype = DType.optimal_dtype(vocab)
     t0 = time.time()
-    tmp = {k: temp_path_for(v) for k, v in paths.items()}
-    c = dict.fromkeys(("conversations", "tokens", "loss_tokens", "empty", "no_assistant", "truncated", "dropped"), 0)
-    max_id = -1
-    builders: list[Any] = []
-    sidecar = None
+    c = dict.fromkeys(("empty", "no_assistant", "truncated", "dropped"), 0)
+    writer = sidecar = None
     try:
-        builders = [IndexedDatasetBuilder(tmp["bin"], dtype=dtype), IndexedDatasetBuilder(tmp["mask_bin"], np.uint8)]
+        writer = ChatWriter(prefix, len(tok))
         sidecar = SidecarWriter(prefix)
 
         def encoded(batch: list[Conversation]) -> list[tuple[list[int], list[int], list[Any]]]:
@@ -199,7 +186,6 @@ def _write(
             return [encoder.encode(conv, src) if src else (*next(text), []) for conv, src in zip(batch, sources)]
 
         def flush(batch: list[Conversation]) -> None:
-            nonlocal max_id
             for ids, mask, images in encoded(batch):
                 if max_length is not None and len(ids) > max_length:
                     if overlong == "drop":
@@ -213,14 +199,8 @@ def _write(
                 if not any(mask):  # markers that cover nothing here, or an assistant turn that renders empty
                     c["no_assistant"] += 1
                     continue
-                arr = np.asarray(ids, dtype=np.int64)
-                max_id = max(max_id, int(arr.max()))
-                builders[0].add_document(arr, [arr.size])
-                builders[1].add_document(np.asarray(mask, dtype=np.uint8), [arr.size])
+                writer.add(ids, mask)
                 sidecar.add(images)
-                c["conversations"] += 1
-                c["tokens"] += arr.size
-                c["loss_tokens"] += int(sum(mask))
 
         batch: list[Conversation] = []
         for conv in iter_conversations(files, messages_key):
@@ -233,32 +213,33 @@ def _write(
             if len(batch) >= batch_size:
                 flush(batch)
                 batch = []
-                if log and c["conversations"] % (batch_size * 64) == 0:
-                    log(f"  {c['conversations']} conversations, {c['tokens']} tokens")
+                if log and writer.rows % (batch_size * 64) == 0:
+                    log(f"  {writer.rows} conversations, {writer.tokens} tokens")
         if batch:
             flush(batch)
-        if c["conversations"] == 0:
+        if writer.rows == 0:
             raise UserError(
                 f"no conversation to train on in {', '.join(map(str, files))}: {c['empty']} empty, "
                 f"{c['no_assistant']} without an assistant turn, {c['dropped']} longer than max_length={max_length}"
             )
-        if max_id >= vocab:
-            raise UserError(f"the tokenizer in {tok_dir} produced id {max_id} ≥ its own size {vocab}")
-        builders[1].finalize(tmp["mask_idx"])
-        builders[0].finalize(tmp["idx"])
+        if writer.max_id >= writer.vocab_size:
+            raise UserError(
+                f"the tokenizer in {tok_dir} produced id {writer.max_id} ≥ its own size {writer.vocab_size}"
+            )
+        meta = writer.meta(tokenizer=str(tok_dir.absolute()), eos_id=int(tok.eos_token_id))
         stats = ChatStats(
             prefix=str(prefix),
-            conversations=c["conversations"],
-            tokens=c["tokens"],
-            loss_tokens=c["loss_tokens"],
+            conversations=writer.rows,
+            tokens=writer.tokens,
+            loss_tokens=writer.loss_tokens,
             skipped_empty=c["empty"],
             skipped_no_assistant=c["no_assistant"],
             truncated=c["truncated"],
             dropped_overlong=c["dropped"],
-            dtype=np.dtype(dtype).name,
-            vocab_size=vocab,
-            eos_id=int(tok.eos_token_id),
-            max_token_id=max_id,
+            dtype=meta["dtype"],
+            vocab_size=writer.vocab_size,
+            eos_id=meta["eos_id"],
+            max_token_id=writer.max_id,
             mask_method=renderer.method,
             chat_template=source,
             max_length=max_length,
@@ -270,13 +251,9 @@ def _write(
             embedded_images=sidecar.store.count,
         )
         proc = encoder.processor
-        meta = {
+        meta |= {
             "format": IMAGE_CHAT_FORMAT if sidecar.images else CHAT_FORMAT,
-            "build_id": uuid.uuid4().hex,
-            "tokenizer": str(tok_dir.absolute()),
-            "loss_mask": {"prefix_suffix": MASK_SUFFIX, "dtype": "uint8", "meaning": MASK_MEANING},
             "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest(),
-            "documents": stats.conversations,
             **asdict(stats),
             "files": [str(f) for f in files],
             **(meta_extra or {}),
@@ -291,21 +268,12 @@ def _write(
                 "max_image_pixels": encoder.max_pixels,
             }
         meta.pop("prefix", None)
-        with open(tmp["meta"], "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2)
-        for k in ("bin", "mask_bin", "mask_idx"):
-            os.replace(tmp[k], paths[k])
-        sidecar.publish()
-        for k in ("meta", "idx"):
-            os.replace(tmp[k], paths[k])
+        writer.publish(meta, before_index=sidecar.publish)
     except BaseException:
-        for b in builders:
-            if not b.data_file.closed:
-                b.data_file.close()
+        if writer is not None:
+            writer.discard()
         if sidecar is not None:
             sidecar.discard()
-        for p in tmp.values():
-            remove(p)
         raise
     return stats
 

@@ -1,11 +1,11 @@
-"""Write a text chat dataset (format megatron_bridge.chat/1, data/chat_dataset.py) from rows that
-are already token ids and a loss mask: pre-tokenized chat rows (data/token_rows.py) and the two
-halves of preference pairs (data/preference.py).
+"""Write a chat dataset (data/chat_dataset.py) from rows of token ids and a loss mask: what
+`preprocess_chat` renders, pre-tokenized chat rows (data/token_rows.py), and the two halves of
+preference pairs (data/preference.py).
 
 Every file goes under a temporary name; `publish` renames them (the token `.idx` last, so the
 dataset exists for a reader only once it is complete) and `discard` removes them, so a failure
-leaves nothing behind. The metadata holds the same keys `preprocess_chat` writes, which is what
-`ChatDataset` and `check_indexed_data` read.
+leaves nothing behind. `meta` gives the keys every chat dataset's `.meta.json` holds, which is
+what `ChatDataset` and `check_indexed_data` read.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron_bridge.data._fs import remove, temp_path_for
 from megatron_bridge.data.chat import CHAT_FORMAT, MASK_SUFFIX, chat_paths
-from megatron_bridge.data.chat_dataset import MASK_MEANING
 from megatron_bridge.data.helpers import quiet_megatron_import
 from megatron_bridge.data.tokenizer import NO_EOS
 
 PathLike = str | os.PathLike
+MASK_MEANING = "loss_mask[i] = 1: token i belongs to an assistant turn (train on predicting it: labels = tokens[1:], loss_mask[1:])"
 
 
 class ChatWriter:
@@ -77,13 +77,18 @@ class ChatWriter:
             **extra,
         }
 
-    def publish(self, meta: dict[str, Any]) -> None:
-        """Finish the files and rename them into place (the token `.idx` last)."""
+    def publish(self, meta: dict[str, Any], before_index: Callable[[], None] | None = None) -> None:
+        """Finish the files and rename them into place, the token `.idx` last (`before_index`
+        publishes what else belongs to the dataset, e.g. image chats' sidecar, just before it)."""
         self._builders[1].finalize(self.tmp["mask_idx"])
         self._builders[0].finalize(self.tmp["idx"])
         with open(self.tmp["meta"], "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
-        for k in ("bin", "mask_bin", "mask_idx", "meta", "idx"):
+        for k in ("bin", "mask_bin", "mask_idx"):
+            os.replace(self.tmp[k], self.paths[k])
+        if before_index is not None:
+            before_index()
+        for k in ("meta", "idx"):
             os.replace(self.tmp[k], self.paths[k])
 
     def discard(self) -> None:

@@ -24,16 +24,19 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from megatron_bridge.data._fs import atomic_file, new_parent, refuse_existing, remove
 from megatron_bridge.data.chat import chat_input_files, chat_paths, resolve_template
-from megatron_bridge.data.preference_rows import TEXT_KEYS, TOKEN_KEYS, PairEncoder
+from megatron_bridge.data.chat_dataset import ChatDataset
+from megatron_bridge.data.chat_writer import ChatWriter
+from megatron_bridge.data.indexed import check_indexed_data
+from megatron_bridge.data.preference_rows import EXAMPLE, TEXT_KEYS, TOKEN_KEYS, PairEncoder
 from megatron_bridge.data.preprocess import check_output_prefix
 from megatron_bridge.data.token_rows import first_record, iter_records, vocab_of
-from megatron_bridge.data.tokenizer import TOKENIZER_FILES
+from megatron_bridge.data.tokenizer import NO_EOS, TOKENIZER_FILES
 from megatron_bridge.errors import UserError
 
 PathLike = str | os.PathLike
@@ -68,7 +71,7 @@ class PreferenceStats:
     truncated: int  # pairs with a row cut to max_length
     dropped: int  # pairs left out: longer than max_length (truncation=drop) or a completion cut to nothing
     vocab_size: int
-    eos_id: int | None
+    eos_id: int  # NO_EOS (-1) for token-id rows made without a tokenizer
     form: str  # strings | conversations | token ids (the first row's)
     tokenizer: str | None
     tokenizer_sha256: str | None
@@ -120,7 +123,7 @@ def preprocess_preference(
         raise UserError(f"max_length={max_length} must be a positive number of tokens (or unset: no limit)")
     if chat_template and not Path(chat_template).expanduser().is_file():
         raise UserError(f"chat_template={chat_template} does not exist (it takes a file holding a Jinja chat template)")
-    first = first_record(files, TEXT_KEYS + TOKEN_KEYS, "")
+    first = first_record(files, TEXT_KEYS + TOKEN_KEYS, EXAMPLE)
     form = (
         "token ids"
         if any(k in first for k in TOKEN_KEYS)
@@ -143,8 +146,6 @@ def preprocess_preference(
 
 
 def _write(encoder, files, paths, tok_dir, form, source, max_length, truncation, log) -> PreferenceStats:
-    from megatron_bridge.data.chat_writer import ChatWriter
-
     t0 = time.time()
     writers: list[Any] = []
     published: list[Any] = []
@@ -183,7 +184,7 @@ def _write(encoder, files, paths, tok_dir, form, source, max_length, truncation,
             truncated=c["truncated"],
             dropped=c["dropped"],
             vocab_size=encoder.vocab,
-            eos_id=eos,
+            eos_id=NO_EOS if eos is None else eos,
             form=form,
             tokenizer=tok_name,
             tokenizer_sha256=None if tok_dir is None else tokenizer_fingerprint(tok_dir, encoder.template),
@@ -240,8 +241,6 @@ class PreferencePairs:
     the halves. The halves must be the ones the manifest names (same build, same pair count)."""
 
     def __init__(self, prefix: PathLike):
-        from megatron_bridge.data.chat_dataset import ChatDataset
-
         self.prefix = str(prefix)
         self.manifest = read_manifest(self.prefix)
         paths = preference_paths(self.prefix)
@@ -265,10 +264,6 @@ def check_preference_data(data, model_vocab_size: int | None = None) -> tuple[st
     """Validate `data` (kind=preference) without building anything: one prefix whose manifest
     and halves exist, the halves checked as chat data (vocab against the tokenizer and the model,
     every weighted split non-empty; data/indexed.py). Returns (prefix, vocab_size, eod)."""
-    from dataclasses import replace
-
-    from megatron_bridge.data.indexed import check_indexed_data
-
     if len(list(data.paths)) != 1:
         raise UserError(
             f"data=preference takes one preference dataset, data.paths=[PREFIX] (got {list(data.paths)}): made by "

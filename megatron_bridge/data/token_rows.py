@@ -20,6 +20,7 @@ from typing import Any
 from megatron_bridge.data._fs import new_parent, refuse_existing
 from megatron_bridge.data.chat import OVERLONG, chat_input_files, chat_paths
 from megatron_bridge.data.chat_dataset import ChatStats
+from megatron_bridge.data.chat_writer import ChatWriter
 from megatron_bridge.data.columnar import COLUMNAR_SUFFIXES, iter_rows
 from megatron_bridge.data.corpus import iter_jsonl
 from megatron_bridge.data.preprocess import check_output_prefix
@@ -129,8 +130,6 @@ def preprocess_token_chat(
     """Pre-tokenized chat rows of `inputs` → the chat dataset `output_prefix`, rows as given (longer
     than `max_length`: cut to it, or dropped with `overlong="drop"`; a row left without a loss
     token is dropped). Nothing is written when any row is refused."""
-    from megatron_bridge.data.chat_writer import ChatWriter
-
     prefix = check_output_prefix(output_prefix, overwrite)
     paths = chat_paths(prefix)
     refuse_existing([paths["mask_bin"], paths["mask_idx"]], overwrite, "loss-mask dataset")

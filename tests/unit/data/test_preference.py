@@ -114,6 +114,20 @@ def test_rows_are_tokenized_as_trl_does(toks, trl, tmp_path, rows, tok):
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]  # no temporaries left
 
 
+def test_columnar_rows_give_the_pairs_jsonl_gives(toks, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(STRINGS), tmp_path / "p.parquet")
+    preprocess_preference(tmp_path / "p.parquet", tmp_path / "pq", toks.bos)
+    preprocess_preference(write(tmp_path / "p.jsonl", STRINGS), tmp_path / "js", toks.bos)
+    for a, b in zip(PreferencePairs(tmp_path / "pq"), PreferencePairs(tmp_path / "js")):
+        for (ids_a, mask_a), (ids_b, mask_b) in zip(a, b):
+            assert ids_a.tolist() == ids_b.tolist() and mask_a.tolist() == mask_b.tolist()
+    with pytest.raises(UserError, match="preference rows of strings need tokenizer=DIR"):
+        preprocess_preference(tmp_path / "p.parquet", tmp_path / "none", vocab_size=10)
+
+
 def test_chat_template_file_overrides_the_tokenizer(toks, trl, tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text(LLAMA3)
