@@ -11,6 +11,8 @@ Llamas. Jobs:
 * `first3` + `resumed`: `tp2` stopped after 3 steps and resumed: bit-exact;
 * `ds`: DeepSpeed ZeRO-2 at tp2·dp2: `tp2`'s step-1 loss (2e-5), then its losses within 2e-3 (the
   reduction order differs, and Adam at lr 2e-2 amplifies it);
+* `pre`: `tp2` with objective.precompute_reference=true (the reference run once over the train and
+  valid pairs before training, then let go): `tp2`'s losses and val_losses;
 * `lora`: peft=lora with objective.reference=null: the reference is the policy without its
   adapters, which at step 1 (B = 0) is the policy itself, so the loss is log 2 exactly;
 * `moe`: a tiny Qwen3-MoE policy and a different one as reference at ep2 (dp4): step-1 loss = the formula.
@@ -69,6 +71,7 @@ def test_dpo_training_matches_trl_resumes_and_learns(tmp_path):
         f"first3:{tp2},train.exit_after=3,checkpoint.dir={ck},checkpoint.save_interval=3",
         f"resumed:{tp2},checkpoint.dir={ck},checkpoint.resume=true",
         f"ds:{tp2},train.engine=deepspeed,zero.stage=2",
+        f"pre:{tp2},objective.precompute_reference=true,train.exit_after=3,train.eval_iters=1,train.eval_interval=1",
         f"lora:{common(policy, None, steps=3)},peft=lora,parallel.tp=2",
         f"moe:{common(moe_policy, moe_reference, steps=1)},parallel.ep=2",
     ]
@@ -91,6 +94,9 @@ def test_dpo_training_matches_trl_resumes_and_learns(tmp_path):
     for step, value in losses["ds"].items():  # Adam at lr 2e-2 amplifies the reduction order's 1e-7s
         assert abs(value - full[step]) <= (REL if step == "1" else 2e-3) * abs(full[step]), (step, value, full[step])
 
+    for step, value in losses["pre"].items():  # the reference's log-probabilities computed up front
+        assert abs(value - full[step]) <= 1e-6 * abs(full[step]), (step, value, full[step])
+        assert abs(val["pre"][step] - val["tp2"][step]) <= 1e-6 * abs(val["tp2"][step]), step
     assert abs(losses["lora"]["1"] - math.log(2)) <= 1e-6, losses["lora"]
     assert losses["lora"]["3"] < losses["lora"]["1"], losses["lora"]
 

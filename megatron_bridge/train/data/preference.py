@@ -28,6 +28,7 @@ from megatron_bridge.train.data.batching import collate
 from megatron_bridge.train.data.sft import split_ranges
 
 ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+PAIR = "pair"
 
 
 class PreferenceDataset:
@@ -82,13 +83,23 @@ class PreferenceDataset:
         return {"tokens": tokens, "labels": labels, "loss_mask": loss, "position_ids": pos}
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        rows = [self._row(*half) for half in self.pairs[self._order[i]]]
-        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in ROW_KEYS}
+        return self.pair_sample(self._order[i])
+
+    def pair_sample(self, p: int) -> dict[str, Any]:
+        """The sample of pair `p` (its index into the preference dataset, kept under `pair`: what
+        `objective.precompute_reference` looks the reference log-probabilities up by)."""
+        rows = [self._row(*half) for half in self.pairs[p]]
+        out: dict[str, Any] = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in ROW_KEYS}
+        out[PAIR] = torch.tensor(p, dtype=torch.int64)
+        return out
 
     @staticmethod
     def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-        """batching.collate over the pairs' rows: pair k → rows 2k (chosen) and 2k + 1 (rejected)."""
-        return collate([{k: s[k][j] for k in ROW_KEYS} for s in samples for j in (0, 1)])
+        """batching.collate over the pairs' rows: pair k → rows 2k (chosen) and 2k + 1 (rejected);
+        `pair` [pairs]: each pair's index."""
+        out = collate([{k: s[k][j] for k in ROW_KEYS} for s in samples for j in (0, 1)])
+        out[PAIR] = torch.stack([s[PAIR] for s in samples])
+        return out
 
 
 def build_preference_datasets(

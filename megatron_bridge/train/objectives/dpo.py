@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
 from megatron_bridge.runtime.groups import comm_device
+from megatron_bridge.train.data.preference import PAIR
 from megatron_bridge.train.objectives.base import Objective, token_losses
 from megatron_bridge.train.objectives.frozen import FrozenPass
 
 REF = "ref_logps"  # a micro-batch's reference log-probabilities, one per row
-PAIR = "pair"  # a micro-batch's pair indices (into the preference dataset), one per pair
 
 
 def sequence_logps(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,10 +117,7 @@ def precompute(reference: FrozenPass, datasets: Sequence[Any], dims: Any) -> tor
     padded = ids + [ids[0]] * (per_rank * dp - len(ids))
     mine = padded[rank * per_rank : (rank + 1) * per_rank]
     source = next(d for d in datasets if d is not None)
-    batches = [
-        {**source.collate([source.pair_sample(p) for p in mine[k : k + mbs]]), PAIR: torch.tensor(mine[k : k + mbs])}
-        for k in range(0, per_rank, mbs)
-    ]
+    batches = [source.collate([source.pair_sample(p) for p in mine[k : k + mbs]]) for k in range(0, per_rank, mbs)]
     got = reference.run(batches, token_losses, sequence_logps_only)
     table = torch.zeros(max(ids) + 1, 2, dtype=torch.float32)
     if not got:  # not the last stage: the loss never reads the table here

@@ -52,6 +52,7 @@ def test_each_half_is_the_sft_sample_of_that_half(prefix):
     halves = [SFTDataset(h, r, SEQ, packing=False, seed=5, num_samples=40) for h in (pairs.chosen, pairs.rejected)]
     for i in range(len(ds)):
         s = ds[i]
+        assert int(s.pop("pair")) == ds.pair(i)  # what precomputed reference log-probabilities are keyed by
         assert {k: tuple(v.shape) for k, v in s.items()} == dict.fromkeys(s, (2, SEQ))
         for row, half in enumerate(halves):
             assert half.conversations(i) == [ds.pair(i)]
@@ -76,9 +77,10 @@ def test_collate_orders_pair_k_as_rows_2k_and_2k_plus_1(prefix):
     ds = PreferenceDataset(prefix, range(len(ROWS)), SEQ, seed=2)
     samples = [ds[i] for i in range(3)]
     batch = ds.collate(samples)
-    rows = [{k: s[k][j] for k in s} for s in samples for j in (0, 1)]
+    rows = [{k: s[k][j] for k in s if k != "pair"} for s in samples for j in (0, 1)]
     want = collate(rows)
-    assert set(batch) == set(BATCH_KEYS) and batch["attention_mask"] is None and batch["segment_ids"] is None
+    assert set(batch) == {*BATCH_KEYS, "pair"} and batch["attention_mask"] is None and batch["segment_ids"] is None
+    assert batch["pair"].tolist() == [ds.pair(i) for i in range(3)]
     for k in ("tokens", "labels", "loss_mask", "position_ids"):
         assert batch[k].shape == (6, SEQ) and torch.equal(batch[k], want[k])
         assert torch.equal(batch[k][0::2], torch.stack([s[k][0] for s in samples]))  # chosen
