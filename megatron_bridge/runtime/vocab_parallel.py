@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+from megatron_bridge.parallel.rules.degrees import CHOICES
+
+DIVERGENCES = CHOICES["objective.divergence"]
 JSD_BETA = 0.5  # TRL GKDTrainer.generalized_jsd_loss's default mixture weight
 
 

@@ -15,9 +15,12 @@ CHOICES = {
     "cluster.backend": ("auto", "nccl", "gloo"),
     "zero.offload_optimizer": ("none", "cpu"),
     "zero.offload_param": ("none", "cpu"),
-    "data.kind": ("synthetic", "indexed", "sft"),
+    "data.kind": ("synthetic", "indexed", "sft", "preference"),
     # engines.make_scheduler (megatron-core's scheduler; its WSD needs wsd_decay_steps, not exposed)
     "optimizer.decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
+    "objective.kind": ("lm", "dpo", "distill"),
+    "objective.loss": ("sigmoid", "ipo", "hinge", "simpo"),  # TRL's DPO losses of those names
+    "objective.divergence": ("forward_kl", "reverse_kl", "jsd"),  # runtime/vocab_parallel.py
 }
 
 
