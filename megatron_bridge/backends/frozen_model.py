@@ -61,4 +61,20 @@ def frozen_spec(cfg: Any, student: BridgeSpec) -> BridgeSpec | None:
     )
 
 
-__all__ = ["objective_model", "describe_frozen", "frozen_spec"]
+def held_model(cfg: Any, student: BridgeSpec) -> tuple[str, BridgeSpec] | None:
+    """("teacher" | "reference", its description) of the frozen model a run holds beside the
+    policy, or None: `objective=lm`, SimPO (reference-free), and a DPO reference=null with
+    `peft=lora` (the base model with its adapters disabled, no second copy). A DPO
+    reference=null otherwise is a frozen copy of the initial policy: the student's description."""
+    o = cfg.objective
+    if o.kind == "distill":
+        spec = frozen_spec(cfg, student)
+        return None if spec is None else ("teacher", spec)
+    if o.kind != "dpo" or o.loss == "simpo":
+        return None
+    if o.reference:
+        return "reference", frozen_spec(cfg, student) or student
+    return None if getattr(cfg.peft, "method", "none") == "lora" else ("reference", student)
+
+
+__all__ = ["objective_model", "describe_frozen", "frozen_spec", "held_model"]
