@@ -177,3 +177,19 @@ def test_a_teacher_its_backend_cannot_build_names_the_key(tmp_path):
     teacher = _hf_dir(tmp_path / "teacher", architectures=["NoSuchForCausalLM"], model_type="no_such")
     rules, msg = check("objective=distill", f"objective.teacher={teacher}")
     assert rules and "objective.teacher=" in msg, msg
+
+
+def test_mbr_check_refuses_with_exit_2_naming_the_rule(tmp_path):
+    import subprocess
+    import sys
+
+    teacher = _hf_dir(tmp_path / "teacher", vocab_size=1000)
+    r = subprocess.run(
+        [sys.executable, "-m", "megatron_bridge.cli", "check", "objective=distill", f"objective.teacher={teacher}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "[frozen-vocab]" in r.stderr and "vocab_size=1000, the student 512" in r.stderr
+    assert "Traceback" not in r.stderr

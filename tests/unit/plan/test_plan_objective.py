@@ -88,3 +88,10 @@ def test_plan_table_names_the_second_model(tmp_path):
     _, _, doc = plan([])
     assert doc["choice"]["memory"]["frozen_model"] is None and "weights  " in to_table(doc)
     assert "teacher" not in to_table(doc) and "reference" not in to_table(doc)
+
+
+def test_plan_refuses_a_bad_objective_before_the_search():
+    from megatron_bridge.errors import LayoutError
+
+    with pytest.raises(LayoutError, match=r"\[distill-teacher\]"):
+        plan(["objective=distill"])
