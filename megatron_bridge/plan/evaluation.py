@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_bridge.backends.frozen_model import held_model
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.spec import BridgeSpec
 from megatron_bridge.config.schema import Config
@@ -125,6 +126,9 @@ class Context:
     pinned: list[str]
     images: int = 1  # a VLM's images per sample
     patches: int = 0  # patches one image gives the vision tower (0: unknown, the tower's work left out)
+    frozen: BridgeSpec | None = None  # the frozen second model held beside the policy (`held_model`)
+    frozen_name: str = ""  # "teacher" | "reference"
+    rows: int = 1  # sequences per sample: 2 for DPO (chosen and rejected)
 
     @classmethod
     def from_config(
@@ -141,6 +145,7 @@ class Context:
         (0: the description's `vision_patches`)."""
         c, t = cfg.cluster, cfg.train
         precision = t.precision if t.precision != "auto" else ("fp32" if c.backend == "gloo" else "bf16")
+        held = held_model(cfg, model)
         return cls(
             cfg=cfg,
             model=model,
@@ -155,6 +160,9 @@ class Context:
             pinned=list(pinned),
             images=images,
             patches=image_patches or model.vision_patches,
+            frozen=held[1] if held else None,
+            frozen_name=held[0] if held else "",
+            rows=2 if cfg.objective.kind == "dpo" else 1,
         )
 
 
@@ -193,13 +201,16 @@ def evaluate(ctx: Context, lo: Candidate, *, with_comm: bool = True) -> Evaluati
             recompute=lo.recompute,
             sp=lo.dims.sequence_parallel,
             s=ctx.seq,
-            b=lo.dims.micro_batch_size,
+            b=lo.dims.micro_batch_size * ctx.rows,
             num_micro=lo.dims.grad_accum,
             vpp=lo.dims.vpp or 1,
             vocab=vocab,
             peft=getattr(ctx.cfg, "peft", None),
             images=ctx.images,
             patches=ctx.patches,
+            frozen=ctx.frozen,
+            frozen_layers=dims.stage_layer_ids(ctx.frozen.num_layers, idx) if ctx.frozen else (),
+            frozen_logits=ctx.frozen_name == "teacher",
         )
         for idx, layers, first, last in stage_plan(m.num_layers, lo.dims)
     ]
@@ -245,7 +256,7 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
         zero=lo.dims.zero_stage,
         recompute=lo.recompute,
         s=ctx.seq,
-        b=lo.dims.micro_batch_size,
+        b=lo.dims.micro_batch_size * ctx.rows,
         num_micro=lo.dims.grad_accum,
         layers=max(s.layers for s in stages),
         dense_params=rp["dense"],
@@ -258,7 +269,13 @@ def add_time(ctx: Context, ev: Evaluation) -> None:
         weight_bytes=ab,
     )
     flops = C.step_flops(
-        m, ctx.count, s=ctx.seq, global_batch=ctx.gbs, recompute=lo.recompute, images=ctx.images, patches=ctx.patches
+        m,
+        ctx.count,
+        s=ctx.seq,
+        global_batch=ctx.gbs * ctx.rows,
+        recompute=lo.recompute,
+        images=ctx.images,
+        patches=ctx.patches,
     )
     ev.compute_s = C.compute_seconds(flops, ctx.world, c.peak_tflops, c.achieved_efficiency)
     ev.step_s = ev.compute_s * (1 + ev.bubble) + sum(x["time_s"] for x in ev.comm.values())

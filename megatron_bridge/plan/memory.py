@@ -33,7 +33,14 @@ A VLM's vision tower and projector run whole on the first stage: their activatio
 `vision_activations` per microbatch in flight (images × patches, the tower's width × depth).
 
 Logits (last stage, Korthikanti §4.3): 4·s·b·V/t for the fp32 cross-entropy input plus the
-2sbh/t output-layer input. Fragmentation margin: 10% of everything allocated (PyTorch's
+2sbh/t output-layer input.
+
+A frozen second model (`objective=distill`'s teacher, `objective=dpo`'s reference) adds its
+weights in training precision, split over TP/PP/EP exactly as the policy's are (its own layer
+count over the same stages), with no gradients or optimizer states and no ZeRO partitioning;
+its forward runs without grad, so it stores no activations. A teacher's logits for one
+microbatch (s·b·V/t in activation precision) are held on the last stage until the loss. A DPO
+microbatch is 2·micro_batch_size rows (chosen and rejected): `b` is the rows. Fragmentation margin: 10% of everything allocated (PyTorch's
 caching allocator, CUDA/NCCL context), a planning allowance rather than a measurement.
 Capacity: `cluster.gpu_memory_gb` read as GiB (an "80 GB" H100 has 80 GiB of HBM).
 """
@@ -216,6 +223,8 @@ class StageMemory:
     fragmentation: float
     total: float
     alone: float = 0.0  # the same stage's total with ZeRO-0 (model states unsharded)
+    frozen_weights: float = 0.0  # the teacher's / reference's weights (module doc)
+    frozen_logits: float = 0.0  # the teacher's logits of one microbatch (last stage)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -225,6 +234,18 @@ def logits_bytes(m, *, s: float, b: int, t: int, cp: int, vocab: int, sp: bool) 
     """Korthikanti §4.3: fp32 logits for the cross-entropy (4sbV/t) + output-layer input."""
     s = s / cp
     return 4 * s * b * vocab / t + 2 * s * b * m.hidden_size / (t if sp else 1)
+
+
+def frozen_weights(
+    f, *, layers: Sequence[int], first: bool, last: bool, tp: int, ep: int, etp: int, engine: str, precision: str
+) -> float:
+    """Bytes of the frozen model `f`'s weights on one rank of the stage holding its `layers`."""
+    rp = (
+        backend_of(f)
+        .shards(f)
+        .rank_params(tp=tp, ep=ep, etp=etp, layers=P.stage_ids(f, layers, first), first=first, last=last)
+    )
+    return STATE_BYTES[(engine, precision)][0] * (rp["dense"] + rp["expert"])
 
 
 def vision_activations(m, *, b: int, images: int, patches: int, act_bytes: int = 2) -> float:
@@ -262,13 +283,18 @@ def stage_memory(
     peft: object = None,
     images: int = 1,
     patches: int = 0,
+    frozen: object = None,
+    frozen_layers: Sequence[int] = (),
+    frozen_logits: bool = False,
 ) -> StageMemory:
     """Peak bytes on one rank of pipeline stage `stage`, whose transformer layers are
     `layers` (global indices, `ParallelDims.stage_layer_ids`; or a count, as `params.rank_params`
     reads it). Each layer is counted as its kind (MoE or dense, `moe_layer_pattern`). With
     `peft.method == "lora"` only the adapters have gradients and optimizer states (the
     frozen base has weights only). The first stage also holds a VLM's vision tower's
-    activations for `images` per sample of `patches` patches (`vision_activations`)."""
+    activations for `images` per sample of `patches` patches (`vision_activations`). `frozen`:
+    the description of a frozen second model whose `frozen_layers` this stage holds, and with
+    `frozen_logits` its logits on the last stage (module doc)."""
     ids = P.stage_ids(m, layers, first)
     shards = backend_of(m).shards(m)
     rp = shards.rank_params(tp=tp, ep=ep, etp=etp, layers=ids, first=first, last=last)
@@ -302,14 +328,28 @@ def stage_memory(
         if m.vision_params:
             acts += n_flight * vision_activations(m, b=b, images=images, patches=patches, act_bytes=ab)
     lg = logits_bytes(m, s=s, b=b, t=tp, cp=cp, vocab=vocab, sp=sp) if last else 0.0
-    allocated = st.total + acts + lg
+    fw = fl = 0.0
+    if frozen is not None:
+        fw = frozen_weights(
+            frozen,
+            layers=frozen_layers,
+            first=first,
+            last=last,
+            tp=tp,
+            ep=ep,
+            etp=etp,
+            engine=engine,
+            precision=precision,
+        )
+        fl = ab * (s / cp) * b * vocab / tp if frozen_logits and last else 0.0
+    allocated = st.total + acts + lg + fw + fl
     frag = FRAGMENTATION * allocated
     alone = allocated + frag
     if zero:
         s0 = model_states(
             rp["dense"], rp["expert"], engine=engine, precision=precision, zero=0, dp_shard=1, edp_shard=1
         )
-        alone = (s0.total + acts + lg) * (1 + FRAGMENTATION)
+        alone = (s0.total + acts + lg + fw + fl) * (1 + FRAGMENTATION)
     return StageMemory(
         stage=stage,
         layers=len(ids),
@@ -322,4 +362,6 @@ def stage_memory(
         fragmentation=frag,
         total=allocated + frag,
         alone=alone,
+        frozen_weights=fw,
+        frozen_logits=fl,
     )

@@ -79,6 +79,7 @@ def _plan(ev: Evaluation, ctx: Context, rank_map: dict[str, str]) -> dict[str, o
             "without_zero_bytes": ev.alone_total,
             "fits_without_zero": ev.fits_alone,
             "binding_stage": b.stage,
+            "frozen_model": ctx.frozen_name or None,
             "params_per_gpu": b.params,
             "stages": [s.as_dict() for s in ev.stages],
         },
@@ -285,16 +286,20 @@ def to_table(doc: dict[str, Any]) -> str:
         f"memory per GPU, {uname} (stage {mem['binding_stage']} binds)  "
         + "  ".join(f"{'stage ' + str(s['stage']):>8}" for s in mem["stages"])
     )
-    for key, label in (
+    frozen = mem.get("frozen_model")
+    rows = [
         ("params", "parameters (count, G)"),
         ("weights", "weights"),
         ("grads", "gradients"),
         ("optimizer", "optimizer states"),
         ("activations", "activations"),
         ("logits", "logits"),
+        *([("frozen_weights", f"{frozen} weights")] if frozen else []),
+        *([("frozen_logits", f"{frozen} logits")] if frozen == "teacher" else []),
         ("fragmentation", f"fragmentation {M.FRAGMENTATION:.0%}"),
         ("total", "total"),
-    ):
+    ]
+    for key, label in rows:
         vals = [(f"{s[key] / 1e9:8.3f}" if key == "params" else _g(s[key], unit)) for s in mem["stages"]]
         L.append(f"  {label:<36}" + "  ".join(vals))
     L.append(f"  {'capacity / headroom':<36}{_g(mem['capacity_bytes'], unit)}  {_g(mem['headroom_bytes'], unit)}")

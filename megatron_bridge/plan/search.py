@@ -130,6 +130,8 @@ def _proxy(cfg, parallel: SimpleNamespace, train: SimpleNamespace, zero: SimpleN
         optimizer=cfg.optimizer,
         checkpoint=cfg.checkpoint,
         peft=cfg.peft,
+        objective=cfg.objective,
+        model=cfg.model,
     )
 
 

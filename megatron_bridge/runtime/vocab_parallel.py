@@ -1,4 +1,6 @@
-"""Distillation math on logits sharded along the vocabulary over the tensor-parallel group.
+"""The objectives' math on logits sharded along the vocabulary over the tensor-parallel group:
+log-probabilities, divergences, cross entropy (−log p(label): also DPO's per-token log-prob)
+and the distillation loss.
 
 megatron-core's output layer leaves each TP rank the contiguous slice
 [rank·v/tp, (rank+1)·v/tp) of the padded vocabulary. Gathering the full rows would cost
@@ -8,8 +10,8 @@ exponentials and the per-token sums of the divergences. Every rank ends with the
 per-token values, so the backward of their final sum is the identity (`_SumOverGroup`,
 megatron's reduce-from-TP-region), while the normaliser's gradient, which each rank's columns
 contribute a part of, is summed over the group (torch.distributed.nn's all_reduce): each
-rank's logits receive exactly their slice of the full-vocab gradient. Columns at or past `vocab_size` (megatron's padding) get probability 0.
-`group=None` is the unsharded case (tp=1).
+rank's logits receive exactly their slice of the full-vocab gradient. Columns at or past
+`vocab_size` (megatron's padding) get probability 0. `group=None` is the unsharded case (tp=1).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+from megatron_bridge.parallel.rules.degrees import CHOICES
+
+DIVERGENCES = CHOICES["objective.divergence"]
 JSD_BETA = 0.5  # TRL GKDTrainer.generalized_jsd_loss's default mixture weight
 
 

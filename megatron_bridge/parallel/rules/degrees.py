@@ -18,6 +18,9 @@ CHOICES = {
     "data.kind": ("synthetic", "indexed", "sft", "preference"),
     # engines.make_scheduler (megatron-core's scheduler; its WSD needs wsd_decay_steps, not exposed)
     "optimizer.decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
+    "objective.kind": ("lm", "dpo", "distill"),
+    "objective.loss": ("sigmoid", "ipo", "hinge", "simpo"),  # TRL's DPO losses of those names
+    "objective.divergence": ("forward_kl", "reverse_kl", "jsd"),  # runtime/vocab_parallel.py
 }
 
 

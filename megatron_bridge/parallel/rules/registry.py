@@ -2,7 +2,7 @@
 
 `RULE_MODULES` is the order rules run in and violations are listed in (docs/config.md's
 rule table follows it; a test holds the two together): the degrees, the model's shape under
-them, the run, the model description, the values, LoRA. A new rule goes into the module of
+them, the run, the model description, the values, LoRA, the objective. A new rule goes into the module of
 its concern; a new concern is a module added here.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 from megatron_bridge.errors import LayoutError
 from megatron_bridge.parallel.dims import ParallelDims, padded_vocab_size
-from megatron_bridge.parallel.rules import degrees, lora, model, run, shapes, values
+from megatron_bridge.parallel.rules import degrees, lora, model, objective, run, shapes, values
 from megatron_bridge.parallel.rules.base import Rule, Violation
 
-RULE_MODULES = (degrees, shapes, run, model, values, lora)
+RULE_MODULES = (degrees, shapes, run, model, values, lora, objective)
 RULES: tuple[Rule, ...] = tuple(r for m in RULE_MODULES for r in m.RULES)
 LAYOUT_RULES: tuple[Rule, ...] = tuple(r for r in RULES if r.layout_rule)
 
