@@ -33,21 +33,22 @@ def completion_logp(model, prompt: list[int], completion: list[int]) -> torch.Te
     return tok[len(prompt) - 1 :].sum()
 
 
-def dpo_loss(policy: str | Path, reference: str | Path, pairs, beta: float) -> float:
-    """Mean over pairs of −log σ(β·((log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r)))), with
-    transformers' models in fp32."""
+def dpo_loss(policy: str | Path, reference: str | Path, pairs, beta: float) -> tuple[float, float]:
+    """(mean over pairs of −log σ(β·((log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r)))), the
+    norm of its gradient over the policy's parameters), with transformers' models in fp32."""
     from transformers import AutoModelForCausalLM
 
     pol, ref = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in (policy, reference))
-    total = 0.0
-    with torch.no_grad():
-        for p in pairs:
-            s = [
-                float(completion_logp(pol, p["prompt_ids"], p[k]) - completion_logp(ref, p["prompt_ids"], p[k]))
-                for k in ("chosen_ids", "rejected_ids")
-            ]
-            total += -math.log(1.0 / (1.0 + math.exp(-beta * (s[0] - s[1]))))
-    return total / len(pairs)
+    total = torch.zeros(())
+    for p in pairs:
+        with torch.no_grad():
+            r = [completion_logp(ref, p["prompt_ids"], p[k]) for k in ("chosen_ids", "rejected_ids")]
+        s = [completion_logp(pol, p["prompt_ids"], p[k]) - r[i] for i, k in enumerate(("chosen_ids", "rejected_ids"))]
+        total = total - torch.nn.functional.logsigmoid(beta * (s[0] - s[1]))
+    loss = total / len(pairs)
+    loss.backward()
+    norm = math.sqrt(sum(float((q.grad.double() ** 2).sum()) for q in pol.parameters() if q.grad is not None))
+    return float(loss), norm
 
 
 def _word_tokenizer(vocab: int):

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bridge.backends.describe import describe
+from megatron_bridge.backends.frozen_model import frozen_spec, objective_model
 from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.loader import hf_assets
 from megatron_bridge.bridge.lora import base_of
@@ -35,6 +36,7 @@ from megatron_bridge.config.schema import Config
 from megatron_bridge.convert.formats.safetensors_io import scan_dir
 from megatron_bridge.convert.sources.preflight import check_init_source
 from megatron_bridge.data.indexed import check_indexed_data
+from megatron_bridge.data.preference import check_preference_data
 from megatron_bridge.errors import LayoutError, UserError, run_cli
 from megatron_bridge.parallel.dims import ParallelDims
 from megatron_bridge.parallel.rules.registry import validate
@@ -67,6 +69,11 @@ def preflight(cfg, dims, spec) -> None:
         )
     if cfg.data.kind in ("indexed", "sft"):  # sft: chat data, checked as indexed data (vocab, splits)
         check_indexed_data(cfg.data, model_vocab_size=spec.vocab_size)
+    if cfg.data.kind == "preference":  # its two halves, each checked as chat data
+        check_preference_data(cfg.data, spec.vocab_size)
+    frozen = objective_model(cfg)  # a DPO reference or a teacher: its files hold data only, as init_from's
+    if frozen is not None:
+        check_init_source(frozen[1], arg=frozen[0], spec=frozen_spec(cfg, spec))
     if cfg.train.init_from and not Path(cfg.train.init_from).exists():
         raise UserError(
             f"train.init_from={cfg.train.init_from} does not exist. Point it at a Hugging Face model "

@@ -5,17 +5,20 @@ from the lower half of the vocabulary, rejected from the upper half, so a prefer
 learnt that holds on pairs the run never saw): the first 8 are the train split (one global batch
 of 8 pairs), the last 8 the valid split. The policy and the reference are *different* tiny HF
 Llamas. Jobs:
-* `tp2` (tp2·dp2) and `pp2` (pp2·dp2): the step-1 loss equals TRL's `DPOTrainer.compute_loss`
-  and the DPO formula computed with transformers (fp32); the loss falls over 6 steps, and the
-  held-out pairs' DPO loss (`val_loss`) falls with it, their margins widening;
+* `tp2` (tp2·dp2), `pp2` (pp2·dp2) and `hf_tp2` (tp2 on the transformers backend, the reference
+  too): the step-1 loss equals TRL's `DPOTrainer.compute_loss` and the DPO formula computed with
+  transformers (fp32), and the step-1 gradient norm the formula's; the loss falls over 6 steps,
+  and the held-out pairs' DPO loss (`val_loss`) falls with it, their margins widening;
 * `first3` + `resumed`: `tp2` stopped after 3 steps and resumed: bit-exact;
 * `ds`: DeepSpeed ZeRO-2 at tp2·dp2: `tp2`'s step-1 loss (2e-5), then its losses within 2e-3 (the
   reduction order differs, and Adam at lr 2e-2 amplifies it);
 * `pre`: `tp2` with objective.precompute_reference=true (the reference run once over the train and
   valid pairs before training, then let go): `tp2`'s losses and val_losses;
 * `lora`: peft=lora with objective.reference=null: the reference is the policy without its
-  adapters, which at step 1 (B = 0) is the policy itself, so the loss is log 2 exactly;
-* `moe`: a tiny Qwen3-MoE policy and a different one as reference at ep2 (dp4): step-1 loss = the formula.
+  adapters, which at step 1 (B = 0) is the policy itself, so the loss is log 2 exactly; `lora_z3`:
+  the same under DeepSpeed ZeRO-3 (dp4, the policy's weights partitioned);
+* `moe`: a tiny Qwen3-MoE policy and a different one as reference at ep2 (dp4): step-1 loss and
+  gradient norm = the formula's.
 """
 
 import json
@@ -68,23 +71,27 @@ def test_dpo_training_matches_trl_resumes_and_learns(tmp_path):
     jobs = [
         f"tp2:{tp2},train.eval_iters=1,train.eval_interval=1",
         f"pp2:{base},parallel.pp=2",
+        f"hf_tp2:{tp2},model.backend=transformers,train.steps=1",
         f"first3:{tp2},train.exit_after=3,checkpoint.dir={ck},checkpoint.save_interval=3",
         f"resumed:{tp2},checkpoint.dir={ck},checkpoint.resume=true",
         f"ds:{tp2},train.engine=deepspeed,zero.stage=2",
         f"pre:{tp2},objective.precompute_reference=true,train.exit_after=3,train.eval_iters=1,train.eval_interval=1",
         f"lora:{common(policy, None, steps=3)},peft=lora,parallel.tp=2",
+        f"lora_z3:{common(policy, None, steps=3)},peft=lora,train.engine=deepspeed,zero.stage=3",
         f"moe:{common(moe_policy, moe_reference, steps=1)},parallel.ep=2",
     ]
     out = run_torchrun([SCRIPT, str(runs), *jobs], nproc=4, timeout=900)[0]
-    losses, val = out["losses"], out["val_losses"]
+    losses, val, grads = out["losses"], out["val_losses"], out["grad_norms"]
 
     train_pairs = pairs[:8]
-    want = dpo_loss(policy, reference, train_pairs, BETA)
+    want, want_grad = dpo_loss(policy, reference, train_pairs, BETA)
     trl = trl_dpo_loss(policy, reference, train_pairs, BETA, tmp_path / "trl")
     assert abs(trl - want) <= 1e-5 * want, (trl, want)  # the two oracles agree
-    for name in ("tp2", "pp2"):
+    for name in ("tp2", "pp2", "hf_tp2"):
         got = losses[name]["1"]
         assert abs(got - trl) <= 1e-5, (name, got, trl)
+        assert abs(grads[name]["1"] - want_grad) <= 1e-4 * want_grad, (name, grads[name]["1"], want_grad)
+    for name in ("tp2", "pp2"):
         assert losses[name]["6"] < losses[name]["1"], (name, losses[name])
     assert val["tp2"]["6"] < val["tp2"]["1"], val["tp2"]  # held-out pairs: the margin widened
 
@@ -97,11 +104,13 @@ def test_dpo_training_matches_trl_resumes_and_learns(tmp_path):
     for step, value in losses["pre"].items():  # the reference's log-probabilities computed up front
         assert abs(value - full[step]) <= 1e-6 * abs(full[step]), (step, value, full[step])
         assert abs(val["pre"][step] - val["tp2"][step]) <= 1e-6 * abs(val["tp2"][step]), step
-    assert abs(losses["lora"]["1"] - math.log(2)) <= 1e-6, losses["lora"]
-    assert losses["lora"]["3"] < losses["lora"]["1"], losses["lora"]
+    for name in ("lora", "lora_z3"):
+        assert abs(losses[name]["1"] - math.log(2)) <= 1e-6, (name, losses[name])
+        assert losses[name]["3"] < losses[name]["1"], (name, losses[name])
 
-    want_moe = dpo_loss(moe_policy, moe_reference, train_pairs, BETA)
-    assert abs(losses["moe"]["1"] - want_moe) <= 1e-4 * want_moe, (losses["moe"], want_moe)
+    want_moe, moe_grad = dpo_loss(moe_policy, moe_reference, train_pairs, BETA)
+    assert abs(losses["moe"]["1"] - want_moe) <= 1e-5 * want_moe, (losses["moe"], want_moe)
+    assert abs(grads["moe"]["1"] - moe_grad) <= 1e-4 * moe_grad, (grads["moe"], moe_grad)
 
     rows = [json.loads(line) for line in (runs / "tp2" / "metrics.jsonl").read_text().splitlines()]
     first = rows[0]

@@ -83,12 +83,6 @@ def dpo_reference(f: Facts) -> list[Violation]:
             "set model.hf_path=DIR (or train.init_from=DIR), objective.reference=DIR, or objective.loss=simpo "
             "(reference-free)",
         )
-    if o.precompute_reference:
-        out += _v(
-            "dpo-precompute",
-            "objective.precompute_reference=true is not supported yet: the reference is run beside the policy",
-            "set objective.precompute_reference=false",
-        )
     return out
 
 

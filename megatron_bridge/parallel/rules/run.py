@@ -119,7 +119,7 @@ def evaluation(f: Facts) -> list[Violation]:
             f"train.eval_interval={t.eval_interval} evaluates nothing: train.eval_iters=0 batches per evaluation",
             "set train.eval_iters=K (global batches of the valid split per evaluation), or train.eval_interval=0",
         )
-    if t.eval_iters > 0 and cfg.data.kind in ("indexed", "sft"):  # synthetic data always has a valid split
+    if t.eval_iters > 0 and cfg.data.kind in ("indexed", "sft", "preference"):  # synthetic data always has one
         try:
             valid = parse_split(cfg.data.split)[1]
         except UserError:  # a malformed split is the data check's to report (preflight)

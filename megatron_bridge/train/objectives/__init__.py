@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_bridge.backends.frozen_model import frozen_spec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.lora_modules import adapters_off
 from megatron_bridge.train.objectives.base import REPORT, NextToken, Objective
@@ -30,7 +31,7 @@ def make_objective(
             return DPO(cfg, None, precompute(reference, [datasets.train, datasets.valid], dims))
         return DPO(cfg, reference)
     if o.kind == "distill":
-        teacher = frozen_model(cfg, dims, spec, o.teacher, arg="objective.teacher", overrides=overrides)
+        teacher = frozen_model(frozen_spec(cfg, spec), dims, o.teacher, overrides=overrides)
         return Distill(cfg, FrozenPass(teacher, cfg, dims, 1), spec.vocab_size)
     raise UserError(f"objective={o.kind!r}: expected lm, dpo or distill")
 
@@ -43,7 +44,7 @@ def _reference(cfg, dims, spec, policy, overrides) -> FrozenPass | None:
     if o.loss == "simpo":
         return None
     if o.reference:
-        chunks = frozen_model(cfg, dims, spec, o.reference, arg="objective.reference", overrides=overrides)
+        chunks = frozen_model(frozen_spec(cfg, spec), dims, o.reference, overrides=overrides)
         return FrozenPass(chunks, cfg, dims, DPO.rows_per_sample)
     if cfg.peft.method == "lora":
         return FrozenPass(policy, cfg, dims, DPO.rows_per_sample, context=lambda: adapters_off(policy))
@@ -54,10 +55,7 @@ def _reference(cfg, dims, spec, policy, overrides) -> FrozenPass | None:
             "starts from random weights: set model.hf_path or train.init_from (the policy's starting weights), or "
             "objective.reference=DIR"
         )
-    arg = "train.init_from" if cfg.train.init_from else "model.hf_path"
-    return FrozenPass(
-        frozen_model(cfg, dims, spec, source, arg=arg, overrides=overrides), cfg, dims, DPO.rows_per_sample
-    )
+    return FrozenPass(frozen_model(spec, dims, source, overrides=overrides), cfg, dims, DPO.rows_per_sample)
 
 
 __all__ = ["REPORT", "DPO", "Distill", "NextToken", "Objective", "make_objective"]

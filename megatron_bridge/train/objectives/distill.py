@@ -11,8 +11,9 @@ shards (runtime/vocab_parallel.py) — no full-vocabulary logits are ever gather
 summed over the loss-masked tokens of the global batch and divided by their count (both terms
 token means over the same tokens). D is `objective.divergence`: forward_kl = KL(teacher‖student),
 reverse_kl = KL(student‖teacher), or jsd (TRL GKD's generalised Jensen-Shannon, β = 0.5).
-The teacher's logits of a global batch are held on the last stage until its step is done:
-grad_accum · micro_batch_size · seq_length · vocab/tp floats (`mbr plan` counts them).
+The teacher's logits of a global batch are held on the last stage until its step is done, in the
+training precision: grad_accum · micro_batch_size · seq_length · vocab/tp values (`mbr plan`
+counts them).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Distill(Objective):
         self.o, self.teacher, self.vocab_size = cfg.objective, teacher, vocab_size
 
     def prepare(self, batches):
-        got = self.teacher.run(batches, logits_forward, lambda b, logits: logits.float())
+        got = self.teacher.run(batches, logits_forward, lambda b, logits: logits)  # training precision
         for b, logits in zip(batches, got):  # last stage only: the loss runs there
             b[TEACHER] = logits
 

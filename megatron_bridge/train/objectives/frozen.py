@@ -14,8 +14,6 @@ from typing import Any
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_bridge.backends.describe import describe
-from megatron_bridge.convert.sources.preflight import init_kind
 from megatron_bridge.runtime.build import build_model
 from megatron_bridge.runtime.packing import schedule_shape
 from megatron_bridge.train.data.sft import is_packed
@@ -23,13 +21,11 @@ from megatron_bridge.train.init import load_initial_weights
 from megatron_bridge.train.objectives.base import batch_to
 
 
-def frozen_model(cfg: Any, dims: Any, spec: Any, path: str, *, arg: str, overrides: dict[str, Any]) -> list[Any]:
-    """This rank's chunks of the model at `path`: an HF directory is described on its own (a
-    teacher may be deeper or wider than the student); a converted or Megatron-written checkpoint
-    holds the policy's model (`spec`)."""
-    own = describe(cfg.model, hf_path=path, arg=arg) if init_kind(path, arg) == "hf_dir" else spec
-    chunks = build_model(own, dims, load_weights=True, **overrides)
-    load_initial_weights(chunks, own, path)
+def frozen_model(spec: Any, dims: Any, path: str, *, overrides: dict[str, Any]) -> list[Any]:
+    """This rank's chunks of the model `spec` describes (backends/frozen_model.py: a teacher may be
+    deeper or wider than the student), its weights read from `path`."""
+    chunks = build_model(spec, dims, load_weights=True, **overrides)
+    load_initial_weights(chunks, spec, path)
     for c in chunks:
         c.requires_grad_(False)
         c.eval()

@@ -122,7 +122,12 @@ def _assert_training_builds_what_check_reported(cfg, dims, monkeypatch):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_builds_what_check_reports(recipe, monkeypatch, tmp_path):
-    base = [f"train.init_from={tmp_path}"] if recipe.startswith("lora_") else []  # the base a LoRA recipe needs
+    # the base a LoRA or DPO recipe needs (DPO: its reference, the initial policy); a distillation recipe's teacher
+    base = [f"train.init_from={tmp_path}"] if recipe.startswith(("lora_", "dpo_")) else []
+    if recipe.startswith("distill_"):
+        from megatron_bridge.runtime.tiny import make_tiny
+
+        base = [f"objective.teacher={make_tiny('llama', tmp_path / 'teacher', vocab_size=512, num_hidden_layers=6)}"]
     if recipe.endswith("_vlm"):  # a VLM recipe runs the model.hf_path it is given: the demo's tiny one
         from tests.vlm_processor import make_vlm
 

@@ -62,10 +62,20 @@ def test_cfg_job_prints_resolved_config():
 
 def test_every_shipped_recipe_validates(tmp_path):
     """Every recipe passes `mbr check` as shipped, except that a LoRA recipe needs the base model
-    it adapts and a VLM recipe the model it runs (model.hf_path): without one it is refused by
+    it adapts, a DPO recipe its reference's weights (the initial policy's), a distillation recipe
+    its teacher and a VLM recipe the model it runs (model.hf_path): without one it is refused by
     exactly that rule, with one it passes."""
+    from megatron_bridge.runtime.tiny import make_tiny
+
     for name in list_recipes():
         r = mbr("check", f"recipe={name}")
+        if name.startswith("dpo_"):
+            assert r.returncode == 2 and "[dpo-reference]" in r.stderr and "breaks 1 rule" in r.stderr, (name, r.stderr)
+            r = mbr("check", f"recipe={name}", f"train.init_from={tmp_path}")
+        if name.startswith("distill_"):
+            assert r.returncode == 2 and "[distill-teacher]" in r.stderr and "breaks 1 rule" in r.stderr, (name, r.stderr)
+            teacher = make_tiny("llama", tmp_path / "teacher", vocab_size=512, num_hidden_layers=6)
+            r = mbr("check", f"recipe={name}", f"objective.teacher={teacher}")
         if name.startswith("lora_"):
             assert r.returncode == 2 and "[lora-base]" in r.stderr and "breaks 1 rule" in r.stderr, (name, r.stderr)
             r = mbr("check", f"recipe={name}", f"train.init_from={tmp_path}")

@@ -64,11 +64,6 @@ CASES = [  # (rule, breaking overrides, passing overrides)
     ("dpo-reference", PAIRS, [*PAIRS, "objective.loss=simpo"]),
     ("dpo-reference", PAIRS, [*PAIRS, "model.hf_path={student}", "peft=lora"]),
     (
-        "dpo-precompute",
-        [*PAIRS, "objective.loss=simpo", "objective.precompute_reference=true"],
-        [*PAIRS, "objective.loss=simpo", "objective.precompute_reference=false"],
-    ),
-    (
         "dpo-beta",
         [*PAIRS, "objective.loss=simpo", "objective.beta=0"],
         [*PAIRS, "objective.loss=simpo", "objective.beta=0.5"],

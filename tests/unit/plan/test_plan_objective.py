@@ -42,6 +42,8 @@ def test_a_teacher_is_its_weights_as_a_policy_holds_them_and_its_logits(tmp_path
     teacher = _hf_dir(tmp_path / "teacher", num_hidden_layers=8, hidden_size=128, intermediate_size=256)
     ctx, got = _stages("objective=distill", f"objective.teacher={teacher}")
     assert ctx.frozen_name == "teacher" and ctx.rows == 1
+    cfg, _ = compose(["recipe=default", *LAYOUT])
+    micro = ParallelDims.from_config(cfg, ctx.world, moe=False).grad_accum
     _, alone = _stages(f"model.hf_path={teacher}")  # the teacher trained as the policy
     _, lm = _stages()
     for g, t, s in zip(got, alone, lm, strict=True):
@@ -50,7 +52,8 @@ def test_a_teacher_is_its_weights_as_a_policy_holds_them_and_its_logits(tmp_path
         assert g.total == pytest.approx(s.total + 1.1 * (g.frozen_weights + g.frozen_logits))
     vocab = ctx.model.padded_vocab_size(2)
     bytes_ = 4 if ctx.precision == "fp32" else 2
-    assert [g.frozen_logits for g in got] == [0.0, bytes_ * ctx.seq * 1 * vocab / 2]  # last stage, mbs 1, tp 2
+    # last stage: the teacher's logits of every microbatch of the step (mbs 1, tp 2)
+    assert [g.frozen_logits for g in got] == [0.0, micro * bytes_ * ctx.seq * 1 * vocab / 2]
 
 
 def test_dpo_holds_a_copy_of_the_initial_policy_and_doubles_the_rows(student):
