@@ -73,7 +73,10 @@ def test_every_shipped_recipe_validates(tmp_path):
             assert r.returncode == 2 and "[dpo-reference]" in r.stderr and "breaks 1 rule" in r.stderr, (name, r.stderr)
             r = mbr("check", f"recipe={name}", f"train.init_from={tmp_path}")
         if name.startswith("distill_"):
-            assert r.returncode == 2 and "[distill-teacher]" in r.stderr and "breaks 1 rule" in r.stderr, (name, r.stderr)
+            assert r.returncode == 2 and "[distill-teacher]" in r.stderr and "breaks 1 rule" in r.stderr, (
+                name,
+                r.stderr,
+            )
             teacher = make_tiny("llama", tmp_path / "teacher", vocab_size=512, num_hidden_layers=6)
             r = mbr("check", f"recipe={name}", f"objective.teacher={teacher}")
         if name.startswith("lora_"):
