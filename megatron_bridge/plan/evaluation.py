@@ -162,7 +162,7 @@ class Context:
             patches=image_patches or model.vision_patches,
             frozen=held[1] if held else None,
             frozen_name=held[0] if held else "",
-            rows=2 if cfg.objective.kind == "dpo" else 1,
+            rows=2 if cfg.objective.kind == "dpo" and not cfg.data.packing else 1,  # packed: whole pairs a row
         )
 
 

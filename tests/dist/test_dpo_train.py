@@ -12,6 +12,8 @@ Llamas. Jobs:
 * `first3` + `resumed`: `tp2` stopped after 3 steps and resumed: bit-exact;
 * `ds`: DeepSpeed ZeRO-2 at tp2·dp2: `tp2`'s step-1 loss (2e-5), then its losses within 2e-3 (the
   reduction order differs, and Adam at lr 2e-2 amplifies it);
+* `packed`: tp2 with whole pairs packed into rows of 32 tokens (each sequence its own attention
+  segment): step-1 loss and gradient norm = the formula's over the pairs those rows hold;
 * `pre`: `tp2` with objective.precompute_reference=true (the reference run once over the train and
   valid pairs before training, then let go): `tp2`'s losses and val_losses;
 * `lora`: peft=lora with objective.reference=null: the reference is the policy without its
@@ -75,6 +77,7 @@ def test_dpo_training_matches_trl_resumes_and_learns(tmp_path):
         f"first3:{tp2},train.exit_after=3,checkpoint.dir={ck},checkpoint.save_interval=3",
         f"resumed:{tp2},checkpoint.dir={ck},checkpoint.resume=true",
         f"ds:{tp2},train.engine=deepspeed,zero.stage=2",
+        f"packed:{tp2},data.packing=true,train.seq_length=32,train.steps=2",
         f"pre:{tp2},objective.precompute_reference=true,train.exit_after=3,train.eval_iters=1,train.eval_interval=1",
         f"lora:{common(policy, None, steps=3)},peft=lora,parallel.tp=2",
         f"lora_z3:{common(policy, None, steps=3)},peft=lora,train.engine=deepspeed,zero.stage=3",
@@ -101,6 +104,15 @@ def test_dpo_training_matches_trl_resumes_and_learns(tmp_path):
     for step, value in losses["ds"].items():  # Adam at lr 2e-2 amplifies the reduction order's 1e-7s
         assert abs(value - full[step]) <= (REL if step == "1" else 2e-3) * abs(full[step]), (step, value, full[step])
 
+    # packed rows of 32 tokens hold whole pairs (the next epoch's too): the formula over those pairs
+    from megatron_bridge.train.data.preference import PreferenceDataset
+
+    packed = PreferenceDataset(str(prefix), range(8), 32, seed=1234, num_samples=8, packing=True)
+    held = [pairs[p] for i in range(8) for p in packed.pairs_of(i)]
+    assert len(held) > 8  # really packed
+    want_packed, grad_packed = dpo_loss(policy, reference, held, BETA)
+    assert abs(losses["packed"]["1"] - want_packed) <= 1e-5 * want_packed, (losses["packed"], want_packed)
+    assert abs(grads["packed"]["1"] - grad_packed) <= 1e-4 * grad_packed, (grads["packed"], grad_packed)
     for step, value in losses["pre"].items():  # the reference's log-probabilities computed up front
         assert abs(value - full[step]) <= 1e-6 * abs(full[step]), (step, value, full[step])
         assert abs(val["pre"][step] - val["tp2"][step]) <= 1e-6 * abs(val["tp2"][step]), step

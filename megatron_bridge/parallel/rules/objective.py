@@ -44,12 +44,6 @@ def objective_data(f: Facts) -> list[Violation]:
             f"(objective.kind={kind})",
             "set objective=dpo, or data=sft to train on the chosen answers alone",
         )
-    if data == "preference" and cfg.data.packing:
-        out += _v(
-            "preference-packing",
-            "data=preference with data.packing=true: each pair is padded to train.seq_length, never packed",
-            "set data.packing=false",
-        )
     return out
 
 

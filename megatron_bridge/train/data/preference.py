@@ -10,6 +10,13 @@ The split is by pair, contiguous (data.split weights, megatron's rounding), and 
 the split's pairs in a permutation seeded by train.seed and the epoch, as SFT does. `collate`
 gives the micro-batch of batching.collate over 2·len(samples) rows, pair k in rows 2k (chosen)
 and 2k + 1 (rejected), so a DPO loss reads chosen rows as `[0::2]` and rejected as `[1::2]`.
+
+Packed (`data.packing=true`): a sample is one row of seq_length holding whole pairs, greedily in
+the permutation's order as SFT packs conversations — pair k's chosen sequence, then its rejected
+one, each a segment of its own (`segment_ids`: block-diagonal causal attention, positions
+restarting), the padded tail a last segment; a pair whose two sequences do not fit one row
+together has each cut to its first seq_length//2 + 1 tokens (counted as truncated). Segments in
+order are chosen, rejected, chosen, … of the pairs `pair` lists, in that order too.
 """
 
 from __future__ import annotations
@@ -25,10 +32,15 @@ from megatron_bridge.data.indexed import SPLITS
 from megatron_bridge.data.preference import PreferencePairs, check_preference_data
 from megatron_bridge.errors import UserError
 from megatron_bridge.train.data.batching import collate
-from megatron_bridge.train.data.sft import split_ranges
+from megatron_bridge.train.data.sft import is_packed, split_ranges
 
 ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 PAIR = "pair"
+
+
+def rows_per_sample(data) -> int:
+    """Model rows a preference sample is: its chosen and rejected rows, or one packed row."""
+    return 1 if is_packed(data) else 2
 
 
 class PreferenceDataset:
@@ -42,6 +54,8 @@ class PreferenceDataset:
         seq_length: int,
         seed: int,
         num_samples: int | None = None,
+        *,
+        packing: bool = False,
     ):
         pairs = (
             prefix_or_datasets
@@ -55,22 +69,45 @@ class PreferenceDataset:
         ids = ids[shortest[ids] >= 2]  # a row of one token has nothing to predict
         if ids.size == 0:
             raise UserError(f"{pairs.prefix}: no pair whose rows have 2 or more tokens in this split")
-        self.truncated = int((np.maximum(*halves)[ids] > seq_length + 1).sum())
-        order: list[int] = []
+        self.packing = packing
+        # tokens kept per row: a packed pair whose two rows do not fit one row shares it evenly
+        longest = np.minimum(halves[0], seq_length + 1) + np.minimum(halves[1], seq_length + 1) - 2 > seq_length
+        self._cap = np.where(packing & longest, seq_length // 2 + 1, seq_length + 1)
+        self._positions = np.minimum(halves[0], self._cap) + np.minimum(halves[1], self._cap) - 2
+        self.truncated = int((np.maximum(*halves)[ids] > self._cap[ids]).sum())
+        samples: list[list[int]] = []
         epoch = 0
         while True:
-            order += np.random.RandomState((seed + 7919 * epoch) % 2**32).permutation(ids).tolist()
+            perm = np.random.RandomState((seed + 7919 * epoch) % 2**32).permutation(ids).tolist()
+            samples += self._pack(perm) if packing else [[p] for p in perm]
             epoch += 1
-            if num_samples is None or len(order) >= num_samples:
+            if num_samples is None or len(samples) >= num_samples:
                 break
-        self._order = order if num_samples is None else order[:num_samples]
+        self._samples = samples if num_samples is None else samples[:num_samples]
+
+    def _pack(self, order: list[int]) -> list[list[int]]:
+        out: list[list[int]] = []
+        cur: list[int] = []
+        used = 0
+        for p in order:
+            n = int(self._positions[p])
+            if cur and used + n > self.seq_length:
+                out.append(cur)
+                cur, used = [], 0
+            cur.append(p)
+            used += n
+        return out + [cur] if cur else out
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._samples)
+
+    def pairs_of(self, i: int) -> list[int]:
+        """The pair indices (into the preference dataset) that sample i holds, in order."""
+        return list(self._samples[i])
 
     def pair(self, i: int) -> int:
-        """The pair index (into the preference dataset) that sample i holds."""
-        return self._order[i]
+        """The pair an unpacked sample i holds."""
+        return self._samples[i][0]
 
     def _row(self, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
         s = self.seq_length
@@ -83,22 +120,43 @@ class PreferenceDataset:
         return {"tokens": tokens, "labels": labels, "loss_mask": loss, "position_ids": pos}
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.pair_sample(self._order[i])
+        return self.sample_of(self._samples[i])
 
-    def pair_sample(self, p: int) -> dict[str, Any]:
-        """The sample of pair `p` (its index into the preference dataset, kept under `pair`: what
+    def sample_of(self, pairs: list[int]) -> dict[str, Any]:
+        """The sample of `pairs` (one unless packed), their indices kept under `pair` (what
         `objective.precompute_reference` looks the reference log-probabilities up by)."""
-        rows = [self._row(*half) for half in self.pairs[p]]
-        out: dict[str, Any] = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in ROW_KEYS}
-        out[PAIR] = torch.tensor(p, dtype=torch.int64)
+        if not self.packing:
+            rows = [self._row(*half) for half in self.pairs[pairs[0]]]
+            out: dict[str, Any] = {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in ROW_KEYS}
+        else:
+            out = self._packed(pairs)
+        out[PAIR] = torch.tensor(pairs, dtype=torch.int64)
         return out
 
-    @staticmethod
-    def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
-        """batching.collate over the pairs' rows: pair k → rows 2k (chosen) and 2k + 1 (rejected);
-        `pair` [pairs]: each pair's index."""
-        out = collate([{k: s[k][j] for k in ROW_KEYS} for s in samples for j in (0, 1)])
-        out[PAIR] = torch.stack([s[PAIR] for s in samples])
+    def _packed(self, pairs: list[int]) -> dict[str, Any]:
+        s = self.seq_length
+        tokens, labels = np.zeros(s, np.int64), np.zeros(s, np.int64)
+        mask, pos = np.zeros(s, np.float32), np.zeros(s, np.int64)
+        seg = np.full(s, 2 * len(pairs), np.int64)  # the padded tail: a segment of its own
+        off = k = 0
+        for p in pairs:
+            cap = int(self._cap[p])
+            for ids, m in self.pairs[p]:
+                ids, m = ids[:cap], m[:cap]
+                n = ids.size - 1
+                tokens[off : off + n], labels[off : off + n] = ids[:-1], ids[1:]
+                mask[off : off + n], pos[off : off + n], seg[off : off + n] = m[1:], np.arange(n), k
+                off, k = off + n, k + 1
+        pos[off:] = np.arange(s - off)
+        arrays = {"tokens": tokens, "labels": labels, "loss_mask": mask, "position_ids": pos, "segment_ids": seg}
+        return {key: torch.from_numpy(v) for key, v in arrays.items()}
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        """batching.collate over the samples' rows — unpacked, pair k → rows 2k (chosen) and 2k + 1
+        (rejected); packed, one row per sample — and `pair` [pairs]: the pairs in order."""
+        rows = samples if self.packing else [{k: s[k][j] for k in ROW_KEYS} for s in samples for j in (0, 1)]
+        out = collate(rows)
+        out[PAIR] = torch.cat([s[PAIR] for s in samples])
         return out
 
 
@@ -121,7 +179,9 @@ def build_preference_datasets(
     out = {}
     for name, r in zip(SPLITS, split_ranges(len(pairs), data.split)):
         n = wanted[name]
-        out[name] = None if len(r) == 0 or n == 0 else PreferenceDataset(pairs, r, seq_length, seed, n)
+        out[name] = (
+            None if len(r) == 0 or n == 0 else PreferenceDataset(pairs, r, seq_length, seed, n, packing=is_packed(data))
+        )
     truncated = sum(d.truncated for d in out.values() if d is not None)
     if truncated and log and _rank() == 0:
         log(
@@ -134,4 +194,4 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-__all__ = ["PreferenceDataset", "build_preference_datasets"]
+__all__ = ["PAIR", "PreferenceDataset", "build_preference_datasets", "rows_per_sample"]

@@ -44,8 +44,9 @@ from megatron_bridge.train.data.batching import collate
 
 
 def is_packed(data) -> bool:
-    """Whether `data` (a DataConfig) yields packed samples (several conversations per sequence)."""
-    return data.kind == "sft" and bool(getattr(data, "packing", False))
+    """Whether `data` (a DataConfig) yields packed samples (several conversations, or preference
+    pairs, per sequence)."""
+    return data.kind in ("sft", "preference") and bool(getattr(data, "packing", False))
 
 
 def split_ranges(n: int, split: str) -> list[range]:

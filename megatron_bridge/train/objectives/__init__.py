@@ -9,6 +9,7 @@ from typing import Any
 from megatron_bridge.backends.frozen_model import frozen_spec
 from megatron_bridge.errors import UserError
 from megatron_bridge.runtime.lora_modules import adapters_off
+from megatron_bridge.train.data.preference import rows_per_sample
 from megatron_bridge.train.objectives.base import REPORT, NextToken, Objective
 from megatron_bridge.train.objectives.distill import Distill
 from megatron_bridge.train.objectives.dpo import DPO, precompute
@@ -45,9 +46,9 @@ def _reference(cfg, dims, spec, policy, overrides) -> FrozenPass | None:
         return None
     if o.reference:
         chunks = frozen_model(frozen_spec(cfg, spec), dims, o.reference, overrides=overrides)
-        return FrozenPass(chunks, cfg, dims, DPO.rows_per_sample)
+        return FrozenPass(chunks, cfg, dims, rows_per_sample(cfg.data))
     if cfg.peft.method == "lora":
-        return FrozenPass(policy, cfg, dims, DPO.rows_per_sample, context=lambda: adapters_off(policy))
+        return FrozenPass(policy, cfg, dims, rows_per_sample(cfg.data), context=lambda: adapters_off(policy))
     source = cfg.train.init_from or spec.source
     if not source:
         raise UserError(
@@ -55,7 +56,7 @@ def _reference(cfg, dims, spec, policy, overrides) -> FrozenPass | None:
             "starts from random weights: set model.hf_path or train.init_from (the policy's starting weights), or "
             "objective.reference=DIR"
         )
-    return FrozenPass(frozen_model(spec, dims, source, overrides=overrides), cfg, dims, DPO.rows_per_sample)
+    return FrozenPass(frozen_model(spec, dims, source, overrides=overrides), cfg, dims, rows_per_sample(cfg.data))
 
 
 __all__ = ["REPORT", "DPO", "Distill", "NextToken", "Objective", "make_objective"]

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
 from megatron_bridge.runtime.groups import comm_device
-from megatron_bridge.train.data.preference import PAIR
+from megatron_bridge.train.data.preference import PAIR, rows_per_sample
 from megatron_bridge.train.objectives.base import Objective, token_losses
 from megatron_bridge.train.objectives.frozen import FrozenPass
 
@@ -36,20 +36,30 @@ REF = "ref_logps"  # a micro-batch's reference log-probabilities, one per row
 
 
 def sequence_logps(batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log π of each row's completion, its token count), from per-token cross entropies."""
+    """(log π of each sequence's completion, its token count), from per-token cross entropies: one
+    sequence per row, or — packed — per segment with a completion token, in order (`segment_ids`:
+    the padded tails have none)."""
     mask = batch["loss_mask"].float()
-    rows = mask.shape[0]
-    return -(output.float().view(rows, -1) * mask).sum(1), mask.sum(1)
+    logp = -(output.float().view(mask.shape) * mask)
+    seg = batch.get("segment_ids")
+    if seg is None:
+        return logp.sum(1), mask.sum(1)
+    flat = (seg + torch.arange(seg.shape[0], device=seg.device)[:, None] * (int(seg.max()) + 1)).view(-1)
+    n = int(flat.max()) + 1
+    sums = logp.new_zeros(n).scatter_add(0, flat, logp.view(-1))
+    counts = mask.new_zeros(n).scatter_add(0, flat, mask.view(-1))
+    keep = counts > 0
+    return sums[keep], counts[keep]
 
 
 class DPO(Objective):
-    rows_per_sample = 2
     report_size = 6  # loss, pairs, chosen reward, rejected reward, correct pairs, log π(chosen)
 
     def __init__(self, cfg: Any, reference: FrozenPass | None, table: torch.Tensor | None = None):
         """`reference`: the frozen model run before each global batch; `table` instead: every
         pair's (chosen, rejected) reference log-probabilities, computed once (`precompute`)."""
         self.o, self.reference, self.table = cfg.objective, reference, table
+        self.rows_per_sample = rows_per_sample(cfg.data)
         self.reads_ahead = reference is not None or table is not None
 
     def prepare(self, batches):
@@ -91,7 +101,7 @@ class DPO(Objective):
         return total, pairs.to(torch.int), report
 
     def count(self, batch):
-        return float(batch["loss_mask"].shape[0] // 2)
+        return float(batch[PAIR].numel())
 
     def result(self, sums):
         n = float(sums[1].clamp(min=1))
@@ -110,14 +120,14 @@ def precompute(reference: FrozenPass, datasets: Sequence[Any], dims: Any) -> tor
     `datasets` (train, valid) visit, [pairs, 2] (chosen, rejected), computed in one forward-only
     pass before training, the pairs shared out over the DP ranks and gathered back, so the reference
     model need not be held while training. Collective; the table is complete on last-stage ranks."""
-    ids = sorted({d.pair(i) for d in datasets if d is not None for i in range(len(d))})
+    ids = sorted({p for d in datasets if d is not None for i in range(len(d)) for p in d.pairs_of(i)})
     dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs = dims.micro_batch_size
     per_rank = -(-len(ids) // (dp * mbs * dims.pp)) * mbs * dims.pp  # whole micro-batches, a multiple of pp
     padded = ids + [ids[0]] * (per_rank * dp - len(ids))
     mine = padded[rank * per_rank : (rank + 1) * per_rank]
     source = next(d for d in datasets if d is not None)
-    batches = [source.collate([source.pair_sample(p) for p in mine[k : k + mbs]]) for k in range(0, per_rank, mbs)]
+    batches = [source.collate([source.sample_of([p]) for p in mine[k : k + mbs]]) for k in range(0, per_rank, mbs)]
     got = reference.run(batches, token_losses, sequence_logps_only)
     table = torch.zeros(max(ids) + 1, 2, dtype=torch.float32)
     if not got:  # not the last stage: the loss never reads the table here

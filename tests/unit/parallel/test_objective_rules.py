@@ -56,7 +56,6 @@ CASES = [  # (rule, breaking overrides, passing overrides)
     ),
     ("dpo-data", ["objective=dpo", "objective.loss=simpo"], [*PAIRS, "objective.loss=simpo"]),
     ("preference-objective", ["data.kind=preference", "data.packing=false"], [*PAIRS, "objective.loss=simpo"]),
-    ("preference-packing", [*PAIRS[:2], "objective.loss=simpo"], [*PAIRS, "objective.loss=simpo"]),
     ("dpo-cp", [*PAIRS, "objective.loss=simpo", "parallel.cp=2"], [*PAIRS, "objective.loss=simpo", "parallel.cp=1"]),
     ("dpo-reference", PAIRS, [*PAIRS, "model.hf_path={student}"]),
     ("dpo-reference", PAIRS, [*PAIRS, "train.init_from={student}"]),

@@ -108,3 +108,35 @@ def test_a_split_without_usable_pairs_is_refused(tmp_path):
     preprocess_preference(tmp_path / "p.jsonl", tmp_path / "pairs", vocab_size=VOCAB)
     with pytest.raises(UserError, match="no pair whose rows have 2 or more tokens"):
         PreferenceDataset(tmp_path / "pairs", np.arange(1), SEQ, seed=0)
+
+
+def test_packed_rows_hold_whole_pairs_as_chosen_then_rejected_segments(prefix):
+    """Packed: each row's segments are its pairs' chosen and rejected sequences in `pair` order,
+    each the unpacked row's tokens, labels and mask at restarting positions; a pair too long for
+    one row has both sequences cut to SEQP//2 + 1 tokens; the rows' pairs follow the permutation."""
+    r, SEQP = range(len(ROWS)), 20  # long enough for two pairs a row; pair 3 (21 positions) is cut
+    ds = PreferenceDataset(prefix, r, SEQP, seed=3, num_samples=30, packing=True)
+    plain = PreferenceDataset(prefix, r, SEQP, seed=3, num_samples=40)
+    held = [p for i in range(len(ds)) for p in ds.pairs_of(i)]
+    assert held == [plain.pair(i) for i in range(len(held))]  # greedy packing keeps the order
+    assert any(len(ds.pairs_of(i)) > 1 for i in range(len(ds))) and 3 in held and ds.truncated >= 1
+    for i in range(len(ds)):
+        s = ds[i]
+        assert s["pair"].tolist() == ds.pairs_of(i)
+        seg, off = s["segment_ids"], 0
+        for k, p in enumerate(ds.pairs_of(i)):
+            whole = sum(len(ROWS[p]["prompt_ids"]) + len(ROWS[p][c]) - 1 for c in ("chosen_ids", "rejected_ids")) > SEQP
+            for j, c in enumerate(("chosen_ids", "rejected_ids")):
+                ids = (ROWS[p]["prompt_ids"] + ROWS[p][c])[: SEQP // 2 + 1 if whole else SEQP + 1]
+                n = len(ids) - 1
+                assert (seg[off : off + n] == 2 * k + j).all()
+                assert (
+                    s["tokens"][off : off + n].tolist() == ids[:-1] and s["labels"][off : off + n].tolist() == ids[1:]
+                )
+                assert s["position_ids"][off : off + n].tolist() == list(range(n))
+                want_mask = [0.0] * (len(ROWS[p]["prompt_ids"]) - 1) + [1.0] * (n - len(ROWS[p]["prompt_ids"]) + 1)
+                assert s["loss_mask"][off : off + n].tolist() == want_mask[:n]
+                off += n
+        assert (s["loss_mask"][off:] == 0).all() and (seg[off:] == 2 * len(ds.pairs_of(i))).all()
+    batch = ds.collate([ds[0], ds[1]])
+    assert batch["tokens"].shape == (2, SEQP) and batch["pair"].tolist() == ds.pairs_of(0) + ds.pairs_of(1)
