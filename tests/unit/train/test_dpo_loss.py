@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_bridge.config.schema import ObjectiveConfig
+from megatron_bridge.config.schema import DataConfig, ObjectiveConfig
 from megatron_bridge.runtime.tiny import make_tiny
 from megatron_bridge.train.objectives.dpo import DPO, REF, sequence_logps
 from tests.dpo_oracle import random_pairs, trl_dpo_loss
 
 VOCAB, SEQ = 96, 16
+PAIRS = DataConfig(kind="preference", packing=False)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def test_dpo_loss_equals_trl(models, tmp_path, loss):
     pairs = random_pairs(4, VOCAB, seed=5)
     batch = rows(pairs)
     batch[REF] = sequence_logps(batch, per_token_ce(reference, batch))[0]
-    obj = DPO(SimpleNamespace(objective=ObjectiveConfig(kind="dpo", beta=0.2, loss=loss)), None)
+    obj = DPO(SimpleNamespace(data=PAIRS, objective=ObjectiveConfig(kind="dpo", beta=0.2, loss=loss)), None)
     total, n, report = obj.loss(batch, per_token_ce(policy, batch))
     got, metrics = obj.result(report.double())
     assert int(n) == 4 and abs(float(total) / 4 - got) < 1e-12
@@ -72,7 +73,8 @@ def test_simpo_and_label_smoothing_follow_their_definitions(models):
     logp, n = sequence_logps(batch, ce)
     beta, gamma = 2.0, 0.3
     simpo = DPO(
-        SimpleNamespace(objective=ObjectiveConfig(kind="dpo", beta=beta, loss="simpo", simpo_gamma=gamma)), None
+        SimpleNamespace(data=PAIRS, objective=ObjectiveConfig(kind="dpo", beta=beta, loss="simpo", simpo_gamma=gamma)),
+        None,
     )
     got = simpo.result(simpo.loss(batch, ce)[2].double())[0]
     avg = [float(logp[i] / n[i]) for i in range(6)]
@@ -81,7 +83,7 @@ def test_simpo_and_label_smoothing_follow_their_definitions(models):
 
     batch[REF] = torch.zeros(6)  # log π_ref = 0: Δ is the policy's own log-ratio
     eps = 0.2
-    cdpo = DPO(SimpleNamespace(objective=ObjectiveConfig(kind="dpo", beta=0.5, label_smoothing=eps)), None)
+    cdpo = DPO(SimpleNamespace(data=PAIRS, objective=ObjectiveConfig(kind="dpo", beta=0.5, label_smoothing=eps)), None)
     got = cdpo.result(cdpo.loss(batch, ce)[2].double())[0]
     d = [0.5 * float(logp[2 * k] - logp[2 * k + 1]) for k in range(3)]
     sig = [1 / (1 + math.exp(-x)) for x in d]
