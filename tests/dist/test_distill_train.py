@@ -1,6 +1,6 @@
 """`objective=distill` and `objective=lm` through the training entry point (one torchrun launch,
-4 gloo processes), on 8 pre-tokenized labelled rows (`mbr data mode=chat` of {"input_ids",
-"labels"} rows: one global batch) with a 2-layer student and a *deeper* (4-layer) teacher:
+4 gloo processes), on 12 pre-tokenized labelled rows (`mbr data mode=chat` of {"input_ids",
+"labels"} rows; the first 8, one global batch, are the train split) with a 2-layer student and a *deeper* (4-layer) teacher:
 
 * `kd_tp2` (tp2·dp2) and `kd_pp2` (pp2·dp2): with temperature 2 and alpha 1 the step-1 loss
   equals T² × the token-mean forward KL(teacher‖student) over the labelled tokens computed with
@@ -10,6 +10,9 @@
 * `kd_ds`: DeepSpeed ZeRO-2 at tp2·dp2: `kd_tp2`'s step-1 loss (2e-5), then its losses within 5e-4
   (the reduction order differs, and Adam at lr 1e-2 amplifies it);
 * `kd_jsd`: alpha 0.5, divergence jsd, T=1.5: 0.5·T²·(TRL GKD's generalised JSD) + 0.5·CE;
+* `kd_hf`: `kd_tp2` on the transformers backend (student and teacher): the same step-1 loss;
+* `kd_lora`: peft=lora (B = 0 at step 1: the same loss), and learns;
+* `kd_val`: `val_loss` (one step at lr 1e-12) = the formula over the 4 valid rows;
 * `lm_tp2`: objective=lm on the same rows: step-1 loss = transformers' own loss (labels=…).
 """
 
@@ -82,7 +85,7 @@ def hf_loss(student, rows) -> float:
 def test_distillation_matches_the_formula_resumes_and_learns(tmp_path):
     from megatron_bridge.commands.data import main as data_main
 
-    rows = labelled_rows(8, seed=4)
+    rows = labelled_rows(12, seed=4)  # 8 train rows (one global batch), 4 valid
     src = tmp_path / "rows.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prefix = tmp_path / "chat" / "rows"
@@ -92,7 +95,7 @@ def test_distillation_matches_the_formula_resumes_and_learns(tmp_path):
     teacher = make_tiny("llama", tmp_path / "teacher", seed=2, vocab_size=VOCAB, num_hidden_layers=4)
     ck, runs = tmp_path / "ckpt", tmp_path / "runs"
     data = (
-        f"recipe=default,model.hf_path={student},data=sft,data.paths=[{prefix}],data.split=100/0/0,"
+        f"recipe=default,model.hf_path={student},data=sft,data.paths=[{prefix}],data.split=2/1/0,"
         f"train.seq_length={SEQ},train.micro_batch_size=1,train.global_batch_size=8,optimizer.lr=1e-2,"
         "optimizer.warmup_steps=0,data.packing=false"
     )
@@ -106,19 +109,24 @@ def test_distillation_matches_the_formula_resumes_and_learns(tmp_path):
         f"kd_resumed:{tp2},checkpoint.dir={ck},checkpoint.resume=true",
         f"kd_ds:{tp2},train.engine=deepspeed,zero.stage=2",
         f"kd_jsd:{tp2},objective.alpha=0.5,objective.divergence=jsd,objective.temperature=1.5,train.steps=1",
+        f"kd_hf:{tp2},model.backend=transformers,train.steps=1",
+        f"kd_lora:{tp2},peft=lora,train.steps=2",
+        f"kd_val:{tp2},train.steps=1,train.eval_iters=1,optimizer.lr=1e-12,optimizer.min_lr=0",
         f"lm_tp2:{data},parallel.tp=2,train.steps=1",
     ]
-    losses = run_torchrun([SCRIPT, str(runs), *jobs], nproc=4, timeout=900)[0]["losses"]
+    out = run_torchrun([SCRIPT, str(runs), *jobs], nproc=4, timeout=900)[0]
+    losses, val = out["losses"], out["val_losses"]
 
-    want = oracle(student, teacher, rows, temperature=2.0, alpha=1.0, divergence="forward_kl")
-    for name in ("kd_tp2", "kd_pp2"):
+    train_rows = rows[:8]
+    want = oracle(student, teacher, train_rows, temperature=2.0, alpha=1.0, divergence="forward_kl")
+    for name in ("kd_tp2", "kd_pp2", "kd_hf", "kd_lora"):  # kd_lora at step 1: B = 0, the student itself
         assert abs(losses[name]["1"] - want) <= 1e-4 * want, (name, losses[name], want)
     # 8 packed samples hold more than the 8 rows (the next epoch's too): the oracle over those rows
     from megatron_bridge.data.chat_dataset import ChatDataset
     from megatron_bridge.train.data.sft import SFTDataset, split_ranges
 
     chat = ChatDataset(str(prefix))
-    packed = SFTDataset(chat, split_ranges(len(chat), "100,0,0")[0], SEQ, packing=True, seed=1234, num_samples=8)
+    packed = SFTDataset(chat, split_ranges(len(chat), "2,1,0")[0], SEQ, packing=True, seed=1234, num_samples=8)
     held = [rows[c] for i in range(8) for c in packed.conversations(i)]
     assert len(held) > 8  # really packed
     want_packed = oracle(student, teacher, held, temperature=2.0, alpha=1.0, divergence="forward_kl")
@@ -130,6 +138,10 @@ def test_distillation_matches_the_formula_resumes_and_learns(tmp_path):
     assert losses["kd_resumed"] == {k: full[k] for k in ("3", "4")}  # bit-exact resume
     for step, value in losses["kd_ds"].items():  # Adam at lr 1e-2 amplifies the reduction order's 1e-7s
         assert abs(value - full[step]) <= (REL if step == "1" else 5e-4) * abs(full[step]), (step, value, full[step])
-    jsd = oracle(student, teacher, rows, temperature=1.5, alpha=0.5, divergence="jsd")
+    assert losses["kd_lora"]["2"] < losses["kd_lora"]["1"], losses["kd_lora"]
+    # validation (after a step at lr 1e-12): the loss over the 4 valid rows (a global batch reads each twice)
+    want_val = oracle(student, teacher, rows[8:], temperature=2.0, alpha=1.0, divergence="forward_kl")
+    assert abs(val["kd_val"]["1"] - want_val) <= 1e-4 * want_val, (val["kd_val"], want_val)
+    jsd = oracle(student, teacher, train_rows, temperature=1.5, alpha=0.5, divergence="jsd")
     assert abs(losses["kd_jsd"]["1"] - jsd) <= 1e-4 * jsd, (losses["kd_jsd"], jsd)
-    assert abs(losses["lm_tp2"]["1"] - hf_loss(student, rows)) <= 1e-5, losses["lm_tp2"]
+    assert abs(losses["lm_tp2"]["1"] - hf_loss(student, train_rows)) <= 1e-5, losses["lm_tp2"]
