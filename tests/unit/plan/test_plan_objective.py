@@ -98,3 +98,19 @@ def test_plan_refuses_a_bad_objective_before_the_search():
 
     with pytest.raises(LayoutError, match=r"\[distill-teacher\]"):
         plan(["objective=distill"])
+
+
+def test_mbr_check_names_the_frozen_models_memory(tmp_path, capsys):
+    """`mbr check` prints the planner's count of the teacher (weights of the largest stage, logits
+    of the last), and nothing for objective=lm."""
+    from megatron_bridge.commands.check import main as check
+
+    teacher = _hf_dir(tmp_path / "teacher", num_hidden_layers=8, hidden_size=128, intermediate_size=256)
+    _, got = _stages("objective=distill", f"objective.teacher={teacher}")
+    assert check(["recipe=default", *LAYOUT, "objective=distill", f"objective.teacher={teacher}"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("frozen teacher:"))
+    weights, logits = max(g.frozen_weights for g in got), max(g.frozen_logits for g in got)
+    unit, name = (2**30, "GiB") if max(weights, logits) >= 2**28 else (2**20, "MiB")
+    assert f"weights {weights / unit:.1f} {name} per rank" in line and f"logits {logits / unit:.1f} {name}" in line
+    assert check(["recipe=default", *LAYOUT]) == 0
+    assert "frozen" not in capsys.readouterr().out
