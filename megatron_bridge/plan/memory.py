@@ -224,7 +224,7 @@ class StageMemory:
     total: float
     alone: float = 0.0  # the same stage's total with ZeRO-0 (model states unsharded)
     frozen_weights: float = 0.0  # the teacher's / reference's weights (module doc)
-    frozen_logits: float = 0.0  # the teacher's logits of the step's microbatches (last stage)
+    frozen_logits: float = 0.0  # the teacher's held logits (last stage): one microbatch's, all with pp > 1
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -341,7 +341,8 @@ def stage_memory(
             engine=engine,
             precision=precision,
         )
-        fl = num_micro * ab * (s / cp) * b * vocab / tp if frozen_logits and last else 0.0  # the global batch's
+        held = 1 if first and last else num_micro  # pp > 1: the teacher ran over the step's microbatches first
+        fl = held * ab * (s / cp) * b * vocab / tp if frozen_logits and last else 0.0
     allocated = st.total + acts + lg + fw + fl
     frag = FRAGMENTATION * allocated
     alone = allocated + frag

@@ -2,7 +2,8 @@
 4 gloo processes), on 12 pre-tokenized labelled rows (`mbr data mode=chat` of {"input_ids",
 "labels"} rows; the first 8, one global batch, are the train split) with a 2-layer student and a *deeper* (4-layer) teacher:
 
-* `kd_tp2` (tp2·dp2) and `kd_pp2` (pp2·dp2): with temperature 2 and alpha 1 the step-1 loss
+* `kd_tp2` (tp2·dp2: the teacher runs micro-batch by micro-batch beside the student) and `kd_pp2`
+  (pp2·dp2: over the step's micro-batches first): with temperature 2 and alpha 1 the step-1 loss
   equals T² × the token-mean forward KL(teacher‖student) over the labelled tokens computed with
   transformers; the loss falls over 4 steps; `kd_packed` (tp2, rows packed, the teacher's
   attention confined to each row as the student's): the same over the rows its batch packs;

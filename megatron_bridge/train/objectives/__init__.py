@@ -33,7 +33,7 @@ def make_objective(
         return DPO(cfg, reference)
     if o.kind == "distill":
         teacher = frozen_model(frozen_spec(cfg, spec), dims, o.teacher, overrides=overrides)
-        return Distill(cfg, FrozenPass(teacher, cfg, dims, 1), spec.vocab_size)
+        return Distill(cfg, FrozenPass(teacher, cfg, dims, 1), spec.vocab_size, pipelined=dims.pp > 1)
     raise UserError(f"objective={o.kind!r}: expected lm, dpo or distill")
 
 

@@ -1,8 +1,10 @@
 """`objective=distill`: knowledge distillation from a frozen teacher with the student's vocabulary.
 
-Before a global batch the teacher runs forward-only over its micro-batches (under the student's
-own TP/PP/EP layout; it may be deeper or wider) and its last stage keeps each micro-batch's
-logits, sharded over TP along the vocabulary as they come out of its output layer. The student
+The teacher runs forward-only under the student's own TP/PP/EP layout (it may be deeper or wider):
+without pipeline parallelism right before the student on each micro-batch; with it, over the
+step's micro-batches before the student's pass (its own pipeline schedule), its last stage keeping
+each micro-batch's logits. Either way the logits stay sharded over TP along the vocabulary as they
+come out of its output layer. The student
 then returns its logits (labels withheld) and the loss is computed vocab-parallel from the two
 shards (runtime/vocab_parallel.py) — no full-vocabulary logits are ever gathered:
 
@@ -11,9 +13,8 @@ shards (runtime/vocab_parallel.py) — no full-vocabulary logits are ever gather
 summed over the loss-masked tokens of the global batch and divided by their count (both terms
 token means over the same tokens). D is `objective.divergence`: forward_kl = KL(teacher‖student),
 reverse_kl = KL(student‖teacher), or jsd (TRL GKD's generalised Jensen-Shannon, β = 0.5).
-The teacher's logits of a global batch are held on the last stage until its step is done, in the
-training precision: grad_accum · micro_batch_size · seq_length · vocab/tp values (`mbr plan`
-counts them).
+Held teacher logits, in the training precision: micro_batch_size · seq_length · vocab/tp values,
+times grad_accum with pp > 1 (`mbr plan` counts them).
 """
 
 from __future__ import annotations
@@ -38,11 +39,14 @@ def logits_forward(model: Any, batch: dict[str, Any]) -> torch.Tensor:
 
 
 class Distill(Objective):
-    reads_ahead = True
     report_size = 4  # loss sum, tokens, divergence sum, cross-entropy sum
 
-    def __init__(self, cfg: Any, teacher: FrozenPass, vocab_size: int):
+    def __init__(self, cfg: Any, teacher: FrozenPass, vocab_size: int, *, pipelined: bool):
+        """`pipelined` (pp > 1): the teacher runs over the step's micro-batches first (its own
+        pipeline pass); otherwise right before the student on each micro-batch, so only one
+        micro-batch's teacher logits are ever held."""
         self.o, self.teacher, self.vocab_size = cfg.objective, teacher, vocab_size
+        self.reads_ahead = pipelined
 
     def prepare(self, batches):
         got = self.teacher.run(batches, logits_forward, lambda b, logits: logits)  # training precision
@@ -50,6 +54,8 @@ class Distill(Objective):
             b[TEACHER] = logits
 
     def forward(self, model, batch):
+        if not self.reads_ahead:
+            batch[TEACHER] = self.teacher.one(batch, logits_forward)
         return logits_forward(model, batch)
 
     def loss(self, batch, output):

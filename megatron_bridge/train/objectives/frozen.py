@@ -48,6 +48,13 @@ class FrozenPass:
         self.chunks, self.cfg, self.dims, self.rows, self.context = list(chunks), cfg, dims, rows, context
 
     @torch.no_grad()
+    def one(self, batch: dict[str, Any], forward: Callable[[Any, dict[str, Any]], torch.Tensor]) -> torch.Tensor:
+        """`forward`'s output for one micro-batch already on its device, without pipeline
+        parallelism (one chunk holds the whole model)."""
+        with self.context():
+            return forward(self.chunks[0], batch).detach()
+
+    @torch.no_grad()
     def run(
         self,
         batches: list[dict[str, Any]],

@@ -52,8 +52,10 @@ def test_a_teacher_is_its_weights_as_a_policy_holds_them_and_its_logits(tmp_path
         assert g.total == pytest.approx(s.total + 1.1 * (g.frozen_weights + g.frozen_logits))
     vocab = ctx.model.padded_vocab_size(2)
     bytes_ = 4 if ctx.precision == "fp32" else 2
-    # last stage: the teacher's logits of every microbatch of the step (mbs 1, tp 2)
+    # last stage, pp 2: the teacher's logits of every microbatch of the step (mbs 1, tp 2)
     assert [g.frozen_logits for g in got] == [0.0, micro * bytes_ * ctx.seq * 1 * vocab / 2]
+    _, one = _stages("objective=distill", f"objective.teacher={teacher}", "parallel.pp=1")  # one microbatch's
+    assert [g.frozen_logits for g in one] == [bytes_ * ctx.seq * 1 * vocab / 2]
 
 
 def test_dpo_holds_a_copy_of_the_initial_policy_and_doubles_the_rows(student):
