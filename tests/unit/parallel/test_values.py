@@ -78,9 +78,11 @@ def test_rotary_positions_past_the_table_are_a_warning_naming_the_scaling(tmp_pa
 
 @pytest.mark.parametrize("name", list_recipes())
 def test_no_shipped_recipe_is_rejected(name):
-    # a LoRA recipe names no base model, a VLM recipe no model (the user gives them); each is
-    # refused for that alone (test_cli)
-    given = {"lora-base"} if name.startswith("lora_") else {"model-backend"} if name.endswith("_vlm") else set()
+    # a LoRA recipe names no base model, a DPO recipe no reference weights, a distillation recipe
+    # no teacher, a VLM recipe no model (the user gives them); each is refused for that alone (test_cli)
+    needs = {"lora_": "lora-base", "dpo_": "dpo-reference", "distill_": "distill-teacher"}
+    given = {rule for prefix, rule in needs.items() if name.startswith(prefix)}
+    given |= {"model-backend"} if name.endswith("_vlm") else set()
     assert check(recipe=name)[0] - given == set()
 
 
