@@ -112,7 +112,7 @@ def run_preference(cfg: DataCommandConfig) -> int:
             '{"prompt": "2+2=", "chosen": "4", "rejected": "5"}) and output=PREFIX (writes PREFIX.chosen, '
             "PREFIX.rejected and PREFIX.preference.json)"
         )
-    tokenizer = cfg.tokenizer or (None if cfg.vocab_size is not None else cfg.data.tokenizer)
+    tokenizer = _rows_tokenizer(cfg)
     stats = preprocess_preference(
         cfg.input,
         cfg.output,
@@ -129,6 +129,12 @@ def run_preference(cfg: DataCommandConfig) -> int:
     return 0
 
 
+def _rows_tokenizer(cfg: DataCommandConfig) -> str | None:
+    """The tokenizer of a pre-tokenized or preference input: `tokenizer=`, else none when
+    `vocab_size=` bounds the ids, else the recipe's `data.tokenizer`."""
+    return cfg.tokenizer or (None if cfg.vocab_size is not None else cfg.data.tokenizer)
+
+
 def run_chat(cfg: DataCommandConfig) -> int:
     if cfg.output_dir is not None:
         raise UserError(
@@ -137,7 +143,7 @@ def run_chat(cfg: DataCommandConfig) -> int:
     if cfg.input and is_token_chat(cfg.input):
         if not cfg.output:
             raise UserError("mode=chat needs output=PREFIX (where the indexed files go)")
-        tok = cfg.tokenizer or (None if cfg.vocab_size is not None else cfg.data.tokenizer)
+        tok = _rows_tokenizer(cfg)
         stats = preprocess_token_chat(
             cfg.input,
             cfg.output,

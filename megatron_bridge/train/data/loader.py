@@ -84,6 +84,10 @@ class Datasets:
         return {"train": self.train, "valid": self.valid, "test": self.test}[name]
 
 
+CHAT_BUILDERS = {"sft": build_sft_datasets, "preference": build_preference_datasets}
+"""`data.kind` → the builder of its (train, valid, test, vocab, eod) from one chat or preference dataset."""
+
+
 def _default_cache_dir(prefixes: Sequence[str]) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
 
@@ -155,19 +159,8 @@ def build_datasets(
             None,
         )
 
-    if kind == "sft":
-        train, valid, test, vocab, eod = build_sft_datasets(
-            data,
-            seq_length=seq_length,
-            seed=seed,
-            train_samples=train_samples,
-            valid_samples=valid_samples,
-            test_samples=test_samples,
-            model_vocab_size=model_vocab_size,
-        )
-        return Datasets(train, valid, test, kind, vocab, eod)
-    if kind == "preference":
-        train, valid, test, vocab, eod = build_preference_datasets(
+    if kind in CHAT_BUILDERS:  # one dataset file of conversations or pairs (train/data/sft.py, preference.py)
+        train, valid, test, vocab, eod = CHAT_BUILDERS[kind](
             data,
             seq_length=seq_length,
             seed=seed,

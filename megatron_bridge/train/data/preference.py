@@ -28,11 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_bridge.data.indexed import SPLITS
 from megatron_bridge.data.preference import PreferencePairs, check_preference_data
 from megatron_bridge.errors import UserError
 from megatron_bridge.train.data.batching import collate
-from megatron_bridge.train.data.sft import is_packed, split_ranges
+from megatron_bridge.train.data.sft import global_rank, is_packed, per_split
 
 ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 PAIR = "pair"
@@ -175,23 +174,18 @@ def build_preference_datasets(
     (data.paths=[PREFIX]), its halves checked like chat data (data/preference.py)."""
     prefix, vocab, eod = check_preference_data(data, model_vocab_size)
     pairs = PreferencePairs(prefix)
-    wanted = {"train": train_samples, "valid": valid_samples, "test": test_samples}
-    out = {}
-    for name, r in zip(SPLITS, split_ranges(len(pairs), data.split)):
-        n = wanted[name]
-        out[name] = (
-            None if len(r) == 0 or n == 0 else PreferenceDataset(pairs, r, seq_length, seed, n, packing=is_packed(data))
-        )
-    truncated = sum(d.truncated for d in out.values() if d is not None)
-    if truncated and log and _rank() == 0:
+    out = per_split(
+        len(pairs),
+        data.split,
+        (train_samples, valid_samples, test_samples),
+        lambda r, n: PreferenceDataset(pairs, r, seq_length, seed, n, packing=is_packed(data)),
+    )
+    truncated = sum(d.truncated for d in out if d is not None)
+    if truncated and log and global_rank() == 0:
         log(
             f"data=preference: {truncated} pair(s) with a row longer than train.seq_length+1={seq_length + 1} tokens truncated"
         )
-    return out["train"], out["valid"], out["test"], vocab, eod
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return (*out, vocab, eod)
 
 
 __all__ = ["PAIR", "PreferenceDataset", "build_preference_datasets", "rows_per_sample"]

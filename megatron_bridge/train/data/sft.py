@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from megatron_bridge.data.chat_dataset import ImageChatDataset
-from megatron_bridge.data.indexed import SPLITS, check_indexed_data, parse_split
+from megatron_bridge.data.indexed import check_indexed_data, parse_split
 from megatron_bridge.errors import UserError
 from megatron_bridge.train.data.batching import collate
 
@@ -186,24 +186,26 @@ def build_sft_datasets(
             "conversations into one jsonl and run `mbr data mode=chat` once"
         )
     chat = ImageChatDataset(prefixes[0])  # text chats too (no images)
-    ranges = split_ranges(len(chat), data.split)
-    wanted = {"train": train_samples, "valid": valid_samples, "test": test_samples}
-    out = {}
-    for name, r in zip(SPLITS, ranges):
-        n = wanted[name]
-        out[name] = (
-            None
-            if len(r) == 0 or n == 0
-            else SFTDataset(chat, r, seq_length, packing=is_packed(data), seed=seed, num_samples=n)
-        )
-    truncated = sum(d.truncated for d in out.values() if d is not None)
-    if truncated and log and _rank() == 0:
+    out = per_split(
+        len(chat),
+        data.split,
+        (train_samples, valid_samples, test_samples),
+        lambda r, n: SFTDataset(chat, r, seq_length, packing=is_packed(data), seed=seed, num_samples=n),
+    )
+    truncated = sum(d.truncated for d in out if d is not None)
+    if truncated and log and global_rank() == 0:
         log(f"data=sft: {truncated} conversation(s) longer than train.seq_length+1={seq_length + 1} tokens truncated")
-    return out["train"], out["valid"], out["test"], vocab, eod
+    return (*out, vocab, eod)
 
 
-def _rank() -> int:
+def per_split(n: int, split: str, samples: Sequence[int | None], make: Any) -> list[Any]:
+    """[train, valid, test]: `make(range, num_samples)` over each split's contiguous range of the
+    n items (`split_ranges`), None for an empty split or one asked for 0 samples."""
+    return [None if len(r) == 0 or k == 0 else make(r, k) for r, k in zip(split_ranges(n, split), samples, strict=True)]
+
+
+def global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-__all__ = ["SFTDataset", "build_sft_datasets", "is_packed", "split_ranges"]
+__all__ = ["SFTDataset", "build_sft_datasets", "global_rank", "is_packed", "per_split", "split_ranges"]

@@ -59,9 +59,9 @@ class Objective(abc.ABC):
     def loss(self, batch: dict[str, Any], output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sum to backpropagate, the count it is a sum over (int tensor), report vector)."""
 
-    @abc.abstractmethod
     def count(self, batch: dict[str, Any]) -> float:
-        """The micro-batch's share of the global denominator (masked tokens, pairs)."""
+        """The micro-batch's share of the global denominator: its masked tokens (DPO: its pairs)."""
+        return float(batch["loss_mask"].sum())
 
     @abc.abstractmethod
     def result(self, sums: torch.Tensor) -> tuple[float, dict[str, float]]:
@@ -89,9 +89,6 @@ class NextToken(Objective):
         mask = batch["loss_mask"].float().view(-1)
         total = (output.float().view(-1) * mask).sum()
         return total, mask.sum().to(torch.int), torch.stack([total.detach().clone(), mask.sum().detach()])
-
-    def count(self, batch):
-        return float(batch["loss_mask"].sum())
 
     def result(self, sums):
         return float(sums[0] / sums[1].clamp(min=1)), {}

@@ -70,9 +70,6 @@ class Distill(Objective):
         report = torch.stack([total.detach().clone(), n.to(total.dtype), div.detach() / o.temperature**2, ce.detach()])
         return total, n.to(torch.int), report
 
-    def count(self, batch):
-        return float(batch["loss_mask"].sum())
-
     def result(self, sums):
         n = float(sums[1].clamp(min=1))
         return float(sums[0]) / n, {"distill/divergence": float(sums[2]) / n, "distill/ce": float(sums[3]) / n}
