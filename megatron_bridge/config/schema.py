@@ -192,7 +192,10 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str | None = None
     save_interval: int = 0  # 0 = only at the end
-    resume: bool = False
+    # false: start as configured; true / auto: continue from the latest complete checkpoint in
+    # `dir` if there is one, else start as configured (train.init_from, model.hf_path) -- one
+    # command line for a first launch and its restarts (`auto` is what `mbr launch` writes).
+    resume: Any = False  # false | true | auto
     # One job writes a directory (train/lease.py): a lease another host has not refreshed for
     # this many seconds is taken over (the same host checks the holder's pid at once).
     lease_stale_s: float = 60.0

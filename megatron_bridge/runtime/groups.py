@@ -80,6 +80,22 @@ def _check_world(dims: ParallelDims) -> int:
     return world
 
 
+def _rendezvous(timeout: timedelta) -> dict:
+    """`init_process_group`'s rendezvous: `env://`, except under a torchrun agent that hosts the
+    store (`TORCHELASTIC_USE_AGENT_STORE`). That store outlives a restart, and the default
+    group's keys (gloo's addresses, NCCL's unique id) do not depend on the attempt: a restarted
+    rank would read its dead predecessor's and connect to nothing. Each attempt gets its own
+    key prefix (`TORCHELASTIC_RESTART_COUNT`: every agent of a static rendezvous restarts with
+    its workers; `mbr launch` gives multi-node c10d rendezvous a fresh store per round)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {"init_method": "env://"}
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": torch.distributed.PrefixStore(f"mbr/attempt_{attempt}", store)}
+
+
 def initialize(
     dims: ParallelDims,
     *,
@@ -116,10 +132,10 @@ def initialize(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             backend=backend,
-            init_method="env://",
             world_size=world,
             rank=int(os.environ["RANK"]),
             timeout=timedelta(minutes=timeout_minutes),
+            **_rendezvous(timedelta(minutes=timeout_minutes)),
         )
     megatron_fixes.apply()
     if not cuda:

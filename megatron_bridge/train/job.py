@@ -19,7 +19,7 @@ from megatron.core import parallel_state as ps
 from megatron_bridge.bridge.lora import ADAPTER_DIR, base_of
 from megatron_bridge.config.compose import to_yaml
 from megatron_bridge.errors import UserError
-from megatron_bridge.reliability import Watchdog, failure_message, faulty_iterator, planned
+from megatron_bridge.reliability import Watchdog, faulty_iterator, planned
 from megatron_bridge.runtime import groups
 from megatron_bridge.runtime.build import build_model
 from megatron_bridge.runtime.hf_export import HFExport
@@ -35,6 +35,7 @@ from megatron_bridge.train.inflight import InFlight
 from megatron_bridge.train.init import init_weights, loads_weights
 from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
 from megatron_bridge.train.objectives import make_objective
+from megatron_bridge.train.restarts import Attempt, run_dir_of
 
 
 def model_overrides(cfg) -> dict[str, Any]:
@@ -84,7 +85,7 @@ def run(cfg, dims, spec, recipe: str, meta: dict[str, Any], *, finalize: bool = 
 
 
 def _run_dir(cfg, recipe: str) -> Path:
-    obj = [cfg.run_dir or f"runs/{recipe}/{time.strftime('%Y%m%d-%H%M%S')}"]
+    obj = [run_dir_of(cfg) or f"runs/{recipe}/{time.strftime('%Y%m%d-%H%M%S')}"]
     torch.distributed.broadcast_object_list(obj, src=0)
     return Path(obj[0])
 
@@ -150,10 +151,14 @@ def _loop(run: _Run, start: int) -> bool:
         config={"layout": dims.describe(), "recipe": run.recipe},
     )
     tokens_per_step = dims.global_batch_size * cfg.train.seq_length
+    attempt = Attempt(cfg, rank, torch.distributed.get_world_size(), run.run_dir, start)  # restarts.py
     watchdog = Watchdog(
-        cfg.train.timeout_minutes * 60, rank, hint=f"train.timeout_minutes={cfg.train.timeout_minutes:g}"
+        cfg.train.timeout_minutes * 60,
+        rank,
+        hint=f"train.timeout_minutes={cfg.train.timeout_minutes:g}",
+        **attempt.watchdog_args(),
     )
-    phase = "training"
+    phase, step = "training", start
     nonfinite, signals = (
         NonFiniteSteps(cfg),
         StopSignals(run.engine.device, save_on_launcher_gone=bool(cfg.checkpoint.dir)),
@@ -166,6 +171,7 @@ def _loop(run: _Run, start: int) -> bool:
         for step in range(start, stop):
             phase = f"step {step + 1}"
             watchdog.arm(phase)
+            attempt.step_started()
             t0 = time.perf_counter()
             iterators = _iterators(run, run.datasets.train, step * dims.global_batch_size)
             if planned("step", step + 1):  # test-only fault injection (MBR_FAULT), see reliability.py
@@ -173,6 +179,7 @@ def _loop(run: _Run, start: int) -> bool:
             result = run.engine.step(iterators)
             loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
             nonfinite.after(step + 1, loss, grad_norm, result.applied, rank)  # raises when the step ends the job
+            attempt.step_done(step + 1)
             dt = time.perf_counter() - t0
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt, **result.metrics}
             metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt, run.spec))
@@ -181,7 +188,7 @@ def _loop(run: _Run, start: int) -> bool:
                 watchdog.arm(phase)
                 metrics["val_loss"] = _evaluate(run)
             if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps or "val_loss" in metrics:
-                metrics.update(_stalls(save=saves, export=exports))
+                metrics.update(_stalls(save=saves, export=exports), **attempt.metrics())
                 logger.log(step + 1, metrics)
             saves.poll()
             exports.poll()
@@ -191,6 +198,7 @@ def _loop(run: _Run, start: int) -> bool:
                 phase = f"checkpoint save at step {step + 1}"
                 watchdog.arm(phase)
                 saves.start(partial(_save, run, step + 1, staging))
+                attempt.saved(step + 1)
                 if not cfg.checkpoint.async_save or ending:
                     saves.drain()  # the last one is published before the job ends
             if cfg.train.export_interval and (step + 1) % cfg.train.export_interval == 0:
@@ -211,13 +219,16 @@ def _loop(run: _Run, start: int) -> bool:
                         f"{saved if cfg.checkpoint.dir else 'no checkpoint.dir, nothing saved'}",
                         flush=True,
                     )
+                attempt.end("stopped")
                 return False
+        attempt.end("finished" if stop == cfg.train.steps else "stopped")
         return stop == cfg.train.steps
     except Exception as e:  # name the rank and the step before the launcher's summary
         if not isinstance(e, UserError):
-            print(failure_message(rank, phase, e), file=sys.stderr, flush=True)
+            print(attempt.failed(phase, step + 1, e), file=sys.stderr, flush=True)
         raise
     finally:
+        attempt.close()
         signals.close()
         watchdog.close()
         logger.close()

@@ -84,17 +84,6 @@ def preflight(cfg, dims, spec) -> None:
         check_init_source(cfg.train.init_from, spec=spec)
     elif spec.source and any(Path(spec.source).glob("*.safetensors")):
         scan_dir(Path(spec.source))  # model.hf_path's weights: names confined, no FIFO
-    if cfg.checkpoint.resume and not cfg.checkpoint.dir:
-        raise UserError("checkpoint.resume=true needs checkpoint.dir=DIR (the directory the first run saved to).")
-    if cfg.checkpoint.resume:
-        # The latest pointer, the manifest and the layout it was written with, and that its
-        # pickles hold only data, before anything starts (the checksums are verified at load,
-        # by every rank, which loads as data only again: runtime/safe_load.py).
-        it, written = manifest.peek(cfg.checkpoint.dir)
-        if it is not None and written is not None:  # both or neither
-            d = manifest.iter_dir(cfg.checkpoint.dir, it)
-            manifest.check_meta(d, written, ckpt_meta(cfg, dims, spec))
-            manifest.scan_pickles(d, written)
     for key, out in (("export_to", cfg.export_to), ("export_adapter_to", cfg.export_adapter_to)):
         if out and Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
             if key == "export_to" and cfg.checkpoint.resume and cfg.train.export_interval and interval_exports(out):
@@ -118,6 +107,35 @@ def preflight(cfg, dims, spec) -> None:
         if spec.source:  # the files copied along with the export (a link out of the directory is refused)
             hf_assets(Path(spec.source))
     _preflight_peft(cfg, spec)
+
+
+def resolve_resume(cfg, dims, spec):
+    """`cfg` with `checkpoint.resume` decided: True when this launch continues from the latest
+    complete checkpoint, False when it starts as configured (none yet: `train.init_from`,
+    `model.hf_path`'s weights or a random init, as without resume). Reads the
+    latest pointer, the manifest and the layout it was written with, and checks that its pickles
+    hold only data, before anything starts (every rank re-hashes the files at load and loads
+    them as data only again: runtime/safe_load.py). Rank 0 says once which it is."""
+    mode = cfg.checkpoint.resume
+    if not mode:
+        return cfg
+    if not cfg.checkpoint.dir:
+        raise UserError(
+            f"checkpoint.resume={str(mode).lower()} needs checkpoint.dir=DIR (the directory the first run saved to)."
+        )
+    it, written = manifest.peek(cfg.checkpoint.dir)
+    if it is None or written is None:  # both or neither: nothing to continue yet
+        if os.environ.get("RANK", "0") == "0":
+            start = cfg.train.init_from or cfg.model.hf_path or "random initialisation"
+            print(
+                f"checkpoint.resume={str(mode).lower()}: no checkpoint in {cfg.checkpoint.dir} yet; starting from {start}",
+                flush=True,
+            )
+        return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=False))
+    d = manifest.iter_dir(cfg.checkpoint.dir, it)
+    manifest.check_meta(d, written, ckpt_meta(cfg, dims, spec))
+    manifest.scan_pickles(d, written)
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=True))
 
 
 def _preflight_peft(cfg, spec) -> None:
@@ -194,6 +212,7 @@ def train(argv: Sequence[str], *, finalize: bool = True) -> int:
     spec = describe(cfg.model)  # the one model description (config.json read here, once)
     dims = validate_for_launch(cfg, spec)  # every layout rule, before anything starts
     preflight(cfg, dims, spec)
+    cfg = resolve_resume(cfg, dims, spec)
     lease.acquire(cfg)  # one job per checkpoint.dir, refused before any process group (lease.py)
 
     from megatron_bridge.train import job  # torch and megatron load only once the config is known good

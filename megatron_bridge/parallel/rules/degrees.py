@@ -12,6 +12,7 @@ CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"),
     "train.recompute": ("none", "selective", "full"),
     "train.on_nonfinite": ("stop", "skip"),
+    "checkpoint.resume": (False, True, "auto"),
     "cluster.backend": ("auto", "nccl", "gloo"),
     "zero.offload_optimizer": ("none", "cpu"),
     "zero.offload_param": ("none", "cpu"),
