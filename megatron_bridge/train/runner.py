@@ -126,7 +126,7 @@ def resolve_resume(cfg, dims, spec):
     it, written = manifest.peek(cfg.checkpoint.dir)
     if it is None or written is None:  # both or neither: nothing to continue yet
         if os.environ.get("RANK", "0") == "0":
-            start = cfg.train.init_from or cfg.model.hf_path or "random initialisation"
+            start = cfg.train.init_from or spec.source or "random initialisation"
             print(
                 f"checkpoint.resume={str(mode).lower()}: no checkpoint in {cfg.checkpoint.dir} yet; starting from {start}",
                 flush=True,
