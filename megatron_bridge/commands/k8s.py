@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
+from megatron_bridge.commands import restart_ready
 from megatron_bridge.errors import UserError
 
 ENTRY = ["-m", "megatron_bridge.train"]
@@ -34,7 +35,8 @@ class K8sConfig:
     data_pvc: str | None = None
     data_mount: str = "/data"
     # Never: a failed pod fails the job. OnFailure restarts it with the same command, which
-    # continues training only with checkpoint.resume=true.
+    # `mbr launch` makes resume (checkpoint.resume=auto); max_restarts=N sets OnFailure and
+    # runPolicy.backoffLimit=N.
     restart_policy: str = "Never"
 
 
@@ -114,7 +116,7 @@ def manifest(cfg: Any, args: list[str]) -> dict[str, Any]:
     _check(cfg)
 
     def replica(n: int) -> dict[str, Any]:  # a fresh dict each (shared ones would dump as YAML aliases)
-        return {"replicas": n, "restartPolicy": cfg.k8s.restart_policy, "template": _pod(cfg, args)}
+        return {"replicas": n, "restartPolicy": restart_ready.k8s_policy(cfg), "template": _pod(cfg, args)}
 
     specs = {"Master": replica(1)}
     if cfg.cluster.nodes > 1:
@@ -123,7 +125,11 @@ def manifest(cfg: Any, args: list[str]) -> dict[str, Any]:
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": cfg.job_name, "namespace": cfg.k8s.namespace},
-        "spec": {"nprocPerNode": str(cfg.cluster.gpus_per_node), "pytorchReplicaSpecs": specs},
+        "spec": {
+            "nprocPerNode": str(cfg.cluster.gpus_per_node),
+            "pytorchReplicaSpecs": specs,
+            **({"runPolicy": {"backoffLimit": cfg.max_restarts}} if cfg.max_restarts else {}),
+        },
     }
 
 

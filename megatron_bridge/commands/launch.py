@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_bridge.backends.describe import describe
-from megatron_bridge.commands import k8s
+from megatron_bridge.commands import k8s, restart_ready
 from megatron_bridge.config import search
 from megatron_bridge.config.compose import Args, parse_command
-from megatron_bridge.config.schema import Config
+from megatron_bridge.config.schema import TrainRunConfig
 from megatron_bridge.errors import UserError
 from megatron_bridge.parallel.rules.registry import validate
 from megatron_bridge.parallel.topology import Topology
@@ -39,10 +39,13 @@ SUBMIT = {"slurm": "sbatch {out}/job.sbatch", "k8s": "kubectl apply -f {out}/" +
 
 
 @dataclasses.dataclass
-class LaunchConfig(Config):
+class LaunchConfig(TrainRunConfig):
     launcher: str = "torchrun"  # torchrun | deepspeed | slurm | k8s
     job_name: str = "mbr"
     output: str = ""  # where to write the hostfile / sbatch script / PyTorchJob (default: print only)
+    # Times the launcher may bring a failed job back (torchrun --max-restarts, Slurm --requeue,
+    # k8s OnFailure + backoffLimit); > 0 also writes checkpoint.resume=auto (restart_ready.py).
+    max_restarts: int = 0
     k8s: k8s.K8sConfig = dataclasses.field(default_factory=k8s.K8sConfig)
 
 
@@ -70,7 +73,7 @@ def hosts(cfg) -> list[str]:
 def job_args(args: Args) -> list[str]:
     """The training job's arguments: the recipe (a file as its absolute path), the overrides
     minus launch-only fields, and every user config dir as an explicit `--config-dir`."""
-    own = {f.name for f in dataclasses.fields(LaunchConfig)} - {f.name for f in dataclasses.fields(Config)}
+    own = {f.name for f in dataclasses.fields(LaunchConfig)} - {f.name for f in dataclasses.fields(TrainRunConfig)}
     keep = [o for o in args.overrides if o.split("=", 1)[0].split(".", 1)[0] not in own]
     sources = args.sources()
     recipe = str(search.find_recipe(args.recipe, sources)) if search.is_recipe_path(args.recipe) else args.recipe
@@ -90,10 +93,12 @@ def torchrun_commands(cfg, args: list[str]) -> dict[str, str]:
             f"--rdzv-backend={c.rdzv_backend}",
             f"--rdzv-endpoint={master}:{c.master_port}",
             f"--rdzv-id={cfg.job_name}",
+            *restart_ready.torchrun_flags(cfg),
             *ENTRY,
             *args,
         ]
-        out[f"node {node}" + (f" ({hosts(cfg)[node]})" if c.nodes > 1 else "")] = shlex.join(cmd)
+        env = [f"{k}={v}" for k, v in restart_ready.env(cfg).items()]  # multi-node only: never exec'd
+        out[f"node {node}" + (f" ({hosts(cfg)[node]})" if c.nodes > 1 else "")] = " ".join([*env, shlex.join(cmd)])
     return out
 
 
@@ -126,6 +131,7 @@ def sbatch_script(cfg, args: list[str]) -> str:
         ]
     else:
         env += ["# export GLOO_SOCKET_IFNAME=eth0   # set to the interface the nodes share"]
+    env += [f"export {k}={v}" for k, v in restart_ready.env(cfg).items()]
     inner = [
         "torchrun",
         "--nnodes=$SLURM_NNODES",
@@ -134,6 +140,7 @@ def sbatch_script(cfg, args: list[str]) -> str:
         f"--rdzv-backend={c.rdzv_backend}",
         "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT",
         "--rdzv-id=$SLURM_JOB_ID",
+        *restart_ready.torchrun_flags(cfg),
         *ENTRY,
         *args,
     ]
@@ -146,6 +153,7 @@ def sbatch_script(cfg, args: list[str]) -> str:
         f"#SBATCH --gpus-per-node={c.gpus_per_node}" if backend == "nccl" else "# (CPU cluster: no GPUs requested)",
         f"#SBATCH --cpus-per-task={max(8, c.gpus_per_node * 8) if backend == 'nccl' else 8}",
         "#SBATCH --exclusive",
+        *(["#SBATCH --requeue", "#SBATCH --open-mode=append"] if cfg.max_restarts else []),
         "set -euo pipefail",
         'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"export MASTER_PORT={c.master_port}",
@@ -161,7 +169,7 @@ def main(argv: Sequence[str]) -> int:
         raise UserError(f"launcher={cfg.launcher!r} is not one of {LAUNCHERS}.")
     model = describe(cfg.model)
     dims, notes = validate(cfg, model)
-    jargs = job_args(args)
+    jargs = job_args(args) + restart_ready.resume_args(cfg, args)
     dry = "--dry-run" in args.flags
     if cfg.launcher == "torchrun":
         files = torchrun_commands(cfg, jargs)

@@ -312,3 +312,13 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: bool = False
+
+
+@dataclass
+class TrainRunConfig(Config):
+    """A training job's command line: the recipe plus where this run writes (`mbr launch`
+    accepts the same keys and hands them to every rank)."""
+
+    run_dir: str | None = None  # default runs/<recipe>/<timestamp>, chosen by rank 0
+    export_to: str | None = None  # write an HF model here after training (LoRA: merged into the base)
+    export_adapter_to: str | None = None  # peft=lora: write the adapter here in HF PEFT's format

@@ -32,7 +32,7 @@ from megatron_bridge.backends.registry import backend_of
 from megatron_bridge.bridge.loader import hf_assets
 from megatron_bridge.bridge.lora import base_of
 from megatron_bridge.config.compose import compose
-from megatron_bridge.config.schema import Config
+from megatron_bridge.config.schema import TrainRunConfig
 from megatron_bridge.convert.formats.safetensors_io import scan_dir
 from megatron_bridge.convert.sources.preflight import check_init_source
 from megatron_bridge.data.indexed import check_indexed_data
@@ -43,13 +43,6 @@ from megatron_bridge.parallel.rules.registry import validate
 from megatron_bridge.runtime.lora_files import check_adapter_dir
 from megatron_bridge.train import lease, manifest
 from megatron_bridge.train.orphans import die_with_launcher
-
-
-@dataclasses.dataclass
-class TrainRunConfig(Config):
-    run_dir: str | None = None  # default runs/<recipe>/<timestamp>, chosen by rank 0
-    export_to: str | None = None  # write an HF model here after training (LoRA: merged into the base)
-    export_adapter_to: str | None = None  # peft=lora: write the adapter here in HF PEFT's format
 
 
 def interval_exports(out: str | Path) -> bool:

@@ -1308,6 +1308,24 @@ CASES: list[Case] = [
         "launcher=slurm needs `sbatch`",
         "use --dry-run with output=DIR",
     ),
+    C(
+        "launch-restarts-no-ckpt",
+        "launch",
+        "mbr launch max_restarts=2 --dry-run output=out",
+        "restarts without checkpoints",
+        "checkpoint.dir is not set: every restart would start over from step 0",
+        "checkpoint.dir=DIR checkpoint.save_interval=N",
+        out=OUT,
+    ),
+    C(
+        "launch-restarts-no-resume",
+        "launch",
+        "mbr launch launcher=slurm max_restarts=2 checkpoint.dir=ck checkpoint.save_interval=5 checkpoint.resume=false --dry-run output=out",
+        "restarts with checkpoint.resume=false",
+        "with checkpoint.resume=false: every restart would start over",
+        "drop checkpoint.resume",
+        out=OUT,
+    ),
 ]
 
 

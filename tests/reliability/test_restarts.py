@@ -1,5 +1,6 @@
-"""A job that restarts itself: one torchrun launch with `--max-restarts=2`, 2 ranks,
-`checkpoint.resume=auto`, checkpoints every 3 of 14 steps. Rank 1 is SIGKILLed in step 5 of
+"""A job that restarts itself: one `mbr launch max_restarts=2` (it execs torchrun with
+`--max-restarts=2` and c10d rendezvous, and adds `checkpoint.resume=auto`), 2 ranks,
+checkpoints every 3 of 14 steps. Rank 1 is SIGKILLed in step 5 of
 the first attempt; in the restarted attempt rank 0 is frozen (SIGSTOP) in step 9 and rank 1's
 watchdog ends the attempt, naming rank 0 as silent. The job must exit 0 having run all 14
 steps, every logged step's loss (including the recomputed ones) equal bit for bit to an
@@ -29,28 +30,22 @@ ARGS = [
     "train.global_batch_size=4",
     "data=synthetic",
     "checkpoint.save_interval=3",
-    "checkpoint.resume=auto",
     "train.log_interval=1",
     "train.timeout_minutes=0.15",
 ]
 
 
-def _torchrun(tmp: Path, name: str, fault: str, restarts: int) -> subprocess.CompletedProcess:
+def _launch(tmp: Path, name: str, fault: str, restarts: int) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("MBR_FAULT", "WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["MBR_FAULT"] = fault
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        f"--max-restarts={restarts}",
-        "-m",
-        "megatron_bridge.train",
+        "megatron_bridge.cli",
+        "launch",
+        "cluster.gpus_per_node=2",
+        f"cluster.master_port={free_port()}",
+        f"max_restarts={restarts}",
         *ARGS,
         f"checkpoint.dir={tmp / name / 'ck'}",
         f"run_dir={tmp / name / 'run'}",
@@ -64,12 +59,12 @@ def _losses(run: Path) -> list[tuple[int, float]]:
 
 
 def test_restarts_after_a_kill_and_a_freeze(tmp_path):
-    ref = _torchrun(tmp_path, "ref", "", 0)
+    ref = _launch(tmp_path, "ref", "", 0)
     assert ref.returncode == 0, ref.stderr[-3000:]
     want = dict(_losses(tmp_path / "ref" / "run"))
     assert sorted(want) == list(range(1, 15))
 
-    p = _torchrun(tmp_path, "chaos", "kill:step:1:5:0,stop:step:0:9:1", 2)
+    p = _launch(tmp_path, "chaos", "kill:step:1:5:0,stop:step:0:9:1", 2)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "injecting kill:step:1:5:0" in out and "injecting stop:step:0:9:1" in out

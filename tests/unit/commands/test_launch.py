@@ -175,3 +175,84 @@ def test_k8s_refusals(args, needle, tmp_path):
     r = mbr("recipe=tiny_llama", "launcher=k8s", f"output={tmp_path}/out", *args, "--dry-run")
     assert r.returncode == 2 and needle in r.stderr, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr and not (tmp_path / "out").exists()
+
+
+# -- restart-ready launches (in-process: a dry run execs nothing) ------------------------------
+RESTART = ("recipe=tiny_llama", "max_restarts=3", "checkpoint.dir=/checkpoints/run", "checkpoint.save_interval=50")
+
+
+def _dry(capsys, *args):
+    from megatron_bridge.commands import launch
+
+    assert launch.main([*args, "--dry-run"]) == 0
+    return capsys.readouterr().out
+
+
+def test_restart_ready_torchrun_two_nodes(capsys):
+    out = _dry(capsys, *RESTART, "cluster.nodes=2", "cluster.gpus_per_node=2", "cluster.hostnames=[a,b]")
+    lines = [ln for ln in out.splitlines() if "torchrun" in ln]
+    assert len(lines) == 2
+    for node, line in enumerate(lines):
+        # a fresh rendezvous store per round (a replacement node restarts its count at 0)
+        assert line.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2")
+        assert f"--node-rank={node}" in line and "--rdzv-backend=c10d" in line and "--max-restarts=3" in line
+        assert "checkpoint.dir=/checkpoints/run checkpoint.save_interval=50 " in line
+        assert line.endswith(" checkpoint.resume=auto")
+        assert "max_restarts" not in line  # a launch-only key is not handed to the ranks
+
+
+def test_restart_ready_single_node_keeps_the_users_resume(capsys):
+    out = _dry(capsys, *RESTART, "checkpoint.resume=true", "run_dir=/ck/logs")
+    (line,) = [ln for ln in out.splitlines() if "torchrun" in ln]
+    assert line.startswith("torchrun ") and "--max-restarts=3" in line  # one node: no env needed
+    assert line.count("checkpoint.resume") == 1 and "checkpoint.resume=true" in line and "run_dir=/ck/logs" in line
+
+
+def test_restart_ready_slurm_requeues(capsys):
+    out = _dry(capsys, *RESTART, "launcher=slurm", "cluster.nodes=2", "cluster.gpus_per_node=2")
+    assert "#SBATCH --requeue\n#SBATCH --open-mode=append\n" in out
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n" in out
+    srun = next(ln for ln in out.splitlines() if ln.startswith("srun"))
+    assert "--rdzv-id=$SLURM_JOB_ID --max-restarts=3 -m megatron_bridge.train" in srun
+    assert srun.endswith("checkpoint.resume=auto'")
+    plain = _dry(capsys, "recipe=tiny_llama", "launcher=slurm", "cluster.nodes=2", "cluster.gpus_per_node=2")
+    assert "--requeue" not in plain and "--max-restarts" not in plain and "TORCH_DISABLE" not in plain
+
+
+def test_restart_ready_k8s_restarts_pods(capsys):
+    import yaml
+
+    out = _dry(capsys, *RESTART, "launcher=k8s", "k8s.image=img", "cluster.nodes=2", "k8s.checkpoint_pvc=ck")
+    job = yaml.safe_load(out.split("--- pytorchjob.yaml ---\n", 1)[1].split("submit with:")[0])
+    assert job["spec"]["runPolicy"] == {"backoffLimit": 3}
+    for spec in job["spec"]["pytorchReplicaSpecs"].values():
+        assert spec["restartPolicy"] == "OnFailure"
+        assert spec["template"]["spec"]["containers"][0]["command"][-1] == "checkpoint.resume=auto"
+    # a policy given without max_restarts resumes too; no backoffLimit is invented
+    out = _dry(capsys, *RESTART[:1], *RESTART[2:], "launcher=k8s", "k8s.image=img", "k8s.restart_policy=OnFailure")
+    job = yaml.safe_load(out.split("--- pytorchjob.yaml ---\n", 1)[1].split("submit with:")[0])
+    assert "runPolicy" not in job["spec"]
+    assert job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"][-1] == (
+        "checkpoint.resume=auto"
+    )
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["checkpoint.dir=/ck"], "checkpoint.save_interval=0 saves only at the end"),
+        (["launcher=deepspeed", "checkpoint.dir=/ck"], "the deepspeed launcher does not restart"),
+        (
+            ["launcher=k8s", "k8s.image=i", "k8s.restart_policy=Never", "checkpoint.dir=/ck"],
+            "k8s.restart_policy=Never: the pods would never be restarted",
+        ),
+        (["max_restarts=-1"], "max_restarts=-1: give how many times"),
+    ],
+)
+def test_restart_ready_refusals(args, needle, capsys):
+    from megatron_bridge.commands import launch
+    from megatron_bridge.errors import UserError
+
+    with pytest.raises(UserError, match=None) as e:
+        launch.main(["recipe=tiny_llama", "max_restarts=2", *args, "--dry-run"])
+    assert needle in str(e.value)
