@@ -186,6 +186,11 @@ class TrainConfig:
     # untouched, the step's data consumed), counts it, and stops after `max_skipped_steps` in a row.
     on_nonfinite: str = "stop"  # stop | skip
     max_skipped_steps: int = 5  # on_nonfinite=skip: consecutive skipped steps that end the job (>= 1)
+    # Straggler detection (docs/reliability.md "Stragglers"): every N steps the ranks compare their
+    # compute time per step (waits on peers excluded); a rank slower than `straggler_factor` times
+    # the median of its peers is named with its host. 0 = off (it costs one small all-gather).
+    straggler_interval: int = 0
+    straggler_factor: float = 1.5  # > 1
 
 
 @dataclass

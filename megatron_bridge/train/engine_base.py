@@ -23,6 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_bridge.errors import UserError
 from megatron_bridge.train.objectives.base import REPORT, NextToken, Objective, batch_to
+from megatron_bridge.train.stragglers import StepPhases
 
 MakeIterators = Callable[[int], list[Any]]
 """`make_iterators(n)`: n fresh iterators over this step's micro-batches, one per model chunk
@@ -72,6 +73,9 @@ class Engine(abc.ABC):
         self.model_chunks: list[torch.nn.Module] = list(chunks)
         self.device = next(chunks[0].parameters()).device
         self.objective: Objective = objective or NextToken()
+        # This rank's compute vs waiting-on-peers seconds (stragglers.py); each engine marks its
+        # collectives whose peers may be late with `phases.waiting()`.
+        self.phases = StepPhases()
 
     @abc.abstractmethod
     def step(self, make_iterators: MakeIterators) -> StepResult:

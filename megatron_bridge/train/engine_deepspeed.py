@@ -81,7 +81,8 @@ class DeepSpeedEngine(Engine):
         # leaves the gradient of the global mean, as megatron's per-token loss does.
         dev = comm_device()
         count = torch.tensor(sum(obj.count(b) for b in batches), dtype=torch.float64, device=dev)
-        torch.distributed.all_reduce(count, group=ps.get_data_parallel_group())
+        with self.phases.waiting():  # the first collective: a late peer is waited for here
+            torch.distributed.all_reduce(count, group=ps.get_data_parallel_group())
         dp = torch.distributed.get_world_size(ps.get_data_parallel_group())
         scale = n * dp / max(float(count), 1.0)
         acc = torch.zeros(obj.report_size, dtype=torch.float64, device=dev)
@@ -90,8 +91,10 @@ class DeepSpeedEngine(Engine):
             b = batch_to(b, self.device)
             total, _, report = obj.loss(b, obj.forward(self.engine, b))
             acc += report.to(dev, torch.float64)
-            self.engine.backward(total * scale)
-            if i == len(batches) - 1:  # the accumulation boundary: the gradients are reduced now
+            last = i == len(batches) - 1  # the accumulation boundary: the gradients are reduced now
+            with self.phases.waiting() if last else contextlib.nullcontext():
+                self.engine.backward(total * scale)
+            if last:
                 torch.distributed.all_reduce(acc, group=ps.get_data_parallel_group())
                 update = self._update_is_finite(obj.result(acc)[0])
             with contextlib.nullcontext() if update else _no_update(self.engine.optimizer):

@@ -54,6 +54,8 @@ class MegatronEngine(Engine):
         tconf = model_config(self.model_chunks)
         tconf.calculate_per_token_loss = True  # read by the schedule, DDP (built next) and finalize
         self.model = wrap_ddp(chunks, distributed_optimizer=dims.zero_stage == 1)
+        for conf in {id(w.config): w.config for w in self.model}.values():  # the gradient sync waits on peers
+            conf.finalize_model_grads_func = self.phases.marked(conf.finalize_model_grads_func)
         o = cfg.optimizer
         ocfg = OptimizerConfig(
             optimizer="adam",

@@ -36,6 +36,7 @@ from megatron_bridge.train.init import init_weights, loads_weights
 from megatron_bridge.train.metrics import MetricsLogger, gpu_metrics
 from megatron_bridge.train.objectives import make_objective
 from megatron_bridge.train.restarts import Attempt, run_dir_of
+from megatron_bridge.train.stragglers import Stragglers
 
 
 def model_overrides(cfg) -> dict[str, Any]:
@@ -163,6 +164,13 @@ def _loop(run: _Run, start: int) -> bool:
         NonFiniteSteps(cfg),
         StopSignals(run.engine.device, save_on_launcher_gone=bool(cfg.checkpoint.dir)),
     )
+    stragglers = Stragglers(
+        run.engine.phases,
+        cfg.train.straggler_interval,
+        cfg.train.straggler_factor,
+        rank=rank,
+        stage=ps.get_pipeline_model_parallel_rank(),
+    )
     saves: InFlight[ckpt.Pending] = InFlight(lambda p: p.finish())  # checkpoint.async_save
     staging = HostStaging() if cfg.checkpoint.async_save else None  # its host buffers, reused per save
     exports: InFlight[HFExport] = InFlight(lambda e: _published(run, e))  # train.export_interval
@@ -176,18 +184,25 @@ def _loop(run: _Run, start: int) -> bool:
             iterators = _iterators(run, run.datasets.train, step * dims.global_batch_size)
             if planned("step", step + 1):  # test-only fault injection (MBR_FAULT), see reliability.py
                 iterators = _with_fault(iterators, step + 1, dims.grad_accum)
+            run.engine.phases.start()
             result = run.engine.step(iterators)
+            run.engine.phases.stop()
             loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
             nonfinite.after(step + 1, loss, grad_norm, result.applied, rank)  # raises when the step ends the job
             attempt.step_done(step + 1)
             dt = time.perf_counter() - t0
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt, **result.metrics}
             metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt, run.spec))
+            metrics.update(stragglers.after(step + 1))  # collective every train.straggler_interval steps
             if _eval_due(cfg, step + 1, last=step + 1 == stop):
                 phase = f"evaluation at step {step + 1}"
                 watchdog.arm(phase)
                 metrics["val_loss"] = _evaluate(run)
-            if (step + 1) % cfg.train.log_interval == 0 or step + 1 == cfg.train.steps or "val_loss" in metrics:
+            if (
+                (step + 1) % cfg.train.log_interval == 0
+                or step + 1 == cfg.train.steps
+                or metrics.keys() & {"val_loss", "slowest_rank"}
+            ):
                 metrics.update(_stalls(save=saves, export=exports), **attempt.metrics())
                 logger.log(step + 1, metrics)
             saves.poll()

@@ -407,6 +407,22 @@ CASES: list[Case] = [
         "set train.max_skipped_steps=5",
     ),
     C(
+        "value-straggler-factor",
+        "config",
+        "mbr check train.straggler_interval=100 train.straggler_factor=0.8",
+        "straggler-factor",
+        "train.straggler_factor=0.8 must be > 1",
+        "set train.straggler_factor=1.5",
+    ),
+    C(
+        "value-straggler-interval",
+        "config",
+        "mbr check train.straggler_interval=-1",
+        "interval",
+        "train.straggler_interval=-1 must be >= 0",
+        "set train.straggler_interval=0 to turn straggler detection off",
+    ),
+    C(
         "value-on-nonfinite",
         "config",
         "mbr check train.on_nonfinite=ignore",

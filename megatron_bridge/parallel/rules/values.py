@@ -128,7 +128,7 @@ def schedule(f: Facts) -> list[Violation]:
 @RULES.run(reads=("run",))
 def intervals(f: Facts) -> list[Violation]:
     cfg = f.run
-    # No `eval_interval` exists yet (the trainer has no evaluation loop): nothing to check.
+    # train.eval_interval / eval_iters are checked with the data they read (rules/run.py).
     out = []
     if cfg.train.log_interval < 1:
         out += _v(
@@ -148,6 +148,20 @@ def intervals(f: Facts) -> list[Violation]:
             f"train.export_buffer_bytes={cfg.train.export_buffer_bytes} must be >= 0 (host bytes queued for the "
             "background HF export writer; 0 = the interval export is written in the step)",
             "set train.export_buffer_bytes=0, or a size such as 1073741824 (1 GiB)",
+        )
+    if cfg.train.straggler_interval < 0:
+        out += _v(
+            "interval",
+            f"train.straggler_interval={cfg.train.straggler_interval} must be >= 0 (compare the ranks' step "
+            "times every N steps; 0 = off)",
+            "set train.straggler_interval=0 to turn straggler detection off, or e.g. 100",
+        )
+    if not cfg.train.straggler_factor > 1:
+        out += _v(
+            "straggler-factor",
+            f"train.straggler_factor={cfg.train.straggler_factor:g} must be > 1 (a rank is named when its compute "
+            "time is that many times its peers' median)",
+            "set train.straggler_factor=1.5",
         )
     ck = cfg.checkpoint
     if ck.save_interval < 0:
