@@ -33,7 +33,8 @@ WRITE_EVERY_S = 1.0
 
 
 def attempt_number() -> int:
-    """This attempt under a restarting torchrun agent (0 = the first launch)."""
+    """torchrun's restart count of this agent (0 = its first start, again after a requeue; the
+    ledger numbers a run's attempts itself)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
@@ -86,7 +87,8 @@ class Ledger:
         data = {"run_dir": str(run_dir), "attempts": old.get("attempts", [])}
         data["attempts"].append(
             {
-                "attempt": attempt_number(),
+                "attempt": len(data["attempts"]),  # its place in the run: relaunches count too
+                "restart_count": attempt_number(),  # torchrun's (0 again after a requeue)
                 "job_id": os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "",
                 "started": _started(),
                 "resumed_from": resumed_from,
@@ -154,8 +156,8 @@ def _started() -> float:
 
 
 def faults(attempts: list[dict[str, Any]]) -> list[Fault]:
-    out = []
-    for prev, nxt in zip(attempts, attempts[1:], strict=False):
+    out = []  # numbered by their place in the ledger: a requeued job's torchrun counts from 0 again
+    for i, (prev, nxt) in enumerate(zip(attempts, attempts[1:], strict=False)):
         if prev.get("outcome") == "finished" or nxt.get("first_step_at") is None:
             continue
         last_at = prev.get("last_step_at") or prev.get("first_step_at") or prev["started"]
@@ -164,7 +166,7 @@ def faults(attempts: list[dict[str, Any]]) -> list[Fault]:
         work_from = saved_at if saved_at is not None else (prev.get("first_step_at") or last_at)
         out.append(
             Fault(
-                attempt=prev["attempt"],
+                attempt=i,
                 step=prev.get("last_step", r),
                 resumed_from=r,
                 recompute_s=max(0.0, last_at - work_from),
@@ -199,11 +201,11 @@ def summary(attempts: list[dict[str, Any]]) -> str:
 
 
 def failed_steps(ckpt_dir: str | Path | None) -> list[tuple[int, int]]:
-    """(attempt, step it died after) of every earlier attempt that ended without finishing or
+    """(attempt: its place in the ledger, step it died after) of every earlier attempt that ended without finishing or
     stopping: a restart loop that fails at one step shows it here."""
     return [
-        (a["attempt"], a.get("last_step", 0))
-        for a in read(ckpt_dir).get("attempts", [])[:-1]
+        (n, a.get("last_step", 0))
+        for n, a in enumerate(read(ckpt_dir).get("attempts", [])[:-1])
         if a.get("outcome") is None
     ]
 

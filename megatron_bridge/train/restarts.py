@@ -18,6 +18,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_bridge.reliability import failure_message, record_failure
 from megatron_bridge.train import attempts
 from megatron_bridge.train.heartbeats import Heartbeats
@@ -35,10 +37,16 @@ def run_dir_of(cfg) -> str | None:
 
 class Attempt:
     def __init__(self, cfg, rank: int, world: int, run_dir: Path, start: int) -> None:
-        self.cfg, self.rank, self.number = cfg, rank, attempts.attempt_number()
-        self.record_dir = run_dir / FAULTS_DIR / f"attempt_{self.number}"
+        self.cfg, self.rank, self.restart_count = cfg, rank, attempts.attempt_number()
         self.run_dir = run_dir
         self.ledger = attempts.Ledger.open(cfg.checkpoint.dir, run_dir, start, enabled=rank == 0)
+        # The attempt's number in the run: its place in the ledger, which also counts relaunches
+        # (a Slurm requeue, a k8s pod restart: torchrun's own count starts at 0 again there).
+        number = [self.ledger.current["attempt"] if self.ledger.path else self.restart_count]
+        if world > 1:
+            torch.distributed.broadcast_object_list(number, src=0)
+        self.number: int = number[0]
+        self.record_dir = run_dir / FAULTS_DIR / f"attempt_{self.number}"
         timeout = cfg.train.timeout_minutes * 60
         self.heartbeats = Heartbeats(rank, world, period=min(10.0, max(0.5, timeout / 10)))
         self._first = True
@@ -47,13 +55,14 @@ class Attempt:
             self._announce(start)
 
     def _announce(self, start: int) -> None:
-        prev = self.ledger.data["attempts"][-2]
-        why = _recorded(self.run_dir / FAULTS_DIR / f"attempt_{prev['attempt']}")
+        prev, n = self.ledger.data["attempts"][-2], self.number - 1
+        why = _recorded(self.run_dir / FAULTS_DIR / f"attempt_{n}")
         limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
         of = f" of --max-restarts={limit}" if limit else ""
+        head = f"restart {self.restart_count}{of}" if self.restart_count else f"relaunched as attempt {self.number}"
         ended = "stopped" if prev.get("outcome") == "stopped" else "failed"
         print(
-            f"restart {self.number}{of}: resuming from step {start}; attempt {prev['attempt']} {ended} after step "
+            f"{head}: resuming from step {start}; attempt {n} {ended} after step "
             f"{prev.get('last_step', start)}" + (f": {why}" if why else " (no rank left a record: killed or frozen)"),
             flush=True,
         )
@@ -90,7 +99,7 @@ class Attempt:
         """Record this rank's failure; return the line to print."""
         line = failure_message(self.rank, phase, exc)
         limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
-        if limit is not None and self.number >= int(limit):
+        if limit is not None and self.restart_count >= int(limit):
             same = [a for a, s in attempts.failed_steps(self.cfg.checkpoint.dir) if s + 1 == step]
             if same:
                 line += (
