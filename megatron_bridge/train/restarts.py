@@ -96,7 +96,9 @@ class Attempt:
         return out
 
     def failed(self, phase: str, step: int, exc: BaseException) -> str:
-        """Record this rank's failure; return the line to print."""
+        """Record this rank's failure; return the line to print. Rank 0 writes the ledger now (its
+        writes are throttled): the next attempts read the step this one died in from it."""
+        self.ledger.write()
         line = failure_message(self.rank, phase, exc)
         limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
         if limit is not None and self.restart_count >= int(limit):

@@ -89,3 +89,16 @@ def test_restarts_after_a_kill_and_a_freeze(tmp_path):
     assert all(f.resumed_from <= f.step <= died for f, died in zip(fs, (4, 8), strict=True))
     assert all(f.restart_s > 0 for f in fs)
     assert "goodput " in out and "2 fault(s)/stop(s) cost" in out
+
+
+def test_a_restart_loop_failing_at_one_step_says_so(tmp_path):
+    """Every attempt raises in step 5 (a bug, not the hardware): after the launcher's limit the
+    job ends, and the last attempt's failing rank names the step, the rank and the attempts."""
+    p = _launch(tmp_path, "loop", "raise:step:1:5", 1)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-4000:]
+    assert "restart 1 of --max-restarts=1: resuming from step 3" in out, out[-4000:]
+    want = "rank 1 failed in step 5: RuntimeError: injected fault raise:step:1:5:1 (MBR_FAULT). Attempts 0 and 1 all "
+    assert want + "failed in step 5: the launcher's restart limit (--max-restarts=1) is reached" in out, out[-4000:]
+    record = (tmp_path / "loop" / "run" / "faults" / "attempt_1" / "rank_1.txt").read_text()
+    assert "Attempts 0 and 1 all failed in step 5" in record and "Traceback" in record
