@@ -191,6 +191,9 @@ class TrainConfig:
     # the median of its peers is named with its host. 0 = off (it costs one small all-gather).
     straggler_interval: int = 0
     straggler_factor: float = 1.5  # > 1
+    # torch.compile each transformer layer (both backends, both engines; runtime/compiled.py):
+    # compiled at the first step, graph breaks counted and printed after it.
+    compile: bool = False
 
 
 @dataclass

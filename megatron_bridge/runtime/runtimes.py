@@ -31,13 +31,25 @@ class BackendRuntime:
     manifest)` loads an `mbr convert` output; `iter_tensors(chunks, spec, dtype, value,
     everywhere, into=)` yields (HF name, whole tensor) on the exporting ranks (collective);
     `global_names(chunk)` is {a chunk's parameter name: its table name} (layers and experts
-    numbered globally)."""
+    numbered globally); `layers(chunk)` its transformer layers, in order (what `train.compile`
+    compiles: runtime/compiled.py)."""
 
     build: Callable[..., list[Any]]
     load: Callable[..., int]
     load_converted: Callable[..., None]
     iter_tensors: Callable[..., Iterator[tuple[str, Any]]]
     global_names: Callable[[Any], dict[str, str]]
+    layers: Callable[[Any], list[Any]]
+
+
+def _decoder_layers(chunk: Any) -> list[Any]:
+    """A megatron-core GPTModel's: `decoder.layers`."""
+    return list(chunk.decoder.layers)
+
+
+def _hf_layers(chunk: Any) -> list[Any]:
+    """An hf chunk's: the ModuleDict at its plan's layers path (runtime/transformers/chunk.py)."""
+    return list(chunk.get_submodule(chunk.plan.layers).values())
 
 
 def _same_names(chunk: Any) -> dict[str, str]:
@@ -52,6 +64,7 @@ RUNTIMES: dict[str, BackendRuntime] = {
         native_converted.load_converted,
         native_weights.iter_tensors,
         native_weights.global_names,
+        _decoder_layers,
     ),
     "transformers": BackendRuntime(  # each deferred: transformers' modeling code
         later("megatron_bridge.runtime.transformers.build:build_transformers"),  # deferred
@@ -59,6 +72,7 @@ RUNTIMES: dict[str, BackendRuntime] = {
         later("megatron_bridge.runtime.transformers.weights:load_converted"),  # deferred
         later("megatron_bridge.runtime.transformers.weights:iter_tensors"),  # deferred
         _same_names,
+        _hf_layers,
     ),
 }
 

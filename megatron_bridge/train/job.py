@@ -22,6 +22,8 @@ from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import Watchdog, faulty_iterator, planned
 from megatron_bridge.runtime import groups
 from megatron_bridge.runtime.build import build_model
+from megatron_bridge.runtime.compiled import compile_layers
+from megatron_bridge.runtime.compiled import report as compile_report
 from megatron_bridge.runtime.hf_export import HFExport
 from megatron_bridge.runtime.lora_modules import export_adapter, merged
 from megatron_bridge.runtime.runtimes import runtime_of
@@ -67,6 +69,7 @@ class _Run:
     spec: Any  # the one model description (backends.describe)
     engine: Engine
     datasets: Any
+    compiled: int = 0  # train.compile: the transformer layers compiled on this rank
 
 
 def run(cfg, dims, spec, recipe: str, meta: dict[str, Any], *, finalize: bool = True) -> None:
@@ -103,6 +106,7 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     overrides = model_overrides(cfg)
     chunks = build_model(spec, dims, load_weights=loads_weights(cfg, spec), **overrides)
     init_weights(chunks, spec, cfg)
+    compiled = compile_layers(chunks, runtime_of(spec).layers) if cfg.train.compile else 0
     datasets = build_datasets(
         cfg.data,
         dims,
@@ -116,7 +120,7 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     engine = make_engine(
         cfg, dims, chunks, mpu, bf16=overrides["bf16"], global_names=runtime_of(spec).global_names, objective=objective
     )
-    return _Run(cfg, dims, recipe, meta, rank, run_dir, spec, engine, datasets)
+    return _Run(cfg, dims, recipe, meta, rank, run_dir, spec, engine, datasets, compiled)
 
 
 def _resume(run: _Run) -> int:
@@ -190,6 +194,8 @@ def _loop(run: _Run, start: int) -> bool:
             loss, grad_norm, lr = result.loss, result.grad_norm, result.lr
             nonfinite.after(step + 1, loss, grad_norm, result.applied, rank)  # raises when the step ends the job
             attempt.step_done(step + 1)
+            if run.compiled and step == start and rank == 0:
+                print(compile_report(run.compiled), flush=True)
             dt = time.perf_counter() - t0
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt, **result.metrics}
             metrics.update(tokens_per_s=tokens_per_step / dt, **gpu_metrics(cfg, dims, dt, run.spec))
