@@ -3,7 +3,10 @@ megatron_bridge wrappers except the CPU shim (megatron-core cannot run on CPU wi
 on a GPU the shim is a no-op). Same model shape, layout, optimizer and synthetic data as
 the `python -m megatron_bridge.train` run it is compared with. Prints one JSON line per step.
 
-    torchrun --nproc-per-node 2 benchmarks/bare_megatron_loop.py TP STEPS HIDDEN LAYERS SEQ GBS [HEADS]
+    torchrun --nproc-per-node 2 benchmarks/bare_megatron_loop.py TP STEPS HIDDEN LAYERS SEQ GBS [HEADS] [compile]
+
+`compile`: every decoder layer through `torch.compile` as `train.compile=true` does it
+(runtime/compiled.py), so the compiled run is compared with the same kernels.
 """
 
 import json
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 def main():
     tp, steps, hidden, layers, seq, gbs = map(int, sys.argv[1:7])
     heads = int(sys.argv[7]) if len(sys.argv) > 7 else 8
+    compiled = len(sys.argv) > 8 and sys.argv[8] == "compile"
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -69,6 +73,10 @@ def main():
     )
     if cuda:
         model.cuda()
+    if compiled:
+        from megatron_bridge.runtime.compiled import compile_layers
+
+        compile_layers([model], lambda m: m.decoder.layers)
     ddp = DistributedDataParallel(
         config=cfg, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
     )

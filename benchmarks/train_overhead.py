@@ -60,6 +60,7 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--gbs", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8, help="query heads (half as many KV groups)")
+    ap.add_argument("--compile", action="store_true", help="both runs with torch.compile of every layer")
     a = ap.parse_args()
     skip = min(5, a.steps // 3)
     t0, out = launch(
@@ -72,6 +73,7 @@ def main():
             str(a.seq),
             str(a.gbs),
             str(a.heads),
+            *(["compile"] if a.compile else []),
         ],
         a.tp,
     )
@@ -94,13 +96,14 @@ def main():
             f"train.steps={a.steps}",
             "optimizer.weight_decay=0.0",
             f"run_dir={run_dir}",
+            f"train.compile={str(a.compile).lower()}",
         ]
         t0, _ = launch(["-m", "megatron_bridge.train", *ovr], a.tp)
         rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     ours = summary("megatron_bridge.train", t0, rows, skip)
     print(
         f"model h={a.hidden} L={a.layers} heads={a.heads} (head dim {a.hidden // a.heads}) seq={a.seq} gbs={a.gbs} "
-        f"tp={a.tp}, {a.steps} steps (median of steps > {skip})"
+        f"tp={a.tp}, {a.steps} steps (median of steps > {skip}){', both compiled' if a.compile else ''}"
     )
     for r in (bare, ours):
         print(

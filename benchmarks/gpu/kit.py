@@ -15,13 +15,15 @@ Checks, in order of what they prove:
    the report prints the difference rather than asserting it).
 4. `overhead`: `benchmarks/train_overhead.py` at tp1 on a ~0.9B-parameter Llama shape (bf16):
    our step time over a bare megatron-core loop's, and the model TFLOP/s and MFU.
-5. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the transformers backend's step
+5. `compile`: `overhead` again with `--compile` (`train.compile=true` against the bare loop
+   with the same layers compiled): the compiled step time and MFU beside the eager ones.
+6. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the transformers backend's step
    time over the native one's on one saved Llama, and each one's TFLOP/s and MFU.
 
 On request (`--only headdim,async`, not in the default set):
-6. `headdim`: `train_overhead.py` on a ~1.6 B shape (h 4096, 8 layers, seq 4096) with head dim
+7. `headdim`: `train_overhead.py` on a ~1.6 B shape (h 4096, 8 layers, seq 4096) with head dim
    128 and 512: on 2026-11-27 ours was 1.72x the bare loop at head dim 512 (see docs).
-7. `async`: `benchmarks/host_snapshot.py` (a 4 GB state to host: fresh memory against the
+8. `async`: `benchmarks/host_snapshot.py` (a 4 GB state to host: fresh memory against the
    reused pinned staging buffers), then `benchmarks/async_save.py` on a ~0.33 B shape (bf16,
    4.6 GB checkpoints), a save or an HF export every 30 steps: the training thread's snapshot
    and wait per save.
@@ -115,7 +117,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_kit_out")
     ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
-    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,hfspeed,te,sdpa")
+    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,compile,hfspeed,te,sdpa")
     ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
     a = ap.parse_args()
     out = Path(a.out)
@@ -155,20 +157,25 @@ def main() -> int:
         before = len(report)
         resume_check(out, report, "resume_ds", ("train.engine=deepspeed", "zero.stage=2"))
         print("\n".join(report[before:]), flush=True)
-    if "overhead" in only:
+    for check in ("overhead", "compile"):  # eager, then every layer through torch.compile
+        if check not in only:
+            continue
         shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "12"]
+        if a.smoke and check == "compile":  # CPU inductor compiles for minutes at larger shapes
+            shape = ["--hidden", "64", "--layers", "1", "--seq", "32", "--gbs", "2", "--steps", "10"]
         if not a.smoke:  # ~0.9B parameters at vocab 512: 16 layers x 12 h^2, h = 2048
             shape = ["--hidden", "2048", "--layers", "16", "--seq", "2048", "--gbs", "16", "--steps", "20"]
-        cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape]
-        rc, text, secs = run("overhead", cmd, 300, out)
-        say(f"- overhead ({' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
+        flag = ["--compile"] if check == "compile" else []
+        cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape, *flag]
+        rc, text, secs = run(check, cmd, 300 if check == "overhead" else 480, out)
+        say(f"- {check} ({' '.join(shape + flag)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
         if rc == 0:
             h, layers, seq, gbs = (int(shape[i]) for i in (1, 3, 5, 7))
             step = float(re.search(r"megatron_bridge\.train\s+median step\s+([\d.]+) ms", text).group(1))
             params = layers * 12 * h * h
             flops = 6 * params * seq * gbs + 12 * layers * h * seq * seq * gbs  # fwd+bwd, attention
             tflops = flops / (step / 1e3) / 1e12
-            say(f"- overhead: {tflops:.0f} model TFLOP/s, MFU {tflops / H100_BF16_TFLOPS:.1%} of H100 bf16 peak")
+            say(f"- {check}: {tflops:.3g} model TFLOP/s, MFU {tflops / H100_BF16_TFLOPS:.1%} of H100 bf16 peak")
     if "hfspeed" in only:
         shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "9"]
         if not a.smoke:

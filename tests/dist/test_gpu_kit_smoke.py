@@ -1,7 +1,8 @@
 """The GPU kit's CPU dry run (benchmarks/gpu/kit.py --smoke), so the script a lent GPU machine
 runs first cannot rot between GPU sessions: the same code, small shapes, on gloo — the device
-probe and the resume check (its three training launches and the kit's parsing of their
-losses). Left out for CI time: `verify` (its `mbr verify` runs are tested in
+probe, the resume check (its three training launches and the kit's parsing of their
+losses), the SDPA kernel probe and the compiled pair (`train.compile=true` against the bare loop
+with its layers compiled, a 1-layer shape: inductor compiles slowly on CPU). Left out for CI time: `verify` (its `mbr verify` runs are tested in
 test_bridge_verify_e2e.py), `resume_ds` (`resume`'s code with DeepSpeed's engine, trained and
 resumed in test_train.py), and `overhead` / `hfspeed` (two launches each of
 benchmarks/train_overhead.py and benchmarks/hf_vs_native.py, whose output the kit only tails
@@ -25,7 +26,7 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
         "benchmarks/gpu/kit.py",
         "--smoke",
         "--only",
-        "env,resume,sdpa",
+        "env,resume,sdpa,compile",
         "--out",
         str(tmp_path),
     ]
@@ -37,3 +38,8 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
     assert f'"megatron.core": "{importlib.metadata.version("megatron-core")}"' in heads["env:"], report
     assert heads["resume:"].endswith("max |diff| = 0 (bit-exact)"), report  # steps 4-6 resumed exactly
     assert "sdpa by head dim: rc=0" in report and "head_dim 512 heads 2 kv 1: eager vs sdpa" in report, report
+    # the compiled pair (ours and the bare loop, every layer through torch.compile) ran and was parsed
+    assert "rc=0" in heads["compile"] and "both compiled" in report and "step time ratio (ours / bare)" in report, (
+        report
+    )
+    assert "model TFLOP/s, MFU" in heads["compile:"], report
