@@ -150,5 +150,4 @@ def test_a_vanished_host_is_replaced_or_times_out_and_the_job_resumes(tmp_path):
     assert {s for s, _ in got} == set(range(1, STEPS + 1))
     for step, loss in got:  # every attempt's rows, recomputed steps too
         assert loss == want[step], (step, loss, want[step])
-    assert len(got) > STEPS  # steps were recomputed after each fault
     assert not list((tmp_path / "job" / "ck").glob("iter_*.tmp"))  # a save torn by a vanished host is swept
