@@ -6,8 +6,8 @@ only names its layers (`BackendRuntime.layers`). Dynamo compiles at a layer's fi
 reuses the graph for every other layer of the same shape (parameters are graph inputs).
 megatron-core's row-parallel linear warns on every call (`tp_group is None`, a
 DeprecationWarning dynamo cannot reorder) and would split each graph there: `warnings.warn` is
-a no-op inside compiled code (warnings raised inside a compiled layer are not shown). The graph
-breaks that remain are counted and printed after the first step (docs/train.md "Compile").
+a no-op inside compiled code (warnings raised inside a compiled layer are not shown), and its
+tensor-parallel linear's once-only hint is marked given. The graph breaks that remain are counted and printed after the first step (docs/train.md "Compile").
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from typing import Any
 
 import torch
 import torch._dynamo
+from megatron.core.tensor_parallel import layers as tp_layers
 
 
 def compile_layers(chunks: Sequence[Any], layers_of: Callable[[Any], Iterable[torch.nn.Module]]) -> int:
     """Compile every layer of `chunks` in place; how many."""
     torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    # its once-only CUDA_DEVICE_MAX_CONNECTIONS hint sets an attribute on a function, which dynamo
+    # cannot trace: a graph break in every TP linear's call (the hint is a no-op warning here anyway)
+    tp_layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
     _BASE.clear()
     _BASE.update(graph_breaks())
     n = 0
