@@ -3,14 +3,16 @@ megatron_bridge wrappers except the CPU shim (megatron-core cannot run on CPU wi
 on a GPU the shim is a no-op). Same model shape, layout, optimizer and synthetic data as
 the `python -m megatron_bridge.train` run it is compared with. Prints one JSON line per step.
 
-    torchrun --nproc-per-node 2 benchmarks/bare_megatron_loop.py TP STEPS HIDDEN LAYERS SEQ GBS [HEADS] [compile]
+    torchrun --nproc-per-node 2 benchmarks/bare_megatron_loop.py --tp 2 --steps 30 --hidden 256 --layers 4
+        --seq 256 --gbs 8 [--heads 8] [--kv 4] [--ffn 1024] [--vocab 512] [--recompute none|full] [--compile]
 
-`compile`: every decoder layer through `torch.compile` as `train.compile=true` does it
-(runtime/compiled.py), so the compiled run is compared with the same kernels.
+`--compile`: every decoder layer through `torch.compile` as `train.compile=true` does it
+(runtime/compiled.py), so the compiled run is compared with the same kernels. `--recompute full`:
+megatron's uniform full recompute, one layer at a time (as `train.recompute=full`).
 """
 
+import argparse
 import json
-import sys
 import time
 from datetime import timedelta
 
@@ -18,10 +20,32 @@ import torch
 import torch.nn.functional as F
 
 
+def args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    for name, default in (("tp", 1), ("steps", 30), ("hidden", 256), ("layers", 4), ("seq", 256), ("gbs", 8)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv", type=int, default=0, help="KV groups (0: heads / 2)")
+    ap.add_argument("--ffn", type=int, default=0, help="FFN hidden size (0: 4 x hidden)")
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--recompute", default="none", choices=("none", "full"))
+    ap.add_argument("--compile", action="store_true")
+    return ap.parse_args()
+
+
 def main():
-    tp, steps, hidden, layers, seq, gbs = map(int, sys.argv[1:7])
-    heads = int(sys.argv[7]) if len(sys.argv) > 7 else 8
-    compiled = len(sys.argv) > 8 and sys.argv[8] == "compile"
+    a = args()
+    tp, steps, hidden, layers, seq, gbs, heads, compiled = (
+        a.tp,
+        a.steps,
+        a.hidden,
+        a.layers,
+        a.seq,
+        a.gbs,
+        a.heads,
+        a.compile,
+    )
+    recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -41,9 +65,9 @@ def main():
     cfg = TransformerConfig(
         num_layers=layers,
         hidden_size=hidden,
-        ffn_hidden_size=4 * hidden,
+        ffn_hidden_size=a.ffn or 4 * hidden,
         num_attention_heads=heads,
-        num_query_groups=heads // 2,
+        num_query_groups=a.kv or heads // 2,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -61,11 +85,12 @@ def main():
         bf16=cuda,
         params_dtype=torch.bfloat16 if cuda else torch.float32,
         pipeline_dtype=torch.bfloat16 if cuda else torch.float32,
+        **(recompute if a.recompute == "full" else {}),
     )
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=512,
+        vocab_size=a.vocab,
         max_sequence_length=seq,
         position_embedding_type="rope",
         pre_process=True,
@@ -89,7 +114,7 @@ def main():
 
     def batches():
         while True:
-            t = torch.randint(0, 512, (1, seq + 1), generator=g)
+            t = torch.randint(0, a.vocab, (1, seq + 1), generator=g)
             yield {
                 "tokens": t[:, :-1].to(dev),
                 "labels": t[:, 1:].to(dev),

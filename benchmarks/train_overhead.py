@@ -60,20 +60,22 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--gbs", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8, help="query heads (half as many KV groups)")
+    ap.add_argument("--kv", type=int, default=0, help="KV groups (0: heads / 2)")
+    ap.add_argument("--ffn", type=int, default=0, help="FFN hidden size (0: 4 x hidden)")
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--recompute", default="none", choices=("none", "full"))
     ap.add_argument("--compile", action="store_true", help="both runs with torch.compile of every layer")
     a = ap.parse_args()
+    kv, ffn = a.kv or a.heads // 2, a.ffn or 4 * a.hidden
     skip = min(5, a.steps // 3)
     t0, out = launch(
         [
             "benchmarks/bare_megatron_loop.py",
-            str(a.tp),
-            str(a.steps),
-            str(a.hidden),
-            str(a.layers),
-            str(a.seq),
-            str(a.gbs),
-            str(a.heads),
-            *(["compile"] if a.compile else []),
+            *(f"--{k}={getattr(a, k)}" for k in ("tp", "steps", "hidden", "layers", "seq", "gbs", "heads", "vocab")),
+            f"--kv={kv}",
+            f"--ffn={ffn}",
+            f"--recompute={a.recompute}",
+            *(["--compile"] if a.compile else []),
         ],
         a.tp,
     )
@@ -85,10 +87,10 @@ def main():
             f"cluster.gpus_per_node={a.tp}",
             f"model.num_layers={a.layers}",
             f"model.hidden_size={a.hidden}",
-            f"model.ffn_hidden_size={4 * a.hidden}",
+            f"model.ffn_hidden_size={ffn}",
             f"model.num_attention_heads={a.heads}",
-            f"model.num_query_groups={a.heads // 2}",
-            "model.vocab_size=512",
+            f"model.num_query_groups={kv}",
+            f"model.vocab_size={a.vocab}",
             f"model.max_position_embeddings={a.seq}",
             f"train.seq_length={a.seq}",
             "train.micro_batch_size=1",
@@ -97,12 +99,14 @@ def main():
             "optimizer.weight_decay=0.0",
             f"run_dir={run_dir}",
             f"train.compile={str(a.compile).lower()}",
+            f"train.recompute={a.recompute}",
         ]
         t0, _ = launch(["-m", "megatron_bridge.train", *ovr], a.tp)
         rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     ours = summary("megatron_bridge.train", t0, rows, skip)
     print(
-        f"model h={a.hidden} L={a.layers} heads={a.heads} (head dim {a.hidden // a.heads}) seq={a.seq} gbs={a.gbs} "
+        f"model h={a.hidden} L={a.layers} heads={a.heads}/{kv} kv (head dim {a.hidden // a.heads}) ffn={ffn} "
+        f"vocab={a.vocab} seq={a.seq} gbs={a.gbs} recompute={a.recompute} "
         f"tp={a.tp}, {a.steps} steps (median of steps > {skip}){', both compiled' if a.compile else ''}"
     )
     for r in (bare, ours):

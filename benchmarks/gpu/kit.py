@@ -17,6 +17,8 @@ Checks, in order of what they prove:
    our step time over a bare megatron-core loop's, and the model TFLOP/s and MFU.
 5. `compile`: `overhead` again with `--compile` (`train.compile=true` against the bare loop
    with the same layers compiled): the compiled step time and MFU beside the eager ones.
+   `llama8b`: the same pair, eager and compiled, on Llama-3-8B layers (h 4096, ffn 14336, 32/8
+   heads, vocab 128,256, seq 8192, 8 layers, full recompute): tokens/s and MFU, ours and bare.
 6. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the transformers backend's step
    time over the native one's on one saved Llama, and each one's TFLOP/s and MFU.
 
@@ -79,6 +81,32 @@ def run(name: str, cmd: list[str], timeout: int, log: Path) -> tuple[int, str, f
     return rc, text, time.time() - t0
 
 
+def model_tflops(shape: list[str], step_ms: float) -> float:
+    """Model TFLOP/s of a train_overhead.py shape at `step_ms` per step: 6 x the GEMM parameters
+    (attention with its KV groups, a SwiGLU FFN, the LM head) per token, plus causal attention's
+    12 x layers x hidden x seq per token (not halved: the usual convention)."""
+    a = dict(zip(shape[::2], shape[1::2], strict=False))
+    h, layers, seq, gbs = (int(a[k]) for k in ("--hidden", "--layers", "--seq", "--gbs"))
+    heads = int(a.get("--heads", 8))
+    kv, ffn, vocab = int(a.get("--kv", heads // 2)), int(a.get("--ffn", 4 * h)), int(a.get("--vocab", 512))
+    hd = h // heads
+    gemm = layers * (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * ffn) + vocab * h
+    tokens = seq * gbs
+    return (6 * gemm * tokens + 12 * layers * h * seq * tokens) / (step_ms / 1e3) / 1e12
+
+
+def mfu_line(shape: list[str], text: str) -> str:
+    """Ours and the bare loop's tokens/s, model TFLOP/s and MFU, from train_overhead.py's output."""
+    out = []
+    for who, pat in (("ours", r"megatron_bridge\.train"), ("bare", r"bare megatron-core loop")):
+        step = float(re.search(pat + r"\s+median step\s+([\d.]+) ms", text).group(1))
+        a = dict(zip(shape[::2], shape[1::2], strict=False))
+        tok = int(a["--seq"]) * int(a["--gbs"]) / (step / 1e3)
+        tf = model_tflops(shape, step)
+        out.append(f"{who} {tok:,.0f} tokens/s, {tf:.3g} model TFLOP/s, MFU {tf / H100_BF16_TFLOPS:.1%}")
+    return "; ".join(out) + " (of H100 bf16 dense peak)"
+
+
 def tail(text: str, n: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
@@ -117,7 +145,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_kit_out")
     ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
-    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,compile,hfspeed,te,sdpa")
+    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,compile,llama8b,hfspeed,te,sdpa")
     ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
     a = ap.parse_args()
     out = Path(a.out)
@@ -170,12 +198,20 @@ def main() -> int:
         rc, text, secs = run(check, cmd, 300 if check == "overhead" else 480, out)
         say(f"- {check} ({' '.join(shape + flag)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
         if rc == 0:
-            h, layers, seq, gbs = (int(shape[i]) for i in (1, 3, 5, 7))
-            step = float(re.search(r"megatron_bridge\.train\s+median step\s+([\d.]+) ms", text).group(1))
-            params = layers * 12 * h * h
-            flops = 6 * params * seq * gbs + 12 * layers * h * seq * seq * gbs  # fwd+bwd, attention
-            tflops = flops / (step / 1e3) / 1e12
-            say(f"- {check}: {tflops:.3g} model TFLOP/s, MFU {tflops / H100_BF16_TFLOPS:.1%} of H100 bf16 peak")
+            say(f"- {check}: {mfu_line(shape, text)}")
+    if "llama8b" in only:  # the throughput goal's shape: Llama-3-8B layers, as many as fit with Adam
+        shape = ["--hidden", "4096", "--ffn", "14336", "--heads", "32", "--kv", "8", "--vocab", "128256"]
+        shape += ["--seq", "8192", "--layers", "8", "--gbs", "8", "--steps", "12", "--recompute", "full"]
+        if a.smoke:
+            shape = ["--hidden", "64", "--ffn", "224", "--heads", "4", "--kv", "2", "--vocab", "1024"]
+            shape += ["--seq", "64", "--layers", "1", "--gbs", "2", "--steps", "10", "--recompute", "full"]
+        for flag in ([], ["--compile"]):
+            name = "llama8b" + ("_compiled" if flag else "")
+            cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape, *flag]
+            rc, text, secs = run(name, cmd, 540, out)
+            say(f"- {name} ({' '.join(shape + flag)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
+            if rc == 0:
+                say(f"- {name}: {mfu_line(shape, text)}")
     if "hfspeed" in only:
         shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "9"]
         if not a.smoke:

@@ -1,8 +1,9 @@
 """The GPU kit's CPU dry run (benchmarks/gpu/kit.py --smoke), so the script a lent GPU machine
 runs first cannot rot between GPU sessions: the same code, small shapes, on gloo — the device
 probe, the resume check (its three training launches and the kit's parsing of their
-losses), the SDPA kernel probe and the compiled pair (`train.compile=true` against the bare loop
-with its layers compiled, a 1-layer shape: inductor compiles slowly on CPU). Left out for CI time: `verify` (its `mbr verify` runs are tested in
+losses), the SDPA kernel probe, the compiled pair (`train.compile=true` against the bare loop with its
+layers compiled, a 1-layer shape: inductor compiles slowly on CPU) and the `llama8b` pairs
+(eager and compiled) at a tiny shape with the 8B check's GQA, ffn, vocabulary and recompute knobs. Left out for CI time: `verify` (its `mbr verify` runs are tested in
 test_bridge_verify_e2e.py), `resume_ds` (`resume`'s code with DeepSpeed's engine, trained and
 resumed in test_train.py), and `overhead` / `hfspeed` (two launches each of
 benchmarks/train_overhead.py and benchmarks/hf_vs_native.py, whose output the kit only tails
@@ -26,7 +27,7 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
         "benchmarks/gpu/kit.py",
         "--smoke",
         "--only",
-        "env,resume,sdpa,compile",
+        "env,resume,sdpa,compile,llama8b",
         "--out",
         str(tmp_path),
     ]
@@ -43,3 +44,6 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
         report
     )
     assert "model TFLOP/s, MFU" in heads["compile:"], report
+    # the 8B-shaped pair (GQA, SwiGLU ffn, a large vocabulary, full recompute), eager and compiled
+    for name in ("llama8b", "llama8b_compiled"):
+        assert "rc=0" in heads[name] and heads[f"{name}:"].count("tokens/s") == 2, report
