@@ -162,7 +162,7 @@ class TrainConfig:
     grad_accum: int | None = None  # None = global / (micro * dp)
     steps: int = 10
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp8 (refused: rules/values.py)
     recompute: str = "none"  # none | selective | full
     log_interval: int = 1
     init_from: str | None = None  # HF dir or `mbr convert` output

@@ -407,6 +407,14 @@ CASES: list[Case] = [
         "set train.max_skipped_steps=5",
     ),
     C(
+        "value-fp8-cpu",
+        "config",
+        "mbr check train.precision=fp8",
+        "fp8",
+        "train.precision=fp8 needs GPUs with FP8 tensor cores",
+        "use train.precision=bf16",
+    ),
+    C(
         "value-straggler-factor",
         "config",
         "mbr check train.straggler_interval=100 train.straggler_factor=0.8",

@@ -9,7 +9,7 @@ RULES = RuleSet()
 
 CHOICES = {
     "train.engine": ("megatron", "deepspeed"),
-    "train.precision": ("auto", "fp32", "bf16"),
+    "train.precision": ("auto", "fp32", "bf16", "fp8"),  # fp8: refused with its reason (values.fp8_training)
     "train.recompute": ("none", "selective", "full"),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.resume": (False, True, "auto"),
