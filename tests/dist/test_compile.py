@@ -1,6 +1,6 @@
 """`train.compile=true` trains exactly like eager: one 2-rank torchrun launch, a native Llama at
-tp2 and at pp2 and a transformers-backend model (Cohere: no native family) at tp2, each eager
-and compiled, fp32 on gloo. Every step's loss and gradient norm agree within 1e-5 (relative)."""
+tp2 and at pp2 and a transformers-backend model (Cohere: no native family) at tp2 on the megatron
+engine, and the Llama at dp2 under DeepSpeed ZeRO-1, each eager and compiled, fp32 on gloo. Every step's loss and gradient norm agree within 1e-5 (relative)."""
 
 import pytest
 
@@ -31,6 +31,7 @@ def test_compiled_layers_match_eager(tmp_path):
         "llama_tp2": [f"model.hf_path={llama}", "parallel.tp=2"],
         "llama_pp2": [f"model.hf_path={llama}", "parallel.pp=2"],
         "cohere_tp2": [f"model.hf_path={cohere}", "parallel.tp=2"],
+        "llama_ds_zero1": [f"model.hf_path={llama}", "train.engine=deepspeed", "zero.stage=1"],  # dp2
     }
     jobs = [
         f"{name}{suffix}:" + ",".join([*COMMON, *extra, f"train.compile={str(on).lower()}"])
