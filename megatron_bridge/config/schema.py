@@ -194,6 +194,10 @@ class TrainConfig:
     # torch.compile each transformer layer (both backends, both engines; runtime/compiled.py):
     # compiled at the first step, graph breaks counted and printed after it.
     compile: bool = False
+    # The LM head and cross entropy N sequence positions at a time, each piece recomputed in
+    # backward: a micro-batch's full [s, b, vocab/tp] logits are never held (runtime/chunked_loss.py;
+    # native models). 0 = the whole sequence at once.
+    loss_chunk: int = 0
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_bridge.bridge.spec import BridgeSpec
+from megatron_bridge.runtime import chunked_loss
 from megatron_bridge.runtime.build_base import later
 from megatron_bridge.runtime.native import build as native_build
 from megatron_bridge.runtime.native import converted as native_converted
@@ -32,7 +33,9 @@ class BackendRuntime:
     everywhere, into=)` yields (HF name, whole tensor) on the exporting ranks (collective);
     `global_names(chunk)` is {a chunk's parameter name: its table name} (layers and experts
     numbered globally); `layers(chunk)` its transformer layers, in order (what `train.compile`
-    compiles: runtime/compiled.py)."""
+    compiles: runtime/compiled.py); `chunk_loss(chunk, n)` routes its training loss through the
+    LM head n positions at a time (`train.loss_chunk`: runtime/chunked_loss.py), None where the
+    backend has none."""
 
     build: Callable[..., list[Any]]
     load: Callable[..., int]
@@ -40,6 +43,7 @@ class BackendRuntime:
     iter_tensors: Callable[..., Iterator[tuple[str, Any]]]
     global_names: Callable[[Any], dict[str, str]]
     layers: Callable[[Any], list[Any]]
+    chunk_loss: Callable[[Any, int], None] | None = None
 
 
 def _decoder_layers(chunk: Any) -> list[Any]:
@@ -65,6 +69,7 @@ RUNTIMES: dict[str, BackendRuntime] = {
         native_weights.iter_tensors,
         native_weights.global_names,
         _decoder_layers,
+        chunked_loss.install,
     ),
     "transformers": BackendRuntime(  # each deferred: transformers' modeling code
         later("megatron_bridge.runtime.transformers.build:build_transformers"),  # deferred

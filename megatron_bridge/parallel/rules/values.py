@@ -156,6 +156,13 @@ def intervals(f: Facts) -> list[Violation]:
             "times every N steps; 0 = off)",
             "set train.straggler_interval=0 to turn straggler detection off, or e.g. 100",
         )
+    if cfg.train.loss_chunk < 0 or cfg.train.loss_chunk > cfg.train.seq_length:
+        out += _v(
+            "loss-chunk",
+            f"train.loss_chunk={cfg.train.loss_chunk} must lie in [0, train.seq_length={cfg.train.seq_length}] "
+            "(sequence positions per piece of the LM head and its cross entropy; 0 = all at once)",
+            "set train.loss_chunk=0, or a divisor-sized piece such as 1024",
+        )
     if not cfg.train.straggler_factor > 1:
         out += _v(
             "straggler-factor",

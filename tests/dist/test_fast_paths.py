@@ -1,6 +1,12 @@
-"""`train.compile=true` trains exactly like eager: one 2-rank torchrun launch, a native Llama at
-tp2 and at pp2 and a transformers-backend model (Cohere: no native family) at tp2 on the megatron
-engine, and the Llama at dp2 under DeepSpeed ZeRO-1, each eager and compiled, fp32 on gloo. Every step's loss and gradient norm agree within 1e-5 (relative)."""
+"""The fast paths train exactly like the plain one, in one 2-rank torchrun launch, fp32 on gloo:
+
+* `train.compile=true`: a native Llama at tp2 and at pp2 and a transformers-backend model
+  (Cohere: no native family) at tp2 on the megatron engine, and the Llama at dp2 under
+  DeepSpeed ZeRO-1, each eager and compiled;
+* `train.loss_chunk=8` (the LM head and cross entropy 8 of 32 positions at a time): the Llama
+  at tp2 with sequence parallelism and at pp2.
+
+Every step's loss and gradient norm agree with the plain run's within 1e-5 (relative)."""
 
 import pytest
 
@@ -33,15 +39,22 @@ def test_compiled_layers_match_eager(tmp_path):
         "cohere_tp2": [f"model.hf_path={cohere}", "parallel.tp=2"],
         "llama_ds_zero1": [f"model.hf_path={llama}", "train.engine=deepspeed", "zero.stage=1"],  # dp2
     }
+    chunked = {
+        "llama_tp2_sp": [f"model.hf_path={llama}", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        "llama_pp2": cases["llama_pp2"],
+    }
     jobs = [
         f"{name}{suffix}:" + ",".join([*COMMON, *extra, f"train.compile={str(on).lower()}"])
         for name, extra in cases.items()
         for suffix, on in (("", False), ("_compiled", True))
     ]
+    jobs.append("llama_tp2_sp:" + ",".join([*COMMON, *chunked["llama_tp2_sp"]]))
+    jobs += [f"{name}_chunked:" + ",".join([*COMMON, *extra, "train.loss_chunk=8"]) for name, extra in chunked.items()]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=2, timeout=900)[0]
-    for name in cases:
+    pairs = [(name, f"{name}_compiled") for name in cases] + [(name, f"{name}_chunked") for name in chunked]
+    for name, fast in pairs:
         for what in ("losses", "grad_norms"):
-            ref, got = res[what][name], res[what][f"{name}_compiled"]
+            ref, got = res[what][name], res[what][fast]
             assert ref.keys() == got.keys() and len(ref) == 3, (name, what)
             for step in ref:
-                assert abs(got[step] - ref[step]) <= REL * abs(ref[step]), (name, what, step, ref[step], got[step])
+                assert abs(got[step] - ref[step]) <= REL * abs(ref[step]), (fast, what, step, ref[step], got[step])
