@@ -196,7 +196,7 @@ class TrainConfig:
     compile: bool = False
     # The LM head and cross entropy N sequence positions at a time, each piece recomputed in
     # backward: a micro-batch's full [s, b, vocab/tp] logits are never held (runtime/chunked_loss.py;
-    # native models). 0 = the whole sequence at once.
+    # both backends). 0 = the whole sequence at once.
     loss_chunk: int = 0
 
 

@@ -4,17 +4,19 @@ and the fp32 copy and softmax the cross entropy keeps for its gradient — are n
 once: one piece's are (for a 128 k vocabulary at seq 8192 that is most of the last stage's
 activation memory).
 
-Each piece runs the chunk's own output layer (its forward hooks too: logit scaling and caps,
-the vocabulary-padding mask) and megatron-core's vocab-parallel cross entropy, under
-`torch.utils.checkpoint`; per token the loss is the same computation, so losses equal the
-unchunked ones and gradients differ only by the order their pieces are summed in. With
-sequence parallelism the hidden states are gathered once first (the head then runs without
-SP). A megatron-core GPTModel only: MTP, inference and calls without labels keep megatron's
-own path.
+Each piece runs the chunk's own head — for a native GPTModel its output layer with its forward
+hooks (logit scaling and caps, the vocabulary-padding mask) and megatron-core's loss; for a
+transformers-backend chunk its `_logits` (the same arithmetic) and the vocab-parallel cross
+entropy — under `torch.utils.checkpoint`. Per token the loss is the same computation, so losses
+equal the unchunked ones and gradients differ only by the order their pieces are summed in.
+With sequence parallelism the hidden states are gathered once first and the head runs without
+SP (its input gradient is then all-reduced over TP, and the gather's backward only splits it).
+Native: MTP, inference and calls without labels keep megatron-core's own path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 
 def install(model: Any, chunk: int) -> None:
-    """Route `model`'s training loss through the chunked head (a no-op for chunk <= 0)."""
+    """Route a native GPTModel's training loss through the chunked head (chunk <= 0: no-op)."""
     if chunk <= 0:
         return
     megatrons = model._postprocess
@@ -37,33 +39,56 @@ def install(model: Any, chunk: int) -> None:
             or kw.get("inference_context") is not None
         ):
             return megatrons(**kw)
-        return loss(model, kw["hidden_states"], kw["labels"], chunk, kw.get("runtime_gather_output"))
+        layer = model.output_layer
+        weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+        gather = kw.get("runtime_gather_output")
+
+        def piece(h: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+            logits, _ = layer(h, weight=weight, runtime_gather_output=gather)
+            return model.compute_language_model_loss(lab, logits)
+
+        return pieces(piece, kw["hidden_states"], kw["labels"], chunk, layer, seq_dim=0)
 
     model._postprocess = postprocess
 
 
-def loss(model: Any, hidden: torch.Tensor, labels: torch.Tensor, chunk: int, gather: Any) -> torch.Tensor:
-    """Per-token losses [b, s] of `hidden` [s(/tp with SP), b, h] against `labels` [b, s]."""
-    layer = model.output_layer
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    sp = layer.sequence_parallel
-    if sp:  # the layer's own gather would interleave the ranks' pieces: gather whole, then run without SP
-        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=layer.tp_group)
+def install_hf(chunk_module: Any, chunk: int) -> None:
+    """A transformers-backend chunk (runtime/transformers/chunk.py) computes its loss in pieces."""
+    chunk_module.loss_chunk = max(chunk, 0)
 
-    def piece(h: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+
+def pieces(
+    piece: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    layer: Any,
+    *,
+    seq_dim: int,
+) -> torch.Tensor:
+    """Per-token losses [b, s]: `piece(hidden slice, labels slice)` over the sequence, `chunk`
+    positions at a time, each under checkpoint. `hidden` has the sequence at `seq_dim` (0:
+    megatron's [s, b, h]; 1: transformers' [b, s, h]), split over TP when `layer` (the head, a
+    ColumnParallelLinear) runs sequence-parallel; `labels` is [b, s]."""
+    sp = layer.sequence_parallel
+    if sp:  # the head's own gather would interleave the ranks' pieces: gather whole, run without SP
+        h0 = hidden.movedim(seq_dim, 0)
+        hidden = gather_from_sequence_parallel_region(h0, tensor_parallel_output_grad=False, group=layer.tp_group)
+        hidden = hidden.movedim(0, seq_dim)
+
+    def unsplit(h: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
         layer.sequence_parallel = False  # set inside: the backward's recompute runs this again
         try:
-            logits, _ = layer(h, weight=weight, runtime_gather_output=gather)
+            return piece(h, lab)
         finally:
             layer.sequence_parallel = sp
-        return model.compute_language_model_loss(lab, logits)
 
-    s = hidden.shape[0]
-    pieces = [
-        checkpoint(piece, hidden[i : i + chunk], labels[:, i : i + chunk], use_reentrant=False)
+    s = hidden.shape[seq_dim]
+    out = [
+        checkpoint(unsplit, hidden.narrow(seq_dim, i, min(chunk, s - i)), labels[:, i : i + chunk], use_reentrant=False)
         for i in range(0, s, chunk)
     ]
-    return torch.cat(pieces, dim=1)
+    return torch.cat(out, dim=1)
 
 
-__all__ = ["install", "loss"]
+__all__ = ["install", "install_hf", "pieces"]

@@ -34,8 +34,7 @@ class BackendRuntime:
     `global_names(chunk)` is {a chunk's parameter name: its table name} (layers and experts
     numbered globally); `layers(chunk)` its transformer layers, in order (what `train.compile`
     compiles: runtime/compiled.py); `chunk_loss(chunk, n)` routes its training loss through the
-    LM head n positions at a time (`train.loss_chunk`: runtime/chunked_loss.py), None where the
-    backend has none."""
+    LM head n positions at a time (`train.loss_chunk`: runtime/chunked_loss.py)."""
 
     build: Callable[..., list[Any]]
     load: Callable[..., int]
@@ -43,7 +42,7 @@ class BackendRuntime:
     iter_tensors: Callable[..., Iterator[tuple[str, Any]]]
     global_names: Callable[[Any], dict[str, str]]
     layers: Callable[[Any], list[Any]]
-    chunk_loss: Callable[[Any, int], None] | None = None
+    chunk_loss: Callable[[Any, int], None]
 
 
 def _decoder_layers(chunk: Any) -> list[Any]:
@@ -78,6 +77,7 @@ RUNTIMES: dict[str, BackendRuntime] = {
         later("megatron_bridge.runtime.transformers.weights:iter_tensors"),  # deferred
         _same_names,
         _hf_layers,
+        chunked_loss.install_hf,
     ),
 }
 

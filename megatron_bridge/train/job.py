@@ -96,7 +96,6 @@ def _run_dir(cfg, recipe: str) -> Path:
 
 def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     """Process groups, run directory, model (with its initial weights), engine and data."""
-    _refuse_missing(cfg, spec)
     mpu = groups.initialize(dims, timeout_minutes=cfg.train.timeout_minutes, seed=cfg.train.seed)
     rank = torch.distributed.get_rank()
     run_dir = _run_dir(cfg, recipe)
@@ -109,7 +108,7 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     init_weights(chunks, spec, cfg)
     compiled = compile_layers(chunks, runtime_of(spec).layers) if cfg.train.compile else 0
     for chunk in chunks if cfg.train.loss_chunk else ():
-        runtime_of(spec).chunk_loss(chunk, cfg.train.loss_chunk)  # type: ignore[misc]  # checked first
+        runtime_of(spec).chunk_loss(chunk, cfg.train.loss_chunk)
     datasets = build_datasets(
         cfg.data,
         dims,
@@ -124,15 +123,6 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
         cfg, dims, chunks, mpu, bf16=overrides["bf16"], global_names=runtime_of(spec).global_names, objective=objective
     )
     return _Run(cfg, dims, recipe, meta, rank, run_dir, spec, engine, datasets, compiled)
-
-
-def _refuse_missing(cfg, spec) -> None:
-    """Before anything is built or written: a requested path the model's backend lacks."""
-    if cfg.train.loss_chunk and runtime_of(spec).chunk_loss is None:
-        raise UserError(
-            f"train.loss_chunk={cfg.train.loss_chunk}: the {spec.backend} backend's LM head has no chunked loss "
-            "(native models have one). Fix: drop train.loss_chunk."
-        )
 
 
 def _resume(run: _Run) -> int:

@@ -423,15 +423,6 @@ CASES: list[Case] = [
         "set train.loss_chunk=0",
     ),
     C(
-        "loss-chunk-hf-backend",
-        "config",
-        "train recipe=default model.hf_path={FX}/hf model.backend=transformers train.loss_chunk=8 run_dir=out/run",
-        "loss_chunk on the transformers backend",
-        "train.loss_chunk=8: the transformers backend's LM head has no chunked loss",
-        "drop train.loss_chunk",
-        out=OUT,
-    ),
-    C(
         "value-straggler-factor",
         "config",
         "mbr check train.straggler_interval=100 train.straggler_factor=0.8",

@@ -37,6 +37,7 @@ from transformers.masking_utils import (
 
 from megatron_bridge.backends.transformers.kinds import SHARED_STATE
 from megatron_bridge.backends.transformers.plan import CARRY, Plan, override
+from megatron_bridge.runtime import chunked_loss
 from megatron_bridge.runtime.transformers.aux_loss import RouterAuxLoss
 from megatron_bridge.runtime.transformers.cp import CP_MASKS, calls, check_attended
 from megatron_bridge.runtime.transformers.layers import scatter_sequence
@@ -118,6 +119,7 @@ class HFChunk(MegatronModule):
         # pre pieces kept but not run for a text-only batch (Override.text_identity: the embeddings unchanged)
         self.text_identity = {f"{plan.prefix}.{n}" for n in ov.text_identity}
         self.input_tensor: torch.Tensor | None = None
+        self.loss_chunk = 0  # train.loss_chunk (runtime/chunked_loss.py install_hf)
         for path, module in modules.items():
             self._place(path, module)
         self._place(plan.layers, torch.nn.ModuleDict({str(i): layer for i, layer in layers.items()}))
@@ -336,6 +338,22 @@ class HFChunk(MegatronModule):
         return h
 
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        if labels is None:
+            return self._logits(h)
+        if self.loss_chunk:  # train.loss_chunk: the head and its loss a piece of the sequence at a time
+
+            def piece(x: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+                return _cross_entropy(self._logits(x), lab, seq_first=False)
+
+            loss = chunked_loss.pieces(piece, h, labels, self.loss_chunk, self.get_submodule(self.plan.head), seq_dim=1)
+        else:
+            loss = _cross_entropy(
+                self._logits(h), labels, seq_first=self.get_submodule(self.plan.head).sequence_parallel
+            )
+        return self.aux.add(loss) if self.aux is not None else loss
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab slice of the logits of `h` [b, s, h], with the model's head arithmetic."""
         head = self.get_submodule(self.plan.head)
         tied_here = self.share_embeddings_and_output_weights and self.pre_process
         logits = head(h, weight=self.shared_embedding_or_output_weight() if tied_here else None)
@@ -351,10 +369,19 @@ class HFChunk(MegatronModule):
             pad = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
             pad[max(first_pad, 0) :] = True
             logits = logits.masked_fill(pad, float("-inf"))
-        if labels is None:
-            return logits
-        loss = vocab_parallel_cross_entropy(logits, labels)
-        return self.aux.add(loss) if self.aux is not None else loss
+        return logits
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, seq_first: bool) -> torch.Tensor:
+    """megatron's vocab-parallel cross entropy of [b, s, V/tp] logits: [b, s] per-token losses. It
+    views the logits flat and combines the TP ranks' rows elementwise, so every rank must flatten
+    them in one order. Under sequence parallelism (`seq_first`) the head returns a [b, s] view of
+    [s, b] memory (LMHead): the loss is taken in [s, b] order on every rank (a copy only where a
+    rank's layout differs)."""
+    if seq_first:
+        loss = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.t().contiguous())
+        return loss.t().contiguous()
+    return vocab_parallel_cross_entropy(logits.contiguous(), labels)
 
 
 __all__ = ["HFChunk", "MASKS", "Pieces"]
