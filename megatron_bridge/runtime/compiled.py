@@ -7,7 +7,8 @@ reuses the graph for every other layer of the same shape (parameters are graph i
 megatron-core's row-parallel linear warns on every call (`tp_group is None`, a
 DeprecationWarning dynamo cannot reorder) and would split each graph there: `warnings.warn` is
 a no-op inside compiled code (warnings raised inside a compiled layer are not shown), and its
-tensor-parallel linear's once-only hint is marked given. The graph breaks that remain are counted and printed after the first step (docs/train.md "Compile").
+tensor-parallel linear's once-only hint is marked given. The graph breaks that remain are
+counted and printed after the first step (docs/train.md "Compile").
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 import torch._dynamo
 from megatron.core.tensor_parallel import layers as tp_layers
+
+_BASE: Counter = Counter()  # the breaks before the last compile_layers (a process may run several jobs)
 
 
 def compile_layers(chunks: Sequence[Any], layers_of: Callable[[Any], Iterable[torch.nn.Module]]) -> int:
@@ -36,9 +39,6 @@ def compile_layers(chunks: Sequence[Any], layers_of: Callable[[Any], Iterable[to
             layer.compile()
             n += 1
     return n
-
-
-_BASE: Counter = Counter()  # the breaks before the last compile_layers (a process may run several jobs)
 
 
 def graph_breaks() -> Counter:

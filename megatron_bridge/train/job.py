@@ -107,8 +107,9 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     chunks = build_model(spec, dims, load_weights=loads_weights(cfg, spec), **overrides)
     init_weights(chunks, spec, cfg)
     compiled = compile_layers(chunks, runtime_of(spec).layers) if cfg.train.compile else 0
-    for chunk in chunks if cfg.train.loss_chunk else ():
-        runtime_of(spec).chunk_loss(chunk, cfg.train.loss_chunk)
+    if cfg.train.loss_chunk:
+        for chunk in chunks:
+            runtime_of(spec).chunk_loss(chunk, cfg.train.loss_chunk)
     datasets = build_datasets(
         cfg.data,
         dims,

@@ -97,12 +97,9 @@ class Stragglers:
     def __init__(self, phases: StepPhases, interval: int, factor: float, *, rank: int, stage: int) -> None:
         self.phases, self.interval, self.factor, self.rank = phases, interval, factor, rank
         self.world = torch.distributed.get_world_size()
-        me = [(socket.gethostname(), stage)]
-        self.who: list[tuple[str, int]] = [("", 0)] * self.world
+        self.who: list = [None] * self.world  # (host, pipeline stage) of every rank
         if interval:
-            gathered: list = [None] * self.world
-            torch.distributed.all_gather_object(gathered, me[0])
-            self.who = [tuple(g) for g in gathered]
+            torch.distributed.all_gather_object(self.who, (socket.gethostname(), stage))
 
     def after(self, step: int) -> dict[str, float]:
         """Collective at every interval's last step; the metrics (rank 0) or {}."""
@@ -114,8 +111,8 @@ class Stragglers:
         torch.distributed.all_gather(rows, mine)
         if self.rank != 0:
             return {}
-        rows = [r.cpu() for r in rows]
-        per_step = [(float(r[0]) / max(float(r[2]), 1.0), float(r[1]) / max(float(r[2]), 1.0)) for r in rows]
+        sums = torch.stack(rows).cpu()
+        per_step = (sums[:, :2] / sums[:, 2:].clamp(min=1.0)).tolist()  # [compute, wait] s/step per rank
         rs = ratios([c for c, _ in per_step], [s for _, s in self.who])
         slow = max(range(self.world), key=lambda r: rs[r])
         if rs[slow] > self.factor:
