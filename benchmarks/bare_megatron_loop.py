@@ -4,11 +4,12 @@ on a GPU the shim is a no-op). Same model shape, layout, optimizer and synthetic
 the `python -m megatron_bridge.train` run it is compared with. Prints one JSON line per step.
 
     torchrun --nproc-per-node 2 benchmarks/bare_megatron_loop.py --tp 2 --steps 30 --hidden 256 --layers 4
-        --seq 256 --gbs 8 [--heads 8] [--kv 4] [--ffn 1024] [--vocab 512] [--recompute none|full] [--compile]
+        --seq 256 --gbs 8 [--heads 8] [--kv 4] [--ffn 1024] [--vocab 512] [--recompute none|full] [--compile] [--fp8 tensorwise|rowwise]
 
 `--compile`: every decoder layer through `torch.compile` as `train.compile=true` does it
 (runtime/compiled.py), so the compiled run is compared with the same kernels. `--recompute full`:
-megatron's uniform full recompute, one layer at a time (as `train.recompute=full`).
+megatron's uniform full recompute, one layer at a time (as `train.recompute=full`). `--fp8`: the
+layers' linears through the float8 GEMMs of `train.precision=fp8` (runtime/fp8.py).
 """
 
 import argparse
@@ -30,6 +31,7 @@ def args() -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--recompute", default="none", choices=("none", "full"))
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--fp8", default="", choices=("", "tensorwise", "rowwise"), help="float8 GEMMs (torchao)")
     return ap.parse_args()
 
 
@@ -98,6 +100,10 @@ def main():
     )
     if cuda:
         model.cuda()
+    if a.fp8:  # the same float8 GEMMs as train.precision=fp8 (runtime/fp8.py)
+        from megatron_bridge.runtime.fp8 import use_fp8
+
+        use_fp8([model], lambda m: m.decoder.layers, a.fp8)
     if compiled:
         from megatron_bridge.runtime.compiled import compile_layers
 

@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--recompute", default="none", choices=("none", "full"))
     ap.add_argument("--compile", action="store_true", help="both runs with torch.compile of every layer")
+    ap.add_argument("--fp8", default="", choices=("", "tensorwise", "rowwise"), help="both runs with float8 GEMMs")
     a = ap.parse_args()
     kv, ffn = a.kv or a.heads // 2, a.ffn or 4 * a.hidden
     skip = min(5, a.steps // 3)
@@ -76,6 +77,7 @@ def main():
             f"--ffn={ffn}",
             f"--recompute={a.recompute}",
             *(["--compile"] if a.compile else []),
+            *([f"--fp8={a.fp8}"] if a.fp8 else []),
         ],
         a.tp,
     )
@@ -100,6 +102,7 @@ def main():
             f"run_dir={run_dir}",
             f"train.compile={str(a.compile).lower()}",
             f"train.recompute={a.recompute}",
+            *(["train.precision=fp8", f"train.fp8_recipe={a.fp8}"] if a.fp8 else []),
         ]
         t0, _ = launch(["-m", "megatron_bridge.train", *ovr], a.tp)
         rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -108,6 +111,7 @@ def main():
         f"model h={a.hidden} L={a.layers} heads={a.heads}/{kv} kv (head dim {a.hidden // a.heads}) ffn={ffn} "
         f"vocab={a.vocab} seq={a.seq} gbs={a.gbs} recompute={a.recompute} "
         f"tp={a.tp}, {a.steps} steps (median of steps > {skip}){', both compiled' if a.compile else ''}"
+        f"{f', both fp8 ({a.fp8})' if a.fp8 else ''}"
     )
     for r in (bare, ours):
         print(

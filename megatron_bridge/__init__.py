@@ -9,3 +9,7 @@ __version__ = "0.1.0"
 from megatron_bridge.runtime import cpu_import as _cpu_import  # noqa: E402  (torch-free: a finder only)
 
 _cpu_import.install()
+
+from megatron_bridge import log_filters as _log_filters  # noqa: E402  (torch-free)
+
+_log_filters.install()

@@ -19,6 +19,9 @@ Checks, in order of what they prove:
    with the same layers compiled): the compiled step time and MFU beside the eager ones.
    `llama8b`: the same pair, eager and compiled, on Llama-3-8B layers (h 4096, ffn 14336, 32/8
    heads, vocab 128,256, seq 8192, 8 layers, full recompute): tokens/s and MFU, ours and bare.
+   `fp8`: that pair with `train.precision=fp8` (float8 GEMMs, torchao tensorwise; the bare loop
+   with the same GEMMs), its tokens/s over bf16's, and the loss curve of a ~0.4B Llama over
+   200 steps, bf16 against fp8.
 6. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the transformers backend's step
    time over the native one's on one saved Llama, and each one's TFLOP/s and MFU.
 
@@ -44,6 +47,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# Llama-3-8B layers (h 4096, ffn 14336, 32/8 heads, vocab 128,256, seq 8192), 8 of them with Adam
+LLAMA8B = ["--hidden", "4096", "--ffn", "14336", "--heads", "32", "--kv", "8", "--vocab", "128256"]
+LLAMA8B += ["--seq", "8192", "--layers", "8", "--gbs", "8", "--steps", "12", "--recompute", "full"]
+LLAMA8B_SMOKE = ["--hidden", "64", "--ffn", "224", "--heads", "4", "--kv", "2", "--vocab", "1024"]
+LLAMA8B_SMOKE += ["--seq", "64", "--layers", "1", "--gbs", "2", "--steps", "10", "--recompute", "full"]
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, the MFU denominator
 
 # Versions from the installed metadata, not by importing the packages: importing megatron.core
@@ -107,6 +115,45 @@ def mfu_line(shape: list[str], text: str) -> str:
     return "; ".join(out) + " (of H100 bf16 dense peak)"
 
 
+def tokens_per_s(shape: list[str], text: str) -> float:
+    a = dict(zip(shape[::2], shape[1::2], strict=False))
+    step = float(re.search(r"megatron_bridge\.train\s+median step\s+([\d.]+) ms", text).group(1))
+    return int(a["--seq"]) * int(a["--gbs"]) / (step / 1e3)
+
+
+def fp8_curve(log: Path, report: list[str], smoke: bool) -> None:
+    """`train.precision=fp8` against bf16 over 200 steps of a ~0.4B Llama on the same synthetic
+    batches: the largest relative difference of a step's loss, and of the mean of the last 50."""
+    model = ["model.num_layers=12", "model.hidden_size=1536", "model.ffn_hidden_size=4096"]
+    model += ["model.num_attention_heads=12", "model.num_query_groups=4", "model.vocab_size=32000"]
+    steps, seq, gbs = (200, 2048, 8) if not smoke else (20, 64, 2)
+    if smoke:
+        model = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128"]
+        model += ["model.num_attention_heads=4", "model.num_query_groups=2", "model.vocab_size=512"]
+    losses = {}
+    with tempfile.TemporaryDirectory(prefix="kit-fp8-") as tmp:
+        for precision in ("bf16", "fp8"):
+            run_dir = Path(tmp) / precision
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m", "megatron_bridge.train"]
+            cmd += ["recipe=default", "parallel.tp=1", "cluster.gpus_per_node=1", *model, f"train.steps={steps}"]
+            cmd += [f"train.seq_length={seq}", f"model.max_position_embeddings={seq}", "train.micro_batch_size=1"]
+            cmd += [f"train.global_batch_size={gbs}", "optimizer.warmup_steps=10", f"run_dir={run_dir}"]
+            cmd += [f"train.precision={precision if not smoke or precision == 'fp8' else 'fp32'}"]
+            rc, text, secs = run(f"fp8_curve_{precision}", cmd, 420, log)
+            if rc:
+                report.append(f"- fp8 curve/{precision}: FAILED rc={rc} after {secs:.0f} s\n```\n{tail(text)}\n```")
+                return
+            rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            losses[precision] = [r["loss"] for r in rows if "loss" in r]
+    ref, got = losses["bf16"], losses["fp8"]
+    worst = max(abs(g - r) / abs(r) for r, g in zip(ref, got, strict=True))
+    tail50 = abs(sum(got[-50:]) - sum(ref[-50:])) / abs(sum(ref[-50:]))
+    report.append(
+        f"- fp8 curve ({len(ref)} steps, {' '.join(model)}, seq {seq}, gbs {gbs}): largest step |diff| "
+        f"{worst:.2%}, last-50 mean {tail50:.2%} (goal <= 1%); loss {ref[0]:.3f} -> bf16 {ref[-1]:.3f}, fp8 {got[-1]:.3f}"
+    )
+
+
 def tail(text: str, n: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
@@ -145,7 +192,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_kit_out")
     ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
-    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,compile,llama8b,hfspeed,te,sdpa")
+    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,compile,llama8b,fp8,hfspeed,te,sdpa")
     ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
     a = ap.parse_args()
     out = Path(a.out)
@@ -199,19 +246,30 @@ def main() -> int:
         say(f"- {check} ({' '.join(shape + flag)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
         if rc == 0:
             say(f"- {check}: {mfu_line(shape, text)}")
-    if "llama8b" in only:  # the throughput goal's shape: Llama-3-8B layers, as many as fit with Adam
-        shape = ["--hidden", "4096", "--ffn", "14336", "--heads", "32", "--kv", "8", "--vocab", "128256"]
-        shape += ["--seq", "8192", "--layers", "8", "--gbs", "8", "--steps", "12", "--recompute", "full"]
-        if a.smoke:
-            shape = ["--hidden", "64", "--ffn", "224", "--heads", "4", "--kv", "2", "--vocab", "1024"]
-            shape += ["--seq", "64", "--layers", "1", "--gbs", "2", "--steps", "10", "--recompute", "full"]
-        for flag in ([], ["--compile"]):
-            name = "llama8b" + ("_compiled" if flag else "")
+    tokens: dict[str, float] = {}  # llama8b runs' tokens/s (ours), for the fp8 ratio
+    for check, flags in (
+        ("llama8b", ([], ["--compile"])),
+        ("fp8", (["--fp8=tensorwise"], ["--compile", "--fp8=tensorwise"])),
+    ):
+        if check not in only:  # the throughput goal's shape: Llama-3-8B layers, as many as fit with Adam
+            continue
+        shape = LLAMA8B_SMOKE if a.smoke else LLAMA8B
+        for flag in flags:
+            name = "llama8b" + ("_compiled" if "--compile" in flag else "") + ("_fp8" if check == "fp8" else "")
             cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape, *flag]
             rc, text, secs = run(name, cmd, 540, out)
             say(f"- {name} ({' '.join(shape + flag)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
             if rc == 0:
                 say(f"- {name}: {mfu_line(shape, text)}")
+                tokens[name] = tokens_per_s(shape, text)
+        for bf16 in ("llama8b", "llama8b_compiled"):
+            if check == "fp8" and bf16 in tokens and bf16 + "_fp8" in tokens:
+                say(
+                    f"- speed-up {bf16}_fp8: {tokens[bf16 + '_fp8'] / tokens[bf16]:.2f}x the bf16 tokens/s (goal >= 1.3)"
+                )
+    if "fp8" in only:  # the loss curve: bf16 and fp8 runs of one model on the same data, step by step
+        fp8_curve(out, report, smoke=a.smoke)
+        print(report[-1], flush=True)
     if "hfspeed" in only:
         shape = ["--hidden", "256", "--layers", "2", "--seq", "128", "--gbs", "4", "--steps", "9"]
         if not a.smoke:

@@ -162,7 +162,9 @@ class TrainConfig:
     grad_accum: int | None = None  # None = global / (micro * dp)
     steps: int = 10
     seed: int = 1234
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp8 (refused: rules/values.py)
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp8 (auto + float8 GEMMs: runtime/fp8.py)
+    # precision=fp8: torchao's scaling of the float8 GEMMs, tensorwise (one scale per tensor) | rowwise
+    fp8_recipe: str = "tensorwise"
     recompute: str = "none"  # none | selective | full
     log_interval: int = 1
     init_from: str | None = None  # HF dir or `mbr convert` output

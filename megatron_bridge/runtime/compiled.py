@@ -7,8 +7,10 @@ reuses the graph for every other layer of the same shape (parameters are graph i
 megatron-core's row-parallel linear warns on every call (`tp_group is None`, a
 DeprecationWarning dynamo cannot reorder) and would split each graph there: `warnings.warn` is
 a no-op inside compiled code (warnings raised inside a compiled layer are not shown), and its
-tensor-parallel linear's once-only hint is marked given. The graph breaks that remain are
-counted and printed after the first step (docs/train.md "Compile").
+tensor-parallel linear's once-only hint is marked given. Its TP linears run through
+runtime/tp_linear.py (megatron's communication without the async overlap dynamo cannot
+trace), so a layer is one graph at any TP degree. The graph breaks that remain are counted and
+printed after the first step (docs/train.md "Compile").
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 import torch._dynamo
 from megatron.core.tensor_parallel import layers as tp_layers
+
+from megatron_bridge.runtime.tp_linear import is_routed, matmul, route, tp_linears
 
 _BASE: Counter = Counter()  # the breaks before the last compile_layers (a process may run several jobs)
 
@@ -36,6 +40,9 @@ def compile_layers(chunks: Sequence[Any], layers_of: Callable[[Any], Iterable[to
     n = 0
     for chunk in chunks:
         for layer in layers_of(chunk):
+            for lin in tp_linears(layer):
+                if not is_routed(lin):  # float8 ones already are (runtime/fp8.py)
+                    route(lin, matmul)
             layer.compile()
             n += 1
     return n

@@ -20,9 +20,8 @@ from megatron_bridge.bridge.lora import ADAPTER_DIR, base_of
 from megatron_bridge.config.compose import to_yaml
 from megatron_bridge.errors import UserError
 from megatron_bridge.reliability import Watchdog, faulty_iterator, planned
-from megatron_bridge.runtime import groups
+from megatron_bridge.runtime import fast_paths, groups
 from megatron_bridge.runtime.build import build_model
-from megatron_bridge.runtime.compiled import compile_layers
 from megatron_bridge.runtime.compiled import report as compile_report
 from megatron_bridge.runtime.hf_export import HFExport
 from megatron_bridge.runtime.lora_modules import export_adapter, merged
@@ -45,7 +44,7 @@ def model_overrides(cfg) -> dict[str, Any]:
     """TransformerConfig settings of this run (precision, recompute) on top of what the
     model spec and the layout give (`runtime.tconfig.transformer_config_kwargs`)."""
     t = cfg.train
-    bf16 = t.precision == "bf16" or (t.precision == "auto" and torch.cuda.is_available())
+    bf16 = t.precision == "bf16" or (t.precision in ("auto", "fp8") and torch.cuda.is_available())
     out: dict[str, Any] = {"bf16": bf16}
     if bf16:
         out["params_dtype"] = torch.bfloat16
@@ -106,10 +105,7 @@ def _build(cfg, dims, spec, recipe: str, meta: dict[str, Any]) -> _Run:
     overrides = model_overrides(cfg)
     chunks = build_model(spec, dims, load_weights=loads_weights(cfg, spec), **overrides)
     init_weights(chunks, spec, cfg)
-    compiled = compile_layers(chunks, runtime_of(spec).layers) if cfg.train.compile else 0
-    if cfg.train.loss_chunk:
-        for chunk in chunks:
-            runtime_of(spec).chunk_loss(chunk, cfg.train.loss_chunk)
+    compiled = fast_paths.set_up(chunks, runtime_of(spec), cfg.train, rank)
     datasets = build_datasets(
         cfg.data,
         dims,

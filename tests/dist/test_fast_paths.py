@@ -2,12 +2,17 @@
 
 * `train.compile=true`: a native Llama at tp2 and at pp2 and a transformers-backend model
   (Cohere: no native family) at tp2 on the megatron engine, and the Llama at dp2 under
-  DeepSpeed ZeRO-1, each eager and compiled;
+  DeepSpeed ZeRO-1, each eager and compiled, every compiled layer one graph (no graph breaks,
+  tensor-parallel linears included);
 * `train.loss_chunk=8` (the LM head and cross entropy 8 of 32 positions at a time): the Llama
   at tp2 with sequence parallelism and at pp2, the Cohere at tp2 with sequence parallelism.
 
 Every step's loss and gradient norm agree with the plain run's within 1e-5 (relative); the
-Cohere with sequence parallelism also agrees with the Cohere without it."""
+Cohere with sequence parallelism also agrees with the Cohere without it.
+
+* `train.precision=fp8` (float8 GEMMs, torchao): the Llama at tp2 with sequence parallelism,
+  at pp2 (rowwise scales), at tp2 compiled, at dp2 under DeepSpeed ZeRO-1, the Cohere at tp2:
+  every loss within 1 % of the fp32 run's, and not equal to it (the GEMMs did change)."""
 
 import pytest
 
@@ -52,8 +57,18 @@ def test_compiled_layers_match_eager(tmp_path):
     ]
     jobs += [f"{name}:" + ",".join([*COMMON, *chunked[name]]) for name in ("llama_tp2_sp", "cohere_tp2_sp")]
     jobs += [f"{name}_chunked:" + ",".join([*COMMON, *extra, "train.loss_chunk=8"]) for name, extra in chunked.items()]
+    fp8 = {  # name: (the fp32 run it is compared with, its overrides)
+        "llama_tp2_sp_fp8": ("llama_tp2_sp", chunked["llama_tp2_sp"]),
+        "llama_pp2_fp8_rowwise": ("llama_pp2", [*cases["llama_pp2"], "train.fp8_recipe=rowwise"]),
+        "llama_tp2_fp8_compiled": ("llama_tp2", [*cases["llama_tp2"], "train.compile=true"]),
+        "llama_ds_zero1_fp8": ("llama_ds_zero1", cases["llama_ds_zero1"]),
+        "cohere_tp2_fp8": ("cohere_tp2", cases["cohere_tp2"]),
+    }
+    jobs += [f"{name}:" + ",".join([*COMMON, *extra, "train.precision=fp8"]) for name, (_, extra) in fp8.items()]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=2, timeout=900)[0]
     pairs = [(name, f"{name}_compiled") for name in cases] + [(name, f"{name}_chunked") for name in chunked]
+    assert {name: res["graph_breaks"][f"{name}_compiled"] for name in cases} == dict.fromkeys(cases, 0)
+    assert res["graph_breaks"]["llama_tp2_fp8_compiled"] == 0
     pairs.append(("cohere_tp2", "cohere_tp2_sp"))  # the transformers backend trains the same under SP
     for name, fast in pairs:
         for what in ("losses", "grad_norms"):
@@ -61,3 +76,8 @@ def test_compiled_layers_match_eager(tmp_path):
             assert ref.keys() == got.keys() and len(ref) == 3, (name, what)
             for step in ref:
                 assert abs(got[step] - ref[step]) <= REL * abs(ref[step]), (fast, what, step, ref[step], got[step])
+    for name, (ref_name, _) in fp8.items():
+        ref, got = res["losses"][ref_name], res["losses"][name]
+        assert ref.keys() == got.keys() and len(ref) == 3, name
+        rel = [abs(got[step] - ref[step]) / abs(ref[step]) for step in ref]
+        assert max(rel) <= 0.01 and max(rel) > 1e-6, (name, rel)

@@ -3,7 +3,8 @@ runs first cannot rot between GPU sessions: the same code, small shapes, on gloo
 probe, the resume check (its three training launches and the kit's parsing of their
 losses), the SDPA kernel probe, the compiled pair (`train.compile=true` against the bare loop with its
 layers compiled, a 1-layer shape: inductor compiles slowly on CPU) and the `llama8b` pairs
-(eager and compiled) at a tiny shape with the 8B check's GQA, ffn, vocabulary and recompute knobs. Left out for CI time: `verify` (its `mbr verify` runs are tested in
+(eager and compiled) at a tiny shape with the 8B check's GQA, ffn, vocabulary and recompute knobs,
+the same pairs with float8 GEMMs (`fp8`: their ratio to bf16 parsed) and its loss-curve check. Left out for CI time: `verify` (its `mbr verify` runs are tested in
 test_bridge_verify_e2e.py), `resume_ds` (`resume`'s code with DeepSpeed's engine, trained and
 resumed in test_train.py), and `overhead` / `hfspeed` (two launches each of
 benchmarks/train_overhead.py and benchmarks/hf_vs_native.py, whose output the kit only tails
@@ -27,7 +28,7 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
         "benchmarks/gpu/kit.py",
         "--smoke",
         "--only",
-        "env,resume,sdpa,compile,llama8b",
+        "env,resume,sdpa,compile,llama8b,fp8",
         "--out",
         str(tmp_path),
     ]
@@ -47,3 +48,9 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
     # the 8B-shaped pair (GQA, SwiGLU ffn, a large vocabulary, full recompute), eager and compiled
     for name in ("llama8b", "llama8b_compiled"):
         assert "rc=0" in heads[name] and heads[f"{name}:"].count("tokens/s") == 2, report
+    # the same with float8 GEMMs, their tokens/s over the bf16 pair's, and the bf16-vs-fp8 loss curve
+    for name in ("llama8b_fp8", "llama8b_compiled_fp8"):
+        assert "rc=0" in heads[name] and heads[f"{name}:"].count("tokens/s") == 2, report
+        assert f"- speed-up {name}: " in report, report  # its tokens/s over the bf16 pair's
+    assert report.count("both fp8 (tensorwise)") == 2, report
+    assert heads["fp8"].startswith("- fp8 curve (20 steps,") and "largest step |diff|" in heads["fp8"], report

@@ -407,9 +407,9 @@ CASES: list[Case] = [
         "set train.max_skipped_steps=5",
     ),
     C(
-        "value-fp8-cpu",
+        "value-fp8-a100",
         "config",
-        "mbr check train.precision=fp8",
+        "mbr check cluster=dgx_a100_80g train.precision=fp8",
         "fp8",
         "train.precision=fp8 needs GPUs with FP8 tensor cores",
         "use train.precision=bf16",

@@ -9,7 +9,8 @@ RULES = RuleSet()
 
 CHOICES = {
     "train.engine": ("megatron", "deepspeed"),
-    "train.precision": ("auto", "fp32", "bf16", "fp8"),  # fp8: refused with its reason (values.fp8_training)
+    "train.precision": ("auto", "fp32", "bf16", "fp8"),  # fp8: where it can run (values.fp8_training)
+    "train.fp8_recipe": ("tensorwise", "rowwise"),  # runtime/fp8.py RECIPES
     "train.recompute": ("none", "selective", "full"),
     "train.on_nonfinite": ("stop", "skip"),
     "checkpoint.resume": (False, True, "auto"),

@@ -39,6 +39,10 @@ CASES = [  # (rule, breaking overrides, passing overrides)
     ("interval", ["checkpoint.lease_stale_s=0"], ["checkpoint.lease_stale_s=5"]),
     ("interval", ["train.export_interval=-1"], ["train.export_interval=0"]),
     ("interval", ["train.export_buffer_bytes=-1"], ["train.export_buffer_bytes=0"]),
+    # FP8 GEMMs: refused on GPUs without FP8 tensor cores; Hopper and the CPU (float8 numerics) run them
+    ("fp8", ["cluster=dgx_a100_80g", "train.precision=fp8"], ["cluster=dgx_h100", "train.precision=fp8"]),
+    ("fp8", ["cluster=dgx_a100_40g", "train.precision=fp8"], ["cluster=cpu_local", "train.precision=fp8"]),
+    ("choice", ["train.precision=fp8", "train.fp8_recipe=blockwise"], ["train.fp8_recipe=rowwise"]),
 ]
 
 
