@@ -4,7 +4,8 @@ on a GPU the shim is a no-op). Same model shape, layout, optimizer and synthetic
 the `python -m megatron_bridge.train` run it is compared with. Prints one JSON line per step.
 
     torchrun --nproc-per-node 2 benchmarks/bare_megatron_loop.py --tp 2 --steps 30 --hidden 256 --layers 4
-        --seq 256 --gbs 8 [--heads 8] [--kv 4] [--ffn 1024] [--vocab 512] [--recompute none|full] [--compile] [--fp8 tensorwise|rowwise]
+        --seq 256 --gbs 8 [--heads 8] [--kv 4] [--ffn 1024] [--vocab 512] [--recompute none|full] [--compile] [--fused] [--fp8 tensorwise|rowwise]
+        [--head-dim 128] [--experts 128 --topk 8 --moe-ffn 768]
 
 `--compile`: every decoder layer through `torch.compile` as `train.compile=true` does it
 (runtime/compiled.py), so the compiled run is compared with the same kernels. `--recompute full`:
@@ -32,6 +33,11 @@ def args() -> argparse.Namespace:
     ap.add_argument("--recompute", default="none", choices=("none", "full"))
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fp8", default="", choices=("", "tensorwise", "rowwise"), help="float8 GEMMs (torchao)")
+    ap.add_argument("--fused", action="store_true", help="megatron-core's fused kernels (as train.fused=true)")
+    ap.add_argument("--head-dim", type=int, default=0, help="attention head dim (0: hidden / heads)")
+    ap.add_argument("--experts", type=int, default=0, help="MoE experts per layer (0: dense)")
+    ap.add_argument("--topk", type=int, default=2, help="MoE experts per token")
+    ap.add_argument("--moe-ffn", type=int, default=0, help="an expert's FFN hidden size (0: --ffn)")
     return ap.parse_args()
 
 
@@ -48,6 +54,15 @@ def main():
         a.compile,
     )
     recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    moe = dict(  # what runtime/tconfig.py sets for an MoE model
+        num_moe_experts=a.experts,
+        moe_router_topk=a.topk,
+        moe_ffn_hidden_size=a.moe_ffn or a.ffn or 4 * a.hidden,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+    )
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -57,11 +72,12 @@ def main():
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_bridge.runtime import cpu
+    from megatron_bridge.runtime import cpu, megatron_fixes
 
     cuda = torch.cuda.is_available()
     if not cuda:
         cpu.install()
+    megatron_fixes.apply()  # an MoE router without Transformer Engine (megatron-core 0.16.1's NameError)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     cpu.model_parallel_manual_seed(1234)
     cfg = TransformerConfig(
@@ -78,8 +94,10 @@ def main():
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         use_cpu_initialization=not cuda,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
+        bias_activation_fusion=a.fused,  # SwiGLU (train.fused=true; runtime/tconfig.py fusable_activation)
+        bias_dropout_fusion=a.fused,
+        cross_entropy_loss_fusion=a.fused and cuda,  # bf16 runs only (train/job.py model_overrides)
+        cross_entropy_fusion_impl="native",
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
@@ -87,11 +105,13 @@ def main():
         bf16=cuda,
         params_dtype=torch.bfloat16 if cuda else torch.float32,
         pipeline_dtype=torch.bfloat16 if cuda else torch.float32,
+        kv_channels=a.head_dim or None,
         **(recompute if a.recompute == "full" else {}),
+        **(moe if a.experts else {}),
     )
     model = GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=a.experts or None, moe_grouped_gemm=False),
         vocab_size=a.vocab,
         max_sequence_length=seq,
         position_embedding_type="rope",

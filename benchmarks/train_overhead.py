@@ -66,6 +66,11 @@ def main():
     ap.add_argument("--recompute", default="none", choices=("none", "full"))
     ap.add_argument("--compile", action="store_true", help="both runs with torch.compile of every layer")
     ap.add_argument("--fp8", default="", choices=("", "tensorwise", "rowwise"), help="both runs with float8 GEMMs")
+    ap.add_argument("--fused", action="store_true", help="both runs with megatron-core's fused kernels")
+    ap.add_argument("--head-dim", type=int, default=0, help="attention head dim (0: hidden / heads)")
+    ap.add_argument("--experts", type=int, default=0, help="MoE experts per layer (0: dense)")
+    ap.add_argument("--topk", type=int, default=2, help="MoE experts per token")
+    ap.add_argument("--moe-ffn", type=int, default=0, help="an expert's FFN hidden size (0: --ffn)")
     a = ap.parse_args()
     kv, ffn = a.kv or a.heads // 2, a.ffn or 4 * a.hidden
     skip = min(5, a.steps // 3)
@@ -78,6 +83,9 @@ def main():
             f"--recompute={a.recompute}",
             *(["--compile"] if a.compile else []),
             *([f"--fp8={a.fp8}"] if a.fp8 else []),
+            *(["--fused"] if a.fused else []),
+            f"--head-dim={a.head_dim}",
+            *([f"--experts={a.experts}", f"--topk={a.topk}", f"--moe-ffn={a.moe_ffn or ffn}"] if a.experts else []),
         ],
         a.tp,
     )
@@ -103,15 +111,24 @@ def main():
             f"train.compile={str(a.compile).lower()}",
             f"train.recompute={a.recompute}",
             *(["train.precision=fp8", f"train.fp8_recipe={a.fp8}"] if a.fp8 else []),
+            f"train.fused={str(a.fused).lower()}",
+            *([f"model.kv_channels={a.head_dim}"] if a.head_dim else []),
+            *(
+                [f"model.num_moe_experts={a.experts}", f"model.moe_router_topk={a.topk}"]
+                + [f"model.moe_ffn_hidden_size={a.moe_ffn or ffn}"]
+                if a.experts
+                else []
+            ),
         ]
         t0, _ = launch(["-m", "megatron_bridge.train", *ovr], a.tp)
         rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     ours = summary("megatron_bridge.train", t0, rows, skip)
     print(
-        f"model h={a.hidden} L={a.layers} heads={a.heads}/{kv} kv (head dim {a.hidden // a.heads}) ffn={ffn} "
+        f"model h={a.hidden} L={a.layers} heads={a.heads}/{kv} kv (head dim {a.head_dim or a.hidden // a.heads}) "
+        f"{f'experts={a.experts} top-{a.topk} moe_ffn={a.moe_ffn or ffn}' if a.experts else f'ffn={ffn}'} "
         f"vocab={a.vocab} seq={a.seq} gbs={a.gbs} recompute={a.recompute} "
         f"tp={a.tp}, {a.steps} steps (median of steps > {skip}){', both compiled' if a.compile else ''}"
-        f"{f', both fp8 ({a.fp8})' if a.fp8 else ''}"
+        f"{', both fused' if a.fused else ''}{f', both fp8 ({a.fp8})' if a.fp8 else ''}"
     )
     for r in (bare, ours):
         print(

@@ -19,9 +19,13 @@ Checks, in order of what they prove:
    with the same layers compiled): the compiled step time and MFU beside the eager ones.
    `llama8b`: the same pair, eager and compiled, on Llama-3-8B layers (h 4096, ffn 14336, 32/8
    heads, vocab 128,256, seq 8192, 8 layers, full recompute): tokens/s and MFU, ours and bare.
+   Then compiled with `train.fused=true` too (`--smoke`: fused alone, eager).
    `fp8`: that pair with `train.precision=fp8` (float8 GEMMs, torchao tensorwise; the bare loop
    with the same GEMMs), its tokens/s over bf16's, and the loss curve of a ~0.4B Llama over
-   200 steps, bf16 against fp8.
+   200 steps, bf16 against fp8. `moe`: ours and bare on Qwen3-30B-A3B layers (h 2048, 32/4
+   heads of dim 128, 128 experts top-8 of ffn 768, vocab 151,936, seq 4096, 4 layers).
+   On request, `llama8b32`: all 32 layers of the 8B shape (ours: compiled, fused, chunked loss,
+   full recompute), tokens/s and MFU, or the out-of-memory error if they do not fit.
 6. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the transformers backend's step
    time over the native one's on one saved Llama, and each one's TFLOP/s and MFU.
 
@@ -52,6 +56,13 @@ LLAMA8B = ["--hidden", "4096", "--ffn", "14336", "--heads", "32", "--kv", "8", "
 LLAMA8B += ["--seq", "8192", "--layers", "8", "--gbs", "8", "--steps", "12", "--recompute", "full"]
 LLAMA8B_SMOKE = ["--hidden", "64", "--ffn", "224", "--heads", "4", "--kv", "2", "--vocab", "1024"]
 LLAMA8B_SMOKE += ["--seq", "64", "--layers", "1", "--gbs", "2", "--steps", "10", "--recompute", "full"]
+# Qwen3-30B-A3B layers (h 2048, 32/4 heads of dim 128, 128 experts top-8 of ffn 768, vocab 151,936)
+QWEN3_MOE = ["--hidden", "2048", "--heads", "32", "--kv", "4", "--head-dim", "128", "--vocab", "151936"]
+QWEN3_MOE += ["--experts", "128", "--topk", "8", "--moe-ffn", "768", "--ffn", "6144"]
+QWEN3_MOE += ["--seq", "4096", "--layers", "4", "--gbs", "8", "--steps", "10", "--recompute", "full"]
+QWEN3_MOE_SMOKE = ["--hidden", "64", "--heads", "4", "--kv", "2", "--head-dim", "32", "--vocab", "1024"]
+QWEN3_MOE_SMOKE += ["--experts", "8", "--topk", "2", "--moe-ffn", "32", "--ffn", "128"]
+QWEN3_MOE_SMOKE += ["--seq", "64", "--layers", "1", "--gbs", "2", "--steps", "10", "--recompute", "full"]
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM, the MFU denominator
 
 # Versions from the installed metadata, not by importing the packages: importing megatron.core
@@ -90,17 +101,22 @@ def run(name: str, cmd: list[str], timeout: int, log: Path) -> tuple[int, str, f
 
 
 def model_tflops(shape: list[str], step_ms: float) -> float:
-    """Model TFLOP/s of a train_overhead.py shape at `step_ms` per step: 6 x the GEMM parameters
-    (attention with its KV groups, a SwiGLU FFN, the LM head) per token, plus causal attention's
-    12 x layers x hidden x seq per token (not halved: the usual convention)."""
+    """Model TFLOP/s of a train_overhead.py shape at `step_ms` per step: 6 x the GEMM parameters a
+    token meets (attention with its KV groups, a SwiGLU FFN — an MoE's top-k experts and its
+    router —, the LM head) per token, plus causal attention's 12 x layers x heads x head dim x seq
+    per token (not halved: the usual convention)."""
     a = dict(zip(shape[::2], shape[1::2], strict=False))
     h, layers, seq, gbs = (int(a[k]) for k in ("--hidden", "--layers", "--seq", "--gbs"))
     heads = int(a.get("--heads", 8))
     kv, ffn, vocab = int(a.get("--kv", heads // 2)), int(a.get("--ffn", 4 * h)), int(a.get("--vocab", 512))
-    hd = h // heads
-    gemm = layers * (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * ffn) + vocab * h
+    hd = int(a.get("--head-dim", h // heads))
+    experts = int(a.get("--experts", 0))
+    mlp = 3 * h * ffn
+    if experts:
+        mlp = int(a.get("--topk", 2)) * 3 * h * int(a.get("--moe-ffn", ffn)) + h * experts
+    gemm = layers * (2 * h * heads * hd + 2 * h * kv * hd + mlp) + vocab * h
     tokens = seq * gbs
-    return (6 * gemm * tokens + 12 * layers * h * seq * tokens) / (step_ms / 1e3) / 1e12
+    return (6 * gemm * tokens + 12 * layers * heads * hd * seq * tokens) / (step_ms / 1e3) / 1e12
 
 
 def mfu_line(shape: list[str], text: str) -> str:
@@ -119,6 +135,38 @@ def tokens_per_s(shape: list[str], text: str) -> float:
     a = dict(zip(shape[::2], shape[1::2], strict=False))
     step = float(re.search(r"megatron_bridge\.train\s+median step\s+([\d.]+) ms", text).group(1))
     return int(a["--seq"]) * int(a["--gbs"]) / (step / 1e3)
+
+
+def full_8b(log: Path, report: list[str], smoke: bool) -> None:
+    """All 32 Llama-3-8B layers on the one GPU, if they fit: ours alone (megatron engine, full
+    recompute, compiled and fused, the loss 1024 positions at a time), tokens/s and MFU."""
+    shape = [*LLAMA8B[: LLAMA8B.index("--layers")], "--layers", "32", "--gbs", "8", "--steps", "8"]
+    if smoke:
+        shape = [*LLAMA8B_SMOKE[: LLAMA8B_SMOKE.index("--layers")], "--layers", "2", "--gbs", "2", "--steps", "4"]
+    a = dict(zip(shape[::2], shape[1::2], strict=False))
+    model = [f"model.num_layers={a['--layers']}", f"model.hidden_size={a['--hidden']}"]
+    model += [f"model.ffn_hidden_size={a['--ffn']}", f"model.num_attention_heads={a['--heads']}"]
+    model += [f"model.num_query_groups={a['--kv']}", f"model.vocab_size={a['--vocab']}"]
+    with tempfile.TemporaryDirectory(prefix="kit-8b-") as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m", "megatron_bridge.train"]
+        cmd += ["recipe=default", "parallel.tp=1", "cluster.gpus_per_node=1", *model, f"train.steps={a['--steps']}"]
+        cmd += [f"train.seq_length={a['--seq']}", f"model.max_position_embeddings={a['--seq']}"]
+        cmd += ["train.micro_batch_size=1", f"train.global_batch_size={a['--gbs']}", "optimizer.warmup_steps=1"]
+        cmd += ["train.recompute=full", "train.compile=true", "train.fused=true", f"run_dir={tmp}/run"]
+        cmd += [f"train.loss_chunk={min(1024, int(a['--seq']))}"]
+        rc, text, secs = run("llama8b_32", cmd, 540, log)
+        if rc:
+            report.append(f"- llama8b_32 ({' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 12)}\n```")
+            return
+        rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    times = sorted(r["step_time"] for r in rows[1:])  # the first step compiles
+    step_ms = times[len(times) // 2] * 1e3
+    tf = model_tflops(shape, step_ms)
+    tok = int(a["--seq"]) * int(a["--gbs"]) / (step_ms / 1e3)
+    report.append(
+        f"- llama8b_32 ({' '.join(shape)}; compiled, fused, loss_chunk): median step {step_ms:.0f} ms, "
+        f"{tok:,.0f} tokens/s, {tf:.3g} model TFLOP/s, MFU {tf / H100_BF16_TFLOPS:.1%}"
+    )
 
 
 def fp8_curve(log: Path, report: list[str], smoke: bool) -> None:
@@ -192,7 +240,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_kit_out")
     ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
-    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,compile,llama8b,fp8,hfspeed,te,sdpa")
+    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,compile,llama8b,fp8,moe,hfspeed,te,sdpa")
     ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
     a = ap.parse_args()
     out = Path(a.out)
@@ -247,26 +295,38 @@ def main() -> int:
         if rc == 0:
             say(f"- {check}: {mfu_line(shape, text)}")
     tokens: dict[str, float] = {}  # llama8b runs' tokens/s (ours), for the fp8 ratio
+    fast = ["--fused"] if a.smoke else ["--compile", "--fused"]  # smoke: the flag, not another compile
     for check, flags in (
-        ("llama8b", ([], ["--compile"])),
-        ("fp8", (["--fp8=tensorwise"], ["--compile", "--fp8=tensorwise"])),
+        ("llama8b", ([], ["--compile"], fast)),
+        ("fp8", (["--fp8=tensorwise"], [*fast, "--fp8=tensorwise"])),
     ):
         if check not in only:  # the throughput goal's shape: Llama-3-8B layers, as many as fit with Adam
             continue
         shape = LLAMA8B_SMOKE if a.smoke else LLAMA8B
         for flag in flags:
-            name = "llama8b" + ("_compiled" if "--compile" in flag else "") + ("_fp8" if check == "fp8" else "")
+            name = "llama8b" + "_compiled" * ("--compile" in flag) + "_fused" * ("--fused" in flag)
+            name += "_fp8" * (check == "fp8")
             cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape, *flag]
             rc, text, secs = run(name, cmd, 540, out)
             say(f"- {name} ({' '.join(shape + flag)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
             if rc == 0:
                 say(f"- {name}: {mfu_line(shape, text)}")
                 tokens[name] = tokens_per_s(shape, text)
-        for bf16 in ("llama8b", "llama8b_compiled"):
+        for bf16 in ("llama8b", "llama8b_fused", "llama8b_compiled_fused"):
             if check == "fp8" and bf16 in tokens and bf16 + "_fp8" in tokens:
                 say(
                     f"- speed-up {bf16}_fp8: {tokens[bf16 + '_fp8'] / tokens[bf16]:.2f}x the bf16 tokens/s (goal >= 1.3)"
                 )
+    if "moe" in only:  # the MoE shape: Qwen3-30B-A3B layers, ours and the bare loop, eager
+        shape = QWEN3_MOE_SMOKE if a.smoke else QWEN3_MOE
+        cmd = [sys.executable, "benchmarks/train_overhead.py", "--tp", "1", *shape]
+        rc, text, secs = run("moe", cmd, 540, out)
+        say(f"- moe ({' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 8)}\n```")
+        if rc == 0:
+            say(f"- moe: {mfu_line(shape, text)}")
+    if "llama8b32" in only:  # on request: all 32 layers of the 8B shape, if they fit with Adam
+        full_8b(out, report, smoke=a.smoke)
+        print(report[-1], flush=True)
     if "fp8" in only:  # the loss curve: bf16 and fp8 runs of one model on the same data, step by step
         fp8_curve(out, report, smoke=a.smoke)
         print(report[-1], flush=True)

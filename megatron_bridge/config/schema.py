@@ -200,6 +200,9 @@ class TrainConfig:
     # backward: a micro-batch's full [s, b, vocab/tp] logits are never held (runtime/chunked_loss.py;
     # both backends). 0 = the whole sequence at once.
     loss_chunk: int = 0
+    # megatron-core's own fused kernels (torch.compile'd on GPU; runtime/fast_paths.py): SwiGLU with
+    # its bias, bias-dropout-add, the vocab-parallel cross entropy (both backends' losses).
+    fused: bool = False
 
 
 @dataclass

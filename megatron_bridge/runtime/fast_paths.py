@@ -1,12 +1,16 @@
 """The per-run fast paths on a rank's freshly built chunks, in the order they compose: float8
 GEMMs (`train.precision=fp8`: runtime/fp8.py) go into the linears before `train.compile`
 compiles the layers around them (runtime/compiled.py); `train.loss_chunk` routes the loss
-through the LM head a piece at a time (runtime/chunked_loss.py). Each is printed once."""
+through the LM head a piece at a time (runtime/chunked_loss.py). `train.fused` is set in the
+chunks' TransformerConfig at build (train/job.py model_overrides, runtime/tconfig.py keeps what
+the model's MLP allows); here it is reported. Each is printed once, by rank 0."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from megatron_bridge.runtime.compiled import compile_layers
 from megatron_bridge.runtime.fp8 import use_fp8
@@ -15,9 +19,13 @@ from megatron_bridge.runtime.runtimes import BackendRuntime
 
 def set_up(chunks: Sequence[Any], rt: BackendRuntime, train: Any, rank: int) -> int:
     """Apply the fast paths `train` asks for to `chunks`; the layers compiled (0 = none)."""
+    lines = []
+    if train.fused:
+        lines.append(fused_line(chunks[0].config))
     if train.precision == "fp8":
-        line = use_fp8(chunks, rt.layers, train.fp8_recipe)
-        if rank == 0:
+        lines.append(use_fp8(chunks, rt.layers, train.fp8_recipe))
+    if rank == 0:
+        for line in lines:
             print(line, flush=True)
     compiled = compile_layers(chunks, rt.layers) if train.compile else 0
     if train.loss_chunk:
@@ -26,4 +34,17 @@ def set_up(chunks: Sequence[Any], rt: BackendRuntime, train: Any, rank: int) -> 
     return compiled
 
 
-__all__ = ["set_up"]
+def fused_line(config: Any) -> str:
+    """What `train.fused` fused, from the chunks' TransformerConfig."""
+    on = ["SwiGLU"] if config.bias_activation_fusion else []
+    on += ["bias-dropout-add"] + (["vocab-parallel cross entropy"] if config.cross_entropy_loss_fusion else [])
+    kernels = "torch.compile'd kernels" if torch.cuda.is_available() else "run eagerly on CPU"
+    line = f"train.fused: megatron-core's fused {', '.join(on)} ({kernels})"
+    if not config.bias_activation_fusion:
+        line += "; the MLP's activation has no exact fused kernel"
+    if not config.cross_entropy_loss_fusion:
+        line += "; the cross entropy unfused (its fused kernel's gradient is bf16: bf16 runs only)"
+    return line
+
+
+__all__ = ["fused_line", "set_up"]

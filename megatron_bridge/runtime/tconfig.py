@@ -97,11 +97,22 @@ def transformer_config_kwargs(spec: BridgeSpec, layout: Any, **overrides: Any) -
     for block in blocks():
         block.config(spec, kw)
     kw.update(overrides)
+    if kw.get("bias_activation_fusion") and not fusable_activation(kw):
+        kw["bias_activation_fusion"] = False  # train.fused: megatron fuses only these activations
     if kw.get("bf16") and "params_dtype" not in overrides:
         kw["params_dtype"] = torch.bfloat16
     if "pipeline_dtype" not in kw:
         kw["pipeline_dtype"] = kw.get("params_dtype", torch.float32)
     return kw
+
+
+def fusable_activation(kw: dict[str, Any]) -> bool:
+    """Whether megatron-core's fused bias+activation (`bias_activation_fusion`) computes this MLP's
+    activation exactly: SwiGLU without a GLU clamp or offset (which its kernel does not apply).
+    Its GeLU kernels are the tanh approximation, not the exact GeLU they would replace."""
+    if kw.get("activation_func_clamp_value") is not None or kw.get("glu_linear_offset", 0.0):
+        return False
+    return kw.get("activation_func") is F.silu and bool(kw.get("gated_linear_unit"))
 
 
 def gpt_model_kwargs(spec: BridgeSpec, layout: Any) -> dict[str, Any]:

@@ -48,6 +48,10 @@ def model_overrides(cfg) -> dict[str, Any]:
     out: dict[str, Any] = {"bf16": bf16}
     if bf16:
         out["params_dtype"] = torch.bfloat16
+    if t.fused:  # megatron-core's fused kernels (what runtime/tconfig.py keeps of them: fusable_activation)
+        out.update(bias_activation_fusion=True, bias_dropout_fusion=True)
+        if bf16:  # its fused cross entropy hands back a bf16 logits gradient: the same values only in bf16
+            out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
     if t.recompute == "selective":
         out["recompute_granularity"] = "selective"
     elif t.recompute == "full":

@@ -7,6 +7,10 @@
 * `train.loss_chunk=8` (the LM head and cross entropy 8 of 32 positions at a time): the Llama
   at tp2 with sequence parallelism and at pp2, the Cohere at tp2 with sequence parallelism.
 
+* `train.fused=true` (megatron-core's fused kernels, run eagerly on CPU): SwiGLU and
+  bias-dropout-add in the Llama at tp2 and at pp2 (fp32), the fused vocab-parallel cross
+  entropy in the Cohere at tp2 (bf16: the only precision it is used in).
+
 Every step's loss and gradient norm agree with the plain run's within 1e-5 (relative); the
 Cohere with sequence parallelism also agrees with the Cohere without it.
 
@@ -65,8 +69,13 @@ def test_compiled_layers_match_eager(tmp_path):
         "cohere_tp2_fp8": ("cohere_tp2", cases["cohere_tp2"]),
     }
     jobs += [f"{name}:" + ",".join([*COMMON, *extra, "train.precision=fp8"]) for name, (_, extra) in fp8.items()]
+    fused = {"llama_tp2": cases["llama_tp2"], "llama_pp2": cases["llama_pp2"]}
+    fused["cohere_tp2_bf16"] = [*cases["cohere_tp2"], "train.precision=bf16"]
+    jobs.append("cohere_tp2_bf16:" + ",".join([*COMMON, *fused["cohere_tp2_bf16"]]))
+    jobs += [f"{name}_fused:" + ",".join([*COMMON, *extra, "train.fused=true"]) for name, extra in fused.items()]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=2, timeout=900)[0]
     pairs = [(name, f"{name}_compiled") for name in cases] + [(name, f"{name}_chunked") for name in chunked]
+    pairs += [(name, f"{name}_fused") for name in fused]
     assert {name: res["graph_breaks"][f"{name}_compiled"] for name in cases} == dict.fromkeys(cases, 0)
     assert res["graph_breaks"]["llama_tp2_fp8_compiled"] == 0
     pairs.append(("cohere_tp2", "cohere_tp2_sp"))  # the transformers backend trains the same under SP

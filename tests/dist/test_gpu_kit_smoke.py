@@ -3,8 +3,10 @@ runs first cannot rot between GPU sessions: the same code, small shapes, on gloo
 probe, the resume check (its three training launches and the kit's parsing of their
 losses), the SDPA kernel probe, the compiled pair (`train.compile=true` against the bare loop with its
 layers compiled, a 1-layer shape: inductor compiles slowly on CPU) and the `llama8b` pairs
-(eager and compiled) at a tiny shape with the 8B check's GQA, ffn, vocabulary and recompute knobs,
-the same pairs with float8 GEMMs (`fp8`: their ratio to bf16 parsed) and its loss-curve check. Left out for CI time: `verify` (its `mbr verify` runs are tested in
+(eager, compiled, and eager with `train.fused`) at a tiny shape with the 8B check's GQA, ffn, vocabulary and recompute knobs,
+the same pairs with float8 GEMMs (`fp8`: their ratio to bf16 parsed) and its loss-curve check,
+the MoE pair (`moe`: Qwen3-30B-A3B-shaped knobs, tiny) and the all-layers run (`llama8b32`: ours,
+compiled, fused, chunked loss). Left out for CI time: `verify` (its `mbr verify` runs are tested in
 test_bridge_verify_e2e.py), `resume_ds` (`resume`'s code with DeepSpeed's engine, trained and
 resumed in test_train.py), and `overhead` / `hfspeed` (two launches each of
 benchmarks/train_overhead.py and benchmarks/hf_vs_native.py, whose output the kit only tails
@@ -28,7 +30,7 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
         "benchmarks/gpu/kit.py",
         "--smoke",
         "--only",
-        "env,resume,sdpa,compile,llama8b,fp8",
+        "env,resume,sdpa,compile,llama8b,fp8,moe,llama8b32",
         "--out",
         str(tmp_path),
     ]
@@ -46,11 +48,15 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
     )
     assert "model TFLOP/s, MFU" in heads["compile:"], report
     # the 8B-shaped pair (GQA, SwiGLU ffn, a large vocabulary, full recompute), eager and compiled
-    for name in ("llama8b", "llama8b_compiled"):
+    for name in ("llama8b", "llama8b_compiled", "llama8b_fused"):
         assert "rc=0" in heads[name] and heads[f"{name}:"].count("tokens/s") == 2, report
     # the same with float8 GEMMs, their tokens/s over the bf16 pair's, and the bf16-vs-fp8 loss curve
-    for name in ("llama8b_fp8", "llama8b_compiled_fp8"):
+    assert report.count("both fused") == 2, report  # llama8b_fused and llama8b_fused_fp8
+    for name in ("llama8b_fp8", "llama8b_fused_fp8"):
         assert "rc=0" in heads[name] and heads[f"{name}:"].count("tokens/s") == 2, report
         assert f"- speed-up {name}: " in report, report  # its tokens/s over the bf16 pair's
     assert report.count("both fp8 (tensorwise)") == 2, report
     assert heads["fp8"].startswith("- fp8 curve (20 steps,") and "largest step |diff|" in heads["fp8"], report
+    # the MoE pair (experts, top-k, head dim): ours and the bare loop
+    assert "rc=0" in heads["moe"] and "experts=8 top-2" in report and heads["moe:"].count("tokens/s") == 2, report
+    assert "median step" in heads["llama8b_32"] and "MFU" in heads["llama8b_32"], report

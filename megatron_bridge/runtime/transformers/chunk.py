@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
+from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
@@ -340,16 +341,16 @@ class HFChunk(MegatronModule):
     def _head(self, h: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         if labels is None:
             return self._logits(h)
+        fused = bool(self.config.cross_entropy_loss_fusion)  # train.fused: megatron's fused cross entropy
         if self.loss_chunk:  # train.loss_chunk: the head and its loss a piece of the sequence at a time
 
             def piece(x: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
-                return _cross_entropy(self._logits(x), lab, seq_first=False)
+                return _cross_entropy(self._logits(x), lab, seq_first=False, fused=fused)
 
             loss = chunked_loss.pieces(piece, h, labels, self.loss_chunk, self.get_submodule(self.plan.head), seq_dim=1)
         else:
-            loss = _cross_entropy(
-                self._logits(h), labels, seq_first=self.get_submodule(self.plan.head).sequence_parallel
-            )
+            seq_first = self.get_submodule(self.plan.head).sequence_parallel
+            loss = _cross_entropy(self._logits(h), labels, seq_first=seq_first, fused=fused)
         return self.aux.add(loss) if self.aux is not None else loss
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -372,16 +373,19 @@ class HFChunk(MegatronModule):
         return logits
 
 
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, seq_first: bool) -> torch.Tensor:
-    """megatron's vocab-parallel cross entropy of [b, s, V/tp] logits: [b, s] per-token losses. It
-    views the logits flat and combines the TP ranks' rows elementwise, so every rank must flatten
-    them in one order. Under sequence parallelism (`seq_first`) the head returns a [b, s] view of
-    [s, b] memory (LMHead): the loss is taken in [s, b] order on every rank (a copy only where a
-    rank's layout differs)."""
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, seq_first: bool, fused: bool) -> torch.Tensor:
+    """megatron's vocab-parallel cross entropy of [b, s, V/tp] logits (`fused`: its fused kernel,
+    as `cross_entropy_loss_fusion` picks for GPTModel): [b, s] per-token losses. It views the
+    logits flat and combines the TP ranks' rows elementwise, so every rank must flatten them in
+    one order. Under sequence parallelism (`seq_first`) the head returns a [b, s] view of [s, b]
+    memory (LMHead): the loss is taken in [s, b] order on every rank (a copy only where a rank's
+    layout differs)."""
+    tp_group = ps.get_tensor_model_parallel_group()
+    loss_of = partial(fused_vocab_parallel_cross_entropy, tp_group=tp_group) if fused else vocab_parallel_cross_entropy
     if seq_first:
-        loss = vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.t().contiguous())
+        loss = loss_of(logits.transpose(0, 1).contiguous(), labels.t().contiguous())
         return loss.t().contiguous()
-    return vocab_parallel_cross_entropy(logits.contiguous(), labels)
+    return loss_of(logits.contiguous(), labels)
 
 
 __all__ = ["HFChunk", "MASKS", "Pieces"]
