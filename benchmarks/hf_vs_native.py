@@ -9,6 +9,7 @@ It prints the median step time of each (steps after the first third), their rati
     .venv/bin/python benchmarks/hf_vs_native.py --tp 2            # CPU, 2 processes
     .venv/bin/python benchmarks/hf_vs_native.py --tp 2 --pp 2     # 4 processes
     python3 benchmarks/hf_vs_native.py --tp 1 --hidden 2048 --layers 16 --seq 2048 --gbs 16  # GPU kit
+    python3 benchmarks/hf_vs_native.py ... train.compile=true train.fused=true   # any train overrides, both runs
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ def save_llama(path: Path, a: argparse.Namespace, cuda: bool) -> int:
 
     cfg = LlamaConfig(
         hidden_size=a.hidden,
-        intermediate_size=4 * a.hidden,
+        intermediate_size=a.ffn or 4 * a.hidden,
         num_hidden_layers=a.layers,
         num_attention_heads=a.heads,
-        num_key_value_heads=a.heads // 2,
+        num_key_value_heads=a.kv or a.heads // 2,
         vocab_size=a.vocab,
         max_position_embeddings=a.seq,
         tie_word_embeddings=False,
@@ -59,8 +60,8 @@ def train(backend: str, hf: Path, a: argparse.Namespace, nproc: int) -> tuple[li
             f"parallel.tp={a.tp}", f"parallel.pp={a.pp}", f"cluster.gpus_per_node={nproc}",
             f"train.seq_length={a.seq}", "train.micro_batch_size=1", f"train.global_batch_size={a.gbs}",
             f"train.steps={a.steps}", "optimizer.warmup_steps=1", "optimizer.weight_decay=0.0",
-            "logger.tensorboard.enabled=false",
-            f"run_dir={run_dir}",
+            "logger.tensorboard.enabled=false", f"train.recompute={a.recompute}",
+            f"run_dir={run_dir}", *a.overrides,
         ]  # fmt: skip
         t0 = time.time()
         cmd = [
@@ -90,6 +91,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--gbs", type=int, default=8)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--kv", type=int, default=0, help="KV heads (0: heads / 2)")
+    ap.add_argument("--ffn", type=int, default=0, help="FFN hidden size (0: 4 x hidden)")
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    ap.add_argument("overrides", nargs="*", help="more megatron_bridge.train overrides, for both runs")
     a = ap.parse_args()
     import torch
 
@@ -100,7 +105,8 @@ def main() -> None:
         params = save_llama(Path(tmp) / "llama", a, cuda)
         runs = {b: train(b, Path(tmp) / "llama", a, nproc) for b in ("native", "transformers")}
     print(f"Llama h={a.hidden} L={a.layers} seq={a.seq} gbs={a.gbs} tp={a.tp} pp={a.pp} ({params / 1e6:.1f} M params), "
-          f"{a.steps} steps, median of steps > {skip}, {'GPU bf16' if cuda else 'CPU fp32'}")  # fmt: skip
+          f"{a.steps} steps, median of steps > {skip}, {'GPU bf16' if cuda else 'CPU fp32'} "
+          f"recompute={a.recompute} {' '.join(a.overrides)}")  # fmt: skip
     med = {}
     for b, (times, first) in runs.items():
         med[b] = statistics.median(times[skip:])

@@ -24,7 +24,8 @@ Checks, in order of what they prove:
    with the same GEMMs), its tokens/s over bf16's, and the loss curve of a ~0.4B Llama over
    200 steps, bf16 against fp8. `moe`: ours and bare on Qwen3-30B-A3B layers (h 2048, 32/4
    heads of dim 128, 128 experts top-8 of ffn 768, vocab 151,936, seq 4096, 4 layers).
-   On request, `llama8b32`: all 32 layers of the 8B shape (ours: compiled, fused, chunked loss,
+   `hf8b`: the transformers backend against native on the 8B shape, compiled and fused (goal
+   within 5 %). On request, `llama8b32`: all 32 layers of the 8B shape (ours: compiled, fused, chunked loss,
    full recompute), tokens/s and MFU, or the out-of-memory error if they do not fit.
 6. `hfspeed`: `benchmarks/hf_vs_native.py` at tp1 on the same shape: the transformers backend's step
    time over the native one's on one saved Llama, and each one's TFLOP/s and MFU.
@@ -240,7 +241,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_kit_out")
     ap.add_argument("--smoke", action="store_true", help="small shapes, for a CPU dry run")
-    ap.add_argument("--only", default="env,verify,resume,resume_ds,overhead,compile,llama8b,fp8,moe,hfspeed,te,sdpa")
+    ap.add_argument(
+        "--only", default="env,verify,resume,resume_ds,overhead,compile,llama8b,fp8,moe,hfspeed,hf8b,te,sdpa"
+    )
     ap.add_argument("--verify", default="llama,qwen3_moe,cohere_hf", help="which verify checks")
     a = ap.parse_args()
     out = Path(a.out)
@@ -336,6 +339,25 @@ def main() -> int:
             shape = ["--hidden", "2048", "--layers", "16", "--seq", "2048", "--gbs", "16", "--steps", "15"]
         rc, text, secs = run("hfspeed", [sys.executable, "benchmarks/hf_vs_native.py", "--tp", "1", *shape], 400, out)
         say(f"- hfspeed ({' '.join(shape)}): rc={rc} in {secs:.0f} s\n```\n{tail(text, 6)}\n```")
+    if "hf8b" in only:  # the transformers backend against native on the 8B shape, compiled and fused
+        shape = LLAMA8B_SMOKE if a.smoke else LLAMA8B
+        keep = (
+            "--hidden",
+            "--ffn",
+            "--heads",
+            "--kv",
+            "--vocab",
+            "--seq",
+            "--layers",
+            "--gbs",
+            "--steps",
+            "--recompute",
+        )
+        args = [x for k, v in zip(shape[::2], shape[1::2], strict=True) if k in keep for x in (k, v)]
+        fast = [] if a.smoke else ["train.compile=true"]
+        cmd = [sys.executable, "benchmarks/hf_vs_native.py", "--tp", "1", *args, *fast, "train.fused=true"]
+        rc, text, secs = run("hf8b", cmd, 540, out)
+        say(f"- hf8b ({' '.join(args + fast)} train.fused=true): rc={rc} in {secs:.0f} s\n```\n{tail(text, 6)}\n```")
     if "headdim" in only:
         for heads in (32, 8):
             shape = ["--hidden", "4096", "--layers", "8", "--seq", "4096", "--gbs", "8", "--steps", "12"]

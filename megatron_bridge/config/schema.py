@@ -166,6 +166,10 @@ class TrainConfig:
     # precision=fp8: torchao's scaling of the float8 GEMMs, tensorwise (one scale per tensor) | rowwise
     fp8_recipe: str = "tensorwise"
     recompute: str = "none"  # none | selective | full
+    # recompute=selective: what megatron-core recomputes in backward (its recompute_modules):
+    # core_attn (the attention scores), mlp, layernorm (both norms, output discarded), moe (an MoE
+    # layer's experts), shared_experts, mla_up_proj (an MLA model's up projections)
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
     log_interval: int = 1
     init_from: str | None = None  # HF dir or `mbr convert` output
     timeout_minutes: float = 10.0  # process-group timeout: a dead rank ends the job

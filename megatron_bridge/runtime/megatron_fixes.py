@@ -8,11 +8,18 @@
    and its `_GLOO` copy set: a destroyed group stays referenced, and a gloo one keeps its
    transport thread until the next layout overwrites them. `forget_groups` clears every
    parallel_state global that still holds one of the groups `groups.release()` destroyed.
+3. `CheckpointWithoutOutput(fp8=False)` sets `self.fp8 = fp8 is not None` (True), and its forward
+   then asks Transformer Engine's `FP8GlobalStateManager`: without TE, selective recompute of
+   `layernorm` raises NameError at the first step. Without TE there is no FP8 state to carry, so
+   the flag is cleared after its `__init__`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.moe import moe_utils
 
 
@@ -20,6 +27,16 @@ def apply() -> None:
     """Idempotent; called when the process groups are set up (runtime/groups.py)."""
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    ckpt = tp_random.CheckpointWithoutOutput
+    if not hasattr(tp_random, "FP8GlobalStateManager") and not getattr(ckpt, "_without_te", False):
+        init = ckpt.__init__
+
+        def __init__(self: Any, fp8: Any = False) -> None:
+            init(self, fp8)
+            self.fp8 = False  # no Transformer Engine: no FP8 state to save or restore
+
+        ckpt.__init__ = __init__
+        ckpt._without_te = True
 
 
 def forget_groups(destroyed: list) -> None:

@@ -53,7 +53,7 @@ def model_overrides(cfg) -> dict[str, Any]:
         if bf16:  # its fused cross entropy hands back a bf16 logits gradient: the same values only in bf16
             out.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
     if t.recompute == "selective":
-        out["recompute_granularity"] = "selective"
+        out.update(recompute_granularity="selective", recompute_modules=list(t.recompute_modules))
     elif t.recompute == "full":
         out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     return out

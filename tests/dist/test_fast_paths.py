@@ -11,6 +11,12 @@
   bias-dropout-add in the Llama at tp2 and at pp2 (fp32), the fused vocab-parallel cross
   entropy in the Cohere at tp2 (bf16: the only precision it is used in).
 
+* `train.recompute=selective` with `train.recompute_modules=[core_attn,mlp,layernorm]` (the
+  native Llama at tp2 with sequence parallelism);
+* `train.recompute=full` on the transformers backend (each decoder layer under
+  torch.utils.checkpoint): the Cohere at tp2, and a Qwen3-MoE with transformers' router aux loss
+  on (its router logits recorded inside the recomputed layers) at dp2.
+
 Every step's loss and gradient norm agree with the plain run's within 1e-5 (relative); the
 Cohere with sequence parallelism also agrees with the Cohere without it.
 
@@ -73,9 +79,18 @@ def test_compiled_layers_match_eager(tmp_path):
     fused["cohere_tp2_bf16"] = [*cases["cohere_tp2"], "train.precision=bf16"]
     jobs.append("cohere_tp2_bf16:" + ",".join([*COMMON, *fused["cohere_tp2_bf16"]]))
     jobs += [f"{name}_fused:" + ",".join([*COMMON, *extra, "train.fused=true"]) for name, extra in fused.items()]
+    moe = make_tiny("qwen3_moe", tmp_path / "qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    recomputed = {
+        "cohere_tp2": cases["cohere_tp2"],
+        "moe_aux": [f"model.hf_path={moe}", "model.backend=transformers"],
+    }
+    jobs.append("moe_aux:" + ",".join([*COMMON, *recomputed["moe_aux"]]))
+    selective = ["train.recompute=selective", "train.recompute_modules=[core_attn,mlp,layernorm]"]
+    jobs.append("llama_tp2_sp_recompute:" + ",".join([*COMMON, *chunked["llama_tp2_sp"], *selective]))
+    jobs += [f"{n}_recompute:" + ",".join([*COMMON, *e, "train.recompute=full"]) for n, e in recomputed.items()]
     res = run_torchrun([SCRIPT, str(tmp_path / "runs"), *jobs], nproc=2, timeout=900)[0]
     pairs = [(name, f"{name}_compiled") for name in cases] + [(name, f"{name}_chunked") for name in chunked]
-    pairs += [(name, f"{name}_fused") for name in fused]
+    pairs += [(name, f"{name}_fused") for name in fused] + [(name, f"{name}_recompute") for name in (*recomputed, "llama_tp2_sp")]
     assert {name: res["graph_breaks"][f"{name}_compiled"] for name in cases} == dict.fromkeys(cases, 0)
     assert res["graph_breaks"]["llama_tp2_fp8_compiled"] == 0
     pairs.append(("cohere_tp2", "cohere_tp2_sp"))  # the transformers backend trains the same under SP

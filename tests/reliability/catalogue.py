@@ -415,6 +415,14 @@ CASES: list[Case] = [
         "use train.precision=bf16",
     ),
     C(
+        "value-recompute-modules",
+        "config",
+        "mbr check train.recompute=selective train.recompute_modules=[core_attn,mpl]",
+        "recompute-modules",
+        "train.recompute_modules=['core_attn', 'mpl']: mpl (not one of",
+        "list what to recompute among core_attn, mlp, layernorm",
+    ),
+    C(
         "value-loss-chunk",
         "config",
         "mbr check train.loss_chunk=-8",

@@ -22,6 +22,7 @@ CORE = (
     "flock",
     "forking",
     "ordered_registry",
+    "log_filters",
     "config",
     "parallel",
     "bridge",

@@ -202,6 +202,42 @@ def positions(f: Facts) -> list[Violation]:
     return []
 
 
+# megatron-core's recompute_modules that run on these layers (moe_act needs its grouped-GEMM experts)
+RECOMPUTE_ANY = ("core_attn", "mlp", "layernorm")
+
+
+@RULES.run(reads=("model", "run"))
+def recompute_modules(f: Facts) -> list[Violation]:
+    """`train.recompute_modules` (with recompute=selective) names what megatron-core recomputes: each
+    a module these layers have, so a typo or a module the model lacks is not silently ignored."""
+    t, m = f.run.train, f.model
+    if t.recompute != "selective":
+        return []
+    needs = {
+        "moe": (m.is_moe, "an MoE model"),
+        "shared_experts": (bool(m.moe_shared_expert_intermediate_size), "shared experts"),
+        "mla_up_proj": (m.multi_latent_attention, "multi-latent attention"),
+    }
+    bad = [] if t.recompute_modules else ["none (an empty list recomputes nothing)"]
+    for name in t.recompute_modules:
+        if name == "moe_act":
+            bad.append(
+                "moe_act (megatron-core recomputes it only in grouped-GEMM experts, which these layers do not use)"
+            )
+        elif name in needs and not needs[name][0]:
+            bad.append(f"{name} (needs {needs[name][1]}; model {m.name} has none)")
+        elif name not in RECOMPUTE_ANY and name not in needs:
+            bad.append(f"{name} (not one of {', '.join((*RECOMPUTE_ANY, *needs))})")
+    if not bad:
+        return []
+    return _v(
+        "recompute-modules",
+        f"train.recompute_modules={list(t.recompute_modules)}: {'; '.join(bad)}",
+        "list what to recompute among core_attn, mlp, layernorm (and moe, shared_experts, mla_up_proj where the "
+        "model has them), e.g. train.recompute_modules=[core_attn,mlp]",
+    )
+
+
 # GPU generations with FP8 tensor cores: Ada (L4, L40S), Hopper (H100, H200, H20, GH200), Blackwell
 FP8_GPUS = ("h100", "h200", "h20", "gh200", "l4", "l40", "b100", "b200", "gb200", "b300")
 

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from megatron.core import parallel_state as ps
 from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -121,6 +122,9 @@ class HFChunk(MegatronModule):
         self.text_identity = {f"{plan.prefix}.{n}" for n in ov.text_identity}
         self.input_tensor: torch.Tensor | None = None
         self.loss_chunk = 0  # train.loss_chunk (runtime/chunked_loss.py install_hf)
+        # train.recompute=full: each decoder layer under torch.utils.checkpoint (non-reentrant: the
+        # router logits an aux loss records inside a layer keep their gradient path)
+        self.recompute = config.recompute_granularity == "full"
         for path, module in modules.items():
             self._place(path, module)
         self._place(plan.layers, torch.nn.ModuleDict({str(i): layer for i, layer in layers.items()}))
@@ -319,8 +323,7 @@ class HFChunk(MegatronModule):
                 extra[self.per_layer.keyword] = per_layer[:, :, int(i)]
             if added and int(i) in added:  # vision.BEFORE_LAYER (Granite-4-Vision's deepstack)
                 h = h + added[int(i)]
-            out = layer(
-                h,
+            kwargs = dict(
                 attention_mask=masks[kind],
                 position_ids=layer_positions,
                 position_embeddings=None if int(i) in self.nope_layers else typed or embeddings.get(key),
@@ -330,6 +333,10 @@ class HFChunk(MegatronModule):
                 **given,
                 **self.layer_kwargs,
             )
+            if self.recompute and self.training:  # train.recompute=full: the layer re-run in backward
+                out = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, **kwargs)
+            else:
+                out = layer(h, **kwargs)
             h = out[0] if isinstance(out, tuple) else out
             carried = {kw: out[index] for kw, index in self.carry.items()}
             if front is not None:  # vision.AFTER_LAYER (Qwen3-VL's deepstack)

@@ -1,6 +1,7 @@
 """Run `megatron_bridge.train` for several layouts inside one torchrun launch.
 
-argv: OUT_DIR then one argument per job: `name:override,override,...`. Each job trains in
+argv: OUT_DIR then one argument per job: `name:override,override,...` (a list value's commas,
+inside its brackets, stay in it). Each job trains in
 this same process group (startup dominates CPU test time); rank 0 reports each job's
 per-step losses and grad norms (and `val_loss` at the steps that evaluated) read back from the run's
 metrics.jsonl, and the graph breaks dynamo met during each job (`train.compile`). A job `name:mbr,ARG,ARG,...` runs `mbr ARG ...` on rank 0 instead (an `mbr reshard`
@@ -8,6 +9,7 @@ between two trainings), the other ranks waiting at a barrier.
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -32,7 +34,7 @@ def main() -> None:
             continue
         run_dir = out / name
         before = graph_breaks()
-        code = train([*overrides.split(","), f"run_dir={run_dir}"], finalize=False)
+        code = train([*re.split(r",(?![^\[]*\])", overrides), f"run_dir={run_dir}"], finalize=False)
         assert code == 0, (name, code)
         breaks[name] = sum((graph_breaks() - before).values())
         metrics = run_dir / "metrics.jsonl"

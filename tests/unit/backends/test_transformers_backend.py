@@ -204,7 +204,7 @@ def test_layer_kinds_that_cannot_run_under_cp_are_refused_by_kind():
 def test_what_the_hf_backend_cannot_train_yet_is_refused(tmp_path, saved):
     """A plain training run of a transformers-backend model passes every rule; what it cannot do yet is
     refused before anything starts (`backend-run`, what `mbr check` and the trainer apply):
-    activation recomputation. Packed and padded SFT data train. LoRA is allowed, its targets checked against the backend's table
+    selective recomputation (full recomputation trains). Packed and padded SFT data train. LoRA is allowed, its targets checked against the backend's table
     (transformers' module names)."""
     from megatron_bridge.parallel.rules.registry import validate
 
@@ -213,11 +213,12 @@ def test_what_the_hf_backend_cannot_train_yet_is_refused(tmp_path, saved):
     cfg, _ = compose(base)
     spec = describe(cfg.model)
     validate(cfg, spec, world_size=1)  # trains
-    cfg, _ = compose([*base, "peft=lora", "train.recompute=full"])
+    validate(compose([*base, "train.recompute=full"])[0], spec, world_size=1)  # each layer recomputed
+    cfg, _ = compose([*base, "peft=lora", "train.recompute=selective"])
     with pytest.raises(LayoutError) as e:
         validate(cfg, spec, world_size=1)
     assert [v.rule for v in e.value.violations] == ["backend-run"], str(e.value)
-    assert "recompute" in str(e.value)
+    assert "train.recompute=selective" in str(e.value) and "train.recompute=full" in str(e.value)
     cfg, _ = compose([*base, "peft=lora", "peft.target_modules=[qkv_proj]"])
     with pytest.raises(LayoutError) as e:
         validate(cfg, spec, world_size=1)

@@ -17,7 +17,7 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "config.md"
 
 
 def _produced(fn) -> list[str]:
-    return list(dict.fromkeys(re.findall(r'_v\(\s*"([a-z-]+)"', inspect.getsource(fn))))
+    return list(dict.fromkeys(re.findall(r'_v\(\s*"([a-z0-9-]+)"', inspect.getsource(fn))))
 
 
 def _doc_table(heading: str) -> list[list[str]]:
@@ -52,11 +52,11 @@ def test_docs_registry_table_is_the_registry():
 
 def test_every_violation_is_documented_and_every_documented_one_exists():
     produced = {n for r in RULES for n in _produced(r.fn)}
-    produced |= set(re.findall(r'_refused\(\s*"([a-z-]+)"', inspect.getsource(describe_module)))
+    produced |= set(re.findall(r'_refused\(\s*"([a-z0-9-]+)"', inspect.getsource(describe_module)))
     documented = {
-        n for row in _doc_table("### What each violation requires") for n in re.findall(r"`([a-z-]+)`", row[0])
+        n for row in _doc_table("### What each violation requires") for n in re.findall(r"`([a-z0-9-]+)`", row[0])
     }
-    documented |= {n for row in _doc_table("### Value rules") for n in re.findall(r"`([a-z-]+)`", row[0])}
+    documented |= {n for row in _doc_table("### Value rules") for n in re.findall(r"`([a-z0-9-]+)`", row[0])}
     assert produced == documented
 
 

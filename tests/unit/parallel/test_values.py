@@ -43,6 +43,18 @@ CASES = [  # (rule, breaking overrides, passing overrides)
     ("fp8", ["cluster=dgx_a100_80g", "train.precision=fp8"], ["cluster=dgx_h100", "train.precision=fp8"]),
     ("fp8", ["cluster=dgx_a100_40g", "train.precision=fp8"], ["cluster=cpu_local", "train.precision=fp8"]),
     ("choice", ["train.precision=fp8", "train.fp8_recipe=blockwise"], ["train.fp8_recipe=rowwise"]),
+    # selective recompute: modules megatron-core has and the model has
+    (
+        "recompute-modules",
+        ["train.recompute=selective", "train.recompute_modules=[core_attn,mpl]"],
+        ["train.recompute=selective", "train.recompute_modules=[core_attn,mlp,layernorm]"],
+    ),
+    (
+        "recompute-modules",
+        ["train.recompute=selective", "train.recompute_modules=[moe]"],
+        ["train.recompute=full", "train.recompute_modules=[moe]"],
+    ),  # only read with selective
+    ("recompute-modules", ["train.recompute=selective", "train.recompute_modules=[]"], ["train.recompute=selective"]),
 ]
 
 
