@@ -4,9 +4,9 @@ probe, the resume check (its three training launches and the kit's parsing of th
 losses), the SDPA kernel probe, the `llama8b` pairs (eager, compiled — `train.compile=true`
 against the bare loop with its layers compiled alike, 1 layer: inductor compiles slowly on CPU —
 and eager with `train.fused`) at a tiny shape with the 8B check's GQA, ffn, vocabulary and recompute knobs,
-the same pairs with float8 GEMMs (`fp8`: their ratio to bf16 parsed) and its loss-curve check,
+the fused pair with float8 GEMMs (`fp8`: its ratio to bf16 parsed) and the loss-curve check,
 the MoE pair (`moe`: Qwen3-30B-A3B-shaped knobs, tiny) and the all-layers run (`llama8b32`: ours,
-compiled, fused, chunked loss) and the transformers backend against native on the 8B knobs
+fused, chunked loss; compiled too on a GPU) and the transformers backend against native on the 8B knobs
 (`hf8b`, full recompute on both). Left out for CI time: `verify` (its `mbr verify` runs are tested in
 test_bridge_verify_e2e.py), `resume_ds` (`resume`'s code with DeepSpeed's engine, trained and
 resumed in test_train.py), `compile` (the `overhead` loop with `--compile`: llama8b_compiled runs
@@ -50,11 +50,11 @@ def test_gpu_kit_smoke_probes_and_resumes_on_cpu(tmp_path):
         assert "rc=0" in heads[name] and heads[f"{name}:"].count("tokens/s") == 2, report
     # the same with float8 GEMMs, their tokens/s over the bf16 pair's, and the bf16-vs-fp8 loss curve
     assert report.count("both fused") == 2, report  # llama8b_fused and llama8b_fused_fp8
-    for name in ("llama8b_fp8", "llama8b_fused_fp8"):
+    for name in ("llama8b_fused_fp8",):
         assert "rc=0" in heads[name] and heads[f"{name}:"].count("tokens/s") == 2, report
         assert f"- speed-up {name}: " in report, report  # its tokens/s over the bf16 pair's
-    assert report.count("both fp8 (tensorwise)") == 2, report
-    assert heads["fp8"].startswith("- fp8 curve (20 steps,") and "largest step |diff|" in heads["fp8"], report
+    assert report.count("both fp8 (tensorwise)") == 1, report
+    assert heads["fp8"].startswith("- fp8 curve (10 steps,") and "largest step |diff|" in heads["fp8"], report
     # the MoE pair (experts, top-k, head dim): ours and the bare loop
     assert "rc=0" in heads["moe"] and "experts=8 top-2" in report and heads["moe:"].count("tokens/s") == 2, report
     assert "median step" in heads["llama8b_32"] and "MFU" in heads["llama8b_32"], report

@@ -1,6 +1,6 @@
 """The vocab-parallel distillation math at tp=1, against torch's full-vocab functions and TRL's
 generalized JSD as oracles: values, padded columns ignored, and gradients (autograd of the
-oracle formula). tests/dist/test_vocab_parallel.py checks the same at tp=2."""
+oracle formula). tests/dist/test_vocab_parallel_tp2.py checks the same at tp=2."""
 
 import os
 
