@@ -21,7 +21,7 @@ def set_up(chunks: Sequence[Any], rt: BackendRuntime, train: Any, rank: int) -> 
     """Apply the fast paths `train` asks for to `chunks`; the layers compiled (0 = none)."""
     lines = []
     if train.fused:
-        lines.append(fused_line(chunks[0].config))
+        lines.append(fused_line(chunks[0].config, rt.megatron_layers))
     if train.precision == "fp8":
         lines.append(use_fp8(chunks, rt.layers, train.fp8_recipe))
     if rank == 0:
@@ -34,13 +34,17 @@ def set_up(chunks: Sequence[Any], rt: BackendRuntime, train: Any, rank: int) -> 
     return compiled
 
 
-def fused_line(config: Any) -> str:
-    """What `train.fused` fused, from the chunks' TransformerConfig."""
-    on = ["SwiGLU"] if config.bias_activation_fusion else []
-    on += ["bias-dropout-add"] + (["vocab-parallel cross entropy"] if config.cross_entropy_loss_fusion else [])
+def fused_line(config: Any, megatron_layers: bool) -> str:
+    """What `train.fused` fused, from the chunks' TransformerConfig (megatron-core's fused SwiGLU
+    and bias-dropout-add exist only in its own layers, not in transformers' code)."""
+    swiglu = megatron_layers and bool(config.bias_activation_fusion)
+    on = (["SwiGLU"] if swiglu else []) + (["bias-dropout-add"] if megatron_layers else [])
+    on += ["vocab-parallel cross entropy"] if config.cross_entropy_loss_fusion else []
     kernels = "torch.compile'd kernels" if torch.cuda.is_available() else "run eagerly on CPU"
-    line = f"train.fused: megatron-core's fused {', '.join(on)} ({kernels})"
-    if not config.bias_activation_fusion:
+    line = f"train.fused: megatron-core's fused {', '.join(on) or 'nothing'} ({kernels})"
+    if not megatron_layers:
+        line += "; the layers are transformers' code (train.compile fuses them)"
+    elif not swiglu:
         line += "; the MLP's activation has no exact fused kernel"
     if not config.cross_entropy_loss_fusion:
         line += "; the cross entropy unfused (its fused kernel's gradient is bf16: bf16 runs only)"

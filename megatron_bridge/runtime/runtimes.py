@@ -34,7 +34,9 @@ class BackendRuntime:
     `global_names(chunk)` is {a chunk's parameter name: its table name} (layers and experts
     numbered globally); `layers(chunk)` its transformer layers, in order (what `train.compile`
     compiles: runtime/compiled.py); `chunk_loss(chunk, n)` routes its training loss through the
-    LM head n positions at a time (`train.loss_chunk`: runtime/chunked_loss.py)."""
+    LM head n positions at a time (`train.loss_chunk`: runtime/chunked_loss.py);
+    `megatron_layers`: whether its layers are megatron-core's own (its fused SwiGLU and
+    bias-dropout-add apply to them: `train.fused`, runtime/fast_paths.py)."""
 
     build: Callable[..., list[Any]]
     load: Callable[..., int]
@@ -43,6 +45,7 @@ class BackendRuntime:
     global_names: Callable[[Any], dict[str, str]]
     layers: Callable[[Any], list[Any]]
     chunk_loss: Callable[[Any, int], None]
+    megatron_layers: bool
 
 
 def _decoder_layers(chunk: Any) -> list[Any]:
@@ -69,6 +72,7 @@ RUNTIMES: dict[str, BackendRuntime] = {
         native_weights.global_names,
         _decoder_layers,
         chunked_loss.install,
+        megatron_layers=True,
     ),
     "transformers": BackendRuntime(  # each deferred: transformers' modeling code
         later("megatron_bridge.runtime.transformers.build:build_transformers"),  # deferred
@@ -78,6 +82,7 @@ RUNTIMES: dict[str, BackendRuntime] = {
         _same_names,
         _hf_layers,
         chunked_loss.install_hf,
+        megatron_layers=False,  # transformers' own modeling code
     ),
 }
 
